@@ -1,0 +1,61 @@
+"""numpy arrays and torch CPU tensors in, the same type out, without copying where possible."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import ml_dtypes
+import numpy as np
+
+from gradstar.errors import ConfigurationError
+from gradstar.wire import dtype_info
+
+Restore = Callable[[np.ndarray], object]
+
+
+def _is_torch_tensor(x) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def to_numpy(x) -> tuple[np.ndarray, Restore]:
+    """A C-contiguous numpy view of ``x`` and a function turning a result back into x's type.
+
+    Raises:
+        ConfigurationError: ``x`` is not a numpy array or CPU tensor, or its dtype is unsupported.
+    """
+    if isinstance(x, np.ndarray):
+        arr = np.ascontiguousarray(x)
+        restore: Restore = _same
+    elif _is_torch_tensor(x):
+        arr, restore = _torch_to_numpy(x)
+    else:
+        raise ConfigurationError(
+            f"expected a numpy array or a torch CPU tensor, got {type(x).__name__}"
+        )
+    dtype_info(arr.dtype)
+    return arr, restore
+
+
+def _same(a: np.ndarray) -> np.ndarray:
+    return a
+
+
+def _torch_to_numpy(t) -> tuple[np.ndarray, Restore]:
+    import torch
+
+    if t.device.type != "cpu":
+        raise ConfigurationError(
+            f"gradstar moves CPU tensors; this tensor is on {t.device}: call .cpu() first"
+        )
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        # numpy has no bfloat16: reinterpret the same bits as ml_dtypes.bfloat16.
+        arr = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+
+        def restore(a: np.ndarray):
+            return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+
+        return arr, restore
+    return t.numpy(), torch.from_numpy

@@ -1,0 +1,432 @@
+"""Process groups: the rank's handle on its job. ``AsyncProcessGroup`` does the work;
+``ProcessGroup`` runs it on a private event-loop thread for blocking code.
+
+Every collective takes its sequence number when it is *called*, not when it is awaited, so
+collectives issued in the same order on every rank match on the hub even when several run
+concurrently (``async_op=True`` or ``asyncio.gather``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import threading
+from collections.abc import Awaitable
+
+import grpc
+import numpy as np
+
+from gradstar.config import ClientSettings
+from gradstar.errors import (
+    ConfigurationError,
+    CoordinatorUnavailableError,
+    GradstarError,
+    InvalidCollectiveError,
+    ProcessGroupClosedError,
+    ProtocolError,
+)
+from gradstar.proto.v1 import collective_pb2 as pb
+from gradstar.wire import (
+    KIND_ACCEPT,
+    KIND_CHUNK,
+    KIND_END,
+    KIND_HEADER,
+    ChunkLayout,
+    ChunkTracker,
+    aligned_chunk_bytes,
+    as_byte_view,
+    decode_chunk,
+    decode_message,
+    dtype_info,
+    encode_chunk,
+    encode_message,
+    frame_kind,
+)
+
+from .convert import to_numpy
+from .rpc import call_metadata, error_from_rpc, open_channel
+from .session import Session
+from .work import Work
+
+COLLECTIVE_METHOD = "/gradstar.proto.v1.Collective/Stream"
+REDUCE_OPS = {
+    "sum": pb.REDUCE_OP_SUM,
+    "mean": pb.REDUCE_OP_MEAN,
+    "avg": pb.REDUCE_OP_MEAN,
+    "min": pb.REDUCE_OP_MIN,
+    "max": pb.REDUCE_OP_MAX,
+    "prod": pb.REDUCE_OP_PROD,
+}
+# The coordinator answers a late collective with its own timeout error; the call's deadline is
+# only a backstop for a coordinator that stopped answering altogether.
+_DEADLINE_MARGIN = 10.0
+
+
+class _Plan:
+    """What one rank sends and receives in one collective, and where the result goes."""
+
+    def __init__(self, send: memoryview | None, send_layout: ChunkLayout, send_indices: range,
+                 recv_layout: ChunkLayout, out: np.ndarray, skip_segment: int | None = None):
+        self.send = send
+        self.send_layout = send_layout
+        self.send_indices = send_indices
+        self.tracker = ChunkTracker(recv_layout, "coordinator")
+        self.expected = recv_layout.count
+        if skip_segment is not None:
+            self.expected -= recv_layout.per_segment
+            self.skip = range(skip_segment * recv_layout.per_segment,
+                              (skip_segment + 1) * recv_layout.per_segment)
+        else:
+            self.skip = range(0)
+        self.out = out
+
+
+class AsyncProcessGroup:
+    """A rank of a job; collectives are awaitables. Create with ``init_process_group_async``."""
+
+    def __init__(self, settings: ClientSettings, channel: grpc.aio.Channel, session: Session):
+        joined = session.joined
+        self.settings = settings
+        self.rank: int = joined.rank
+        self.world_size: int = joined.world_size
+        self.generation: int = joined.generation
+        self.job: str = joined.job
+        self.peers: dict[int, str] = {p.rank: p.address for p in joined.peers}
+        self._member_id = joined.member_id
+        self._channel = channel
+        self._session = session
+        self._metadata = call_metadata(settings)
+        self._stream = channel.stream_stream(COLLECTIVE_METHOD)
+        self._seq = itertools.count(1)
+        self._closed = False
+
+    # -- collectives ---------------------------------------------------------------------------
+
+    def all_reduce(self, x, op: str = "sum", *, timeout: float | None = None) -> Awaitable:
+        """Elementwise ``op`` over every rank's ``x``; resolves to a new array of x's type.
+
+        Raises:
+            CollectiveError and subclasses: mismatch, timeout, lost rank, payload too large.
+            ConfigurationError: unsupported op or dtype, or not an array or CPU tensor.
+        """
+        arr, restore = to_numpy(x)
+        reduce_op = self._reduce_op(op)
+        layout = self._layout(arr, 1, arr.nbytes)
+        plan = _Plan(as_byte_view(arr), layout, range(layout.count), layout, np.empty_like(arr))
+        return self._run(pb.COLLECTIVE_OP_ALL_REDUCE, arr, plan, restore, timeout,
+                         reduce_op=reduce_op)
+
+    def broadcast(self, x, src: int = 0, *, timeout: float | None = None) -> Awaitable:
+        """Rank ``src``'s ``x`` on every rank (every rank passes an ``x`` of the same shape)."""
+        arr, restore = to_numpy(x)
+        if not 0 <= src < self.world_size:
+            raise InvalidCollectiveError(
+                f"broadcast src={src} is out of range for world_size {self.world_size}"
+            )
+        layout = self._layout(arr, 1, arr.nbytes)
+        if self.rank == src:
+            empty = ChunkLayout(1, 0, layout.chunk_bytes)
+            plan = _Plan(as_byte_view(arr), layout, range(layout.count), empty, arr.copy())
+        else:
+            plan = _Plan(None, layout, range(0), layout, np.empty_like(arr))
+        return self._run(pb.COLLECTIVE_OP_BROADCAST, arr, plan, restore, timeout, root=src)
+
+    def all_gather(self, x, *, timeout: float | None = None) -> Awaitable:
+        """Every rank's ``x``; resolves to a list indexed by rank."""
+        arr, restore = to_numpy(x)
+        layout = self._layout(arr, self.world_size, arr.nbytes)
+        out = np.empty((self.world_size, *arr.shape), dtype=arr.dtype)
+        out[self.rank] = arr
+        per = layout.per_segment
+        plan = _Plan(as_byte_view(out), layout, range(self.rank * per, (self.rank + 1) * per),
+                     layout, out, skip_segment=self.rank)
+
+        def split(result: np.ndarray) -> list:
+            whole = restore(result)
+            return [whole[i] for i in range(self.world_size)]
+
+        return self._run(pb.COLLECTIVE_OP_ALL_GATHER, arr, plan, split, timeout)
+
+    def reduce_scatter(self, x, op: str = "sum", *, timeout: float | None = None) -> Awaitable:
+        """Reduce ``x`` over ranks and keep shard ``rank`` of dim 0 (dim 0 % world_size == 0)."""
+        arr, restore = to_numpy(x)
+        reduce_op = self._reduce_op(op)
+        if arr.ndim == 0 or arr.shape[0] % self.world_size:
+            raise InvalidCollectiveError(
+                f"reduce_scatter needs dim 0 divisible by world_size {self.world_size}, "
+                f"got shape {arr.shape}"
+            )
+        shard = arr.nbytes // self.world_size
+        layout = self._layout(arr, self.world_size, shard)
+        out = np.empty((arr.shape[0] // self.world_size, *arr.shape[1:]), dtype=arr.dtype)
+        plan = _Plan(as_byte_view(arr), layout, range(layout.count),
+                     ChunkLayout(1, shard, layout.chunk_bytes), out)
+        return self._run(pb.COLLECTIVE_OP_REDUCE_SCATTER, arr, plan, restore, timeout,
+                         reduce_op=reduce_op)
+
+    def barrier(self, *, timeout: float | None = None) -> Awaitable:
+        """Resolves once every rank has reached the barrier."""
+        arr = np.empty(0, dtype=np.float32)
+        layout = self._layout(arr, 1, 0)
+        plan = _Plan(None, layout, range(0), layout, arr)
+        return self._run(pb.COLLECTIVE_OP_BARRIER, arr, plan, lambda a: None, timeout)
+
+    # -- machinery -----------------------------------------------------------------------------
+
+    def _reduce_op(self, op: str) -> int:
+        try:
+            return REDUCE_OPS[op]
+        except (KeyError, TypeError):
+            raise ConfigurationError(
+                f"unknown reduce op {op!r}; use one of {', '.join(REDUCE_OPS)}"
+            ) from None
+
+    def _layout(self, arr: np.ndarray, segments: int, segment_bytes: int) -> ChunkLayout:
+        cb = aligned_chunk_bytes(self.settings.chunk_bytes, arr.dtype.itemsize)
+        return ChunkLayout(segments, segment_bytes, cb)
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ProcessGroupClosedError(
+                f"rank {self.rank}'s process group for job {self.job!r} is closed"
+            )
+        if self._session.failure is not None:
+            raise self._session.failure
+
+    def _run(self, op: int, arr: np.ndarray, plan: _Plan, restore, timeout: float | None,
+             *, reduce_op: int = 0, root: int = 0):
+        self._check_usable()
+        timeout = self.settings.timeout if timeout is None else timeout
+        header = pb.CollectiveHeader(
+            job=self.job, generation=self.generation, group="default", seq=next(self._seq),
+            rank=self.rank, member_id=self._member_id, op=op, reduce_op=reduce_op,
+            dtype=dtype_info(arr.dtype).wire, shape=arr.shape, root=root,
+            chunk_bytes=plan.send_layout.chunk_bytes, timeout_seconds=timeout,
+        )
+        return self._exchange(header, plan, restore, timeout)
+
+    async def _exchange(self, header: pb.CollectiveHeader, plan: _Plan, restore, timeout):
+        what = f"collective seq {header.seq}"
+        call = self._stream(self._frames(header, plan), metadata=self._metadata,
+                            timeout=timeout + _DEADLINE_MARGIN)
+        out_bytes = as_byte_view(plan.out)
+        tracker, accepted, ended = plan.tracker, False, False
+        try:
+            async for frame in call:
+                kind = frame_kind(frame)
+                if kind == KIND_CHUNK and accepted and not ended:
+                    index, payload = decode_chunk(frame)
+                    if index in plan.skip:
+                        raise ProtocolError(f"the coordinator sent back this rank's chunk {index}")
+                    offset = tracker.admit(index, payload)
+                    out_bytes[offset:offset + payload.nbytes] = payload
+                elif kind == KIND_ACCEPT and not accepted:
+                    accept = decode_message(frame, KIND_ACCEPT, pb.CollectiveAccept)
+                    if accept.output_chunks != plan.expected:
+                        raise ProtocolError(
+                            f"{what}: the coordinator will send {accept.output_chunks} chunks, "
+                            f"this rank expects {plan.expected}"
+                        )
+                    accepted = True
+                elif kind == KIND_END and accepted and not ended:
+                    tracker.finish(decode_message(frame, KIND_END, pb.CollectiveEnd),
+                                   plan.expected)
+                    ended = True
+                else:
+                    raise ProtocolError(f"{what}: unexpected frame of kind {kind}")
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, what, self.settings.coordinator) from None
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        except GradstarError:
+            call.cancel()
+            raise
+        if not ended:
+            raise ProtocolError(f"{what}: the coordinator closed the stream without an end marker")
+        return restore(plan.out)
+
+    @staticmethod
+    async def _frames(header: pb.CollectiveHeader, plan: _Plan):
+        yield encode_message(KIND_HEADER, header)
+        sent = 0
+        layout = plan.send_layout
+        for index in plan.send_indices:
+            offset, length = layout.span(index)
+            yield encode_chunk(index, plan.send[offset:offset + length])
+            sent += length
+        yield encode_message(KIND_END, pb.CollectiveEnd(chunks=len(plan.send_indices), bytes=sent))
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Leave the job and close the connection. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._session.close()
+        finally:
+            await self._channel.close()
+
+    async def __aenter__(self) -> AsyncProcessGroup:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return (f"AsyncProcessGroup(job={self.job!r}, rank={self.rank}, "
+                f"world_size={self.world_size}, generation={self.generation})")
+
+
+def _settings(**given) -> ClientSettings:
+    settings = ClientSettings(**{k: v for k, v in given.items() if v is not None})
+    if settings.world_size is None:
+        raise ConfigurationError(
+            "world_size is required: pass world_size= or set GRADSTAR_WORLD_SIZE"
+        )
+    return settings
+
+
+async def init_process_group_async(
+    coordinator: str | None = None, job: str | None = None, world_size: int | None = None,
+    rank: int | None = None, token: str | None = None, *, peer_address: str = "", **options,
+) -> AsyncProcessGroup:
+    """Join ``job`` on the coordinator and wait for every rank; return the rank's group.
+
+    Arguments left as None come from ``GRADSTAR_COORDINATOR``, ``GRADSTAR_JOB``,
+    ``GRADSTAR_WORLD_SIZE``, ``GRADSTAR_RANK`` and ``GRADSTAR_TOKEN``. ``options`` are further
+    :class:`~gradstar.config.ClientSettings` fields (``timeout``, ``join_timeout``, ``tls_ca``,
+    ``chunk_bytes``, ...). ``rank=None`` lets the coordinator assign one. ``peer_address`` is
+    this rank's host:port for rank-to-rank streams, shared with the others through the peer table.
+
+    Raises:
+        ConfigurationError: a missing or invalid setting.
+        CoordinatorUnavailableError: the coordinator could not be reached within
+            ``connect_timeout`` seconds.
+        AuthenticationError: the coordinator refused the token.
+        RendezvousError and subclasses: duplicate rank, world-size disagreement, join timeout.
+    """
+    try:
+        settings = _settings(coordinator=coordinator, job=job, world_size=world_size, rank=rank,
+                             token=token, **options)
+    except ValueError as error:
+        if isinstance(error, GradstarError):
+            raise
+        raise ConfigurationError(f"invalid process group settings: {error}") from None
+    channel = open_channel(settings)
+    try:
+        try:
+            await asyncio.wait_for(channel.channel_ready(), settings.connect_timeout)
+        except TimeoutError:
+            raise CoordinatorUnavailableError(
+                f"could not reach the coordinator at {settings.coordinator} within "
+                f"{settings.connect_timeout:g} s; is `gradstar coordinator` running there, and "
+                "do TLS settings match?"
+            ) from None
+        session = Session(channel, call_metadata(settings), settings.coordinator)
+        await session.join(settings.job, settings.world_size, settings.rank,
+                           peer_address, settings.join_timeout)
+    except BaseException:
+        await channel.close()
+        raise
+    return AsyncProcessGroup(settings, channel, session)
+
+
+class _LoopThread:
+    """An event loop on a daemon thread, for blocking callers."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="gradstar-loop",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+class ProcessGroup:
+    """Blocking process group; each method wraps the :class:`AsyncProcessGroup` method.
+
+    ``async_op=True`` returns a :class:`Work` instead of blocking, as in torch.distributed.
+    """
+
+    def __init__(self, group: AsyncProcessGroup, runner: _LoopThread) -> None:
+        self._group = group
+        self._runner = runner
+
+    rank = property(lambda self: self._group.rank)
+    world_size = property(lambda self: self._group.world_size)
+    generation = property(lambda self: self._group.generation)
+    job = property(lambda self: self._group.job)
+    peers = property(lambda self: self._group.peers)
+
+    def _call(self, awaitable, async_op: bool):
+        future = self._runner.submit(awaitable)
+        return Work(future) if async_op else Work(future).wait()
+
+    def all_reduce(self, x, op: str = "sum", *, async_op: bool = False, timeout=None):
+        return self._call(self._group.all_reduce(x, op, timeout=timeout), async_op)
+
+    def broadcast(self, x, src: int = 0, *, async_op: bool = False, timeout=None):
+        return self._call(self._group.broadcast(x, src, timeout=timeout), async_op)
+
+    def all_gather(self, x, *, async_op: bool = False, timeout=None):
+        return self._call(self._group.all_gather(x, timeout=timeout), async_op)
+
+    def reduce_scatter(self, x, op: str = "sum", *, async_op: bool = False, timeout=None):
+        return self._call(self._group.reduce_scatter(x, op, timeout=timeout), async_op)
+
+    def barrier(self, *, async_op: bool = False, timeout=None):
+        return self._call(self._group.barrier(timeout=timeout), async_op)
+
+    def close(self) -> None:
+        """Leave the job, close the connection and stop the loop thread. Idempotent."""
+        if self._runner is None:
+            return
+        try:
+            self._runner.submit(self._group.close()).result(timeout=15)
+        finally:
+            self._runner.stop()
+            self._runner = None
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return repr(self._group).replace("AsyncProcessGroup", "ProcessGroup", 1)
+
+
+def init_process_group(
+    coordinator: str | None = None, job: str | None = None, world_size: int | None = None,
+    rank: int | None = None, token: str | None = None, **options,
+) -> ProcessGroup:
+    """Blocking form of :func:`init_process_group_async`; same arguments, same errors."""
+    runner = _LoopThread()
+    try:
+        group = runner.submit(init_process_group_async(
+            coordinator, job, world_size, rank, token, **options)).result()
+    except BaseException:
+        runner.stop()
+        raise
+    return ProcessGroup(group, runner)
+
+
+__all__ = [
+    "AsyncProcessGroup",
+    "ProcessGroup",
+    "init_process_group",
+    "init_process_group_async",
+]

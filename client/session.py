@@ -1,0 +1,113 @@
+"""The rank's session with the rendezvous: join, heartbeats, and generation-failure notices."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import grpc
+
+from gradstar.errors import (
+    CoordinatorUnavailableError,
+    GradstarError,
+    ProtocolError,
+    RankLostError,
+)
+from gradstar.proto.v1 import rendezvous_pb2 as rpb
+from gradstar.proto.v1 import rendezvous_pb2_grpc
+
+from .rpc import error_from_rpc
+
+_END = object()
+
+
+class Session:
+    """Holds the session stream open; ``failure`` is set once the generation is over."""
+
+    def __init__(self, channel: grpc.aio.Channel, metadata, target: str) -> None:
+        self._stub = rendezvous_pb2_grpc.RendezvousStub(channel)
+        self._metadata = metadata
+        self._target = target
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._call = None
+        self._watcher: asyncio.Task | None = None
+        self._beater: asyncio.Task | None = None
+        self._closing = False
+        self.joined: rpb.Joined | None = None
+        self.failure: GradstarError | None = None
+
+    async def join(self, job: str, world_size: int, rank: int | None, peer_address: str,
+                   timeout: float) -> rpb.Joined:
+        """Join ``job`` and wait for its generation to form.
+
+        Raises:
+            RendezvousError and subclasses: the coordinator refused or timed out the join.
+            AuthenticationError, CoordinatorUnavailableError: as named.
+        """
+        self._outbox.put_nowait(rpb.SessionRequest(join=rpb.JoinRequest(
+            job=job, world_size=world_size, rank=-1 if rank is None else rank,
+            peer_address=peer_address, timeout_seconds=timeout,
+        )))
+        # No deadline on the call itself: it lives as long as the rank. The join is bounded by
+        # the coordinator's join timeout, and the wait below is a backstop against a dead hub.
+        self._call = self._stub.Session(self._requests(), metadata=self._metadata)
+        try:
+            event = await asyncio.wait_for(self._call.read(), timeout + 10)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, f"joining job {job!r}", self._target) from None
+        except TimeoutError:
+            self._call.cancel()
+            raise CoordinatorUnavailableError(
+                f"the coordinator at {self._target} did not answer the join of job {job!r} "
+                f"within {timeout + 10:g} s"
+            ) from None
+        if event is grpc.aio.EOF or event.WhichOneof("kind") != "joined":
+            raise ProtocolError("the coordinator ended the session without a join answer")
+        self.joined = event.joined
+        self._watcher = asyncio.create_task(self._watch(), name="gradstar-session-watch")
+        self._beater = asyncio.create_task(
+            self._beat(event.joined.heartbeat_interval_seconds or 1.0), name="gradstar-heartbeat"
+        )
+        return event.joined
+
+    async def _requests(self):
+        while (request := await self._outbox.get()) is not _END:
+            yield request
+
+    async def _beat(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            self._outbox.put_nowait(rpb.SessionRequest(
+                heartbeat=rpb.Heartbeat(sent_unix_ms=int(time.time() * 1000))))
+
+    async def _watch(self) -> None:
+        try:
+            async for event in self._call:
+                if event.WhichOneof("kind") == "failed" and self.failure is None:
+                    f = event.failed
+                    self.failure = RankLostError(
+                        f.reason, rank=f.lost_rank, generation=f.generation
+                    )
+        except grpc.RpcError as error:
+            if not self._closing and self.failure is None:
+                self.failure = error_from_rpc(error, "the rendezvous session", self._target)
+        if not self._closing and self.failure is None:
+            self.failure = CoordinatorUnavailableError(
+                f"the coordinator at {self._target} closed this rank's session"
+            )
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Leave the job in an orderly way and end the stream."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._beater is not None:
+            self._beater.cancel()
+        self._outbox.put_nowait(rpb.SessionRequest(leave=True))
+        self._outbox.put_nowait(_END)
+        if self._watcher is not None:
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(self._watcher, timeout)
+        if self._call is not None and not self._call.done():
+            self._call.cancel()

@@ -1,0 +1,65 @@
+"""Token authentication: a server interceptor checking the ``authorization`` metadata.
+
+Job calls (rendezvous, collectives) need ``Bearer <token>``; Admin calls need the admin token
+(or, when none is set, the job token). Health and reflection stay open so orchestrators can probe
+the coordinator. Tokens are compared in constant time and never logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+import grpc
+
+AUTH_KEY = "authorization"
+ADMIN_PREFIX = "/gradstar.proto.v1.Admin/"
+_OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def bearer(token: str) -> tuple[tuple[str, str], ...]:
+    """Call metadata that presents ``token``."""
+    return ((AUTH_KEY, f"Bearer {token}"),)
+
+
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls without the right token with UNAUTHENTICATED before any handler runs."""
+
+    def __init__(self, job_token: str | None, admin_token: str | None) -> None:
+        self._job = f"Bearer {job_token}".encode() if job_token else None
+        admin = admin_token or job_token
+        self._admin = f"Bearer {admin}".encode() if admin else None
+
+    async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        if method.startswith(_OPEN_PREFIXES):
+            return await continuation(handler_call_details)
+        is_admin = method.startswith(ADMIN_PREFIX)
+        expected = self._admin if is_admin else self._job
+        if expected is None:
+            return await continuation(handler_call_details)
+        presented = ""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == AUTH_KEY:
+                presented = value if isinstance(value, str) else value.decode("latin-1")
+        if hmac.compare_digest(presented.encode("utf-8", "replace"), expected):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        what = "admin token" if is_admin else "job token"
+        reason = "missing" if not presented else "wrong"
+        return _denying(handler, f"{what} {reason}: pass the coordinator's {what} "
+                                 f"({'GRADSTAR_ADMIN_TOKEN' if is_admin else 'GRADSTAR_TOKEN'})")
+
+
+def _denying(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same streaming shape as ``handler`` that only aborts."""
+
+    async def deny(_request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    if handler is None or not (handler.request_streaming or handler.response_streaming):
+        return grpc.unary_unary_rpc_method_handler(deny)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny)
+    return grpc.unary_stream_rpc_method_handler(deny)

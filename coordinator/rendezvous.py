@@ -1,0 +1,292 @@
+"""Rendezvous: jobs, their generations and members, and member liveness.
+
+A *job* is a named group of ``world_size`` ranks. Ranks join it; once ``world_size`` of them
+are waiting the coordinator assigns the free ranks, numbers the membership as a new
+*generation* and answers every joiner with the same peer table. A generation stays healthy
+until one of its members is lost (its session stream closes or it misses heartbeats) or leaves;
+then it *fails*: every pending and later collective of it raises
+:class:`~gradstar.errors.RankLostError` naming that rank, and survivors may join again to form
+the next generation. Jobs are isolated: nothing in one job's state refers to another's.
+
+This module does no I/O; the servicers drive it and tests can drive it directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gradstar.errors import (
+    ConfigurationError,
+    CoordinatorDrainingError,
+    DuplicateRankError,
+    GradstarError,
+    JoinTimeoutError,
+    RankLostError,
+    RendezvousError,
+    WorldSizeMismatchError,
+)
+
+
+@dataclass(eq=False)
+class Member:
+    """One rank of one generation, as the coordinator sees it."""
+
+    job: str
+    requested_rank: int | None
+    peer_address: str
+    member_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    rank: int = -1
+    generation: Generation | None = None
+    last_seen: float = field(default_factory=time.monotonic)
+    #: GenerationFailed notices for this member's session stream.
+    notices: asyncio.Queue = field(default_factory=asyncio.Queue)
+    joined: asyncio.Future | None = None
+    left: bool = False
+
+    def touch(self) -> None:
+        self.last_seen = time.monotonic()
+
+
+@dataclass(eq=False)
+class Generation:
+    """One numbered membership of a job; collectives are matched within it."""
+
+    job: Job
+    number: int
+    world_size: int
+    members: dict[int, Member]
+    failure: GradstarError | None = None
+    #: Pending collectives by (group, seq); owned by the collective engine.
+    collectives: dict = field(default_factory=dict)
+    #: Outcomes of ended collectives by (group, seq), kept until every rank has seen them.
+    ended: dict = field(default_factory=dict)
+
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None
+
+    @property
+    def live_members(self) -> list[Member]:
+        return [m for m in self.members.values() if not m.left]
+
+
+@dataclass
+class JobCounters:
+    """Totals an operator reads through the Admin service."""
+
+    bytes_in: int = 0
+    bytes_out: int = 0
+    completed: dict[int, int] = field(default_factory=dict)
+    failed: dict[int, int] = field(default_factory=dict)
+    last_failure: str = ""
+
+
+@dataclass(eq=False)
+class Job:
+    name: str
+    world_size: int
+    generation: Generation | None = None
+    forming: list[Member] = field(default_factory=list)
+    generations_formed: int = 0
+    counters: JobCounters = field(default_factory=JobCounters)
+
+    @property
+    def state(self) -> str:
+        if self.generation is not None and self.generation.healthy and self.generation.live_members:
+            return "running"
+        if self.forming:
+            return "forming"
+        if self.generation is not None and not self.generation.healthy:
+            return "failed"
+        return "idle"
+
+
+class Rendezvous:
+    """Forms generations of jobs and tracks the liveness of their members.
+
+    ``on_generation_failed(generation)`` is called once when a generation fails, so the
+    collective engine can fail its pending collectives.
+    """
+
+    def __init__(
+        self,
+        heartbeat_timeout: float,
+        on_generation_failed: Callable[[Generation], None] = lambda g: None,
+    ) -> None:
+        self.heartbeat_timeout = heartbeat_timeout
+        self.jobs: dict[str, Job] = {}
+        self.draining = False
+        self._on_generation_failed = on_generation_failed
+
+    async def join(
+        self, job: str, world_size: int, rank: int | None, peer_address: str, timeout: float
+    ) -> Member:
+        """Wait until the job's next generation forms; return this caller's member record.
+
+        Raises:
+            CoordinatorDrainingError: the coordinator takes no new joins.
+            ConfigurationError: world_size or rank out of range.
+            WorldSizeMismatchError: the job is forming or running with another world size.
+            DuplicateRankError: a live member already holds ``rank``.
+            JoinTimeoutError: not every rank joined within ``timeout`` seconds.
+        """
+        member = self.offer(job, world_size, rank, peer_address)
+        try:
+            await asyncio.wait_for(asyncio.shield(member.joined), timeout)
+        except TimeoutError:
+            present = sorted(
+                m.requested_rank if m.requested_rank is not None else -1
+                for m in self.jobs[job].forming
+            )
+            self.withdraw(member)
+            named = ", ".join("any" if r < 0 else str(r) for r in present)
+            raise JoinTimeoutError(
+                f"job {job!r}: only {len(present)} of {world_size} ranks joined within "
+                f"{timeout:g} s (requested ranks present: {named or 'none'})"
+            ) from None
+        except BaseException:
+            self.withdraw(member)
+            raise
+        return member
+
+    def offer(self, job: str, world_size: int, rank: int | None, peer_address: str) -> Member:
+        """Register a joiner; its ``joined`` future completes when the generation forms."""
+        if self.draining:
+            raise CoordinatorDrainingError(
+                "the coordinator is draining and accepts no new joins; use another coordinator"
+            )
+        if world_size < 1:
+            raise ConfigurationError(f"world_size must be at least 1, got {world_size}")
+        if rank is not None and not 0 <= rank < world_size:
+            raise ConfigurationError(f"rank {rank} is out of range for world_size {world_size}")
+        state = self.jobs.get(job)
+        if state is None:
+            state = self.jobs[job] = Job(job, world_size)
+        busy = state.forming or (state.generation is not None and state.generation.healthy
+                                 and state.generation.live_members)
+        if state.world_size != world_size:
+            if busy:
+                raise WorldSizeMismatchError(
+                    f"job {job!r} has world_size {state.world_size}, but this rank asked for "
+                    f"{world_size}; every rank must pass the same world_size"
+                )
+            state.world_size = world_size
+        current = state.generation
+        if current is not None and current.healthy and len(current.live_members) == world_size:
+            held = f"rank {rank}" if rank is not None else "every rank"
+            raise DuplicateRankError(
+                f"job {job!r} generation {current.number} is running and {held} is held by a "
+                "live member; a restarted rank can join once the old one is declared lost"
+            )
+        if rank is not None and any(m.requested_rank == rank for m in state.forming):
+            raise DuplicateRankError(
+                f"rank {rank} of job {job!r} was already requested by another joining process"
+            )
+        member = Member(job=job, requested_rank=rank, peer_address=peer_address)
+        member.joined = asyncio.get_running_loop().create_future()
+        state.forming.append(member)
+        if len(state.forming) == world_size:
+            self._form(state)
+        return member
+
+    def withdraw(self, member: Member) -> None:
+        """Take a joiner that gave up out of its job's forming set."""
+        state = self.jobs.get(member.job)
+        if state is not None and member in state.forming:
+            state.forming.remove(member)
+
+    def _form(self, job: Job) -> None:
+        taken = {m.requested_rank for m in job.forming if m.requested_rank is not None}
+        free = iter(r for r in range(job.world_size) if r not in taken)
+        members: dict[int, Member] = {}
+        for m in job.forming:
+            m.rank = m.requested_rank if m.requested_rank is not None else next(free)
+            members[m.rank] = m
+        job.generations_formed += 1
+        gen = Generation(job, job.generations_formed, job.world_size, members)
+        previous, job.generation, job.forming = job.generation, gen, []
+        if previous is not None and previous.healthy:
+            # Everyone moved on; nothing of the old generation can still be waited for.
+            self.fail(previous, RendezvousError(f"job {job.name!r} formed a new generation"))
+        for m in members.values():
+            m.generation = gen
+            m.touch()
+            if not m.joined.done():
+                m.joined.set_result(gen)
+
+    def member(self, job: str, generation: int, rank: int, member_id: str) -> Generation:
+        """The generation a collective caller belongs to; raises if it is not a member.
+
+        Raises:
+            RankLostError: the generation has failed (names the lost rank).
+            RendezvousError: no such job, stale generation, or unknown member.
+        """
+        state = self.jobs.get(job)
+        gen = state.generation if state is not None else None
+        if gen is None or gen.number != generation:
+            current = gen.number if gen is not None else "none"
+            raise RendezvousError(
+                f"job {job!r} generation {generation} is not current (current: {current}); "
+                "join the job again"
+            )
+        m = gen.members.get(rank)
+        if m is None or m.member_id != member_id:
+            raise RendezvousError(f"rank {rank} is not a member of job {job!r} generation "
+                                  f"{generation}")
+        if gen.failure is not None:
+            raise gen.failure
+        return gen
+
+    def lost(self, member: Member, reason: str) -> None:
+        """A member's session ended without leaving, or it missed heartbeats."""
+        self.withdraw(member)
+        gen = member.generation
+        if gen is None or member.left:
+            return
+        member.left = True
+        self.fail(gen, RankLostError(
+            f"rank {member.rank} of job {member.job!r} was lost ({reason}); generation "
+            f"{gen.number} is over, so every collective of it fails",
+            rank=member.rank, generation=gen.number,
+        ))
+
+    def leave(self, member: Member) -> None:
+        """An orderly goodbye: the rest of the generation cannot complete collectives."""
+        self.withdraw(member)
+        gen = member.generation
+        if gen is None or member.left:
+            return
+        member.left = True
+        if gen.live_members:
+            self.fail(gen, RankLostError(
+                f"rank {member.rank} of job {member.job!r} left (closed its process group); "
+                f"generation {gen.number} is over, so every later collective of it fails",
+                rank=member.rank, generation=gen.number,
+            ))
+
+    def fail(self, gen: Generation, error: GradstarError) -> None:
+        if gen.failure is not None:
+            return
+        gen.failure = error
+        gen.job.counters.last_failure = str(error)
+        for m in gen.live_members:
+            m.notices.put_nowait(error)
+        self._on_generation_failed(gen)
+
+    def expire(self, now: float | None = None) -> list[Member]:
+        """Declare lost every member whose last heartbeat is older than the timeout."""
+        now = time.monotonic() if now is None else now
+        stale = [
+            m for job in self.jobs.values() if job.generation is not None
+            for m in job.generation.live_members if now - m.last_seen > self.heartbeat_timeout
+        ]
+        for m in stale:
+            self.lost(m, f"no heartbeat for {now - m.last_seen:.1f} s")
+        return stale
+
+    def active_jobs(self) -> int:
+        return sum(1 for j in self.jobs.values() if j.state in ("running", "forming"))

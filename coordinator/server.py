@@ -1,0 +1,144 @@
+"""The coordinator's grpc.aio server: services, security, liveness sweep and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gradstar.channels import SERVER_OPTIONS, server_credentials
+from gradstar.config import CoordinatorSettings
+from gradstar.proto.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    collective_pb2,
+    rendezvous_pb2,
+    rendezvous_pb2_grpc,
+)
+
+from .admin import AdminServicer
+from .auth import TokenAuthInterceptor
+from .engine import CollectiveEngine
+from .rendezvous import Rendezvous
+from .servicers import CollectiveServicer, RendezvousServicer
+
+log = logging.getLogger("gradstar.coordinator")
+
+SERVICE_NAMES = (
+    rendezvous_pb2.DESCRIPTOR.services_by_name["Rendezvous"].full_name,
+    collective_pb2.DESCRIPTOR.services_by_name["Collective"].full_name,
+    admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+)
+
+
+class Coordinator:
+    """The hub. ``await start()`` binds and serves; ``await stop()`` drains and shuts down.
+
+    Usable as ``async with Coordinator(settings) as coord:``; ``coord.port`` is the bound port
+    (useful with ``port=0``).
+    """
+
+    def __init__(self, settings: CoordinatorSettings | None = None) -> None:
+        self.settings = settings or CoordinatorSettings()
+        s = self.settings
+        self.engine: CollectiveEngine | None = None
+        self.rendezvous: Rendezvous | None = None
+        self.port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._sweeper: asyncio.Task | None = None
+        self._tls = s.tls_cert is not None
+
+    @property
+    def address(self) -> str:
+        host = self.settings.host
+        return f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{self.port}"
+
+    async def start(self) -> int:
+        """Bind, register every service and start serving; return the bound port.
+
+        Raises:
+            OSError: the address could not be bound.
+        """
+        s = self.settings
+        self.rendezvous = Rendezvous(
+            s.heartbeat_timeout, on_generation_failed=lambda g: self.engine.fail_generation(g)
+        )
+        self.engine = CollectiveEngine(
+            self.rendezvous, max_tensor_bytes=s.max_tensor_bytes,
+            max_chunk_bytes=s.max_chunk_bytes, max_timeout=s.max_collective_timeout,
+        )
+        token = s.token.get_secret_value() if s.token else None
+        admin = s.admin_token.get_secret_value() if s.admin_token else None
+        server = grpc.aio.server(
+            interceptors=[TokenAuthInterceptor(token, admin)], options=SERVER_OPTIONS
+        )
+        rendezvous_pb2_grpc.add_RendezvousServicer_to_server(
+            RendezvousServicer(self.rendezvous, s.heartbeat_interval, s.max_collective_timeout),
+            server,
+        )
+        server.add_generic_rpc_handlers((CollectiveServicer(self.engine).handler(),))
+        admin_pb2_grpc.add_AdminServicer_to_server(
+            AdminServicer(self.rendezvous, self.drain), server
+        )
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        bind = f"{s.host}:{s.port}"
+        if self._tls:
+            creds = server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca)
+            port = server.add_secure_port(bind, creds)
+        else:
+            port = server.add_insecure_port(bind)
+        if port == 0:
+            raise OSError(f"could not bind the coordinator to {bind}")
+        await server.start()
+        self._server, self.port = server, port
+        for name in ("", *SERVICE_NAMES):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._sweeper = asyncio.create_task(self._sweep(), name="gradstar-heartbeat-sweep")
+        log.info("coordinator serving on %s (tls=%s, auth=%s)", bind, self._tls, bool(token))
+        return port
+
+    async def _sweep(self) -> None:
+        """Declare lost the members whose heartbeats stopped (frozen or partitioned ranks)."""
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval / 2)
+            for m in self.rendezvous.expire():
+                log.warning("job %r: rank %d missed heartbeats", m.job, m.rank)
+
+    async def drain(self) -> None:
+        """Report NOT_SERVING and refuse new joins; running generations keep working."""
+        self.rendezvous.draining = True
+        for name in ("", *SERVICE_NAMES):
+            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.info("draining: new joins are refused")
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain, give running calls ``grace`` seconds, then stop the server."""
+        if self._server is None:
+            return
+        await self.drain()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        await self._server.stop(self.settings.drain_grace if grace is None else grace)
+        self._server = None
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    async def __aenter__(self) -> Coordinator:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop(grace=0)

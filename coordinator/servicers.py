@@ -1,0 +1,143 @@
+"""gRPC servicers of the rendezvous and collective services: they translate, nothing more.
+
+The logic lives in :mod:`.rendezvous` and :mod:`.engine`; these classes turn streams into calls
+on them and gradstar errors into gRPC statuses (:mod:`.status`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+
+from gradstar.errors import GradstarError, ProtocolError
+from gradstar.proto.v1 import collective_pb2 as cpb
+from gradstar.proto.v1 import rendezvous_pb2 as rpb
+from gradstar.proto.v1 import rendezvous_pb2_grpc
+from gradstar.wire import KIND_CHUNK, KIND_END, KIND_HEADER, decode_message, frame_kind
+
+from .engine import CLOSE, CollectiveEngine, Participant, PendingCollective
+from .rendezvous import Member, Rendezvous
+from .status import abort
+
+log = logging.getLogger("gradstar.coordinator")
+
+COLLECTIVE_METHOD = "/gradstar.proto.v1.Collective/Stream"
+_SESSION_END = object()
+
+
+class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
+    """One session stream per member: join, heartbeats, and failure notices."""
+
+    def __init__(self, rendezvous: Rendezvous, heartbeat_interval: float, max_join: float):
+        self.rendezvous = rendezvous
+        self.heartbeat_interval = heartbeat_interval
+        self.max_join = max_join
+
+    async def Session(self, request_iterator, context):
+        requests = request_iterator.__aiter__()
+        try:
+            first = await anext(requests)
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("kind") != "join":
+            await abort(context, ProtocolError("a session must start with a join request"))
+        j = first.join
+        try:
+            member = await self.rendezvous.join(
+                j.job, j.world_size, j.rank if j.rank >= 0 else None, j.peer_address,
+                min(j.timeout_seconds or self.max_join, self.max_join),
+            )
+        except GradstarError as error:
+            await abort(context, error)
+        gen = member.generation
+        log.info("job %r generation %d: rank %d joined", j.job, gen.number, member.rank)
+        reader = asyncio.create_task(self._read(member, requests))
+        try:
+            yield rpb.SessionEvent(joined=rpb.Joined(
+                job=j.job, generation=gen.number, rank=member.rank, world_size=gen.world_size,
+                member_id=member.member_id,
+                peers=[rpb.Peer(rank=r, address=m.peer_address)
+                       for r, m in sorted(gen.members.items())],
+                heartbeat_interval_seconds=self.heartbeat_interval,
+            ))
+            while (notice := await member.notices.get()) is not _SESSION_END:
+                yield rpb.SessionEvent(failed=rpb.GenerationFailed(
+                    generation=gen.number, lost_rank=getattr(notice, "rank", -1),
+                    reason=str(notice),
+                ))
+        finally:
+            reader.cancel()
+            if not member.left:
+                log.warning("job %r: rank %d's session closed", j.job, member.rank)
+                self.rendezvous.lost(member, "its session with the coordinator closed")
+
+    async def _read(self, member: Member, requests) -> None:
+        try:
+            async for request in requests:
+                kind = request.WhichOneof("kind")
+                if kind == "heartbeat":
+                    member.touch()
+                elif kind == "leave":
+                    self.rendezvous.leave(member)
+                    break
+        except (grpc.RpcError, asyncio.CancelledError):
+            pass
+        finally:
+            member.notices.put_nowait(_SESSION_END)
+
+
+class CollectiveServicer:
+    """The raw-frame collective stream (registered with identity serializers)."""
+
+    def __init__(self, engine: CollectiveEngine):
+        self.engine = engine
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            "gradstar.proto.v1.Collective",
+            {"Stream": grpc.stream_stream_rpc_method_handler(self.Stream)},
+        )
+
+    async def Stream(self, request_iterator, context):
+        frames = request_iterator.__aiter__()
+        try:
+            first = await anext(frames)
+        except StopAsyncIteration:
+            return
+        try:
+            header = decode_message(first, KIND_HEADER, cpb.CollectiveHeader)
+            coll, me = self.engine.arrive(header)
+        except GradstarError as error:
+            await abort(context, error)
+        reader = asyncio.create_task(self._read(coll, me, frames))
+        try:
+            while (item := await me.outbox.get()) is not CLOSE:
+                if isinstance(item, GradstarError):
+                    await abort(context, item)
+                yield item
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            coll.on_stream_closed(me, "disconnected")
+
+    @staticmethod
+    async def _read(coll: PendingCollective, me: Participant, frames) -> None:
+        try:
+            async for frame in frames:
+                kind = frame_kind(frame)
+                if kind == KIND_CHUNK:
+                    coll.on_chunk(me, frame)
+                elif kind == KIND_END:
+                    coll.on_end(me, frame)
+                    return
+                else:
+                    raise ProtocolError(f"rank {me.rank} sent a frame of kind {kind} mid-stream")
+            coll.on_stream_closed(me, "closed its stream before its end marker")
+        except ProtocolError as error:
+            coll.fail(error)
+        except grpc.RpcError:
+            coll.on_stream_closed(me, "disconnected")

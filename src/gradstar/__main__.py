@@ -1,0 +1,3 @@
+from gradstar.cli import main
+
+raise SystemExit(main())

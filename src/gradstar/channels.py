@@ -1,0 +1,83 @@
+"""The one place gRPC channels and servers are built, with every option explained."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+
+from gradstar.wire import CHUNK_HEADER_BYTES, MAX_CHUNK_BYTES
+
+# A chunk frame plus its header, with room for control messages; anything larger is refused by
+# gRPC itself before the application allocates for it.
+MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + CHUNK_HEADER_BYTES + 64 * 1024
+
+KEEPALIVE_MS = 2_000
+KEEPALIVE_TIMEOUT_MS = 3_000
+
+_COMMON_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Ping every 2 s and drop the connection when a ping is not answered within 3 s, so a frozen
+    # or partitioned peer is noticed in seconds rather than after TCP's minutes.
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    # Without this ping timeout gRPC waits 60 s for a ping ack on a busy connection.
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    # Keepalive must also run while a rank is idle between collectives.
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+CLIENT_OPTIONS = [
+    *_COMMON_OPTIONS,
+    # Fail fast on an unreachable coordinator instead of backing off for up to two minutes.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    # Each process group gets its own TCP connection, so ranks in one process do not share one
+    # connection's flow-control window.
+    ("grpc.use_local_subchannel_pool", 1),
+]
+
+SERVER_OPTIONS = [
+    *_COMMON_OPTIONS,
+    # Accept our clients' 2 s keepalive pings; the default policy answers them with GOAWAY.
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+    # Two coordinators must never share a port silently (tests bind port 0 many times).
+    ("grpc.so_reuseport", 0),
+]
+
+
+def _read(path: Path | None) -> bytes | None:
+    return Path(path).read_bytes() if path is not None else None
+
+
+def client_credentials(
+    ca: Path | None, cert: Path | None = None, key: Path | None = None
+) -> grpc.ChannelCredentials:
+    """TLS credentials; with ``cert`` and ``key`` the client also proves itself (mutual TLS)."""
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(ca), private_key=_read(key), certificate_chain=_read(cert)
+    )
+
+
+def server_credentials(
+    cert: Path, key: Path, client_ca: Path | None = None
+) -> grpc.ServerCredentials:
+    """TLS server credentials; with ``client_ca`` clients must present a certificate."""
+    return grpc.ssl_server_credentials(
+        [(_read(key), _read(cert))],
+        root_certificates=_read(client_ca),
+        require_client_auth=client_ca is not None,
+    )
+
+
+def secure_or_insecure_channel(
+    target: str, credentials: grpc.ChannelCredentials | None
+) -> grpc.aio.Channel:
+    """An asyncio channel to ``target`` with the options above."""
+    if credentials is None:
+        return grpc.aio.insecure_channel(target, options=CLIENT_OPTIONS)
+    return grpc.aio.secure_channel(target, credentials, options=CLIENT_OPTIONS)

@@ -1,0 +1,67 @@
+"""Settings of the coordinator and of client process groups.
+
+Both read ``GRADSTAR_*`` environment variables as defaults (pydantic-settings); explicit
+arguments win. Tokens are ``SecretStr`` so they never appear in a repr or a log line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gradstar.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
+
+DEFAULT_PORT = 29400
+
+
+class CoordinatorSettings(BaseSettings):
+    """Everything ``gradstar coordinator`` can be told, from flags or ``GRADSTAR_*`` env vars."""
+
+    model_config = SettingsConfigDict(env_prefix="GRADSTAR_", extra="ignore")
+
+    host: str = "0.0.0.0"
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
+    token: SecretStr | None = None
+    admin_token: SecretStr | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = Field(
+        None, description="CA bundle that client certificates must chain to (mutual TLS)"
+    )
+    max_tensor_bytes: int = Field(8 << 30, gt=0, description="largest payload one rank may send")
+    max_chunk_bytes: int = Field(MAX_CHUNK_BYTES, gt=0, le=MAX_CHUNK_BYTES)
+    heartbeat_interval: float = Field(1.0, gt=0)
+    heartbeat_timeout: float = Field(5.0, gt=0)
+    max_collective_timeout: float = Field(
+        1800.0, gt=0, description="upper bound on the timeout a client may ask for"
+    )
+    drain_grace: float = Field(5.0, ge=0)
+    log_level: str = "INFO"
+
+    @field_validator("tls_key")
+    @classmethod
+    def _key_needs_cert(cls, value, info):
+        if value is not None and info.data.get("tls_cert") is None:
+            raise ValueError("tls_key needs tls_cert")
+        return value
+
+
+class ClientSettings(BaseSettings):
+    """Defaults for :func:`gradstar.init_process_group`, from ``GRADSTAR_*`` env vars."""
+
+    model_config = SettingsConfigDict(env_prefix="GRADSTAR_", extra="ignore")
+
+    coordinator: str = f"127.0.0.1:{DEFAULT_PORT}"
+    job: str = "default"
+    world_size: int | None = Field(None, gt=0)
+    rank: int | None = Field(None, ge=0)
+    token: SecretStr | None = None
+    tls_ca: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    join_timeout: float = Field(300.0, gt=0)
+    timeout: float = Field(300.0, gt=0, description="default collective timeout in seconds")
+    connect_timeout: float = Field(10.0, gt=0)
+    chunk_bytes: int = Field(DEFAULT_CHUNK_BYTES, gt=0, le=MAX_CHUNK_BYTES)

@@ -1,0 +1,176 @@
+"""Errors raised by gradstar, one hierarchy for the client and the coordinator.
+
+Every error a rank can see derives from :class:`GradstarError`::
+
+    GradstarError
+    ├── ConfigurationError            a setting or argument is invalid (also a ValueError)
+    ├── AuthenticationError           the coordinator refused the token
+    ├── CoordinatorUnavailableError   the coordinator cannot be reached or went away
+    ├── ProcessGroupClosedError       the process group was closed
+    ├── ProtocolError                 a malformed, truncated or corrupted frame
+    ├── RendezvousError               joining a job failed
+    │   ├── DuplicateRankError        another live member already holds the requested rank
+    │   ├── WorldSizeMismatchError    the job exists with a different world size
+    │   ├── JoinTimeoutError          not every rank joined in time
+    │   └── CoordinatorDrainingError  the coordinator is draining and takes no new work
+    └── CollectiveError               a collective failed on this rank
+        ├── CollectiveMismatchError   ranks disagree on op, reduce op, dtype, shape or root
+        ├── CollectiveTimeoutError    some ranks never reached the collective
+        ├── RankLostError             a rank died or disconnected; its generation is over
+        ├── PayloadTooLargeError      the payload is over the coordinator's limit
+        └── InvalidCollectiveError    the request is invalid whatever the other ranks do
+
+The coordinator sends an error to a client as a gRPC status whose trailing metadata names the
+class (``gradstar-error``) and carries its fields as JSON (``gradstar-error-fields``);
+:func:`error_from_wire` rebuilds the same exception on the client.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+__all__ = [
+    "AuthenticationError",
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "ConfigurationError",
+    "CoordinatorDrainingError",
+    "CoordinatorUnavailableError",
+    "DuplicateRankError",
+    "GradstarError",
+    "InvalidCollectiveError",
+    "JoinTimeoutError",
+    "PayloadTooLargeError",
+    "ProcessGroupClosedError",
+    "ProtocolError",
+    "RankLostError",
+    "RendezvousError",
+    "WorldSizeMismatchError",
+]
+
+ERROR_NAME_KEY = "gradstar-error"
+ERROR_FIELDS_KEY = "gradstar-error-fields"
+
+
+class GradstarError(Exception):
+    """Base class of every error gradstar raises."""
+
+    def fields(self) -> dict:
+        """Structured details sent along with the message over the wire."""
+        return {}
+
+
+class ConfigurationError(GradstarError, ValueError):
+    """A setting or argument is invalid."""
+
+
+class AuthenticationError(GradstarError):
+    """The coordinator refused the job or admin token."""
+
+
+class CoordinatorUnavailableError(GradstarError):
+    """The coordinator cannot be reached, or the connection to it was lost."""
+
+
+class ProcessGroupClosedError(GradstarError):
+    """The process group was closed; create a new one to communicate again."""
+
+
+class ProtocolError(GradstarError):
+    """A frame is malformed, truncated or corrupted; no data from it was used."""
+
+
+class RendezvousError(GradstarError):
+    """Joining a job failed."""
+
+
+class DuplicateRankError(RendezvousError):
+    """Another live member of the job already holds the requested rank."""
+
+
+class WorldSizeMismatchError(RendezvousError):
+    """The job is forming with a different world size than the one requested."""
+
+
+class JoinTimeoutError(RendezvousError):
+    """Not every rank joined the job before the join timeout."""
+
+
+class CoordinatorDrainingError(RendezvousError):
+    """The coordinator is draining and accepts no new joins or collectives."""
+
+
+class CollectiveError(GradstarError):
+    """A collective failed; no rank received a partial result."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Ranks issued collectives that disagree on op, reduce op, dtype, shape or root."""
+
+    def __init__(self, message: str, *, rank: int = -1, field: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.field = field
+
+    def fields(self) -> dict:
+        return {"rank": self.rank, "field": self.field}
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """Some ranks did not reach the collective before its timeout."""
+
+    def __init__(self, message: str, *, missing_ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.missing_ranks = list(missing_ranks)
+
+    def fields(self) -> dict:
+        return {"missing_ranks": self.missing_ranks}
+
+
+class RankLostError(CollectiveError):
+    """A rank died or disconnected; every collective of its generation fails."""
+
+    def __init__(self, message: str, *, rank: int = -1, generation: int = 0) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.generation = generation
+
+    def fields(self) -> dict:
+        return {"rank": self.rank, "generation": self.generation}
+
+
+class PayloadTooLargeError(CollectiveError):
+    """The payload is larger than the coordinator's configured limit."""
+
+
+class InvalidCollectiveError(CollectiveError, ValueError):
+    """The collective request is invalid on its own (bad root, unsupported op for the dtype)."""
+
+
+_BY_NAME: dict[str, type[GradstarError]] = {
+    name: cls for name, cls in globals().items()
+    if isinstance(cls, type) and issubclass(cls, GradstarError)
+}
+
+
+def error_metadata(error: GradstarError) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata that lets :func:`error_from_wire` rebuild ``error`` on the client."""
+    return (
+        (ERROR_NAME_KEY, type(error).__name__),
+        (ERROR_FIELDS_KEY, json.dumps(error.fields())),
+    )
+
+
+def error_from_wire(name: str | None, fields_json: str | None, message: str) -> GradstarError:
+    """Rebuild the exception the coordinator described; unknown names become GradstarError."""
+    cls = _BY_NAME.get(name or "", GradstarError)
+    try:
+        fields = json.loads(fields_json) if fields_json else {}
+    except ValueError:
+        fields = {}
+    try:
+        return cls(message, **fields) if fields else cls(message)
+    except TypeError:
+        return cls(message)

@@ -1,0 +1,102 @@
+from gradstar.proto.v1 import collective_pb2 as _collective_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class JobSummary(_message.Message):
+    __slots__ = ("job", "generation", "world_size", "members", "state")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    world_size: int
+    members: int
+    state: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+
+class ListJobsResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobSummary]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobSummary, _Mapping]]] = ...) -> None: ...
+
+class GetJobRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class Member(_message.Message):
+    __slots__ = ("rank", "peer_address", "last_heartbeat_age_seconds")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    peer_address: str
+    last_heartbeat_age_seconds: float
+    def __init__(self, rank: _Optional[int] = ..., peer_address: _Optional[str] = ..., last_heartbeat_age_seconds: _Optional[float] = ...) -> None: ...
+
+class InFlightCollective(_message.Message):
+    __slots__ = ("seq", "group", "op", "arrived_ranks", "missing_ranks", "age_seconds")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    ARRIVED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    group: str
+    op: _collective_pb2.CollectiveOp
+    arrived_ranks: _containers.RepeatedScalarFieldContainer[int]
+    missing_ranks: _containers.RepeatedScalarFieldContainer[int]
+    age_seconds: float
+    def __init__(self, seq: _Optional[int] = ..., group: _Optional[str] = ..., op: _Optional[_Union[_collective_pb2.CollectiveOp, str]] = ..., arrived_ranks: _Optional[_Iterable[int]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., age_seconds: _Optional[float] = ...) -> None: ...
+
+class OpCounter(_message.Message):
+    __slots__ = ("op", "completed", "failed")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    op: _collective_pb2.CollectiveOp
+    completed: int
+    failed: int
+    def __init__(self, op: _Optional[_Union[_collective_pb2.CollectiveOp, str]] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...
+
+class GetJobResponse(_message.Message):
+    __slots__ = ("summary", "members", "in_flight", "ops", "bytes_in", "bytes_out", "last_failure")
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    LAST_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    summary: JobSummary
+    members: _containers.RepeatedCompositeFieldContainer[Member]
+    in_flight: _containers.RepeatedCompositeFieldContainer[InFlightCollective]
+    ops: _containers.RepeatedCompositeFieldContainer[OpCounter]
+    bytes_in: int
+    bytes_out: int
+    last_failure: str
+    def __init__(self, summary: _Optional[_Union[JobSummary, _Mapping]] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., in_flight: _Optional[_Iterable[_Union[InFlightCollective, _Mapping]]] = ..., ops: _Optional[_Iterable[_Union[OpCounter, _Mapping]]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., last_failure: _Optional[str] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("active_jobs",)
+    ACTIVE_JOBS_FIELD_NUMBER: _ClassVar[int]
+    active_jobs: int
+    def __init__(self, active_jobs: _Optional[int] = ...) -> None: ...

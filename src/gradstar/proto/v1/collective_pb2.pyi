@@ -1,0 +1,107 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CollectiveOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COLLECTIVE_OP_UNSPECIFIED: _ClassVar[CollectiveOp]
+    COLLECTIVE_OP_ALL_REDUCE: _ClassVar[CollectiveOp]
+    COLLECTIVE_OP_BROADCAST: _ClassVar[CollectiveOp]
+    COLLECTIVE_OP_ALL_GATHER: _ClassVar[CollectiveOp]
+    COLLECTIVE_OP_REDUCE_SCATTER: _ClassVar[CollectiveOp]
+    COLLECTIVE_OP_BARRIER: _ClassVar[CollectiveOp]
+
+class ReduceOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REDUCE_OP_UNSPECIFIED: _ClassVar[ReduceOp]
+    REDUCE_OP_SUM: _ClassVar[ReduceOp]
+    REDUCE_OP_MEAN: _ClassVar[ReduceOp]
+    REDUCE_OP_MIN: _ClassVar[ReduceOp]
+    REDUCE_OP_MAX: _ClassVar[ReduceOp]
+    REDUCE_OP_PROD: _ClassVar[ReduceOp]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT64: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_INT32: _ClassVar[DType]
+    DTYPE_INT64: _ClassVar[DType]
+COLLECTIVE_OP_UNSPECIFIED: CollectiveOp
+COLLECTIVE_OP_ALL_REDUCE: CollectiveOp
+COLLECTIVE_OP_BROADCAST: CollectiveOp
+COLLECTIVE_OP_ALL_GATHER: CollectiveOp
+COLLECTIVE_OP_REDUCE_SCATTER: CollectiveOp
+COLLECTIVE_OP_BARRIER: CollectiveOp
+REDUCE_OP_UNSPECIFIED: ReduceOp
+REDUCE_OP_SUM: ReduceOp
+REDUCE_OP_MEAN: ReduceOp
+REDUCE_OP_MIN: ReduceOp
+REDUCE_OP_MAX: ReduceOp
+REDUCE_OP_PROD: ReduceOp
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT64: DType
+DTYPE_FLOAT16: DType
+DTYPE_BFLOAT16: DType
+DTYPE_INT32: DType
+DTYPE_INT64: DType
+
+class CollectiveHeader(_message.Message):
+    __slots__ = ("job", "generation", "group", "seq", "rank", "member_id", "op", "reduce_op", "dtype", "shape", "root", "chunk_bytes", "timeout_seconds")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_OP_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    group: str
+    seq: int
+    rank: int
+    member_id: str
+    op: CollectiveOp
+    reduce_op: ReduceOp
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    root: int
+    chunk_bytes: int
+    timeout_seconds: float
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., group: _Optional[str] = ..., seq: _Optional[int] = ..., rank: _Optional[int] = ..., member_id: _Optional[str] = ..., op: _Optional[_Union[CollectiveOp, str]] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., root: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class CollectiveAccept(_message.Message):
+    __slots__ = ("output_chunks", "output_bytes")
+    OUTPUT_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    output_chunks: int
+    output_bytes: int
+    def __init__(self, output_chunks: _Optional[int] = ..., output_bytes: _Optional[int] = ...) -> None: ...
+
+class CollectiveEnd(_message.Message):
+    __slots__ = ("chunks", "bytes")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    chunks: int
+    bytes: int
+    def __init__(self, chunks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class CollectiveFrame(_message.Message):
+    __slots__ = ("frame",)
+    FRAME_FIELD_NUMBER: _ClassVar[int]
+    frame: bytes
+    def __init__(self, frame: _Optional[bytes] = ...) -> None: ...

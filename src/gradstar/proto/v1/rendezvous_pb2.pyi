@@ -1,0 +1,83 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class JoinRequest(_message.Message):
+    __slots__ = ("job", "world_size", "rank", "peer_address", "timeout_seconds")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    world_size: int
+    rank: int
+    peer_address: str
+    timeout_seconds: float
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., peer_address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("sent_unix_ms",)
+    SENT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    sent_unix_ms: int
+    def __init__(self, sent_unix_ms: _Optional[int] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("join", "heartbeat", "leave")
+    JOIN_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
+    join: JoinRequest
+    heartbeat: Heartbeat
+    leave: bool
+    def __init__(self, join: _Optional[_Union[JoinRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., leave: _Optional[bool] = ...) -> None: ...
+
+class Peer(_message.Message):
+    __slots__ = ("rank", "address")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    address: str
+    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+
+class Joined(_message.Message):
+    __slots__ = ("job", "generation", "rank", "world_size", "member_id", "peers", "heartbeat_interval_seconds")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    rank: int
+    world_size: int
+    member_id: str
+    peers: _containers.RepeatedCompositeFieldContainer[Peer]
+    heartbeat_interval_seconds: float
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., member_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., heartbeat_interval_seconds: _Optional[float] = ...) -> None: ...
+
+class GenerationFailed(_message.Message):
+    __slots__ = ("generation", "lost_rank", "reason")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LOST_RANK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    lost_rank: int
+    reason: str
+    def __init__(self, generation: _Optional[int] = ..., lost_rank: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("joined", "failed", "heartbeat_ack")
+    JOINED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_ACK_FIELD_NUMBER: _ClassVar[int]
+    joined: Joined
+    failed: GenerationFailed
+    heartbeat_ack: Heartbeat
+    def __init__(self, joined: _Optional[_Union[Joined, _Mapping]] = ..., failed: _Optional[_Union[GenerationFailed, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,225 @@
+"""The frame codec of collective streams: dtypes, chunk layouts and frames.
+
+A collective stream is a sequence of raw frames (identity serializers, no protobuf around the
+payload). The first byte of every frame is its kind:
+
+- ``HEADER`` / ``ACCEPT`` / ``END``: the kind byte followed by a serialized protobuf message
+  (``CollectiveHeader``, ``CollectiveAccept``, ``CollectiveEnd``).
+- ``CHUNK``: the kind byte, three zero bytes, then little-endian ``u32 index``, ``u32 length``,
+  ``u32 crc32`` of the payload, then ``length`` raw little-endian tensor bytes.
+
+A tensor is cut by a :class:`ChunkLayout` into segments (one per shard or per rank) and each
+segment into chunks of at most ``chunk_bytes``. Both sides compute the layout from the header,
+so a chunk's index alone determines where its bytes belong, and a receiver can prove it got every
+chunk exactly once before it uses the result. Any frame that is short, long, out of range,
+repeated or fails its checksum raises :class:`~gradstar.errors.ProtocolError`.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from gradstar.errors import ConfigurationError, ProtocolError
+from gradstar.proto.v1 import collective_pb2 as pb
+
+KIND_HEADER = 1
+KIND_ACCEPT = 2
+KIND_CHUNK = 3
+KIND_END = 4
+
+_CHUNK_HEADER = struct.Struct("<B3xIII")
+CHUNK_HEADER_BYTES = _CHUNK_HEADER.size
+
+DEFAULT_CHUNK_BYTES = 2 << 20
+MAX_CHUNK_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class DTypeInfo:
+    """One supported dtype: its name, wire enum, numpy dtype and the dtype the hub reduces in."""
+
+    name: str
+    wire: int
+    numpy: np.dtype
+    accumulate: np.dtype
+
+
+_DTYPES = [
+    DTypeInfo("float32", pb.DTYPE_FLOAT32, np.dtype(np.float32), np.dtype(np.float32)),
+    DTypeInfo("float64", pb.DTYPE_FLOAT64, np.dtype(np.float64), np.dtype(np.float64)),
+    # Half precision is reduced in float32 so sums over many ranks do not lose precision.
+    DTypeInfo("float16", pb.DTYPE_FLOAT16, np.dtype(np.float16), np.dtype(np.float32)),
+    DTypeInfo("bfloat16", pb.DTYPE_BFLOAT16, np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)),
+    DTypeInfo("int32", pb.DTYPE_INT32, np.dtype(np.int32), np.dtype(np.int32)),
+    DTypeInfo("int64", pb.DTYPE_INT64, np.dtype(np.int64), np.dtype(np.int64)),
+]
+_BY_NUMPY = {d.numpy: d for d in _DTYPES}
+_BY_WIRE = {d.wire: d for d in _DTYPES}
+SUPPORTED_DTYPES = tuple(d.name for d in _DTYPES)
+
+
+def dtype_info(dtype: np.dtype) -> DTypeInfo:
+    """The :class:`DTypeInfo` of a numpy dtype; raises ConfigurationError if unsupported."""
+    try:
+        return _BY_NUMPY[np.dtype(dtype)]
+    except (KeyError, TypeError):
+        raise ConfigurationError(
+            f"dtype {dtype} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}"
+        ) from None
+
+
+def dtype_from_wire(wire: int) -> DTypeInfo:
+    """The :class:`DTypeInfo` of a wire enum value; raises ProtocolError if unknown."""
+    try:
+        return _BY_WIRE[wire]
+    except KeyError:
+        raise ProtocolError(f"unknown dtype {wire} in collective header") from None
+
+
+def aligned_chunk_bytes(chunk_bytes: int, itemsize: int) -> int:
+    """``chunk_bytes`` rounded down to whole elements, so every chunk reduces elementwise."""
+    if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ConfigurationError(
+            f"chunk_bytes must be in 1..{MAX_CHUNK_BYTES}, got {chunk_bytes}"
+        )
+    return max(itemsize, chunk_bytes - chunk_bytes % itemsize)
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """``segments`` equal segments of ``segment_bytes``, each cut into chunks of ``chunk_bytes``.
+
+    Chunk ``i`` is chunk ``i % per_segment`` of segment ``i // per_segment``; the last chunk of
+    each segment may be shorter. A zero-byte segment has no chunks.
+    """
+
+    segments: int
+    segment_bytes: int
+    chunk_bytes: int
+
+    @property
+    def per_segment(self) -> int:
+        return -(-self.segment_bytes // self.chunk_bytes)
+
+    @property
+    def count(self) -> int:
+        return self.segments * self.per_segment
+
+    @property
+    def total_bytes(self) -> int:
+        return self.segments * self.segment_bytes
+
+    def span(self, index: int) -> tuple[int, int]:
+        """(byte offset, byte length) of chunk ``index`` within the whole buffer."""
+        if not 0 <= index < self.count:
+            raise ProtocolError(f"chunk index {index} is out of range 0..{self.count - 1}")
+        segment, i = divmod(index, self.per_segment)
+        start = i * self.chunk_bytes
+        length = min(self.chunk_bytes, self.segment_bytes - start)
+        return segment * self.segment_bytes + start, length
+
+    def segment_of(self, index: int) -> int:
+        return index // self.per_segment
+
+
+def encode_message(kind: int, message) -> bytes:
+    """A control frame: the kind byte and a serialized protobuf message."""
+    return bytes((kind,)) + message.SerializeToString()
+
+
+def decode_message(frame: bytes, kind: int, message_type):
+    """Parse a control frame of the expected ``kind``; raises ProtocolError otherwise."""
+    if not frame or frame[0] != kind:
+        got = frame[0] if frame else "empty"
+        raise ProtocolError(f"expected a frame of kind {kind}, got {got}")
+    message = message_type()
+    try:
+        message.ParseFromString(memoryview(frame)[1:])
+    except Exception as exc:  # protobuf raises DecodeError or RuntimeWarning-derived errors
+        raise ProtocolError(f"corrupt {message_type.__name__} frame: {exc}") from None
+    return message
+
+
+def frame_kind(frame: bytes) -> int:
+    if not frame:
+        raise ProtocolError("empty frame")
+    return frame[0]
+
+
+def encode_chunk(index: int, payload) -> bytes:
+    """A chunk frame around ``payload`` (any buffer); the one copy every send costs."""
+    view = memoryview(payload).cast("B")
+    header = _CHUNK_HEADER.pack(KIND_CHUNK, index, view.nbytes, zlib.crc32(view))
+    return b"".join((header, view))
+
+
+def decode_chunk(frame: bytes) -> tuple[int, memoryview]:
+    """(index, payload view) of a chunk frame whose length and checksum are verified."""
+    if len(frame) < CHUNK_HEADER_BYTES:
+        raise ProtocolError(f"chunk frame of {len(frame)} bytes is shorter than its header")
+    kind, index, length, crc = _CHUNK_HEADER.unpack_from(frame)
+    if kind != KIND_CHUNK:
+        raise ProtocolError(f"expected a chunk frame, got kind {kind}")
+    payload = memoryview(frame)[CHUNK_HEADER_BYTES:]
+    if payload.nbytes != length:
+        raise ProtocolError(
+            f"chunk {index} declares {length} payload bytes but carries {payload.nbytes}"
+        )
+    if zlib.crc32(payload) != crc:
+        raise ProtocolError(f"chunk {index} failed its checksum")
+    return index, payload
+
+
+class ChunkTracker:
+    """Checks that chunks of a layout arrive once each, with the right lengths, and all of them."""
+
+    def __init__(self, layout: ChunkLayout, who: str = "stream") -> None:
+        self.layout = layout
+        self.who = who
+        self._seen = bytearray(layout.count)
+        self.received = 0
+        self.bytes = 0
+
+    def admit(self, index: int, payload: memoryview) -> int:
+        """Record chunk ``index``; return its byte offset. Raises ProtocolError if it is bad."""
+        offset, length = self.layout.span(index)
+        if payload.nbytes != length:
+            raise ProtocolError(
+                f"{self.who}: chunk {index} has {payload.nbytes} bytes, expected {length}"
+            )
+        if self._seen[index]:
+            raise ProtocolError(f"{self.who}: chunk {index} arrived twice")
+        self._seen[index] = 1
+        self.received += 1
+        self.bytes += length
+        return offset
+
+    def finish(self, end: pb.CollectiveEnd, expected_chunks: int | None = None) -> None:
+        """Check the end marker against what arrived; raises ProtocolError on any gap."""
+        expected = self.layout.count if expected_chunks is None else expected_chunks
+        if end.chunks != expected or self.received != expected:
+            raise ProtocolError(
+                f"{self.who}: stream ended after {self.received} of {expected} chunks "
+                f"(end marker says {end.chunks})"
+            )
+        if end.bytes != self.bytes:
+            raise ProtocolError(
+                f"{self.who}: end marker says {end.bytes} bytes, received {self.bytes}"
+            )
+
+
+def iter_chunk_frames(buffer: memoryview, layout: ChunkLayout, indices=None):
+    """Frames for the chunks ``indices`` (default all) of ``buffer`` laid out by ``layout``."""
+    for index in range(layout.count) if indices is None else indices:
+        offset, length = layout.span(index)
+        yield encode_chunk(index, buffer[offset:offset + length])
+
+
+def as_byte_view(array: np.ndarray) -> memoryview:
+    """A flat byte view of a C-contiguous array (no copy)."""
+    return memoryview(array.reshape(-1).view(np.uint8))
