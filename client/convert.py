@@ -26,7 +26,8 @@ def to_numpy(x) -> tuple[np.ndarray, Restore]:
         ConfigurationError: ``x`` is not a numpy array or CPU tensor, or its dtype is unsupported.
     """
     if isinstance(x, np.ndarray):
-        arr = np.ascontiguousarray(x)
+        # Not np.ascontiguousarray: it turns a 0-d array into a 1-d one.
+        arr = x if x.flags.c_contiguous else x.copy(order="C")
         restore: Restore = _same
     elif _is_torch_tensor(x):
         arr, restore = _torch_to_numpy(x)

@@ -83,7 +83,9 @@ class Session:
 
     async def _watch(self) -> None:
         try:
-            async for event in self._call:
+            # read() rather than iteration: the join already used read() on this call, and
+            # grpc.aio forbids mixing the two styles on one RPC.
+            while (event := await self._call.read()) is not grpc.aio.EOF:
                 if event.WhichOneof("kind") == "failed" and self.failure is None:
                     f = event.failed
                     self.failure = RankLostError(

@@ -141,3 +141,9 @@ class CollectiveServicer:
             coll.fail(error)
         except grpc.RpcError:
             coll.on_stream_closed(me, "disconnected")
+        except Exception as error:
+            # A bug must cost one collective, never the hub or a silent hang of the other ranks.
+            log.exception("internal error in collective seq %d", coll.spec.seq)
+            coll.fail(GradstarError(
+                f"the coordinator hit an internal error in collective seq {coll.spec.seq}: "
+                f"{type(error).__name__}: {error}"))

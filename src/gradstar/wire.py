@@ -152,7 +152,10 @@ def frame_kind(frame: bytes) -> int:
 
 
 def encode_chunk(index: int, payload) -> bytes:
-    """A chunk frame around ``payload`` (any buffer); the one copy every send costs."""
+    """A chunk frame around ``payload`` (an array or buffer); the one copy every send costs."""
+    if isinstance(payload, np.ndarray):
+        # memoryview cannot describe ml_dtypes' bfloat16; a uint8 view of the same bytes can.
+        payload = payload.reshape(-1).view(np.uint8)
     view = memoryview(payload).cast("B")
     header = _CHUNK_HEADER.pack(KIND_CHUNK, index, view.nbytes, zlib.crc32(view))
     return b"".join((header, view))

@@ -1,0 +1,345 @@
+"""Shared machinery for the scripts in ``benchmarks/``.
+
+* :class:`CoordinatorProcess` runs ``python -m gradstar coordinator --host 127.0.0.1 --port 0``
+  as a subprocess (as in a real deployment), parses the ``gradstar coordinator listening on
+  HOST:PORT`` line, and stops it with SIGTERM (then SIGKILL) however the benchmark ends.
+* :func:`run_ranks` runs ``target(rank, world_size, *args)`` in ``world_size`` spawned processes
+  and collects one result per rank, with a hard deadline: a rank that raises, dies or does not
+  report in time makes it raise :class:`RankFailure`, and every child is killed before it returns.
+* :func:`free_port`, :func:`median`, :func:`format_table`: small helpers.
+
+Every wait here is bounded; nothing can hang a benchmark run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import queue
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+MiB = 1 << 20
+
+_LISTENING = re.compile(r"gradstar coordinator listening on (\S+):(\d+)")
+
+
+class BenchmarkError(RuntimeError):
+    """A configuration of a benchmark failed; the message says which and why."""
+
+
+class RankFailure(BenchmarkError):
+    """One or more rank processes raised, died or timed out."""
+
+
+# -- processes we started, killed at interpreter exit if still alive --------------------------
+
+_LIVE: set = set()
+
+
+def _kill_leftovers() -> None:
+    for proc in list(_LIVE):
+        _kill(proc)
+
+
+atexit.register(_kill_leftovers)
+
+
+def _kill(proc) -> None:
+    """Kill a ``subprocess.Popen`` or ``multiprocessing.Process`` and reap it (bounded)."""
+    try:
+        if isinstance(proc, subprocess.Popen):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+        else:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=10)
+    except Exception:  # best effort: never mask the original error
+        pass
+    _LIVE.discard(proc)
+
+
+def _load_prctl():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except Exception:
+        return None
+
+
+# Resolved here, in the parent, so the forked coordinator child only has to call it (no dlopen
+# between fork and exec, which could deadlock on a lock held by another thread).
+_PRCTL = _load_prctl()
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this process when its parent dies (even by SIGKILL), so a
+    killed benchmark leaves no coordinator or rank behind. A no-op elsewhere."""
+    if _PRCTL is not None:
+        try:
+            _PRCTL(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        except Exception:
+            pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (for torch.distributed's tcp:// rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+# -- coordinator subprocess --------------------------------------------------------------------
+
+
+class CoordinatorProcess:
+    """``gradstar coordinator`` in a subprocess on 127.0.0.1 and a free port.
+
+    Use as a context manager::
+
+        with CoordinatorProcess() as coord:
+            coord.address            # "127.0.0.1:PORT"
+            coord.cpu_seconds()      # user+system CPU the hub has used so far (Linux)
+
+    Its stdout and stderr go to a log file (``coord.log_path``); :meth:`log_tail` shows the end of
+    it for error reports. ``stop()`` sends SIGTERM, waits ``stop_timeout`` seconds, then SIGKILLs.
+    """
+
+    def __init__(self, *, host: str = "127.0.0.1", extra_args: Sequence[str] = (),
+                 start_timeout: float = 30.0, stop_timeout: float = 15.0,
+                 log_level: str = "WARNING", python: str = sys.executable) -> None:
+        self.host = host
+        self.extra_args = list(extra_args)
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self.log_level = log_level
+        self.python = python
+        self.address: str | None = None
+        self.proc: subprocess.Popen | None = None
+        self.log_path: Path | None = None
+        self._lines: deque[str] = deque(maxlen=200)
+        self._reader: threading.Thread | None = None
+        self._log_file = None
+
+    def start(self) -> str:
+        fd, name = tempfile.mkstemp(prefix="gradstar-coordinator-", suffix=".log")
+        os.close(fd)
+        self.log_path = Path(name)
+        self._log_file = open(self.log_path, "w", buffering=1)
+        cmd = [self.python, "-u", "-m", "gradstar", "coordinator", "--host", self.host,
+               "--port", "0", "--log-level", self.log_level, *self.extra_args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, text=True, bufsize=1,
+                                     preexec_fn=_die_with_parent)
+        _LIVE.add(self.proc)
+        found: queue.Queue[str] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, args=(found,), daemon=True,
+                                        name="coordinator-log")
+        self._reader.start()
+        try:
+            address = found.get(timeout=self.start_timeout)
+        except queue.Empty:
+            self.stop()
+            raise BenchmarkError(
+                f"the coordinator did not print its address within {self.start_timeout:g} s "
+                f"(exit code {self.proc.returncode}); log tail:\n{self.log_tail()}"
+            ) from None
+        if not address:
+            self.stop()
+            raise BenchmarkError(
+                f"the coordinator exited before listening (exit code {self.proc.returncode}); "
+                f"log tail:\n{self.log_tail()}"
+            )
+        self.address = address
+        return address
+
+    def _read(self, found: queue.Queue) -> None:
+        announced = False
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:  # ends at EOF, i.e. when the coordinator exits
+            self._lines.append(line.rstrip("\n"))
+            self._log_file.write(line)
+            if not announced:
+                m = _LISTENING.search(line)
+                if m:
+                    host = m.group(1)
+                    if host in ("0.0.0.0", "::", ""):
+                        host = "127.0.0.1"
+                    found.put(f"{host}:{m.group(2)}")
+                    announced = True
+        if not announced:
+            found.put("")  # exited without listening
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU seconds the coordinator has used (Linux /proc), else None."""
+        if not self.alive():
+            return None
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(list(self._lines)[-lines:]) or "(empty)"
+
+    def stop(self) -> int | None:
+        """SIGTERM, bounded wait, SIGKILL. Returns the exit code. Idempotent."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            try:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                self._lines.append(f"(did not exit {self.stop_timeout:g} s after SIGTERM: killed)")
+                proc.kill()
+                proc.wait(timeout=10)
+            except Exception:
+                _kill(proc)
+        _LIVE.discard(proc)
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        return proc.returncode
+
+    def __enter__(self) -> CoordinatorProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# -- rank processes ----------------------------------------------------------------------------
+
+
+def _rank_entry(target: Callable, rank: int, world_size: int, args: tuple, results,
+                parent: int) -> None:
+    _die_with_parent()
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+    try:
+        value = target(rank, world_size, *args)
+    except BaseException as error:  # reported to the parent, which raises RankFailure
+        results.put((rank, False, f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+        return
+    results.put((rank, True, value))
+
+
+def run_ranks(target: Callable, world_size: int, args: tuple = (), *, timeout: float,
+              label: str = "", grace: float = 15.0) -> list:
+    """Run ``target(rank, world_size, *args)`` in ``world_size`` spawned processes.
+
+    ``target`` must be a module-level function and return something picklable. Returns the
+    results indexed by rank. Raises :class:`RankFailure` (after killing every child) if a rank
+    raises, exits without reporting, or the ranks have not all reported ``timeout`` seconds
+    after start. ``label`` names the configuration in error messages.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    parent = os.getpid()
+    procs = [ctx.Process(target=_rank_entry, name=f"rank{r}", daemon=True,
+                         args=(target, r, world_size, args, results, parent))
+             for r in range(world_size)]
+    what = f"[{label}] " if label else ""
+    reports: dict[int, tuple[bool, object]] = {}
+    start = time.monotonic()
+    deadline = start + timeout
+    try:
+        for p in procs:
+            p.start()
+            _LIVE.add(p)
+        dead_since: float | None = None
+        while len(reports) < world_size:
+            now = time.monotonic()
+            if now >= deadline:
+                missing = sorted(set(range(world_size)) - set(reports))
+                raise RankFailure(
+                    f"{what}timed out after {timeout:g} s; ranks {missing} never reported "
+                    f"(alive: {[r for r in missing if procs[r].is_alive()]})"
+                    + _errors_of(reports)
+                )
+            try:
+                rank, ok, value = results.get(timeout=min(1.0, deadline - now))
+                reports[rank] = (ok, value)
+                if not ok:
+                    # One rank failed: give the others a moment to report their own view (for
+                    # instance the hub's error naming the lost rank), then stop.
+                    deadline = min(deadline, time.monotonic() + grace)
+                continue
+            except queue.Empty:
+                pass
+            # A rank that died without reporting (segfault, OOM kill, os._exit).
+            dead = [r for r, p in enumerate(procs)
+                    if r not in reports and p.exitcode is not None]
+            if dead:
+                # Its report may still be in the pipe: wait a little before declaring it lost.
+                dead_since = dead_since or time.monotonic()
+                if time.monotonic() - dead_since > 3.0:
+                    raise RankFailure(
+                        f"{what}ranks {dead} exited without reporting (exit codes "
+                        f"{[procs[r].exitcode for r in dead]})" + _errors_of(reports)
+                    )
+        failures = {r: v for r, (ok, v) in reports.items() if not ok}
+        if failures:
+            raise RankFailure(f"{what}{len(failures)} of {world_size} ranks failed"
+                              + _errors_of(reports))
+        for p in procs:
+            p.join(timeout=max(1.0, min(grace, deadline - time.monotonic())))
+        return [reports[r][1] for r in range(world_size)]
+    finally:
+        for p in procs:
+            if p.pid is not None:
+                _kill(p)
+        results.close()
+        results.cancel_join_thread()
+
+
+def _errors_of(reports: dict) -> str:
+    lines = []
+    for rank in sorted(reports):
+        ok, value = reports[rank]
+        if not ok:
+            lines.append(f"\n--- rank {rank} ---\n{str(value).rstrip()}")
+    return "".join(lines)
+
+
+# -- output ------------------------------------------------------------------------------------
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain-text table, right-aligned, with a rule under the header."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    out = [" | ".join(c.rjust(w) for c, w in zip(cells[0], widths)),
+           "-+-".join("-" * w for w in widths)]
+    out += [" | ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells[1:]]
+    return "\n".join(out)

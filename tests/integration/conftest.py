@@ -1,0 +1,88 @@
+"""Fixtures for integration tests: a real coordinator on 127.0.0.1:0 in the test's own loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+import gradstar
+from gradstar.config import CoordinatorSettings
+from gradstar.coordinator import Coordinator
+
+RANK_SCRIPT = Path(__file__).with_name("rank_script.py")
+
+
+@pytest.fixture
+async def start_coordinator():
+    """Factory: ``await start_coordinator(**settings)`` -> a started Coordinator, stopped after."""
+    started: list[Coordinator] = []
+
+    async def start(**overrides) -> Coordinator:
+        settings = CoordinatorSettings(**{"host": "127.0.0.1", "port": 0, **overrides})
+        coordinator = Coordinator(settings)
+        await coordinator.start()
+        started.append(coordinator)
+        return coordinator
+
+    yield start
+    for coordinator in started:
+        await coordinator.stop(grace=0)
+
+
+@pytest.fixture
+async def coordinator(start_coordinator):
+    return await start_coordinator()
+
+
+async def join_all(address: str, world_size: int, job: str = "test", **options):
+    """``world_size`` AsyncProcessGroups of one job in this process (real sockets)."""
+    options.setdefault("timeout", 20)
+    options.setdefault("join_timeout", 20)
+    groups = await asyncio.wait_for(asyncio.gather(*(
+        gradstar.init_process_group_async(coordinator=address, job=job, world_size=world_size,
+                                          rank=r, **options)
+        for r in range(world_size)
+    )), 30)
+    return sorted(groups, key=lambda g: g.rank)
+
+
+async def close_all(groups) -> None:
+    await asyncio.wait_for(asyncio.gather(*(g.close() for g in groups)), 20)
+
+
+def rank_env(address: str, job: str, world_size: int, rank: int, **extra) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSTAR_")}
+    env.update(GRADSTAR_COORDINATOR=address, GRADSTAR_JOB=job,
+               GRADSTAR_WORLD_SIZE=str(world_size), GRADSTAR_RANK=str(rank))
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+async def spawn_ranks(scenario: str, address: str, world_size: int, job: str, *args: str,
+                      **env_extra) -> list[asyncio.subprocess.Process]:
+    """Start ``world_size`` real rank processes running ``rank_script.py scenario``."""
+    return [
+        await asyncio.create_subprocess_exec(
+            sys.executable, str(RANK_SCRIPT), scenario, *args,
+            env=rank_env(address, job, world_size, r, **env_extra),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        for r in range(world_size)
+    ]
+
+
+async def finish(proc: asyncio.subprocess.Process, timeout: float) -> tuple[int, str, str]:
+    """Wait for a rank process; kill it if it outlives ``timeout``."""
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        out, err = await proc.communicate()
+        raise AssertionError(f"rank process hung; stderr:\n{err.decode()[-3000:]}") from None
+    return proc.returncode, out.decode(), err.decode()
