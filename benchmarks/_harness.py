@@ -282,10 +282,13 @@ def run_ranks(target: Callable, world_size: int, args: tuple = (), *, timeout: f
             now = time.monotonic()
             if now >= deadline:
                 missing = sorted(set(range(world_size)) - set(reports))
+                failed = sorted(r for r, (ok, _) in reports.items() if not ok)
+                why = (f"ranks {failed} failed; ranks {missing} had not reported {grace:g} s "
+                       "later" if failed else
+                       f"timed out after {timeout:g} s; ranks {missing} never reported")
                 raise RankFailure(
-                    f"{what}timed out after {timeout:g} s; ranks {missing} never reported "
-                    f"(alive: {[r for r in missing if procs[r].is_alive()]})"
-                    + _errors_of(reports)
+                    f"{what}{why} (still alive: {[r for r in missing if procs[r].is_alive()]}; "
+                    f"killed after {now - start:.1f} s)" + _errors_of(reports)
                 )
             try:
                 rank, ok, value = results.get(timeout=min(1.0, deadline - now))
@@ -339,7 +342,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
     """A plain-text table, right-aligned, with a rule under the header."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    out = [" | ".join(c.rjust(w) for c, w in zip(cells[0], widths)),
+    out = [" | ".join(c.rjust(w) for c, w in zip(cells[0], widths, strict=True)),
            "-+-".join("-" * w for w in widths)]
-    out += [" | ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells[1:]]
+    out += [" | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells[1:]]
     return "\n".join(out)

@@ -27,11 +27,11 @@ How to reproduce
     .venv/bin/python benchmarks/allreduce.py --sizes-mb 1 16 --ranks 2 --iters 10 --warmup 2 \\
         --json /tmp/allreduce.json
 
-    Defaults: sizes 1 16 64 256 MiB, ranks 2 4; iterations per size (warmup + timed):
-    1 MiB 3+20, 16 MiB 2+10, 64 MiB 1+5, 256 MiB 1+3 (``--iters`` / ``--warmup`` override them for
-    every size). Every wait is bounded (``--config-timeout``); a configuration that fails or times
-    out is reported with its error, its processes are killed, and the run continues; the exit code
-    is 1 if any configuration failed.
+    Defaults: sizes 1 16 64 256 MiB, ranks 2 4; iterations per size (warmup + timed): up to
+    1 MiB 5+50, to 16 MiB 3+20, to 64 MiB 2+10, larger 1+5 (``--iters`` / ``--warmup`` override
+    them for every size). Every wait is bounded (``--config-timeout``); a configuration that fails
+    or times out is reported with its error, its processes are killed, and the run continues; the
+    exit code is 1 if any configuration failed.
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import (  # noqa: E402
-    MiB,
+from _harness import (
     BenchmarkError,
     CoordinatorProcess,
+    MiB,
     format_table,
     free_port,
     median,
@@ -60,7 +60,7 @@ from _harness import (  # noqa: E402
 )
 
 # size in MiB -> (warmup, timed iterations) when --warmup / --iters are not given
-_SCHEDULE = [(1, 3, 20), (16, 2, 10), (64, 1, 5), (float("inf"), 1, 3)]
+_SCHEDULE = [(1, 5, 50), (16, 3, 20), (64, 2, 10), (float("inf"), 1, 5)]
 COLLECTIVE_TIMEOUT = 300.0  # gradstar's own per-collective timeout, as in the brief
 
 
@@ -193,6 +193,7 @@ def run_gradstar(ranks: int, elements: int, warmup: int, iters: int, timeout: fl
                  label: str) -> dict:
     job = f"bench-allreduce-n{ranks}-e{elements}-{uuid.uuid4().hex[:8]}"
     coord = CoordinatorProcess()
+    summary = None
     try:
         coord.start()
         cpu0 = coord.cpu_seconds()
@@ -206,15 +207,17 @@ def run_gradstar(ranks: int, elements: int, warmup: int, iters: int, timeout: fl
         summary = _summary(results, elements * 4)
         summary["coordinator_cpu_s"] = (None if cpu0 is None or cpu1 is None
                                         else round(cpu1 - cpu0, 3))
-        return summary
     except BenchmarkError as error:
         tail = coord.log_tail() if coord.proc is not None else "(not started)"
         raise BenchmarkError(f"{error}\n--- coordinator log tail ---\n{tail}") from None
     finally:
         code = coord.stop()
-        if code not in (0, None, -signal.SIGTERM):
+        if summary is not None:
+            summary["coordinator_exit_code"] = code
+        if code not in (0, None):
             print(f"  note: coordinator for {label} exited with code {code} after SIGTERM",
                   file=sys.stderr)
+    return summary
 
 
 def run_gloo(ranks: int, elements: int, warmup: int, iters: int, timeout: float,
@@ -264,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4],
                         help="world sizes (default 2 4)")
     parser.add_argument("--iters", type=int, help="timed iterations for every size "
-                        "(default by size: 20 / 10 / 5 / 3)")
+                        "(default by size: 50 / 20 / 10 / 5)")
     parser.add_argument("--warmup", type=int, help="untimed iterations for every size "
-                        "(default by size: 3 / 2 / 1 / 1)")
+                        "(default by size: 5 / 3 / 2 / 1)")
     parser.add_argument("--backends", nargs="+", choices=["gradstar", "gloo"],
                         default=["gradstar", "gloo"], help="which backends to run (default both)")
     parser.add_argument("--config-timeout", type=float,

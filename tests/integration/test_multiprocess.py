@@ -1,0 +1,64 @@
+"""Real rank processes against a real coordinator: exact results, and a rank killed mid-flight."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from .conftest import finish, spawn_ranks
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+async def test_four_rank_processes_get_exact_results_for_every_collective(coordinator):
+    procs = await spawn_ranks("collectives", coordinator.address, 4, "exact")
+    results = [await finish(p, 90) for p in procs]
+    for code, out, err in results:
+        assert code == 0, f"rank failed: {out}\n{err[-2000:]}"
+        report = last_json(out)
+        assert all(report["checks"].values()), report
+    assert sorted(last_json(out)["rank"] for _, out, _ in results) == [0, 1, 2, 3]
+
+
+async def health_status(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        return reply.status
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+async def test_rank_lost_mid_allreduce_fails_survivors_within_5s(start_coordinator, how):
+    # A frozen rank is found by keepalive/heartbeat; the heartbeat timeout bounds it at 3 s.
+    coordinator = await start_coordinator(heartbeat_timeout=3.0)
+    procs = await spawn_ranks("allreduce_until_error", coordinator.address, 4, "kill")
+    victim = procs[2]
+    # Wait until every rank is mid-loop, then take rank 2 away.
+    progress = await asyncio.wait_for(victim.stdout.readline(), 60)
+    assert b"progress" in progress
+    await asyncio.sleep(0.2)
+    victim.send_signal(how)
+    lost_at = time.time()
+    try:
+        survivors = [await finish(p, 30) for i, p in enumerate(procs) if i != 2]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            victim.kill()
+        await victim.communicate()
+    for code, out, err in survivors:
+        assert code == 0, err[-2000:]
+        report = last_json(out)
+        assert report["error"] == "RankLostError", report
+        assert report["lost_rank"] == 2, report
+        assert "rank 2" in report["message"]
+        assert report["failed_at"] - lost_at < 5.0, report
+    assert await health_status(coordinator.address) == health_pb2.HealthCheckResponse.SERVING
