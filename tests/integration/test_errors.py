@@ -218,7 +218,7 @@ async def test_world_size_disagreement_is_refused(coordinator):
     first = asyncio.ensure_future(gradstar.init_process_group_async(
         coordinator=coordinator.address, job="ws", world_size=2, join_timeout=10))
     await asyncio.sleep(0.3)
-    with pytest.raises(errors.WorldSizeMismatchError, match="world_size 2.*asked for 3"):
+    with pytest.raises(errors.WorldSizeMismatchError, match=r"world_size 2.*asked for 3"):
         await gradstar.init_process_group_async(
             coordinator=coordinator.address, job="ws", world_size=3, join_timeout=10)
     first.cancel()
