@@ -1,0 +1,51 @@
+"""Tensors far beyond gRPC's message limit, with the hub's memory bounded by one accumulator.
+
+The coordinator runs as its own process here so its peak resident memory (VmHWM) can be read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import pytest
+
+from .conftest import finish, spawn_ranks
+
+MIB = 1 << 20
+
+
+def memory(pid: int, key: str) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"{key} not in /proc/{pid}/status")
+
+
+@pytest.fixture
+async def coordinator_process():
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gradstar", "coordinator", "--host", "127.0.0.1", "--port", "0",
+        "--log-level", "WARNING", stdout=asyncio.subprocess.PIPE)
+    line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
+    yield proc, line.split()[-1]
+    proc.terminate()
+    await asyncio.wait_for(proc.wait(), 20)
+
+
+@pytest.mark.parametrize(("mib", "world"), [(1024, 2), (256, 4)], ids=["1GiB-x2", "256MiB-x4"])
+@pytest.mark.timeout(300)
+async def test_huge_all_reduce_is_exact_and_hub_memory_stays_under_one_tensor(
+        coordinator_process, mib, world):
+    proc, address = coordinator_process
+    baseline = memory(proc.pid, "VmRSS")
+    ranks = await spawn_ranks("big_allreduce", address, world, f"big{mib}", str(mib))
+    results = [await finish(p, 240) for p in ranks]
+    for code, out, err in results:
+        assert code == 0, err[-2000:]
+        assert json.loads(out.strip().splitlines()[-1])["exact"] is True
+    growth = memory(proc.pid, "VmHWM") - baseline
+    # world_size copies would be world * mib; the design bound is about one accumulator.
+    assert growth < mib * MIB, f"hub grew by {growth / MIB:.0f} MiB for a {mib} MiB tensor"
