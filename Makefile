@@ -1,4 +1,4 @@
-# Every target sets up what it needs: a fresh clone needs only python3 (3.10+) and make.
+# Every target sets up what it needs: a fresh clone needs only python3 (3.11+) and make.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp

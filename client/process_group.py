@@ -31,12 +31,14 @@ from gradstar.wire import (
     KIND_ACCEPT,
     KIND_CHUNK,
     KIND_END,
+    KIND_ERROR,
     KIND_HEADER,
     ChunkLayout,
     ChunkTracker,
     aligned_chunk_bytes,
     as_byte_view,
     decode_chunk,
+    decode_error,
     decode_message,
     dtype_info,
     encode_chunk,
@@ -207,15 +209,21 @@ class AsyncProcessGroup:
         return self._exchange(header, plan, restore, timeout)
 
     async def _exchange(self, header: pb.CollectiveHeader, plan: _Plan, restore, timeout):
+        """Stream this rank's chunks and collect its result.
+
+        The END frame (result complete) and the ERROR frame (collective failed) are definitive:
+        after either, the call is hung up without waiting for its gRPC status, which grpc-python
+        may misreport as INTERNAL when the server finishes while this side still writes.
+        """
         what = f"collective seq {header.seq}"
         call = self._stream(self._frames(header, plan), metadata=self._metadata,
                             timeout=timeout + _DEADLINE_MARGIN)
         out_bytes = as_byte_view(plan.out)
-        tracker, accepted, ended = plan.tracker, False, False
+        tracker, accepted = plan.tracker, False
         try:
-            async for frame in call:
+            while (frame := await call.read()) is not grpc.aio.EOF:
                 kind = frame_kind(frame)
-                if kind == KIND_CHUNK and accepted and not ended:
+                if kind == KIND_CHUNK and accepted:
                     index, payload = decode_chunk(frame)
                     if index in plan.skip:
                         raise ProtocolError(f"the coordinator sent back this rank's chunk {index}")
@@ -229,23 +237,20 @@ class AsyncProcessGroup:
                             f"this rank expects {plan.expected}"
                         )
                     accepted = True
-                elif kind == KIND_END and accepted and not ended:
+                elif kind == KIND_ERROR:
+                    raise decode_error(frame)
+                elif kind == KIND_END and accepted:
                     tracker.finish(decode_message(frame, KIND_END, pb.CollectiveEnd),
                                    plan.expected)
-                    ended = True
+                    return restore(plan.out)
                 else:
                     raise ProtocolError(f"{what}: unexpected frame of kind {kind}")
         except grpc.RpcError as error:
             raise error_from_rpc(error, what, self.settings.coordinator) from None
-        except asyncio.CancelledError:
+        finally:
             call.cancel()
-            raise
-        except GradstarError:
-            call.cancel()
-            raise
-        if not ended:
-            raise ProtocolError(f"{what}: the coordinator closed the stream without an end marker")
-        return restore(plan.out)
+        # read() raises for a non-OK status, so this is an OK status without an END frame.
+        raise ProtocolError(f"{what}: the coordinator closed the stream without an end marker")
 
     @staticmethod
     async def _frames(header: pb.CollectiveHeader, plan: _Plan):

@@ -42,6 +42,7 @@ class BufferPool:
         self._free: dict[tuple[np.dtype, int], list[np.ndarray]] = defaultdict(list)
 
     def take(self, dtype: np.dtype, length: int) -> np.ndarray:
+        dtype = np.dtype(dtype)
         free = self._free.get((dtype, length))
         if free:
             buf = free.pop()

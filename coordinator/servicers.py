@@ -16,7 +16,14 @@ from gradstar.errors import GradstarError, ProtocolError
 from gradstar.proto.v1 import collective_pb2 as cpb
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
 from gradstar.proto.v1 import rendezvous_pb2_grpc
-from gradstar.wire import KIND_CHUNK, KIND_END, KIND_HEADER, decode_message, frame_kind
+from gradstar.wire import (
+    KIND_CHUNK,
+    KIND_END,
+    KIND_HEADER,
+    decode_message,
+    encode_error,
+    frame_kind,
+)
 
 from .engine import CLOSE, CollectiveEngine, Participant, PendingCollective
 from .rendezvous import Member, Rendezvous
@@ -25,6 +32,10 @@ from .status import abort
 log = logging.getLogger("gradstar.coordinator")
 
 COLLECTIVE_METHOD = "/gradstar.proto.v1.Collective/Stream"
+# How long a failed collective's call stays open for the client to read the in-band error and
+# hang up. Ending a call while the client still writes can make grpc-python report INTERNAL to
+# that client instead of our status; a client that read the ERROR frame cancels at once.
+FAILURE_LINGER = 2.0
 _SESSION_END = object()
 
 
@@ -111,11 +122,15 @@ class CollectiveServicer:
             header = decode_message(first, KIND_HEADER, cpb.CollectiveHeader)
             coll, me = self.engine.arrive(header)
         except GradstarError as error:
+            yield encode_error(error)
+            await self._linger(asyncio.ensure_future(self._drain(frames)))
             await abort(context, error)
         reader = asyncio.create_task(self._read(coll, me, frames))
         try:
             while (item := await me.outbox.get()) is not CLOSE:
                 if isinstance(item, GradstarError):
+                    yield encode_error(item)
+                    await self._linger(reader)
                     await abort(context, item)
                 yield item
         finally:
@@ -125,9 +140,24 @@ class CollectiveServicer:
             coll.on_stream_closed(me, "disconnected")
 
     @staticmethod
+    async def _linger(reader: asyncio.Future) -> None:
+        """Give the client FAILURE_LINGER seconds to read the ERROR frame and hang up."""
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(reader), FAILURE_LINGER)
+
+    @staticmethod
+    async def _drain(frames) -> None:
+        with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
+            async for _ in frames:
+                pass
+
+    @staticmethod
     async def _read(coll: PendingCollective, me: Participant, frames) -> None:
+        """Feed ``me``'s frames to the collective; after it ends, drain until the client stops."""
         try:
             async for frame in frames:
+                if coll.finished:
+                    continue
                 kind = frame_kind(frame)
                 if kind == KIND_CHUNK:
                     coll.on_chunk(me, frame)

@@ -18,7 +18,7 @@ Every error a rank can see derives from :class:`GradstarError`::
         ├── CollectiveTimeoutError    some ranks never reached the collective
         ├── RankLostError             a rank died or disconnected; its generation is over
         ├── PayloadTooLargeError      the payload is over the coordinator's limit
-        └── InvalidCollectiveError    the request is invalid whatever the other ranks do
+        └── InvalidCollectiveError    the request is invalid on its own (also a ValueError)
 
 The coordinator sends an error to a client as a gRPC status whose trailing metadata names the
 class (``gradstar-error``) and carries its fields as JSON (``gradstar-error-fields``);

@@ -3,8 +3,8 @@
 A collective stream is a sequence of raw frames (identity serializers, no protobuf around the
 payload). The first byte of every frame is its kind:
 
-- ``HEADER`` / ``ACCEPT`` / ``END``: the kind byte followed by a serialized protobuf message
-  (``CollectiveHeader``, ``CollectiveAccept``, ``CollectiveEnd``).
+- ``HEADER`` / ``ACCEPT`` / ``END`` / ``ERROR``: the kind byte followed by a serialized protobuf
+  message (``CollectiveHeader``, ``CollectiveAccept``, ``CollectiveEnd``, ``CollectiveFailure``).
 - ``CHUNK``: the kind byte, three zero bytes, then little-endian ``u32 index``, ``u32 length``,
   ``u32 crc32`` of the payload, then ``length`` raw little-endian tensor bytes.
 
@@ -17,6 +17,7 @@ repeated or fails its checksum raises :class:`~gradstar.errors.ProtocolError`.
 
 from __future__ import annotations
 
+import json
 import struct
 import zlib
 from dataclasses import dataclass
@@ -24,13 +25,14 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from gradstar.errors import ConfigurationError, ProtocolError
+from gradstar.errors import ConfigurationError, GradstarError, ProtocolError, error_from_wire
 from gradstar.proto.v1 import collective_pb2 as pb
 
 KIND_HEADER = 1
 KIND_ACCEPT = 2
 KIND_CHUNK = 3
 KIND_END = 4
+KIND_ERROR = 5
 
 _CHUNK_HEADER = struct.Struct("<B3xIII")
 CHUNK_HEADER_BYTES = _CHUNK_HEADER.size
@@ -143,6 +145,18 @@ def decode_message(frame: bytes, kind: int, message_type):
     except Exception as exc:  # protobuf raises DecodeError or RuntimeWarning-derived errors
         raise ProtocolError(f"corrupt {message_type.__name__} frame: {exc}") from None
     return message
+
+
+def encode_error(error: GradstarError) -> bytes:
+    """An ERROR frame carrying ``error`` so the client can raise the same exception."""
+    return encode_message(KIND_ERROR, pb.CollectiveFailure(
+        error=type(error).__name__, fields_json=json.dumps(error.fields()), message=str(error)))
+
+
+def decode_error(frame: bytes) -> GradstarError:
+    """The exception an ERROR frame describes."""
+    failure = decode_message(frame, KIND_ERROR, pb.CollectiveFailure)
+    return error_from_wire(failure.error, failure.fields_json, failure.message)
 
 
 def frame_kind(frame: bytes) -> int:

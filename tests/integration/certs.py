@@ -24,7 +24,7 @@ def _write_key(key, path: Path) -> None:
 
 def make_pki(folder: Path) -> dict[str, Path]:
     """ca.pem, server.pem/server.key (for 127.0.0.1 and localhost), client.pem/client.key."""
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (x509.CertificateBuilder().subject_name(_name("gradstar test CA"))
           .issuer_name(_name("gradstar test CA")).public_key(ca_key.public_key())

@@ -92,6 +92,16 @@ class CollectiveAccept(_message.Message):
     output_bytes: int
     def __init__(self, output_chunks: _Optional[int] = ..., output_bytes: _Optional[int] = ...) -> None: ...
 
+class CollectiveFailure(_message.Message):
+    __slots__ = ("error", "fields_json", "message")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_JSON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    error: str
+    fields_json: str
+    message: str
+    def __init__(self, error: _Optional[str] = ..., fields_json: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
 class CollectiveEnd(_message.Message):
     __slots__ = ("chunks", "bytes")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
