@@ -17,6 +17,7 @@ from collections.abc import Awaitable
 import grpc
 import numpy as np
 
+from gradstar.allocator import tune_allocator
 from gradstar.config import ClientSettings
 from gradstar.errors import (
     ConfigurationError,
@@ -321,6 +322,8 @@ async def init_process_group_async(
         if isinstance(error, GradstarError):
             raise
         raise ConfigurationError(f"invalid process group settings: {error}") from None
+    if settings.tune_allocator:
+        tune_allocator()
     channel = open_channel(settings)
     try:
         try:

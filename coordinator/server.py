@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gradstar.allocator import tune_allocator
 from gradstar.channels import SERVER_OPTIONS, server_credentials
 from gradstar.config import CoordinatorSettings
 from gradstar.proto.v1 import (
@@ -65,6 +66,7 @@ class Coordinator:
             OSError: the address could not be bound.
         """
         s = self.settings
+        tune_allocator()
         self.rendezvous = Rendezvous(
             s.heartbeat_timeout, on_generation_failed=lambda g: self.engine.fail_generation(g)
         )

@@ -65,3 +65,6 @@ class ClientSettings(BaseSettings):
     timeout: float = Field(300.0, gt=0, description="default collective timeout in seconds")
     connect_timeout: float = Field(10.0, gt=0)
     chunk_bytes: int = Field(DEFAULT_CHUNK_BYTES, gt=0, le=MAX_CHUNK_BYTES)
+    tune_allocator: bool = Field(
+        True, description="raise glibc's mmap threshold so chunk buffers are reused "
+                          "(see gradstar.allocator)")

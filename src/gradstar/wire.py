@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import struct
-import zlib
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -27,6 +26,13 @@ import numpy as np
 
 from gradstar.errors import ConfigurationError, GradstarError, ProtocolError, error_from_wire
 from gradstar.proto.v1 import collective_pb2 as pb
+
+try:
+    # ISA-L's CRC-32 is the same checksum as zlib's at ~13x the speed (56 vs 4 GB/s measured
+    # here); at 4 GB/s the checksums were a quarter of the hub's CPU time.
+    from isal.isal_zlib import crc32
+except ImportError:  # platforms without an isal wheel: same values, slower
+    from zlib import crc32
 
 KIND_HEADER = 1
 KIND_ACCEPT = 2
@@ -171,7 +177,7 @@ def encode_chunk(index: int, payload) -> bytes:
         # memoryview cannot describe ml_dtypes' bfloat16; a uint8 view of the same bytes can.
         payload = payload.reshape(-1).view(np.uint8)
     view = memoryview(payload).cast("B")
-    header = _CHUNK_HEADER.pack(KIND_CHUNK, index, view.nbytes, zlib.crc32(view))
+    header = _CHUNK_HEADER.pack(KIND_CHUNK, index, view.nbytes, crc32(view))
     return b"".join((header, view))
 
 
@@ -187,7 +193,7 @@ def decode_chunk(frame: bytes) -> tuple[int, memoryview]:
         raise ProtocolError(
             f"chunk {index} declares {length} payload bytes but carries {payload.nbytes}"
         )
-    if zlib.crc32(payload) != crc:
+    if crc32(payload) != crc:
         raise ProtocolError(f"chunk {index} failed its checksum")
     return index, payload
 

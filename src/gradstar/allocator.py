@@ -1,0 +1,47 @@
+"""Keep glibc from mapping and unmapping every multi-megabyte buffer.
+
+Each received gRPC message becomes a fresh ``bytes`` object of one chunk (MBs). By default glibc
+serves such sizes with mmap and returns them with munmap, so every chunk costs page faults on
+first touch; measured on a 2-rank 64 MB all_reduce, that was ~20% of the time. Raising the mmap
+threshold (and the trim threshold with it) makes glibc reuse heap memory for chunk buffers.
+The price is that freed chunk buffers stay in the process instead of going back to the OS, which
+is bounded by the chunks in flight.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+
+_M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
+_M_MMAP_THRESHOLD = -3
+
+MMAP_THRESHOLD = 64 << 20
+TRIM_THRESHOLD = 512 << 20
+TOP_PAD = 64 << 20
+
+_done = False
+
+
+def tune_allocator() -> bool:
+    """Apply the thresholds once per process on glibc Linux; return whether they were applied."""
+    global _done
+    if _done:
+        return True
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and other libcs have no mallopt
+        return False
+    ok = all(mallopt(param, value) == 1 for param, value in (
+        (_M_MMAP_THRESHOLD, MMAP_THRESHOLD), (_M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+        (_M_TOP_PAD, TOP_PAD)))
+    if not ok:
+        logging.getLogger("gradstar").debug("mallopt refused the chunk-buffer thresholds")
+    _done = ok
+    return ok
