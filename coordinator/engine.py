@@ -46,11 +46,12 @@ from gradstar.wire import (
     KIND_END,
     ChunkLayout,
     ChunkTracker,
+    chunk_frame_buffer,
     decode_chunk,
     decode_message,
     dtype_from_wire,
-    encode_chunk,
     encode_message,
+    seal_chunk_frame,
 )
 
 from .reduce import REDUCE_OP_NAMES, BufferPool, ChunkReducer
@@ -257,26 +258,19 @@ class PendingCollective:
             else:
                 self._held.append((p.rank, index, frame))
             return
-        slot = self._slots.get(index)
-        if slot is None:
-            slot = self._slots[index] = [self.reducer.start(payload), 1]
-        else:
-            self.reducer.add(slot[0], payload)
-            slot[1] += 1
-        if slot[1] == self.world:
-            del self._slots[index]
-            self._emit_reduced(index, slot[0])
-
-    def _emit_reduced(self, index: int, acc) -> None:
-        result = self.reducer.finish(acc)
+        slot = self._slots.pop(index, None)
+        if (slot.count if slot is not None else 0) + 1 < self.world:
+            self._slots[index] = self.reducer.fold(slot, payload)
+            return
+        frame, view = chunk_frame_buffer(payload.nbytes)
+        self.reducer.finish_into(slot, payload, view[CHUNK_HEADER_BYTES:])
         if self.op == pb.COLLECTIVE_OP_ALL_REDUCE:
-            frame = encode_chunk(index, result)
             targets = self.participants.values()
         else:
             owner = self.layout.segment_of(index)
-            frame = encode_chunk(index - owner * self.layout.per_segment, result)
+            index -= owner * self.layout.per_segment
             targets = (self.participants[owner],)
-        self.reducer.release(acc)
+        seal_chunk_frame(frame, view, index)
         for t in targets:
             self._queue(t, frame)
         self._maybe_complete()
@@ -356,8 +350,8 @@ class PendingCollective:
     def _finish(self, error: GradstarError | None) -> None:
         self.finished = True
         self._timer.cancel()
-        for acc, _count in self._slots.values():
-            self.reducer.release(acc)
+        for slot in self._slots.values():
+            self.reducer.release(slot)
         self._slots.clear()
         self._held.clear()
         self.gen.collectives.pop(self.key, None)

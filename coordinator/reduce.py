@@ -1,15 +1,15 @@
 """Elementwise reduction of chunks into pooled accumulators.
 
-The hub reduces chunk ``i`` as soon as every rank has sent it. The first arrival is copied
-(and, for half precision, widened to float32) into an accumulator taken from a :class:`BufferPool`;
-every later arrival is reduced into it in place. Accumulators go back to the pool once their
-chunk is sent, so a steady training loop reuses the same few buffers instead of faulting in
-fresh pages for every chunk.
+The hub reduces chunk ``i`` as soon as every rank has sent it (see :class:`Slot` for the
+order of operations). Accumulators hold the accumulation dtype (float32 for half precision) and
+come from a :class:`BufferPool`; they go back to it once their chunk is sent, so a steady
+training loop reuses the same few buffers instead of faulting in fresh pages for every chunk.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -57,6 +57,20 @@ class BufferPool:
         self.idle_bytes += buf.nbytes
 
 
+@dataclass(eq=False)
+class Slot:
+    """The contributions to one chunk so far.
+
+    The first contribution is kept as a view of the received frame (no copy); the second is
+    reduced with it into a pooled accumulator; the last one is reduced straight into the
+    outgoing frame, so a 2-rank float32 all_reduce touches each chunk once on the hub.
+    """
+
+    count: int
+    first: memoryview | None = None
+    acc: np.ndarray | None = None
+
+
 class ChunkReducer:
     """Reduces one collective's chunks with ``reduce_op`` over ``world_size`` contributions."""
 
@@ -71,28 +85,53 @@ class ChunkReducer:
         self.ufunc = _UFUNCS[reduce_op]
         self.mean = reduce_op == pb.REDUCE_OP_MEAN
         self.dtype = dtype
+        self.acc_dtype = dtype.accumulate
         self.world_size = world_size
         self.pool = pool
 
-    def start(self, payload: memoryview) -> np.ndarray:
-        """A fresh accumulator holding the first contribution to a chunk."""
-        values = np.frombuffer(payload, dtype=self.dtype.numpy)
-        acc = self.pool.take(self.dtype.accumulate, values.shape[0])
-        np.copyto(acc, values)
-        return acc
+    def _values(self, payload: memoryview) -> np.ndarray:
+        return np.frombuffer(payload, dtype=self.dtype.numpy)
 
-    def add(self, acc: np.ndarray, payload: memoryview) -> None:
-        """Fold another rank's contribution into ``acc`` in place."""
-        self.ufunc(acc, np.frombuffer(payload, dtype=self.dtype.numpy), out=acc)
+    def fold(self, slot: Slot | None, payload: memoryview) -> Slot:
+        """Add a contribution that is not the last one; returns the chunk's updated slot."""
+        if slot is None:
+            return Slot(1, first=payload)
+        values = self._values(payload)
+        if slot.acc is None:
+            slot.acc = self.pool.take(self.acc_dtype, values.shape[0])
+            # dtype= makes half-precision inputs reduce in float32, not in their own precision.
+            self.ufunc(self._values(slot.first), values, out=slot.acc, dtype=self.acc_dtype)
+            slot.first = None
+        else:
+            self.ufunc(slot.acc, values, out=slot.acc, dtype=self.acc_dtype)
+        slot.count += 1
+        return slot
 
-    def finish(self, acc: np.ndarray) -> np.ndarray:
-        """The chunk's result in the wire dtype; ``acc`` may be returned to the pool after use."""
+    def finish_into(self, slot: Slot | None, payload: memoryview, out: memoryview) -> None:
+        """Add the last contribution and write the chunk's result, in the wire dtype, to ``out``."""
+        values = self._values(payload)
+        result = np.frombuffer(out, dtype=self.dtype.numpy)
+        if slot is None:  # world_size 1
+            np.copyto(result, values)
+            return
+        direct = self.acc_dtype == self.dtype.numpy
+        if slot.acc is None and direct:
+            self.ufunc(self._values(slot.first), values, out=result)
+            if self.mean:
+                np.divide(result, self.world_size, out=result)
+            return
+        acc = slot.acc if slot.acc is not None else self.pool.take(self.acc_dtype, values.shape[0])
+        first = slot.acc if slot.acc is not None else self._values(slot.first)
+        self.ufunc(first, values, out=acc, dtype=self.acc_dtype)
         if self.mean:
             np.divide(acc, self.world_size, out=acc)
-        if acc.dtype == self.dtype.numpy:
-            return acc
-        # Narrowing to half precision: a temporary of half the accumulator's size.
-        return acc.astype(self.dtype.numpy)
+        np.copyto(result, acc, casting="unsafe")
+        self.release(slot, acc)
 
-    def release(self, acc: np.ndarray) -> None:
-        self.pool.give(acc)
+    def release(self, slot: Slot | None, acc: np.ndarray | None = None) -> None:
+        """Return a slot's accumulator (or ``acc``) to the pool."""
+        buf = acc if acc is not None else (slot.acc if slot is not None else None)
+        if buf is not None:
+            self.pool.give(buf)
+        if slot is not None:
+            slot.acc = slot.first = None

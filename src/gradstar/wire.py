@@ -17,6 +17,7 @@ repeated or fails its checksum raises :class:`~gradstar.errors.ProtocolError`.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import struct
 from dataclasses import dataclass
@@ -179,6 +180,37 @@ def encode_chunk(index: int, payload) -> bytes:
     view = memoryview(payload).cast("B")
     header = _CHUNK_HEADER.pack(KIND_CHUNK, index, view.nbytes, crc32(view))
     return b"".join((header, view))
+
+
+# A bytes object is immutable once shared, but CPython builds one by allocating it uninitialised
+# and filling it (PyBytes_FromStringAndSize(NULL, n)). The hub does the same for reduced chunks,
+# so the reduction writes straight into the frame gRPC sends instead of into a buffer that
+# encode_chunk would then copy. Frames are never shorter than the header, so never the shared
+# empty or one-byte objects.
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+_bytes_data = ctypes.pythonapi.PyBytes_AsString
+_bytes_data.restype = ctypes.c_void_p
+_bytes_data.argtypes = (ctypes.py_object,)
+
+
+def chunk_frame_buffer(length: int) -> tuple[bytes, memoryview]:
+    """A new, unshared chunk frame of ``length`` payload bytes and a writable view of all of it.
+
+    Fill ``view[CHUNK_HEADER_BYTES:]``, call :func:`seal_chunk_frame`, and only then hand the
+    bytes object to anyone else.
+    """
+    frame = _new_bytes(None, CHUNK_HEADER_BYTES + length)
+    raw = (ctypes.c_char * len(frame)).from_address(_bytes_data(frame))
+    return frame, memoryview(raw).cast("B")
+
+
+def seal_chunk_frame(frame: bytes, view: memoryview, index: int) -> bytes:
+    """Write the header (index, length, checksum) of a frame filled through ``view``."""
+    payload = view[CHUNK_HEADER_BYTES:]
+    _CHUNK_HEADER.pack_into(view, 0, KIND_CHUNK, index, payload.nbytes, crc32(payload))
+    return frame
 
 
 def decode_chunk(frame: bytes) -> tuple[int, memoryview]:

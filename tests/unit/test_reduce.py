@@ -45,12 +45,18 @@ def contributions(dtype: np.dtype, world_size: int, length: int, seed: int) -> l
     return [(rng.integers(-32, 33, size=length) / 8).astype(dtype) for _ in range(world_size)]
 
 
+def reduce_views(reducer: ChunkReducer, views: list[memoryview]) -> np.ndarray:
+    """The hub's sequence for one chunk: fold every arrival but the last, finish into a frame."""
+    slot = None
+    for view in views[:-1]:
+        slot = reducer.fold(slot, view)
+    out = np.empty(views[-1].nbytes, dtype=np.uint8)
+    reducer.finish_into(slot, views[-1], as_byte_view(out))
+    return out.view(reducer.dtype.numpy)
+
+
 def reduce_chunk(reducer: ChunkReducer, arrays: list[np.ndarray]) -> np.ndarray:
-    """The hub's sequence for one chunk: start with the first arrival, add the rest, finish."""
-    acc = reducer.start(as_byte_view(arrays[0]))
-    for array in arrays[1:]:
-        reducer.add(acc, as_byte_view(array))
-    return reducer.finish(acc)
+    return reduce_views(reducer, [as_byte_view(a) for a in arrays])
 
 
 def make_reducer(op: int, dtype, world_size: int, pool: BufferPool | None = None) -> ChunkReducer:
@@ -85,11 +91,8 @@ def test_reduction_chunk_by_chunk_reassembles_to_the_whole_reduction(op, dtype):
 
     for index in range(layout.count):
         offset, size = layout.span(index)
-        acc = reducer.start(views[0][offset:offset + size])
-        for view in views[1:]:
-            reducer.add(acc, view[offset:offset + size])
-        out_bytes[offset:offset + size] = as_byte_view(reducer.finish(acc))
-        reducer.release(acc)
+        result = reduce_views(reducer, [view[offset:offset + size] for view in views])
+        out_bytes[offset:offset + size] = as_byte_view(result)
 
     np.testing.assert_array_equal(out, reduce_chunk(make_reducer(op, dtype, world_size), arrays))
 
@@ -171,11 +174,12 @@ def test_half_precision_mean_of_values_whose_sum_overflows_float16():
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
 def test_half_precision_accumulator_is_float32(dtype):
-    reducer = make_reducer(pb.REDUCE_OP_SUM, dtype, 2)
+    reducer = make_reducer(pb.REDUCE_OP_SUM, dtype, 3)
 
-    acc = reducer.start(as_byte_view(np.ones(4, dtype=dtype)))
+    slot = reducer.fold(None, as_byte_view(np.ones(4, dtype=dtype)))
+    slot = reducer.fold(slot, as_byte_view(np.ones(4, dtype=dtype)))
 
-    assert acc.dtype == np.float32
+    assert slot.acc.dtype == np.float32
 
 
 # -- invalid reducers ----------------------------------------------------------------------------
@@ -268,16 +272,17 @@ def test_pool_accepts_a_buffer_that_fills_it_exactly():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64])
 def test_reducer_reuses_a_released_accumulator_and_overwrites_it(dtype):
-    reducer = make_reducer(pb.REDUCE_OP_SUM, dtype, 2, BufferPool())
-    first = [np.full(6, 3, dtype=dtype), np.full(6, 4, dtype=dtype)]
-    second = [np.full(6, 1, dtype=dtype), np.full(6, 2, dtype=dtype)]
+    reducer = make_reducer(pb.REDUCE_OP_SUM, dtype, 3, BufferPool())
+    first = [np.full(6, v, dtype=dtype) for v in (3, 4, 5)]
+    second = [np.full(6, v, dtype=dtype) for v in (1, 2, 0)]
 
-    acc = reducer.start(as_byte_view(first[0]))
-    reducer.add(acc, as_byte_view(first[1]))
-    np.testing.assert_array_equal(reducer.finish(acc), np.full(6, 7, dtype=dtype))
-    reducer.release(acc)
-    reused = reducer.start(as_byte_view(second[0]))
-    reducer.add(reused, as_byte_view(second[1]))
+    slot = reducer.fold(reducer.fold(None, as_byte_view(first[0])), as_byte_view(first[1]))
+    acc = slot.acc
+    out = np.empty(6, dtype=dtype)
+    reducer.finish_into(slot, as_byte_view(first[2]), as_byte_view(out))
+    np.testing.assert_array_equal(out, np.full(6, 12, dtype=dtype))
+    reused = reducer.fold(reducer.fold(None, as_byte_view(second[0])), as_byte_view(second[1]))
 
-    assert reused is acc
-    np.testing.assert_array_equal(reducer.finish(reused), np.full(6, 3, dtype=dtype))
+    assert reused.acc is acc
+    reducer.finish_into(reused, as_byte_view(second[2]), as_byte_view(out))
+    np.testing.assert_array_equal(out, np.full(6, 3, dtype=dtype))

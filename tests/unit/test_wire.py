@@ -663,3 +663,34 @@ def test_dtype_info_of_an_unsupported_dtype_raises(dtype):
 def test_dtype_from_wire_of_an_unknown_value_raises(wire):
     with pytest.raises(ProtocolError, match=f"unknown dtype {wire} in collective header"):
         dtype_from_wire(wire)
+
+
+# -- frames built in place (the hub's reduced chunks) ----------------------------------------
+
+
+@pytest.mark.parametrize("length", [1, 7, 4096, 3 << 20])
+def test_frame_built_in_place_decodes_like_encode_chunk(length):
+    from gradstar.wire import chunk_frame_buffer, seal_chunk_frame
+
+    payload = np.random.default_rng(length).integers(0, 256, size=length, dtype=np.uint8)
+    frame, view = chunk_frame_buffer(length)
+    view[CHUNK_HEADER_BYTES:] = payload.tobytes()
+    sealed = seal_chunk_frame(frame, view, 41)
+
+    assert sealed is frame and isinstance(frame, bytes)
+    assert frame == encode_chunk(41, payload)
+    index, decoded = decode_chunk(frame)
+    assert index == 41 and bytes(decoded) == payload.tobytes()
+
+
+def test_frames_built_in_place_are_distinct_objects():
+    from gradstar.wire import chunk_frame_buffer, seal_chunk_frame
+
+    frames = []
+    for value in (1, 2):
+        frame, view = chunk_frame_buffer(8)
+        view[CHUNK_HEADER_BYTES:] = bytes([value]) * 8
+        frames.append(seal_chunk_frame(frame, view, value))
+    assert frames[0] is not frames[1]
+    assert decode_chunk(frames[0])[1].tobytes() == b"\x01" * 8
+    assert decode_chunk(frames[1])[1].tobytes() == b"\x02" * 8
