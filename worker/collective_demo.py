@@ -7,9 +7,8 @@ runtime issue will replace this as the main job.)
 
 from __future__ import annotations
 
-import asyncio
 import multiprocessing as mp
-import threading
+import queue
 import time
 
 import numpy as np
@@ -43,41 +42,44 @@ def _rank_main(address: str, world_size: int, rank: int, elements: int, rounds: 
 
 
 def run_demo(workers: int = 4, megabytes: float = 16.0, rounds: int = 5) -> int:
-    from gradstar.config import CoordinatorSettings
-    from gradstar.coordinator import Coordinator
+    from gradstar.coordinator import EmbeddedCoordinator
 
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True, name="coordinator").start()
-    coordinator = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0))
-    asyncio.run_coroutine_threadsafe(coordinator.start(), loop).result(30)
-    address = coordinator.address
     elements = max(1, int(megabytes * (1 << 20)) // 4)
-    print(f"gradstar demo: coordinator on {address}, {workers} ranks, "
-          f"all_reduce of {elements * 4 / (1 << 20):.1f} MB float32 x {rounds} rounds")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(address, workers, r, elements, rounds, results))
-             for r in range(workers)]
-    for p in procs:
-        p.start()
-    reports, failed = {}, False
-    deadline = time.monotonic() + 300
-    while len(reports) < workers and time.monotonic() < deadline:
+    with EmbeddedCoordinator() as hub:
+        print(f"gradstar demo: coordinator on {hub.address}, {workers} ranks, "
+              f"all_reduce of {elements * 4 / (1 << 20):.1f} MB float32 x {rounds} rounds")
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_rank_main,
+                             args=(hub.address, workers, r, elements, rounds, results))
+                 for r in range(workers)]
+        for p in procs:
+            p.start()
+        reports = _collect(results, procs, deadline=time.monotonic() + 300)
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return _report(reports, procs, elements)
+
+
+def _collect(results, procs, deadline: float) -> dict:
+    reports: dict = {}
+    while len(reports) < len(procs) and time.monotonic() < deadline:
         try:
             rank, exact, times, error = results.get(timeout=1)
-        except Exception:
+        except queue.Empty:
             if any(p.exitcode not in (None, 0) for p in procs):
                 break
             continue
         reports[rank] = (exact, times, error)
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-    asyncio.run_coroutine_threadsafe(coordinator.stop(grace=0), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
+    return reports
+
+
+def _report(reports: dict, procs, elements: int) -> int:
+    failed = False
     print(f"{'rank':>4}  {'median all_reduce':>17}  {'algbw':>10}  result")
-    for rank in range(workers):
+    for rank in range(len(procs)):
         if rank not in reports:
             code = procs[rank].exitcode
             print(f"{rank:>4}  {'-':>17}  {'-':>10}  no report (process exit code {code})")

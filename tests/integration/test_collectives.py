@@ -175,3 +175,20 @@ async def test_input_is_not_modified(groups):
     await run_all(groups, lambda g: g.all_reduce(xs[g.rank], op="sum"))
     for x, c in zip(xs, copies, strict=True):
         np.testing.assert_array_equal(x, c)
+
+
+async def test_jobs_on_one_coordinator_are_isolated(coordinator):
+    """Two jobs issue the same seq numbers at once; each gets only its own ranks' data."""
+    a = await join_all(coordinator.address, 2, job="job-a", chunk_bytes=CHUNK_BYTES)
+    b = await join_all(coordinator.address, 3, job="job-b", chunk_bytes=CHUNK_BYTES)
+    try:
+        outs = await asyncio.wait_for(asyncio.gather(
+            *(g.all_reduce(np.full(100, 1.0)) for g in a),
+            *(g.all_reduce(np.full(100, 10.0)) for g in b)), 20)
+        for out in outs[:2]:
+            np.testing.assert_array_equal(out, np.full(100, 2.0))
+        for out in outs[2:]:
+            np.testing.assert_array_equal(out, np.full(100, 30.0))
+        assert {g.generation for g in a + b} == {1}
+    finally:
+        await close_all(a + b)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import sys
 import time
 
 import grpc
@@ -62,3 +63,28 @@ async def test_rank_lost_mid_allreduce_fails_survivors_within_5s(start_coordinat
         assert "rank 2" in report["message"]
         assert report["failed_at"] - lost_at < 5.0, report
     assert await health_status(coordinator.address) == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_coordinator_death_gives_ranks_a_named_error_quickly():
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gradstar", "coordinator", "--host", "127.0.0.1", "--port", "0",
+        "--log-level", "WARNING", stdout=asyncio.subprocess.PIPE)
+    address = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode().split()[-1]
+    ranks = await spawn_ranks("allreduce_until_error", address, 2, "orphans")
+    try:
+        await asyncio.wait_for(ranks[0].stdout.readline(), 60)
+        proc.kill()
+        killed_at = time.time()
+        for code, out, err in [await finish(r, 30) for r in ranks]:
+            assert code == 0, err[-2000:]
+            report = last_json(out)
+            assert report["error"] == "CoordinatorUnavailableError", report
+            assert address in report["message"]
+            assert report["failed_at"] - killed_at < 5.0, report
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        for r in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                r.kill()
