@@ -215,7 +215,7 @@ def run_gradstar(ranks: int, elements: int, warmup: int, iters: int, timeout: fl
         if summary is not None:
             summary["coordinator_exit_code"] = code
         if code not in (0, None):
-            print(f"  note: coordinator for {label} exited with code {code} after SIGTERM",
+            print(f"  note: the coordinator for {label} ended with exit code {code}",
                   file=sys.stderr)
     return summary
 
@@ -236,27 +236,39 @@ def default_timeout(ranks: int, size_mb: float, warmup: int, iters: int) -> floa
     return max(120.0, min(600.0, estimate))
 
 
-def _fmt(value, spec: str) -> str:
-    return "FAILED" if value is None else format(value, spec)
-
-
 def _environment() -> dict:
     import numpy
     import torch
 
     import gradstar
 
+    root = Path(__file__).resolve().parent.parent
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=5, cwd=Path(__file__).resolve().parent
-                                ).stdout.strip() or None
+        git = ["git", "-C", str(root)]
+        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=5).stdout.strip() or None
+        # Uncommitted edits to the library itself (not to benchmarks/) make the commit inexact.
+        dirty = subprocess.run([*git, "status", "--porcelain", "--", "src", "client",
+                                "coordinator", "worker", "protos"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        if commit and dirty:
+            commit += "+dirty"
     except Exception:
         commit = None
     return {
         "python": platform.python_version(), "numpy": numpy.__version__,
         "torch": torch.__version__, "gradstar": gradstar.__version__, "git_commit": commit,
         "cpus": os.cpu_count(), "machine": platform.machine(), "system": platform.system(),
+        "loadavg_at_start": _loadavg(),
     }
+
+
+def _loadavg() -> list[float] | None:
+    """1/5/15-minute load averages: other work on the machine skews every figure here."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -288,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     env = _environment()
     print(f"gradstar all_reduce benchmark: python {env['python']}, torch {env['torch']}, "
           f"numpy {env['numpy']}, gradstar {env['gradstar']} ({env['git_commit']}), "
-          f"{env['cpus']} CPUs", flush=True)
+          f"{env['cpus']} CPUs, load average {env['loadavg_at_start']}", flush=True)
     run_start = time.monotonic()
     rows, failures = [], []
     for ranks in args.ranks:
@@ -324,24 +336,32 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
 
     total = time.monotonic() - run_start
+    def cell(row: dict, backend: str, key: str, spec: str) -> str:
+        result = row[backend]
+        if result is None:
+            return "-"  # not run (--backends)
+        return "FAILED" if result["error"] else format(result[key], spec)
+
     table = format_table(
         ["ranks", "size MB", "gradstar ms", "gloo ms", "ratio (gradstar/gloo)",
          "gradstar algbw GB/s"],
         [[r["ranks"], f"{r['size_mb']:g}",
-          _fmt((r["gradstar"] or {}).get("median_ms"), ".2f"),
-          _fmt((r["gloo"] or {}).get("median_ms"), ".2f"),
-          _fmt(r["ratio"], ".2f"),
-          _fmt((r["gradstar"] or {}).get("algbw_gbps"), ".3f")] for r in rows],
+          cell(r, "gradstar", "median_ms", ".2f"),
+          cell(r, "gloo", "median_ms", ".2f"),
+          "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
+          cell(r, "gradstar", "algbw_gbps", ".3f")] for r in rows],
     )
     print()
     print(table)
     print(f"\nmedian of rank 0's timed iterations; MB = MiB of float32 per rank; "
-          f"algbw = bytes / median (GB = 1e9 B); total runtime {total:.1f} s")
+          f"algbw = bytes / median (GB = 1e9 B); total runtime {total:.1f} s; "
+          f"load average at end {_loadavg()}")
     for backend, label, error in failures:
         print(f"\nFAILED: {backend} {label}:\n{error}")
     if args.json:
         args.json.write_text(json.dumps(
             {"benchmark": "allreduce", "environment": env, "runtime_s": round(total, 2),
+             "loadavg_at_end": _loadavg(),
              "rows": rows}, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 1 if failures else 0

@@ -33,13 +33,14 @@ async def _serve(settings: CoordinatorSettings) -> None:
     from gradstar.coordinator import Coordinator
 
     coordinator = Coordinator(settings)
-    await coordinator.start()
-    print(f"gradstar coordinator listening on {settings.host}:{coordinator.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    # Handlers first: a SIGTERM right after the "listening" line must drain, not kill.
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    await coordinator.start()
+    print(f"gradstar coordinator listening on {settings.host}:{coordinator.port}", flush=True)
     await stop.wait()
     logging.getLogger("gradstar.coordinator").info("stopping: draining for up to %.1f s",
                                                    settings.drain_grace)
