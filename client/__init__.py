@@ -1,5 +1,6 @@
 """gradstar.client: what a training process uses to talk to the coordinator."""
 
+from .local_sgd import LocalSGD
 from .process_group import (
     AsyncProcessGroup,
     ProcessGroup,
@@ -9,9 +10,22 @@ from .process_group import (
 from .work import Work
 
 __all__ = [
+    "DDP",
     "AsyncProcessGroup",
+    "DistributedDataParallel",
+    "LocalSGD",
     "ProcessGroup",
     "Work",
     "init_process_group",
     "init_process_group_async",
 ]
+
+
+def __getattr__(name: str):
+    # DDP needs torch, which is optional (numpy users install gradstar without it): import it
+    # on first use so `import gradstar` works without torch.
+    if name in ("DistributedDataParallel", "DDP"):
+        from . import ddp
+
+        return getattr(ddp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

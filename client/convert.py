@@ -56,7 +56,8 @@ def _torch_to_numpy(t) -> tuple[np.ndarray, Restore]:
         arr = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
 
         def restore(a: np.ndarray):
-            return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+            a = a if a.flags.c_contiguous else a.copy(order="C")  # keeps 0-d arrays 0-d
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
 
         return arr, restore
     return t.numpy(), torch.from_numpy

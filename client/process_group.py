@@ -47,12 +47,19 @@ from gradstar.wire import (
     frame_kind,
 )
 
+from .coalesced import all_reduce_coalesced
 from .convert import to_numpy
-from .rpc import call_metadata, error_from_rpc, open_channel
+from .rpc import call_metadata, error_from_rpc, is_coordinator_verdict, open_channel
 from .session import Session
 from .work import Work
 
 COLLECTIVE_METHOD = "/gradstar.proto.v1.Collective/Stream"
+AVERAGING_RULES = {
+    "seed": pb.AVERAGING_RULE_SEED,
+    "average": pb.AVERAGING_RULE_AVERAGE,
+    "outer_sgd": pb.AVERAGING_RULE_OUTER_SGD,
+    "outer_nesterov": pb.AVERAGING_RULE_OUTER_NESTEROV,
+}
 REDUCE_OPS = {
     "sum": pb.REDUCE_OP_SUM,
     "mean": pb.REDUCE_OP_MEAN,
@@ -64,6 +71,8 @@ REDUCE_OPS = {
 # The coordinator answers a late collective with its own timeout error; the call's deadline is
 # only a backstop for a coordinator that stopped answering altogether.
 _DEADLINE_MARGIN = 10.0
+# How long a collective whose stream broke waits for the session to report a lost rank or hub.
+_SESSION_GRACE = 3.0
 
 
 class _Plan:
@@ -168,12 +177,49 @@ class AsyncProcessGroup:
         return self._run(pb.COLLECTIVE_OP_REDUCE_SCATTER, arr, plan, restore, timeout,
                          reduce_op=reduce_op)
 
+    def all_reduce_coalesced(self, arrays, op: str = "mean", bucket_cap_mb: float = 25, *,
+                             timeout: float | None = None) -> Awaitable:
+        """Reduce a list of arrays as a few flat per-dtype buckets of at most ``bucket_cap_mb``
+        MB, concurrently; resolves to a list of arrays of the original shapes and types.
+
+        See :func:`gradstar.client.coalesced.all_reduce_coalesced` (raises what it raises).
+        """
+        return all_reduce_coalesced(self, arrays, op, bucket_cap_mb, timeout=timeout)
+
     def barrier(self, *, timeout: float | None = None) -> Awaitable:
         """Resolves once every rank has reached the barrier."""
         arr = np.empty(0, dtype=np.float32)
         layout = self._layout(arr, 1, 0)
         plan = _Plan(None, layout, range(0), layout, arr)
         return self._run(pb.COLLECTIVE_OP_BARRIER, arr, plan, lambda a: None, timeout)
+
+    def sync_global_model(self, x, *, model: str, rule: str, outer_lr: float = 0.0,
+                          outer_momentum: float = 0.0, timeout: float | None = None) -> Awaitable:
+        """An averaging round: the primitive under :class:`gradstar.LocalSGD`.
+
+        Every rank sends a flat float32 ``x`` (parameters for ``rule`` "seed" and "average",
+        pseudo-gradients for "outer_sgd" and "outer_nesterov"); the hub averages it, applies the
+        rule to the job's global model ``model`` and every rank receives the new global
+        parameters (see ``gradstar.coordinator.averaging``).
+
+        Raises:
+            InvalidCollectiveError: unknown rule, not float32, or a size unlike the stored model.
+            CollectiveError and subclasses: as for all_reduce.
+        """
+        arr, restore = to_numpy(x)
+        try:
+            spec = pb.AveragingSpec(model=model, rule=AVERAGING_RULES[rule], outer_lr=outer_lr,
+                                    outer_momentum=outer_momentum)
+        except KeyError:
+            raise ConfigurationError(
+                f"unknown averaging rule {rule!r}; use one of {', '.join(AVERAGING_RULES)}"
+            ) from None
+        if arr.dtype != np.float32:
+            raise InvalidCollectiveError(f"averaging rounds carry float32, got {arr.dtype}")
+        layout = self._layout(arr, 1, arr.nbytes)
+        plan = _Plan(as_byte_view(arr), layout, range(layout.count), layout, np.empty_like(arr))
+        return self._run(pb.COLLECTIVE_OP_ALL_REDUCE, arr, plan, restore, timeout,
+                         reduce_op=pb.REDUCE_OP_MEAN, averaging=spec)
 
     # -- machinery -----------------------------------------------------------------------------
 
@@ -198,7 +244,7 @@ class AsyncProcessGroup:
             raise self._session.failure
 
     def _run(self, op: int, arr: np.ndarray, plan: _Plan, restore, timeout: float | None,
-             *, reduce_op: int = 0, root: int = 0):
+             *, reduce_op: int = 0, root: int = 0, averaging: pb.AveragingSpec | None = None):
         self._check_usable()
         timeout = self.settings.timeout if timeout is None else timeout
         header = pb.CollectiveHeader(
@@ -206,6 +252,7 @@ class AsyncProcessGroup:
             rank=self.rank, member_id=self._member_id, op=op, reduce_op=reduce_op,
             dtype=dtype_info(arr.dtype).wire, shape=arr.shape, root=root,
             chunk_bytes=plan.send_layout.chunk_bytes, timeout_seconds=timeout,
+            averaging=averaging,
         )
         return self._exchange(header, plan, restore, timeout)
 
@@ -247,6 +294,12 @@ class AsyncProcessGroup:
                 else:
                     raise ProtocolError(f"{what}: unexpected frame of kind {kind}")
         except grpc.RpcError as error:
+            if not is_coordinator_verdict(error):
+                # The transport failed (grpc-python can even report INTERNAL when a connection
+                # dies mid-write); the session says why, if the rank or hub was lost.
+                failure = await self._session.failure_within(_SESSION_GRACE)
+                if failure is not None:
+                    raise failure from None
             raise error_from_rpc(error, what, self.settings.coordinator) from None
         finally:
             call.cancel()
@@ -394,8 +447,19 @@ class ProcessGroup:
     def reduce_scatter(self, x, op: str = "sum", *, async_op: bool = False, timeout=None):
         return self._call(self._group.reduce_scatter(x, op, timeout=timeout), async_op)
 
+    def all_reduce_coalesced(self, arrays, op: str = "mean", bucket_cap_mb: float = 25, *,
+                             async_op: bool = False, timeout=None):
+        return self._call(self._group.all_reduce_coalesced(arrays, op, bucket_cap_mb,
+                                                           timeout=timeout), async_op)
+
     def barrier(self, *, async_op: bool = False, timeout=None):
         return self._call(self._group.barrier(timeout=timeout), async_op)
+
+    def sync_global_model(self, x, *, model: str, rule: str, outer_lr: float = 0.0,
+                          outer_momentum: float = 0.0, async_op: bool = False, timeout=None):
+        return self._call(self._group.sync_global_model(
+            x, model=model, rule=rule, outer_lr=outer_lr, outer_momentum=outer_momentum,
+            timeout=timeout), async_op)
 
     def close(self) -> None:
         """Leave the job, close the connection and stop the loop thread. Idempotent."""

@@ -34,13 +34,21 @@ def call_metadata(settings: ClientSettings) -> tuple[tuple[str, str], ...]:
     return ((AUTH_KEY, f"Bearer {settings.token.get_secret_value()}"),)
 
 
+def _trailing(error: grpc.RpcError) -> dict:
+    try:
+        return dict(error.trailing_metadata() or ())
+    except Exception:  # a locally failed call may have no metadata at all
+        return {}
+
+
+def is_coordinator_verdict(error: grpc.RpcError) -> bool:
+    """Whether the coordinator itself named the error (rather than the transport failing)."""
+    return ERROR_NAME_KEY in _trailing(error)
+
+
 def error_from_rpc(error: grpc.RpcError, what: str, target: str) -> GradstarError:
     """The gradstar error a failed call stands for; the coordinator's own errors keep their type."""
-    trailing = {}
-    try:
-        trailing = dict(error.trailing_metadata() or ())
-    except Exception:  # a locally failed call may have no metadata at all
-        trailing = {}
+    trailing = _trailing(error)
     details = error.details() or ""
     if ERROR_NAME_KEY in trailing:
         return error_from_wire(trailing[ERROR_NAME_KEY], trailing.get(ERROR_FIELDS_KEY), details)

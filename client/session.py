@@ -35,7 +35,24 @@ class Session:
         self._beater: asyncio.Task | None = None
         self._closing = False
         self.joined: rpb.Joined | None = None
-        self.failure: GradstarError | None = None
+        self._failure: GradstarError | None = None
+        self._failed = asyncio.Event()
+
+    @property
+    def failure(self) -> GradstarError | None:
+        """Why this rank's generation is over (a lost rank, a lost coordinator), or None."""
+        return self._failure
+
+    def _fail(self, error: GradstarError) -> None:
+        if self._failure is None:
+            self._failure = error
+            self._failed.set()
+
+    async def failure_within(self, timeout: float) -> GradstarError | None:
+        """The session's failure, waiting up to ``timeout`` seconds for one to be reported."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._failed.wait(), timeout)
+        return self._failure
 
     async def join(self, job: str, world_size: int, rank: int | None, peer_address: str,
                    timeout: float) -> rpb.Joined:
@@ -86,18 +103,16 @@ class Session:
             # read() rather than iteration: the join already used read() on this call, and
             # grpc.aio forbids mixing the two styles on one RPC.
             while (event := await self._call.read()) is not grpc.aio.EOF:
-                if event.WhichOneof("kind") == "failed" and self.failure is None:
+                if event.WhichOneof("kind") == "failed":
                     f = event.failed
-                    self.failure = RankLostError(
-                        f.reason, rank=f.lost_rank, generation=f.generation
-                    )
+                    self._fail(RankLostError(f.reason, rank=f.lost_rank, generation=f.generation))
         except grpc.RpcError as error:
-            if not self._closing and self.failure is None:
-                self.failure = error_from_rpc(error, "the rendezvous session", self._target)
-        if not self._closing and self.failure is None:
-            self.failure = CoordinatorUnavailableError(
+            if not self._closing:
+                self._fail(error_from_rpc(error, "the rendezvous session", self._target))
+        if not self._closing:
+            self._fail(CoordinatorUnavailableError(
                 f"the coordinator at {self._target} closed this rank's session"
-            )
+            ))
 
     async def close(self, timeout: float = 5.0) -> None:
         """Leave the job in an orderly way and end the stream."""

@@ -10,6 +10,7 @@ import grpc
 from gradstar.proto.v1 import admin_pb2 as apb
 from gradstar.proto.v1 import admin_pb2_grpc
 
+from .averaging import AveragingStore
 from .rendezvous import Job, Rendezvous
 
 
@@ -22,7 +23,8 @@ def job_summary(job: Job) -> apb.JobSummary:
     )
 
 
-def job_detail(job: Job, now: float | None = None) -> apb.GetJobResponse:
+def job_detail(job: Job, models: dict | None = None,
+               now: float | None = None) -> apb.GetJobResponse:
     now = time.monotonic() if now is None else now
     gen = job.generation
     reply = apb.GetJobResponse(
@@ -32,6 +34,10 @@ def job_detail(job: Job, now: float | None = None) -> apb.GetJobResponse:
     ops = sorted(set(job.counters.completed) | set(job.counters.failed))
     reply.ops.extend(apb.OpCounter(op=op, completed=job.counters.completed.get(op, 0),
                                    failed=job.counters.failed.get(op, 0)) for op in ops)
+    reply.models.extend(
+        apb.GlobalModel(name=name, rounds=m.rounds, parameters=m.params.shape[0])
+        for name, m in sorted((models or {}).items())
+    )
     if gen is None:
         return reply
     reply.members.extend(
@@ -50,8 +56,10 @@ def job_detail(job: Job, now: float | None = None) -> apb.GetJobResponse:
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
-    def __init__(self, rendezvous: Rendezvous, drain: Callable[[], Awaitable[None]]):
+    def __init__(self, rendezvous: Rendezvous, averaging: AveragingStore,
+                 drain: Callable[[], Awaitable[None]]):
         self.rendezvous = rendezvous
+        self.averaging = averaging
         self._drain = drain
 
     async def ListJobs(self, request, context):
@@ -63,7 +71,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         job = self.rendezvous.jobs.get(request.job)
         if job is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")
-        return job_detail(job)
+        return job_detail(job, self.averaging.models(job.name))
 
     async def Drain(self, request, context):
         await self._drain()

@@ -30,6 +30,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from gradstar.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -54,6 +56,7 @@ from gradstar.wire import (
     seal_chunk_frame,
 )
 
+from .averaging import RULE_NAMES, AveragingRound, AveragingStore
 from .reduce import REDUCE_OP_NAMES, BufferPool, ChunkReducer
 from .rendezvous import Generation, Rendezvous
 
@@ -95,6 +98,9 @@ def _field_values(h: pb.CollectiveHeader) -> list[tuple[str, object]]:
     if h.op == pb.COLLECTIVE_OP_BROADCAST:
         values.append(("root", h.root))
     values.append(("chunk_bytes", h.chunk_bytes))
+    a = h.averaging
+    values.append(("averaging", (a.model, RULE_NAMES.get(a.rule, a.rule), a.outer_lr,
+                                 a.outer_momentum) if a.rule else None))
     return values
 
 
@@ -137,6 +143,10 @@ class PendingCollective:
             ChunkReducer(header.reduce_op, self.dtype, self.world, engine.pool)
             if self.op in _REDUCING else None
         )
+        self.round: AveragingRound | None = None
+        if header.averaging.rule:
+            self.round = engine.averaging.open_round(gen.job.name, header.averaging,
+                                                     nbytes // self.dtype.numpy.itemsize)
         cb = header.chunk_bytes
         if self.op == pb.COLLECTIVE_OP_REDUCE_SCATTER:
             self.layout = ChunkLayout(self.world, nbytes // self.world, cb)
@@ -171,6 +181,12 @@ class PendingCollective:
         if h.op == pb.COLLECTIVE_OP_BROADCAST and h.root >= self.world:
             raise InvalidCollectiveError(
                 f"broadcast src={h.root} is out of range for world_size {self.world}"
+            )
+        if h.averaging.rule and (h.op != pb.COLLECTIVE_OP_ALL_REDUCE or h.dtype != pb.DTYPE_FLOAT32
+                                 or h.reduce_op != pb.REDUCE_OP_MEAN):
+            raise InvalidCollectiveError(
+                f"an averaging round must be an all_reduce with op='mean' of float32, got "
+                f"{describe(h)}"
             )
         if h.op == pb.COLLECTIVE_OP_REDUCE_SCATTER and (not h.shape or h.shape[0] % self.world):
             raise InvalidCollectiveError(
@@ -264,6 +280,9 @@ class PendingCollective:
             return
         frame, view = chunk_frame_buffer(payload.nbytes)
         self.reducer.finish_into(slot, payload, view[CHUNK_HEADER_BYTES:])
+        if self.round is not None:
+            values = np.frombuffer(view[CHUNK_HEADER_BYTES:], dtype=np.float32)
+            self.round.apply(self.layout.span(index)[0] // 4, values)
         if self.op == pb.COLLECTIVE_OP_ALL_REDUCE:
             targets = self.participants.values()
         else:
@@ -303,6 +322,14 @@ class PendingCollective:
             return
         if any(p.queued < p.output_count for p in self.participants.values()):
             return
+        if self.round is not None:
+            try:
+                self.round.commit()
+            except OSError as error:
+                self.fail(GradstarError(
+                    f"the coordinator could not save global model {self.spec.averaging.model!r} "
+                    f"of job {self.gen.job.name!r}: {error}; the round did not happen"))
+                return
         self._finish(None)
         for p in self.participants.values():
             payload = p.queued_bytes - p.queued * CHUNK_HEADER_BYTES
@@ -370,12 +397,14 @@ class CollectiveEngine:
         max_chunk_bytes: int,
         max_timeout: float,
         pool: BufferPool | None = None,
+        averaging: AveragingStore | None = None,
     ) -> None:
         self.rendezvous = rendezvous
         self.max_tensor_bytes = max_tensor_bytes
         self.max_chunk_bytes = max_chunk_bytes
         self.max_timeout = max_timeout
         self.pool = pool or BufferPool()
+        self.averaging = averaging or AveragingStore()
 
     def arrive(self, h: pb.CollectiveHeader) -> tuple[PendingCollective, Participant]:
         """Admit a rank's header.

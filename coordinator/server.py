@@ -23,6 +23,7 @@ from gradstar.proto.v1 import (
 
 from .admin import AdminServicer
 from .auth import TokenAuthInterceptor
+from .averaging import AveragingStore
 from .engine import CollectiveEngine
 from .rendezvous import Rendezvous
 from .servicers import CollectiveServicer, RendezvousServicer
@@ -67,12 +68,14 @@ class Coordinator:
         """
         s = self.settings
         tune_allocator()
+        self.averaging = AveragingStore(s.state_dir)
         self.rendezvous = Rendezvous(
             s.heartbeat_timeout, on_generation_failed=lambda g: self.engine.fail_generation(g)
         )
         self.engine = CollectiveEngine(
             self.rendezvous, max_tensor_bytes=s.max_tensor_bytes,
             max_chunk_bytes=s.max_chunk_bytes, max_timeout=s.max_collective_timeout,
+            averaging=self.averaging,
         )
         token = s.token.get_secret_value() if s.token else None
         admin = s.admin_token.get_secret_value() if s.admin_token else None
@@ -85,7 +88,7 @@ class Coordinator:
         )
         server.add_generic_rpc_handlers((CollectiveServicer(self.engine).handler(),))
         admin_pb2_grpc.add_AdminServicer_to_server(
-            AdminServicer(self.rendezvous, self.drain), server
+            AdminServicer(self.rendezvous, self.averaging, self.drain), server
         )
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

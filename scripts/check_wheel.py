@@ -7,6 +7,7 @@ fails to import from it.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,28 @@ def expected_modules() -> set[str]:
     return modules
 
 
+def _import_all(python: Path, modules: list[str], cwd: str, allow_missing: str = "") -> list[str]:
+    """Import ``modules`` in the venv; return those that failed only for lack of
+    ``allow_missing``. Any other failure raises CalledProcessError."""
+    probe = (
+        "import importlib, json, sys\n"
+        f"allowed = {allow_missing!r}\n"
+        "missing = []\n"
+        f"for m in {modules!r}:\n"
+        "    try:\n"
+        "        importlib.import_module(m)\n"
+        "    except ModuleNotFoundError as e:\n"
+        "        if not allowed or e.name != allowed:\n"
+        "            raise\n"
+        "        missing.append(m)\n"
+        "import gradstar; assert gradstar.__file__.startswith(sys.prefix), gradstar.__file__\n"
+        "print(json.dumps(missing))\n"
+    )
+    out = subprocess.run([str(python), "-c", probe], check=True, cwd=cwd, stdout=subprocess.PIPE,
+                         text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
@@ -47,16 +70,16 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         python = venv / "bin" / "python"
         subprocess.run([str(python), "-m", "pip", "install", "--quiet", str(wheel)], check=True)
-        probe = (
-            "import importlib, sys\n"
-            # __main__ runs the CLI when imported; it is exercised by `gradstar --help` below.
-            f"mods = {sorted(m for m in in_wheel if not m.endswith('__main__'))!r}\n"
-            "for m in mods:\n"
-            "    importlib.import_module(m)\n"
-            "import gradstar; assert gradstar.__file__.startswith(sys.prefix), gradstar.__file__\n"
-            "print(f'imported {len(mods)} modules from the installed wheel')\n"
-        )
-        subprocess.run([str(python), "-c", probe], check=True, cwd=tmp)
+        # First without torch (numpy users install gradstar alone): every module that does not
+        # need the torch extra must import. Then with the extra, pinned by constraints.txt.
+        modules = sorted(m for m in in_wheel if not m.endswith("__main__"))
+        needs_torch = _import_all(python, modules, tmp, allow_missing="torch")
+        print(f"without torch: {len(modules) - len(needs_torch)} modules imported; "
+              f"need the torch extra: {needs_torch}")
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "-c",
+                        str(ROOT / "constraints.txt"), f"{wheel}[torch]"], check=True)
+        _import_all(python, modules, tmp)
+        print(f"with torch: all {len(modules)} modules imported from the installed wheel")
         subprocess.run([str(venv / "bin" / "gradstar"), "--help"], check=True,
                        stdout=subprocess.DEVNULL)
     return 0

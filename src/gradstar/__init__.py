@@ -8,6 +8,7 @@
 from gradstar import errors
 from gradstar.client import (
     AsyncProcessGroup,
+    LocalSGD,
     ProcessGroup,
     Work,
     init_process_group,
@@ -18,8 +19,11 @@ from gradstar.errors import GradstarError
 __version__ = "0.1.0"
 
 __all__ = [
+    "DDP",
     "AsyncProcessGroup",
+    "DistributedDataParallel",
     "GradstarError",
+    "LocalSGD",
     "ProcessGroup",
     "Work",
     "__version__",
@@ -27,3 +31,12 @@ __all__ = [
     "init_process_group",
     "init_process_group_async",
 ]
+
+
+def __getattr__(name: str):
+    # DistributedDataParallel imports torch (optional): resolved lazily, see gradstar.client.
+    if name in ("DistributedDataParallel", "DDP"):
+        from gradstar import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

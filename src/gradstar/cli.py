@@ -25,6 +25,7 @@ def _coordinator_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="CA that client certificates must chain to (mTLS)")
     p.add_argument("--max-tensor-bytes", type=int, help="largest payload a rank may send")
+    p.add_argument("--state-dir", help="directory for the jobs' global models (LocalSGD/DiLoCo)")
     p.add_argument("--heartbeat-timeout", type=float, help="seconds without heartbeat = lost")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING (default INFO)")
 

@@ -37,6 +37,8 @@ class CoordinatorSettings(BaseSettings):
     max_collective_timeout: float = Field(
         1800.0, gt=0, description="upper bound on the timeout a client may ask for"
     )
+    state_dir: Path | None = Field(
+        None, description="where each job's global model is saved after every averaging round")
     drain_grace: float = Field(5.0, ge=0)
     log_level: str = "INFO"
 

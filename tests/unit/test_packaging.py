@@ -27,8 +27,11 @@ EXPECTED_PACKAGE_DIR = {
 }
 
 EXPECTED_ALL = [
+    "DDP",
     "AsyncProcessGroup",
+    "DistributedDataParallel",
     "GradstarError",
+    "LocalSGD",
     "ProcessGroup",
     "Work",
     "__version__",

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from gradstar.proto.v1 import collective_pb2 as gradstar_dot_proto_dot_v1_dot_collective__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgradstar/proto/v1/admin.proto\x12\x11gradstar.proto.v1\x1a\"gradstar/proto/v1/collective.proto\"\x11\n\x0fListJobsRequest\"a\n\nJobSummary\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x0f\n\x07members\x18\x04 \x01(\r\x12\r\n\x05state\x18\x05 \x01(\t\"?\n\x10ListJobsResponse\x12+\n\x04jobs\x18\x01 \x03(\x0b\x32\x1d.gradstar.proto.v1.JobSummary\"\x1c\n\rGetJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"P\n\x06Member\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x14\n\x0cpeer_address\x18\x02 \x01(\t\x12\"\n\x1alast_heartbeat_age_seconds\x18\x03 \x01(\x01\"\xa0\x01\n\x12InFlightCollective\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05group\x18\x02 \x01(\t\x12+\n\x02op\x18\x03 \x01(\x0e\x32\x1f.gradstar.proto.v1.CollectiveOp\x12\x15\n\rarrived_ranks\x18\x04 \x03(\r\x12\x15\n\rmissing_ranks\x18\x05 \x03(\r\x12\x13\n\x0b\x61ge_seconds\x18\x06 \x01(\x01\"[\n\tOpCounter\x12+\n\x02op\x18\x01 \x01(\x0e\x32\x1f.gradstar.proto.v1.CollectiveOp\x12\x11\n\tcompleted\x18\x02 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\x04\"\x8c\x02\n\x0eGetJobResponse\x12.\n\x07summary\x18\x01 \x01(\x0b\x32\x1d.gradstar.proto.v1.JobSummary\x12*\n\x07members\x18\x02 \x03(\x0b\x32\x19.gradstar.proto.v1.Member\x12\x38\n\tin_flight\x18\x03 \x03(\x0b\x32%.gradstar.proto.v1.InFlightCollective\x12)\n\x03ops\x18\x04 \x03(\x0b\x32\x1c.gradstar.proto.v1.OpCounter\x12\x10\n\x08\x62ytes_in\x18\x05 \x01(\x04\x12\x11\n\tbytes_out\x18\x06 \x01(\x04\x12\x14\n\x0clast_failure\x18\x07 \x01(\t\"\x0e\n\x0c\x44rainRequest\"$\n\rDrainResponse\x12\x13\n\x0b\x61\x63tive_jobs\x18\x01 \x01(\r2\xf7\x01\n\x05\x41\x64min\x12S\n\x08ListJobs\x12\".gradstar.proto.v1.ListJobsRequest\x1a#.gradstar.proto.v1.ListJobsResponse\x12M\n\x06GetJob\x12 .gradstar.proto.v1.GetJobRequest\x1a!.gradstar.proto.v1.GetJobResponse\x12J\n\x05\x44rain\x12\x1f.gradstar.proto.v1.DrainRequest\x1a .gradstar.proto.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgradstar/proto/v1/admin.proto\x12\x11gradstar.proto.v1\x1a\"gradstar/proto/v1/collective.proto\"\x11\n\x0fListJobsRequest\"a\n\nJobSummary\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x0f\n\x07members\x18\x04 \x01(\r\x12\r\n\x05state\x18\x05 \x01(\t\"?\n\x10ListJobsResponse\x12+\n\x04jobs\x18\x01 \x03(\x0b\x32\x1d.gradstar.proto.v1.JobSummary\"\x1c\n\rGetJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"P\n\x06Member\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x14\n\x0cpeer_address\x18\x02 \x01(\t\x12\"\n\x1alast_heartbeat_age_seconds\x18\x03 \x01(\x01\"\xa0\x01\n\x12InFlightCollective\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05group\x18\x02 \x01(\t\x12+\n\x02op\x18\x03 \x01(\x0e\x32\x1f.gradstar.proto.v1.CollectiveOp\x12\x15\n\rarrived_ranks\x18\x04 \x03(\r\x12\x15\n\rmissing_ranks\x18\x05 \x03(\r\x12\x13\n\x0b\x61ge_seconds\x18\x06 \x01(\x01\"[\n\tOpCounter\x12+\n\x02op\x18\x01 \x01(\x0e\x32\x1f.gradstar.proto.v1.CollectiveOp\x12\x11\n\tcompleted\x18\x02 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\x04\"?\n\x0bGlobalModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06rounds\x18\x02 \x01(\x04\x12\x12\n\nparameters\x18\x03 \x01(\x04\"\xbc\x02\n\x0eGetJobResponse\x12.\n\x07summary\x18\x01 \x01(\x0b\x32\x1d.gradstar.proto.v1.JobSummary\x12*\n\x07members\x18\x02 \x03(\x0b\x32\x19.gradstar.proto.v1.Member\x12\x38\n\tin_flight\x18\x03 \x03(\x0b\x32%.gradstar.proto.v1.InFlightCollective\x12)\n\x03ops\x18\x04 \x03(\x0b\x32\x1c.gradstar.proto.v1.OpCounter\x12\x10\n\x08\x62ytes_in\x18\x05 \x01(\x04\x12\x11\n\tbytes_out\x18\x06 \x01(\x04\x12\x14\n\x0clast_failure\x18\x07 \x01(\t\x12.\n\x06models\x18\x08 \x03(\x0b\x32\x1e.gradstar.proto.v1.GlobalModel\"\x0e\n\x0c\x44rainRequest\"$\n\rDrainResponse\x12\x13\n\x0b\x61\x63tive_jobs\x18\x01 \x01(\r2\xf7\x01\n\x05\x41\x64min\x12S\n\x08ListJobs\x12\".gradstar.proto.v1.ListJobsRequest\x1a#.gradstar.proto.v1.ListJobsResponse\x12M\n\x06GetJob\x12 .gradstar.proto.v1.GetJobRequest\x1a!.gradstar.proto.v1.GetJobResponse\x12J\n\x05\x44rain\x12\x1f.gradstar.proto.v1.DrainRequest\x1a .gradstar.proto.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,12 +46,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFLIGHTCOLLECTIVE']._serialized_end=544
   _globals['_OPCOUNTER']._serialized_start=546
   _globals['_OPCOUNTER']._serialized_end=637
-  _globals['_GETJOBRESPONSE']._serialized_start=640
-  _globals['_GETJOBRESPONSE']._serialized_end=908
-  _globals['_DRAINREQUEST']._serialized_start=910
-  _globals['_DRAINREQUEST']._serialized_end=924
-  _globals['_DRAINRESPONSE']._serialized_start=926
-  _globals['_DRAINRESPONSE']._serialized_end=962
-  _globals['_ADMIN']._serialized_start=965
-  _globals['_ADMIN']._serialized_end=1212
+  _globals['_GLOBALMODEL']._serialized_start=639
+  _globals['_GLOBALMODEL']._serialized_end=702
+  _globals['_GETJOBRESPONSE']._serialized_start=705
+  _globals['_GETJOBRESPONSE']._serialized_end=1021
+  _globals['_DRAINREQUEST']._serialized_start=1023
+  _globals['_DRAINREQUEST']._serialized_end=1037
+  _globals['_DRAINRESPONSE']._serialized_start=1039
+  _globals['_DRAINRESPONSE']._serialized_end=1075
+  _globals['_ADMIN']._serialized_start=1078
+  _globals['_ADMIN']._serialized_end=1325
 # @@protoc_insertion_point(module_scope)

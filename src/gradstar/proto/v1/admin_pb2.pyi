@@ -73,8 +73,18 @@ class OpCounter(_message.Message):
     failed: int
     def __init__(self, op: _Optional[_Union[_collective_pb2.CollectiveOp, str]] = ..., completed: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...
 
+class GlobalModel(_message.Message):
+    __slots__ = ("name", "rounds", "parameters")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rounds: int
+    parameters: int
+    def __init__(self, name: _Optional[str] = ..., rounds: _Optional[int] = ..., parameters: _Optional[int] = ...) -> None: ...
+
 class GetJobResponse(_message.Message):
-    __slots__ = ("summary", "members", "in_flight", "ops", "bytes_in", "bytes_out", "last_failure")
+    __slots__ = ("summary", "members", "in_flight", "ops", "bytes_in", "bytes_out", "last_failure", "models")
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +92,7 @@ class GetJobResponse(_message.Message):
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     LAST_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
     summary: JobSummary
     members: _containers.RepeatedCompositeFieldContainer[Member]
     in_flight: _containers.RepeatedCompositeFieldContainer[InFlightCollective]
@@ -89,7 +100,8 @@ class GetJobResponse(_message.Message):
     bytes_in: int
     bytes_out: int
     last_failure: str
-    def __init__(self, summary: _Optional[_Union[JobSummary, _Mapping]] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., in_flight: _Optional[_Iterable[_Union[InFlightCollective, _Mapping]]] = ..., ops: _Optional[_Iterable[_Union[OpCounter, _Mapping]]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., last_failure: _Optional[str] = ...) -> None: ...
+    models: _containers.RepeatedCompositeFieldContainer[GlobalModel]
+    def __init__(self, summary: _Optional[_Union[JobSummary, _Mapping]] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., in_flight: _Optional[_Iterable[_Union[InFlightCollective, _Mapping]]] = ..., ops: _Optional[_Iterable[_Union[OpCounter, _Mapping]]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., last_failure: _Optional[str] = ..., models: _Optional[_Iterable[_Union[GlobalModel, _Mapping]]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

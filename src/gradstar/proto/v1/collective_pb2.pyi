@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -34,6 +34,14 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_BFLOAT16: _ClassVar[DType]
     DTYPE_INT32: _ClassVar[DType]
     DTYPE_INT64: _ClassVar[DType]
+
+class AveragingRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AVERAGING_RULE_UNSPECIFIED: _ClassVar[AveragingRule]
+    AVERAGING_RULE_SEED: _ClassVar[AveragingRule]
+    AVERAGING_RULE_AVERAGE: _ClassVar[AveragingRule]
+    AVERAGING_RULE_OUTER_SGD: _ClassVar[AveragingRule]
+    AVERAGING_RULE_OUTER_NESTEROV: _ClassVar[AveragingRule]
 COLLECTIVE_OP_UNSPECIFIED: CollectiveOp
 COLLECTIVE_OP_ALL_REDUCE: CollectiveOp
 COLLECTIVE_OP_BROADCAST: CollectiveOp
@@ -53,9 +61,26 @@ DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
 DTYPE_INT32: DType
 DTYPE_INT64: DType
+AVERAGING_RULE_UNSPECIFIED: AveragingRule
+AVERAGING_RULE_SEED: AveragingRule
+AVERAGING_RULE_AVERAGE: AveragingRule
+AVERAGING_RULE_OUTER_SGD: AveragingRule
+AVERAGING_RULE_OUTER_NESTEROV: AveragingRule
+
+class AveragingSpec(_message.Message):
+    __slots__ = ("model", "rule", "outer_lr", "outer_momentum")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    OUTER_LR_FIELD_NUMBER: _ClassVar[int]
+    OUTER_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    rule: AveragingRule
+    outer_lr: float
+    outer_momentum: float
+    def __init__(self, model: _Optional[str] = ..., rule: _Optional[_Union[AveragingRule, str]] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ...) -> None: ...
 
 class CollectiveHeader(_message.Message):
-    __slots__ = ("job", "generation", "group", "seq", "rank", "member_id", "op", "reduce_op", "dtype", "shape", "root", "chunk_bytes", "timeout_seconds")
+    __slots__ = ("job", "generation", "group", "seq", "rank", "member_id", "op", "reduce_op", "dtype", "shape", "root", "chunk_bytes", "timeout_seconds", "averaging")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +94,7 @@ class CollectiveHeader(_message.Message):
     ROOT_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AVERAGING_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     group: str
@@ -82,7 +108,8 @@ class CollectiveHeader(_message.Message):
     root: int
     chunk_bytes: int
     timeout_seconds: float
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., group: _Optional[str] = ..., seq: _Optional[int] = ..., rank: _Optional[int] = ..., member_id: _Optional[str] = ..., op: _Optional[_Union[CollectiveOp, str]] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., root: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    averaging: AveragingSpec
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., group: _Optional[str] = ..., seq: _Optional[int] = ..., rank: _Optional[int] = ..., member_id: _Optional[str] = ..., op: _Optional[_Union[CollectiveOp, str]] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., root: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ...) -> None: ...
 
 class CollectiveAccept(_message.Message):
     __slots__ = ("output_chunks", "output_bytes")

@@ -1,0 +1,80 @@
+"""all_reduce_coalesced: many arrays reduced as a few flat buckets, for any framework.
+
+The framework-neutral sibling of DDP's gradient buckets: numpy arrays or torch CPU tensors of any
+shapes and (supported) dtypes go in, arrays of the same shapes and types come out. The arrays
+are grouped by dtype into :class:`~gradstar.client.buckets.BucketPlan` buckets of at most
+``bucket_cap_mb``, in the order given; each bucket is flattened into one array and all the
+buckets' all_reduces run concurrently.
+
+:meth:`AsyncProcessGroup.all_reduce_coalesced` calls :func:`all_reduce_coalesced`, and the
+blocking :meth:`ProcessGroup.all_reduce_coalesced` wraps that coroutine like every other
+collective.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .buckets import BucketPlan, TensorSpec, cap_bytes_of
+from .convert import to_numpy
+
+if TYPE_CHECKING:
+    from .process_group import AsyncProcessGroup
+
+
+def all_reduce_coalesced(group: AsyncProcessGroup, arrays: Sequence, op: str = "mean",
+                         bucket_cap_mb: float = 25, *, timeout: float | None = None) -> Awaitable:
+    """Reduce every array in ``arrays`` over the ranks; resolves to a list in the same order.
+
+    Every bucket's collective is issued (takes its sequence number) when this is *called*, so
+    all ranks must call it with the same shapes, dtypes and ``bucket_cap_mb``, in the same order
+    relative to their other collectives. Empty arrays are not sent and come back as empty copies.
+    Results of one bucket share one buffer (each is a view of its own slice of it).
+
+    Raises:
+        ConfigurationError: an unsupported op, dtype or object, or a bad ``bucket_cap_mb``.
+        CollectiveError and subclasses (when awaited): as for ``all_reduce``; ``op="mean"`` of
+            an integer dtype is an InvalidCollectiveError.
+    """
+    converted = [to_numpy(x) for x in arrays]
+    cap = cap_bytes_of(bucket_cap_mb)
+    sent = [i for i, (arr, _) in enumerate(converted) if arr.size]
+    plan = BucketPlan([TensorSpec(converted[i][0].size, converted[i][0].itemsize,
+                                  converted[i][0].dtype) for i in sent], cap, reverse=False)
+    pending = []
+    try:
+        for bucket in plan:
+            flat = np.empty(bucket.numel, dtype=bucket.dtype)
+            for member, offset, numel in zip(bucket.members, bucket.offsets, bucket.numels,
+                                             strict=True):
+                flat[offset:offset + numel] = converted[sent[member]][0].reshape(-1)
+            pending.append(group.all_reduce(flat, op, timeout=timeout))
+    except BaseException:
+        for coro in pending:  # never awaited: close them so nothing half-starts
+            coro.close()
+        raise
+    return _gather(plan, pending, converted, sent)
+
+
+async def _gather(plan: BucketPlan, pending: list, converted: list, sent: list[int]) -> list:
+    results = await asyncio.gather(*pending, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    out: list = [None if arr.size else restore(arr.copy()) for arr, restore in converted]
+    for bucket, flat in zip(plan, results, strict=True):
+        for member, offset, numel in zip(bucket.members, bucket.offsets, bucket.numels,
+                                         strict=True):
+            arr, restore = converted[sent[member]]
+            result = restore(flat[offset:offset + numel].reshape(arr.shape))
+            # convert's bfloat16 restore goes through np.ascontiguousarray, which makes a 0-d
+            # tensor 1-d; put the shape back until convert.py keeps it.
+            out[sent[member]] = result if result.shape == arr.shape else result.reshape(arr.shape)
+    return out
+
+
+__all__ = ["all_reduce_coalesced"]

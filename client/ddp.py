@@ -1,0 +1,431 @@
+"""DistributedDataParallel: torch's DDP on CPU, with gradient buckets reduced through the hub.
+
+How a backward pass is synchronised (the protocol every rank follows):
+
+1. At construction the parameters are grouped into :class:`~gradstar.client.buckets.BucketPlan`
+   buckets of ``bucket_cap_mb``, in reverse registration order, and every parameter gets a
+   post-accumulate-grad hook. Parameters and buffers are broadcast from rank 0.
+2. A forward pass with grad enabled and outside :meth:`no_sync` *arms* the hooks (torch decides
+   at forward time too). Armed hooks stay armed until the next forward, so a second backward
+   over the same graph is reduced as well instead of silently diverging.
+3. The first armed hook of a backward pass queues an autograd-engine callback
+   (``Variable._execution_engine.queue_callback``) that runs when the engine has finished the
+   whole backward, before ``loss.backward()`` returns.
+4. Each hook marks its parameter ready. When a bucket's last parameter is ready the bucket is
+   *launched*: its gradients are copied into the bucket's flat buffer (cast to the compression
+   dtype if any) and ``pg.all_reduce(flat, op="mean", async_op=True)`` starts on the process
+   group's loop thread while backward continues. Buckets launch strictly in index order on every
+   rank: a bucket that is ready early waits for the earlier ones, so every rank issues the same
+   collectives in the same order even when gradients become ready in a different order.
+5. The end-of-backward callback launches every bucket not launched yet (a parameter that got no
+   gradient contributes its ``.grad`` if it still holds one from :meth:`no_sync` steps, else
+   zeros), waits for all the Work handles and writes the means into ``.grad``. So when
+   ``loss.backward()`` returns every gradient holds the mean over ranks, as with torch's DDP.
+
+Unused parameters. With ``find_unused_parameters=True`` the last bucket also carries one flag
+per parameter ("this rank has a gradient for it"); a parameter no rank has a gradient for keeps
+``grad=None`` (so optimizers skip it, as with torch), one that some ranks have gets the mean with
+zeros from the others. With the flag off, a parameter whose hook did not fire is an error: the
+missing buckets are still sent (with zeros) so the other ranks' collectives complete, the means
+are written, and then :class:`~gradstar.errors.ConfigurationError` names the parameters.
+
+Where this differs from torch: unused parameters are found when backward ends rather than by
+walking the autograd graph after forward, so a bucket holding one launches at the end of
+backward (same gradients, less overlap for that bucket); the buckets are planned once (torch
+re-plans them after the first step in the order gradients arrived, and uses a 1 MB first
+bucket); a second backward of the same forward is reduced as well (torch ignores it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from gradstar.errors import ConfigurationError
+
+from .buckets import BucketPlan, TensorSpec, cap_bytes_of
+from .process_group import AsyncProcessGroup, ProcessGroup
+
+_COMPRESSION = {
+    None: None,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+_GRAD_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_WIRE_DTYPES = (*_GRAD_DTYPES, torch.int32, torch.int64)
+# Buffers of dtypes the wire lacks travel in a wider integer type and are cast back.
+_WIDENED = {torch.bool: torch.int32, torch.uint8: torch.int32, torch.int8: torch.int32,
+            torch.int16: torch.int32}
+
+
+@dataclass
+class BucketLaunch:
+    """One bucket's all_reduce starting: ``during`` is "backward" (from a gradient hook),
+    "end of backward" (from the engine callback) or "sync_gradients"."""
+
+    bucket: int
+    at: float
+    during: str
+
+
+@dataclass
+class StepTimeline:
+    """What happened in one gradient synchronisation, in ``time.perf_counter()`` seconds.
+
+    For inspection and tests of overlap: compare the *order* of events, not their durations.
+    """
+
+    started: float
+    hooks: list[tuple[str, float]] = field(default_factory=list)  # (param name, ready at)
+    launches: list[BucketLaunch] = field(default_factory=list)
+    backward_end: float | None = None  # the engine's end-of-backward callback began
+    finished: float | None = None  # every gradient holds the mean
+
+    @property
+    def launched_during_backward(self) -> int:
+        """How many buckets started from a gradient hook, before backward ended."""
+        return sum(launch.during == "backward" for launch in self.launches)
+
+
+class _Step:
+    """Bookkeeping of one synchronisation: which parameters are ready, which buckets are out."""
+
+    def __init__(self, n_params: int, plan: BucketPlan) -> None:
+        self.ready = [False] * n_params
+        self.pending = [len(b.members) for b in plan]
+        self.next_launch = 0
+        self.works: list = [None] * len(plan)
+        self.timeline = StepTimeline(started=time.perf_counter())
+
+
+class DistributedDataParallel(nn.Module):
+    """Wraps ``module`` so that every backward leaves the mean gradient over ranks in ``.grad``.
+
+    A drop-in for ``torch.nn.parallel.DistributedDataParallel`` on CPU: ``forward``,
+    ``parameters()``, ``state_dict()`` (keys prefixed ``module.`` as in torch), ``train()`` and
+    ``eval()`` behave the same, and ``.module`` is the wrapped module. Every rank must construct
+    it with the same module structure and settings and run the same number of forward passes
+    (buffers are broadcast in forward) and synchronising backward passes. See the module
+    docstring for the protocol.
+
+    Args:
+        module: the model; parameters and buffers on the CPU.
+        pg: the blocking :class:`gradstar.ProcessGroup` (hooks run synchronously in autograd).
+        bucket_cap_mb: bucket size bound in MB (2**20 bytes) of parameter data.
+        broadcast_buffers: re-broadcast rank 0's buffers at the start of each forward (as torch).
+        find_unused_parameters: allow parameters that get no gradient on some steps.
+        gradient_compression: "bf16" or "fp16" sends gradients in that dtype (the hub sums in
+            float32, the mean is cast back to each parameter's dtype); None sends them as they are.
+
+    Raises:
+        ConfigurationError: ``pg`` is not a blocking process group, an argument is invalid, the
+            module has no trainable parameter, or a parameter is not a floating CPU tensor.
+        CollectiveError and subclasses: the initial broadcast failed.
+    """
+
+    def __init__(self, module: nn.Module, pg: ProcessGroup, bucket_cap_mb: float = 25,
+                 broadcast_buffers: bool = True, find_unused_parameters: bool = False,
+                 gradient_compression: str | None = None) -> None:
+        super().__init__()
+        if isinstance(pg, AsyncProcessGroup):
+            raise ConfigurationError(
+                "DistributedDataParallel needs the blocking gradstar.ProcessGroup from "
+                "gradstar.init_process_group(), not an AsyncProcessGroup: gradient hooks run "
+                "inside autograd and cannot await"
+            )
+        if not all(callable(getattr(pg, name, None)) for name in ("all_reduce", "broadcast")):
+            raise ConfigurationError(
+                f"DistributedDataParallel needs a gradstar.ProcessGroup, got {type(pg).__name__}"
+            )
+        if not isinstance(module, nn.Module):
+            raise ConfigurationError(
+                f"DistributedDataParallel wraps a torch.nn.Module, got {type(module).__name__}"
+            )
+        try:
+            wire_dtype = _COMPRESSION[gradient_compression]
+        except (KeyError, TypeError):
+            raise ConfigurationError(
+                f"gradient_compression must be None, 'bf16' or 'fp16', got "
+                f"{gradient_compression!r}"
+            ) from None
+        self.module = module
+        self.process_group = pg
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.gradient_compression = gradient_compression
+        self.bucket_cap_mb = bucket_cap_mb
+        cap = cap_bytes_of(bucket_cap_mb)
+
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ConfigurationError(
+                "DistributedDataParallel needs a module with at least one parameter that "
+                "requires grad; there is nothing to synchronise"
+            )
+        for name, p in (*module.named_parameters(), *module.named_buffers()):
+            if p.device.type != "cpu":
+                raise ConfigurationError(
+                    f"{name} is on {p.device}; gradstar's DistributedDataParallel runs on CPU"
+                )
+        for name, p in named:
+            if p.dtype not in _GRAD_DTYPES:
+                raise ConfigurationError(
+                    f"parameter {name} has dtype {p.dtype}; gradients travel as float32, "
+                    "float64, float16 or bfloat16"
+                )
+        self._param_names = [name for name, _ in named]
+        self._params = [p for _, p in named]
+        self.bucket_plan = BucketPlan(
+            [TensorSpec(p.numel(), p.element_size(), p.dtype) for p in self._params], cap)
+        # The last bucket launches after every other, when every parameter's state is known, so
+        # it carries the "has a gradient" flags of find_unused_parameters without an extra
+        # round trip.
+        self._flags = self.find_unused_parameters
+        last = len(self.bucket_plan) - 1
+        self._flat = [
+            torch.zeros(b.numel + (len(self._params) if self._flags and b.index == last else 0),
+                        dtype=wire_dtype or b.dtype)
+            for b in self.bucket_plan
+        ]
+        self._broadcast_cap = cap
+
+        self._require_backward_grad_sync = True  # False inside no_sync()
+        self._require_forward_param_sync = True  # as torch: sync buffers in the next forward
+        self._expect_hooks = False  # armed by a synchronising forward
+        self._step: _Step | None = None
+        self.last_step_timeline: StepTimeline | None = None
+
+        _broadcast(pg, [*module.parameters(), *module.buffers()], cap)
+        me = weakref.ref(self)  # the hooks must not keep a discarded wrapper alive
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(_make_hook(me, i))
+            for i, p in enumerate(self._params)
+        ]
+
+    # -- the nn.Module surface -----------------------------------------------------------------
+
+    def forward(self, *inputs, **kwargs):
+        """Run the wrapped module; broadcast buffers first and arm the gradient hooks, as torch.
+
+        Raises:
+            CollectiveError and subclasses: the buffer broadcast failed.
+        """
+        self._drop_unfinished_step()
+        buffers = list(self.module.buffers())
+        if self._require_forward_param_sync and self.broadcast_buffers and buffers:
+            _broadcast(self.process_group, buffers, self._broadcast_cap)
+        output = self.module(*inputs, **kwargs)
+        sync = torch.is_grad_enabled() and self._require_backward_grad_sync
+        self._require_forward_param_sync = sync
+        self._expect_hooks = sync
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally: backward passes of forwards run inside do not reduce.
+
+        The first synchronising backward after it reduces the accumulated ``.grad`` (put the
+        forward inside the context, as with torch; or call :meth:`sync_gradients`)."""
+        previous = self._require_backward_grad_sync
+        self._require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self._require_backward_grad_sync = previous
+
+    def sync_gradients(self) -> None:
+        """Reduce every parameter's current ``.grad`` to the mean over ranks, now (blocking).
+
+        For loops whose backward does not synchronise: backward through ``.module`` directly,
+        or gradients left accumulated by :meth:`no_sync` steps. Every rank must call it. It is
+        the end-of-backward step run by hand, with the same rules: a parameter whose ``.grad``
+        is None contributes zeros; with ``find_unused_parameters=True`` it stays None if no
+        rank has a gradient for it, otherwise it is an error once the means are written.
+        Calling it after a synchronised backward reduces the (identical) means again, which
+        leaves them unchanged up to rounding.
+
+        Raises:
+            ConfigurationError: some ``.grad`` is None and ``find_unused_parameters`` is off.
+            CollectiveError and subclasses: a bucket's all_reduce failed.
+        """
+        self._drop_unfinished_step()
+        step = _Step(len(self._params), self.bucket_plan)
+        for index in range(len(self.bucket_plan)):
+            self._launch(step, index, "sync_gradients")
+        missing = [i for i, p in enumerate(self._params) if p.grad is None]
+        self._complete(step, missing, "when sync_gradients() was called")
+
+    @property
+    def bucket_dtypes(self) -> list[torch.dtype]:
+        """The dtype each bucket travels in (the compression dtype, if any)."""
+        return [flat.dtype for flat in self._flat]
+
+    def extra_repr(self) -> str:
+        return (f"world_size={self.process_group.world_size}, buckets={len(self.bucket_plan)}, "
+                f"bucket_cap_mb={self.bucket_cap_mb}, "
+                f"find_unused_parameters={self.find_unused_parameters}, "
+                f"gradient_compression={self.gradient_compression!r}")
+
+    # -- the backward protocol -----------------------------------------------------------------
+
+    def _on_grad_ready(self, index: int) -> None:
+        """A parameter's hook: its gradient is accumulated. Launch what became launchable."""
+        if not self._expect_hooks:
+            return
+        step = self._step
+        if step is None:
+            step = self._step = _Step(len(self._params), self.bucket_plan)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        step.timeline.hooks.append((self._param_names[index], time.perf_counter()))
+        if step.ready[index]:
+            return  # the same leaf twice in one pass (cannot happen with AccumulateGrad)
+        step.ready[index] = True
+        bucket, _ = self.bucket_plan.location[index]
+        step.pending[bucket] -= 1
+        try:
+            while (step.next_launch < len(self.bucket_plan)
+                   and step.pending[step.next_launch] == 0):
+                self._launch(step, step.next_launch, "backward")
+        except BaseException:
+            self._step = None
+            raise
+
+    def _end_of_backward(self) -> None:
+        """The engine's callback: launch the rest, wait, write the means into ``.grad``."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        step.timeline.backward_end = time.perf_counter()
+        for index in range(step.next_launch, len(self.bucket_plan)):
+            self._launch(step, index, "end of backward")
+        self._complete(step, [i for i, ready in enumerate(step.ready) if not ready],
+                       "in this backward pass")
+
+    def _launch(self, step: _Step, index: int, during: str) -> None:
+        bucket = self.bucket_plan[index]
+        flat = self._flat[index]
+        with torch.no_grad():
+            for member, offset, numel in zip(bucket.members, bucket.offsets, bucket.numels,
+                                             strict=True):
+                grad = self._params[member].grad
+                if grad is None:
+                    flat[offset:offset + numel].zero_()
+                elif grad.is_sparse:
+                    raise ConfigurationError(
+                        f"parameter {self._param_names[member]} has a sparse gradient; "
+                        "DistributedDataParallel reduces dense gradients only"
+                    )
+                else:
+                    flat[offset:offset + numel].copy_(grad.reshape(-1))
+            if self._flags and index == len(self.bucket_plan) - 1:
+                flat[bucket.numel:] = torch.tensor([p.grad is not None for p in self._params],
+                                                   dtype=flat.dtype)
+        # The flat buffer is reused next step: it is not written again until this Work is
+        # waited for in _complete.
+        step.works[index] = self.process_group.all_reduce(flat, op="mean", async_op=True)
+        step.timeline.launches.append(BucketLaunch(index, time.perf_counter(), during))
+        step.next_launch = index + 1
+
+    def _complete(self, step: _Step, missing: list[int], when: str) -> None:
+        """Wait for every bucket, write the means, then report parameters without gradients."""
+        results, error = [], None
+        for work in step.works:
+            try:
+                results.append(work.wait())
+            except BaseException as exc:  # wait for the others before raising the first
+                error = error or exc
+                results.append(None)
+        if error is not None:
+            raise error
+        used = None
+        if self._flags:
+            used = (results[-1][self.bucket_plan[-1].numel:] > 0).tolist()
+        with torch.no_grad():
+            for bucket, result in zip(self.bucket_plan, results, strict=True):
+                for member, offset, numel in zip(bucket.members, bucket.offsets, bucket.numels,
+                                                 strict=True):
+                    if used is not None and not used[member]:
+                        continue  # no rank has a gradient: keep None, as torch does
+                    param = self._params[member]
+                    mean = result[offset:offset + numel].view(param.shape)
+                    if param.grad is None:
+                        param.grad = mean.to(param.dtype, copy=True)
+                    else:
+                        param.grad.copy_(mean)
+        step.timeline.finished = time.perf_counter()
+        self.last_step_timeline = step.timeline
+        if missing and not self.find_unused_parameters:
+            names = ", ".join(self._param_names[i] for i in missing)
+            raise ConfigurationError(
+                f"rank {self.process_group.rank} got no gradient for {len(missing)} "
+                f"parameter(s) {when}: {names}. Their buckets were sent with "
+                "zeros so no rank is left waiting, and the means were written to .grad; if "
+                "these parameters take no part in the loss on some steps, construct "
+                "DistributedDataParallel with find_unused_parameters=True (or set "
+                "requires_grad=False on parameters that are never trained)"
+            )
+
+    def _drop_unfinished_step(self) -> None:
+        if self._step is not None:
+            # A backward pass raised before the engine's callback ran; its launched buckets are
+            # abandoned (ranks that did the same stay in step).
+            warnings.warn("DistributedDataParallel: the previous backward pass did not finish; "
+                          "its gradients were not synchronised", RuntimeWarning, stacklevel=3)
+            self._step = None
+
+
+def _make_hook(ddp_ref: weakref.ref, index: int):
+    def hook(param: torch.Tensor) -> None:
+        ddp = ddp_ref()
+        if ddp is not None:
+            ddp._on_grad_ready(index)
+
+    return hook
+
+
+def _broadcast(pg, tensors: list[torch.Tensor], cap_bytes: int) -> None:
+    """Overwrite ``tensors`` with rank 0's values: flat per-dtype buckets, broadcast together.
+
+    Raises:
+        ConfigurationError: a tensor's dtype cannot travel (complex, for instance).
+        CollectiveError and subclasses: a broadcast failed.
+    """
+    unique = [t for t in {id(t): t for t in tensors}.values() if t.numel()]
+    if not unique:
+        return
+    wire = []
+    for t in unique:
+        dtype = t.dtype if t.dtype in _WIRE_DTYPES else _WIDENED.get(t.dtype)
+        if dtype is None:
+            raise ConfigurationError(
+                f"cannot broadcast a tensor of dtype {t.dtype} from rank 0; supported: "
+                "floating, integer and bool"
+            )
+        wire.append(dtype)
+    plan = BucketPlan([TensorSpec(t.numel(), torch.empty(0, dtype=d).element_size(), d)
+                       for t, d in zip(unique, wire, strict=True)], cap_bytes, reverse=False)
+    works = []
+    with torch.no_grad():
+        for bucket in plan:
+            flat = torch.cat([unique[i].detach().reshape(-1).to(bucket.dtype)
+                              for i in bucket.members])
+            works.append(pg.broadcast(flat, src=0, async_op=True))
+        for bucket, work in zip(plan, works, strict=True):
+            result = work.wait()
+            for member, offset, numel in zip(bucket.members, bucket.offsets, bucket.numels,
+                                             strict=True):
+                target = unique[member]
+                target.copy_(result[offset:offset + numel].view(target.shape))
+
+
+DDP = DistributedDataParallel
+
+__all__ = ["DDP", "BucketLaunch", "DistributedDataParallel", "StepTimeline"]

@@ -1,0 +1,192 @@
+"""The averaging store: each job's global model, updated by averaging rounds and persisted.
+
+An *averaging round* is an all_reduce(mean) of a flat float32 vector whose header carries an
+:class:`AveragingSpec`. As each chunk's mean is ready, the hub applies the round's rule to the
+matching slice of the global model and streams the *new global parameters* back instead of the
+mean, so every rank ends the round with identical parameters and the outer optimizer step
+happens exactly once, on the hub:
+
+- ``SEED``: the job's global model if it has one (a joining or restarted rank resumes from it),
+  else the mean of what the ranks sent, which becomes the global model.
+- ``AVERAGE``: LocalSGD; the global model becomes the mean of the ranks' parameters.
+- ``OUTER_SGD`` / ``OUTER_NESTEROV``: DiLoCo; ranks send pseudo-gradients
+  (global parameters at the last round minus their parameters now), and the hub applies SGD with
+  heavy-ball or Nesterov momentum to the global model. The momentum lives here, next to the
+  model, so it survives rank restarts and is never applied twice.
+
+Updates go to staging arrays and replace the model only when the round completes on every rank;
+a failed round changes nothing. With a state directory, each completed round is written to
+``<state_dir>/<job>/<model>.npz`` (temporary file, fsync, rename) before the ranks get their END
+frame, so a coordinator restart loses no completed round.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from gradstar.errors import InvalidCollectiveError
+from gradstar.proto.v1 import collective_pb2 as pb
+
+log = logging.getLogger("gradstar.coordinator")
+
+RULE_NAMES = {
+    pb.AVERAGING_RULE_SEED: "seed",
+    pb.AVERAGING_RULE_AVERAGE: "average",
+    pb.AVERAGING_RULE_OUTER_SGD: "outer_sgd",
+    pb.AVERAGING_RULE_OUTER_NESTEROV: "outer_nesterov",
+}
+
+
+@dataclass(eq=False)
+class GlobalModel:
+    """A job's global parameters (flat float32), the outer momentum, and the rounds completed."""
+
+    params: np.ndarray
+    momentum: np.ndarray | None
+    rounds: int
+
+
+class AveragingRound:
+    """One round's staged update of a global model; ``commit()`` makes it the model."""
+
+    def __init__(self, store: AveragingStore, key: tuple[str, str], spec: pb.AveragingSpec,
+                 numel: int, model: GlobalModel | None) -> None:
+        self.store, self.key, self.spec, self.model = store, key, spec, model
+        self.rule = spec.rule
+        self.lr = np.float32(spec.outer_lr)
+        self.mu = np.float32(spec.outer_momentum)
+        # SEED on an existing model answers it unchanged: nothing to stage.
+        self.answer_existing = self.rule == pb.AVERAGING_RULE_SEED and model is not None
+        self.staged = None if self.answer_existing else np.empty(numel, dtype=np.float32)
+        uses_momentum = self.rule in (pb.AVERAGING_RULE_OUTER_SGD,
+                                      pb.AVERAGING_RULE_OUTER_NESTEROV) and self.mu != 0
+        self.staged_momentum = np.empty(numel, dtype=np.float32) if uses_momentum else None
+
+    def apply(self, start: int, values: np.ndarray) -> None:
+        """Turn the mean of elements ``start:start+len(values)`` into new global parameters."""
+        stop = start + values.shape[0]
+        if self.answer_existing:
+            values[:] = self.model.params[start:stop]
+            return
+        if self.rule in (pb.AVERAGING_RULE_OUTER_SGD, pb.AVERAGING_RULE_OUTER_NESTEROV):
+            old = self.model.params[start:stop]
+            step = values
+            if self.staged_momentum is not None:
+                buf = self.staged_momentum[start:stop]
+                previous = self.model.momentum
+                if previous is None:
+                    buf[:] = values
+                else:
+                    np.multiply(previous[start:stop], self.mu, out=buf)
+                    buf += values
+                if self.rule == pb.AVERAGING_RULE_OUTER_NESTEROV:
+                    step = values + self.mu * buf
+                else:
+                    step = buf
+            np.subtract(old, self.lr * step, out=values)
+        self.staged[start:stop] = values
+
+    def commit(self) -> GlobalModel:
+        """Install the staged model (and persist it, when a state directory is set)."""
+        if self.answer_existing:
+            return self.model
+        momentum = self.staged_momentum
+        if momentum is None and self.model is not None and self.rule not in (
+                pb.AVERAGING_RULE_SEED, pb.AVERAGING_RULE_AVERAGE):
+            momentum = self.model.momentum
+        rounds = 0 if self.model is None else self.model.rounds + 1
+        model = GlobalModel(self.staged, momentum, rounds)
+        self.store.install(self.key, model)
+        return model
+
+
+class AveragingStore:
+    """Global models by (job, model name), loaded from and saved to ``state_dir`` if given."""
+
+    def __init__(self, state_dir: Path | None = None) -> None:
+        self.state_dir = Path(state_dir) if state_dir is not None else None
+        self._models: dict[tuple[str, str], GlobalModel] = {}
+
+    def get(self, job: str, name: str) -> GlobalModel | None:
+        key = (job, name)
+        if key not in self._models and self.state_dir is not None:
+            path = self._path(key)
+            if path.exists():
+                self._models[key] = self._load(path)
+                log.info("loaded global model %r of job %r (round %d) from %s",
+                         name, job, self._models[key].rounds, path)
+        return self._models.get(key)
+
+    def models(self, job: str) -> dict[str, GlobalModel]:
+        return {name: m for (j, name), m in self._models.items() if j == job}
+
+    def open_round(self, job: str, spec: pb.AveragingSpec, numel: int) -> AveragingRound:
+        """Stage a round of ``spec.rule`` for a vector of ``numel`` float32 elements.
+
+        Raises:
+            InvalidCollectiveError: unknown rule, no global model to step, or a size that
+                differs from the stored model's.
+        """
+        if spec.rule not in RULE_NAMES:
+            raise InvalidCollectiveError(f"unknown averaging rule {spec.rule}")
+        if not spec.model:
+            raise InvalidCollectiveError("an averaging round needs a model name")
+        model = self.get(job, spec.model)
+        if model is not None and model.params.shape[0] != numel:
+            raise InvalidCollectiveError(
+                f"global model {spec.model!r} of job {job!r} has {model.params.shape[0]} "
+                f"parameters, but this round sends {numel}; use another model name for a "
+                "different model"
+            )
+        if model is None and spec.rule in (pb.AVERAGING_RULE_OUTER_SGD,
+                                           pb.AVERAGING_RULE_OUTER_NESTEROV):
+            raise InvalidCollectiveError(
+                f"job {job!r} has no global model {spec.model!r} to apply an outer step to; "
+                "seed it first (gradstar.LocalSGD does at construction)"
+            )
+        return AveragingRound(self, (job, spec.model), spec, numel, model)
+
+    def install(self, key: tuple[str, str], model: GlobalModel) -> None:
+        if self.state_dir is not None:
+            self._save(self._path(key), model)
+        self._models[key] = model
+
+    def _path(self, key: tuple[str, str]) -> Path:
+        # Quoted so that no job or model name can reach outside the state directory.
+        job, name = (urllib.parse.quote(part, safe="") for part in key)
+        return self.state_dir / job / f"{name}.npz"
+
+    @staticmethod
+    def _save(path: Path, model: GlobalModel) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        arrays = {"params": model.params, "rounds": np.array(model.rounds, dtype=np.int64)}
+        if model.momentum is not None:
+            arrays["momentum"] = model.momentum
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                np.savez(out, **arrays)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself must survive a crash
+        finally:
+            os.close(dir_fd)
+
+    @staticmethod
+    def _load(path: Path) -> GlobalModel:
+        with np.load(path, allow_pickle=False) as data:
+            momentum = data["momentum"].astype(np.float32) if "momentum" in data else None
+            return GlobalModel(data["params"].astype(np.float32), momentum, int(data["rounds"]))

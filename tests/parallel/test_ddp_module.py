@@ -1,0 +1,160 @@
+"""DistributedDataParallel as an nn.Module, its arguments and its sync rules, on one rank.
+
+A one-rank job on a real coordinator in this process: the DDP code runs on a worker thread
+(its process group blocks) while the coordinator serves on the test's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from torch import nn
+
+import gradstar
+from gradstar.errors import ConfigurationError
+from tests.integration.conftest import close_all, join_all
+
+
+@pytest.fixture
+async def solo(coordinator):
+    pg = await asyncio.to_thread(gradstar.init_process_group, coordinator=coordinator.address,
+                                 job="solo", world_size=1, rank=0, timeout=20, join_timeout=20)
+    yield pg
+    await asyncio.wait_for(asyncio.to_thread(pg.close), 20)
+
+
+async def on_thread(body, *args):
+    return await asyncio.wait_for(asyncio.to_thread(body, *args), 30)
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+async def test_an_async_process_group_is_refused_with_a_hint(coordinator):
+    (apg,) = await join_all(coordinator.address, 1, job="async")
+    try:
+        with pytest.raises(ConfigurationError, match=r"needs the blocking gradstar\.ProcessGroup "
+                           r"from gradstar\.init_process_group\(\), not an AsyncProcessGroup"):
+            gradstar.DDP(mlp(), apg)
+    finally:
+        await close_all([apg])
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"gradient_compression": "int8"}, "gradient_compression must be None, 'bf16' or 'fp16'"),
+    ({"bucket_cap_mb": 0}, "bucket_cap_mb must be a positive number"),
+])
+async def test_invalid_arguments_are_configuration_errors(solo, kwargs, message):
+    def body(pg):
+        with pytest.raises(ConfigurationError, match=message):
+            gradstar.DDP(mlp(), pg, **kwargs)
+
+    await on_thread(body, solo)
+
+
+async def test_a_module_without_trainable_parameters_is_refused(solo):
+    def body(pg):
+        frozen = mlp().requires_grad_(False)
+        with pytest.raises(ConfigurationError, match="at least one parameter that requires grad"):
+            gradstar.DDP(frozen, pg)
+        with pytest.raises(ConfigurationError, match=r"wraps a torch\.nn\.Module"):
+            gradstar.DDP(lambda x: x, pg)
+
+    await on_thread(body, solo)
+
+
+async def test_it_behaves_like_the_module_it_wraps(solo):
+    def body(pg):
+        inner = mlp()
+        ddp = gradstar.DistributedDataParallel(inner, pg)
+        assert ddp.module is inner and isinstance(ddp, nn.Module)
+        assert list(ddp.parameters()) == list(inner.parameters())
+        assert [n for n, _ in ddp.named_parameters()] == [
+            "module." + n for n, _ in inner.named_parameters()]
+        assert list(ddp.state_dict()) == ["module." + k for k in inner.state_dict()]
+        ddp.eval()
+        assert not inner.training and not inner[0].training
+        ddp.train()
+        assert inner.training
+
+        other = gradstar.DDP(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), pg)
+        other.load_state_dict(ddp.state_dict())
+        x = torch.randn(5, 4)
+        torch.testing.assert_close(other(x), inner(x))
+        assert "buckets=1" in repr(ddp) and "world_size=1" in repr(ddp)
+
+    await on_thread(body, solo)
+
+
+async def test_backward_through_the_wrapper_synchronises_and_matches_plain_autograd(solo):
+    def body(pg):
+        ddp, plain = gradstar.DDP(mlp(), pg, bucket_cap_mb=100 / (1 << 20)), mlp()
+        x = torch.randn(6, 4)
+        ddp(x).square().sum().backward()
+        plain(x).square().sum().backward()
+        for a, b in zip(ddp.parameters(), plain.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad)
+        timeline = ddp.last_step_timeline
+        assert len(timeline.hooks) == 4
+        assert [x.bucket for x in timeline.launches] == list(range(len(ddp.bucket_plan)))
+        assert timeline.launched_during_backward >= 1
+
+    await on_thread(body, solo)
+
+
+async def test_only_a_synchronising_forward_arms_the_hooks(solo):
+    def body(pg):
+        ddp = gradstar.DDP(mlp(), pg)
+        x = torch.randn(3, 4)
+        ddp.module(x).sum().backward()  # around the wrapper: no synchronisation
+        assert ddp.last_step_timeline is None
+        with ddp.no_sync():
+            ddp(x).sum().backward()
+        assert ddp.last_step_timeline is None
+        ddp.sync_gradients()  # by hand
+        assert {x.during for x in ddp.last_step_timeline.launches} == {"sync_gradients"}
+        loss = ddp(x).sum()
+        loss.backward(retain_graph=True)
+        first = ddp.last_step_timeline
+        loss.backward()  # a second backward of the same forward is reduced too
+        assert ddp.last_step_timeline is not first
+
+    await on_thread(body, solo)
+
+
+async def test_sync_gradients_follows_the_unused_parameter_rules(solo):
+    def body(pg):
+        model = mlp()
+        strict = gradstar.DDP(model, pg)
+        model(torch.randn(2, 4)).sum().backward()
+        model[2].bias.grad = None
+        with pytest.raises(ConfigurationError, match=r"got no gradient for 1 parameter\(s\) when "
+                           r"sync_gradients\(\) was called: 2\.bias\..*"
+                           r"find_unused_parameters=True"):
+            strict.sync_gradients()
+        # The mean (here: zeros) was still written before the error.
+        assert torch.equal(model[2].bias.grad, torch.zeros(2))
+
+        model = mlp()
+        lenient = gradstar.DDP(model, pg, find_unused_parameters=True)
+        model(torch.randn(2, 4)).sum().backward()
+        model[2].bias.grad = None
+        lenient.sync_gradients()
+        assert model[2].bias.grad is None  # no rank had one: it stays None, as in torch
+        assert model[2].weight.grad is not None
+
+    await on_thread(body, solo)
+
+
+async def test_fp16_compression_sends_half_precision_and_returns_float32(solo):
+    def body(pg):
+        ddp = gradstar.DDP(mlp(), pg, gradient_compression="fp16")
+        assert ddp.bucket_dtypes == [torch.float16]
+        ddp(torch.randn(3, 4)).sum().backward()
+        assert all(p.grad.dtype == torch.float32 for p in ddp.parameters())
+
+    await on_thread(body, solo)
