@@ -106,6 +106,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def loadavg() -> list[float] | None:
+    """1/5/15-minute load averages: other work on the machine skews every figure measured."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 

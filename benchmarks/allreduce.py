@@ -55,6 +55,7 @@ from _harness import (
     MiB,
     format_table,
     free_port,
+    loadavg,
     median,
     run_ranks,
 )
@@ -259,16 +260,9 @@ def _environment() -> dict:
         "python": platform.python_version(), "numpy": numpy.__version__,
         "torch": torch.__version__, "gradstar": gradstar.__version__, "git_commit": commit,
         "cpus": os.cpu_count(), "machine": platform.machine(), "system": platform.system(),
-        "loadavg_at_start": _loadavg(),
+        "loadavg_at_start": loadavg(),
     }
 
-
-def _loadavg() -> list[float] | None:
-    """1/5/15-minute load averages: other work on the machine skews every figure here."""
-    try:
-        return [round(v, 2) for v in os.getloadavg()]
-    except OSError:
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -355,13 +349,13 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     print(f"\nmedian of rank 0's timed iterations; MB = MiB of float32 per rank; "
           f"algbw = bytes / median (GB = 1e9 B); total runtime {total:.1f} s; "
-          f"load average at end {_loadavg()}")
+          f"load average at end {loadavg()}")
     for backend, label, error in failures:
         print(f"\nFAILED: {backend} {label}:\n{error}")
     if args.json:
         args.json.write_text(json.dumps(
             {"benchmark": "allreduce", "environment": env, "runtime_s": round(total, 2),
-             "loadavg_at_end": _loadavg(),
+             "loadavg_at_end": loadavg(),
              "rows": rows}, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 1 if failures else 0

@@ -47,6 +47,7 @@ from _harness import (
     CoordinatorProcess,
     format_table,
     free_port,
+    loadavg,
     median,
     run_ranks,
 )
@@ -162,12 +163,6 @@ def _check_ranks_agree(results: list[dict], label: str) -> None:
                                  f"(max abs diff {worst:g}): the replicas diverged")
 
 
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(v, 2) for v in os.getloadavg()]
-    except OSError:
-        return None
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="DDP step time: gradstar vs torch gloo.")
@@ -189,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gradstar DDP step benchmark: torch {torch.__version__}, {os.cpu_count()} CPUs, "
           f"{args.ranks} ranks x batch {args.batch}, MLP {WIDTHS}, bucket_cap_mb "
           f"{args.bucket_cap_mb:g}, {args.warmup}+{args.iters} steps, load average "
-          f"{_loadavg()}", flush=True)
+          f"{loadavg()}", flush=True)
     common = (args.batch, args.warmup, args.iters)
     runs: dict[str, list[dict] | None] = {}
     failures = []
@@ -247,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                         "max |param - gloo param|"], rows))
     params = next((r[0]["params"] for r in runs.values() if r), None)
     print(f"\nrank 0's median over {args.iters} timed steps; {params} parameters; local = the "
-          f"same step without communication; load average at end {_loadavg()}")
+          f"same step without communication; load average at end {loadavg()}")
     for name, error in failures:
         print(f"\nFAILED: {name}:\n{error}")
     if args.json:

@@ -95,16 +95,21 @@ async def test_rank_that_leaves_fails_waiting_ranks_naming_it(trio):
         await asyncio.wait_for(g0.barrier(), 5)
 
 
+def raw_all_reduce_header(g, elements: int) -> pb.CollectiveHeader:
+    """The header ``g``'s next all_reduce would send, for tests that speak the wire by hand."""
+    return pb.CollectiveHeader(
+        job=g.job, generation=g.generation, group="default", seq=next(g._seq), rank=g.rank,
+        member_id=g._member_id, op=pb.COLLECTIVE_OP_ALL_REDUCE, reduce_op=pb.REDUCE_OP_SUM,
+        dtype=pb.DTYPE_FLOAT32, shape=[elements], chunk_bytes=g.settings.chunk_bytes,
+        timeout_seconds=10,
+    )
+
+
 async def test_stream_cut_before_end_marker_commits_nothing(coordinator, trio):
     """A rank whose stream ends without END fails the collective; no rank gets a result."""
     g0, g1, g2 = trio
     pending = [asyncio.ensure_future(g.all_reduce(np.ones(1000, np.float32))) for g in (g0, g1)]
-    header = pb.CollectiveHeader(
-        job=g2.job, generation=g2.generation, group="default", seq=next(g2._seq), rank=2,
-        member_id=g2._member_id, op=pb.COLLECTIVE_OP_ALL_REDUCE, reduce_op=pb.REDUCE_OP_SUM,
-        dtype=pb.DTYPE_FLOAT32, shape=[1000], chunk_bytes=g2.settings.chunk_bytes,
-        timeout_seconds=10,
-    )
+    header = raw_all_reduce_header(g2, 1000)
 
     async def cut_short():
         yield encode_message(KIND_HEADER, header)
@@ -125,12 +130,7 @@ async def test_stream_cut_before_end_marker_commits_nothing(coordinator, trio):
 async def test_corrupt_frames_fail_the_collective_with_protocol_error(trio, damage):
     g0, g1, g2 = trio
     pending = [asyncio.ensure_future(g.all_reduce(np.ones(1000, np.float32))) for g in (g0, g1)]
-    header = pb.CollectiveHeader(
-        job=g2.job, generation=g2.generation, group="default", seq=next(g2._seq), rank=2,
-        member_id=g2._member_id, op=pb.COLLECTIVE_OP_ALL_REDUCE, reduce_op=pb.REDUCE_OP_SUM,
-        dtype=pb.DTYPE_FLOAT32, shape=[1000], chunk_bytes=g2.settings.chunk_bytes,
-        timeout_seconds=10,
-    )
+    header = raw_all_reduce_header(g2, 1000)
     chunk = bytearray(encode_chunk(0, np.ones(1000, np.float32)))
     end = pb.CollectiveEnd(chunks=1, bytes=4000)
     if damage == "checksum":
