@@ -12,13 +12,13 @@ from gradstar.wire import CHUNK_HEADER_BYTES, MAX_CHUNK_BYTES
 # gRPC itself before the application allocates for it.
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + CHUNK_HEADER_BYTES + 64 * 1024
 
-KEEPALIVE_MS = 2_000
-KEEPALIVE_TIMEOUT_MS = 3_000
+KEEPALIVE_MS = 1_000
+KEEPALIVE_TIMEOUT_MS = 2_000
 
 _COMMON_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # Ping every 2 s and drop the connection when a ping is not answered within 3 s, so a frozen
+    # Ping every 1 s and drop the connection when a ping is not answered within 2 s, so a frozen
     # or partitioned peer is noticed in seconds rather than after TCP's minutes.
     ("grpc.keepalive_time_ms", KEEPALIVE_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
@@ -42,7 +42,7 @@ CLIENT_OPTIONS = [
 
 SERVER_OPTIONS = [
     *_COMMON_OPTIONS,
-    # Accept our clients' 2 s keepalive pings; the default policy answers them with GOAWAY.
+    # Accept our clients' 1 s keepalive pings; the default policy answers them with GOAWAY.
     ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
     ("grpc.http2.max_ping_strikes", 0),
     # Two coordinators must never share a port silently (tests bind port 0 many times).

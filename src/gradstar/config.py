@@ -33,7 +33,9 @@ class CoordinatorSettings(BaseSettings):
     max_tensor_bytes: int = Field(8 << 30, gt=0, description="largest payload one rank may send")
     max_chunk_bytes: int = Field(MAX_CHUNK_BYTES, gt=0, le=MAX_CHUNK_BYTES)
     heartbeat_interval: float = Field(1.0, gt=0)
-    heartbeat_timeout: float = Field(5.0, gt=0)
+    # Frozen or partitioned ranks are found by gRPC keepalive in ~3 s; heartbeats catch a rank
+    # whose process lives but whose gradstar event loop stopped.
+    heartbeat_timeout: float = Field(15.0, gt=0)
     max_collective_timeout: float = Field(
         1800.0, gt=0, description="upper bound on the timeout a client may ask for"
     )
