@@ -71,6 +71,10 @@ _REDUCING = (pb.COLLECTIVE_OP_ALL_REDUCE, pb.COLLECTIVE_OP_REDUCE_SCATTER)
 
 #: Placed in a participant's outbox after its END frame: the stream is complete.
 CLOSE = None
+#: How far (in chunks) a rank's input may run ahead of the slowest rank's input and, for
+#: all_reduce, of the slowest rank's output. Held first arrivals, accumulators and queued
+#: results are then bounded by a few windows of chunks, whatever the tensor size or skew.
+READ_AHEAD_CHUNKS = 16
 
 
 def describe(h: pb.CollectiveHeader) -> str:
@@ -117,6 +121,8 @@ class Participant:
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     queued: int = 0
     queued_bytes: int = 0
+    #: Chunk frames handed to gRPC for this rank (the servicer counts them).
+    delivered: int = 0
     ended: bool = False
 
 
@@ -136,6 +142,7 @@ class PendingCollective:
         self.ends = 0
         self._slots: dict[int, list] = {}
         self._held: list[tuple[int, int, bytes]] = []
+        self._progress = asyncio.Event()
         self._validate(header)
         self.dtype = dtype_from_wire(header.dtype)
         nbytes = math.prod(header.shape) * self.dtype.numpy.itemsize
@@ -244,6 +251,27 @@ class PendingCollective:
     def matched(self) -> bool:
         return len(self.participants) == self.world
 
+    def may_read(self, p: Participant) -> bool:
+        """Whether the hub should read ``p``'s next chunk now (see :data:`READ_AHEAD_CHUNKS`)."""
+        if self.finished or self.reducer is None:
+            return True
+        low = min(self.participants[r].tracker.received if r in self.participants else 0
+                  for r in range(self.world))
+        if self.op == pb.COLLECTIVE_OP_ALL_REDUCE:
+            low = min(low, *(q.delivered for q in self.participants.values()))
+            if not self.matched:
+                low = 0
+        return p.tracker.received < low + READ_AHEAD_CHUNKS
+
+    async def wait_to_read(self, p: Participant) -> None:
+        """Hold ``p``'s stream (HTTP/2 flow control then holds the rank) until it may read."""
+        while not self.may_read(p):
+            self._progress.clear()
+            await self._progress.wait()
+
+    def progressed(self) -> None:
+        self._progress.set()
+
     def _on_matched(self) -> None:
         for p in self.participants.values():
             accept = pb.CollectiveAccept(output_chunks=p.output_count)
@@ -267,6 +295,7 @@ class PendingCollective:
                 f"{p.first_input}..{p.first_input + p.input_count - 1}"
             )
         p.tracker.admit(index, payload)
+        self._progress.set()
         self.gen.job.counters.bytes_in += payload.nbytes
         if self.reducer is None:
             if self.matched:
@@ -376,6 +405,7 @@ class PendingCollective:
 
     def _finish(self, error: GradstarError | None) -> None:
         self.finished = True
+        self._progress.set()
         self._timer.cancel()
         for slot in self._slots.values():
             self.reducer.release(slot)

@@ -133,6 +133,9 @@ class CollectiveServicer:
                     await self._linger(reader)
                     await abort(context, item)
                 yield item
+                if item[0] == KIND_CHUNK:
+                    me.delivered += 1
+                    coll.progressed()
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -161,6 +164,7 @@ class CollectiveServicer:
                 kind = frame_kind(frame)
                 if kind == KIND_CHUNK:
                     coll.on_chunk(me, frame)
+                    await coll.wait_to_read(me)
                 elif kind == KIND_END:
                     coll.on_end(me, frame)
                     return

@@ -1,4 +1,4 @@
-"""Tensors far beyond gRPC's message limit, with the hub's memory bounded by one accumulator.
+"""Tensors far beyond gRPC's message limit, with the hub's memory bounded whatever their size.
 
 The coordinator runs as its own process here so its peak resident memory (VmHWM) can be read.
 """
@@ -37,7 +37,7 @@ async def coordinator_process():
 
 @pytest.mark.parametrize(("mib", "world"), [(1024, 2), (256, 4)], ids=["1GiB-x2", "256MiB-x4"])
 @pytest.mark.timeout(300)
-async def test_huge_all_reduce_is_exact_and_hub_memory_stays_under_one_tensor(
+async def test_huge_all_reduce_is_exact_and_hub_memory_stays_bounded(
         coordinator_process, mib, world):
     proc, address = coordinator_process
     baseline = memory(proc.pid, "VmRSS")
@@ -47,5 +47,8 @@ async def test_huge_all_reduce_is_exact_and_hub_memory_stays_under_one_tensor(
         assert code == 0, err[-2000:]
         assert json.loads(out.strip().splitlines()[-1])["exact"] is True
     growth = memory(proc.pid, "VmHWM") - baseline
-    # world_size copies would be world * mib; the design bound is about one accumulator.
-    assert growth < mib * MIB, f"hub grew by {growth / MIB:.0f} MiB for a {mib} MiB tensor"
+    # world_size copies would be world * mib MiB, one accumulator mib MiB. The hub reads at most
+    # READ_AHEAD_CHUNKS chunks ahead (engine.py), so its memory is a few windows of 2 MiB
+    # chunks plus gRPC's own buffers, the same for 256 MiB and 1 GiB (measured: +89 MiB for
+    # 1 GiB x 2 ranks, +157 MiB for 256 MiB x 4).
+    assert growth < 256 * MIB, f"hub grew by {growth / MIB:.0f} MiB for a {mib} MiB tensor"
