@@ -1,0 +1,256 @@
+"""FullyShardedDataParallel: each rank stores 1/world_size of the parameters, gradients and
+optimizer state, and holds a unit's full parameters only while that unit computes.
+
+Construction. The module is split into sharding units (:mod:`~gradstar.client.sharding_plan`).
+The ranks check that they derived the same plan (an all_gather of a small fingerprint; a
+difference is a :class:`~gradstar.errors.ConfigurationError` naming the rank). Each unit's
+parameters are flattened into one padded buffer of which each rank keeps only its contiguous
+shard, as an ``nn.Parameter`` in ``flat_shards`` (:mod:`~gradstar.client.sharding_unit`); with
+``sync_module_states`` the shards come from rank 0's buffer, broadcast unit by unit, and the
+module buffers from rank 0 too. The original parameters are removed from the modules.
+``parameters()`` yields the shards, so an optimizer built on them keeps its state sharded too.
+
+Training. Each unit is all-gathered around its forward and again for its backward, and its
+gradient reduce-scattered, as :mod:`~gradstar.client.fsdp_runtime` describes; after
+``loss.backward()`` each shard's ``.grad`` holds the mean over ranks of the gradient of that
+shard. Checkpoints: :mod:`~gradstar.client.fsdp_state_dict`.
+
+Rules. Every rank must construct FSDP from the same module structure and settings, run the
+same forwards and backwards, and reach the same units in each backward (as DDP without
+``find_unused_parameters``). A unit's parameters exist only during its module's forward
+(called as ``module(...)``, which runs hooks); outside it they are empty placeholders (size 0),
+as with torch's FSDP. Differences between ranks end in a CollectiveMismatchError or
+CollectiveTimeoutError, a lost rank in RankLostError, raised from forward or backward; after
+one, the process group should be considered broken, as in torch.distributed. Double backward
+through the parameters (``create_graph=True``) is not supported.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from gradstar.errors import ConfigurationError
+
+from . import fsdp_state_dict
+from .ddp import _COMPRESSION, _GRAD_DTYPES, _broadcast
+from .fsdp_runtime import UnitCollective, UnitRuntime
+from .process_group import AsyncProcessGroup, ProcessGroup
+from .sharding_plan import AutoWrapPolicy, UnitPlan, plan_units
+from .sharding_unit import ShardingUnit
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shards ``module``'s parameters, gradients and optimizer state over the ranks of ``pg``.
+
+    Build the optimizer on ``fsdp.parameters()`` (the flat shards) after wrapping. ``forward``
+    runs the wrapped module; after ``loss.backward()`` each shard's ``.grad`` holds the mean
+    gradient over ranks of that shard. Save with :meth:`full_state_dict` (an ordinary
+    ``state_dict`` a plain model loads) or :meth:`sharded_state_dict` (per rank); ``state_dict()``
+    itself is nn.Module's: this rank's flat shards and the buffers. See the module docstring for
+    the protocol and its rules.
+
+    For inspection and tests: ``units`` (the :class:`ShardingUnit` list, root first),
+    ``last_collectives`` and ``peak_gathered_numel``.
+
+    Args:
+        module: the model, on the CPU; its parameters are moved into the shards.
+        pg: the blocking :class:`gradstar.ProcessGroup` (hooks run inside autograd).
+        auto_wrap_policy: which submodules are sharding units: None (each direct child holding
+            parameters), a list of module classes, or a callable ``policy(module) -> bool``;
+            the root is a unit for the rest (see :mod:`gradstar.client.sharding_plan`).
+        mixed_precision: "bf16" or "fp16" gathers parameters and reduces gradients in that
+            dtype; shards, optimizer and compute stay in the parameters' dtype (the gathered
+            values are widened back: CPU matmuls in bf16 are slow and would need the inputs
+            cast). None communicates in the parameters' dtype.
+        prefetch: gather the next unit while the current one computes, in forward and backward.
+        sync_module_states: start every rank from rank 0's parameters (broadcast unit by
+            unit) and buffers.
+
+    Raises:
+        ConfigurationError: ``pg`` is not a blocking process group, an argument is invalid, the
+            module has no parameter, a parameter is not a floating CPU tensor, a unit mixes
+            dtypes or frozen and trainable parameters, or the ranks' sharding plans differ.
+        CollectiveError and subclasses: a construction collective failed.
+    """
+
+    def __init__(self, module: nn.Module, pg: ProcessGroup, *,
+                 auto_wrap_policy: AutoWrapPolicy = None, mixed_precision: str | None = None,
+                 prefetch: bool = True, sync_module_states: bool = True) -> None:
+        super().__init__()
+        if isinstance(pg, AsyncProcessGroup) or not all(
+                callable(getattr(pg, name, None)) for name in ("all_gather", "reduce_scatter")):
+            raise ConfigurationError(
+                "FullyShardedDataParallel needs the blocking gradstar.ProcessGroup from "
+                f"gradstar.init_process_group(), got {type(pg).__name__}: its hooks run inside "
+                "autograd and cannot await"
+            )
+        if not isinstance(module, nn.Module):
+            raise ConfigurationError(
+                f"FullyShardedDataParallel wraps a torch.nn.Module, got {type(module).__name__}"
+            )
+        try:
+            wire_dtype = _COMPRESSION[mixed_precision]
+        except (KeyError, TypeError):
+            raise ConfigurationError(
+                f"mixed_precision must be None, 'bf16' or 'fp16', got {mixed_precision!r}"
+            ) from None
+        for name, t in (*module.named_parameters(), *module.named_buffers()):
+            if t.device.type != "cpu":
+                raise ConfigurationError(
+                    f"{name} is on {t.device}; gradstar's FullyShardedDataParallel runs on CPU"
+                )
+        for name, p in module.named_parameters():
+            if p.dtype not in _GRAD_DTYPES:
+                raise ConfigurationError(
+                    f"parameter {name} has dtype {p.dtype}; FSDP shards float32, float64, "
+                    "float16 or bfloat16 parameters"
+                )
+        plans = plan_units(module, auto_wrap_policy)
+        if not plans:
+            raise ConfigurationError(
+                "FullyShardedDataParallel needs a module with at least one parameter; there "
+                "is nothing to shard"
+            )
+        self.module = module
+        self.process_group = pg
+        self.mixed_precision = mixed_precision
+        _check_plans_agree(pg, plans, wire_dtype)
+
+        # What module.state_dict() held, in its order, and which entries are parameters.
+        self.state_dict_keys: list[str] = list(module.state_dict(keep_vars=True))
+        self.param_keys: dict[str, tuple[int, int]] = {
+            name: (u, i) for u, plan in enumerate(plans)
+            for i, param in enumerate(plan.params) for name in param.names}
+        self.units = [ShardingUnit(i, plan, pg.world_size, pg.rank, wire_dtype)
+                      for i, plan in enumerate(plans)]
+        if sync_module_states:
+            fsdp_state_dict.scatter_from_rank0(
+                pg, self.units, lambda unit: [p.param for p in plans[unit.index].params])
+            _broadcast(pg, list(module.buffers()), fsdp_state_dict.BROADCAST_CAP)
+        for unit in self.units:
+            unit.detach_parameters()
+        self.flat_shards = nn.ParameterList([unit.shard for unit in self.units])
+        self.runtime = UnitRuntime(self.units, pg, prefetch=bool(prefetch))
+
+    # -- the nn.Module surface -----------------------------------------------------------------
+
+    def forward(self, *inputs, **kwargs):
+        """Run the wrapped module, gathering each unit around its forward.
+
+        Raises:
+            CollectiveError and subclasses: a gather failed (every unit is sharded again).
+        """
+        return self.runtime.run(self.module, *inputs, **kwargs)
+
+    @property
+    def prefetch(self) -> bool:
+        """Whether the next unit is gathered while the current one computes (settable)."""
+        return self.runtime.prefetch
+
+    @prefetch.setter
+    def prefetch(self, value: bool) -> None:
+        self.runtime.prefetch = bool(value)
+
+    @property
+    def last_collectives(self) -> list[UnitCollective]:
+        """Every collective issued for a unit since the last forward began, in order."""
+        return self.runtime.last_collectives
+
+    @property
+    def peak_gathered_numel(self) -> int:
+        """The most flat-buffer elements gathered, or being gathered, at once since the last
+        forward began."""
+        return self.runtime.peak_gathered_numel
+
+    def extra_repr(self) -> str:
+        sizes = ", ".join(f"{u.label}:{u.layout.numel}" for u in self.units)
+        return (f"world_size={self.process_group.world_size}, units=[{sizes}], "
+                f"mixed_precision={self.mixed_precision!r}, prefetch={self.prefetch}")
+
+    # -- state dicts (see gradstar.client.fsdp_state_dict) -------------------------------------
+
+    def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The wrapped module's ordinary ``state_dict()``: keys without a prefix, parameters in
+        their shapes, loadable into the plain module. Every rank must call it; with
+        ``rank0_only`` only rank 0 gets it (the others get ``{}`` and hold at most two units'
+        parameters at a time).
+
+        Raises:
+            CollectiveError and subclasses: a gather failed.
+        """
+        return fsdp_state_dict.full_state_dict(self, rank0_only=rank0_only)
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor] | None) -> None:
+        """Load a full ``state_dict`` given on rank 0 (the other ranks' argument is ignored;
+        pass None): parameters are broadcast unit by unit and each rank keeps its shard,
+        buffers are broadcast. Every rank must call it. Strict, as ``load_state_dict``.
+
+        Raises:
+            ConfigurationError: on every rank, if rank 0's dict has missing or unexpected keys
+                or a wrong shape (rank 0's message lists them).
+            CollectiveError and subclasses: a broadcast failed.
+        """
+        fsdp_state_dict.load_full_state_dict(self, state_dict)
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's part of the model, for per-rank checkpoints; no communication.
+
+        ``{"rank", "world_size", "keys": state_dict order, "tied": {alias: name},
+        "params": {name: {"shape", "start", "values"}}, "buffers": {name: tensor}}`` where
+        ``values`` are the elements ``start : start + len(values)`` of the flattened parameter
+        that this rank's shard holds (possibly none). Plain dicts, lists, ints and tensors, so
+        ``torch.load(..., weights_only=True)`` reads it.
+        :func:`~gradstar.client.fsdp_state_dict.full_state_dict_from_shards` merges every
+        rank's into a full state dict offline.
+        """
+        return fsdp_state_dict.sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, state_dict: Mapping) -> None:
+        """Load this rank's :meth:`sharded_state_dict` (same world size and plan); no
+        communication.
+
+        Raises:
+            ConfigurationError: it belongs to another rank or world size, or does not match
+                this rank's shards.
+        """
+        fsdp_state_dict.load_sharded_state_dict(self, state_dict)
+
+
+def _check_plans_agree(pg, plans: list[UnitPlan], wire_dtype: torch.dtype | None) -> None:
+    """All-gather a fingerprint of the plan; raise the same error on every rank if any differs.
+
+    Raises:
+        ConfigurationError: some rank's plan (units, parameter names, shapes, dtypes,
+            requires_grad, mixed precision) differs from rank 0's.
+    """
+    text = "|".join(
+        f"{plan.name}:" + ",".join(f"{p.name}{tuple(p.param.shape)}{p.param.dtype}"
+                                   f"{int(p.param.requires_grad)}" for p in plan.params)
+        for plan in plans) + f"|{wire_dtype}"
+    mine = torch.tensor([len(plans), sum(plan.numel for plan in plans),
+                         zlib.crc32(text.encode())], dtype=torch.int64)
+    everyone = pg.all_gather(mine)
+    for rank, theirs in enumerate(everyone):
+        if not torch.equal(theirs, everyone[0]):
+            units, numel = (int(v) for v in everyone[0][:2])
+            their_units, their_numel = (int(v) for v in theirs[:2])
+            if (units, numel) != (their_units, their_numel):
+                how = (f"{their_units} units of {their_numel} parameter elements against "
+                       f"{units} units of {numel}")
+            else:
+                how = ("as many units and elements, but other parameter names, shapes, dtypes, "
+                       "requires_grad or mixed_precision")
+            raise ConfigurationError(
+                f"rank {rank}'s FSDP sharding plan differs from rank 0's ({how}): every rank "
+                "must wrap the same module structure with the same auto_wrap_policy and "
+                "mixed_precision"
+            )
+
+
+FSDP = FullyShardedDataParallel
+
+__all__ = ["FSDP", "FullyShardedDataParallel", "UnitCollective"]

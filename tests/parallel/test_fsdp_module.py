@@ -1,0 +1,223 @@
+"""FullyShardedDataParallel as an nn.Module, its arguments and its autograd rules, on one rank.
+
+A one-rank job on a real coordinator in this process: the FSDP code runs on a worker thread
+(its process group blocks) while the coordinator serves on the test's loop. One rank keeps
+the whole flat buffer as its shard, so every gradient can be compared with plain autograd's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import gradstar
+from gradstar.errors import ConfigurationError
+from tests.integration.conftest import close_all, join_all
+
+from . import fsdp_script as script
+
+
+@pytest.fixture
+async def solo(coordinator):
+    pg = await asyncio.to_thread(gradstar.init_process_group, coordinator=coordinator.address,
+                                 job="solo", world_size=1, rank=0, timeout=20, join_timeout=20)
+    yield pg
+    await asyncio.wait_for(asyncio.to_thread(pg.close), 20)
+
+
+async def on_thread(body, *args):
+    return await asyncio.wait_for(asyncio.to_thread(body, *args), 30)
+
+
+def flat_grads(fsdp, plain: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(shard gradient, plain autograd's gradients of the same unit, flattened) per unit."""
+    grads = {name: p.grad for name, p in plain.named_parameters()}
+    return [(unit.shard.grad, unit.flatten([grads[n] for n in unit.param_names]))
+            for unit in fsdp.units]
+
+
+def x_of(rows: int = 6) -> torch.Tensor:
+    return torch.randn(rows, script.WIDTHS[0], generator=torch.Generator().manual_seed(rows))
+
+
+async def test_an_async_process_group_is_refused_with_a_hint(coordinator):
+    (apg,) = await join_all(coordinator.address, 1, job="async")
+    try:
+        with pytest.raises(ConfigurationError, match=r"needs the blocking gradstar\.ProcessGroup "
+                           r"from gradstar\.init_process_group\(\), got AsyncProcessGroup"):
+            gradstar.FSDP(script.MLP(0), apg)
+    finally:
+        await close_all([apg])
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"mixed_precision": "int8"}, "mixed_precision must be None, 'bf16' or 'fp16'"),
+    ({"auto_wrap_policy": 42}, "auto_wrap_policy must be None, a list of torch.nn.Module"),
+])
+async def test_invalid_arguments_are_configuration_errors(solo, kwargs, message):
+    def body(pg):
+        with pytest.raises(ConfigurationError, match=message):
+            gradstar.FSDP(script.MLP(0), pg, **kwargs)
+
+    await on_thread(body, solo)
+
+
+async def test_modules_it_cannot_shard_are_refused(solo):
+    def body(pg):
+        with pytest.raises(ConfigurationError, match="at least one parameter"):
+            gradstar.FSDP(nn.Tanh(), pg)
+        with pytest.raises(ConfigurationError, match=r"wraps a torch\.nn\.Module"):
+            gradstar.FSDP(lambda x: x, pg)
+        counter = nn.Linear(2, 2)
+        counter.steps = nn.Parameter(torch.zeros(1, dtype=torch.int64), requires_grad=False)
+        with pytest.raises(ConfigurationError, match=r"parameter steps has dtype torch\.int64"):
+            gradstar.FSDP(counter, pg)
+
+    await on_thread(body, solo)
+
+
+async def test_it_behaves_like_a_module_whose_parameters_are_the_flat_shards(solo):
+    def body(pg):
+        inner = script.MLP(0)
+        want = inner(x_of())
+        keys = list(inner.state_dict())
+        fsdp = gradstar.FullyShardedDataParallel(inner, pg)
+        assert gradstar.FSDP is gradstar.FullyShardedDataParallel
+        assert fsdp.module is inner and isinstance(fsdp, nn.Module)
+        assert [n for n, _ in fsdp.named_parameters()] == [f"flat_shards.{i}" for i in range(5)]
+        assert [p.numel() for p in fsdp.parameters()] == [3, 54, 130, 238, 54]
+        assert list(inner.parameters()) == []  # the shards are the only parameter storage
+        # Outside its forward a unit's parameters are empty placeholders, as in torch's FSDP.
+        assert inner.fc1.weight.numel() == 0 and inner.fc1.bias is not None
+        torch.testing.assert_close(fsdp(x_of()), want)
+        assert list(fsdp.full_state_dict()) == keys
+        fsdp.eval()
+        assert not inner.training and not inner.fc1.training
+        assert "units=[<root>:3, fc1:54, fc2:130, fc3:238, fc4:54]" in repr(fsdp)
+        assert "world_size=1" in repr(fsdp)
+
+    await on_thread(body, solo)
+
+
+async def test_gradients_match_plain_autograd_and_accumulate(solo):
+    def body(pg):
+        fsdp, plain = gradstar.FSDP(script.MLP(0), pg), script.MLP(0)
+        for rows in (6, 4):  # two backward passes without zero_grad: .grad accumulates
+            fsdp(x_of(rows)).square().sum().backward()
+            plain(x_of(rows)).square().sum().backward()
+        for got, want in flat_grads(fsdp, plain):
+            torch.testing.assert_close(got, want)
+
+    await on_thread(body, solo)
+
+
+async def test_a_unit_called_twice_and_a_second_backward_of_one_forward(solo):
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(3)
+            self.a, self.b = nn.Linear(5, 5), nn.Linear(5, 5)
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(torch.tanh(self.a(x)))))
+
+    def body(pg):
+        fsdp, plain = gradstar.FSDP(Twice(), pg), Twice()
+        x = x_of()
+        loss = fsdp(x).square().sum()
+        ops = [(c.op, c.unit) for c in fsdp.last_collectives]
+        assert ops.count(("all_gather", 0)) == 2  # gathered for each call
+        loss.backward(retain_graph=True)
+        loss.backward()  # the second backward gathers again and reduces again
+        reference = plain(x).square().sum()
+        reference.backward(retain_graph=True)
+        reference.backward()
+        for got, want in flat_grads(fsdp, plain):
+            torch.testing.assert_close(got, want)
+
+    await on_thread(body, solo)
+
+
+async def test_calling_the_inner_module_directly_still_gives_correct_gradients(solo):
+    def body(pg):
+        fsdp, plain = gradstar.FSDP(script.MLP(0), pg), script.MLP(0)
+        # Around the wrapper the hooks still gather and reduce; only the freeing of saved
+        # parameters between forward and backward is lost.
+        fsdp.module(x_of()).sum().backward()
+        plain(x_of()).sum().backward()
+        for got, want in flat_grads(fsdp, plain):
+            torch.testing.assert_close(got, want)
+
+    await on_thread(body, solo)
+
+
+async def test_a_forward_without_grad_gathers_but_never_reduces(solo):
+    def body(pg):
+        fsdp = gradstar.FSDP(script.MLP(0), pg)
+        with torch.no_grad():
+            out = fsdp(x_of())
+        assert not out.requires_grad
+        assert {c.op for c in fsdp.last_collectives} == {"all_gather"}
+        assert all(not u.holding for u in fsdp.units)
+
+    await on_thread(body, solo)
+
+
+async def test_modifying_the_shards_between_forward_and_backward_is_an_error(solo):
+    def body(pg):
+        fsdp = gradstar.FSDP(script.MLP(0), pg)
+        loss = fsdp(x_of()).sum()
+        with torch.no_grad():
+            fsdp.flat_shards[3].add_(1.0)  # as optimizer.step() would
+        with pytest.raises(RuntimeError, match=r"the shard of sharding unit fc3 was modified in "
+                                               r"place .* between the forward and this backward"):
+            loss.backward()
+        # The next step starts clean.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fsdp(x_of()).sum().backward()
+        assert any("previous backward pass did not finish" in str(w.message) for w in caught)
+        assert all(not u.holding for u in fsdp.units)
+
+    await on_thread(body, solo)
+
+
+async def test_an_exception_inside_a_unit_leaves_every_unit_sharded(solo):
+    class Failing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(5, 5), nn.Linear(5, 5)
+            self.fail = True
+
+        def forward(self, x):
+            x = self.a(x)
+            if self.fail:
+                raise ValueError("boom")
+            return self.b(x)
+
+    def body(pg):
+        model = Failing()
+        fsdp = gradstar.FSDP(model, pg, auto_wrap_policy=[nn.Linear])
+        with pytest.raises(ValueError, match="boom"):
+            fsdp(x_of())
+        assert all(not u.holding and u.active == 0 for u in fsdp.units)
+        assert model.a.weight.numel() == 0  # the placeholder again
+        model.fail = False
+        fsdp(x_of()).sum().backward()
+        assert all(p.grad is not None for p in fsdp.parameters())
+
+    await on_thread(body, solo)
+
+
+async def test_fp16_mixed_precision_communicates_half_and_keeps_float32(solo):
+    def body(pg):
+        fsdp = gradstar.FSDP(script.MLP(0), pg, mixed_precision="fp16")
+        fsdp(x_of()).sum().backward()
+        assert {c.dtype for c in fsdp.last_collectives} == {"float16"}
+        assert all(p.dtype == p.grad.dtype == torch.float32 for p in fsdp.parameters())
+
+    await on_thread(body, solo)
