@@ -1,0 +1,218 @@
+"""The rank's peer server: the receiving side of peer streams.
+
+It checks each incoming stream's hello (job, generation, ranks; the job token is checked by the
+hub's interceptor before), reads the messages of the stream, and files each one in the
+:class:`~gradstar.client.mailbox.Mailbox` of its sender, acknowledging it once it is filed.
+The protocol is described in :mod:`gradstar.client.peer` and ``peer.proto``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from gradstar.channels import SERVER_OPTIONS, server_credentials
+from gradstar.config import ClientSettings
+from gradstar.coordinator.auth import TokenAuthInterceptor
+from gradstar.coordinator.status import abort
+from gradstar.errors import ConfigurationError, GradstarError, ProtocolError
+from gradstar.proto.v1 import collective_pb2 as cpb
+from gradstar.proto.v1 import peer_pb2 as ppb
+from gradstar.wire import (
+    KIND_ACCEPT,
+    KIND_CHUNK,
+    KIND_END,
+    KIND_HEADER,
+    MAX_CHUNK_BYTES,
+    ChunkLayout,
+    ChunkTracker,
+    as_byte_view,
+    decode_chunk,
+    decode_message,
+    dtype_from_wire,
+    encode_error,
+    encode_message,
+    frame_kind,
+)
+
+from .mailbox import Mailbox
+
+PEER_SERVICE = "gradstar.proto.v1.PeerStream"
+PEER_METHOD = f"/{PEER_SERVICE}/Stream"
+
+
+class LinkLost(GradstarError):
+    """Internal: a peer stream ended or broke; resolved into the hub's verdict or RankLostError."""
+
+    def __init__(self, peer: int, detail: str) -> None:
+        super().__init__(detail)
+        self.peer = peer
+
+
+def host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who this rank is, known once the generation formed."""
+
+    job: str
+    generation: int
+    rank: int
+    world_size: int
+
+
+class PeerServer:
+    """The rank's peer server: checks each incoming stream's hello and files its messages.
+
+    A thin edge: the buffering and matching live in the mailboxes.
+    """
+
+    def __init__(self, settings: ClientSettings) -> None:
+        self.settings = settings
+        self.identity: Identity | None = None
+        self.mailboxes: dict[int, Mailbox] = {}
+        self._bound = asyncio.Event()
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self) -> int:
+        """Bind ``peer_host``:``peer_port`` and serve; return the bound port.
+
+        Raises:
+            ConfigurationError: the address could not be bound.
+        """
+        s = self.settings
+        token = s.token.get_secret_value() if s.token else None
+        server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token, None)],
+                                 options=SERVER_OPTIONS)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            PEER_SERVICE, {"Stream": grpc.stream_stream_rpc_method_handler(self.Stream)}),))
+        bind = host_port(s.peer_host, s.peer_port)
+        try:
+            if s.tls_cert is not None and s.tls_key is not None:
+                port = server.add_secure_port(bind, server_credentials(s.tls_cert, s.tls_key,
+                                                                       s.tls_ca))
+            else:
+                port = server.add_insecure_port(bind)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise ConfigurationError(
+                f"could not bind this rank's peer server to {bind}; set peer_host/peer_port "
+                "(GRADSTAR_PEER_HOST, GRADSTAR_PEER_PORT) to a free local address"
+            )
+        await server.start()
+        self._server = server
+        return port
+
+    def bind(self, identity: Identity) -> None:
+        s = self.settings
+        self.mailboxes = {r: Mailbox(r, s.peer_buffer_messages, s.peer_buffer_bytes)
+                          for r in range(identity.world_size) if r != identity.rank}
+        self.identity = identity
+        self._bound.set()
+
+    async def stop(self, error: GradstarError) -> None:
+        for mailbox in self.mailboxes.values():
+            mailbox.close(error)
+        if self._server is not None:
+            await self._server.stop(0)
+            self._server = None
+
+    async def Stream(self, request_iterator, context) -> None:
+        first = await context.read()
+        if first is grpc.aio.EOF:
+            return
+        try:
+            hello = decode_message(first, KIND_HEADER, ppb.PeerHello)
+            mailbox = await self._accept(hello)
+        except GradstarError as error:
+            await context.write(encode_error(error))
+            await abort(context, error)
+        me = self.identity
+        await context.write(encode_message(
+            KIND_ACCEPT, ppb.PeerAccept(rank=me.rank, generation=me.generation)))
+        src = hello.src_rank
+        ending = f"rank {src}'s peer stream to rank {me.rank} broke"
+        try:
+            if await self._receive(context, mailbox, src):
+                ending = f"rank {src} closed its peer stream to rank {me.rank}"
+        except ProtocolError as error:
+            mailbox.close(error)
+            await context.write(encode_error(error))
+            await abort(context, error)
+        finally:
+            mailbox.close(LinkLost(src, ending))
+
+    async def _accept(self, hello: ppb.PeerHello) -> Mailbox:
+        timeout = self.settings.join_timeout
+        try:
+            await asyncio.wait_for(self._bound.wait(), timeout)
+        except TimeoutError:
+            raise ProtocolError(
+                f"rank {hello.src_rank} opened a peer stream to a process that did not join "
+                f"a generation within {timeout:g} s"
+            ) from None
+        me = self.identity
+        if (hello.job, hello.generation, hello.dst_rank) != (me.job, me.generation, me.rank):
+            raise ProtocolError(
+                f"a peer stream for job {hello.job!r} generation {hello.generation} rank "
+                f"{hello.dst_rank} reached rank {me.rank} of job {me.job!r} generation "
+                f"{me.generation}"
+            )
+        mailbox = self.mailboxes.get(hello.src_rank)
+        if mailbox is None:
+            raise ProtocolError(f"rank {me.rank} got a peer stream from invalid rank "
+                                f"{hello.src_rank} (world_size {me.world_size})")
+        return mailbox
+
+    async def _receive(self, context, mailbox: Mailbox, src: int) -> bool:
+        """Read messages and acknowledge each once it is filed, until the sender says goodbye
+        (True) or the stream ends without a goodbye (False: a cancelled call, as when the
+        sender dies, also reads as EOF)."""
+        who = f"peer stream from rank {src}"
+        expected_seq = 1
+        while (frame := await context.read()) is not grpc.aio.EOF:
+            if frame_kind(frame) == KIND_END:
+                decode_message(frame, KIND_END, cpb.CollectiveEnd)
+                return True
+            header = decode_message(frame, KIND_HEADER, ppb.PeerMessageHeader)
+            if header.seq != expected_seq:
+                raise ProtocolError(f"{who}: message seq {header.seq}, expected {expected_seq}")
+            expected_seq += 1
+            info = dtype_from_wire(header.dtype)
+            shape = tuple(header.shape)
+            nbytes = math.prod(shape) * info.numpy.itemsize
+            if not 0 < header.chunk_bytes <= MAX_CHUNK_BYTES:
+                raise ProtocolError(f"{who}: chunk_bytes {header.chunk_bytes} is out of range")
+            layout = ChunkLayout(1, nbytes, header.chunk_bytes)
+            reservation = await mailbox.admit(header.tag, nbytes)
+            try:
+                out = np.empty(shape, dtype=info.numpy)
+            except (MemoryError, ValueError) as error:
+                raise ProtocolError(f"{who}: cannot hold message {header.seq} of shape "
+                                    f"{shape} ({type(error).__name__}: {error})") from None
+            out_bytes = as_byte_view(out)
+            tracker = ChunkTracker(layout, who)
+            while True:
+                frame = await context.read()
+                if frame is grpc.aio.EOF:
+                    raise ProtocolError(f"{who} ended in the middle of message {header.seq}")
+                kind = frame_kind(frame)
+                if kind == KIND_CHUNK:
+                    index, payload = decode_chunk(frame)
+                    offset = tracker.admit(index, payload)
+                    out_bytes[offset:offset + payload.nbytes] = payload
+                elif kind == KIND_END:
+                    tracker.finish(decode_message(frame, KIND_END, cpb.CollectiveEnd))
+                    break
+                else:
+                    raise ProtocolError(f"{who}: unexpected frame of kind {kind} in a message")
+            mailbox.put(reservation, (out, header.array_kind))
+            await context.write(encode_message(KIND_ACCEPT, ppb.PeerAck(seq=header.seq)))
+        return False
