@@ -1,0 +1,171 @@
+"""torch's own DDP step time over torch.distributed backend "gradstar" vs backend "gloo".
+
+What is measured
+    The model, data, optimizer and step of ``ddp_step.py`` (a ~9.5M-parameter MLP, 37 MB of
+    float32 gradients, SGD, ``--ranks`` spawned processes with one torch thread each), trained
+    with ``torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=...)`` -- the same
+    torch code in every configuration; only ``init_process_group`` differs:
+
+    * gloo: ``init_process_group("gloo", init_method="file://...")``;
+    * gradstar: a ``gradstar coordinator`` subprocess on 127.0.0.1 and
+      ``init_process_group("gradstar", init_method="gradstar://127.0.0.1:PORT?job=...")``;
+    * local: the bare model, no communication (the compute floor);
+    * with ``--native``, also gradstar's own ``gradstar.DDP`` for comparison.
+
+    Every rank runs ``--warmup`` untimed steps, then ``--iters`` timed steps, each preceded by an
+    untimed barrier. The table shows rank 0's median step time and, for each backend, the largest
+    difference of a sample of its final parameters from gloo's (float32 rounding only). The run
+    fails if the ranks of a backend end with different parameters.
+
+How to reproduce
+    .venv/bin/python benchmarks/torch_backend.py                        # 2 ranks, 3+10 steps
+    .venv/bin/python benchmarks/torch_backend.py --ranks 4 --iters 20 --native --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import (
+    BenchmarkError,
+    CoordinatorProcess,
+    format_table,
+    loadavg,
+    median,
+    run_ranks,
+)
+from ddp_step import (
+    COLLECTIVE_TIMEOUT,
+    WIDTHS,
+    _check_ranks_agree,
+    _model,
+    _train,
+    gloo_rank,
+    gradstar_rank,
+    local_rank,
+)
+
+
+def torch_ddp_on_gradstar_rank(rank: int, world_size: int, address: str, job: str, batch: int,
+                               warmup: int, iters: int, bucket_cap_mb: float) -> dict:
+    """ddp_step.gloo_rank with one line changed: the backend."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    import gradstar  # noqa: F401  (registers backend "gradstar")
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gradstar", init_method=f"gradstar://{address}?job={job}",
+                            rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))
+    try:
+        model = _model(seed=rank)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+        result = _train(model, ddp, dist.barrier, rank, batch, warmup, iters)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="torch DDP step time: gradstar vs gloo backend.")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=32, help="rows per rank per step")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument("--native", action="store_true", help="also run gradstar.DDP")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds allowed per configuration")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+    import torch
+
+    print(f"torch DDP step benchmark, backend gradstar vs gloo: torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs, {args.ranks} ranks x batch {args.batch}, MLP {WIDTHS}, "
+          f"bucket_cap_mb {args.bucket_cap_mb:g}, {args.warmup}+{args.iters} steps, load "
+          f"average {loadavg()}", flush=True)
+    common = (args.batch, args.warmup, args.iters)
+
+    def on_coordinator(target, *extra):
+        with CoordinatorProcess() as coord:
+            job = f"bench-torch-{uuid.uuid4().hex[:8]}"
+            return run_ranks(target, args.ranks, (coord.address, job, *common, *extra),
+                             timeout=args.timeout, label=target.__name__)
+
+    def gloo():
+        with tempfile.TemporaryDirectory() as folder:
+            return run_ranks(gloo_rank, args.ranks, (f"file://{folder}/rendezvous", *common,
+                                                     args.bucket_cap_mb),
+                             timeout=args.timeout, label="gloo")
+
+    configs = [("local", lambda: run_ranks(local_rank, args.ranks, common,
+                                           timeout=args.timeout, label="local")),
+               ("gloo", gloo),
+               ("gradstar", lambda: on_coordinator(torch_ddp_on_gradstar_rank,
+                                                   args.bucket_cap_mb))]
+    if args.native:
+        configs.append(("gradstar.DDP", lambda: on_coordinator(gradstar_rank, args.bucket_cap_mb,
+                                                               None)))
+    runs: dict[str, list[dict] | None] = {}
+    failures = []
+    for name, run in configs:
+        t0 = time.monotonic()
+        try:
+            results = run()
+            if name != "local":
+                _check_ranks_agree(results, name)
+            runs[name] = results
+            print(f"  {name:14s} median {median(results[0]['times']) * 1e3:9.1f} ms/step "
+                  f"({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
+        except BenchmarkError as error:
+            runs[name] = None
+            failures.append((name, str(error)))
+            print(f"  {name:14s} FAILED", file=sys.stderr, flush=True)
+
+    gloo_runs = runs.get("gloo")
+    gloo_ms = median(gloo_runs[0]["times"]) * 1e3 if gloo_runs else None
+    rows, summary = [], {}
+    for name, results in runs.items():
+        if results is None:
+            rows.append([name, "FAILED", "-", "-"])
+            continue
+        ms = median(results[0]["times"]) * 1e3
+        diff = "-"
+        if gloo_runs and name != "local":
+            pairs = zip(results[0]["sample"], gloo_runs[0]["sample"], strict=True)
+            diff = f"{max(abs(a - b) for a, b in pairs):.1e}"
+        rows.append([name, f"{ms:.1f}", f"{ms / gloo_ms:.2f}" if gloo_ms else "-", diff])
+        summary[name] = {"median_ms": ms, "rank0_times_ms": [t * 1e3 for t in results[0]["times"]],
+                         "median_ms_by_rank": [median(r["times"]) * 1e3 for r in results]}
+    print()
+    print(format_table(["backend", "ms/step", "ratio vs gloo", "max |param - gloo param|"],
+                       rows))
+    print(f"\nrank 0's median over {args.iters} timed steps of torch's DDP (gradstar.DDP: "
+          f"gradstar's own wrapper); local = the same step without communication; load average "
+          f"at end {loadavg()}")
+    for name, error in failures:
+        print(f"\nFAILED: {name}:\n{error}")
+    if args.json:
+        args.json.write_text(json.dumps({"benchmark": "torch_backend", "args": vars(args) | {
+            "json": str(args.json)}, "results": summary}, indent=2) + "\n")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

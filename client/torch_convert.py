@@ -1,0 +1,132 @@
+"""How gradstar's torch.distributed backend reads torch's arguments and moves torch's tensors.
+
+float32/64, float16, bfloat16, int32 and int64 travel as they are. Other dtypes travel as raw
+bytes in collectives that only move data (broadcast, gathers, send/recv) and widened to int32 in
+reductions (bool, int8, uint8, int16); complex tensors reduce as their real view for SUM and AVG.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from gradstar.errors import ConfigurationError, InvalidCollectiveError
+
+ReduceOp = dist.ReduceOp
+_REDUCE_OPS = [(ReduceOp.SUM, "sum"), (ReduceOp.AVG, "mean"), (ReduceOp.MIN, "min"),
+               (ReduceOp.MAX, "max"), (ReduceOp.PRODUCT, "prod")]
+_NATIVE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}
+_WIDENED = {torch.bool, torch.uint8, torch.int8, torch.int16}
+_COMPLEX = {torch.complex64, torch.complex128}
+
+
+def reduce_op_name(op) -> str:
+    """gradstar's name for a torch ``ReduceOp`` (or options object carrying ``reduceOp``).
+
+    Raises:
+        ConfigurationError: PREMUL_SUM or a bitwise op, which gradstar does not reduce.
+    """
+    op = getattr(op, "reduceOp", op)
+    if op is None:
+        return "sum"
+    for torch_op, name in _REDUCE_OPS:
+        if op == torch_op:
+            return name
+    if op == ReduceOp.PREMUL_SUM:
+        raise ConfigurationError(
+            "ReduceOp.PREMUL_SUM is not supported by the gradstar backend: torch does not expose "
+            "its scale factor to Python backends; multiply the tensor by the factor and use "
+            "ReduceOp.SUM"
+        )
+    raise ConfigurationError(
+        f"the gradstar backend reduces with SUM, AVG, MIN, MAX and PRODUCT, not {op}"
+    )
+
+
+def seconds_of(opts) -> float | None:
+    """The per-call timeout torch put in ``opts``, or None (use the group's)."""
+    timeout = getattr(opts, "timeout", None)
+    if isinstance(timeout, timedelta) and timeout > timedelta(0):
+        return timeout.total_seconds()
+    return None
+
+
+def tensor_list(tensors) -> list[torch.Tensor]:
+    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+
+
+def check_cpu(t: torch.Tensor) -> None:
+    if t.device.type != "cpu":
+        raise ConfigurationError(
+            f"the gradstar backend moves CPU tensors; this tensor is on {t.device}"
+        )
+
+
+Restore = Callable[[torch.Tensor], torch.Tensor]
+
+
+def for_transfer(t: torch.Tensor) -> tuple[torch.Tensor, Restore]:
+    """``t`` in a dtype gradstar moves, and how to turn a received tensor back into t's kind."""
+    check_cpu(t)
+    if t.dtype in _NATIVE:
+        return t, lambda r: r
+    # Raw bytes, padded to whole int32 words: every rank pads the same tensor shape alike.
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    size, pad = raw.numel(), -raw.numel() % 4
+    if pad:
+        raw = torch.cat([raw, raw.new_zeros(pad)])
+    dtype, shape = t.dtype, t.shape
+
+    def restore(r: torch.Tensor) -> torch.Tensor:
+        return r.reshape(-1).view(torch.uint8)[:size].view(dtype).reshape(shape)
+
+    return raw.view(torch.int32), restore
+
+
+def for_reduction(t: torch.Tensor, op: str) -> tuple[torch.Tensor, Restore]:
+    """``t`` in a dtype the hub reduces, and how to turn a result back into t's dtype.
+
+    Raises:
+        ConfigurationError: a dtype gradstar cannot reduce with ``op``.
+    """
+    check_cpu(t)
+    if t.dtype in _NATIVE:
+        return t, lambda r: r
+    if t.dtype in _WIDENED and op != "mean":
+        dtype = t.dtype
+        return t.to(torch.int32), lambda r: r.to(dtype)
+    if t.dtype in _COMPLEX and op in ("sum", "mean"):
+        return torch.view_as_real(t.detach()), torch.view_as_complex
+    raise ConfigurationError(f"the gradstar backend cannot reduce {t.dtype} tensors with {op!r}")
+
+
+def write_rows(output: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+    """Write ``parts`` one after the other into ``output`` (all_gather_into_tensor's layout)."""
+    target = output if output.is_contiguous() else torch.empty_like(
+        output, memory_format=torch.contiguous_format)
+    rows = target.view(len(parts), -1)
+    for row, part in zip(rows, parts, strict=True):
+        row.copy_(part.reshape(-1))
+    if target is not output:
+        output.copy_(target)
+
+
+def check_numel(what: str, got: int, want: int) -> None:
+    if got != want:
+        raise InvalidCollectiveError(f"{what} has {got} elements, expected {want}")
+
+
+__all__ = [
+    "Restore",
+    "check_cpu",
+    "check_numel",
+    "for_reduction",
+    "for_transfer",
+    "reduce_op_name",
+    "seconds_of",
+    "tensor_list",
+    "write_rows",
+]

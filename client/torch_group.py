@@ -1,0 +1,363 @@
+"""ProcessGroupGradstar: the torch.distributed process group of gradstar's backend.
+
+A pure-Python subclass of ``torch.distributed.ProcessGroup`` wrapping one blocking gradstar
+:class:`~gradstar.client.process_group.ProcessGroup` (one gradstar job). torch uses it directly
+as the group: ``dist.all_reduce``, DDP's reducer and FSDP2 call the methods below, each of which
+starts gradstar collectives with ``async_op=True`` and returns a
+:class:`~gradstar.client.torch_work.GradstarWork`.
+
+* **Order.** Every gradstar collective takes its sequence number when it is started, here, in
+  the caller's thread, so collectives match on the hub in the order torch issued them.
+* **In place.** As with torch's own backends the results land in the tensors torch passed
+  (all_reduce, broadcast, the output tensors of gathers and scatters), written when the Work is
+  settled: by ``wait()`` or by a completion thread, whichever comes first.
+* **dtypes.** See :mod:`gradstar.client.torch_convert`: every dtype moves, most reduce.
+* **Errors.** An invalid argument (unsupported reduce op or dtype, wrong sizes) raises at once,
+  as a ``ValueError`` (:class:`~gradstar.errors.ConfigurationError` or
+  :class:`~gradstar.errors.InvalidCollectiveError`); a collective that fails later fails its Work.
+  What the backend does not do (all_to_all, recv from any source; send/recv without gradstar's
+  peer streams) raises :class:`BackendUnsupportedError`, a NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from gradstar.errors import GradstarError, ProcessGroupClosedError
+
+from .process_group import ProcessGroup
+from .torch_convert import (
+    check_numel,
+    for_reduction,
+    for_transfer,
+    reduce_op_name,
+    seconds_of,
+    tensor_list,
+    write_rows,
+)
+from .torch_work import CompletionThreads, GradstarWork
+
+
+class BackendUnsupportedError(GradstarError, NotImplementedError):
+    """The gradstar torch.distributed backend does not implement this operation (yet)."""
+
+
+# -- the group ---------------------------------------------------------------------------------
+
+
+class ProcessGroupGradstar(dist.ProcessGroup):
+    """A torch.distributed process group whose collectives run on a gradstar coordinator.
+
+    Created by torch through the registered backend (see :mod:`gradstar.client.torch_backend`),
+    one per torch group; ``gradstar_group`` is the gradstar ProcessGroup it wraps.
+    """
+
+    def __init__(self, group: ProcessGroup, completions: CompletionThreads, *,
+                 options: dict | None = None,
+                 on_shutdown: Callable[[ProcessGroupGradstar], None] | None = None) -> None:
+        super().__init__(group.rank, group.world_size)
+        self.gradstar_group = group
+        self.options = dict(options or {})  # how it joined: subgroups inherit these
+        self._completions = completions
+        self._on_shutdown = on_shutdown
+        self._group_name = ""
+        self._group_desc = ""
+        self._closed = False
+        self._in_flight: weakref.WeakSet[GradstarWork] = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    # -- what torch asks about the group -------------------------------------------------------
+
+    def getBackendName(self) -> str:
+        return "gradstar"
+
+    def name(self) -> str:
+        return "gradstar"
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def __repr__(self) -> str:
+        return (f"ProcessGroupGradstar(job={self.gradstar_group.job!r}, rank={self.rank()}, "
+                f"size={self.size()}, name={self._group_name!r})")
+
+    # -- machinery -----------------------------------------------------------------------------
+
+    def _launch(self, starts: Sequence[Callable[[], object]],
+                finish: Callable[[list], object]) -> GradstarWork:
+        """Start gradstar collectives (in order, here) and wrap them in one Work.
+
+        ValueErrors (invalid arguments) propagate; any other gradstar error fails the Work.
+        """
+        try:
+            pending = [start() for start in starts]
+        except ValueError:
+            raise
+        except GradstarError as error:
+            return GradstarWork.failed(error, self._completions)
+        work = GradstarWork(pending, finish, self._completions)
+        with self._lock:
+            self._in_flight.add(work)
+        return work
+
+    def _reduce(self, tensors: list[torch.Tensor], op: str, timeout: float | None,
+                write: Callable[[int, torch.Tensor], None]):
+        prepared = [for_reduction(t, op) for t in tensors]
+        starts = [lambda w=w: self.gradstar_group.all_reduce(w, op, async_op=True,
+                                                             timeout=timeout)
+                  for w, _ in prepared]
+
+        def finish(results):
+            for i, ((_, restore), result) in enumerate(zip(prepared, results, strict=True)):
+                write(i, restore(result))
+            return tensors
+
+        return self._launch(starts, finish)
+
+    def _gather(self, inputs: list[torch.Tensor], timeout: float | None,
+                write: Callable[[int, list[torch.Tensor]], None], result):
+        prepared = [for_transfer(t) for t in inputs]
+        starts = [lambda w=w: self.gradstar_group.all_gather(w, async_op=True, timeout=timeout)
+                  for w, _ in prepared]
+
+        def finish(results):
+            for i, ((_, restore), parts) in enumerate(zip(prepared, results, strict=True)):
+                write(i, [restore(p) for p in parts])
+            return result
+
+        return self._launch(starts, finish)
+
+    def _scatter_reduce(self, outputs: list[torch.Tensor], flats: list[torch.Tensor], op: str,
+                        timeout: float | None):
+        world = self.size()
+        for out, flat in zip(outputs, flats, strict=True):
+            check_numel("reduce_scatter's input", flat.numel(), out.numel() * world)
+        prepared = [for_reduction(flat.reshape(world, -1), op) for flat in flats]
+        starts = [lambda w=w: self.gradstar_group.reduce_scatter(w, op, async_op=True,
+                                                                 timeout=timeout)
+                  for w, _ in prepared]
+
+        def finish(results):
+            for out, (_, restore), shard in zip(outputs, prepared, results, strict=True):
+                out.copy_(restore(shard).reshape(out.shape))
+            return outputs
+
+        return self._launch(starts, finish)
+
+    # -- collectives ---------------------------------------------------------------------------
+
+    def allreduce(self, tensors, opts=None):
+        tensors = tensor_list(tensors)
+        return self._reduce(tensors, reduce_op_name(opts), seconds_of(opts),
+                            lambda i, r: tensors[i].copy_(r))
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        tensors = tensor_list(tensors)
+        op, timeout = reduce_op_name(opts), seconds_of(opts)
+        prepared = [for_reduction(t, op) for t in tensors]
+
+        def finish(results):
+            for t, (_, restore), r in zip(tensors, prepared, results[0], strict=True):
+                t.copy_(restore(r))
+            return tensors
+
+        return self._launch([lambda: self.gradstar_group.all_reduce_coalesced(
+            [w for w, _ in prepared], op, async_op=True, timeout=timeout)], finish)
+
+    def reduce(self, tensors, opts=None):
+        """torch's reduce, as an all_reduce whose result only the root keeps."""
+        tensors = tensor_list(tensors)
+        root = getattr(opts, "rootRank", 0)
+
+        def write(i, r):
+            if self.rank() == root:
+                tensors[i].copy_(r)
+
+        return self._reduce(tensors, reduce_op_name(opts), seconds_of(opts), write)
+
+    def broadcast(self, tensors, opts=None):
+        tensors = tensor_list(tensors)
+        return self._broadcast(tensors, getattr(opts, "rootRank", 0), seconds_of(opts),
+                               lambda i, r: tensors[i].copy_(r), tensors)
+
+    def _broadcast(self, tensors: list[torch.Tensor], root: int, timeout: float | None,
+                   write: Callable[[int, torch.Tensor], None], result):
+        prepared = [for_transfer(t) for t in tensors]
+        starts = [lambda w=w: self.gradstar_group.broadcast(w, root, async_op=True,
+                                                            timeout=timeout)
+                  for w, _ in prepared]
+
+        def finish(results):
+            if self.rank() != root:
+                for i, ((_, restore), r) in enumerate(zip(prepared, results, strict=True)):
+                    write(i, restore(r))
+            return result
+
+        return self._launch(starts, finish)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        inputs = tensor_list(input_tensors)
+        for outs, t in zip(output_tensors, inputs, strict=True):
+            check_numel("all_gather's output list", len(outs), self.size())
+            for out in outs:
+                check_numel("an all_gather output", out.numel(), t.numel())
+
+        def write(i, parts):
+            for out, part in zip(output_tensors[i], parts, strict=True):
+                out.copy_(part.reshape(out.shape))
+
+        return self._gather(inputs, seconds_of(opts), write, output_tensors)
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        return self.allgather(output_lists, input_list, opts)
+
+    def all_gather_single(self, output_tensor, input_tensor, opts=None):
+        return self.all_gather_single_coalesced([output_tensor], [input_tensor], opts)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        outputs, inputs = tensor_list(outputs), tensor_list(inputs)
+        for out, t in zip(outputs, inputs, strict=True):
+            check_numel("all_gather_into_tensor's output", out.numel(), t.numel() * self.size())
+        return self._gather(inputs, seconds_of(opts),
+                            lambda i, parts: write_rows(outputs[i], parts), outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        """torch's gather, as an all_gather whose result only the root keeps."""
+        inputs = tensor_list(input_tensors)
+        root = getattr(opts, "rootRank", 0)
+
+        def write(i, parts):
+            if self.rank() == root:
+                for out, part in zip(output_tensors[i], parts, strict=True):
+                    out.copy_(part.reshape(out.shape))
+
+        return self._gather(inputs, seconds_of(opts), write, output_tensors)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        """torch's scatter, as a broadcast of the root's inputs of which each rank keeps its own."""
+        outputs = tensor_list(output_tensors)
+        root, world, me = getattr(opts, "rootRank", 0), self.size(), self.rank()
+        stacked = []
+        for i, out in enumerate(outputs):
+            if me == root:
+                parts = input_tensors[i]
+                check_numel("scatter's input list", len(parts), world)
+                stacked.append(torch.stack([p.reshape(out.shape) for p in parts]))
+            else:
+                stacked.append(out.new_empty((world, *out.shape)))
+        if me == root:
+            for out, whole in zip(outputs, stacked, strict=True):
+                out.copy_(whole[me])
+        return self._broadcast(stacked, root, seconds_of(opts),
+                               lambda i, whole: outputs[i].copy_(whole[me]), outputs)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        outputs = tensor_list(output_tensors)
+        for out, parts in zip(outputs, input_tensors, strict=True):
+            check_numel("reduce_scatter's input list", len(parts), self.size())
+            for part in parts:
+                check_numel("a reduce_scatter input", part.numel(), out.numel())
+        flats = [torch.cat([p.reshape(-1) for p in parts]) for parts in input_tensors]
+        return self._scatter_reduce(outputs, flats, reduce_op_name(opts), seconds_of(opts))
+
+    def reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
+        return self.reduce_scatter_single_coalesced([output_tensor], [input_tensor], opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        outputs, inputs = tensor_list(outputs), tensor_list(inputs)
+        return self._scatter_reduce(outputs, inputs, reduce_op_name(opts), seconds_of(opts))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def barrier(self, opts=None):
+        return self._launch([lambda: self.gradstar_group.barrier(
+            async_op=True, timeout=seconds_of(opts))], lambda _results: [])
+
+    # -- point to point ------------------------------------------------------------------------
+
+    def _peer(self, name: str):
+        method = getattr(self.gradstar_group, name, None)
+        if method is None:
+            raise BackendUnsupportedError(
+                f"torch.distributed {name} over the gradstar backend rides gradstar's peer "
+                f"streams (ProcessGroup.send/recv, issue 5), which this gradstar does not have "
+                "yet; use collectives, or backend 'gloo' for point-to-point traffic"
+            )
+        return method
+
+    def send(self, tensors, dst, tag=0):
+        send = self._peer("send")
+        tensors = tensor_list(tensors)
+        prepared = [for_transfer(t) for t in tensors]
+        return self._launch([lambda w=w: send(w, dst, tag, async_op=True)
+                             for w, _ in prepared], lambda _results: tensors)
+
+    def recv(self, tensors, src, tag=0):
+        recv = self._peer("recv")
+        tensors = tensor_list(tensors)
+        prepared = [for_transfer(t) for t in tensors]
+
+        def finish(results):
+            for t, (_, restore), r in zip(tensors, prepared, results, strict=True):
+                t.copy_(restore(torch.as_tensor(r)).reshape(t.shape))
+            return tensors
+
+        return self._launch([lambda: recv(src, tag, async_op=True) for _ in prepared],
+                            finish)
+
+    def recv_anysource(self, tensors, tag=0):
+        raise BackendUnsupportedError(
+            "the gradstar backend receives from a named rank only: pass src= to recv")
+
+    def alltoall_base(self, *args, **kwargs):
+        raise BackendUnsupportedError("the gradstar backend does not implement all_to_all")
+
+    alltoall = all_to_all_single = alltoall_base
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Leave the gradstar job and close its connection (torch's destroy_process_group calls
+        this). Collectives still running fail with ProcessGroupClosedError. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            in_flight = list(self._in_flight)
+        try:
+            self.gradstar_group.close()
+        finally:
+            closed = ProcessGroupClosedError(
+                f"the gradstar process group {self._group_name!r} was shut down while this "
+                "collective was running")
+            for work in in_flight:
+                work.abandon(closed)
+            if self._on_shutdown is not None:
+                self._on_shutdown(self)
+
+    abort = shutdown
+
+
+__all__ = ["BackendUnsupportedError", "ProcessGroupGradstar"]

@@ -1,0 +1,270 @@
+"""The torch.distributed backend's parts that need no coordinator: init_method parsing, reduce
+ops, dtype conversions, GradstarWork and its completion threads, and registration on import.
+
+The backend over real processes and a real coordinator is in tests/parallel/test_torch_backend.py.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import sys
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gradstar.client.torch_backend import parse_init_method
+from gradstar.client.torch_convert import for_reduction, for_transfer, reduce_op_name
+from gradstar.client.torch_work import CompletionThreads, GradstarWork
+from gradstar.client.work import Work
+from gradstar.errors import (
+    CollectiveMismatchError,
+    ConfigurationError,
+    ProcessGroupClosedError,
+)
+
+# -- init_method -------------------------------------------------------------------------------
+
+
+def test_init_method_names_coordinator_job_and_settings():
+    assert parse_init_method("gradstar://10.0.0.5:29400?job=mnist&timeout=30&rank=2"
+                             "&world_size=4") == {
+        "coordinator": "10.0.0.5:29400", "job": "mnist", "timeout": "30", "rank": 2,
+        "world_size": 4}
+
+
+def test_an_empty_init_method_leaves_everything_to_the_environment():
+    assert parse_init_method("gradstar://") == {}
+    # torch writes rank=-1 / world_size=-1 for "not given".
+    assert parse_init_method("gradstar://h:1?rank=-1&world_size=-1") == {"coordinator": "h:1"}
+
+
+def test_an_unknown_query_key_is_a_named_error():
+    with pytest.raises(ConfigurationError, match=r"unknown setting 'token' in init_method"):
+        parse_init_method("gradstar://h:1?token=secret")
+
+
+def test_another_scheme_is_refused():
+    with pytest.raises(ConfigurationError, match=r"expected a gradstar:// init_method"):
+        parse_init_method("tcp://h:1")
+
+
+# -- reduce ops and dtypes ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("op", "name"), [
+    (dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "mean"), (dist.ReduceOp.MIN, "min"),
+    (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.PRODUCT, "prod"), (None, "sum")])
+def test_reduce_ops_map_to_gradstar_names(op, name):
+    assert reduce_op_name(op) == name
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op if op is not None else dist.ReduceOp.SUM
+    assert reduce_op_name(opts) == name
+
+
+def test_premul_sum_is_a_clear_error():
+    with pytest.raises(ConfigurationError, match=r"^ReduceOp.PREMUL_SUM is not supported by the "
+                                                 r"gradstar backend: torch does not expose"):
+        reduce_op_name(dist._make_nccl_premul_sum(2.0))
+
+
+def test_bitwise_ops_are_refused():
+    with pytest.raises(ConfigurationError, match=r"reduces with SUM, AVG, MIN, MAX and PRODUCT"):
+        reduce_op_name(dist.ReduceOp.BAND)
+
+
+@pytest.mark.parametrize("t", [
+    torch.tensor([True, False, True]), torch.arange(7, dtype=torch.uint8),
+    torch.arange(-3, 3, dtype=torch.int8).reshape(2, 3), torch.tensor(5, dtype=torch.int16),
+    torch.tensor([1 + 2j, 3 - 4j]), torch.arange(3, dtype=torch.bfloat16)])
+def test_every_dtype_travels_as_its_bytes_and_comes_back(t):
+    wire, restore = for_transfer(t)
+    assert wire.dtype in (torch.int32, t.dtype)
+    back = restore(wire.clone())
+    assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
+
+
+def test_small_integers_reduce_widened_and_complex_as_real_pairs():
+    wire, restore = for_reduction(torch.tensor([200, 7], dtype=torch.uint8), "sum")
+    assert wire.dtype == torch.int32
+    assert restore(wire * 2).tolist() == [144, 14]  # wraps around like uint8 arithmetic
+    wire, restore = for_reduction(torch.tensor([1 + 2j]), "mean")
+    assert wire.tolist() == [[1.0, 2.0]] and restore(wire).tolist() == [1 + 2j]
+    with pytest.raises(ConfigurationError, match=r"cannot reduce torch.complex64 tensors"):
+        for_reduction(torch.tensor([1j]), "max")
+
+
+# -- GradstarWork ------------------------------------------------------------------------------
+
+
+class FakeLoop:
+    """Completes gradstar Work futures from a thread of its own, as gradstar's loop thread."""
+
+    def __init__(self) -> None:
+        self.threads: list[threading.Thread] = []
+
+    def work(self) -> tuple[Work, concurrent.futures.Future]:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        return Work(future), future
+
+    def complete(self, future, result=None, error=None) -> None:
+        def run():
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        thread = threading.Thread(target=run, name="fake-gradstar-loop")
+        self.threads.append(thread)
+        thread.start()
+        thread.join(5)
+
+
+@pytest.fixture
+def completions():
+    threads = CompletionThreads()
+    yield threads
+    threads.close()
+
+
+def test_results_land_in_place_and_the_future_completes_off_the_loop_thread(completions):
+    loop, out = FakeLoop(), torch.zeros(3)
+    work_of_gradstar, future = loop.work()
+    work = GradstarWork([work_of_gradstar], lambda results: [out.copy_(results[0])], completions)
+    ran_on = []
+    chained = work.get_future().then(lambda f: ran_on.append(threading.current_thread().name))
+    loop.complete(future, torch.ones(3))
+    chained.wait()
+    assert work.wait() is True and work.is_completed() and work.is_success()
+    assert out.tolist() == [1.0, 1.0, 1.0]
+    assert [t.tolist() for t in work.get_future().wait()] == [[1.0, 1.0, 1.0]]
+    assert ran_on[0].startswith("gradstar-torch-completion")
+
+
+def test_a_failure_raises_from_wait_and_from_the_future(completions):
+    loop = FakeLoop()
+    work_of_gradstar, future = loop.work()
+    work = GradstarWork([work_of_gradstar], lambda results: results, completions)
+    error = CollectiveMismatchError("rank 1 called all_reduce(float32) but rank 0 called "
+                                    "all_reduce(float64)", rank=1, field="dtype")
+    loop.complete(future, error=error)
+    with pytest.raises(CollectiveMismatchError) as raised:
+        work.wait()
+    assert raised.value is error
+    # torch wraps an error raised by a .then() callback; the future is failed, not a value.
+    with pytest.raises(RuntimeError, match=r"CollectiveMismatchError: rank 1 called"):
+        work.get_future().wait()
+    assert not work.is_success() and work.exception() is error
+
+
+def test_a_callback_that_waits_for_another_collective_does_not_deadlock(completions):
+    # What PowerSGD does: inside the callback of one collective, start another and wait for it.
+    loop = FakeLoop()
+    first_gradstar, first_future = loop.work()
+    second_gradstar, second_future = loop.work()
+    second = GradstarWork([second_gradstar], lambda results: results[0], completions)
+    first = GradstarWork([first_gradstar], lambda results: results[0], completions)
+
+    def callback(fut):
+        loop.complete(second_future, "second")  # the "loop" delivers it meanwhile
+        second.wait()
+        return [fut.value(), second.get_future().wait()]
+
+    chained = first.get_future().then(callback)
+    loop.complete(first_future, "first")
+    done = threading.Event()
+    chained.add_done_callback(lambda _f: done.set())
+    assert done.wait(10), "the chained callback never finished"
+    assert chained.wait() == ["first", "second"]
+
+
+def test_results_are_written_exactly_once_when_wait_and_completion_race(completions):
+    loop, calls = FakeLoop(), []
+    for _ in range(50):
+        work_of_gradstar, future = loop.work()
+        work = GradstarWork([work_of_gradstar], lambda results: calls.append(1), completions)
+        waiter = threading.Thread(target=work.wait)
+        waiter.start()
+        loop.complete(future, None)
+        waiter.join(5)
+        work.get_future().wait()
+    assert len(calls) == 50
+
+
+def test_wait_with_a_timeout_leaves_the_collective_running(completions):
+    loop = FakeLoop()
+    work_of_gradstar, future = loop.work()
+    work = GradstarWork([work_of_gradstar], lambda results: "done", completions)
+    with pytest.raises(TimeoutError):
+        work.wait(timedelta(milliseconds=20))
+    assert not work.is_completed()
+    loop.complete(future, None)
+    assert work.wait() is True and work.result() == "done"
+
+
+def test_a_work_of_several_collectives_completes_after_the_last(completions):
+    loop = FakeLoop()
+    pairs = [loop.work() for _ in range(3)]
+    work = GradstarWork([w for w, _ in pairs], lambda results: results, completions)
+    for _, future in pairs[:2]:
+        loop.complete(future, 1)
+    assert not work.get_future().done()
+    loop.complete(pairs[2][1], 2)
+    assert work.get_future().wait() == [1, 1, 2]
+
+
+def test_abandoning_a_work_whose_loop_is_gone_fails_it_instead_of_hanging(completions):
+    work_of_gradstar, _future = FakeLoop().work()  # never completed by anybody
+    work = GradstarWork([work_of_gradstar], lambda results: results, completions)
+    work.abandon(ProcessGroupClosedError("the group was shut down"))
+    with pytest.raises(ProcessGroupClosedError, match=r"^the group was shut down$"):
+        work.wait(timedelta(seconds=10))
+    with pytest.raises(RuntimeError, match=r"ProcessGroupClosedError"):
+        work.get_future().wait()
+
+
+def test_completion_threads_grow_while_one_is_blocked_and_stop_on_close():
+    threads = CompletionThreads()
+    release, second_ran = threading.Event(), threading.Event()
+    threads.submit(lambda: release.wait(10))
+    threads.submit(second_ran.set)
+    assert second_ran.wait(5), "a blocked completion held up the next one"
+    release.set()
+    threads.close()
+    assert all(not t.is_alive() for t in threads._threads)
+    ran = []
+    threads.submit(lambda: ran.append(1))  # after close: inline, never lost
+    assert ran == [1]
+
+
+# -- registration ------------------------------------------------------------------------------
+
+
+IMPORT_GRADSTAR_FIRST = """
+import sys
+import gradstar
+assert "torch" not in sys.modules, "import gradstar imported torch"
+import torch.distributed as dist
+"""
+IMPORT_TORCH_FIRST = """
+import torch.distributed as dist
+import gradstar
+"""
+REGISTERED = """
+from torch.distributed.rendezvous import _rendezvous_handlers
+assert "gradstar" in dist.Backend.backend_list
+assert "gradstar" in _rendezvous_handlers
+assert dist.Backend.default_device_backend_map["cpu"] == "gloo"  # took no device from gloo
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("imports", [IMPORT_GRADSTAR_FIRST, IMPORT_TORCH_FIRST],
+                         ids=["gradstar-first", "torch-first"])
+def test_import_gradstar_registers_the_backend_in_either_order(imports):
+    done = subprocess.run([sys.executable, "-c", imports + REGISTERED], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "ok\n", done.stderr
