@@ -1,5 +1,8 @@
-"""gradstar.worker: the per-host agent that starts and watches training processes.
+"""gradstar.worker: what starts and watches training processes, and the built-in training job.
 
-The agent and launcher arrive with the runtime work (issue 6); the package exists now so the
-distribution's layout is fixed and its packaging test covers it.
+- :mod:`.supervisor` starts, streams, restarts and stops a host's rank processes;
+- :mod:`.launch` (``gradstar launch``) and :mod:`.agent` (``gradstar worker``) drive it;
+- :mod:`.train` is the built-in training job (spirals MLP, DDP or LocalSGD, elastic) and
+  :mod:`.spirals` its data and model; :mod:`.demo` (``gradstar demo``) runs and reports it;
+- :mod:`.admin_client` and :mod:`.admin_tables` are ``gradstar admin``.
 """

@@ -1,0 +1,118 @@
+"""docker-compose.yml and the Dockerfile, read as data: services, health checks, dependencies
+and environment wiring agree with each other and with what the gradstar commands read.
+
+(`make compose-check` additionally validates the file with docker-compose itself.)
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from gradstar.config import ClientSettings, CoordinatorSettings
+from gradstar.worker.agent import AgentSettings
+from gradstar.worker.train import TrainSettings
+
+from .compose import ROOT, env_file, healthcheck_argv, load_compose, local_argv, service_env
+from .conftest import run_gradstar
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return load_compose()
+
+
+def test_two_services_from_one_image(compose):
+    services = compose["services"]
+    assert sorted(services) == ["coordinator", "worker"]
+    assert services["coordinator"]["image"] == services["worker"]["image"]
+    assert services["coordinator"]["build"] == services["worker"]["build"] == "."
+
+
+def test_workers_wait_for_a_healthy_coordinator_they_reach_by_service_name(compose):
+    coordinator, worker = compose["services"]["coordinator"], compose["services"]["worker"]
+    assert worker["depends_on"] == {"coordinator": {"condition": "service_healthy"}}
+    port = service_env(coordinator)["GRADSTAR_PORT"]
+    assert service_env(worker)["GRADSTAR_COORDINATOR"] == f"coordinator:{port}"
+    assert service_env(coordinator)["GRADSTAR_HOST"] == "0.0.0.0"
+    assert f"{port}:{port}" in coordinator["ports"]
+
+
+def test_the_coordinator_healthcheck_asks_the_grpc_health_service_on_its_port(compose):
+    coordinator = compose["services"]["coordinator"]
+    argv = healthcheck_argv(coordinator)
+    assert argv[:3] == ["gradstar", "admin", "health"]
+    port = service_env(coordinator)["GRADSTAR_PORT"]
+    assert argv[argv.index("--coordinator") + 1] == f"127.0.0.1:{port}"
+    for key in ("interval", "timeout", "retries", "start_period"):
+        assert key in coordinator["healthcheck"]
+
+
+async def test_the_coordinator_healthcheck_command_follows_serving_and_draining(
+        start_coordinator, compose):
+    # The same command, against a live coordinator: SERVING passes, draining fails.
+    hub = await start_coordinator()
+    argv = healthcheck_argv(compose["services"]["coordinator"])
+    argv[argv.index("--coordinator") + 1] = hub.address
+    code, out, _ = await run_gradstar(*local_argv(argv)[3:], timeout=30)
+    assert (code, out.strip()) == (0, "SERVING")
+    await hub.drain()
+    code, out, _ = await run_gradstar(*local_argv(argv)[3:], timeout=30)
+    assert (code, out.strip()) == (1, "NOT_SERVING")
+
+
+def test_the_worker_is_scalable_and_runs_the_demo_job_under_the_agent(compose):
+    worker = compose["services"]["worker"]
+    assert "ports" not in worker, "fixed host ports would collide under --scale worker=N"
+    assert "container_name" not in worker
+    command = worker["command"]
+    assert command[:2] == ["gradstar", "worker"]
+    assert command[command.index("--") + 1:] == ["python", "-m", "gradstar.worker.train"]
+    env = service_env(worker)
+    assert env["GRADSTAR_WORLD_SIZE"] == env_file()["GRADSTAR_WORKERS"]
+    assert int(env["GRADSTAR_MAX_RESTARTS"]) > 0
+    assert TrainSettings(mode=env["GRADSTAR_TRAIN_MODE"]).mode == "localsgd"
+    health = " ".join(healthcheck_argv(worker))
+    assert f"http://127.0.0.1:{env['GRADSTAR_HEALTH_PORT']}/healthz" in health
+
+
+def test_world_size_follows_the_worker_count_from_the_env_file():
+    worker = load_compose(GRADSTAR_WORKERS="7")["services"]["worker"]
+    assert service_env(worker)["GRADSTAR_WORLD_SIZE"] == "7"
+
+
+def _fields(settings_class, prefix: str) -> set[str]:
+    return {prefix + name.upper() for name in settings_class.model_fields}
+
+
+def test_every_variable_is_one_a_gradstar_command_reads(compose):
+    # A misspelt variable would be silently ignored by pydantic-settings: catch it here.
+    coordinator_keys = set(service_env(compose["services"]["coordinator"]))
+    assert coordinator_keys <= _fields(CoordinatorSettings, "GRADSTAR_")
+    worker_keys = set(service_env(compose["services"]["worker"]))
+    known = (_fields(AgentSettings, "GRADSTAR_") | _fields(ClientSettings, "GRADSTAR_")
+             | _fields(TrainSettings, "GRADSTAR_TRAIN_"))
+    assert worker_keys <= known, worker_keys - known
+
+
+def test_tokens_come_from_the_env_file_and_only_the_coordinator_holds_the_admin_token():
+    raw = (ROOT / "docker-compose.yml").read_text(encoding="utf-8")
+    assert raw.count("${GRADSTAR_TOKEN:?") == 2  # both services, no default token
+    assert raw.count("${GRADSTAR_ADMIN_TOKEN:?") == 1
+    compose = load_compose()
+    assert "GRADSTAR_ADMIN_TOKEN" not in service_env(compose["services"]["worker"])
+    with pytest.raises(KeyError, match="GRADSTAR_TOKEN"):
+        load_compose(GRADSTAR_TOKEN="")
+    assert {"GRADSTAR_TOKEN", "GRADSTAR_ADMIN_TOKEN"} <= set(env_file())
+
+
+def test_the_dockerfile_builds_the_image_both_services_run():
+    dockerfile = (ROOT / "Dockerfile").read_text(encoding="utf-8")
+    assert re.search(r'pip install .*"torch==2\.13\.0"', dockerfile)
+    assert re.search(r"^EXPOSE .*\b29400\b.*\b9400\b.*\b8080\b", dockerfile, re.M)
+    assert re.search(r'^CMD \["gradstar", "coordinator"\]', dockerfile, re.M)
+    for folder in ("src", "coordinator", "client", "worker", "protos"):
+        assert re.search(rf"^COPY {folder} ", dockerfile, re.M), folder
+    ignored = (ROOT / ".dockerignore").read_text(encoding="utf-8").split()
+    assert ".env" in ignored and ".venv" in ignored

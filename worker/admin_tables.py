@@ -1,0 +1,136 @@
+"""What ``gradstar admin`` prints: tables for people, dicts for ``--json``. No I/O here."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gradstar.proto.v1 import admin_pb2, collective_pb2
+
+
+def op_name(op: int) -> str:
+    try:
+        return collective_pb2.CollectiveOp.Name(op).removeprefix("COLLECTIVE_OP_").lower()
+    except ValueError:
+        return f"op {op}"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]], indent: str = "") -> str:
+    """Columns padded to their widest cell; numbers right-aligned, text left-aligned."""
+    cells = [[str(c) for c in headers]] + [[_cell(c) for c in row] for row in rows]
+    numeric = [all(isinstance(row[i], int | float) for row in rows) and bool(rows)
+               for i in range(len(headers))]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for r in cells:
+        parts = [c.rjust(w) if num else c.ljust(w)
+                 for c, w, num in zip(r, widths, numeric, strict=True)]
+        lines.append(indent + "  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ",".join(map(str, ranks)) if ranks else "-"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def jobs_table(jobs: Sequence[admin_pb2.JobSummary]) -> str:
+    if not jobs:
+        return "no jobs"
+    return table(("JOB", "STATE", "GENERATION", "MEMBERS"),
+                 [(j.job, j.state, j.generation, f"{j.members}/{j.world_size}") for j in jobs])
+
+
+def rates_between(before: admin_pb2.GetJobResponse, after: admin_pb2.GetJobResponse,
+                  seconds: float) -> dict:
+    """Throughput of a job between two snapshots ``seconds`` apart."""
+    def completed(reply):
+        return sum(o.completed for o in reply.ops)
+
+    span = max(seconds, 1e-9)
+    return {"seconds": seconds,
+            "collectives_per_second": (completed(after) - completed(before)) / span,
+            "bytes_in_per_second": (after.bytes_in - before.bytes_in) / span,
+            "bytes_out_per_second": (after.bytes_out - before.bytes_out) / span}
+
+
+def job_status(job: admin_pb2.GetJobResponse, rates: dict | None = None) -> str:
+    s = job.summary
+    lines = [f"job {s.job}: {s.state}, generation {s.generation}, {s.members}/{s.world_size} "
+             "members"]
+    if rates is not None:
+        lines.append(f"  throughput   {rates['collectives_per_second']:.1f} collectives/s, "
+                     f"{_bytes(rates['bytes_in_per_second'])}/s in, "
+                     f"{_bytes(rates['bytes_out_per_second'])}/s out "
+                     f"(over the last {rates['seconds']:.1f} s)")
+    lines.append(f"  traffic      {_bytes(job.bytes_in)} in, {_bytes(job.bytes_out)} out")
+    ops = ", ".join(f"{op_name(o.op)} {o.completed}" + (f" ({o.failed} failed)" if o.failed
+                                                       else "") for o in job.ops)
+    lines.append(f"  collectives  {ops or 'none yet'}")
+    if job.members:
+        lines.append("  members")
+        lines.append(table(("RANK", "PEER", "HEARTBEAT AGE"),
+                           [(m.rank, m.peer_address or "-",
+                             f"{m.last_heartbeat_age_seconds:.1f} s") for m in job.members],
+                           indent="    "))
+    if job.in_flight:
+        lines.append("  in flight")
+        lines.append(table(("SEQ", "GROUP", "OP", "AGE", "ARRIVED", "WAITING FOR"),
+                           [(c.seq, c.group, op_name(c.op), f"{c.age_seconds:.1f} s",
+                             _ranks(c.arrived_ranks), _ranks(c.missing_ranks))
+                            for c in job.in_flight], indent="    "))
+    else:
+        lines.append("  in flight    none")
+    if job.models:
+        lines.append("  global models")
+        lines.append(table(("MODEL", "ROUNDS", "PARAMETERS"),
+                           [(m.name, m.rounds, m.parameters) for m in job.models],
+                           indent="    "))
+    if job.last_failure:
+        lines.append(f"  last failure {job.last_failure}")
+    return "\n".join(lines)
+
+
+def status_report(address: str, health: str, jobs: Sequence[admin_pb2.GetJobResponse],
+                  rates: dict[str, dict] | None = None) -> str:
+    header = f"coordinator {address}: {health}, {len(jobs)} job{'s' if len(jobs) != 1 else ''}"
+    body = [job_status(j, (rates or {}).get(j.summary.job)) for j in jobs]
+    return "\n\n".join([header, *body])
+
+
+def summary_as_dict(s: admin_pb2.JobSummary) -> dict:
+    return {"job": s.job, "state": s.state, "generation": s.generation,
+            "world_size": s.world_size, "members": s.members}
+
+
+def job_as_dict(job: admin_pb2.GetJobResponse, rates: dict | None = None) -> dict:
+    """``--json`` form of a job: the GetJob reply with op names, plus throughput if measured."""
+    out = summary_as_dict(job.summary)
+    out.update(
+        bytes_in=job.bytes_in, bytes_out=job.bytes_out,
+        collectives={op_name(o.op): {"completed": o.completed, "failed": o.failed}
+                     for o in job.ops},
+        live_members=[{"rank": m.rank, "peer_address": m.peer_address,
+                       "last_heartbeat_age_seconds": m.last_heartbeat_age_seconds}
+                      for m in job.members],
+        in_flight=[{"seq": c.seq, "group": c.group, "op": op_name(c.op),
+                    "age_seconds": c.age_seconds, "arrived_ranks": list(c.arrived_ranks),
+                    "missing_ranks": list(c.missing_ranks)} for c in job.in_flight],
+        global_models=[{"name": m.name, "rounds": m.rounds, "parameters": m.parameters}
+                       for m in job.models],
+        last_failure=job.last_failure,
+    )
+    if rates is not None:
+        out["throughput"] = rates
+    return out
