@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: setup demo test lint protos protos-check wheel-check bench clean
+.PHONY: setup demo test lint protos protos-check wheel-check bench compose-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -12,9 +12,14 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
-## The main job: a coordinator and local rank processes running real collectives.
+## The main job: an embedded coordinator and 4 local worker processes train an MLP and report
+## accuracy, throughput, bytes through the hub and the match with a single-process run.
 demo: $(STAMP)
 	$(VENV)/bin/gradstar demo
+
+## Validate docker-compose.yml with `docker-compose config` (needs Debian's docker-compose).
+compose-check:
+	bash scripts/check_compose.sh
 
 ## The test suite (unit + integration with real servers and processes).
 test: $(STAMP)

@@ -11,9 +11,12 @@ from .work import Work
 
 __all__ = [
     "DDP",
+    "FSDP",
     "AsyncProcessGroup",
     "DistributedDataParallel",
+    "FullyShardedDataParallel",
     "LocalSGD",
+    "Pipeline",
     "ProcessGroup",
     "Work",
     "init_process_group",
@@ -28,4 +31,12 @@ def __getattr__(name: str):
         from . import ddp
 
         return getattr(ddp, name)
+    if name in ("FullyShardedDataParallel", "FSDP"):
+        from . import fsdp
+
+        return getattr(fsdp, name)
+    if name == "Pipeline":
+        from .pipeline import Pipeline
+
+        return Pipeline
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

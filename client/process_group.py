@@ -49,6 +49,8 @@ from gradstar.wire import (
 
 from .coalesced import all_reduce_coalesced
 from .convert import to_numpy
+from .mailbox import tag_key
+from .peer import Identity, PeerEndpoint, array_kind, restore_array
 from .rpc import call_metadata, error_from_rpc, is_coordinator_verdict, open_channel
 from .session import Session
 from .work import Work
@@ -97,7 +99,8 @@ class _Plan:
 class AsyncProcessGroup:
     """A rank of a job; collectives are awaitables. Create with ``init_process_group_async``."""
 
-    def __init__(self, settings: ClientSettings, channel: grpc.aio.Channel, session: Session):
+    def __init__(self, settings: ClientSettings, channel: grpc.aio.Channel, session: Session,
+                 peer_endpoint: PeerEndpoint | None = None):
         joined = session.joined
         self.settings = settings
         self.rank: int = joined.rank
@@ -112,6 +115,10 @@ class AsyncProcessGroup:
         self._stream = channel.stream_stream(COLLECTIVE_METHOD)
         self._seq = itertools.count(1)
         self._closed = False
+        self._peer_endpoint = peer_endpoint
+        if peer_endpoint is not None:
+            peer_endpoint.bind(Identity(self.job, self.generation, self.rank, self.world_size),
+                               self.peers, session)
 
     # -- collectives ---------------------------------------------------------------------------
 
@@ -221,6 +228,59 @@ class AsyncProcessGroup:
         return self._run(pb.COLLECTIVE_OP_ALL_REDUCE, arr, plan, restore, timeout,
                          reduce_op=pb.REDUCE_OP_MEAN, averaging=spec)
 
+    # -- point to point (peer streams, see gradstar.client.peer) --------------------------------
+
+    def send(self, x, dst: int, tag=0, *, timeout: float | None = None) -> Awaitable:
+        """Send ``x`` to rank ``dst`` over this rank's peer stream to it; resolves to None once
+        ``dst`` holds the whole message. Do not modify ``x`` until then.
+
+        ``tag`` (an int, a str, or a tuple of them) is what ``recv`` matches; messages with the
+        same tag from one rank arrive in the order they were sent.
+
+        Raises:
+            ConfigurationError: bad ``dst``, tag, dtype or type of ``x``.
+            RankLostError: ``dst`` (or another rank of the generation) was lost.
+            CollectiveTimeoutError: ``dst`` did not take the message within ``timeout``.
+            AuthenticationError: ``dst``'s peer server refused the job token.
+        """
+        arr, _ = to_numpy(x)
+        dst, key = self._peer_check(dst, "send to"), tag_key(tag)
+        self._check_usable()
+        timeout = self.settings.timeout if timeout is None else timeout
+        return self._peer_endpoint.send(arr, array_kind(x), dst, key, timeout)
+
+    def recv(self, src: int, tag=0, *, timeout: float | None = None) -> Awaitable:
+        """The next message from rank ``src`` with ``tag``, as the type it was sent as (numpy
+        array, or torch tensor where torch is installed), with its shape and dtype.
+
+        A message that already arrived is returned even if the generation failed since.
+
+        Raises:
+            ConfigurationError: bad ``src`` or tag.
+            RankLostError: ``src`` (or another rank of the generation) was lost.
+            CollectiveTimeoutError: no such message arrived within ``timeout``.
+        """
+        src, key = self._peer_check(src, "receive from"), tag_key(tag)
+        if self._closed:  # (a failed generation is checked later: see above)
+            self._check_usable()
+        timeout = self.settings.timeout if timeout is None else timeout
+        peers = self._peer_endpoint
+
+        async def receive():
+            return restore_array(*await peers.recv(src, key, timeout))
+
+        return receive()
+
+    def _peer_check(self, peer: int, what: str) -> int:
+        if self._peer_endpoint is None:
+            raise ConfigurationError("this process group has no peer endpoint for send/recv")
+        if isinstance(peer, bool) or not isinstance(peer, int | np.integer) or not (
+                0 <= peer < self.world_size) or peer == self.rank:
+            raise ConfigurationError(
+                f"rank {self.rank} cannot {what} rank {peer!r}: it must be another rank in "
+                f"0..{self.world_size - 1}")
+        return int(peer)
+
     # -- machinery -----------------------------------------------------------------------------
 
     def _reduce_op(self, op: str) -> int:
@@ -328,6 +388,8 @@ class AsyncProcessGroup:
             await self._session.close()
         finally:
             await self._channel.close()
+            if self._peer_endpoint is not None:
+                await self._peer_endpoint.close()
 
     async def __aenter__(self) -> AsyncProcessGroup:
         return self
@@ -358,8 +420,9 @@ async def init_process_group_async(
     Arguments left as None come from ``GRADSTAR_COORDINATOR``, ``GRADSTAR_JOB``,
     ``GRADSTAR_WORLD_SIZE``, ``GRADSTAR_RANK`` and ``GRADSTAR_TOKEN``. ``options`` are further
     :class:`~gradstar.config.ClientSettings` fields (``timeout``, ``join_timeout``, ``tls_ca``,
-    ``chunk_bytes``, ...). ``rank=None`` lets the coordinator assign one. ``peer_address`` is
-    this rank's host:port for rank-to-rank streams, shared with the others through the peer table.
+    ``chunk_bytes``, ...). ``rank=None`` lets the coordinator assign one. The rank's peer server
+    (send/recv) binds ``peer_host``:``peer_port`` and registers its address in the peer table;
+    ``peer_address`` overrides the address registered (NAT, a name the others resolve).
 
     Raises:
         ConfigurationError: a missing or invalid setting.
@@ -378,7 +441,9 @@ async def init_process_group_async(
     if settings.tune_allocator:
         tune_allocator()
     channel = open_channel(settings)
+    peer_endpoint = PeerEndpoint(settings, call_metadata(settings))
     try:
+        peer_address = await peer_endpoint.start(peer_address)
         try:
             await asyncio.wait_for(channel.channel_ready(), settings.connect_timeout)
         except TimeoutError:
@@ -392,8 +457,9 @@ async def init_process_group_async(
                            peer_address, settings.join_timeout)
     except BaseException:
         await channel.close()
+        await peer_endpoint.close()
         raise
-    return AsyncProcessGroup(settings, channel, session)
+    return AsyncProcessGroup(settings, channel, session, peer_endpoint)
 
 
 class _LoopThread:
@@ -460,6 +526,12 @@ class ProcessGroup:
         return self._call(self._group.sync_global_model(
             x, model=model, rule=rule, outer_lr=outer_lr, outer_momentum=outer_momentum,
             timeout=timeout), async_op)
+
+    def send(self, x, dst: int, tag=0, *, async_op: bool = False, timeout=None):
+        return self._call(self._group.send(x, dst, tag, timeout=timeout), async_op)
+
+    def recv(self, src: int, tag=0, *, async_op: bool = False, timeout=None):
+        return self._call(self._group.recv(src, tag, timeout=timeout), async_op)
 
     def close(self) -> None:
         """Leave the job, close the connection and stop the loop thread. Idempotent."""

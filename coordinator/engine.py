@@ -57,6 +57,7 @@ from gradstar.wire import (
 )
 
 from .averaging import RULE_NAMES, AveragingRound, AveragingStore
+from .metrics import CollectiveMetrics
 from .reduce import REDUCE_OP_NAMES, BufferPool, ChunkReducer
 from .rendezvous import Generation, Rendezvous
 
@@ -221,6 +222,8 @@ class PendingCollective:
         p = Participant(h.rank, h, ChunkTracker(self.layout, f"rank {h.rank}"),
                         *self._input_range(h.rank), self._output_count(h.rank))
         self.participants[h.rank] = p
+        self.engine.metrics.arrived(self.gen.job.name, h.rank, self.started, self.world,
+                                    len(self.participants))
         if len(self.participants) == self.world:
             self._on_matched()
         return p
@@ -414,6 +417,8 @@ class PendingCollective:
         self.gen.collectives.pop(self.key, None)
         counts = self.gen.job.counters.failed if error else self.gen.job.counters.completed
         counts[self.op] = counts.get(self.op, 0) + 1
+        self.engine.metrics.finished(self.gen.job.name, OP_NAMES.get(self.op, str(self.op)),
+                                     self.started, failed=error is not None)
 
 
 class CollectiveEngine:
@@ -428,6 +433,7 @@ class CollectiveEngine:
         max_timeout: float,
         pool: BufferPool | None = None,
         averaging: AveragingStore | None = None,
+        metrics: CollectiveMetrics | None = None,
     ) -> None:
         self.rendezvous = rendezvous
         self.max_tensor_bytes = max_tensor_bytes
@@ -435,6 +441,7 @@ class CollectiveEngine:
         self.max_timeout = max_timeout
         self.pool = pool or BufferPool()
         self.averaging = averaging or AveragingStore()
+        self.metrics = metrics or CollectiveMetrics()
 
     def arrive(self, h: pb.CollectiveHeader) -> tuple[PendingCollective, Participant]:
         """Admit a rank's header.

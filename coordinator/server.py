@@ -25,6 +25,7 @@ from .admin import AdminServicer
 from .auth import TokenAuthInterceptor
 from .averaging import AveragingStore
 from .engine import CollectiveEngine
+from .metrics import bound_port, render, serve_http
 from .rendezvous import Rendezvous
 from .servicers import CollectiveServicer, RendezvousServicer
 
@@ -54,6 +55,9 @@ class Coordinator:
         self._health: health.aio.HealthServicer | None = None
         self._sweeper: asyncio.Task | None = None
         self._tls = s.tls_cert is not None
+        #: Bound port of the Prometheus endpoint (``settings.metrics_port``), once started.
+        self.metrics_port: int | None = None
+        self._metrics_server: asyncio.Server | None = None
 
     @property
     def address(self) -> str:
@@ -103,6 +107,10 @@ class Coordinator:
             port = server.add_insecure_port(bind)
         if port == 0:
             raise OSError(f"could not bind the coordinator to {bind}")
+        if s.metrics_port is not None:
+            self._metrics_server = await serve_http(s.host, s.metrics_port,
+                                                    {"/metrics": self._metrics_page})
+            self.metrics_port = bound_port(self._metrics_server)
         await server.start()
         self._server, self.port = server, port
         for name in ("", *SERVICE_NAMES):
@@ -117,6 +125,10 @@ class Coordinator:
             await asyncio.sleep(self.settings.heartbeat_interval / 2)
             for m in self.rendezvous.expire():
                 log.warning("job %r: rank %d missed heartbeats", m.job, m.rank)
+
+    async def _metrics_page(self) -> tuple[int, str, bytes]:
+        text = render(self.rendezvous, self.engine.metrics, self.averaging)
+        return 200, "text/plain; version=0.0.4; charset=utf-8", text.encode()
 
     async def drain(self) -> None:
         """Report NOT_SERVING and refuse new joins; running generations keep working."""
@@ -136,6 +148,11 @@ class Coordinator:
                 await self._sweeper
         await self._server.stop(self.settings.drain_grace if grace is None else grace)
         self._server = None
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._metrics_server.wait_closed(), 5)
+            self._metrics_server = None
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:

@@ -20,10 +20,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DDP",
+    "FSDP",
     "AsyncProcessGroup",
     "DistributedDataParallel",
+    "FullyShardedDataParallel",
     "GradstarError",
     "LocalSGD",
+    "Pipeline",
     "ProcessGroup",
     "Work",
     "__version__",
@@ -35,8 +38,16 @@ __all__ = [
 
 def __getattr__(name: str):
     # DistributedDataParallel imports torch (optional): resolved lazily, see gradstar.client.
-    if name in ("DistributedDataParallel", "DDP"):
+    if name in ("DistributedDataParallel", "DDP", "Pipeline", "FullyShardedDataParallel",
+                "FSDP"):
         from gradstar import client
 
         return getattr(client, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# `import gradstar` makes backend "gradstar" known to torch.distributed, without importing torch
+# (optional, and slow to import): at once if torch is imported, else right after it is.
+from gradstar.client.torch_import_hook import install as _install_torch_backend  # noqa: E402
+
+_install_torch_backend()

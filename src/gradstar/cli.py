@@ -1,17 +1,33 @@
-"""The ``gradstar`` command: ``gradstar coordinator`` runs the hub, ``gradstar demo`` shows it."""
+"""The ``gradstar`` command.
+
+    gradstar coordinator [--port 29400] [--metrics-port 9400]    run the hub
+    gradstar launch --nproc N [--coordinator H:P] script.py ...  N local ranks, like torchrun
+    gradstar worker --coordinator H:P --job J [--nproc N] -- CMD the per-host agent
+    gradstar demo [--workers 4] [--mode ddp|localsgd|...]        the main job: train, report
+    gradstar admin status|jobs|drain|health --coordinator H:P    operator views
+
+Flags fall back to ``GRADSTAR_*`` env vars. ``GRADSTAR_TOKEN_FILE`` and
+``GRADSTAR_ADMIN_TOKEN_FILE`` name files holding the tokens (docker secrets), read when the
+token variables themselves are not set.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import signal
 import sys
+from pathlib import Path
 
 from pydantic import ValidationError
 
-from gradstar.config import CoordinatorSettings
+from gradstar.config import DEFAULT_PORT, CoordinatorSettings
+
+# -- coordinator -------------------------------------------------------------------------------
 
 
 def _coordinator_args(sub: argparse._SubParsersAction) -> None:
@@ -27,6 +43,9 @@ def _coordinator_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tensor-bytes", type=int, help="largest payload a rank may send")
     p.add_argument("--state-dir", help="directory for the jobs' global models (LocalSGD/DiLoCo)")
     p.add_argument("--heartbeat-timeout", type=float, help="seconds without heartbeat = lost")
+    p.add_argument("--metrics-port", type=int,
+                   help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port; "
+                        "env GRADSTAR_METRICS_PORT)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING (default INFO)")
 
 
@@ -42,6 +61,9 @@ async def _serve(settings: CoordinatorSettings) -> None:
             loop.add_signal_handler(sig, stop.set)
     await coordinator.start()
     print(f"gradstar coordinator listening on {settings.host}:{coordinator.port}", flush=True)
+    if coordinator.metrics_port is not None:
+        print(f"gradstar coordinator metrics on http://{settings.host}:{coordinator.metrics_port}"
+              "/metrics", flush=True)
     await stop.wait()
     logging.getLogger("gradstar.coordinator").info("stopping: draining for up to %.1f s",
                                                    settings.drain_grace)
@@ -65,26 +87,255 @@ def _run_coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- launch ------------------------------------------------------------------------------------
+
+
+def _launch_args(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "launch", help="run N ranks of a script on this machine (like torchrun)",
+        description="Start N processes of SCRIPT with GRADSTAR_* set (an embedded coordinator "
+                    "unless --coordinator is given), prefix their output with their rank, and "
+                    "stop them all when one fails.")
+    p.add_argument("--nproc", type=int, default=int(os.environ.get("GRADSTAR_NPROC", "1")),
+                   help="rank processes (default 1, env GRADSTAR_NPROC)")
+    p.add_argument("--coordinator", help="HOST:PORT of a running coordinator (default: start "
+                                         "an embedded one on 127.0.0.1)")
+    p.add_argument("--job", default=os.environ.get("GRADSTAR_JOB", "launch"),
+                   help="job name (default 'launch', env GRADSTAR_JOB)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart failed ranks up to this many times in total (default 0)")
+    p.add_argument("--stop-grace", type=float, default=5.0,
+                   help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="SCRIPT is a module name, run as python -m SCRIPT")
+    p.add_argument("--no-python", action="store_true",
+                   help="SCRIPT is an executable, run without the Python interpreter")
+    p.add_argument("script", help="the training script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    from gradstar.worker.launch import LaunchOptions, run_launch, script_command
+
+    if args.nproc < 1:
+        print("gradstar launch: --nproc must be at least 1", file=sys.stderr)
+        return 2
+    command = script_command(args.script, args.script_args, module=args.module,
+                             no_python=args.no_python)
+    return run_launch(LaunchOptions(command, args.nproc, args.coordinator, args.job,
+                                    args.max_restarts, args.stop_grace))
+
+
+# -- worker ------------------------------------------------------------------------------------
+
+
+def _worker_args(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "worker", help="the per-host agent: start, watch and restart local ranks",
+        description="Wait for the coordinator, start NPROC ranks of COMMAND with GRADSTAR_* "
+                    "set, restart dead ones (the others re-join the next generation) and "
+                    "report health. Flags override GRADSTAR_* env vars.")
+    p.add_argument("--coordinator", help="HOST:PORT (env GRADSTAR_COORDINATOR)")
+    p.add_argument("--job", help="job name (env GRADSTAR_JOB, default 'default')")
+    p.add_argument("--nproc", type=int, help="ranks on this host (env GRADSTAR_NPROC, default 1)")
+    p.add_argument("--world-size", type=int,
+                   help="ranks of the whole job on all hosts (env GRADSTAR_WORLD_SIZE, default "
+                        "NPROC); when larger than NPROC the coordinator assigns ranks")
+    p.add_argument("--max-restarts", type=int,
+                   help="rank restarts allowed in total (env GRADSTAR_MAX_RESTARTS, default 0)")
+    p.add_argument("--health-port", type=int,
+                   help="serve GET /healthz on this port (0: a free one; env GRADSTAR_HEALTH_PORT)")
+    p.add_argument("--health-host", help="address of the health endpoint (default 0.0.0.0)")
+    p.add_argument("--stop-grace", type=float, help="seconds between SIGTERM and SIGKILL")
+    p.add_argument("--wait-coordinator", type=float,
+                   help="seconds to wait for the coordinator to be SERVING (default 120)")
+    p.add_argument("rank_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                   help="what each rank runs, e.g. -- python -m gradstar.worker.train")
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from gradstar.worker.agent import AgentSettings, run_agent
+
+    command = list(args.rank_command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        print("gradstar worker: give the rank command after --, e.g. "
+              "gradstar worker ... -- python -m gradstar.worker.train", file=sys.stderr)
+        return 2
+    given = {k: v for k, v in vars(args).items()
+             if k not in ("command", "rank_command") and v is not None}
+    try:
+        settings = AgentSettings(**given)
+    except ValidationError as error:
+        print(f"gradstar worker: invalid settings:\n{error}", file=sys.stderr)
+        return 2
+    return run_agent(settings, command)
+
+
+# -- demo --------------------------------------------------------------------------------------
+
+
 def _demo_args(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="start a coordinator and run collectives across local ranks")
-    p.add_argument("--workers", type=int, default=4, help="number of rank processes (default 4)")
-    p.add_argument("--mb", type=float, default=16.0, help="all_reduce size in MB (default 16)")
-    p.add_argument("--rounds", type=int, default=5, help="all_reduce rounds (default 5)")
+    from gradstar.worker.demo import MODES, DemoOptions
+
+    d = DemoOptions()
+    p = sub.add_parser(
+        "demo", help="the main job: train a model across local worker processes and report",
+        description="Start an embedded coordinator and WORKERS rank processes that train an MLP "
+                    "on a generated spirals dataset, then report accuracy, throughput, bytes "
+                    "through the hub and whether the result matches a single-process run.")
+    p.add_argument("--workers", type=int, default=d.workers,
+                   help=f"rank processes (default {d.workers})")
+    p.add_argument("--mode", choices=MODES, default=d.mode, help=f"default {d.mode}")
+    p.add_argument("--epochs", type=int, default=d.epochs, help=f"default {d.epochs}")
+    p.add_argument("--samples", type=int, default=d.samples,
+                   help=f"dataset size, train + test (default {d.samples})")
+    p.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help=f"rows per rank and step (default {d.batch_size})")
+    p.add_argument("--hidden", type=int, default=d.hidden, help=f"default {d.hidden}")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"default {d.lr}")
+    p.add_argument("--sync-every", type=int, default=d.sync_every,
+                   help=f"localsgd: steps between averaging rounds (default {d.sync_every})")
+    p.add_argument("--seed", type=int, default=d.seed, help=f"default {d.seed}")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from gradstar.worker.collective_demo import run_demo
+    from gradstar.worker.demo import DemoOptions, run_demo
 
-    return run_demo(workers=args.workers, megabytes=args.mb, rounds=args.rounds)
+    if args.workers < 1:
+        print("gradstar demo: --workers must be at least 1", file=sys.stderr)
+        return 2
+    return run_demo(DemoOptions(workers=args.workers, mode=args.mode, epochs=args.epochs,
+                                samples=args.samples, batch_size=args.batch_size,
+                                hidden=args.hidden, lr=args.lr, sync_every=args.sync_every,
+                                seed=args.seed))
+
+
+# -- admin -------------------------------------------------------------------------------------
+
+
+def _admin_args(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "admin", help="operator views of a coordinator: status, jobs, drain, health",
+        description="status: every job (or --job) with members, generation, in-flight "
+                    "collectives and the ranks they wait for, traffic and throughput. jobs: one "
+                    "line per job. drain: refuse new joins (running jobs finish). health: exit 0 "
+                    "if the coordinator is SERVING (for container health checks).")
+    p.add_argument("action", choices=("status", "jobs", "drain", "health"))
+    p.add_argument("--coordinator",
+                   default=os.environ.get("GRADSTAR_COORDINATOR", f"127.0.0.1:{DEFAULT_PORT}"),
+                   help="HOST:PORT (env GRADSTAR_COORDINATOR, default 127.0.0.1:29400)")
+    p.add_argument("--admin-token",
+                   help="admin token (env GRADSTAR_ADMIN_TOKEN, else GRADSTAR_TOKEN)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--job", help="status: only this job")
+    p.add_argument("--interval", type=float, default=1.0,
+                   help="status: seconds between the two samples throughput is measured over "
+                        "(default 1; 0 skips throughput)")
+    p.add_argument("--wait", type=float, default=0.0,
+                   help="health: wait up to this many seconds for SERVING (default 0)")
+    p.add_argument("--timeout", type=float, default=10.0, help="per-call deadline (default 10)")
+    p.add_argument("--tls-ca", type=Path, default=os.environ.get("GRADSTAR_TLS_CA"))
+    p.add_argument("--tls-cert", type=Path, help="client certificate (mutual TLS)")
+    p.add_argument("--tls-key", type=Path, help="key of --tls-cert")
+
+
+def _run_admin(args: argparse.Namespace) -> int:
+    from gradstar.errors import GradstarError
+
+    try:
+        return asyncio.run(_admin(args))
+    except GradstarError as error:
+        print(f"gradstar admin: {error}", file=sys.stderr)
+        return 1
+
+
+async def _admin(args: argparse.Namespace) -> int:
+    from gradstar.worker import admin_tables as tables
+    from gradstar.worker.admin_client import AdminClient
+
+    token = (args.admin_token or os.environ.get("GRADSTAR_ADMIN_TOKEN")
+             or os.environ.get("GRADSTAR_TOKEN"))
+    async with AdminClient(args.coordinator, token, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                           tls_key=args.tls_key, timeout=args.timeout) as admin:
+        if args.action == "health":
+            if args.wait > 0:
+                await admin.wait_serving(args.wait)
+            status = await admin.health()
+            print(json.dumps({"coordinator": args.coordinator, "status": status})
+                  if args.json else status)
+            return 0 if status == "SERVING" else 1
+        if args.action == "drain":
+            active = await admin.drain()
+            print(json.dumps({"coordinator": args.coordinator, "draining": True,
+                              "active_jobs": active}) if args.json else
+                  f"coordinator {args.coordinator} is draining: new joins are refused; "
+                  f"{active} job(s) still have live members")
+            return 0
+        jobs = await admin.jobs()
+        if args.action == "jobs":
+            print(json.dumps([tables.summary_as_dict(j) for j in jobs], indent=2)
+                  if args.json else tables.jobs_table(jobs))
+            return 0
+        names = [j.job for j in jobs if args.job in (None, j.job)]
+        if args.job is not None and not names:
+            print(f"gradstar admin: the coordinator has no job named {args.job!r}",
+                  file=sys.stderr)
+            return 1
+        health = await admin.health()
+        before = [await admin.job(n) for n in names]
+        rates = None
+        if args.interval > 0 and names:
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            await asyncio.sleep(args.interval)
+            after = [await admin.job(n) for n in names]
+            span = loop.time() - began
+            rates = {n: tables.rates_between(b, a, span)
+                     for n, b, a in zip(names, before, after, strict=True)}
+            before = after
+        if args.json:
+            print(json.dumps({"coordinator": args.coordinator, "health": health,
+                              "jobs": [tables.job_as_dict(j, (rates or {}).get(j.summary.job))
+                                       for j in before]}, indent=2))
+        else:
+            print(tables.status_report(args.coordinator, health, before, rates))
+        return 0
+
+
+# -- entry point -------------------------------------------------------------------------------
+
+
+def _load_token_files() -> None:
+    """``GRADSTAR_TOKEN_FILE`` -> ``GRADSTAR_TOKEN`` (and the admin token), for docker secrets.
+
+    The variables go into this process's environment, so the ranks that a launcher or agent
+    starts inherit the token as well.
+    """
+    for name in ("GRADSTAR_TOKEN", "GRADSTAR_ADMIN_TOKEN"):
+        path = os.environ.get(f"{name}_FILE")
+        if path and not os.environ.get(name):
+            os.environ[name] = Path(path).read_text(encoding="utf-8").strip()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gradstar", description=__doc__)
+    parser = argparse.ArgumentParser(prog="gradstar", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _coordinator_args(sub)
+    _launch_args(sub)
+    _worker_args(sub)
     _demo_args(sub)
+    _admin_args(sub)
     args = parser.parse_args(argv)
-    runners = {"coordinator": _run_coordinator, "demo": _run_demo}
+    try:
+        _load_token_files()
+    except OSError as error:
+        print(f"gradstar: could not read a token file: {error}", file=sys.stderr)
+        return 2
+    runners = {"coordinator": _run_coordinator, "launch": _run_launch, "worker": _run_worker,
+               "demo": _run_demo, "admin": _run_admin}
     return runners[args.command](args)
 
 

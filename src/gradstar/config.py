@@ -42,6 +42,9 @@ class CoordinatorSettings(BaseSettings):
     state_dir: Path | None = Field(
         None, description="where each job's global model is saved after every averaging round")
     drain_grace: float = Field(5.0, ge=0)
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535,
+        description="serve Prometheus metrics over HTTP on this port (0 picks a free one)")
     log_level: str = "INFO"
 
     @field_validator("tls_key")
@@ -72,3 +75,13 @@ class ClientSettings(BaseSettings):
     tune_allocator: bool = Field(
         True, description="raise glibc's mmap threshold so chunk buffers are reused "
                           "(see gradstar.allocator)")
+    peer_host: str = Field(
+        "127.0.0.1", description="address the rank's peer server (send/recv, pipelines) binds; "
+                                 "advertised to the other ranks unless it is a wildcard, which "
+                                 "advertises this machine's hostname")
+    peer_port: int = Field(0, ge=0, le=65535, description="peer server port; 0 picks a free one")
+    peer_buffer_messages: int = Field(
+        64, gt=0, description="messages from one rank held before anybody receives them")
+    peer_buffer_bytes: int = Field(
+        256 << 20, ge=0, description="bytes from one rank held before anybody receives them; "
+                                     "past either bound the sender is held back")

@@ -28,10 +28,13 @@ EXPECTED_PACKAGE_DIR = {
 
 EXPECTED_ALL = [
     "DDP",
+    "FSDP",
     "AsyncProcessGroup",
     "DistributedDataParallel",
+    "FullyShardedDataParallel",
     "GradstarError",
     "LocalSGD",
+    "Pipeline",
     "ProcessGroup",
     "Work",
     "__version__",
