@@ -6,6 +6,9 @@
 * :func:`run_ranks` runs ``target(rank, world_size, *args)`` in ``world_size`` spawned processes
   and collects one result per rank, with a hard deadline: a rank that raises, dies or does not
   report in time makes it raise :class:`RankFailure`, and every child is killed before it returns.
+* :func:`run_configs` runs named configurations one after the other, collecting failures.
+* :func:`add_run_arguments`, :func:`write_json`: the ``--timeout`` / ``--json`` options every
+  script shares.
 * :func:`free_port`, :func:`median`, :func:`format_table`: small helpers.
 
 Every wait here is bounded; nothing can hang a benchmark run.
@@ -13,7 +16,9 @@ Every wait here is bounded; nothing can hang a benchmark run.
 
 from __future__ import annotations
 
+import argparse
 import atexit
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -354,3 +359,45 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
            "-+-".join("-" * w for w in widths)]
     out += [" | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells[1:]]
     return "\n".join(out)
+
+
+# -- drivers -----------------------------------------------------------------------------------
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, *, timeout: float = 600.0) -> None:
+    """The ``--timeout`` (seconds per configuration) and ``--json`` options."""
+    parser.add_argument("--timeout", type=float, default=timeout,
+                        help="seconds allowed per configuration")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+
+
+def run_configs(configs: Sequence[tuple[str, Callable[[], list]]],
+                check: Callable[[list, str], None] | None = None
+                ) -> tuple[dict[str, list | None], list[tuple[str, str]]]:
+    """Run each ``(name, run)`` of ``configs`` in turn; ``run()`` returns one result per rank,
+    each with the step ``"times"``. ``check(results, name)`` vets every configuration but
+    ``"local"`` (the one without communication). Prints rank 0's median step time (or FAILED) per
+    configuration to stderr and returns ``(runs, failures)``: the results by name (None for a
+    configuration that failed) and ``(name, error message)`` per failure."""
+    runs: dict[str, list | None] = {}
+    failures: list[tuple[str, str]] = []
+    for name, run in configs:
+        t0 = time.monotonic()
+        try:
+            results = run()
+            if check is not None and name != "local":
+                check(results, name)
+            runs[name] = results
+            print(f"  {name:14s} median {median(results[0]['times']) * 1e3:9.1f} ms/step "
+                  f"({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
+        except BenchmarkError as error:
+            runs[name] = None
+            failures.append((name, str(error)))
+            print(f"  {name:14s} FAILED", file=sys.stderr, flush=True)
+    return runs, failures
+
+
+def write_json(args: argparse.Namespace, benchmark: str, **payload: object) -> None:
+    """Write ``{"benchmark", "args", **payload}`` to ``args.json`` (the parsed options)."""
+    args.json.write_text(json.dumps({"benchmark": benchmark, "args": vars(args) | {
+        "json": str(args.json)}, **payload}, indent=2) + "\n")

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import signal
 import sys
@@ -45,11 +44,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (
     BenchmarkError,
     CoordinatorProcess,
+    add_run_arguments,
     format_table,
     free_port,
     loadavg,
     median,
+    run_configs,
     run_ranks,
+    write_json,
 )
 
 WIDTHS = [1024, 2048, 2048, 1024, 1024]
@@ -173,9 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     parser.add_argument("--compression", choices=["bf16", "fp16"], default=None,
                         help="also run gradstar with this gradient compression")
-    parser.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds allowed per configuration")
-    parser.add_argument("--json", type=Path, help="also write the results here")
+    add_run_arguments(parser)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
@@ -186,8 +186,6 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.bucket_cap_mb:g}, {args.warmup}+{args.iters} steps, load average "
           f"{loadavg()}", flush=True)
     common = (args.batch, args.warmup, args.iters)
-    runs: dict[str, list[dict] | None] = {}
-    failures = []
 
     def gradstar_run(compression):
         with CoordinatorProcess() as coord:
@@ -205,19 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                ("gradstar", lambda: gradstar_run(None))]
     if args.compression:
         configs.append((f"gradstar {args.compression}", lambda: gradstar_run(args.compression)))
-    for name, run in configs:
-        t0 = time.monotonic()
-        try:
-            results = run()
-            if name != "local":
-                _check_ranks_agree(results, name)
-            runs[name] = results
-            print(f"  {name:14s} median {median(results[0]['times']) * 1e3:9.1f} ms/step "
-                  f"({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
-        except BenchmarkError as error:
-            runs[name] = None
-            failures.append((name, str(error)))
-            print(f"  {name:14s} FAILED", file=sys.stderr, flush=True)
+    runs, failures = run_configs(configs, _check_ranks_agree)
 
     gloo = runs.get("gloo")
     gloo_ms = median(gloo[0]["times"]) * 1e3 if gloo else None
@@ -246,8 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, error in failures:
         print(f"\nFAILED: {name}:\n{error}")
     if args.json:
-        args.json.write_text(json.dumps({"benchmark": "ddp_step", "args": vars(args) | {
-            "json": str(args.json)}, "results": summary}, indent=2) + "\n")
+        write_json(args, "ddp_step", results=summary)
     return 1 if failures else 0
 
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import json
 import os
 import resource
 import signal
@@ -58,7 +57,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import BenchmarkError, CoordinatorProcess, format_table, run_ranks
+from _harness import (
+    BenchmarkError,
+    CoordinatorProcess,
+    add_run_arguments,
+    format_table,
+    run_ranks,
+    write_json,
+)
 
 MB = 1e6
 SAMPLE_EVERY = 997  # every 997th parameter element is compared between the runs
@@ -219,9 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--no-tune-allocator", action="store_true",
                         help="keep glibc's malloc defaults in both configurations")
-    parser.add_argument("--timeout", type=float, default=900.0,
-                        help="seconds allowed per configuration")
-    parser.add_argument("--json", type=Path, help="also write the results here")
+    add_run_arguments(parser, timeout=900.0)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if not Path("/proc/self/clear_refs").exists():
@@ -275,8 +279,7 @@ def main(argv: list[str] | None = None) -> int:
           f"max |FSDP param - unsharded param| over {len(unsharded['sample'])} samples: "
           f"{worst:.1e}")
     if args.json:
-        args.json.write_text(json.dumps({"benchmark": "fsdp_memory", "args": vars(args) | {
-            "json": str(args.json)}, "unsharded": unsharded, "fsdp": ranks}, indent=2) + "\n")
+        write_json(args, "fsdp_memory", unsharded=unsharded, fsdp=ranks)
     return 0
 
 

@@ -36,7 +36,6 @@ How to reproduce
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -50,10 +49,12 @@ from _harness import (
     BenchmarkError,
     CoordinatorProcess,
     MiB,
+    add_run_arguments,
     format_table,
     loadavg,
     median,
     run_ranks,
+    write_json,
 )
 
 SAMPLE_EVERY = 997
@@ -171,9 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers-per-stage", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=8)
-    parser.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds allowed per configuration")
-    parser.add_argument("--json", type=Path, help="also write the results here")
+    add_run_arguments(parser)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
@@ -244,8 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, error in failures:
         print(f"\nFAILED: {name}:\n{error}")
     if args.json:
-        args.json.write_text(json.dumps({"benchmark": "pipeline", "args": vars(args) | {
-            "json": str(args.json)}, "results": summary}, indent=2) + "\n")
+        write_json(args, "pipeline", results=summary)
     return 1 if failures else 0
 
 

@@ -25,24 +25,24 @@ How to reproduce
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import (
-    BenchmarkError,
     CoordinatorProcess,
+    add_run_arguments,
     format_table,
     loadavg,
     median,
+    run_configs,
     run_ranks,
+    write_json,
 )
 from ddp_step import (
     COLLECTIVE_TIMEOUT,
@@ -88,9 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     parser.add_argument("--native", action="store_true", help="also run gradstar.DDP")
-    parser.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds allowed per configuration")
-    parser.add_argument("--json", type=Path, help="also write the results here")
+    add_run_arguments(parser)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
@@ -122,21 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.native:
         configs.append(("gradstar.DDP", lambda: on_coordinator(gradstar_rank, args.bucket_cap_mb,
                                                                None)))
-    runs: dict[str, list[dict] | None] = {}
-    failures = []
-    for name, run in configs:
-        t0 = time.monotonic()
-        try:
-            results = run()
-            if name != "local":
-                _check_ranks_agree(results, name)
-            runs[name] = results
-            print(f"  {name:14s} median {median(results[0]['times']) * 1e3:9.1f} ms/step "
-                  f"({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
-        except BenchmarkError as error:
-            runs[name] = None
-            failures.append((name, str(error)))
-            print(f"  {name:14s} FAILED", file=sys.stderr, flush=True)
+    runs, failures = run_configs(configs, _check_ranks_agree)
 
     gloo_runs = runs.get("gloo")
     gloo_ms = median(gloo_runs[0]["times"]) * 1e3 if gloo_runs else None
@@ -162,8 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, error in failures:
         print(f"\nFAILED: {name}:\n{error}")
     if args.json:
-        args.json.write_text(json.dumps({"benchmark": "torch_backend", "args": vars(args) | {
-            "json": str(args.json)}, "results": summary}, indent=2) + "\n")
+        write_json(args, "torch_backend", results=summary)
     return 1 if failures else 0
 
 

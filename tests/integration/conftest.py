@@ -76,13 +76,23 @@ async def spawn_ranks(scenario: str, address: str, world_size: int, job: str, *a
     ]
 
 
-async def finish(proc: asyncio.subprocess.Process, timeout: float) -> tuple[int, str, str]:
-    """Wait for a rank process; kill it if it outlives ``timeout``."""
+async def communicate_or_kill(proc: asyncio.subprocess.Process,
+                              timeout: float) -> tuple[bytes, bytes, bool]:
+    """``proc.communicate()`` bounded by ``timeout``: (stdout, stderr, hung), where ``hung`` says
+    the process outlived ``timeout`` and was killed (the output is what it wrote until then)."""
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout)
     except TimeoutError:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         out, err = await proc.communicate()
-        raise AssertionError(f"rank process hung; stderr:\n{err.decode()[-3000:]}") from None
+        return out, err, True
+    return out, err, False
+
+
+async def finish(proc: asyncio.subprocess.Process, timeout: float) -> tuple[int, str, str]:
+    """Wait for a rank process; kill it if it outlives ``timeout``."""
+    out, err, hung = await communicate_or_kill(proc, timeout)
+    if hung:
+        raise AssertionError(f"rank process hung; stderr:\n{err.decode()[-3000:]}")
     return proc.returncode, out.decode(), err.decode()

@@ -9,6 +9,9 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
+import gradstar
 from gradstar.config import CoordinatorSettings
 from gradstar.coordinator import Coordinator
 from tests.integration.conftest import (  # noqa: F401  (fixtures, re-exported for this folder)
@@ -39,17 +42,44 @@ async def run_world(script: Path, world_size: int, job: str, *args: str,
         results = await asyncio.gather(*(finish(p, timeout) for p in procs),
                                        return_exceptions=True)
     finally:
-        for proc in procs:
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
+        await kill_all(procs)
         await hub.stop(grace=0)
-    reports = []
-    for rank, result in enumerate(results):
-        if isinstance(result, BaseException):
-            raise result
-        code, out, err = result
-        assert code == 0, f"rank {rank} exited with {code}:\n{out[-2000:]}\n{err[-3000:]}"
-        reports.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
-    return reports
+    return [rank_lines(rank, result) for rank, result in enumerate(results)]
+
+
+async def kill_all(procs: list[asyncio.subprocess.Process]) -> None:
+    """Kill and reap each of ``procs`` that is still running."""
+    for proc in procs:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+
+def rank_lines(rank: int, result: tuple[int, str, str] | BaseException) -> list[dict]:
+    """The JSON stdout lines of a rank process from its :func:`finish` result (as gathered with
+    ``return_exceptions=True``).
+
+    Raises:
+        BaseException: ``result``, if it is one.
+        AssertionError: the rank exited non-zero (its output tail is in the message).
+    """
+    if isinstance(result, BaseException):
+        raise result
+    code, out, err = result
+    assert code == 0, f"rank {rank} exited with {code}:\n{out[-2000:]}\n{err[-3000:]}"
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture
+async def solo(coordinator):  # noqa: F811  (the fixture imported above)
+    """A blocking process group of world_size 1, joined on a worker thread."""
+    pg = await asyncio.to_thread(gradstar.init_process_group, coordinator=coordinator.address,
+                                 job="solo", world_size=1, rank=0, timeout=20, join_timeout=20)
+    yield pg
+    await asyncio.wait_for(asyncio.to_thread(pg.close), 20)
+
+
+async def on_thread(body, *args):
+    """``body(*args)`` on a worker thread, bounded by 30 seconds."""
+    return await asyncio.wait_for(asyncio.to_thread(body, *args), 30)

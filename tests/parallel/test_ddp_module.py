@@ -6,8 +6,6 @@ A one-rank job on a real coordinator in this process: the DDP code runs on a wor
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 from torch import nn
@@ -16,17 +14,7 @@ import gradstar
 from gradstar.errors import ConfigurationError
 from tests.integration.conftest import close_all, join_all
 
-
-@pytest.fixture
-async def solo(coordinator):
-    pg = await asyncio.to_thread(gradstar.init_process_group, coordinator=coordinator.address,
-                                 job="solo", world_size=1, rank=0, timeout=20, join_timeout=20)
-    yield pg
-    await asyncio.wait_for(asyncio.to_thread(pg.close), 20)
-
-
-async def on_thread(body, *args):
-    return await asyncio.wait_for(asyncio.to_thread(body, *args), 30)
+from .conftest import on_thread
 
 
 def mlp() -> nn.Module:

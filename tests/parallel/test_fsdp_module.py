@@ -7,7 +7,6 @@ the whole flat buffer as its shard, so every gradient can be compared with plain
 
 from __future__ import annotations
 
-import asyncio
 import warnings
 
 import pytest
@@ -19,18 +18,7 @@ from gradstar.errors import ConfigurationError
 from tests.integration.conftest import close_all, join_all
 
 from . import fsdp_script as script
-
-
-@pytest.fixture
-async def solo(coordinator):
-    pg = await asyncio.to_thread(gradstar.init_process_group, coordinator=coordinator.address,
-                                 job="solo", world_size=1, rank=0, timeout=20, join_timeout=20)
-    yield pg
-    await asyncio.wait_for(asyncio.to_thread(pg.close), 20)
-
-
-async def on_thread(body, *args):
-    return await asyncio.wait_for(asyncio.to_thread(body, *args), 30)
+from .conftest import on_thread
 
 
 def flat_grads(fsdp, plain: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -10,7 +10,6 @@ named error quickly.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import sys
 import time
@@ -26,7 +25,7 @@ from gradstar.config import CoordinatorSettings
 from gradstar.coordinator import Coordinator, EmbeddedCoordinator
 
 from . import pipeline_script as script
-from .conftest import finish, rank_env
+from .conftest import finish, kill_all, rank_env
 
 S = script.STAGES
 # float32: the micro-batches' gradients are summed in another order than the whole batch's.
@@ -75,11 +74,7 @@ async def run_then_kill_stage(victim: int, timeout: float = 100) -> dict:
             assert code == 0, f"stage {rank} exited with {code}:\n{out[-2000:]}\n{err[-3000:]}"
             lines.append([json.loads(x) for x in out.splitlines() if x.startswith("{")])
     finally:
-        for proc in procs:
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
+        await kill_all(procs)
         await hub.stop(grace=0)
     return {"lines": lines, "killed_at": killed_at}
 

@@ -11,7 +11,6 @@ the error scenario, and a separate test ends 20 pairs of rank processes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import sys
@@ -21,9 +20,10 @@ import pytest
 
 from gradstar.config import CoordinatorSettings
 from gradstar.coordinator import Coordinator
-from tests.integration.conftest import finish, start_coordinator  # noqa: F401  (fixture)
+from tests.integration.conftest import start_coordinator  # noqa: F401  (fixture)
 
 from . import torch_backend_script as script
+from .conftest import finish, kill_all, rank_lines
 
 WORLDS = (2, 4)
 COMPARED = ["ddp", "ddp_bf16_hook", "fsdp2", "collectives", "p2p"]
@@ -52,18 +52,10 @@ async def run_ranks(world: int, argv_of, timeout: float) -> list[dict[str, dict]
         results = await asyncio.gather(*(finish(p, timeout) for p in procs),
                                        return_exceptions=True)
     finally:
-        for proc in procs:
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
+        await kill_all(procs)
     reports = []
     for rank, result in enumerate(results):
-        if isinstance(result, BaseException):
-            raise result
-        code, out, err = result
-        assert code == 0, f"rank {rank} exited with {code}:\n{out[-2000:]}\n{err[-3000:]}"
-        lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        lines = rank_lines(rank, result)
         assert all(line["rank"] == rank and "fatal" not in line for line in lines), lines
         reports.append({line["scenario"]: line for line in lines})
     return reports

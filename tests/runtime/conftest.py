@@ -10,6 +10,7 @@ import re
 import sys
 
 from tests.integration.conftest import (  # noqa: F401  (fixtures, re-exported for this folder)
+    communicate_or_kill,
     coordinator,
     start_coordinator,
 )
@@ -31,14 +32,10 @@ async def run_gradstar(*args: str, timeout: float, env: dict[str, str] | None = 
     proc = await asyncio.create_subprocess_exec(
         *GRADSTAR, *args, env=env or clean_env(), stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        out, err = await proc.communicate()
+    out, err, hung = await communicate_or_kill(proc, timeout)
+    if hung:
         raise AssertionError(f"`gradstar {' '.join(args)}` hung:\n{out.decode()[-3000:]}\n"
-                             f"{err.decode()[-3000:]}") from None
+                             f"{err.decode()[-3000:]}")
     return proc.returncode, out.decode(), err.decode()
 
 
