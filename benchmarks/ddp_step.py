@@ -166,13 +166,18 @@ def _check_ranks_agree(results: list[dict], label: str) -> None:
 
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="DDP step time: gradstar vs torch gloo.")
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The DDP-step options this benchmark shares with benchmarks/torch_backend.py."""
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--batch", type=int, default=32, help="rows per rank per step")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="DDP step time: gradstar vs torch gloo.")
+    add_step_arguments(parser)
     parser.add_argument("--compression", choices=["bf16", "fp16"], default=None,
                         help="also run gradstar with this gradient compression")
     add_run_arguments(parser)

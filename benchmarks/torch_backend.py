@@ -50,6 +50,7 @@ from ddp_step import (
     _check_ranks_agree,
     _model,
     _train,
+    add_step_arguments,
     gloo_rank,
     gradstar_rank,
     local_rank,
@@ -82,11 +83,7 @@ def torch_ddp_on_gradstar_rank(rank: int, world_size: int, address: str, job: st
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="torch DDP step time: gradstar vs gloo backend.")
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=32, help="rows per rank per step")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    add_step_arguments(parser)
     parser.add_argument("--native", action="store_true", help="also run gradstar.DDP")
     add_run_arguments(parser)
     args = parser.parse_args(argv)
