@@ -1,4 +1,9 @@
-"""numpy arrays and torch CPU tensors in, the same type out, without copying where possible."""
+"""numpy arrays and torch CPU tensors in, the same type out, without copying where possible.
+
+Collectives restore a result to the caller's type with the function :func:`to_numpy` returns; a
+peer message carries its type across as an ``ArrayKind`` (:func:`array_kind`,
+:func:`restore_array`).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from gradstar.errors import ConfigurationError
+from gradstar.proto.v1 import peer_pb2 as ppb
 from gradstar.wire import dtype_info
 
 Restore = Callable[[np.ndarray], object]
@@ -61,3 +67,23 @@ def _torch_to_numpy(t) -> tuple[np.ndarray, Restore]:
 
         return arr, restore
     return t.numpy(), torch.from_numpy
+
+
+def array_kind(x) -> int:
+    """The ArrayKind of a value ``to_numpy`` accepted."""
+    return ppb.ARRAY_KIND_NUMPY if isinstance(x, np.ndarray) else ppb.ARRAY_KIND_TORCH
+
+
+def restore_array(arr: np.ndarray, kind: int):
+    """``arr`` as the type the sender passed: a torch tensor for ARRAY_KIND_TORCH when torch
+    is installed here, else the numpy array."""
+    if kind != ppb.ARRAY_KIND_TORCH:
+        return arr
+    try:
+        import torch
+    except ImportError:
+        return arr
+    if arr.dtype == ml_dtypes.bfloat16:
+        # numpy has no bfloat16: hand torch the same bits as int16 and reinterpret them.
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(arr)

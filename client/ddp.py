@@ -50,20 +50,13 @@ from torch import nn
 from gradstar.errors import ConfigurationError
 
 from .buckets import BucketPlan, TensorSpec, cap_bytes_of
-from .process_group import AsyncProcessGroup, ProcessGroup
-
-_COMPRESSION = {
-    None: None,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-}
-_GRAD_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_WIRE_DTYPES = (*_GRAD_DTYPES, torch.int32, torch.int64)
-# Buffers of dtypes the wire lacks travel in a wider integer type and are cast back.
-_WIDENED = {torch.bool: torch.int32, torch.uint8: torch.int32, torch.int8: torch.int32,
-            torch.int16: torch.int32}
+from .process_group import ProcessGroup
+from .torch_common import (
+    GRAD_DTYPES,
+    broadcast_from_rank0,
+    check_wrapper_arguments,
+    wire_dtype_of,
+)
 
 
 @dataclass
@@ -135,27 +128,9 @@ class DistributedDataParallel(nn.Module):
                  broadcast_buffers: bool = True, find_unused_parameters: bool = False,
                  gradient_compression: str | None = None) -> None:
         super().__init__()
-        if isinstance(pg, AsyncProcessGroup):
-            raise ConfigurationError(
-                "DistributedDataParallel needs the blocking gradstar.ProcessGroup from "
-                "gradstar.init_process_group(), not an AsyncProcessGroup: gradient hooks run "
-                "inside autograd and cannot await"
-            )
-        if not all(callable(getattr(pg, name, None)) for name in ("all_reduce", "broadcast")):
-            raise ConfigurationError(
-                f"DistributedDataParallel needs a gradstar.ProcessGroup, got {type(pg).__name__}"
-            )
-        if not isinstance(module, nn.Module):
-            raise ConfigurationError(
-                f"DistributedDataParallel wraps a torch.nn.Module, got {type(module).__name__}"
-            )
-        try:
-            wire_dtype = _COMPRESSION[gradient_compression]
-        except (KeyError, TypeError):
-            raise ConfigurationError(
-                f"gradient_compression must be None, 'bf16' or 'fp16', got "
-                f"{gradient_compression!r}"
-            ) from None
+        check_wrapper_arguments("DistributedDataParallel", module, pg,
+                                ("all_reduce", "broadcast"))
+        wire_dtype = wire_dtype_of("gradient_compression", gradient_compression)
         self.module = module
         self.process_group = pg
         self.broadcast_buffers = bool(broadcast_buffers)
@@ -170,13 +145,8 @@ class DistributedDataParallel(nn.Module):
                 "DistributedDataParallel needs a module with at least one parameter that "
                 "requires grad; there is nothing to synchronise"
             )
-        for name, p in (*module.named_parameters(), *module.named_buffers()):
-            if p.device.type != "cpu":
-                raise ConfigurationError(
-                    f"{name} is on {p.device}; gradstar's DistributedDataParallel runs on CPU"
-                )
         for name, p in named:
-            if p.dtype not in _GRAD_DTYPES:
+            if p.dtype not in GRAD_DTYPES:
                 raise ConfigurationError(
                     f"parameter {name} has dtype {p.dtype}; gradients travel as float32, "
                     "float64, float16 or bfloat16"
@@ -203,7 +173,7 @@ class DistributedDataParallel(nn.Module):
         self._step: _Step | None = None
         self.last_step_timeline: StepTimeline | None = None
 
-        _broadcast(pg, [*module.parameters(), *module.buffers()], cap)
+        broadcast_from_rank0(pg, [*module.parameters(), *module.buffers()], cap)
         me = weakref.ref(self)  # the hooks must not keep a discarded wrapper alive
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(_make_hook(me, i))
@@ -221,7 +191,7 @@ class DistributedDataParallel(nn.Module):
         self._drop_unfinished_step()
         buffers = list(self.module.buffers())
         if self._require_forward_param_sync and self.broadcast_buffers and buffers:
-            _broadcast(self.process_group, buffers, self._broadcast_cap)
+            broadcast_from_rank0(self.process_group, buffers, self._broadcast_cap)
         output = self.module(*inputs, **kwargs)
         sync = torch.is_grad_enabled() and self._require_backward_grad_sync
         self._require_forward_param_sync = sync
@@ -389,41 +359,6 @@ def _make_hook(ddp_ref: weakref.ref, index: int):
             ddp._on_grad_ready(index)
 
     return hook
-
-
-def _broadcast(pg, tensors: list[torch.Tensor], cap_bytes: int) -> None:
-    """Overwrite ``tensors`` with rank 0's values: flat per-dtype buckets, broadcast together.
-
-    Raises:
-        ConfigurationError: a tensor's dtype cannot travel (complex, for instance).
-        CollectiveError and subclasses: a broadcast failed.
-    """
-    unique = [t for t in {id(t): t for t in tensors}.values() if t.numel()]
-    if not unique:
-        return
-    wire = []
-    for t in unique:
-        dtype = t.dtype if t.dtype in _WIRE_DTYPES else _WIDENED.get(t.dtype)
-        if dtype is None:
-            raise ConfigurationError(
-                f"cannot broadcast a tensor of dtype {t.dtype} from rank 0; supported: "
-                "floating, integer and bool"
-            )
-        wire.append(dtype)
-    plan = BucketPlan([TensorSpec(t.numel(), torch.empty(0, dtype=d).element_size(), d)
-                       for t, d in zip(unique, wire, strict=True)], cap_bytes, reverse=False)
-    works = []
-    with torch.no_grad():
-        for bucket in plan:
-            flat = torch.cat([unique[i].detach().reshape(-1).to(bucket.dtype)
-                              for i in bucket.members])
-            works.append(pg.broadcast(flat, src=0, async_op=True))
-        for bucket, work in zip(plan, works, strict=True):
-            result = work.wait()
-            for member, offset, numel in zip(bucket.members, bucket.offsets, bucket.numels,
-                                             strict=True):
-                target = unique[member]
-                target.copy_(result[offset:offset + numel].view(target.shape))
 
 
 DDP = DistributedDataParallel

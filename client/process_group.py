@@ -28,6 +28,8 @@ from gradstar.errors import (
     ProtocolError,
 )
 from gradstar.proto.v1 import collective_pb2 as pb
+from gradstar.transport.channels import call_metadata, open_channel
+from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
 from gradstar.wire import (
     KIND_ACCEPT,
     KIND_CHUNK,
@@ -48,10 +50,9 @@ from gradstar.wire import (
 )
 
 from .coalesced import all_reduce_coalesced
-from .convert import to_numpy
-from .mailbox import tag_key
-from .peer import Identity, PeerEndpoint, array_kind, restore_array
-from .rpc import call_metadata, error_from_rpc, is_coordinator_verdict, open_channel
+from .convert import array_kind, restore_array, to_numpy
+from .peer import Identity, PeerEndpoint
+from .peer.mailbox import tag_key
 from .session import Session
 from .work import Work
 
@@ -73,8 +74,6 @@ REDUCE_OPS = {
 # The coordinator answers a late collective with its own timeout error; the call's deadline is
 # only a backstop for a coordinator that stopped answering altogether.
 _DEADLINE_MARGIN = 10.0
-# How long a collective whose stream broke waits for the session to report a lost rank or hub.
-_SESSION_GRACE = 3.0
 
 
 class _Plan:
@@ -357,7 +356,7 @@ class AsyncProcessGroup:
             if not is_coordinator_verdict(error):
                 # The transport failed (grpc-python can even report INTERNAL when a connection
                 # dies mid-write); the session says why, if the rank or hub was lost.
-                failure = await self._session.failure_within(_SESSION_GRACE)
+                failure = await self._session.verdict()
                 if failure is not None:
                     raise failure from None
             raise error_from_rpc(error, what, self.settings.coordinator) from None

@@ -16,10 +16,14 @@ from gradstar.errors import (
 )
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
 from gradstar.proto.v1 import rendezvous_pb2_grpc
-
-from .rpc import error_from_rpc
+from gradstar.transport.status import error_from_rpc
 
 _END = object()
+
+#: How long a call whose stream broke waits for the hub to say which rank (or shard) was lost
+#: before it reports the break itself; the hub usually knows within milliseconds of a process
+#: dying, because that process's session stream breaks too.
+VERDICT_GRACE = 3.0
 
 
 class Session:
@@ -53,6 +57,11 @@ class Session:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._failed.wait(), timeout)
         return self._failure
+
+    async def verdict(self) -> GradstarError | None:
+        """The hub's verdict on a broken stream: the session's failure, waiting up to
+        :data:`VERDICT_GRACE` seconds for it to be reported."""
+        return await self.failure_within(VERDICT_GRACE)
 
     async def join(self, job: str, world_size: int, rank: int | None, peer_address: str,
                    timeout: float) -> rpb.Joined:

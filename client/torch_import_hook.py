@@ -20,14 +20,19 @@ import warnings
 
 def register_now() -> None:
     """Register the backend with the (imported) torch; warn instead of raising."""
+    package = sys.modules.get(f"{__package__}.torch_backend")
+    if package is not None and not hasattr(package, "register_backend"):
+        # torch is being imported by the backend package itself, which registers as its own
+        # import ends.
+        return
     try:
         import torch.distributed
 
         if not torch.distributed.is_available():
             return
-        from . import torch_backend
+        from .torch_backend import register_backend
 
-        torch_backend.register_backend()
+        register_backend()
     except Exception as error:
         warnings.warn(f"gradstar could not register its torch.distributed backend: {error!r}",
                       RuntimeWarning, stacklevel=2)

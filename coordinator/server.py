@@ -11,7 +11,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gradstar.allocator import tune_allocator
-from gradstar.channels import SERVER_OPTIONS, server_credentials
 from gradstar.config import CoordinatorSettings
 from gradstar.proto.v1 import (
     admin_pb2,
@@ -20,12 +19,14 @@ from gradstar.proto.v1 import (
     rendezvous_pb2,
     rendezvous_pb2_grpc,
 )
+from gradstar.transport.auth import TokenAuthInterceptor
+from gradstar.transport.channels import SERVER_OPTIONS, server_credentials
+from gradstar.transport.http import bound_port, serve_http
 
 from .admin import AdminServicer
-from .auth import TokenAuthInterceptor
 from .averaging import AveragingStore
 from .engine import CollectiveEngine
-from .metrics import bound_port, render, serve_http
+from .metrics import render
 from .rendezvous import Rendezvous
 from .servicers import CollectiveServicer, RendezvousServicer
 

@@ -16,6 +16,7 @@ from gradstar.errors import GradstarError, ProtocolError
 from gradstar.proto.v1 import collective_pb2 as cpb
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
 from gradstar.proto.v1 import rendezvous_pb2_grpc
+from gradstar.transport.status import abort
 from gradstar.wire import (
     KIND_CHUNK,
     KIND_END,
@@ -27,7 +28,6 @@ from gradstar.wire import (
 
 from .engine import CLOSE, CollectiveEngine, Participant, PendingCollective
 from .rendezvous import Member, Rendezvous
-from .status import abort
 
 log = logging.getLogger("gradstar.coordinator")
 

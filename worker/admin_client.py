@@ -14,9 +14,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gradstar.channels import client_credentials, secure_or_insecure_channel
 from gradstar.errors import AuthenticationError, CoordinatorUnavailableError, GradstarError
 from gradstar.proto.v1 import admin_pb2, admin_pb2_grpc
+from gradstar.transport.auth import bearer
+from gradstar.transport.channels import client_credentials, secure_or_insecure_channel
 
 CALL_TIMEOUT = 10.0
 
@@ -35,7 +36,7 @@ class AdminClient:
         self.timeout = timeout
         creds = (client_credentials(tls_ca, tls_cert, tls_key) if tls_ca or tls_cert else None)
         self._channel = secure_or_insecure_channel(address, creds)
-        self._metadata = (("authorization", f"Bearer {admin_token}"),) if admin_token else ()
+        self._metadata = bearer(admin_token) if admin_token else ()
         self._admin = admin_pb2_grpc.AdminStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

@@ -89,7 +89,7 @@ class WorkerAgent:
         return env
 
     async def run(self) -> int:
-        from gradstar.coordinator.metrics import bound_port, serve_http
+        from gradstar.transport.http import bound_port, serve_http
 
         s = self.settings
         if self.world_size < s.nproc:

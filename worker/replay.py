@@ -105,7 +105,7 @@ def replica_states(out: Path, mode: str, step: int, world: int) -> list[State]:
 def _merged_shards(out: Path, step: int, world: int) -> State:
     import torch
 
-    from gradstar.client.fsdp_state_dict import full_state_dict_from_shards
+    from gradstar.client.fsdp.state_dict import full_state_dict_from_shards
 
     saved = [torch.load(out / f"step{step}_rank{r}.pt", weights_only=True) for r in range(world)]
     flats = []

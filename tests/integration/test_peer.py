@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gradstar import errors
-from gradstar.client import peer
+from gradstar.client import session
 from gradstar.client.peer import PEER_METHOD, Identity, PeerLink
 from gradstar.config import ClientSettings
 from gradstar.proto.v1 import peer_pb2 as ppb
@@ -230,7 +230,7 @@ async def test_a_message_that_already_arrived_is_received_after_the_generation_f
 @pytest.fixture
 def short_grace(monkeypatch):
     """How long a broken stream waits for the hub's verdict: 3 s in production."""
-    monkeypatch.setattr(peer, "LINK_GRACE", 0.5)
+    monkeypatch.setattr(session, "VERDICT_GRACE", 0.5)
 
 
 async def test_a_broken_peer_stream_names_the_peer_when_the_hub_reports_nothing(pair,

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from gradstar.client.fsdp_state_dict import full_state_dict_from_shards
+from gradstar.client.fsdp.state_dict import full_state_dict_from_shards
 
 from . import fsdp_script as script
 from .conftest import run_world

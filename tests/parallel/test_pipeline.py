@@ -20,7 +20,7 @@ import torch
 
 import gradstar
 from gradstar import errors
-from gradstar.client.schedules import peak_live, schedule_actions
+from gradstar.client.pipeline.schedules import peak_live, schedule_actions
 from gradstar.config import CoordinatorSettings
 from gradstar.coordinator import Coordinator, EmbeddedCoordinator
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradstar.client.flat_param import FlatParamLayout, ParamSlice
+from gradstar.client.fsdp.flat_param import FlatParamLayout, ParamSlice
 from gradstar.errors import ConfigurationError
 
 

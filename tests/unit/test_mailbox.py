@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gradstar.client.mailbox import Mailbox, tag_key
+from gradstar.client.peer.mailbox import Mailbox, tag_key
 from gradstar.errors import ConfigurationError
 
 

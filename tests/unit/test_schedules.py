@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gradstar.client.schedules import (
+from gradstar.client.pipeline.schedules import (
     BACKWARD,
     FORWARD,
     Action,

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from gradstar.client.sharding_plan import plan_units
-from gradstar.client.sharding_unit import ShardingUnit, joined_rows
+from gradstar.client.fsdp.plan import plan_units
+from gradstar.client.fsdp.unit import ShardingUnit, joined_rows
 from gradstar.client.work import Work
 from gradstar.errors import ConfigurationError
 

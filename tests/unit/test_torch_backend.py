@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradstar.client.torch_backend import parse_init_method
-from gradstar.client.torch_convert import for_reduction, for_transfer, reduce_op_name
-from gradstar.client.torch_work import CompletionThreads, GradstarWork
+from gradstar.client.torch_backend.backend import parse_init_method
+from gradstar.client.torch_backend.convert import for_reduction, for_transfer, reduce_op_name
+from gradstar.client.torch_backend.work import CompletionThreads, GradstarWork
 from gradstar.client.work import Work
 from gradstar.errors import (
     CollectiveMismatchError,

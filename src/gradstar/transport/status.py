@@ -1,11 +1,15 @@
-"""Channels to the coordinator and translation of gRPC failures into gradstar errors."""
+"""gradstar errors <-> gRPC statuses, both ways, in one place.
+
+Servers end a call with :func:`abort` (the error's status code, message and, in trailing
+metadata, its type and fields); clients turn a failed call back into the gradstar error it stands
+for with :func:`error_from_rpc`.
+"""
 
 from __future__ import annotations
 
 import grpc
 
-from gradstar.channels import client_credentials, secure_or_insecure_channel
-from gradstar.config import ClientSettings
+from gradstar import errors as e
 from gradstar.errors import (
     ERROR_FIELDS_KEY,
     ERROR_NAME_KEY,
@@ -17,21 +21,33 @@ from gradstar.errors import (
     error_from_wire,
 )
 
-AUTH_KEY = "authorization"
+_CODES: list[tuple[type[e.GradstarError], grpc.StatusCode]] = [
+    (e.AuthenticationError, grpc.StatusCode.UNAUTHENTICATED),
+    (e.CollectiveMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
+    (e.WorldSizeMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
+    (e.CollectiveTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (e.JoinTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (e.RankLostError, grpc.StatusCode.ABORTED),
+    (e.PayloadTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (e.DuplicateRankError, grpc.StatusCode.ALREADY_EXISTS),
+    (e.CoordinatorDrainingError, grpc.StatusCode.UNAVAILABLE),
+    (e.ProtocolError, grpc.StatusCode.DATA_LOSS),
+    (e.InvalidCollectiveError, grpc.StatusCode.INVALID_ARGUMENT),
+    (e.ConfigurationError, grpc.StatusCode.INVALID_ARGUMENT),
+    (e.RendezvousError, grpc.StatusCode.FAILED_PRECONDITION),
+]
 
 
-def open_channel(settings: ClientSettings) -> grpc.aio.Channel:
-    """A channel to the coordinator, with TLS when a CA or client certificate is configured."""
-    tls = settings.tls_ca or settings.tls_cert
-    creds = (client_credentials(settings.tls_ca, settings.tls_cert, settings.tls_key)
-             if tls else None)
-    return secure_or_insecure_channel(settings.coordinator, creds)
+def status_code(error: e.GradstarError) -> grpc.StatusCode:
+    for cls, code in _CODES:
+        if isinstance(error, cls):
+            return code
+    return grpc.StatusCode.UNKNOWN
 
 
-def call_metadata(settings: ClientSettings) -> tuple[tuple[str, str], ...]:
-    if settings.token is None:
-        return ()
-    return ((AUTH_KEY, f"Bearer {settings.token.get_secret_value()}"),)
+async def abort(context: grpc.aio.ServicerContext, error: e.GradstarError) -> None:
+    """End the call with ``error``'s status; the client rebuilds the same exception."""
+    await context.abort(status_code(error), str(error), trailing_metadata=e.error_metadata(error))
 
 
 def _trailing(error: grpc.RpcError) -> dict:

@@ -4,14 +4,14 @@ A pure-Python subclass of ``torch.distributed.ProcessGroup`` wrapping one blocki
 :class:`~gradstar.client.process_group.ProcessGroup` (one gradstar job). torch uses it directly
 as the group: ``dist.all_reduce``, DDP's reducer and FSDP2 call the methods below, each of which
 starts gradstar collectives with ``async_op=True`` and returns a
-:class:`~gradstar.client.torch_work.GradstarWork`.
+:class:`~gradstar.client.torch_backend.work.GradstarWork`.
 
 * **Order.** Every gradstar collective takes its sequence number when it is started, here, in
   the caller's thread, so collectives match on the hub in the order torch issued them.
 * **In place.** As with torch's own backends the results land in the tensors torch passed
   (all_reduce, broadcast, the output tensors of gathers and scatters), written when the Work is
   settled: by ``wait()`` or by a completion thread, whichever comes first.
-* **dtypes.** See :mod:`gradstar.client.torch_convert`: every dtype moves, most reduce.
+* **dtypes.** See :mod:`gradstar.client.torch_backend.convert`: every dtype moves, most reduce.
 * **Errors.** An invalid argument (unsupported reduce op or dtype, wrong sizes) raises at once,
   as a ``ValueError`` (:class:`~gradstar.errors.ConfigurationError` or
   :class:`~gradstar.errors.InvalidCollectiveError`); a collective that fails later fails its Work.
@@ -28,10 +28,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from gradstar.client.process_group import ProcessGroup
 from gradstar.errors import GradstarError, ProcessGroupClosedError
 
-from .process_group import ProcessGroup
-from .torch_convert import (
+from .convert import (
     check_numel,
     for_reduction,
     for_transfer,
@@ -40,7 +40,7 @@ from .torch_convert import (
     tensor_list,
     write_rows,
 )
-from .torch_work import CompletionThreads, GradstarWork
+from .work import CompletionThreads, GradstarWork
 
 
 class BackendUnsupportedError(GradstarError, NotImplementedError):

@@ -25,9 +25,9 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     """Rejects calls without the right token with UNAUTHENTICATED before any handler runs."""
 
     def __init__(self, job_token: str | None, admin_token: str | None) -> None:
-        self._job = f"Bearer {job_token}".encode() if job_token else None
         admin = admin_token or job_token
-        self._admin = f"Bearer {admin}".encode() if admin else None
+        self._job = bearer(job_token)[0][1].encode() if job_token else None
+        self._admin = bearer(admin)[0][1].encode() if admin else None
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method

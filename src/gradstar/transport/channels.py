@@ -6,7 +6,10 @@ from pathlib import Path
 
 import grpc
 
+from gradstar.config import ClientSettings
 from gradstar.wire import CHUNK_HEADER_BYTES, MAX_CHUNK_BYTES
+
+from .auth import bearer
 
 # A chunk frame plus its header, with room for control messages; anything larger is refused by
 # gRPC itself before the application allocates for it.
@@ -81,3 +84,19 @@ def secure_or_insecure_channel(
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=CLIENT_OPTIONS)
     return grpc.aio.secure_channel(target, credentials, options=CLIENT_OPTIONS)
+
+
+def open_channel(settings: ClientSettings, target: str | None = None) -> grpc.aio.Channel:
+    """A channel to ``target`` (default: the coordinator), with TLS when a CA or client
+    certificate is configured."""
+    tls = settings.tls_ca or settings.tls_cert
+    creds = (client_credentials(settings.tls_ca, settings.tls_cert, settings.tls_key)
+             if tls else None)
+    return secure_or_insecure_channel(target or settings.coordinator, creds)
+
+
+def call_metadata(settings: ClientSettings) -> tuple[tuple[str, str], ...]:
+    """Call metadata that presents the job token, if one is configured."""
+    if settings.token is None:
+        return ()
+    return bearer(settings.token.get_secret_value())

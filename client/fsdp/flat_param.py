@@ -2,7 +2,7 @@
 which contiguous slice of that buffer each rank keeps.
 
 Pure arithmetic, no torch and no sockets:
-:class:`~gradstar.client.sharding_unit.ShardingUnit` uses it to flatten, shard and unflatten a
+:class:`~gradstar.client.fsdp.unit.ShardingUnit` uses it to flatten, shard and unflatten a
 unit's parameters, and ``tests/unit/test_flat_param.py`` drives it directly.
 
 A unit's parameters are laid end to end in registration order, then padded so that the flat

@@ -1,4 +1,4 @@
-"""Checkpoints of :class:`~gradstar.client.fsdp.FullyShardedDataParallel`.
+"""Checkpoints of :class:`~gradstar.client.fsdp.wrapper.FullyShardedDataParallel`.
 
 * **Full**: :func:`full_state_dict` gathers unit after unit (one gather ahead, so a rank never
   holds more than two units' full parameters besides what it keeps) into the wrapped module's
@@ -14,18 +14,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from gradstar.client.buckets import cap_bytes_of
+from gradstar.client.torch_common import broadcast_from_rank0
 from gradstar.errors import ConfigurationError
 
-from .buckets import cap_bytes_of
-from .ddp import _broadcast
-from .sharding_unit import ShardingUnit, joined_rows
+from .unit import ShardingUnit, joined_rows
 
-if TYPE_CHECKING:
-    from .fsdp import FullyShardedDataParallel
+
+class FullyShardedDataParallel(Protocol):
+    """What a checkpoint reads of the wrapper (:class:`.wrapper.FullyShardedDataParallel`)."""
+
+    module: torch.nn.Module
+    process_group: object
+    units: list[ShardingUnit]
+    state_dict_keys: list[str]
+    param_keys: dict[str, tuple[int, int]]
 
 # Buffers are broadcast in flat buckets of at most this many bytes (DDP's default bucket size).
 BROADCAST_CAP = cap_bytes_of(25)
@@ -85,7 +92,7 @@ def load_full_state_dict(fsdp: FullyShardedDataParallel,
     if pg.rank == 0:
         fsdp.module.load_state_dict({k: state_dict[k] for k in rest}, strict=False)
     buffers = dict(fsdp.module.named_buffers(remove_duplicate=False))
-    _broadcast(pg, [buffers[k] for k in rest if k in buffers], BROADCAST_CAP)
+    broadcast_from_rank0(pg, [buffers[k] for k in rest if k in buffers], BROADCAST_CAP)
 
 
 def scatter_from_rank0(pg, units: Sequence[ShardingUnit],

@@ -4,7 +4,7 @@ gathered.
 A unit is in one of three states:
 
 * **sharded** (at rest): ``shard``, this rank's contiguous slice of the unit's flat padded
-  buffer (see :class:`~gradstar.client.flat_param.FlatParamLayout`), is the only storage of
+  buffer (see :class:`~gradstar.client.fsdp.flat_param.FlatParamLayout`), is the only storage of
   the unit's parameters. The modules' attributes for them are one empty placeholder tensor
   (size 0, the parameters' dtype), as with torch's FSDP, so code that only checks them (a
   module's ``repr``, ``self.bias is not None``) keeps working.
@@ -14,7 +14,7 @@ A unit is in one of three states:
   their forward finds ``self.weight`` as usual.
 
 :meth:`release` returns to sharded; the views are dropped with :meth:`unbind`. What autograd
-sees of all this is :class:`~gradstar.client.fsdp.FullyShardedDataParallel`'s business.
+sees of all this is :class:`~gradstar.client.fsdp.wrapper.FullyShardedDataParallel`'s business.
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gradstar.client.work import Work
+
 from .flat_param import FlatParamLayout, ParamSlice
-from .sharding_plan import Slot, UnitPlan
-from .work import Work
+from .plan import Slot, UnitPlan
 
 
 class ShardingUnit:

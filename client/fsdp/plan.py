@@ -1,7 +1,8 @@
 """ShardingPlan: which modules are FSDP's sharding units, and which parameters each one owns.
 
-No sockets and no process group: :class:`~gradstar.client.fsdp.FullyShardedDataParallel` builds
-its units from a plan, and ``tests/unit/test_sharding_plan.py`` checks the rules on small modules.
+No sockets and no process group: :class:`~gradstar.client.fsdp.FullyShardedDataParallel`
+builds its units from a plan, and ``tests/unit/test_sharding_plan.py``
+checks the rules on small modules.
 
 The rules:
 

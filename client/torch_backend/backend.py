@@ -12,8 +12,8 @@ after which ``dist.all_reduce``, ``all_gather_into_tensor``, ``reduce_scatter_te
 ``broadcast``, ``barrier``, ``new_group``, torch's ``DistributedDataParallel`` (comm hooks
 included) and FSDP2's ``fully_shard`` run over gradstar collectives, and ``send``/``recv`` over
 gradstar's rank-to-rank peer streams. What each torch call becomes is in
-:mod:`gradstar.client.torch_group`; how results reach torch (threads, futures, errors) in
-:mod:`gradstar.client.torch_work`.
+:mod:`gradstar.client.torch_backend.group`; how results reach torch (threads, futures, errors) in
+:mod:`gradstar.client.torch_backend.work`.
 
 **Registration.** ``import gradstar`` registers the backend without importing torch: if torch is
 already imported it registers at once, otherwise right after torch's own import finishes (see
@@ -63,13 +63,13 @@ import torch.distributed as dist
 from pydantic import SecretStr
 from torch.distributed.rendezvous import register_rendezvous_handler
 
+from gradstar.client.process_group import init_process_group
 from gradstar.config import ClientSettings
 from gradstar.errors import ConfigurationError
 
-from .process_group import init_process_group
-from .torch_convert import reduce_op_name
-from .torch_group import BackendUnsupportedError, ProcessGroupGradstar
-from .torch_work import CompletionThreads, GradstarWork
+from .convert import reduce_op_name
+from .group import BackendUnsupportedError, ProcessGroupGradstar
+from .work import CompletionThreads, GradstarWork
 
 log = logging.getLogger(__name__)
 
@@ -295,8 +295,6 @@ def register_backend() -> None:
             pass  # registered by an earlier copy of this module (importlib.reload)
         _registered = True
 
-
-register_backend()
 
 __all__ = [
     "BACKEND",

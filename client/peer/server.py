@@ -2,7 +2,7 @@
 
 It checks each incoming stream's hello (job, generation, ranks; the job token is checked by the
 hub's interceptor before), reads the messages of the stream, and files each one in the
-:class:`~gradstar.client.mailbox.Mailbox` of its sender, acknowledging it once it is filed.
+:class:`~gradstar.client.peer.mailbox.Mailbox` of its sender, acknowledging it once it is filed.
 The protocol is described in :mod:`gradstar.client.peer` and ``peer.proto``.
 """
 
@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from gradstar.channels import SERVER_OPTIONS, server_credentials
 from gradstar.config import ClientSettings
-from gradstar.coordinator.auth import TokenAuthInterceptor
-from gradstar.coordinator.status import abort
 from gradstar.errors import ConfigurationError, GradstarError, ProtocolError
 from gradstar.proto.v1 import collective_pb2 as cpb
 from gradstar.proto.v1 import peer_pb2 as ppb
+from gradstar.transport.auth import TokenAuthInterceptor
+from gradstar.transport.channels import SERVER_OPTIONS, server_credentials
+from gradstar.transport.status import abort
 from gradstar.wire import (
     KIND_ACCEPT,
     KIND_CHUNK,

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sharding_unit import ShardingUnit
+from .unit import ShardingUnit
 
 # Each reduction in flight holds a whole unit's gradient until the hub has taken it; backward
 # computes faster than the hub reduces, so without a bound every unit's gradient would pile up.

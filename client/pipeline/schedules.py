@@ -14,7 +14,7 @@ each, forwards in order 0..M-1 and backwards in order 0..M-1.
   micro-batches' activations are alive on stage s, independent of M, and the step takes as
   long as GPipe's: :func:`simulate` shows both finish in ``2 * (M + S - 1)`` unit-time slots.
 
-The executor (:class:`gradstar.client.pipeline.Pipeline`) sends asynchronously and receives
+The executor (:class:`gradstar.client.pipeline.pipeline.Pipeline`) sends asynchronously and receives
 with a look-ahead, so only these dependencies constrain it, and :func:`simulate` proves the
 schedules are free of deadlock under them.
 """

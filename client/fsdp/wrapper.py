@@ -1,19 +1,19 @@
 """FullyShardedDataParallel: each rank stores 1/world_size of the parameters, gradients and
 optimizer state, and holds a unit's full parameters only while that unit computes.
 
-Construction. The module is split into sharding units (:mod:`~gradstar.client.sharding_plan`).
+Construction. The module is split into sharding units (:mod:`~gradstar.client.fsdp.plan`).
 The ranks check that they derived the same plan (an all_gather of a small fingerprint; a
 difference is a :class:`~gradstar.errors.ConfigurationError` naming the rank). Each unit's
 parameters are flattened into one padded buffer of which each rank keeps only its contiguous
-shard, as an ``nn.Parameter`` in ``flat_shards`` (:mod:`~gradstar.client.sharding_unit`); with
+shard, as an ``nn.Parameter`` in ``flat_shards`` (:mod:`~gradstar.client.fsdp.unit`); with
 ``sync_module_states`` the shards come from rank 0's buffer, broadcast unit by unit, and the
 module buffers from rank 0 too. The original parameters are removed from the modules.
 ``parameters()`` yields the shards, so an optimizer built on them keeps its state sharded too.
 
 Training. Each unit is all-gathered around its forward and again for its backward, and its
-gradient reduce-scattered, as :mod:`~gradstar.client.fsdp_runtime` describes; after
+gradient reduce-scattered, as :mod:`~gradstar.client.fsdp.runtime` describes; after
 ``loss.backward()`` each shard's ``.grad`` holds the mean over ranks of the gradient of that
-shard. Checkpoints: :mod:`~gradstar.client.fsdp_state_dict`.
+shard. Checkpoints: :mod:`~gradstar.client.fsdp.state_dict`.
 
 Rules. Every rank must construct FSDP from the same module structure and settings, run the
 same forwards and backwards, and reach the same units in each backward (as DDP without
@@ -33,14 +33,19 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from gradstar.client.process_group import ProcessGroup
+from gradstar.client.torch_common import (
+    GRAD_DTYPES,
+    broadcast_from_rank0,
+    check_wrapper_arguments,
+    wire_dtype_of,
+)
 from gradstar.errors import ConfigurationError
 
-from . import fsdp_state_dict
-from .ddp import _COMPRESSION, _GRAD_DTYPES, _broadcast
-from .fsdp_runtime import UnitCollective, UnitRuntime
-from .process_group import AsyncProcessGroup, ProcessGroup
-from .sharding_plan import AutoWrapPolicy, UnitPlan, plan_units
-from .sharding_unit import ShardingUnit
+from . import state_dict as checkpoint
+from .plan import AutoWrapPolicy, UnitPlan, plan_units
+from .runtime import UnitCollective, UnitRuntime
+from .unit import ShardingUnit
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -61,7 +66,7 @@ class FullyShardedDataParallel(nn.Module):
         pg: the blocking :class:`gradstar.ProcessGroup` (hooks run inside autograd).
         auto_wrap_policy: which submodules are sharding units: None (each direct child holding
             parameters), a list of module classes, or a callable ``policy(module) -> bool``;
-            the root is a unit for the rest (see :mod:`gradstar.client.sharding_plan`).
+            the root is a unit for the rest (see :mod:`gradstar.client.fsdp.plan`).
         mixed_precision: "bf16" or "fp16" gathers parameters and reduces gradients in that
             dtype; shards, optimizer and compute stay in the parameters' dtype (the gathered
             values are widened back: CPU matmuls in bf16 are slow and would need the inputs
@@ -81,30 +86,11 @@ class FullyShardedDataParallel(nn.Module):
                  auto_wrap_policy: AutoWrapPolicy = None, mixed_precision: str | None = None,
                  prefetch: bool = True, sync_module_states: bool = True) -> None:
         super().__init__()
-        if isinstance(pg, AsyncProcessGroup) or not all(
-                callable(getattr(pg, name, None)) for name in ("all_gather", "reduce_scatter")):
-            raise ConfigurationError(
-                "FullyShardedDataParallel needs the blocking gradstar.ProcessGroup from "
-                f"gradstar.init_process_group(), got {type(pg).__name__}: its hooks run inside "
-                "autograd and cannot await"
-            )
-        if not isinstance(module, nn.Module):
-            raise ConfigurationError(
-                f"FullyShardedDataParallel wraps a torch.nn.Module, got {type(module).__name__}"
-            )
-        try:
-            wire_dtype = _COMPRESSION[mixed_precision]
-        except (KeyError, TypeError):
-            raise ConfigurationError(
-                f"mixed_precision must be None, 'bf16' or 'fp16', got {mixed_precision!r}"
-            ) from None
-        for name, t in (*module.named_parameters(), *module.named_buffers()):
-            if t.device.type != "cpu":
-                raise ConfigurationError(
-                    f"{name} is on {t.device}; gradstar's FullyShardedDataParallel runs on CPU"
-                )
+        check_wrapper_arguments("FullyShardedDataParallel", module, pg,
+                                ("all_gather", "reduce_scatter", "broadcast"))
+        wire_dtype = wire_dtype_of("mixed_precision", mixed_precision)
         for name, p in module.named_parameters():
-            if p.dtype not in _GRAD_DTYPES:
+            if p.dtype not in GRAD_DTYPES:
                 raise ConfigurationError(
                     f"parameter {name} has dtype {p.dtype}; FSDP shards float32, float64, "
                     "float16 or bfloat16 parameters"
@@ -128,9 +114,9 @@ class FullyShardedDataParallel(nn.Module):
         self.units = [ShardingUnit(i, plan, pg.world_size, pg.rank, wire_dtype)
                       for i, plan in enumerate(plans)]
         if sync_module_states:
-            fsdp_state_dict.scatter_from_rank0(
+            checkpoint.scatter_from_rank0(
                 pg, self.units, lambda unit: [p.param for p in plans[unit.index].params])
-            _broadcast(pg, list(module.buffers()), fsdp_state_dict.BROADCAST_CAP)
+            broadcast_from_rank0(pg, list(module.buffers()), checkpoint.BROADCAST_CAP)
         for unit in self.units:
             unit.detach_parameters()
         self.flat_shards = nn.ParameterList([unit.shard for unit in self.units])
@@ -171,7 +157,7 @@ class FullyShardedDataParallel(nn.Module):
         return (f"world_size={self.process_group.world_size}, units=[{sizes}], "
                 f"mixed_precision={self.mixed_precision!r}, prefetch={self.prefetch}")
 
-    # -- state dicts (see gradstar.client.fsdp_state_dict) -------------------------------------
+    # -- state dicts (see gradstar.client.fsdp.state_dict) -------------------------------------
 
     def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The wrapped module's ordinary ``state_dict()``: keys without a prefix, parameters in
@@ -182,7 +168,7 @@ class FullyShardedDataParallel(nn.Module):
         Raises:
             CollectiveError and subclasses: a gather failed.
         """
-        return fsdp_state_dict.full_state_dict(self, rank0_only=rank0_only)
+        return checkpoint.full_state_dict(self, rank0_only=rank0_only)
 
     def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor] | None) -> None:
         """Load a full ``state_dict`` given on rank 0 (the other ranks' argument is ignored;
@@ -194,7 +180,7 @@ class FullyShardedDataParallel(nn.Module):
                 or a wrong shape (rank 0's message lists them).
             CollectiveError and subclasses: a broadcast failed.
         """
-        fsdp_state_dict.load_full_state_dict(self, state_dict)
+        checkpoint.load_full_state_dict(self, state_dict)
 
     def sharded_state_dict(self) -> dict:
         """This rank's part of the model, for per-rank checkpoints; no communication.
@@ -204,10 +190,10 @@ class FullyShardedDataParallel(nn.Module):
         ``values`` are the elements ``start : start + len(values)`` of the flattened parameter
         that this rank's shard holds (possibly none). Plain dicts, lists, ints and tensors, so
         ``torch.load(..., weights_only=True)`` reads it.
-        :func:`~gradstar.client.fsdp_state_dict.full_state_dict_from_shards` merges every
+        :func:`~gradstar.client.fsdp.state_dict.full_state_dict_from_shards` merges every
         rank's into a full state dict offline.
         """
-        return fsdp_state_dict.sharded_state_dict(self)
+        return checkpoint.sharded_state_dict(self)
 
     def load_sharded_state_dict(self, state_dict: Mapping) -> None:
         """Load this rank's :meth:`sharded_state_dict` (same world size and plan); no
@@ -217,7 +203,7 @@ class FullyShardedDataParallel(nn.Module):
             ConfigurationError: it belongs to another rank or world size, or does not match
                 this rank's shards.
         """
-        fsdp_state_dict.load_sharded_state_dict(self, state_dict)
+        checkpoint.load_sharded_state_dict(self, state_dict)
 
 
 def _check_plans_agree(pg, plans: list[UnitPlan], wire_dtype: torch.dtype | None) -> None:

@@ -1,0 +1,32 @@
+"""gradstar as a torch.distributed backend: ``import gradstar.client.torch_backend`` registers
+backend ``"gradstar"`` and init_method ``gradstar://`` (``import gradstar`` does it too, once
+torch is imported; see :mod:`gradstar.client.torch_import_hook`).
+
+How a script uses it is in :mod:`.backend`; what each torch call becomes in :mod:`.group`; how
+results reach torch (threads, futures, errors) in :mod:`.work`; tensor conversion in
+:mod:`.convert`.
+"""
+
+from .backend import (
+    BACKEND,
+    BackendUnsupportedError,
+    GradstarWork,
+    ProcessGroupGradstar,
+    parse_init_method,
+    reduce_op_name,
+    register_backend,
+    shutdown_all,
+)
+
+register_backend()
+
+__all__ = [
+    "BACKEND",
+    "BackendUnsupportedError",
+    "GradstarWork",
+    "ProcessGroupGradstar",
+    "parse_init_method",
+    "reduce_op_name",
+    "register_backend",
+    "shutdown_all",
+]

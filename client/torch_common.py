@@ -1,0 +1,100 @@
+"""What gradstar's torch wrappers (DDP, FSDP) share: the dtypes gradients travel in, the checks
+every wrapper makes of its arguments, and the broadcast of rank 0's state at construction.
+
+Siblings import these from here, never from each other (``ddp`` and ``fsdp`` stay independent).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gradstar.errors import ConfigurationError
+
+from .buckets import BucketPlan, TensorSpec
+
+#: ``gradient_compression`` / ``mixed_precision`` names -> the dtype gradients travel in.
+COMPRESSION = {
+    None: None,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+#: Parameter dtypes whose gradients the hub can reduce.
+GRAD_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_WIRE_DTYPES = (*GRAD_DTYPES, torch.int32, torch.int64)
+# Buffers of dtypes the wire lacks travel in a wider integer type and are cast back.
+_WIDENED = {torch.bool: torch.int32, torch.uint8: torch.int32, torch.int8: torch.int32,
+            torch.int16: torch.int32}
+
+
+def check_wrapper_arguments(wrapper: str, module, pg, needs: tuple[str, ...]) -> None:
+    """The checks every wrapper makes: a blocking process group with ``needs`` methods, an
+    ``nn.Module`` whose parameters and buffers are on the CPU.
+
+    Raises:
+        ConfigurationError: naming the wrapper and what is wrong.
+    """
+    from .process_group import AsyncProcessGroup
+
+    if isinstance(pg, AsyncProcessGroup) or not all(
+            callable(getattr(pg, name, None)) for name in needs):
+        raise ConfigurationError(
+            f"{wrapper} needs the blocking gradstar.ProcessGroup from "
+            f"gradstar.init_process_group(), got {type(pg).__name__}: its gradient hooks run "
+            "inside autograd and cannot await"
+        )
+    if not isinstance(module, nn.Module):
+        raise ConfigurationError(f"{wrapper} wraps a torch.nn.Module, got {type(module).__name__}")
+    for name, t in (*module.named_parameters(), *module.named_buffers()):
+        if t.device.type != "cpu":
+            raise ConfigurationError(f"{name} is on {t.device}; gradstar's {wrapper} runs on CPU")
+
+
+def wire_dtype_of(option: str, value) -> torch.dtype | None:
+    """The dtype named by a ``gradient_compression`` / ``mixed_precision`` option.
+
+    Raises:
+        ConfigurationError: an unknown name.
+    """
+    try:
+        return COMPRESSION[value]
+    except (KeyError, TypeError):
+        raise ConfigurationError(
+            f"{option} must be None, 'bf16' or 'fp16', got {value!r}") from None
+
+
+def broadcast_from_rank0(pg, tensors: list[torch.Tensor], cap_bytes: int) -> None:
+    """Overwrite ``tensors`` with rank 0's values: flat per-dtype buckets, broadcast together.
+
+    Raises:
+        ConfigurationError: a tensor's dtype cannot travel (complex, for instance).
+        CollectiveError and subclasses: a broadcast failed.
+    """
+    unique = [t for t in {id(t): t for t in tensors}.values() if t.numel()]
+    if not unique:
+        return
+    wire = []
+    for t in unique:
+        dtype = t.dtype if t.dtype in _WIRE_DTYPES else _WIDENED.get(t.dtype)
+        if dtype is None:
+            raise ConfigurationError(
+                f"cannot broadcast a tensor of dtype {t.dtype} from rank 0; supported: "
+                "floating, integer and bool"
+            )
+        wire.append(dtype)
+    plan = BucketPlan([TensorSpec(t.numel(), torch.empty(0, dtype=d).element_size(), d)
+                       for t, d in zip(unique, wire, strict=True)], cap_bytes, reverse=False)
+    works = []
+    with torch.no_grad():
+        for bucket in plan:
+            flat = torch.cat([unique[i].detach().reshape(-1).to(bucket.dtype)
+                              for i in bucket.members])
+            works.append(pg.broadcast(flat, src=0, async_op=True))
+        for bucket, work in zip(plan, works, strict=True):
+            result = work.wait()
+            for member, offset, numel in zip(bucket.members, bucket.offsets, bucket.numels,
+                                             strict=True):
+                target = unique[member]
+                target.copy_(result[offset:offset + numel].view(target.shape))

@@ -1,0 +1,11 @@
+"""gradstar.transport: the gRPC and HTTP edge that the hub, the shards, the ranks' peer servers
+and the worker agent all share.
+
+- :mod:`.channels`: every channel and server option (with why), credentials, ``open_channel``
+  and ``call_metadata``.
+- :mod:`.auth`: the token interceptor every server installs, and ``bearer`` for clients.
+- :mod:`.status`: gradstar errors to gRPC statuses and back.
+- :mod:`.http`: a GET-only HTTP endpoint (``/metrics``, ``/healthz``).
+
+Nothing here knows about collectives or jobs, and nothing here imports torch.
+"""
