@@ -31,6 +31,7 @@ from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.transport.channels import call_metadata, open_channel
 from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
 from gradstar.wire import (
+    COLLECTIVE_METHOD,
     KIND_ACCEPT,
     KIND_CHUNK,
     KIND_END,
@@ -56,7 +57,6 @@ from .peer.mailbox import tag_key
 from .session import Session
 from .work import Work
 
-COLLECTIVE_METHOD = "/gradstar.proto.v1.Collective/Stream"
 AVERAGING_RULES = {
     "seed": pb.AVERAGING_RULE_SEED,
     "average": pb.AVERAGING_RULE_AVERAGE,

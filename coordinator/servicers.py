@@ -18,6 +18,7 @@ from gradstar.proto.v1 import rendezvous_pb2 as rpb
 from gradstar.proto.v1 import rendezvous_pb2_grpc
 from gradstar.transport.status import abort
 from gradstar.wire import (
+    COLLECTIVE_SERVICE,
     KIND_CHUNK,
     KIND_END,
     KIND_HEADER,
@@ -31,7 +32,6 @@ from .rendezvous import Member, Rendezvous
 
 log = logging.getLogger("gradstar.coordinator")
 
-COLLECTIVE_METHOD = "/gradstar.proto.v1.Collective/Stream"
 # How long a failed collective's call stays open for the client to read the in-band error and
 # hang up. Ending a call while the client still writes can make grpc-python report INTERNAL to
 # that client instead of our status; a client that read the ERROR frame cancels at once.
@@ -108,7 +108,7 @@ class CollectiveServicer:
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
-            "gradstar.proto.v1.Collective",
+            COLLECTIVE_SERVICE,
             {"Stream": grpc.stream_stream_rpc_method_handler(self.Stream)},
         )
 

@@ -30,10 +30,12 @@ The protocol (frames in ``protos/gradstar/proto/v1/peer.proto``):
   as the hub's channel.
 """
 
+from gradstar.wire import PEER_METHOD
+
 from .endpoint import PeerEndpoint
 from .link import PeerLink
 from .mailbox import Mailbox, tag_key
-from .server import PEER_METHOD, Identity, LinkLost, PeerServer
+from .server import Identity, LinkLost, PeerServer
 
 __all__ = ["PEER_METHOD", "Identity", "LinkLost", "Mailbox", "PeerEndpoint", "PeerLink",
            "PeerServer", "tag_key"]

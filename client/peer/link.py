@@ -25,6 +25,7 @@ from gradstar.wire import (
     KIND_END,
     KIND_ERROR,
     KIND_HEADER,
+    PEER_METHOD,
     ChunkLayout,
     aligned_chunk_bytes,
     as_byte_view,
@@ -37,7 +38,7 @@ from gradstar.wire import (
 )
 
 from .. import session
-from .server import PEER_METHOD, Identity, LinkLost
+from .server import Identity, LinkLost
 
 
 def _rpc_detail(error: grpc.RpcError) -> str:

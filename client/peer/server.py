@@ -28,6 +28,7 @@ from gradstar.wire import (
     KIND_END,
     KIND_HEADER,
     MAX_CHUNK_BYTES,
+    PEER_SERVICE,
     ChunkLayout,
     ChunkTracker,
     as_byte_view,
@@ -40,9 +41,6 @@ from gradstar.wire import (
 )
 
 from .mailbox import Mailbox
-
-PEER_SERVICE = "gradstar.proto.v1.PeerStream"
-PEER_METHOD = f"/{PEER_SERVICE}/Stream"
 
 
 class LinkLost(GradstarError):

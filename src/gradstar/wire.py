@@ -35,6 +35,13 @@ try:
 except ImportError:  # platforms without an isal wheel: same values, slower
     from zlib import crc32
 
+# Raw-frame streams are registered with identity serializers under these names (the services
+# are declared in collective.proto and peer.proto for reflection and documentation).
+COLLECTIVE_SERVICE = "gradstar.proto.v1.Collective"
+COLLECTIVE_METHOD = f"/{COLLECTIVE_SERVICE}/Stream"
+PEER_SERVICE = "gradstar.proto.v1.PeerStream"
+PEER_METHOD = f"/{PEER_SERVICE}/Stream"
+
 KIND_HEADER = 1
 KIND_ACCEPT = 2
 KIND_CHUNK = 3
@@ -231,18 +238,31 @@ def decode_chunk(frame: bytes) -> tuple[int, memoryview]:
 
 
 class ChunkTracker:
-    """Checks that chunks of a layout arrive once each, with the right lengths, and all of them."""
+    """Checks that chunks of a layout arrive once each, with the right lengths, and all of them.
 
-    def __init__(self, layout: ChunkLayout, who: str = "stream") -> None:
+    ``allowed`` (a set of indices) narrows what may arrive, as when a stream carries one stripe
+    of a layout or a rank must not get its own segment back.
+    """
+
+    def __init__(self, layout: ChunkLayout, who: str = "stream",
+                 allowed: frozenset[int] | set[int] | None = None) -> None:
         self.layout = layout
         self.who = who
+        self.allowed = allowed
         self._seen = bytearray(layout.count)
         self.received = 0
         self.bytes = 0
 
+    @property
+    def expected(self) -> int:
+        """How many chunks complete the stream."""
+        return self.layout.count if self.allowed is None else len(self.allowed)
+
     def admit(self, index: int, payload: memoryview) -> int:
         """Record chunk ``index``; return its byte offset. Raises ProtocolError if it is bad."""
         offset, length = self.layout.span(index)
+        if self.allowed is not None and index not in self.allowed:
+            raise ProtocolError(f"{self.who}: chunk {index} does not belong on this stream")
         if payload.nbytes != length:
             raise ProtocolError(
                 f"{self.who}: chunk {index} has {payload.nbytes} bytes, expected {length}"
@@ -256,7 +276,7 @@ class ChunkTracker:
 
     def finish(self, end: pb.CollectiveEnd, expected_chunks: int | None = None) -> None:
         """Check the end marker against what arrived; raises ProtocolError on any gap."""
-        expected = self.layout.count if expected_chunks is None else expected_chunks
+        expected = self.expected if expected_chunks is None else expected_chunks
         if end.chunks != expected or self.received != expected:
             raise ProtocolError(
                 f"{self.who}: stream ended after {self.received} of {expected} chunks "
@@ -268,11 +288,28 @@ class ChunkTracker:
             )
 
 
+# The two helpers every chunk stream uses (hub, rank collectives, peer links): one cuts a buffer
+# into frames, the other checks a frame and copies it into place.
+
 def iter_chunk_frames(buffer: memoryview, layout: ChunkLayout, indices=None):
-    """Frames for the chunks ``indices`` (default all) of ``buffer`` laid out by ``layout``."""
+    """Frames for the chunks ``indices`` (default all) of ``buffer`` laid out by ``layout``;
+    each costs the one copy a send needs (see :func:`encode_chunk`)."""
     for index in range(layout.count) if indices is None else indices:
         offset, length = layout.span(index)
         yield encode_chunk(index, buffer[offset:offset + length])
+
+
+def receive_chunk(frame: bytes, tracker: ChunkTracker, out: memoryview) -> int:
+    """Decode a chunk frame, admit it to ``tracker`` and copy its payload to its place in
+    ``out`` (a byte view of the result laid out by ``tracker.layout``); return its index.
+
+    Raises:
+        ProtocolError: a corrupt, misplaced, repeated or wrongly sized chunk.
+    """
+    index, payload = decode_chunk(frame)
+    offset = tracker.admit(index, payload)
+    out[offset:offset + payload.nbytes] = payload
+    return index
 
 
 def as_byte_view(array: np.ndarray) -> memoryview:
