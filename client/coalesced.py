@@ -15,18 +15,22 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from .buckets import BucketPlan, TensorSpec, cap_bytes_of
 from .convert import to_numpy
 
-if TYPE_CHECKING:
-    from .process_group import AsyncProcessGroup
+
+class AllReducer(Protocol):
+    """What the buckets are reduced with: an ``AsyncProcessGroup`` (named structurally, so this
+    module does not import the process group that calls it)."""
+
+    def all_reduce(self, x, op: str = "sum", *, timeout: float | None = None) -> Awaitable: ...
 
 
-def all_reduce_coalesced(group: AsyncProcessGroup, arrays: Sequence, op: str = "mean",
+def all_reduce_coalesced(group: AllReducer, arrays: Sequence, op: str = "mean",
                          bucket_cap_mb: float = 25, *, timeout: float | None = None) -> Awaitable:
     """Reduce every array in ``arrays`` over the ranks; resolves to a list in the same order.
 
@@ -77,4 +81,4 @@ async def _gather(plan: BucketPlan, pending: list, converted: list, sent: list[i
     return out
 
 
-__all__ = ["all_reduce_coalesced"]
+__all__ = ["AllReducer", "all_reduce_coalesced"]

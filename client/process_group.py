@@ -17,6 +17,7 @@ from collections.abc import Awaitable
 import grpc
 import numpy as np
 
+from gradstar import ops
 from gradstar.allocator import tune_allocator
 from gradstar.config import ClientSettings
 from gradstar.errors import (
@@ -25,74 +26,19 @@ from gradstar.errors import (
     GradstarError,
     InvalidCollectiveError,
     ProcessGroupClosedError,
-    ProtocolError,
 )
 from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.transport.channels import call_metadata, open_channel
-from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
-from gradstar.wire import (
-    COLLECTIVE_METHOD,
-    KIND_ACCEPT,
-    KIND_CHUNK,
-    KIND_END,
-    KIND_ERROR,
-    KIND_HEADER,
-    ChunkLayout,
-    ChunkTracker,
-    aligned_chunk_bytes,
-    as_byte_view,
-    decode_chunk,
-    decode_error,
-    decode_message,
-    dtype_info,
-    encode_chunk,
-    encode_message,
-    frame_kind,
-)
+from gradstar.wire import aligned_chunk_bytes, dtype_info
 
 from .coalesced import all_reduce_coalesced
+from .collective_stream import run_collective
 from .convert import array_kind, restore_array, to_numpy
+from .data_plane import DataPlane
 from .peer import Identity, PeerEndpoint
 from .peer.mailbox import tag_key
 from .session import Session
 from .work import Work
-
-AVERAGING_RULES = {
-    "seed": pb.AVERAGING_RULE_SEED,
-    "average": pb.AVERAGING_RULE_AVERAGE,
-    "outer_sgd": pb.AVERAGING_RULE_OUTER_SGD,
-    "outer_nesterov": pb.AVERAGING_RULE_OUTER_NESTEROV,
-}
-REDUCE_OPS = {
-    "sum": pb.REDUCE_OP_SUM,
-    "mean": pb.REDUCE_OP_MEAN,
-    "avg": pb.REDUCE_OP_MEAN,
-    "min": pb.REDUCE_OP_MIN,
-    "max": pb.REDUCE_OP_MAX,
-    "prod": pb.REDUCE_OP_PROD,
-}
-# The coordinator answers a late collective with its own timeout error; the call's deadline is
-# only a backstop for a coordinator that stopped answering altogether.
-_DEADLINE_MARGIN = 10.0
-
-
-class _Plan:
-    """What one rank sends and receives in one collective, and where the result goes."""
-
-    def __init__(self, send: memoryview | None, send_layout: ChunkLayout, send_indices: range,
-                 recv_layout: ChunkLayout, out: np.ndarray, skip_segment: int | None = None):
-        self.send = send
-        self.send_layout = send_layout
-        self.send_indices = send_indices
-        self.tracker = ChunkTracker(recv_layout, "coordinator")
-        self.expected = recv_layout.count
-        if skip_segment is not None:
-            self.expected -= recv_layout.per_segment
-            self.skip = range(skip_segment * recv_layout.per_segment,
-                              (skip_segment + 1) * recv_layout.per_segment)
-        else:
-            self.skip = range(0)
-        self.out = out
 
 
 class AsyncProcessGroup:
@@ -111,7 +57,9 @@ class AsyncProcessGroup:
         self._channel = channel
         self._session = session
         self._metadata = call_metadata(settings)
-        self._stream = channel.stream_stream(COLLECTIVE_METHOD)
+        self._plane = DataPlane(settings, channel, list(joined.shards))
+        #: The hub shards this generation's collectives are striped over (empty: none).
+        self.shards: list[str] = self._plane.addresses
         self._seq = itertools.count(1)
         self._closed = False
         self._peer_endpoint = peer_endpoint
@@ -129,10 +77,8 @@ class AsyncProcessGroup:
             ConfigurationError: unsupported op or dtype, or not an array or CPU tensor.
         """
         arr, restore = to_numpy(x)
-        reduce_op = self._reduce_op(op)
-        layout = self._layout(arr, 1, arr.nbytes)
-        plan = _Plan(as_byte_view(arr), layout, range(layout.count), layout, np.empty_like(arr))
-        return self._run(pb.COLLECTIVE_OP_ALL_REDUCE, arr, plan, restore, timeout,
+        reduce_op = ops.reduce_op(op)
+        return self._run(ops.ALL_REDUCE, arr, arr, np.empty_like(arr), restore, timeout,
                          reduce_op=reduce_op)
 
     def broadcast(self, x, src: int = 0, *, timeout: float | None = None) -> Awaitable:
@@ -142,45 +88,32 @@ class AsyncProcessGroup:
             raise InvalidCollectiveError(
                 f"broadcast src={src} is out of range for world_size {self.world_size}"
             )
-        layout = self._layout(arr, 1, arr.nbytes)
-        if self.rank == src:
-            empty = ChunkLayout(1, 0, layout.chunk_bytes)
-            plan = _Plan(as_byte_view(arr), layout, range(layout.count), empty, arr.copy())
-        else:
-            plan = _Plan(None, layout, range(0), layout, np.empty_like(arr))
-        return self._run(pb.COLLECTIVE_OP_BROADCAST, arr, plan, restore, timeout, root=src)
+        out = arr.copy() if self.rank == src else np.empty_like(arr)
+        return self._run(ops.BROADCAST, arr, arr, out, restore, timeout, root=src)
 
     def all_gather(self, x, *, timeout: float | None = None) -> Awaitable:
         """Every rank's ``x``; resolves to a list indexed by rank."""
         arr, restore = to_numpy(x)
-        layout = self._layout(arr, self.world_size, arr.nbytes)
         out = np.empty((self.world_size, *arr.shape), dtype=arr.dtype)
-        out[self.rank] = arr
-        per = layout.per_segment
-        plan = _Plan(as_byte_view(out), layout, range(self.rank * per, (self.rank + 1) * per),
-                     layout, out, skip_segment=self.rank)
+        out[self.rank] = arr  # this rank's segment: sent from here, never received
 
         def split(result: np.ndarray) -> list:
             whole = restore(result)
             return [whole[i] for i in range(self.world_size)]
 
-        return self._run(pb.COLLECTIVE_OP_ALL_GATHER, arr, plan, split, timeout)
+        return self._run(ops.ALL_GATHER, arr, out, out, split, timeout)
 
     def reduce_scatter(self, x, op: str = "sum", *, timeout: float | None = None) -> Awaitable:
         """Reduce ``x`` over ranks and keep shard ``rank`` of dim 0 (dim 0 % world_size == 0)."""
         arr, restore = to_numpy(x)
-        reduce_op = self._reduce_op(op)
+        reduce_op = ops.reduce_op(op)
         if arr.ndim == 0 or arr.shape[0] % self.world_size:
             raise InvalidCollectiveError(
                 f"reduce_scatter needs dim 0 divisible by world_size {self.world_size}, "
                 f"got shape {arr.shape}"
             )
-        shard = arr.nbytes // self.world_size
-        layout = self._layout(arr, self.world_size, shard)
         out = np.empty((arr.shape[0] // self.world_size, *arr.shape[1:]), dtype=arr.dtype)
-        plan = _Plan(as_byte_view(arr), layout, range(layout.count),
-                     ChunkLayout(1, shard, layout.chunk_bytes), out)
-        return self._run(pb.COLLECTIVE_OP_REDUCE_SCATTER, arr, plan, restore, timeout,
+        return self._run(ops.REDUCE_SCATTER, arr, arr, out, restore, timeout,
                          reduce_op=reduce_op)
 
     def all_reduce_coalesced(self, arrays, op: str = "mean", bucket_cap_mb: float = 25, *,
@@ -195,9 +128,7 @@ class AsyncProcessGroup:
     def barrier(self, *, timeout: float | None = None) -> Awaitable:
         """Resolves once every rank has reached the barrier."""
         arr = np.empty(0, dtype=np.float32)
-        layout = self._layout(arr, 1, 0)
-        plan = _Plan(None, layout, range(0), layout, arr)
-        return self._run(pb.COLLECTIVE_OP_BARRIER, arr, plan, lambda a: None, timeout)
+        return self._run(ops.BARRIER, arr, None, arr, lambda a: None, timeout)
 
     def sync_global_model(self, x, *, model: str, rule: str, outer_lr: float = 0.0,
                           outer_momentum: float = 0.0, timeout: float | None = None) -> Awaitable:
@@ -209,23 +140,17 @@ class AsyncProcessGroup:
         parameters (see ``gradstar.coordinator.averaging``).
 
         Raises:
-            InvalidCollectiveError: unknown rule, not float32, or a size unlike the stored model.
+            ConfigurationError: an unknown rule.
+            InvalidCollectiveError: not float32, or a size unlike the stored model.
             CollectiveError and subclasses: as for all_reduce.
         """
         arr, restore = to_numpy(x)
-        try:
-            spec = pb.AveragingSpec(model=model, rule=AVERAGING_RULES[rule], outer_lr=outer_lr,
-                                    outer_momentum=outer_momentum)
-        except KeyError:
-            raise ConfigurationError(
-                f"unknown averaging rule {rule!r}; use one of {', '.join(AVERAGING_RULES)}"
-            ) from None
+        spec = pb.AveragingSpec(model=model, rule=ops.averaging_rule(rule), outer_lr=outer_lr,
+                                outer_momentum=outer_momentum)
         if arr.dtype != np.float32:
             raise InvalidCollectiveError(f"averaging rounds carry float32, got {arr.dtype}")
-        layout = self._layout(arr, 1, arr.nbytes)
-        plan = _Plan(as_byte_view(arr), layout, range(layout.count), layout, np.empty_like(arr))
-        return self._run(pb.COLLECTIVE_OP_ALL_REDUCE, arr, plan, restore, timeout,
-                         reduce_op=pb.REDUCE_OP_MEAN, averaging=spec)
+        return self._run(ops.ALL_REDUCE, arr, arr, np.empty_like(arr), restore, timeout,
+                         reduce_op=ops.reduce_op("mean"), averaging=spec)
 
     # -- point to point (peer streams, see gradstar.client.peer) --------------------------------
 
@@ -282,18 +207,6 @@ class AsyncProcessGroup:
 
     # -- machinery -----------------------------------------------------------------------------
 
-    def _reduce_op(self, op: str) -> int:
-        try:
-            return REDUCE_OPS[op]
-        except (KeyError, TypeError):
-            raise ConfigurationError(
-                f"unknown reduce op {op!r}; use one of {', '.join(REDUCE_OPS)}"
-            ) from None
-
-    def _layout(self, arr: np.ndarray, segments: int, segment_bytes: int) -> ChunkLayout:
-        cb = aligned_chunk_bytes(self.settings.chunk_bytes, arr.dtype.itemsize)
-        return ChunkLayout(segments, segment_bytes, cb)
-
     def _check_usable(self) -> None:
         if self._closed:
             raise ProcessGroupClosedError(
@@ -302,79 +215,30 @@ class AsyncProcessGroup:
         if self._session.failure is not None:
             raise self._session.failure
 
-    def _run(self, op: int, arr: np.ndarray, plan: _Plan, restore, timeout: float | None,
-             *, reduce_op: int = 0, root: int = 0, averaging: pb.AveragingSpec | None = None):
+    def _run(self, op: int, arr: np.ndarray, send: np.ndarray | None, out: np.ndarray, restore,
+             timeout: float | None, *, reduce_op: int = 0, root: int = 0,
+             averaging: pb.AveragingSpec | None = None) -> Awaitable:
+        """Take the collective's seq now and return the coroutine that runs it (see
+        :mod:`gradstar.client.collective_stream`): ``send`` is cut by the op's input layout,
+        ``out`` receives the result and ``restore`` turns it into what the caller gets."""
         self._check_usable()
         timeout = self.settings.timeout if timeout is None else timeout
         header = pb.CollectiveHeader(
             job=self.job, generation=self.generation, group="default", seq=next(self._seq),
             rank=self.rank, member_id=self._member_id, op=op, reduce_op=reduce_op,
             dtype=dtype_info(arr.dtype).wire, shape=arr.shape, root=root,
-            chunk_bytes=plan.send_layout.chunk_bytes, timeout_seconds=timeout,
-            averaging=averaging,
+            chunk_bytes=aligned_chunk_bytes(self.settings.chunk_bytes, arr.dtype.itemsize),
+            timeout_seconds=timeout, averaging=averaging,
         )
-        return self._exchange(header, plan, restore, timeout)
+        return self._collect(header, send, out, restore, timeout)
 
-    async def _exchange(self, header: pb.CollectiveHeader, plan: _Plan, restore, timeout):
-        """Stream this rank's chunks and collect its result.
-
-        The END frame (result complete) and the ERROR frame (collective failed) are definitive:
-        after either, the call is hung up without waiting for its gRPC status, which grpc-python
-        may misreport as INTERNAL when the server finishes while this side still writes.
-        """
-        what = f"collective seq {header.seq}"
-        call = self._stream(self._frames(header, plan), metadata=self._metadata,
-                            timeout=timeout + _DEADLINE_MARGIN)
-        out_bytes = as_byte_view(plan.out)
-        tracker, accepted = plan.tracker, False
-        try:
-            while (frame := await call.read()) is not grpc.aio.EOF:
-                kind = frame_kind(frame)
-                if kind == KIND_CHUNK and accepted:
-                    index, payload = decode_chunk(frame)
-                    if index in plan.skip:
-                        raise ProtocolError(f"the coordinator sent back this rank's chunk {index}")
-                    offset = tracker.admit(index, payload)
-                    out_bytes[offset:offset + payload.nbytes] = payload
-                elif kind == KIND_ACCEPT and not accepted:
-                    accept = decode_message(frame, KIND_ACCEPT, pb.CollectiveAccept)
-                    if accept.output_chunks != plan.expected:
-                        raise ProtocolError(
-                            f"{what}: the coordinator will send {accept.output_chunks} chunks, "
-                            f"this rank expects {plan.expected}"
-                        )
-                    accepted = True
-                elif kind == KIND_ERROR:
-                    raise decode_error(frame)
-                elif kind == KIND_END and accepted:
-                    tracker.finish(decode_message(frame, KIND_END, pb.CollectiveEnd),
-                                   plan.expected)
-                    return restore(plan.out)
-                else:
-                    raise ProtocolError(f"{what}: unexpected frame of kind {kind}")
-        except grpc.RpcError as error:
-            if not is_coordinator_verdict(error):
-                # The transport failed (grpc-python can even report INTERNAL when a connection
-                # dies mid-write); the session says why, if the rank or hub was lost.
-                failure = await self._session.verdict()
-                if failure is not None:
-                    raise failure from None
-            raise error_from_rpc(error, what, self.settings.coordinator) from None
-        finally:
-            call.cancel()
-        # read() raises for a non-OK status, so this is an OK status without an END frame.
-        raise ProtocolError(f"{what}: the coordinator closed the stream without an end marker")
-
-    @staticmethod
-    async def _frames(header: pb.CollectiveHeader, plan: _Plan):
-        yield encode_message(KIND_HEADER, header)
-        sent = 0
-        layout = plan.send_layout
-        for index in plan.send_indices:
-            offset, length = layout.span(index)
-            yield encode_chunk(index, plan.send[offset:offset + length])
-            sent += length
-        yield encode_message(KIND_END, pb.CollectiveEnd(chunks=len(plan.send_indices), bytes=sent))
+    async def _collect(self, header: pb.CollectiveHeader, send: np.ndarray | None,
+                       out: np.ndarray, restore, timeout: float):
+        targets = self._plane.targets(averaging=bool(header.averaging.rule))
+        result = await run_collective(targets, header, self.world_size, send, out,
+                                      session=self._session, metadata=self._metadata,
+                                      timeout=timeout)
+        return restore(result)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -386,6 +250,7 @@ class AsyncProcessGroup:
         try:
             await self._session.close()
         finally:
+            await self._plane.close()
             await self._channel.close()
             if self._peer_endpoint is not None:
                 await self._peer_endpoint.close()

@@ -13,6 +13,7 @@ from gradstar.errors import (
     GradstarError,
     ProtocolError,
     RankLostError,
+    error_from_wire,
 )
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
 from gradstar.proto.v1 import rendezvous_pb2_grpc
@@ -114,7 +115,9 @@ class Session:
             while (event := await self._call.read()) is not grpc.aio.EOF:
                 if event.WhichOneof("kind") == "failed":
                     f = event.failed
-                    self._fail(RankLostError(f.reason, rank=f.lost_rank, generation=f.generation))
+                    self._fail(error_from_wire(f.error, f.fields_json, f.reason) if f.error
+                               else RankLostError(f.reason, rank=f.lost_rank,
+                                                  generation=f.generation))
         except grpc.RpcError as error:
             if not self._closing:
                 self._fail(error_from_rpc(error, "the rendezvous session", self._target))

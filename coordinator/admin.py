@@ -1,4 +1,4 @@
-"""Admin service: what operators see of the coordinator's jobs, and draining."""
+"""Admin service: what operators see of the coordinator's jobs and shards, and draining."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from gradstar.proto.v1 import admin_pb2_grpc
 
 from .averaging import AveragingStore
 from .rendezvous import Job, Rendezvous
+from .shards import ShardRegistry
 
 
 def job_summary(job: Job) -> apb.JobSummary:
@@ -23,17 +24,22 @@ def job_summary(job: Job) -> apb.JobSummary:
     )
 
 
-def job_detail(job: Job, models: dict | None = None,
-               now: float | None = None) -> apb.GetJobResponse:
+def job_detail(job: Job, models: dict | None = None, now: float | None = None,
+               shards: ShardRegistry | None = None) -> apb.GetJobResponse:
+    """A job's state and totals: the coordinator's own counters plus what its shards report."""
     now = time.monotonic() if now is None else now
     gen = job.generation
+    c = job.counters
+    b_in, b_out, completed, failed = (shards.job_totals(job.name) if shards is not None
+                                      else (0, 0, {}, {}))
     reply = apb.GetJobResponse(
-        summary=job_summary(job), bytes_in=job.counters.bytes_in,
-        bytes_out=job.counters.bytes_out, last_failure=job.counters.last_failure,
+        summary=job_summary(job), bytes_in=c.bytes_in + b_in, bytes_out=c.bytes_out + b_out,
+        last_failure=c.last_failure,
     )
-    ops = sorted(set(job.counters.completed) | set(job.counters.failed))
-    reply.ops.extend(apb.OpCounter(op=op, completed=job.counters.completed.get(op, 0),
-                                   failed=job.counters.failed.get(op, 0)) for op in ops)
+    for op in sorted(set(c.completed) | set(c.failed) | set(completed) | set(failed)):
+        reply.ops.append(apb.OpCounter(
+            op=op, completed=c.completed.get(op, 0) + completed.get(op, 0),
+            failed=c.failed.get(op, 0) + failed.get(op, 0)))
     reply.models.extend(
         apb.GlobalModel(name=name, rounds=m.rounds, parameters=m.params.shape[0])
         for name, m in sorted((models or {}).items())
@@ -55,11 +61,23 @@ def job_detail(job: Job, models: dict | None = None,
     return reply
 
 
+def shard_list(shards: ShardRegistry, now: float | None = None) -> apb.ListShardsResponse:
+    now = time.monotonic() if now is None else now
+    reply = apb.ListShardsResponse(expected=shards.expected)
+    for slot, r in sorted(shards.slots.items()):
+        reply.shards.append(apb.ShardSummary(
+            slot=slot, address=r.address, state=r.state, bytes_in=r.stats.bytes_in,
+            bytes_out=r.stats.bytes_out, jobs=sorted(j.job for j in r.stats.jobs if j.active),
+            last_report_age_seconds=now - r.last_report))
+    return reply
+
+
 class AdminServicer(admin_pb2_grpc.AdminServicer):
     def __init__(self, rendezvous: Rendezvous, averaging: AveragingStore,
-                 drain: Callable[[], Awaitable[None]]):
+                 drain: Callable[[], Awaitable[None]], shards: ShardRegistry | None = None):
         self.rendezvous = rendezvous
         self.averaging = averaging
+        self.shards = shards
         self._drain = drain
 
     async def ListJobs(self, request, context):
@@ -71,7 +89,12 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         job = self.rendezvous.jobs.get(request.job)
         if job is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")
-        return job_detail(job, self.averaging.models(job.name))
+        return job_detail(job, self.averaging.models(job.name), shards=self.shards)
+
+    async def ListShards(self, request, context):
+        if self.shards is None:
+            return apb.ListShardsResponse()
+        return shard_list(self.shards)
 
     async def Drain(self, request, context):
         await self._drain()

@@ -31,17 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
+from gradstar import ops
 from gradstar.errors import InvalidCollectiveError
 from gradstar.proto.v1 import collective_pb2 as pb
 
-log = logging.getLogger("gradstar.coordinator")
-
-RULE_NAMES = {
-    pb.AVERAGING_RULE_SEED: "seed",
-    pb.AVERAGING_RULE_AVERAGE: "average",
-    pb.AVERAGING_RULE_OUTER_SGD: "outer_sgd",
-    pb.AVERAGING_RULE_OUTER_NESTEROV: "outer_nesterov",
-}
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -134,7 +128,7 @@ class AveragingStore:
             InvalidCollectiveError: unknown rule, no global model to step, or a size that
                 differs from the stored model's.
         """
-        if spec.rule not in RULE_NAMES:
+        if spec.rule not in ops.RULE_NAMES:
             raise InvalidCollectiveError(f"unknown averaging rule {spec.rule}")
         if not spec.model:
             raise InvalidCollectiveError("an averaging round needs a model name")

@@ -4,8 +4,10 @@ Protocol of one collective (one stream per rank, see ``collective.proto`` and ``
 
 1. Each rank sends a ``HEADER`` naming (job, generation, group, seq) and what it asks for. The
    first header of a seq opens a :class:`PendingCollective`; every later one is checked against
-   it field by field (op, reduce op, dtype, shape, root, chunk size). A disagreement fails the
-   collective on every rank with :class:`CollectiveMismatchError` naming both ranks and values.
+   it field by field (op, reduce op, dtype, shape, root, chunk size; :mod:`.matching`). A
+   disagreement fails the collective on every rank with :class:`CollectiveMismatchError` naming
+   both ranks and values. Which chunks each rank sends and receives is the op's geometry
+   (:func:`gradstar.ops.geometry`), the same table the ranks read.
 2. When all ``world_size`` headers have arrived the collective is *matched*: every rank gets an
    ``ACCEPT`` frame.
 3. Ranks stream their ``CHUNK`` frames. For all_reduce and reduce_scatter, chunk ``i`` is
@@ -18,6 +20,10 @@ Protocol of one collective (one stream per rank, see ``collective.proto`` and ``
    ``END``: a client treats its result as valid only after that marker, so a failure at any point
    leaves no rank with a partial result.
 
+Striping: behind a sharded hub each engine (one per shard process) carries one stripe of a
+collective, the input chunks ``i % stripes == stripe`` (:func:`gradstar.ops.in_stripe`); its
+participants send, and get, only those.
+
 Any failure — mismatch, invalid request, corrupt frame, a stream closed before its end marker,
 the collective's timeout, or the generation failing because a member was lost — fails the
 collective on every rank that arrived, and on every rank that arrives later for the same seq.
@@ -26,18 +32,15 @@ collective on every rank that arrived, and on every rank that arrives later for 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from gradstar import ops
 from gradstar.errors import (
-    CollectiveMismatchError,
     CollectiveTimeoutError,
     GradstarError,
-    InvalidCollectiveError,
-    PayloadTooLargeError,
     ProtocolError,
     RankLostError,
 )
@@ -46,7 +49,6 @@ from gradstar.wire import (
     CHUNK_HEADER_BYTES,
     KIND_ACCEPT,
     KIND_END,
-    ChunkLayout,
     ChunkTracker,
     chunk_frame_buffer,
     decode_chunk,
@@ -56,19 +58,11 @@ from gradstar.wire import (
     seal_chunk_frame,
 )
 
-from .averaging import RULE_NAMES, AveragingRound, AveragingStore
+from .averaging import AveragingRound, AveragingStore
+from .matching import Limits, check_agrees, describe, payload_bytes, validate
 from .metrics import CollectiveMetrics
-from .reduce import REDUCE_OP_NAMES, BufferPool, ChunkReducer
+from .reduce import BufferPool, ChunkReducer
 from .rendezvous import Generation, Rendezvous
-
-OP_NAMES = {
-    pb.COLLECTIVE_OP_ALL_REDUCE: "all_reduce",
-    pb.COLLECTIVE_OP_BROADCAST: "broadcast",
-    pb.COLLECTIVE_OP_ALL_GATHER: "all_gather",
-    pb.COLLECTIVE_OP_REDUCE_SCATTER: "reduce_scatter",
-    pb.COLLECTIVE_OP_BARRIER: "barrier",
-}
-_REDUCING = (pb.COLLECTIVE_OP_ALL_REDUCE, pb.COLLECTIVE_OP_REDUCE_SCATTER)
 
 #: Placed in a participant's outbox after its END frame: the stream is complete.
 CLOSE = None
@@ -78,45 +72,16 @@ CLOSE = None
 READ_AHEAD_CHUNKS = 16
 
 
-def describe(h: pb.CollectiveHeader) -> str:
-    """A header as a user would have written the call, for error messages."""
-    parts = [f"dtype={dtype_name(h.dtype)}", f"shape={tuple(h.shape)}"]
-    if h.op in _REDUCING:
-        parts.insert(0, f"op={REDUCE_OP_NAMES.get(h.reduce_op, h.reduce_op)!r}")
-    if h.op == pb.COLLECTIVE_OP_BROADCAST:
-        parts.append(f"src={h.root}")
-    return f"{OP_NAMES.get(h.op, f'op {h.op}')}({', '.join(parts)})"
-
-
-def dtype_name(wire: int) -> str:
-    try:
-        return dtype_from_wire(wire).name
-    except ProtocolError:
-        return f"dtype {wire}"
-
-
-def _field_values(h: pb.CollectiveHeader) -> list[tuple[str, object]]:
-    values: list[tuple[str, object]] = [("op", OP_NAMES.get(h.op, h.op))]
-    if h.op in _REDUCING:
-        values.append(("reduce op", REDUCE_OP_NAMES.get(h.reduce_op, h.reduce_op)))
-    values += [("dtype", dtype_name(h.dtype)), ("shape", tuple(h.shape))]
-    if h.op == pb.COLLECTIVE_OP_BROADCAST:
-        values.append(("root", h.root))
-    values.append(("chunk_bytes", h.chunk_bytes))
-    a = h.averaging
-    values.append(("averaging", (a.model, RULE_NAMES.get(a.rule, a.rule), a.outer_lr,
-                                 a.outer_momentum) if a.rule else None))
-    return values
-
-
 @dataclass(eq=False)
 class Participant:
-    """One rank's side of a collective: what it sent, and the frames queued for it."""
+    """One rank's side of a collective: what it sends, and the frames queued for it."""
 
     rank: int
     header: pb.CollectiveHeader
     tracker: ChunkTracker
-    first_input: int
+    #: The input chunk indices the rank may send (its geometry), and how many of them it does
+    #: send (fewer when one stripe of them comes to this engine).
+    inputs: range
     input_count: int
     output_count: int
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -125,6 +90,40 @@ class Participant:
     #: Chunk frames handed to gRPC for this rank (the servicer counts them).
     delivered: int = 0
     ended: bool = False
+
+
+class ReadWindow:
+    """Backpressure of one reducing collective: the hub reads a rank's next chunk only while
+    that rank is less than :data:`READ_AHEAD_CHUNKS` ahead of the slowest rank's input (and,
+    for all_reduce, of the slowest rank's delivered output); otherwise it stops reading the
+    stream and HTTP/2 flow control holds the rank back."""
+
+    def __init__(self, coll: PendingCollective) -> None:
+        self.coll = coll
+        self._progress = asyncio.Event()
+
+    def may_read(self, p: Participant) -> bool:
+        """Whether the hub should read ``p``'s next chunk now."""
+        c = self.coll
+        if c.finished or c.reducer is None:
+            return True
+        low = min(c.participants[r].tracker.received if r in c.participants else 0
+                  for r in range(c.world))
+        if c.op == ops.ALL_REDUCE:
+            low = min(low, *(q.delivered for q in c.participants.values()))
+            if not c.matched:
+                low = 0
+        return p.tracker.received < low + READ_AHEAD_CHUNKS
+
+    async def wait(self, p: Participant) -> None:
+        """Hold ``p``'s stream until it may read."""
+        while not self.may_read(p):
+            self._progress.clear()
+            await self._progress.wait()
+
+    def progressed(self) -> None:
+        """Something moved (a chunk in, a chunk delivered, the end): re-check the waits."""
+        self._progress.set()
 
 
 class PendingCollective:
@@ -143,84 +142,37 @@ class PendingCollective:
         self.ends = 0
         self._slots: dict[int, list] = {}
         self._held: list[tuple[int, int, bytes]] = []
-        self._progress = asyncio.Event()
-        self._validate(header)
+        self.window = ReadWindow(self)
+        validate(header, self.world, engine.limits)
         self.dtype = dtype_from_wire(header.dtype)
-        nbytes = math.prod(header.shape) * self.dtype.numpy.itemsize
-        self.reducer = (
-            ChunkReducer(header.reduce_op, self.dtype, self.world, engine.pool)
-            if self.op in _REDUCING else None
-        )
+        self.nbytes = payload_bytes(header)
+        #: Striping over hub shards: this engine carries input chunks i % stripes == stripe.
+        self.stripes = max(1, header.stripes)
+        self.layout = ops.input_layout(self.op, self.world, self.nbytes, header.chunk_bytes)
+        self.reducer = (ChunkReducer(header.reduce_op, self.dtype, self.world, engine.pool)
+                        if self.op in ops.REDUCING else None)
         self.round: AveragingRound | None = None
         if header.averaging.rule:
             self.round = engine.averaging.open_round(gen.job.name, header.averaging,
-                                                     nbytes // self.dtype.numpy.itemsize)
-        cb = header.chunk_bytes
-        if self.op == pb.COLLECTIVE_OP_REDUCE_SCATTER:
-            self.layout = ChunkLayout(self.world, nbytes // self.world, cb)
-        elif self.op == pb.COLLECTIVE_OP_ALL_GATHER:
-            self.layout = ChunkLayout(self.world, nbytes, cb)
-        elif self.op == pb.COLLECTIVE_OP_BARRIER:
-            self.layout = ChunkLayout(1, 0, cb)
-        else:
-            self.layout = ChunkLayout(1, nbytes, cb)
+                                                     self.nbytes // self.dtype.numpy.itemsize)
         timeout = min(header.timeout_seconds or engine.max_timeout, engine.max_timeout)
         self._timer = asyncio.get_running_loop().call_later(timeout, self._on_timeout, timeout)
 
     # -- arrival -------------------------------------------------------------------------------
 
-    def _validate(self, h: pb.CollectiveHeader) -> None:
-        if h.op not in OP_NAMES:
-            raise InvalidCollectiveError(f"unknown collective op {h.op}")
-        info = dtype_from_wire(h.dtype)
-        cb = h.chunk_bytes
-        if not 0 < cb <= self.engine.max_chunk_bytes or cb % info.numpy.itemsize:
-            raise InvalidCollectiveError(
-                f"chunk_bytes {h.chunk_bytes} must be a multiple of the element size "
-                f"{info.numpy.itemsize} and at most {self.engine.max_chunk_bytes}"
-            )
-        nbytes = math.prod(h.shape) * info.numpy.itemsize
-        if nbytes > self.engine.max_tensor_bytes:
-            raise PayloadTooLargeError(
-                f"rank {h.rank} sent a {describe(h)} payload of {nbytes} bytes, over the "
-                f"coordinator's limit of {self.engine.max_tensor_bytes} bytes "
-                "(coordinator setting max_tensor_bytes)"
-            )
-        if h.op == pb.COLLECTIVE_OP_BROADCAST and h.root >= self.world:
-            raise InvalidCollectiveError(
-                f"broadcast src={h.root} is out of range for world_size {self.world}"
-            )
-        if h.averaging.rule and (h.op != pb.COLLECTIVE_OP_ALL_REDUCE or h.dtype != pb.DTYPE_FLOAT32
-                                 or h.reduce_op != pb.REDUCE_OP_MEAN):
-            raise InvalidCollectiveError(
-                f"an averaging round must be an all_reduce with op='mean' of float32, got "
-                f"{describe(h)}"
-            )
-        if h.op == pb.COLLECTIVE_OP_REDUCE_SCATTER and (not h.shape or h.shape[0] % self.world):
-            raise InvalidCollectiveError(
-                f"reduce_scatter needs dim 0 divisible by world_size {self.world}, "
-                f"got shape {tuple(h.shape)}"
-            )
-
     def arrive(self, h: pb.CollectiveHeader) -> Participant:
         """Admit rank ``h.rank``; raises (after failing the collective) on a mismatch."""
         if h.rank in self.participants:
             raise ProtocolError(f"rank {h.rank} issued collective seq {h.seq} twice")
-        self._validate(h)
-        first = self.spec
-        pairs = zip(_field_values(h), _field_values(first), strict=False)
-        differing = "op" if h.op != first.op else next(
-            (name for (name, mine), (_, theirs) in pairs if mine != theirs), None)
-        if differing is not None:
-            raise CollectiveMismatchError(
-                    f"ranks disagree on collective seq {h.seq} of job {self.gen.job.name!r} "
-                f"(group {h.group!r}): rank {h.rank} called {describe(h)} but rank "
-                f"{first.rank} called {describe(first)} ({differing} differs); every rank must "
-                "issue the same collectives in the same order",
-                rank=h.rank, field=differing,
-            )
-        p = Participant(h.rank, h, ChunkTracker(self.layout, f"rank {h.rank}"),
-                        *self._input_range(h.rank), self._output_count(h.rank))
+        validate(h, self.world, self.engine.limits)
+        check_agrees(h, self.spec, self.gen.job.name)
+        s = self.spec
+        g = ops.geometry(self.op, self.world, h.rank, self.nbytes, s.chunk_bytes, s.root)
+        inputs = self._stripe((g.sends,))
+        outputs = self._stripe(g.receives)
+        p = Participant(h.rank, h, ChunkTracker(self.layout, f"rank {h.rank}", allowed=inputs),
+                        g.sends, len(g.sends) if inputs is None else len(inputs),
+                        g.receive_count if outputs is None else len(outputs))
         self.participants[h.rank] = p
         self.engine.metrics.arrived(self.gen.job.name, h.rank, self.started, self.world,
                                     len(self.participants))
@@ -228,60 +180,23 @@ class PendingCollective:
             self._on_matched()
         return p
 
-    def _input_range(self, rank: int) -> tuple[int, int]:
-        """(first index, count) of the chunks ``rank`` must send."""
-        n = self.layout.count
-        if self.op == pb.COLLECTIVE_OP_BROADCAST:
-            return 0, n if rank == self.spec.root else 0
-        if self.op == pb.COLLECTIVE_OP_ALL_GATHER:
-            per = self.layout.per_segment
-            return rank * per, per
-        return 0, n
-
-    def _output_count(self, rank: int) -> int:
-        n, per = self.layout.count, self.layout.per_segment
-        if self.op == pb.COLLECTIVE_OP_ALL_REDUCE:
-            return n
-        if self.op == pb.COLLECTIVE_OP_BROADCAST:
-            return 0 if rank == self.spec.root else n
-        if self.op == pb.COLLECTIVE_OP_ALL_GATHER:
-            return n - per
-        if self.op == pb.COLLECTIVE_OP_REDUCE_SCATTER:
-            return per
-        return 0
+    def _stripe(self, indices) -> frozenset[int] | None:
+        """The input indices among ``indices`` this engine's stripe carries (None: all)."""
+        if self.stripes <= 1:
+            return None
+        return frozenset(ops.in_stripe(indices, self.spec.stripe, self.stripes))
 
     @property
     def matched(self) -> bool:
         return len(self.participants) == self.world
-
-    def may_read(self, p: Participant) -> bool:
-        """Whether the hub should read ``p``'s next chunk now (see :data:`READ_AHEAD_CHUNKS`)."""
-        if self.finished or self.reducer is None:
-            return True
-        low = min(self.participants[r].tracker.received if r in self.participants else 0
-                  for r in range(self.world))
-        if self.op == pb.COLLECTIVE_OP_ALL_REDUCE:
-            low = min(low, *(q.delivered for q in self.participants.values()))
-            if not self.matched:
-                low = 0
-        return p.tracker.received < low + READ_AHEAD_CHUNKS
-
-    async def wait_to_read(self, p: Participant) -> None:
-        """Hold ``p``'s stream (HTTP/2 flow control then holds the rank) until it may read."""
-        while not self.may_read(p):
-            self._progress.clear()
-            await self._progress.wait()
-
-    def progressed(self) -> None:
-        self._progress.set()
 
     def _on_matched(self) -> None:
         for p in self.participants.values():
             accept = pb.CollectiveAccept(output_chunks=p.output_count)
             p.outbox.put_nowait(encode_message(KIND_ACCEPT, accept))
         held, self._held = self._held, []
-        for sender, _index, frame in held:
-            self._forward(sender, frame)
+        for sender, index, frame in held:
+            self._forward(sender, index, frame)
         self._maybe_complete()
 
     # -- data ----------------------------------------------------------------------------------
@@ -292,17 +207,17 @@ class PendingCollective:
             index, payload = decode_chunk(frame)
         except ProtocolError as error:
             raise ProtocolError(f"rank {p.rank}: {error}") from None
-        if not p.first_input <= index < p.first_input + p.input_count:
+        if index not in p.inputs:
             raise ProtocolError(
                 f"rank {p.rank} sent chunk {index}, outside its range "
-                f"{p.first_input}..{p.first_input + p.input_count - 1}"
+                f"{p.inputs.start}..{p.inputs.stop - 1}"
             )
         p.tracker.admit(index, payload)
-        self._progress.set()
+        self.window.progressed()
         self.gen.job.counters.bytes_in += payload.nbytes
         if self.reducer is None:
             if self.matched:
-                self._forward(p.rank, frame)
+                self._forward(p.rank, index, frame)
             else:
                 self._held.append((p.rank, index, frame))
             return
@@ -315,21 +230,16 @@ class PendingCollective:
         if self.round is not None:
             values = np.frombuffer(view[CHUNK_HEADER_BYTES:], dtype=np.float32)
             self.round.apply(self.layout.span(index)[0] // 4, values)
-        if self.op == pb.COLLECTIVE_OP_ALL_REDUCE:
-            targets = self.participants.values()
-        else:
-            owner = self.layout.segment_of(index)
-            index -= owner * self.layout.per_segment
-            targets = (self.participants[owner],)
-        seal_chunk_frame(frame, view, index)
-        for t in targets:
-            self._queue(t, frame)
+        routes = ops.routes(self.op, self.layout, index, p.rank, self.world, self.spec.root)
+        # Every route of a reduced chunk has the same output index (one frame for all ranks).
+        seal_chunk_frame(frame, view, routes[0][1])
+        for rank, _ in routes:
+            self._queue(self.participants[rank], frame)
         self._maybe_complete()
 
-    def _forward(self, sender: int, frame: bytes) -> None:
-        for t in self.participants.values():
-            if t.rank != sender:
-                self._queue(t, frame)
+    def _forward(self, sender: int, index: int, frame: bytes) -> None:
+        for rank, _ in ops.routes(self.op, self.layout, index, sender, self.world):
+            self._queue(self.participants[rank], frame)
         self._maybe_complete()
 
     def _queue(self, p: Participant, frame: bytes) -> None:
@@ -408,17 +318,16 @@ class PendingCollective:
 
     def _finish(self, error: GradstarError | None) -> None:
         self.finished = True
-        self._progress.set()
+        self.window.progressed()
         self._timer.cancel()
         for slot in self._slots.values():
             self.reducer.release(slot)
         self._slots.clear()
         self._held.clear()
         self.gen.collectives.pop(self.key, None)
-        counts = self.gen.job.counters.failed if error else self.gen.job.counters.completed
-        counts[self.op] = counts.get(self.op, 0) + 1
-        self.engine.metrics.finished(self.gen.job.name, OP_NAMES.get(self.op, str(self.op)),
-                                     self.started, failed=error is not None)
+        self.engine.count(self.gen, self.spec, failed=error is not None)
+        self.engine.metrics.finished(self.gen.job.name, ops.op_name(self.op), self.started,
+                                     failed=error is not None)
 
 
 class CollectiveEngine:
@@ -436,8 +345,7 @@ class CollectiveEngine:
         metrics: CollectiveMetrics | None = None,
     ) -> None:
         self.rendezvous = rendezvous
-        self.max_tensor_bytes = max_tensor_bytes
-        self.max_chunk_bytes = max_chunk_bytes
+        self.limits = Limits(max_tensor_bytes, max_chunk_bytes)
         self.max_timeout = max_timeout
         self.pool = pool or BufferPool()
         self.averaging = averaging or AveragingStore()
@@ -470,12 +378,18 @@ class CollectiveEngine:
             if coll is None:
                 # The opening header itself was invalid: later ranks must see the same error.
                 gen.ended[key] = (error, {h.rank})
-                counts = gen.job.counters.failed
-                counts[h.op] = counts.get(h.op, 0) + 1
+                self.count(gen, h, failed=True)
             else:
                 coll.fail(error)
                 gen.ended[key][1].add(h.rank)
             raise
+
+    @staticmethod
+    def count(gen: Generation, h: pb.CollectiveHeader, *, failed: bool) -> None:
+        """Count a finished collective for its job; a striped one counts once, by stripe 0."""
+        if h.stripe == 0:
+            counts = gen.job.counters.failed if failed else gen.job.counters.completed
+            counts[h.op] = counts.get(h.op, 0) + 1
 
     def fail_generation(self, gen: Generation) -> None:
         """Fail every pending collective of ``gen`` with the generation's failure."""

@@ -28,7 +28,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-log = logging.getLogger("gradstar.coordinator")
+from gradstar.ops import op_name
+
+log = logging.getLogger(__name__)
 
 #: Collective durations, seconds: from a few hundred microseconds on loopback to minutes.
 DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -99,10 +101,10 @@ class CollectiveMetrics:
 
 
 def render(rendezvous, collectives: CollectiveMetrics, averaging=None, *,
-           serving: bool = True, now: float | None = None) -> str:
-    """The coordinator's metrics in the Prometheus text format."""
-    from .engine import OP_NAMES
-
+           serving: bool = True, now: float | None = None, shards=None) -> str:
+    """The coordinator's metrics in the Prometheus text format; with ``shards`` (a
+    :class:`~.shards.ShardRegistry`) job totals include what the shards carried, and each shard
+    has its own series."""
     now = time.monotonic() if now is None else now
     out: list[str] = []
 
@@ -136,13 +138,16 @@ def render(rendezvous, collectives: CollectiveMetrics, averaging=None, *,
             ages.append(f"gradstar_member_heartbeat_age_seconds"
                         f"{_labels({**labels, 'rank': str(m.rank)})} "
                         f"{_number(max(now - m.last_seen, 0.0))}")
-        b_in.append(f"gradstar_bytes_received_total{_labels(labels)} {job.counters.bytes_in}")
-        b_out.append(f"gradstar_bytes_sent_total{_labels(labels)} {job.counters.bytes_out}")
+        c = job.counters
+        s_in, s_out, s_done, s_failed = (shards.job_totals(name) if shards is not None
+                                         else (0, 0, {}, {}))
+        b_in.append(f"gradstar_bytes_received_total{_labels(labels)} {c.bytes_in + s_in}")
+        b_out.append(f"gradstar_bytes_sent_total{_labels(labels)} {c.bytes_out + s_out}")
         for metric, counts, target in (
-                ("gradstar_collectives_completed_total", job.counters.completed, done),
-                ("gradstar_collectives_failed_total", job.counters.failed, failed)):
+                ("gradstar_collectives_completed_total", _added(c.completed, s_done), done),
+                ("gradstar_collectives_failed_total", _added(c.failed, s_failed), failed)):
             for op, n in sorted(counts.items()):
-                target.append(f"{metric}{_labels({**labels, 'op': OP_NAMES.get(op, str(op))})} {n}")
+                target.append(f"{metric}{_labels({**labels, 'op': op_name(op)})} {n}")
     family("gradstar_job_generation", "gauge", "Number of the job's current generation.", gens)
     family("gradstar_job_generations_formed_total", "counter",
            "Generations formed by the job (re-joins after failures add one each).", generations)
@@ -192,7 +197,34 @@ def render(rendezvous, collectives: CollectiveMetrics, averaging=None, *,
                 rounds.append(f"gradstar_global_model_rounds{labels} {state.rounds}")
     family("gradstar_global_model_rounds", "gauge",
            "Averaging rounds completed on each global model (LocalSGD, DiLoCo).", rounds)
+    if shards is not None:
+        _shard_families(family, shards, now)
     return "\n".join(out) + "\n"
+
+
+def _shard_families(family, shards, now: float) -> None:
+    up, s_in, s_out, ages = [], [], [], []
+    for slot, r in sorted(shards.slots.items()):
+        labels = _labels({"shard": str(slot), "address": r.address})
+        up.append(f"gradstar_shard_up{labels} {1 if r.state == 'up' else 0}")
+        s_in.append(f"gradstar_shard_bytes_received_total{labels} {r.stats.bytes_in}")
+        s_out.append(f"gradstar_shard_bytes_sent_total{labels} {r.stats.bytes_out}")
+        ages.append(f"gradstar_shard_report_age_seconds{labels} "
+                    f"{_number(max(now - r.last_report, 0.0))}")
+    family("gradstar_shards_expected", "gauge",
+           "Hub shards that must be up for the coordinator to report SERVING.",
+           [f"gradstar_shards_expected {shards.expected}"])
+    family("gradstar_shard_up", "gauge", "1 while the hub shard is registered, 0 once lost.", up)
+    family("gradstar_shard_bytes_received_total", "counter",
+           "Tensor payload bytes the shard received from ranks (as of its last report).", s_in)
+    family("gradstar_shard_bytes_sent_total", "counter",
+           "Chunk frame bytes the shard sent to ranks (as of its last report).", s_out)
+    family("gradstar_shard_report_age_seconds", "gauge",
+           "Seconds since the shard last reported its counters.", ages)
+
+
+def _added(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:
+    return {k: a.get(k, 0) + b.get(k, 0) for k in set(a) | set(b)}
 
 
 def _labels(labels: dict[str, str]) -> str:

@@ -24,13 +24,6 @@ _UFUNCS = {
     pb.REDUCE_OP_MAX: np.maximum,
     pb.REDUCE_OP_PROD: np.multiply,
 }
-REDUCE_OP_NAMES = {
-    pb.REDUCE_OP_SUM: "sum",
-    pb.REDUCE_OP_MEAN: "mean",
-    pb.REDUCE_OP_MIN: "min",
-    pb.REDUCE_OP_MAX: "max",
-    pb.REDUCE_OP_PROD: "prod",
-}
 
 
 class BufferPool:

@@ -64,6 +64,9 @@ class Generation:
     collectives: dict = field(default_factory=dict)
     #: Outcomes of ended collectives by (group, seq), kept until every rank has seen them.
     ended: dict = field(default_factory=dict)
+    #: The hub shards this generation stripes its collectives over (addresses in stripe
+    #: order); empty when the coordinator carries them itself. Fixed when it forms.
+    shards: list[str] = field(default_factory=list)
 
     @property
     def healthy(self) -> bool:
@@ -108,19 +111,25 @@ class Job:
 class Rendezvous:
     """Forms generations of jobs and tracks the liveness of their members.
 
-    ``on_generation_failed(generation)`` is called once when a generation fails, so the
-    collective engine can fail its pending collectives.
+    Hooks: ``on_generation_formed(generation)`` runs as a generation forms, before any member
+    hears of it (the shard registry picks its shards there); ``on_generation_failed`` once when
+    it fails, so the collective engine can fail its pending collectives; and
+    ``on_generation_closed`` when its last member leaves in an orderly way.
     """
 
     def __init__(
         self,
         heartbeat_timeout: float,
         on_generation_failed: Callable[[Generation], None] = lambda g: None,
+        on_generation_formed: Callable[[Generation], None] = lambda g: None,
+        on_generation_closed: Callable[[Generation], None] = lambda g: None,
     ) -> None:
         self.heartbeat_timeout = heartbeat_timeout
         self.jobs: dict[str, Job] = {}
         self.draining = False
         self._on_generation_failed = on_generation_failed
+        self._on_generation_formed = on_generation_formed
+        self._on_generation_closed = on_generation_closed
 
     async def join(
         self, job: str, world_size: int, rank: int | None, peer_address: str, timeout: float
@@ -212,6 +221,7 @@ class Rendezvous:
         if previous is not None and previous.healthy:
             # Everyone moved on; nothing of the old generation can still be waited for.
             self.fail(previous, RendezvousError(f"job {job.name!r} formed a new generation"))
+        self._on_generation_formed(gen)
         for m in members.values():
             m.generation = gen
             m.touch()
@@ -267,6 +277,37 @@ class Rendezvous:
                 f"generation {gen.number} is over, so every later collective of it fails",
                 rank=member.rank, generation=gen.number,
             ))
+        elif gen.failure is None:
+            self._on_generation_closed(gen)
+
+    def adopt(self, job: str, number: int, world_size: int, member_ids: dict[int, str],
+              shards: list[str] | None = None) -> Generation:
+        """Take a generation the coordinator formed (a hub shard's copy of the rendezvous):
+        the members are known by rank and member id, and the job's previous generation, if
+        still healthy, is over."""
+        state = self.jobs.get(job)
+        if state is None:
+            state = self.jobs[job] = Job(job, world_size)
+        state.world_size = world_size
+        members = {}
+        for rank, member_id in member_ids.items():
+            m = Member(job=job, requested_rank=rank, peer_address="", member_id=member_id,
+                       rank=rank)
+            members[rank] = m
+        gen = Generation(state, number, world_size, members, shards=list(shards or ()))
+        for m in members.values():
+            m.generation = gen
+        previous, state.generation = state.generation, gen
+        state.generations_formed = max(state.generations_formed, number)
+        if previous is not None and previous.healthy:
+            self.fail(previous, RendezvousError(f"job {job!r} formed a new generation"))
+        return gen
+
+    def generation(self, job: str, number: int) -> Generation | None:
+        """The job's current generation if it is ``number``, else None."""
+        state = self.jobs.get(job)
+        gen = state.generation if state is not None else None
+        return gen if gen is not None and gen.number == number else None
 
     def fail(self, gen: Generation, error: GradstarError) -> None:
         if gen.failure is not None:

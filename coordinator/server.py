@@ -1,4 +1,4 @@
-"""The coordinator's grpc.aio server: services, security, liveness sweep and shutdown."""
+"""The coordinator's grpc.aio server: services, security, liveness sweep, shards and shutdown."""
 
 from __future__ import annotations
 
@@ -12,12 +12,15 @@ from grpc_reflection.v1alpha import reflection
 
 from gradstar.allocator import tune_allocator
 from gradstar.config import CoordinatorSettings
+from gradstar.errors import InvalidCollectiveError
 from gradstar.proto.v1 import (
     admin_pb2,
     admin_pb2_grpc,
     collective_pb2,
     rendezvous_pb2,
     rendezvous_pb2_grpc,
+    shard_pb2,
+    shard_pb2_grpc,
 )
 from gradstar.transport.auth import TokenAuthInterceptor
 from gradstar.transport.channels import SERVER_OPTIONS, server_credentials
@@ -26,16 +29,19 @@ from gradstar.transport.http import bound_port, serve_http
 from .admin import AdminServicer
 from .averaging import AveragingStore
 from .engine import CollectiveEngine
+from .local_shards import LocalShards
 from .metrics import render
 from .rendezvous import Rendezvous
 from .servicers import CollectiveServicer, RendezvousServicer
+from .shards import ShardControlServicer, ShardRegistry
 
-log = logging.getLogger("gradstar.coordinator")
+log = logging.getLogger(__name__)
 
 SERVICE_NAMES = (
     rendezvous_pb2.DESCRIPTOR.services_by_name["Rendezvous"].full_name,
     collective_pb2.DESCRIPTOR.services_by_name["Collective"].full_name,
     admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+    shard_pb2.DESCRIPTOR.services_by_name["ShardControl"].full_name,
 )
 
 
@@ -59,6 +65,10 @@ class Coordinator:
         #: Bound port of the Prometheus endpoint (``settings.metrics_port``), once started.
         self.metrics_port: int | None = None
         self._metrics_server: asyncio.Server | None = None
+        #: The data-plane shards (see gradstar.coordinator.shards), once started.
+        self.shards: ShardRegistry | None = None
+        self._local_shards: LocalShards | None = None
+        self._serving = False
 
     @property
     def address(self) -> str:
@@ -75,8 +85,12 @@ class Coordinator:
         tune_allocator()
         self.averaging = AveragingStore(s.state_dir)
         self.rendezvous = Rendezvous(
-            s.heartbeat_timeout, on_generation_failed=lambda g: self.engine.fail_generation(g)
+            s.heartbeat_timeout, on_generation_failed=self._generation_failed,
+            on_generation_formed=lambda g: self.shards.on_formed(g),
+            on_generation_closed=lambda g: self.shards.on_over(g),
         )
+        expected = s.shards if s.expected_shards is None else s.expected_shards
+        self.shards = ShardRegistry(self.rendezvous, expected, on_health=self._shards_health)
         self.engine = CollectiveEngine(
             self.rendezvous, max_tensor_bytes=s.max_tensor_bytes,
             max_chunk_bytes=s.max_chunk_bytes, max_timeout=s.max_collective_timeout,
@@ -91,11 +105,16 @@ class Coordinator:
             RendezvousServicer(self.rendezvous, s.heartbeat_interval, s.max_collective_timeout),
             server,
         )
-        server.add_generic_rpc_handlers((CollectiveServicer(self.engine).handler(),))
+        server.add_generic_rpc_handlers(
+            (CollectiveServicer(self.engine, admit=self._admit).handler(),))
         admin_pb2_grpc.add_AdminServicer_to_server(
-            AdminServicer(self.rendezvous, self.averaging, self.drain), server
+            AdminServicer(self.rendezvous, self.averaging, self.drain, self.shards), server
         )
+        shard_pb2_grpc.add_ShardControlServicer_to_server(ShardControlServicer(self.shards),
+                                                          server)
         self._health = health.aio.HealthServicer()
+        # grpc's servicer answers SERVING for "" until told otherwise: not before the shards.
+        await self._set_health(False)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -114,11 +133,44 @@ class Coordinator:
             self.metrics_port = bound_port(self._metrics_server)
         await server.start()
         self._server, self.port = server, port
-        for name in ("", *SERVICE_NAMES):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._sweeper = asyncio.create_task(self._sweep(), name="gradstar-heartbeat-sweep")
-        log.info("coordinator serving on %s (tls=%s, auth=%s)", bind, self._tls, bool(token))
+        if s.shards:
+            self._local_shards = LocalShards(s, port, s.shards)
+            await self._local_shards.start()
+        if not await self.shards.wait_ready(s.shard_wait):
+            await self.stop(grace=0)
+            raise OSError(f"only {len(self.shards.up)} of {self.shards.expected} hub shards "
+                          f"registered within {s.shard_wait:g} s")
+        self._serving = True
+        await self._set_health(True)
+        log.info("coordinator serving on %s (tls=%s, auth=%s, shards=%d)", bind, self._tls,
+                 bool(token), len(self.shards.up))
         return port
+
+    @staticmethod
+    async def _admit(header) -> None:
+        """The coordinator carries whole collectives only: stripes go to hub shards."""
+        if header.stripes > 1:
+            raise InvalidCollectiveError(
+                f"rank {header.rank} sent stripe {header.stripe} of {header.stripes} of "
+                f"collective seq {header.seq} to the coordinator; stripes go to the hub shards "
+                "listed when the generation formed")
+
+    def _generation_failed(self, gen) -> None:
+        self.engine.fail_generation(gen)
+        self.shards.on_over(gen)
+
+    def _shards_health(self, healthy: bool) -> None:
+        if self._serving and not self.rendezvous.draining:
+            asyncio.get_running_loop().create_task(self._set_health(healthy))
+
+    async def _set_health(self, serving: bool) -> None:
+        """SERVING only while not draining and every expected shard is up."""
+        ok = serving and not self.rendezvous.draining and self.shards.healthy
+        status = (health_pb2.HealthCheckResponse.SERVING if ok
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", *SERVICE_NAMES):
+            await self._health.set(name, status)
 
     async def _sweep(self) -> None:
         """Declare lost the members whose heartbeats stopped (frozen or partitioned ranks)."""
@@ -128,14 +180,13 @@ class Coordinator:
                 log.warning("job %r: rank %d missed heartbeats", m.job, m.rank)
 
     async def _metrics_page(self) -> tuple[int, str, bytes]:
-        text = render(self.rendezvous, self.engine.metrics, self.averaging)
+        text = render(self.rendezvous, self.engine.metrics, self.averaging, shards=self.shards)
         return 200, "text/plain; version=0.0.4; charset=utf-8", text.encode()
 
     async def drain(self) -> None:
         """Report NOT_SERVING and refuse new joins; running generations keep working."""
         self.rendezvous.draining = True
-        for name in ("", *SERVICE_NAMES):
-            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._set_health(False)
         log.info("draining: new joins are refused")
 
     async def stop(self, grace: float | None = None) -> None:
@@ -149,6 +200,9 @@ class Coordinator:
                 await self._sweeper
         await self._server.stop(self.settings.drain_grace if grace is None else grace)
         self._server = None
+        if self._local_shards is not None:
+            await self._local_shards.stop()
+            self._local_shards = None
         if self._metrics_server is not None:
             self._metrics_server.close()
             with contextlib.suppress(TimeoutError):

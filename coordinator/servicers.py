@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -30,7 +32,7 @@ from gradstar.wire import (
 from .engine import CLOSE, CollectiveEngine, Participant, PendingCollective
 from .rendezvous import Member, Rendezvous
 
-log = logging.getLogger("gradstar.coordinator")
+log = logging.getLogger(__name__)
 
 # How long a failed collective's call stays open for the client to read the in-band error and
 # hang up. Ending a call while the client still writes can make grpc-python report INTERNAL to
@@ -68,6 +70,7 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
         reader = asyncio.create_task(self._read(member, requests))
         try:
             yield rpb.SessionEvent(joined=rpb.Joined(
+                shards=gen.shards,
                 job=j.job, generation=gen.number, rank=member.rank, world_size=gen.world_size,
                 member_id=member.member_id,
                 peers=[rpb.Peer(rank=r, address=m.peer_address)
@@ -77,7 +80,8 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
             while (notice := await member.notices.get()) is not _SESSION_END:
                 yield rpb.SessionEvent(failed=rpb.GenerationFailed(
                     generation=gen.number, lost_rank=getattr(notice, "rank", -1),
-                    reason=str(notice),
+                    reason=str(notice), error=type(notice).__name__,
+                    fields_json=json.dumps(notice.fields()),
                 ))
         finally:
             reader.cancel()
@@ -103,8 +107,12 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
 class CollectiveServicer:
     """The raw-frame collective stream (registered with identity serializers)."""
 
-    def __init__(self, engine: CollectiveEngine):
+    def __init__(self, engine: CollectiveEngine,
+                 admit: Callable[[cpb.CollectiveHeader], Awaitable[None]] | None = None):
         self.engine = engine
+        #: Awaited with each header before the engine sees it (a hub shard waits there for the
+        #: coordinator's word that the header's generation formed, and checks its stripe).
+        self.admit = admit
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
@@ -120,6 +128,8 @@ class CollectiveServicer:
             return
         try:
             header = decode_message(first, KIND_HEADER, cpb.CollectiveHeader)
+            if self.admit is not None:
+                await self.admit(header)
             coll, me = self.engine.arrive(header)
         except GradstarError as error:
             yield encode_error(error)
@@ -135,7 +145,7 @@ class CollectiveServicer:
                 yield item
                 if item[0] == KIND_CHUNK:
                     me.delivered += 1
-                    coll.progressed()
+                    coll.window.progressed()
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -164,7 +174,7 @@ class CollectiveServicer:
                 kind = frame_kind(frame)
                 if kind == KIND_CHUNK:
                     coll.on_chunk(me, frame)
-                    await coll.wait_to_read(me)
+                    await coll.window.wait(me)
                 elif kind == KIND_END:
                     coll.on_end(me, frame)
                     return

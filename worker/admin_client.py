@@ -84,6 +84,12 @@ class AdminClient:
             admin_pb2.GetJobRequest(job=name), timeout=self.timeout, metadata=self._metadata),
             f"reading job {name!r}")
 
+    async def shards(self) -> admin_pb2.ListShardsResponse:
+        """The coordinator's data-plane shards (slot, address, state, traffic, jobs)."""
+        return await self._call(self._admin.ListShards(
+            admin_pb2.ListShardsRequest(), timeout=self.timeout, metadata=self._metadata),
+            "listing shards")
+
     async def drain(self) -> int:
         """Start draining; returns how many jobs still have live members."""
         reply = await self._call(self._admin.Drain(

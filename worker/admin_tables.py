@@ -4,14 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gradstar.proto.v1 import admin_pb2, collective_pb2
-
-
-def op_name(op: int) -> str:
-    try:
-        return collective_pb2.CollectiveOp.Name(op).removeprefix("COLLECTIVE_OP_").lower()
-    except ValueError:
-        return f"op {op}"
+from gradstar.ops import op_name
+from gradstar.proto.v1 import admin_pb2
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], indent: str = "") -> str:
@@ -134,3 +128,25 @@ def job_as_dict(job: admin_pb2.GetJobResponse, rates: dict | None = None) -> dic
     if rates is not None:
         out["throughput"] = rates
     return out
+
+
+def shards_table(reply: admin_pb2.ListShardsResponse) -> str:
+    """The data-plane shards, one line each, under a line saying how many are up."""
+    up = sum(1 for s in reply.shards if s.state == "up")
+    if not reply.shards:
+        head = ("no hub shards: the coordinator carries every collective itself"
+                if not reply.expected else f"0 of {reply.expected} expected hub shards are up")
+        return head
+    head = f"{up} hub shard(s) up" + (f" of {reply.expected} expected" if reply.expected else "")
+    rows = [(s.slot, s.address, s.state, _bytes(s.bytes_in), _bytes(s.bytes_out),
+             f"{s.last_report_age_seconds:.1f} s", ", ".join(s.jobs) or "-")
+            for s in reply.shards]
+    return head + "\n" + table(("SLOT", "ADDRESS", "STATE", "IN", "OUT", "REPORTED", "JOBS"),
+                                rows, indent="  ")
+
+
+def shards_as_dict(reply: admin_pb2.ListShardsResponse) -> dict:
+    return {"expected": reply.expected, "shards": [
+        {"slot": s.slot, "address": s.address, "state": s.state, "bytes_in": s.bytes_in,
+         "bytes_out": s.bytes_out, "jobs": list(s.jobs),
+         "last_report_age_seconds": s.last_report_age_seconds} for s in reply.shards]}

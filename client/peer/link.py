@@ -32,9 +32,9 @@ from gradstar.wire import (
     decode_error,
     decode_message,
     dtype_info,
-    encode_chunk,
     encode_message,
     frame_kind,
+    iter_chunk_frames,
 )
 
 from .. import session
@@ -167,9 +167,8 @@ class PeerLink:
                 chunk_bytes=chunk_bytes, array_kind=array_kind)
             try:
                 await self._call.write(encode_message(KIND_HEADER, header))
-                for index in range(layout.count):
-                    offset, length = layout.span(index)
-                    await self._call.write(encode_chunk(index, data[offset:offset + length]))
+                for frame in iter_chunk_frames(data, layout):
+                    await self._call.write(frame)
                 await self._call.write(encode_message(
                     KIND_END, cpb.CollectiveEnd(chunks=layout.count, bytes=arr.nbytes)))
             except asyncio.CancelledError:

@@ -32,12 +32,12 @@ from gradstar.wire import (
     ChunkLayout,
     ChunkTracker,
     as_byte_view,
-    decode_chunk,
     decode_message,
     dtype_from_wire,
     encode_error,
     encode_message,
     frame_kind,
+    receive_chunk,
 )
 
 from .mailbox import Mailbox
@@ -203,9 +203,7 @@ class PeerServer:
                     raise ProtocolError(f"{who} ended in the middle of message {header.seq}")
                 kind = frame_kind(frame)
                 if kind == KIND_CHUNK:
-                    index, payload = decode_chunk(frame)
-                    offset = tracker.admit(index, payload)
-                    out_bytes[offset:offset + payload.nbytes] = payload
+                    receive_chunk(frame, tracker, out_bytes)
                 elif kind == KIND_END:
                     tracker.finish(decode_message(frame, KIND_END, cpb.CollectiveEnd))
                     break

@@ -1,6 +1,7 @@
 """The ``gradstar`` command.
 
-    gradstar coordinator [--port 29400] [--metrics-port 9400]    run the hub
+    gradstar coordinator [--port 29400] [--shards K]              run the hub
+    gradstar shard --coordinator H:P [--port P]                  a hub shard on another host
     gradstar launch --nproc N [--coordinator H:P] script.py ...  N local ranks, like torchrun
     gradstar worker --coordinator H:P --job J [--nproc N] -- CMD the per-host agent
     gradstar demo [--workers 4] [--mode ddp|localsgd|...]        the main job: train, report
@@ -47,6 +48,83 @@ def _coordinator_args(sub: argparse._SubParsersAction) -> None:
                    help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port; "
                         "env GRADSTAR_METRICS_PORT)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING (default INFO)")
+    p.add_argument("--shards", type=_shard_count,
+                   help="data-plane shard processes to start here: a number, or 'auto' (the "
+                        "default: one per two cores beyond the first two, at most 8; env "
+                        "GRADSTAR_SHARDS)")
+    p.add_argument("--expected-shards", type=int,
+                   help="shards, local and remote, that must be up to report SERVING "
+                        "(default: --shards)")
+
+
+def _shard_count(text: str) -> int:
+    from gradstar.config import default_shard_count
+
+    return default_shard_count() if text == "auto" else int(text)
+
+
+def _shard_args(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "shard", help="run a hub shard that registers with a coordinator",
+        description="Run one data-plane shard: it registers with the coordinator (admin token, "
+                    "or the job token when there is none) and carries a stripe of every "
+                    "collective of the generations formed while it is up. Tokens come from "
+                    "GRADSTAR_TOKEN / GRADSTAR_ADMIN_TOKEN (or their _FILE variants).")
+    p.add_argument("--coordinator", help="HOST:PORT of the coordinator (env GRADSTAR_COORDINATOR)")
+    p.add_argument("--host", help="address to bind (default 0.0.0.0)")
+    p.add_argument("--port", type=int, help="port; 0 picks a free one (default 0)")
+    p.add_argument("--advertise-host",
+                   help="host ranks reach this shard at (default: the bound host, or this "
+                        "machine's hostname for a wildcard)")
+    p.add_argument("--slot", type=int, help="slot to ask for (default: any free one)")
+    p.add_argument("--tls-cert", help="PEM certificate chain to serve with; enables TLS")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", help="CA that client certificates must chain to (mTLS)")
+    p.add_argument("--coordinator-ca", help="CA to verify the coordinator's certificate with")
+    p.add_argument("--max-tensor-bytes", type=int, help="largest payload a rank may send")
+    p.add_argument("--max-chunk-bytes", type=int, help="largest chunk a rank may send")
+    p.add_argument("--max-collective-timeout", type=float, help="longest collective timeout")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING (default INFO)")
+
+
+async def _serve_shard(settings) -> int:
+    from gradstar.coordinator.shard import Shard
+
+    shard = Shard(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await shard.start()
+    print(f"gradstar shard {shard.slot} listening on {settings.host}:{shard.port} "
+          f"(advertised as {shard.address})", flush=True)
+    stopping = asyncio.ensure_future(stop.wait())
+    closed = asyncio.ensure_future(shard.wait_closed())
+    await asyncio.wait((stopping, closed), return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    closed.cancel()
+    await shard.stop()
+    return 1 if shard.lost is not None else 0
+
+
+def _run_shard(args: argparse.Namespace) -> int:
+    from gradstar.config import ShardSettings
+    from gradstar.errors import GradstarError
+
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "func") and v is not None}
+    try:
+        settings = ShardSettings(**given)
+    except ValidationError as error:
+        print(f"gradstar shard: invalid settings:\n{error}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(_serve_shard(settings))
+    except (OSError, GradstarError) as error:
+        print(f"gradstar shard: {error}", file=sys.stderr)
+        return 1
 
 
 async def _serve(settings: CoordinatorSettings) -> None:
@@ -61,6 +139,9 @@ async def _serve(settings: CoordinatorSettings) -> None:
             loop.add_signal_handler(sig, stop.set)
     await coordinator.start()
     print(f"gradstar coordinator listening on {settings.host}:{coordinator.port}", flush=True)
+    if coordinator.shards.slots:
+        print(f"gradstar coordinator data plane: {len(coordinator.shards.up)} shards at "
+              f"{', '.join(r.address for r in coordinator.shards.up)}", flush=True)
     if coordinator.metrics_port is not None:
         print(f"gradstar coordinator metrics on http://{settings.host}:{coordinator.metrics_port}"
               "/metrics", flush=True)
@@ -72,6 +153,7 @@ async def _serve(settings: CoordinatorSettings) -> None:
 
 def _run_coordinator(args: argparse.Namespace) -> int:
     given = {k: v for k, v in vars(args).items() if k not in ("command", "func") and v is not None}
+    given.setdefault("shards", os.environ.get("GRADSTAR_SHARDS", "auto"))
     try:
         settings = CoordinatorSettings(**given)
     except ValidationError as error:
@@ -217,12 +299,13 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 def _admin_args(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "admin", help="operator views of a coordinator: status, jobs, drain, health",
+        "admin", help="operator views of a coordinator: status, jobs, shards, drain, health",
         description="status: every job (or --job) with members, generation, in-flight "
                     "collectives and the ranks they wait for, traffic and throughput. jobs: one "
-                    "line per job. drain: refuse new joins (running jobs finish). health: exit 0 "
+                    "line per job. shards: the data-plane shards with address, state, traffic "
+                    "and jobs. drain: refuse new joins (running jobs finish). health: exit 0 "
                     "if the coordinator is SERVING (for container health checks).")
-    p.add_argument("action", choices=("status", "jobs", "drain", "health"))
+    p.add_argument("action", choices=("status", "jobs", "shards", "drain", "health"))
     p.add_argument("--coordinator",
                    default=os.environ.get("GRADSTAR_COORDINATOR", f"127.0.0.1:{DEFAULT_PORT}"),
                    help="HOST:PORT (env GRADSTAR_COORDINATOR, default 127.0.0.1:29400)")
@@ -272,6 +355,11 @@ async def _admin(args: argparse.Namespace) -> int:
                               "active_jobs": active}) if args.json else
                   f"coordinator {args.coordinator} is draining: new joins are refused; "
                   f"{active} job(s) still have live members")
+            return 0
+        if args.action == "shards":
+            reply = await admin.shards()
+            print(json.dumps(tables.shards_as_dict(reply), indent=2) if args.json
+                  else tables.shards_table(reply))
             return 0
         jobs = await admin.jobs()
         if args.action == "jobs":
@@ -324,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _coordinator_args(sub)
+    _shard_args(sub)
     _launch_args(sub)
     _worker_args(sub)
     _demo_args(sub)
@@ -334,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:
         print(f"gradstar: could not read a token file: {error}", file=sys.stderr)
         return 2
-    runners = {"coordinator": _run_coordinator, "launch": _run_launch, "worker": _run_worker,
+    runners = {"coordinator": _run_coordinator, "shard": _run_shard, "launch": _run_launch,
+               "worker": _run_worker,
                "demo": _run_demo, "admin": _run_admin}
     return runners[args.command](args)
 

@@ -6,6 +6,7 @@ arguments win. Tokens are ``SecretStr`` so they never appear in a repr or a log 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import Field, SecretStr, field_validator
@@ -14,6 +15,16 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from gradstar.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 
 DEFAULT_PORT = 29400
+
+
+def default_shard_count(cores: int | None = None) -> int:
+    """``--shards auto``: one shard per two cores beyond the first two, at most 8.
+
+    A shard moves about one core's worth of bytes (the hub is one busy thread), and the ranks
+    on the same machine need cores too; on 2 cores the hub stays in one process.
+    """
+    cores = cores or os.cpu_count() or 1
+    return max(0, min(8, (cores - 2) // 2))
 
 
 class CoordinatorSettings(BaseSettings):
@@ -46,6 +57,22 @@ class CoordinatorSettings(BaseSettings):
         None, ge=0, le=65535,
         description="serve Prometheus metrics over HTTP on this port (0 picks a free one)")
     log_level: str = "INFO"
+    shards: int = Field(
+        0, ge=0, le=64,
+        description="data-plane shard processes to start on this host (gradstar coordinator "
+                    "--shards); 0: the coordinator carries collectives itself unless shards "
+                    "on other hosts register")
+    expected_shards: int | None = Field(
+        None, ge=0, le=64,
+        description="shards (local and remote) that must be up for the coordinator to report "
+                    "SERVING; default: --shards")
+    shard_wait: float = Field(
+        30.0, gt=0, description="seconds to wait for the expected shards at start")
+
+    @field_validator("shards", "expected_shards", mode="before")
+    @classmethod
+    def _auto_shards(cls, value):
+        return default_shard_count() if value == "auto" else value
 
     @field_validator("tls_key")
     @classmethod
@@ -53,6 +80,20 @@ class CoordinatorSettings(BaseSettings):
         if value is not None and info.data.get("tls_cert") is None:
             raise ValueError("tls_key needs tls_cert")
         return value
+
+
+class ShardSettings(CoordinatorSettings):
+    """``gradstar shard``: a data-plane shard that registers with a coordinator. It serves the
+    Collective service with the same limits, tokens and TLS options as a coordinator."""
+
+    coordinator: str = f"127.0.0.1:{DEFAULT_PORT}"
+    port: int = Field(0, ge=0, le=65535)
+    slot: int = Field(-1, ge=-1, description="the slot to ask for; -1: any free one")
+    advertise_host: str | None = Field(
+        None, description="host ranks reach this shard at; default: the bound host, or this "
+                          "machine's hostname for a wildcard; '' means 'the coordinator's host'")
+    coordinator_ca: Path | None = Field(
+        None, description="CA bundle to verify the coordinator with (TLS to the coordinator)")
 
 
 class ClientSettings(BaseSettings):

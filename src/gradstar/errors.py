@@ -6,6 +6,7 @@ Every error a rank can see derives from :class:`GradstarError`::
     ├── ConfigurationError            a setting or argument is invalid (also a ValueError)
     ├── AuthenticationError           the coordinator refused the token
     ├── CoordinatorUnavailableError   the coordinator cannot be reached or went away
+    │   └── ShardLostError            a hub shard carrying the generation's collectives went away
     ├── ProcessGroupClosedError       the process group was closed
     ├── ProtocolError                 a malformed, truncated or corrupted frame
     ├── RendezvousError               joining a job failed
@@ -47,6 +48,7 @@ __all__ = [
     "ProtocolError",
     "RankLostError",
     "RendezvousError",
+    "ShardLostError",
     "WorldSizeMismatchError",
 ]
 
@@ -72,6 +74,21 @@ class AuthenticationError(GradstarError):
 
 class CoordinatorUnavailableError(GradstarError):
     """The coordinator cannot be reached, or the connection to it was lost."""
+
+
+class ShardLostError(CoordinatorUnavailableError):
+    """A hub shard that carried the generation's collectives died or stalled; the generation is
+    over on every rank (join again to continue on the shards that remain)."""
+
+    def __init__(self, message: str, *, shard: int = -1, address: str = "",
+                 generation: int = 0) -> None:
+        super().__init__(message)
+        self.shard = shard
+        self.address = address
+        self.generation = generation
+
+    def fields(self) -> dict:
+        return {"shard": self.shard, "address": self.address, "generation": self.generation}
 
 
 class ProcessGroupClosedError(GradstarError):

@@ -116,7 +116,7 @@ async def test_stream_cut_before_end_marker_commits_nothing(coordinator, trio):
         yield encode_chunk(0, np.ones(1000, np.float32))
         # no END frame: the stream just closes
 
-    call = g2._stream(cut_short(), metadata=g2._metadata, timeout=10)
+    call = g2._plane.coordinator.stream(cut_short(), metadata=g2._metadata, timeout=10)
     with pytest.raises(grpc.aio.AioRpcError) as info:
         async for _ in call:
             pass
@@ -146,7 +146,7 @@ async def test_corrupt_frames_fail_the_collective_with_protocol_error(trio, dama
         yield encode_message(KIND_END, end)
 
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        async for _ in g2._stream(frames(), metadata=g2._metadata, timeout=10):
+        async for _ in g2._plane.coordinator.stream(frames(), metadata=g2._metadata, timeout=10):
             pass
     assert info.value.code() == grpc.StatusCode.DATA_LOSS
     for outcome in await gather_outcomes(*pending, timeout=5):

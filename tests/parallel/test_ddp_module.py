@@ -26,7 +26,7 @@ async def test_an_async_process_group_is_refused_with_a_hint(coordinator):
     (apg,) = await join_all(coordinator.address, 1, job="async")
     try:
         with pytest.raises(ConfigurationError, match=r"needs the blocking gradstar\.ProcessGroup "
-                           r"from gradstar\.init_process_group\(\), not an AsyncProcessGroup"):
+                           r"from gradstar\.init_process_group\(\), got AsyncProcessGroup"):
             gradstar.DDP(mlp(), apg)
     finally:
         await close_all([apg])

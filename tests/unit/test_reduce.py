@@ -6,8 +6,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gradstar.coordinator.reduce import REDUCE_OP_NAMES, BufferPool, ChunkReducer
+from gradstar.coordinator.reduce import BufferPool, ChunkReducer
 from gradstar.errors import InvalidCollectiveError
+from gradstar.ops import REDUCE_OP_NAMES
 from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.wire import ChunkLayout, as_byte_view, dtype_info
 

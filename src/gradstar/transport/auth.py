@@ -1,8 +1,10 @@
 """Token authentication: a server interceptor checking the ``authorization`` metadata.
 
-Job calls (rendezvous, collectives) need ``Bearer <token>``; Admin calls need the admin token
-(or, when none is set, the job token). Health and reflection stay open so orchestrators can probe
-the coordinator. Tokens are compared in constant time and never logged.
+Job calls (rendezvous, collectives) need ``Bearer <token>``; Admin calls and a hub shard's
+registration (``ShardControl``: a shard is part of the hub, so registering one is an operator's
+act, never a rank's) need the admin token (or, when none is set, the job token). Health and
+reflection stay open so orchestrators can probe the coordinator. Tokens are compared in
+constant time and never logged.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import hmac
 import grpc
 
 AUTH_KEY = "authorization"
-ADMIN_PREFIX = "/gradstar.proto.v1.Admin/"
+ADMIN_PREFIXES = ("/gradstar.proto.v1.Admin/", "/gradstar.proto.v1.ShardControl/")
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
@@ -33,7 +35,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if method.startswith(_OPEN_PREFIXES):
             return await continuation(handler_call_details)
-        is_admin = method.startswith(ADMIN_PREFIX)
+        is_admin = method.startswith(ADMIN_PREFIXES)
         expected = self._admin if is_admin else self._job
         if expected is None:
             return await continuation(handler_call_details)

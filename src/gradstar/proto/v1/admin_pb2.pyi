@@ -103,6 +103,36 @@ class GetJobResponse(_message.Message):
     models: _containers.RepeatedCompositeFieldContainer[GlobalModel]
     def __init__(self, summary: _Optional[_Union[JobSummary, _Mapping]] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., in_flight: _Optional[_Iterable[_Union[InFlightCollective, _Mapping]]] = ..., ops: _Optional[_Iterable[_Union[OpCounter, _Mapping]]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., last_failure: _Optional[str] = ..., models: _Optional[_Iterable[_Union[GlobalModel, _Mapping]]] = ...) -> None: ...
 
+class ListShardsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShardSummary(_message.Message):
+    __slots__ = ("slot", "address", "state", "bytes_in", "bytes_out", "jobs", "last_report_age_seconds")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    LAST_REPORT_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    address: str
+    state: str
+    bytes_in: int
+    bytes_out: int
+    jobs: _containers.RepeatedScalarFieldContainer[str]
+    last_report_age_seconds: float
+    def __init__(self, slot: _Optional[int] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., jobs: _Optional[_Iterable[str]] = ..., last_report_age_seconds: _Optional[float] = ...) -> None: ...
+
+class ListShardsResponse(_message.Message):
+    __slots__ = ("shards", "expected")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardSummary]
+    expected: int
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardSummary, _Mapping]]] = ..., expected: _Optional[int] = ...) -> None: ...
+
 class DrainRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

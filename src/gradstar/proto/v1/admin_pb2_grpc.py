@@ -49,6 +49,11 @@ class AdminStub:
                 request_serializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
                 response_deserializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.ListShards = channel.unary_unary(
+                '/gradstar.proto.v1.Admin/ListShards',
+                request_serializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.ListShardsRequest.SerializeToString,
+                response_deserializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.ListShardsResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -73,6 +78,12 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListShards(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +101,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.DrainRequest.FromString,
                     response_serializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.DrainResponse.SerializeToString,
+            ),
+            'ListShards': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListShards,
+                    request_deserializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.ListShardsRequest.FromString,
+                    response_serializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.ListShardsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -173,6 +189,33 @@ class Admin:
             '/gradstar.proto.v1.Admin/Drain',
             gradstar_dot_proto_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
             gradstar_dot_proto_dot_v1_dot_admin__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradstar.proto.v1.Admin/ListShards',
+            gradstar_dot_proto_dot_v1_dot_admin__pb2.ListShardsRequest.SerializeToString,
+            gradstar_dot_proto_dot_v1_dot_admin__pb2.ListShardsResponse.FromString,
             options,
             channel_credentials,
             insecure,

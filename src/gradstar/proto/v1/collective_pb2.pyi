@@ -80,7 +80,7 @@ class AveragingSpec(_message.Message):
     def __init__(self, model: _Optional[str] = ..., rule: _Optional[_Union[AveragingRule, str]] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ...) -> None: ...
 
 class CollectiveHeader(_message.Message):
-    __slots__ = ("job", "generation", "group", "seq", "rank", "member_id", "op", "reduce_op", "dtype", "shape", "root", "chunk_bytes", "timeout_seconds", "averaging")
+    __slots__ = ("job", "generation", "group", "seq", "rank", "member_id", "op", "reduce_op", "dtype", "shape", "root", "chunk_bytes", "timeout_seconds", "averaging", "stripe", "stripes")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,8 @@ class CollectiveHeader(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     AVERAGING_FIELD_NUMBER: _ClassVar[int]
+    STRIPE_FIELD_NUMBER: _ClassVar[int]
+    STRIPES_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     group: str
@@ -109,7 +111,9 @@ class CollectiveHeader(_message.Message):
     chunk_bytes: int
     timeout_seconds: float
     averaging: AveragingSpec
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., group: _Optional[str] = ..., seq: _Optional[int] = ..., rank: _Optional[int] = ..., member_id: _Optional[str] = ..., op: _Optional[_Union[CollectiveOp, str]] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., root: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ...) -> None: ...
+    stripe: int
+    stripes: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., group: _Optional[str] = ..., seq: _Optional[int] = ..., rank: _Optional[int] = ..., member_id: _Optional[str] = ..., op: _Optional[_Union[CollectiveOp, str]] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., root: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ..., stripe: _Optional[int] = ..., stripes: _Optional[int] = ...) -> None: ...
 
 class CollectiveAccept(_message.Message):
     __slots__ = ("output_chunks", "output_bytes")

@@ -45,7 +45,7 @@ class Peer(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class Joined(_message.Message):
-    __slots__ = ("job", "generation", "rank", "world_size", "member_id", "peers", "heartbeat_interval_seconds")
+    __slots__ = ("job", "generation", "rank", "world_size", "member_id", "peers", "heartbeat_interval_seconds", "shards")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class Joined(_message.Message):
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     rank: int
@@ -60,17 +61,22 @@ class Joined(_message.Message):
     member_id: str
     peers: _containers.RepeatedCompositeFieldContainer[Peer]
     heartbeat_interval_seconds: float
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., member_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., heartbeat_interval_seconds: _Optional[float] = ...) -> None: ...
+    shards: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., member_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., heartbeat_interval_seconds: _Optional[float] = ..., shards: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerationFailed(_message.Message):
-    __slots__ = ("generation", "lost_rank", "reason")
+    __slots__ = ("generation", "lost_rank", "reason", "error", "fields_json")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     LOST_RANK_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_JSON_FIELD_NUMBER: _ClassVar[int]
     generation: int
     lost_rank: int
     reason: str
-    def __init__(self, generation: _Optional[int] = ..., lost_rank: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    error: str
+    fields_json: str
+    def __init__(self, generation: _Optional[int] = ..., lost_rank: _Optional[int] = ..., reason: _Optional[str] = ..., error: _Optional[str] = ..., fields_json: _Optional[str] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("joined", "failed", "heartbeat_ack")

@@ -1,0 +1,274 @@
+"""The rank's half of the Collective stream (the hub's half is ``gradstar.coordinator.engine``).
+
+One collective is one bidirectional stream of raw frames (:mod:`gradstar.wire`) between the
+rank and its target. Seen from the rank:
+
+1. **Header.** The rank writes a ``HEADER`` (``CollectiveHeader``: job, generation, group, seq,
+   op, reduce op, dtype, shape, root, chunk size, timeout) and right behind it its ``CHUNK``
+   frames and an ``END`` frame with its chunk and byte counts. Which chunks it sends is the op's
+   geometry (:func:`gradstar.ops.geometry`), which the hub computes from the same header.
+2. **Accept.** Once every rank's header has arrived and agreed, the hub answers ``ACCEPT``
+   with the number of chunks it will send this rank; a number unlike the rank's own geometry
+   is a :class:`~gradstar.errors.ProtocolError`. No chunk may come before the accept.
+3. **Chunks.** Each result chunk is checked (checksum, index, length; once each; only the
+   indices this stream may carry — all_gather never sends a rank its own segment back) and
+   copied to its place in the result buffer, by input index, or by output index for
+   reduce_scatter (see :mod:`gradstar.ops`).
+4. **End.** The hub's ``END`` says how many chunks and bytes it sent; only when they match
+   what arrived is the result valid.
+
+Failure: an ``ERROR`` frame, at any point, carries the hub's verdict and is raised as the
+exception it names (mismatch, timeout, lost rank, ...). A transport failure first asks the
+rank's session, which names a lost rank or hub if that is why, briefly
+(:meth:`~gradstar.client.session.Session.verdict`); otherwise it is translated from the gRPC
+status. The call's deadline is only a backstop: the hub times a collective out itself.
+
+``END`` and ``ERROR`` are final: after either the call is hung up without waiting for its gRPC
+status, which grpc-python may misreport as INTERNAL when the server finishes while this side is
+still writing.
+
+Shape of this module: :class:`StreamReceiver` is the bookkeeping of one stream's incoming side
+(a state machine with no I/O); :func:`run_stream` runs ONE stream to ONE :class:`Target` for a
+given set of chunks to send and result chunks to admit, writing into a shared result buffer;
+:func:`run_collective` runs a whole collective, today as one stream to the hub carrying every
+chunk. Striping a collective over K hub shards is K concurrent :func:`run_stream` calls, shard
+``k`` taking the chunks of :func:`gradstar.ops.in_stripe` ``(..., k, K)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from gradstar import ops
+from gradstar.errors import ProtocolError
+from gradstar.proto.v1 import collective_pb2 as pb
+from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
+from gradstar.wire import (
+    CHUNK_HEADER_BYTES,
+    KIND_ACCEPT,
+    KIND_CHUNK,
+    KIND_END,
+    KIND_ERROR,
+    KIND_HEADER,
+    ChunkLayout,
+    ChunkTracker,
+    as_byte_view,
+    decode_error,
+    decode_message,
+    dtype_from_wire,
+    encode_message,
+    frame_kind,
+    iter_chunk_frames,
+    receive_chunk,
+)
+
+from .session import Session
+
+log = logging.getLogger(__name__)
+
+# The hub answers a late collective with its own timeout error; the call's deadline is only a
+# backstop for a hub that stopped answering altogether.
+DEADLINE_MARGIN = 10.0
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a Collective stream goes.
+
+    ``stream`` is ``channel.stream_stream(COLLECTIVE_METHOD)``; ``address`` is named in
+    transport errors and ``name`` in protocol errors.
+    """
+
+    stream: grpc.aio.StreamStreamMultiCallable
+    address: str
+    name: str = "coordinator"
+
+
+@dataclass(frozen=True)
+class CollectivePlan:
+    """One rank's part in one collective: its geometry and the buffers it reads and fills.
+
+    ``send`` is a byte view of the buffer cut by ``geometry.layout`` (the rank's input; for
+    all_gather the result buffer holding the rank's own segment); ``out`` is the result array,
+    cut by ``geometry.out_layout``.
+    """
+
+    geometry: ops.Geometry
+    send: memoryview
+    out: np.ndarray
+
+    @classmethod
+    def for_header(cls, header: pb.CollectiveHeader, world_size: int,
+                   send: np.ndarray | None, out: np.ndarray) -> CollectivePlan:
+        """The plan both sides derive from ``header`` (the hub computes the same geometry)."""
+        nbytes = math.prod(header.shape) * dtype_from_wire(header.dtype).numpy.itemsize
+        geometry = ops.geometry(header.op, world_size, header.rank, nbytes, header.chunk_bytes,
+                                header.root)
+        view = memoryview(b"") if send is None else as_byte_view(send)
+        return cls(geometry, view, out)
+
+    def out_indices(self, indices: Iterable[int]) -> frozenset[int]:
+        """The output indices (what travels from the hub) of received input ``indices``."""
+        return frozenset(self.geometry.out_index(i) for i in indices)
+
+
+class Phase(enum.Enum):
+    """Where one stream's incoming side is."""
+
+    #: The header is out; only ACCEPT (or ERROR) may come.
+    AWAITING_ACCEPT = enum.auto()
+    #: Matched: result chunks come, then END.
+    RECEIVING = enum.auto()
+    #: END arrived and agreed with what came: this stream's part of the result is valid.
+    COMPLETE = enum.auto()
+
+
+class StreamReceiver:
+    """The incoming side of one Collective stream, frame by frame (no I/O).
+
+    ``receives`` are the output indices this stream may carry; each arrives once, into
+    ``out`` (a byte view of the result laid out by ``out_layout``).
+    """
+
+    def __init__(self, what: str, who: str, out_layout: ChunkLayout,
+                 receives: frozenset[int], out: memoryview) -> None:
+        self.what = what
+        self.phase = Phase.AWAITING_ACCEPT
+        self.tracker = ChunkTracker(out_layout, who, allowed=receives)
+        self.out = out
+
+    def on_frame(self, frame: bytes) -> None:
+        """Take one frame from the hub.
+
+        Raises:
+            GradstarError: the hub's verdict (an ERROR frame).
+            ProtocolError: a frame out of place, or a bad chunk or end marker.
+        """
+        kind = frame_kind(frame)
+        if kind == KIND_CHUNK and self.phase is Phase.RECEIVING:
+            receive_chunk(frame, self.tracker, self.out)
+        elif kind == KIND_ACCEPT and self.phase is Phase.AWAITING_ACCEPT:
+            accept = decode_message(frame, KIND_ACCEPT, pb.CollectiveAccept)
+            if accept.output_chunks != self.tracker.expected:
+                raise ProtocolError(
+                    f"{self.what}: the coordinator will send {accept.output_chunks} chunks, "
+                    f"this rank expects {self.tracker.expected}"
+                )
+            self.phase = Phase.RECEIVING
+        elif kind == KIND_ERROR:
+            raise decode_error(frame)
+        elif kind == KIND_END and self.phase is Phase.RECEIVING:
+            self.tracker.finish(decode_message(frame, KIND_END, pb.CollectiveEnd))
+            self.phase = Phase.COMPLETE
+        else:
+            raise ProtocolError(f"{self.what}: unexpected frame of kind {kind}")
+
+
+async def _frames(header: pb.CollectiveHeader, layout: ChunkLayout, send: memoryview,
+                  sends: Sequence[int]):
+    """The rank's side of the stream: header, chunks ``sends`` of ``send``, end marker."""
+    yield encode_message(KIND_HEADER, header)
+    sent = 0
+    for frame in iter_chunk_frames(send, layout, sends):
+        sent += len(frame) - CHUNK_HEADER_BYTES
+        yield frame
+    yield encode_message(KIND_END, pb.CollectiveEnd(chunks=len(sends), bytes=sent))
+
+
+async def run_stream(target: Target, header: pb.CollectiveHeader, plan: CollectivePlan,
+                     sends: Sequence[int], receives: frozenset[int], *, session: Session,
+                     metadata, timeout: float) -> None:
+    """Run one Collective stream to ``target``: send input chunks ``sends`` of ``plan.send``
+    and write result chunks ``receives`` (output indices) into ``plan.out``.
+
+    Returns once the stream's END marker proved every chunk of ``receives`` arrived; other
+    streams of the same collective may fill other chunks of ``plan.out`` concurrently.
+
+    Raises:
+        CollectiveError and subclasses: the hub's verdict (mismatch, timeout, lost rank, ...).
+        RankLostError, CoordinatorUnavailableError: the transport failed and the session says
+            why, or the target could not be reached.
+        ProtocolError: a frame out of place, a bad chunk, or no end marker.
+    """
+    what = f"collective seq {header.seq}"
+    geometry = plan.geometry
+    receiver = StreamReceiver(what, target.name, geometry.out_layout, receives,
+                              as_byte_view(plan.out))
+    call = target.stream(_frames(header, geometry.layout, plan.send, sends), metadata=metadata,
+                         timeout=timeout + DEADLINE_MARGIN)
+    try:
+        while (frame := await call.read()) is not grpc.aio.EOF:
+            receiver.on_frame(frame)
+            if receiver.phase is Phase.COMPLETE:
+                return
+    except grpc.RpcError as error:
+        if not is_coordinator_verdict(error):
+            # The transport failed (grpc-python can even report INTERNAL when a connection
+            # dies mid-write); the session says why, if the rank or hub was lost.
+            log.debug("%s: the stream to %s broke (%s)", what, target.address,
+                      type(error).__name__)
+            failure = await session.verdict()
+            if failure is not None:
+                raise failure from None
+        raise error_from_rpc(error, what, target.address) from None
+    finally:
+        call.cancel()
+    # read() raises for a non-OK status, so this is an OK status without an END frame.
+    raise ProtocolError(f"{what}: the coordinator closed the stream without an end marker")
+
+
+async def run_collective(targets: Sequence[Target], header: pb.CollectiveHeader,
+                         world_size: int, send: np.ndarray | None, out: np.ndarray, *,
+                         session: Session, metadata, timeout: float) -> np.ndarray:
+    """Run the collective ``header`` describes, sending from ``send`` (None: nothing to send);
+    return ``out`` holding the result.
+
+    With one target, one stream carries every chunk (``header`` unchanged). With K targets
+    (hub shards), the collective is striped: stripe k carries the chunks of
+    :func:`gradstar.ops.in_stripe` over :func:`gradstar.ops.active_shards` streams, all
+    running at once; the first stripe to fail ends the collective with its error and the
+    others are cancelled (their shards then fail the collective on every rank too).
+
+    Raises:
+        What :func:`run_stream` raises.
+    """
+    plan = CollectivePlan.for_header(header, world_size, send, out)
+    geometry = plan.geometry
+    stripes = ops.active_shards(geometry.layout, len(targets)) if len(targets) > 1 else 1
+    if stripes == 1 and len(targets) == 1:
+        receives = plan.out_indices(i for r in geometry.receives for i in r)
+        await run_stream(targets[0], header, plan, geometry.sends, receives, session=session,
+                         metadata=metadata, timeout=timeout)
+        return out
+    streams = []
+    for k in range(stripes):
+        stripe = pb.CollectiveHeader()
+        stripe.CopyFrom(header)
+        stripe.stripe, stripe.stripes = k, stripes
+        sends = ops.in_stripe((geometry.sends,), k, stripes)
+        receives = plan.out_indices(ops.in_stripe(geometry.receives, k, stripes))
+        streams.append(asyncio.ensure_future(run_stream(
+            targets[k], stripe, plan, sends, receives, session=session, metadata=metadata,
+            timeout=timeout)))
+    try:
+        done, _ = await asyncio.wait(streams, return_when=asyncio.FIRST_EXCEPTION)
+        for stream in streams:
+            if stream in done and stream.exception() is not None:
+                raise stream.exception()
+    finally:
+        for stream in streams:
+            stream.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+    return out
+
+
+__all__ = ["CollectivePlan", "Phase", "StreamReceiver", "Target", "run_collective",
+           "run_stream"]

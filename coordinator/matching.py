@@ -1,0 +1,141 @@
+"""Header checks of the collective engine: is a header valid on its own, and does it agree with
+the first header of its collective? Pure functions, no asyncio, no sockets.
+
+Why always on: every rank must issue the same collectives in the same order (as in NCCL). A
+rank that calls ``all_reduce`` while another calls ``broadcast``, or passes another shape, would
+otherwise get a silently wrong tensor or a hang; here it gets a
+:class:`~gradstar.errors.CollectiveMismatchError` naming both ranks, what each called and the
+field that differs.
+
+Why before allocating: the engine sizes accumulators and chunk trackers from the header, so a
+header is checked against the hub's limits (payload bytes, chunk size) before anything is
+allocated for it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gradstar import ops
+from gradstar.errors import (
+    CollectiveMismatchError,
+    InvalidCollectiveError,
+    PayloadTooLargeError,
+    ProtocolError,
+)
+from gradstar.proto.v1 import collective_pb2 as pb
+from gradstar.wire import dtype_from_wire
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the hub accepts (coordinator settings ``max_*``)."""
+
+    max_tensor_bytes: int
+    max_chunk_bytes: int
+
+
+def dtype_name(wire: int) -> str:
+    try:
+        return dtype_from_wire(wire).name
+    except ProtocolError:
+        return f"dtype {wire}"
+
+
+def describe(h: pb.CollectiveHeader) -> str:
+    """A header as a user would have written the call, for error messages."""
+    parts = [f"dtype={dtype_name(h.dtype)}", f"shape={tuple(h.shape)}"]
+    if h.op in ops.REDUCING:
+        parts.insert(0, f"op={ops.REDUCE_OP_NAMES.get(h.reduce_op, h.reduce_op)!r}")
+    if h.op == ops.BROADCAST:
+        parts.append(f"src={h.root}")
+    return f"{ops.op_name(h.op)}({', '.join(parts)})"
+
+
+def field_values(h: pb.CollectiveHeader) -> list[tuple[str, object]]:
+    """(field name, value) pairs every rank of a collective must agree on, in the order a
+    disagreement is reported."""
+    values: list[tuple[str, object]] = [("op", ops.OP_NAMES.get(h.op, h.op))]
+    if h.op in ops.REDUCING:
+        values.append(("reduce op", ops.REDUCE_OP_NAMES.get(h.reduce_op, h.reduce_op)))
+    values += [("dtype", dtype_name(h.dtype)), ("shape", tuple(h.shape))]
+    if h.op == ops.BROADCAST:
+        values.append(("root", h.root))
+    values.append(("chunk_bytes", h.chunk_bytes))
+    values.append(("stripe", (h.stripe, max(1, h.stripes))))
+    a = h.averaging
+    values.append(("averaging", (a.model, ops.RULE_NAMES.get(a.rule, a.rule), a.outer_lr,
+                                 a.outer_momentum) if a.rule else None))
+    return values
+
+
+def payload_bytes(h: pb.CollectiveHeader) -> int:
+    """Bytes of one rank's input (the header's dtype must be known)."""
+    return math.prod(h.shape) * dtype_from_wire(h.dtype).numpy.itemsize
+
+
+def validate(h: pb.CollectiveHeader, world_size: int, limits: Limits) -> None:
+    """Check a header on its own.
+
+    Raises:
+        InvalidCollectiveError: unknown op, bad chunk size, root out of range, an averaging
+            round that is not a float32 mean all_reduce, reduce_scatter's dim 0 not divisible
+            by the world size, or a stripe out of range.
+        PayloadTooLargeError: the payload is over ``limits.max_tensor_bytes``.
+        ProtocolError: unknown dtype.
+    """
+    if h.op not in ops.OP_NAMES:
+        raise InvalidCollectiveError(f"unknown collective op {h.op}")
+    info = dtype_from_wire(h.dtype)
+    cb = h.chunk_bytes
+    if not 0 < cb <= limits.max_chunk_bytes or cb % info.numpy.itemsize:
+        raise InvalidCollectiveError(
+            f"chunk_bytes {h.chunk_bytes} must be a multiple of the element size "
+            f"{info.numpy.itemsize} and at most {limits.max_chunk_bytes}"
+        )
+    nbytes = payload_bytes(h)
+    if nbytes > limits.max_tensor_bytes:
+        raise PayloadTooLargeError(
+            f"rank {h.rank} sent a {describe(h)} payload of {nbytes} bytes, over the "
+            f"coordinator's limit of {limits.max_tensor_bytes} bytes "
+            "(coordinator setting max_tensor_bytes)"
+        )
+    if h.op == ops.BROADCAST and h.root >= world_size:
+        raise InvalidCollectiveError(
+            f"broadcast src={h.root} is out of range for world_size {world_size}"
+        )
+    if h.averaging.rule and (h.op != ops.ALL_REDUCE or h.dtype != pb.DTYPE_FLOAT32
+                             or h.reduce_op != pb.REDUCE_OP_MEAN):
+        raise InvalidCollectiveError(
+            f"an averaging round must be an all_reduce with op='mean' of float32, got "
+            f"{describe(h)}"
+        )
+    if h.stripes > 1 and h.stripe >= h.stripes:
+        raise InvalidCollectiveError(
+            f"rank {h.rank} sent stripe {h.stripe} of a collective striped {h.stripes} ways")
+    if h.op == ops.REDUCE_SCATTER and (not h.shape or h.shape[0] % world_size):
+        raise InvalidCollectiveError(
+            f"reduce_scatter needs dim 0 divisible by world_size {world_size}, "
+            f"got shape {tuple(h.shape)}"
+        )
+
+
+def check_agrees(h: pb.CollectiveHeader, first: pb.CollectiveHeader, job: str) -> None:
+    """Check that rank ``h.rank``'s header agrees with the collective's first header.
+
+    Raises:
+        CollectiveMismatchError: naming both ranks, both calls and the first field that
+            differs (``op`` first: other fields mean different things for different ops).
+    """
+    pairs = zip(field_values(h), field_values(first), strict=False)
+    differing = "op" if h.op != first.op else next(
+        (name for (name, mine), (_, theirs) in pairs if mine != theirs), None)
+    if differing is not None:
+        raise CollectiveMismatchError(
+            f"ranks disagree on collective seq {h.seq} of job {job!r} "
+            f"(group {h.group!r}): rank {h.rank} called {describe(h)} but rank "
+            f"{first.rank} called {describe(first)} ({differing} differs); every rank must "
+            "issue the same collectives in the same order",
+            rank=h.rank, field=differing,
+        )

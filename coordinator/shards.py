@@ -1,0 +1,233 @@
+"""The coordinator's side of a sharded hub: which data-plane shards exist, which generation
+stripes over which of them, and what happens when one goes away.
+
+Protocol (``shard.proto``). A shard (:mod:`.shard`, ``gradstar shard``) opens a
+``ShardControl.Register`` stream with the admin token and says hello with the address ranks
+reach it at; the :class:`ShardRegistry` gives it a *slot* (the one it asks for when that slot is
+free or lost, else the lowest free one) and answers ``accepted``. From then on:
+
+- every generation that forms takes the shards that are *up* at that moment, in slot order, as
+  its stripe table (``Generation.shards``, sent to the ranks in ``Joined.shards``), and each of
+  those shards is told ``formed`` (job, generation, members, its stripe position) *before* any
+  rank hears of the generation. A rank's header reaching a shard a moment before the notice is
+  held briefly by the shard (:mod:`.shard`), never refused;
+- every generation that ends (failed, superseded, or closed by its last member) is told
+  ``over`` to its shards, so their pending collectives fail at once with the same error;
+- the shard reports its counters every second (``stats``).
+
+A shard whose stream breaks (process killed, host gone, or stalled: keepalive pings go
+unanswered within ~3 s) is *lost*: its slot stays in the table as ``lost``, every generation
+striped over it fails with :class:`~gradstar.errors.ShardLostError` naming it (ranks get it from
+their session within the keepalive time, well under 5 s), and the coordinator reports
+NOT_SERVING until the configured number of shards is up again. Generations formed later use the
+shards that are up. A restarted shard asks for its old slot back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from gradstar.errors import GradstarError, ProtocolError, ShardLostError
+from gradstar.proto.v1 import shard_pb2 as spb
+from gradstar.proto.v1 import shard_pb2_grpc
+from gradstar.transport.status import abort
+
+from .rendezvous import Generation, Rendezvous
+
+log = logging.getLogger(__name__)
+
+#: How often shards report their counters.
+STATS_INTERVAL = 1.0
+_END = object()
+
+
+@dataclass(eq=False)
+class ShardRecord:
+    """One slot of the data plane and the shard that holds it."""
+
+    slot: int
+    address: str
+    state: str = "up"
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    stats: spb.ShardStats = field(default_factory=spb.ShardStats)
+    last_report: float = field(default_factory=time.monotonic)
+    #: Jobs' generations striped over this shard: (job, generation number).
+    generations: set[tuple[str, int]] = field(default_factory=set)
+
+    def send(self, command: spb.ShardCommand) -> None:
+        if self.state == "up":
+            self.outbox.put_nowait(command)
+
+
+class ShardRegistry:
+    """Slots, their shards, and the stripe table of every generation (no I/O: the servicer
+    below and the rendezvous hooks drive it)."""
+
+    def __init__(self, rendezvous: Rendezvous, expected: int = 0,
+                 on_health: Callable[[bool], None] = lambda healthy: None) -> None:
+        self.rendezvous = rendezvous
+        self.expected = expected
+        self.slots: dict[int, ShardRecord] = {}
+        self._on_health = on_health
+        self._changed = asyncio.Event()
+
+    @property
+    def up(self) -> list[ShardRecord]:
+        return [r for _, r in sorted(self.slots.items()) if r.state == "up"]
+
+    @property
+    def healthy(self) -> bool:
+        """Whether at least the configured number of shards is up."""
+        return len(self.up) >= self.expected
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Wait until :attr:`healthy`; False after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self.healthy:
+            self._changed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
+        return True
+
+    def register(self, hello: spb.ShardHello) -> ShardRecord:
+        """Give a shard a slot.
+
+        Raises:
+            ProtocolError: the hello names no address.
+        """
+        if not hello.address or len(hello.address) > 1024:
+            raise ProtocolError("a shard must say hello with the address ranks reach it at")
+        taken = {s for s, r in self.slots.items() if r.state == "up"}
+        if hello.slot >= 0 and hello.slot not in taken:
+            slot = hello.slot
+        else:
+            slot = next(s for s in range(len(self.slots) + 1) if s not in taken)
+        record = self.slots[slot] = ShardRecord(slot, hello.address)
+        record.send(spb.ShardCommand(accepted=spb.ShardAccepted(
+            slot=slot, stats_interval_seconds=STATS_INTERVAL)))
+        log.info("shard %d registered at %s", slot, hello.address)
+        self._health_changed()
+        return record
+
+    def report(self, record: ShardRecord, stats: spb.ShardStats) -> None:
+        record.stats = stats
+        record.last_report = time.monotonic()
+
+    def lost(self, record: ShardRecord, reason: str) -> None:
+        """The shard's stream ended: fail every generation striped over it."""
+        if record.state != "up":
+            return
+        record.state = "lost"
+        log.warning("shard %d at %s was lost (%s)", record.slot, record.address, reason)
+        for job_name, number in sorted(record.generations):
+            gen = self.rendezvous.generation(job_name, number)
+            if gen is not None and gen.healthy:
+                self.rendezvous.fail(gen, ShardLostError(
+                    f"hub shard {record.slot} at {record.address} was lost ({reason}) during "
+                    f"generation {number} of job {job_name!r}; its collectives fail on every "
+                    "rank; join again to continue on the shards that remain",
+                    shard=record.slot, address=record.address, generation=number))
+        record.generations.clear()
+        self._health_changed()
+
+    # -- rendezvous hooks ----------------------------------------------------------------------
+
+    def on_formed(self, gen: Generation) -> None:
+        up = self.up
+        gen.shards = [r.address for r in up]
+        members = [spb.GenerationMember(rank=r, member_id=m.member_id)
+                   for r, m in sorted(gen.members.items())]
+        for position, record in enumerate(up):
+            record.generations.add((gen.job.name, gen.number))
+            record.send(spb.ShardCommand(formed=spb.GenerationFormed(
+                job=gen.job.name, generation=gen.number, world_size=gen.world_size,
+                members=members, shards=len(up), position=position)))
+
+    def on_over(self, gen: Generation) -> None:
+        error = gen.failure or GradstarError(
+            f"generation {gen.number} of job {gen.job.name!r} is over: every rank left")
+        over = spb.GenerationOver(job=gen.job.name, generation=gen.number,
+                                  error=type(error).__name__,
+                                  fields_json=json.dumps(error.fields()), message=str(error))
+        key = (gen.job.name, gen.number)
+        for record in self.slots.values():
+            if key in record.generations:
+                record.generations.discard(key)
+                record.send(spb.ShardCommand(over=over))
+
+    # -- views ---------------------------------------------------------------------------------
+
+    def job_totals(self, job: str) -> tuple[int, int, dict[int, int], dict[int, int]]:
+        """(bytes in, bytes out, completed by op, failed by op) the shards report for ``job``."""
+        b_in = b_out = 0
+        completed: dict[int, int] = {}
+        failed: dict[int, int] = {}
+        for record in self.slots.values():
+            for j in record.stats.jobs:
+                if j.job != job:
+                    continue
+                b_in += j.bytes_in
+                b_out += j.bytes_out
+                for op, n in j.completed.items():
+                    completed[op] = completed.get(op, 0) + n
+                for op, n in j.failed.items():
+                    failed[op] = failed.get(op, 0) + n
+        return b_in, b_out, completed, failed
+
+    def _health_changed(self) -> None:
+        self._changed.set()
+        self._on_health(self.healthy)
+
+
+class ShardControlServicer(shard_pb2_grpc.ShardControlServicer):
+    """The ``ShardControl.Register`` stream: hello, then commands out and reports in."""
+
+    def __init__(self, registry: ShardRegistry) -> None:
+        self.registry = registry
+
+    async def Register(self, request_iterator, context):
+        reports = request_iterator.__aiter__()
+        try:
+            first = await anext(reports)
+        except StopAsyncIteration:
+            return
+        try:
+            if first.WhichOneof("kind") != "hello":
+                raise ProtocolError("a shard's control stream must start with a hello")
+            record = self.registry.register(first.hello)
+        except GradstarError as error:
+            await abort(context, error)
+        reader = asyncio.create_task(self._read(record, reports))
+        reason = "its control stream closed"
+        try:
+            while (command := await record.outbox.get()) is not _END:
+                yield command
+        except asyncio.CancelledError:
+            reason = "its control stream broke"
+            raise
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            self.registry.lost(record, reason)
+
+    async def _read(self, record: ShardRecord, reports) -> None:
+        try:
+            async for report in reports:
+                if report.WhichOneof("kind") == "stats":
+                    self.registry.report(record, report.stats)
+        except (grpc.RpcError, asyncio.CancelledError):
+            pass
+        finally:
+            record.outbox.put_nowait(_END)

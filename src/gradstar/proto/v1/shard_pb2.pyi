@@ -1,0 +1,119 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ShardHello(_message.Message):
+    __slots__ = ("address", "slot")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    slot: int
+    def __init__(self, address: _Optional[str] = ..., slot: _Optional[int] = ...) -> None: ...
+
+class ShardJob(_message.Message):
+    __slots__ = ("job", "bytes_in", "bytes_out", "completed", "failed", "active")
+    class CompletedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    class FailedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    bytes_in: int
+    bytes_out: int
+    completed: _containers.ScalarMap[int, int]
+    failed: _containers.ScalarMap[int, int]
+    active: bool
+    def __init__(self, job: _Optional[str] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., completed: _Optional[_Mapping[int, int]] = ..., failed: _Optional[_Mapping[int, int]] = ..., active: _Optional[bool] = ...) -> None: ...
+
+class ShardStats(_message.Message):
+    __slots__ = ("bytes_in", "bytes_out", "jobs")
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    bytes_in: int
+    bytes_out: int
+    jobs: _containers.RepeatedCompositeFieldContainer[ShardJob]
+    def __init__(self, bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[ShardJob, _Mapping]]] = ...) -> None: ...
+
+class ShardReport(_message.Message):
+    __slots__ = ("hello", "stats")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    hello: ShardHello
+    stats: ShardStats
+    def __init__(self, hello: _Optional[_Union[ShardHello, _Mapping]] = ..., stats: _Optional[_Union[ShardStats, _Mapping]] = ...) -> None: ...
+
+class ShardAccepted(_message.Message):
+    __slots__ = ("slot", "stats_interval_seconds")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    STATS_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    stats_interval_seconds: float
+    def __init__(self, slot: _Optional[int] = ..., stats_interval_seconds: _Optional[float] = ...) -> None: ...
+
+class GenerationMember(_message.Message):
+    __slots__ = ("rank", "member_id")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    member_id: str
+    def __init__(self, rank: _Optional[int] = ..., member_id: _Optional[str] = ...) -> None: ...
+
+class GenerationFormed(_message.Message):
+    __slots__ = ("job", "generation", "world_size", "members", "shards", "position")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    world_size: int
+    members: _containers.RepeatedCompositeFieldContainer[GenerationMember]
+    shards: int
+    position: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[_Iterable[_Union[GenerationMember, _Mapping]]] = ..., shards: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
+
+class GenerationOver(_message.Message):
+    __slots__ = ("job", "generation", "error", "fields_json", "message")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FIELDS_JSON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    generation: int
+    error: str
+    fields_json: str
+    message: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., error: _Optional[str] = ..., fields_json: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ShardCommand(_message.Message):
+    __slots__ = ("accepted", "formed", "over")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    FORMED_FIELD_NUMBER: _ClassVar[int]
+    OVER_FIELD_NUMBER: _ClassVar[int]
+    accepted: ShardAccepted
+    formed: GenerationFormed
+    over: GenerationOver
+    def __init__(self, accepted: _Optional[_Union[ShardAccepted, _Mapping]] = ..., formed: _Optional[_Union[GenerationFormed, _Mapping]] = ..., over: _Optional[_Union[GenerationOver, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,167 @@
+"""The layering of DESIGN.md §1, checked from the code's own imports.
+
+- No import circles between gradstar's modules (imports inside functions count too: a circle
+  hidden in a function is still a circle).
+- A rank never loads the hub: nothing in ``gradstar.client`` imports ``gradstar.coordinator``,
+  and importing ``gradstar`` or any rank-side module leaves ``gradstar.coordinator`` unloaded.
+- Nothing under ``src/gradstar`` imports torch, and ``import gradstar`` loads neither torch nor
+  the hub.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE_DIR: dict[str, str] = tomllib.loads(
+    (ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["package-dir"]
+
+
+def _modules() -> dict[str, Path]:
+    """{dotted module name: file} for every hand-written module (generated stubs excluded)."""
+    found: dict[str, Path] = {}
+    for package, folder in PACKAGE_DIR.items():
+        base = ROOT / folder
+        for path in base.rglob("*.py"):
+            rel = path.relative_to(base).with_suffix("")
+            if rel.parts[0] in ("gradstar", "proto") or "__pycache__" in rel.parts:
+                continue
+            found[".".join((package, *rel.parts)).removesuffix(".__init__")] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _imports(name: str) -> set[str]:
+    """The gradstar modules that module ``name`` imports, anywhere in its body."""
+    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+    package = name if _is_package(name) else name.rpartition(".")[0]
+    targets: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            targets.add(base)
+            # `from pkg import module` imports the submodule.
+            targets.update(f"{base}.{alias.name}" for alias in node.names)
+    return {t for t in targets if t in MODULES and t != name}
+
+
+GRAPH = {name: _imports(name) for name in MODULES}
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in GRAPH[node]:
+            # A package's __init__ re-exporting its own modules is not a circle of the layering.
+            if nxt.startswith(node + ".") and _is_package(node):
+                continue
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for name in sorted(GRAPH):
+        if name not in index:
+            visit(name)
+    return found
+
+
+def test_the_module_list_covers_the_layout():
+    for name in ("gradstar.ops", "gradstar.wire", "gradstar.transport.channels",
+                 "gradstar.coordinator.matching", "gradstar.client.collective_stream",
+                 "gradstar.client.peer.server", "gradstar.client.fsdp.wrapper"):
+        assert name in MODULES
+
+
+def test_no_import_circles():
+    assert _cycles() == []
+
+
+def test_the_circle_finder_finds_a_circle():
+    GRAPH["gradstar.wire"].add("gradstar.ops")  # ops imports wire: this closes a circle
+    try:
+        assert ["gradstar.ops", "gradstar.wire"] in _cycles()
+    finally:
+        GRAPH["gradstar.wire"].discard("gradstar.ops")
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("gradstar.client")))
+def test_rank_side_modules_never_import_the_hub(name):
+    assert not any(t.startswith("gradstar.coordinator") for t in GRAPH[name])
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("gradstar.coordinator")))
+def test_the_hub_never_imports_the_client(name):
+    assert not any(t.startswith("gradstar.client") for t in GRAPH[name])
+
+
+@pytest.mark.parametrize("name", sorted(
+    n for n in MODULES if not n.startswith(("gradstar.client", "gradstar.coordinator",
+                                            "gradstar.worker"))))
+def test_the_core_never_imports_torch(name):
+    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        assert not any(n == "torch" or n.startswith("torch.") for n in names), name
+
+
+def _loaded_after(statement: str) -> set[str]:
+    probe = f"{statement}\nimport sys\nprint('\\n'.join(sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    return set(out.split())
+
+
+def test_import_gradstar_loads_neither_the_hub_nor_torch():
+    loaded = _loaded_after("import gradstar")
+    assert not {m for m in loaded if m.startswith("gradstar.coordinator")}
+    assert "torch" not in loaded
+
+
+def test_a_training_rank_never_loads_the_hub():
+    # Everything a rank imports: the SDK with its torch wrappers, the backend, the demo's
+    # training entry point and the host agent that starts ranks.
+    loaded = _loaded_after(
+        "import gradstar, gradstar.client.torch_backend, gradstar.client.fsdp, "
+        "gradstar.client.pipeline, gradstar.client.ddp, gradstar.worker.train, "
+        "gradstar.worker.agent\ngradstar.DDP, gradstar.FSDP, gradstar.Pipeline")
+    assert "torch" in loaded  # the probe did reach the torch wrappers
+    assert not {m for m in loaded if m.startswith("gradstar.coordinator")}

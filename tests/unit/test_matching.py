@@ -1,0 +1,94 @@
+"""Header checks of the hub (coordinator/matching.py), without sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradstar import errors
+from gradstar.coordinator.matching import (
+    Limits,
+    check_agrees,
+    describe,
+    field_values,
+    validate,
+)
+from gradstar.proto.v1 import collective_pb2 as pb
+
+LIMITS = Limits(max_tensor_bytes=1 << 20, max_chunk_bytes=1 << 16)
+
+
+def header(**fields) -> pb.CollectiveHeader:
+    base = dict(job="j", generation=1, group="default", seq=3, rank=0,
+                op=pb.COLLECTIVE_OP_ALL_REDUCE, reduce_op=pb.REDUCE_OP_SUM,
+                dtype=pb.DTYPE_FLOAT32, shape=[4, 6], chunk_bytes=1024)
+    base.update(fields)
+    return pb.CollectiveHeader(**base)
+
+
+def test_describe_reads_like_the_call():
+    assert describe(header()) == "all_reduce(op='sum', dtype=float32, shape=(4, 6))"
+    assert describe(header(op=pb.COLLECTIVE_OP_BROADCAST, root=2)) == \
+        "broadcast(dtype=float32, shape=(4, 6), src=2)"
+    assert describe(header(op=99)) == "op 99(dtype=float32, shape=(4, 6))"
+
+
+def test_a_valid_header_passes():
+    validate(header(), 4, LIMITS)
+
+
+@pytest.mark.parametrize(("fields", "error", "message"), [
+    ({"op": 42}, errors.InvalidCollectiveError, "unknown collective op 42"),
+    ({"chunk_bytes": 6}, errors.InvalidCollectiveError,
+     "chunk_bytes 6 must be a multiple of the element size 4 and at most 65536"),
+    ({"chunk_bytes": 1 << 17}, errors.InvalidCollectiveError, "and at most 65536"),
+    ({"shape": [1 << 19]}, errors.PayloadTooLargeError,
+     "payload of 2097152 bytes, over the coordinator's limit of 1048576 bytes"),
+    ({"op": pb.COLLECTIVE_OP_BROADCAST, "root": 4}, errors.InvalidCollectiveError,
+     "broadcast src=4 is out of range for world_size 4"),
+    ({"averaging": pb.AveragingSpec(model="m", rule=pb.AVERAGING_RULE_AVERAGE)},
+     errors.InvalidCollectiveError, "an averaging round must be an all_reduce with op='mean'"),
+    ({"op": pb.COLLECTIVE_OP_REDUCE_SCATTER, "shape": [6, 2]}, errors.InvalidCollectiveError,
+     "reduce_scatter needs dim 0 divisible by world_size 4, got shape (6, 2)"),
+    ({"stripe": 2, "stripes": 2}, errors.InvalidCollectiveError,
+     "rank 0 sent stripe 2 of a collective striped 2 ways"),
+    ({"dtype": 77}, errors.ProtocolError, "unknown dtype 77"),
+])
+def test_each_invalid_header_is_named(fields, error, message):
+    with pytest.raises(error) as raised:
+        validate(header(**fields), 4, LIMITS)
+    assert message in str(raised.value)
+
+
+def test_agreeing_headers_pass():
+    check_agrees(header(rank=1), header(), "j")
+
+
+@pytest.mark.parametrize(("fields", "field"), [
+    ({"op": pb.COLLECTIVE_OP_BROADCAST}, "op"),
+    ({"reduce_op": pb.REDUCE_OP_MAX}, "reduce op"),
+    ({"dtype": pb.DTYPE_FLOAT64}, "dtype"),
+    ({"shape": [4, 7]}, "shape"),
+    ({"chunk_bytes": 2048}, "chunk_bytes"),
+    ({"stripe": 1, "stripes": 2}, "stripe"),
+])
+def test_a_mismatch_names_the_field_and_both_ranks(fields, field):
+    with pytest.raises(errors.CollectiveMismatchError) as raised:
+        check_agrees(header(rank=2, **fields), header(rank=0), "j")
+    error = raised.value
+    assert (error.rank, error.field) == (2, field)
+    assert "ranks disagree on collective seq 3 of job 'j'" in str(error)
+    assert f"rank 2 called {describe(header(rank=2, **fields))}" in str(error)
+    assert f"rank 0 called {describe(header())}" in str(error)
+    assert f"({field} differs)" in str(error)
+
+
+def test_op_is_reported_first_even_when_other_fields_differ_too():
+    with pytest.raises(errors.CollectiveMismatchError) as raised:
+        check_agrees(header(op=pb.COLLECTIVE_OP_ALL_GATHER, shape=[9]), header(), "j")
+    assert raised.value.field == "op"
+
+
+def test_the_root_matters_only_for_broadcast():
+    names = [name for name, _ in field_values(header(root=1))]
+    assert "root" not in names
+    assert "root" in [name for name, _ in field_values(header(op=pb.COLLECTIVE_OP_BROADCAST))]
