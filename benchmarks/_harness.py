@@ -1,8 +1,12 @@
 """Shared machinery for the scripts in ``benchmarks/``.
 
-* :class:`CoordinatorProcess` runs ``python -m gradstar coordinator --host 127.0.0.1 --port 0``
-  as a subprocess (as in a real deployment), parses the ``gradstar coordinator listening on
-  HOST:PORT`` line, and stops it with SIGTERM (then SIGKILL) however the benchmark ends.
+* :class:`CoordinatorProcess` runs ``python -m gradstar coordinator --host 127.0.0.1 --port 0
+  [--shards K]`` as a subprocess (as in a real deployment), parses the ``gradstar coordinator
+  listening on HOST:PORT`` line (printed once all K shards registered), measures the CPU of the
+  whole hub (the coordinator and its shard processes, from /proc), and stops it with SIGTERM (then
+  SIGKILL, shards included) however the benchmark ends.
+* :class:`DriverSync` holds the ranks at chosen points of their loop until this process has acted
+  (for instance sampled the hub's CPU right before and after the timed iterations).
 * :func:`run_ranks` runs ``target(rank, world_size, *args)`` in ``world_size`` spawned processes
   and collects one result per rank, with a hard deadline: a rank that raises, dies or does not
   report in time makes it raise :class:`RankFailure`, and every child is killed before it returns.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -66,9 +71,12 @@ def _kill(proc) -> None:
     """Kill a ``subprocess.Popen`` or ``multiprocessing.Process`` and reap it (bounded)."""
     try:
         if isinstance(proc, subprocess.Popen):
+            # A coordinator's shards are its children: they must not outlive it.
+            below = {pid: f[19] for pid in descendants(proc.pid) if (f := _stat_fields(pid))}
             if proc.poll() is None:
                 proc.kill()
             proc.wait(timeout=10)
+            _kill_orphans(below, grace=2.0)
         else:
             if proc.is_alive():
                 proc.kill()
@@ -123,6 +131,51 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
+# -- /proc: CPU time of a process tree (Linux) ---------------------------------------------------
+
+try:
+    _CLK_TCK = os.sysconf("SC_CLK_TCK")
+except (AttributeError, ValueError, OSError):
+    _CLK_TCK = 100
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/PID/stat`` after the command name: [0] is field 3 (state), [1] ppid, [11] utime,
+    [12] stime, [13] cutime, [14] cstime, [19] starttime (see proc(5)). None if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, grandchildren, ...), found by scanning the
+    ppid field of /proc/*/stat (works without CONFIG_PROC_CHILDREN). Empty off Linux."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in entries:
+        if not name.isdigit():
+            continue
+        fields = _stat_fields(int(name))
+        if fields is not None and len(fields) > 1:
+            children.setdefault(int(fields[1]), []).append(int(name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _cpu_of(fields: list[str]) -> float:
+    """utime + stime of the process (all its threads) + cutime + cstime (its children that
+    exited and were reaped, e.g. a shard that was restarted), in seconds."""
+    return sum(int(v) for v in fields[11:15]) / _CLK_TCK
+
+
 # -- coordinator subprocess --------------------------------------------------------------------
 
 
@@ -131,19 +184,26 @@ class CoordinatorProcess:
 
     Use as a context manager::
 
-        with CoordinatorProcess() as coord:
+        with CoordinatorProcess(shards=2) as coord:
             coord.address            # "127.0.0.1:PORT"
             coord.cpu_seconds()      # user+system CPU the hub has used so far (Linux)
+
+    ``shards``: passed as ``--shards K`` (0: the single in-process hub; None: the coordinator's
+    own default, ``GRADSTAR_SHARDS`` or ``auto``, which depends on the machine's core count).
 
     Its stdout and stderr go to a log file (``coord.log_path``); :meth:`log_tail` shows the end of
     it for error reports. ``stop()`` sends SIGTERM, waits ``stop_timeout`` seconds, then SIGKILLs.
     """
 
-    def __init__(self, *, host: str = "127.0.0.1", extra_args: Sequence[str] = (),
-                 start_timeout: float = 30.0, stop_timeout: float = 15.0,
-                 log_level: str = "WARNING", python: str = sys.executable) -> None:
+    def __init__(self, *, host: str = "127.0.0.1", shards: int | None = None,
+                 extra_args: Sequence[str] = (), start_timeout: float = 30.0,
+                 stop_timeout: float = 15.0, log_level: str = "WARNING",
+                 python: str = sys.executable) -> None:
         self.host = host
+        self.shards = shards
         self.extra_args = list(extra_args)
+        if shards is not None:
+            self.extra_args += ["--shards", str(shards)]
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self.log_level = log_level
@@ -207,15 +267,36 @@ class CoordinatorProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def cpu_seconds(self) -> float | None:
-        """User + system CPU seconds the coordinator has used (Linux /proc), else None."""
+    def cpu_sample(self) -> dict | None:
+        """The hub's CPU so far (Linux /proc), or None: ``coordinator_s`` (the coordinator process,
+        all threads, plus any children it reaped), ``shards_s`` (the live processes below it:
+        the shards, with whatever they reaped), ``total_s`` (both) and ``shard_pids`` (pid ->
+        start time, to tell a restarted shard). Without shards (``--shards 0``) ``total_s`` is
+        the coordinator's own user+system time, as before."""
         if not self.alive():
             return None
-        try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError, IndexError):
+        fields = _stat_fields(self.proc.pid)
+        if fields is None:
             return None
+        try:
+            own = _cpu_of(fields)
+            shards, pids = 0.0, {}
+            for pid in descendants(self.proc.pid):
+                child = _stat_fields(pid)
+                if child is None:  # exited in between: its time moves to its parent's cutime
+                    continue
+                shards += _cpu_of(child)
+                pids[pid] = child[19]
+        except (ValueError, IndexError):
+            return None
+        return {"coordinator_s": own, "shards_s": shards, "total_s": own + shards,
+                "shard_pids": pids}
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU seconds the hub has used: the coordinator process plus all its child
+        processes (the shards), from Linux /proc; else None."""
+        sample = self.cpu_sample()
+        return None if sample is None else sample["total_s"]
 
     def log_tail(self, lines: int = 30) -> str:
         return "\n".join(list(self._lines)[-lines:]) or "(empty)"
@@ -225,6 +306,8 @@ class CoordinatorProcess:
         proc = self.proc
         if proc is None:
             return None
+        # The shards are the coordinator's children; if it has to be killed they would outlive it.
+        below = {pid: f[19] for pid in descendants(proc.pid) if (f := _stat_fields(pid))}
         if proc.poll() is None:
             try:
                 proc.send_signal(signal.SIGTERM)
@@ -236,6 +319,9 @@ class CoordinatorProcess:
             except Exception:
                 _kill(proc)
         _LIVE.discard(proc)
+        leftovers = _kill_orphans(below, grace=min(5.0, self.stop_timeout))
+        if leftovers:
+            self._lines.append(f"(processes {leftovers} of the hub outlived it: killed)")
         if self._reader is not None:
             self._reader.join(timeout=5)
         if self._log_file is not None:
@@ -249,6 +335,109 @@ class CoordinatorProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _same_process(pid: int, starttime: str) -> bool:
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z" and fields[19] == starttime
+
+
+def _kill_orphans(processes: dict[int, str], grace: float) -> list[int]:
+    """SIGTERM, then after ``grace`` s SIGKILL, each of ``processes`` (pid -> start time, so a
+    recycled pid is left alone) still running. Returns the pids that were still running."""
+    alive = [pid for pid, start in processes.items() if _same_process(pid, start)]
+    for pid in alive:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(_same_process(p, processes[p]) for p in alive):
+        time.sleep(0.1)
+    for pid in alive:
+        if _same_process(pid, processes[pid]):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    return alive
+
+
+# -- driver/rank synchronisation -----------------------------------------------------------------
+
+
+class SyncPoints:
+    """The ranks' side of :class:`DriverSync` (passed to them as an argument)."""
+
+    def __init__(self, arrived: list, go: list, timeout: float) -> None:
+        self.arrived = arrived
+        self.go = go
+        self.timeout = timeout
+
+    def reach(self, point: int) -> None:
+        """Tell the driver this rank is at ``point`` and wait (bounded) until it has acted."""
+        self.arrived[point].release()
+        if not self.go[point].wait(self.timeout):
+            raise TimeoutError(f"the benchmark driver did not release sync point {point} within "
+                               f"{self.timeout:g} s")
+
+
+class DriverSync:
+    """Points in the ranks' code where every rank waits until this process has run
+    ``action(point)``, e.g. sampled the hub's CPU right before and after the timed loop::
+
+        with DriverSync(world_size, 2, action, timeout=60) as sync:
+            run_ranks(target, world_size, (..., sync.handle), timeout=...)
+        # in target: sync.reach(0); timed loop; sync.reach(1)
+
+    Every wait is bounded: the driver's thread gives up (and releases every point, so no rank stays
+    blocked) ``timeout`` s after it starts, or when the ``with`` block ends; a rank waits at most
+    ``timeout`` + 10 s per point. ``errors`` then says what went wrong; the points passed are in
+    ``done``.
+    """
+
+    def __init__(self, world_size: int, points: int, action: Callable[[int], None],
+                 timeout: float) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.action = action
+        self.timeout = timeout
+        self.handle = SyncPoints([ctx.Semaphore(0) for _ in range(points)],
+                                 [ctx.Event() for _ in range(points)],
+                                 timeout + 10.0)  # the driver gives up (and releases) first
+        self.done: list[int] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="driver-sync")
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        try:
+            for point, (arrived, go) in enumerate(zip(self.handle.arrived, self.handle.go,
+                                                      strict=True)):
+                count = 0
+                while count < self.world_size:
+                    if self._stop.is_set():
+                        return
+                    if time.monotonic() >= deadline:
+                        self.errors.append(f"only {count} of {self.world_size} ranks reached sync "
+                                           f"point {point} within {self.timeout:g} s")
+                        return
+                    if arrived.acquire(timeout=0.2):
+                        count += 1
+                try:
+                    self.action(point)
+                except Exception as error:  # reported, and the ranks still go on
+                    self.errors.append(f"sync point {point}: {type(error).__name__}: {error}")
+                self.done.append(point)
+                go.set()
+        finally:
+            for go in self.handle.go:  # never leave a rank waiting
+                go.set()
+
+    def __enter__(self) -> DriverSync:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 # -- rank processes ----------------------------------------------------------------------------

@@ -2,36 +2,59 @@
 
 What is measured
     For each (ranks, size) configuration, both backends run in the same invocation of this script,
-    on the same machine, one after the other:
+    on the same machine, one after the other; gradstar once per hub configuration (``--shards K``
+    and ``--chunk-mb C``), gloo once:
 
-    * gradstar: a real ``gradstar coordinator`` subprocess on 127.0.0.1 (a fresh one per
-      configuration, stopped with SIGTERM afterwards) and ``ranks`` spawned OS processes, each with
-      ``gradstar.init_process_group(coordinator=..., job=<unique>, world_size=n, rank=r,
-      timeout=300)`` and a float32 numpy array ``ones(size/4) * (r + 1)``.
+    * gradstar: a real ``gradstar coordinator --shards K`` subprocess on 127.0.0.1 (a fresh one
+      per configuration, stopped with SIGTERM afterwards; K = 0: the single in-process hub, K > 0:
+      K shard processes, children of the coordinator, each chunk i of a collective going to shard
+      i % K) and ``ranks`` spawned OS processes, each with ``gradstar.init_process_group(
+      coordinator=..., job=<unique>, world_size=n, rank=r, timeout=300[, chunk_bytes=C])`` and a
+      float32 numpy array ``ones(size/4) * (r + 1)``. Every rank checks that its group is striped
+      over exactly K shards.
     * gloo: ``ranks`` spawned processes with ``torch.distributed.init_process_group("gloo",
       init_method="tcp://127.0.0.1:<free port>")`` and a float32 tensor ``ones(size/4) * (r + 1)``
       (restored from a saved copy before every iteration, since gloo reduces in place).
 
     Each rank runs ``warmup`` untimed all_reduce(sum) calls, then ``iters`` timed iterations of
-    ``barrier(); t0 = perf_counter(); all_reduce(x, sum); t = perf_counter() - t0``. The table shows
-    rank 0's median ``t``. Every rank checks the first and the last result exactly (each element
-    must equal n(n+1)/2) and the configuration fails loudly if one differs.
+    ``barrier(); t0 = perf_counter(); all_reduce(x, sum); t = perf_counter() - t0``. The tables
+    show rank 0's median ``t``. Every rank checks the first and the last result exactly (each
+    element must equal n(n+1)/2) and the configuration fails loudly if one differs.
 
-    "size MB" is MiB (2**20 bytes) of float32 payload per rank. algbw = payload bytes / median time
-    (1 GB = 1e9 bytes), as in nccl-tests. ratio = gradstar ms / gloo ms (above 1: gradstar slower).
-    Note that both backends share the machine's cores with all the ranks (and, for gradstar, the
-    hub): with 4 ranks on a 2-core machine the CPUs are oversubscribed for both.
+    CPU cost, over the timed loop only (the ``iters`` iterations with their barriers):
+
+    * ranks CPU: the sum over ranks of each rank's ``time.process_time()`` delta across its timed
+      loop (all threads of the rank process: gradstar's client loop thread, gloo's threads).
+    * hub CPU (gradstar only): user + system time of the coordinator process plus all its child
+      processes (the shards), read from /proc/<pid>/stat, sampled by this script right before and
+      right after the timed loop while every rank is held at a sync point (so the hub is idle at
+      both samples).
+    * "GB moved" = bytes each rank contributes x ranks x iters (1 GB = 1e9 bytes): e.g. 4 ranks x
+      64 MiB x 10 iterations = 2.68 GB. CPU s/GB = CPU seconds / GB moved.
+
+    "size MB" is MiB (2**20 bytes) of float32 payload per rank. GB/s/rank (algbw) = payload bytes
+    / median time (1 GB = 1e9 bytes), as in nccl-tests. ratio = gradstar ms / gloo ms (above 1:
+    gradstar slower). hub cores = hub CPU s / wall seconds of the timed loop. Note that both
+    backends share the machine's cores with all the ranks (and, for gradstar, the hub and its
+    shards): with 4 ranks on a 2-core machine the CPUs are oversubscribed for both.
 
 How to reproduce
-    .venv/bin/python benchmarks/allreduce.py                       # default table
+    .venv/bin/python benchmarks/allreduce.py                       # default table (K = 0)
     .venv/bin/python benchmarks/allreduce.py --sizes-mb 1 16 --ranks 2 --iters 10 --warmup 2 \\
         --json /tmp/allreduce.json
+    # hub scaling: one gradstar column per shard count, against the same gloo run
+    .venv/bin/python benchmarks/allreduce.py --ranks 2 4 8 --sizes-mb 1 16 64 256 \\
+        --shards 0 1 2 4 8 --json /tmp/allreduce-shards.json
+    # chunk size, chosen by measurement
+    .venv/bin/python benchmarks/allreduce.py --ranks 4 --sizes-mb 64 --shards 4 \\
+        --chunk-mb 0.5 1 2 4 8 --backends gradstar
 
-    Defaults: sizes 1 16 64 256 MiB, ranks 2 4; iterations per size (warmup + timed): up to
-    1 MiB 5+50, to 16 MiB 3+20, to 64 MiB 2+10, larger 1+5 (``--iters`` / ``--warmup`` override
-    them for every size). Every wait is bounded (``--config-timeout``); a configuration that fails
-    or times out is reported with its error, its processes are killed, and the run continues; the
-    exit code is 1 if any configuration failed.
+    Defaults: sizes 1 16 64 256 MiB, ranks 2 4, shards 0, chunk: the client's default (2 MiB);
+    iterations per size (warmup + timed): up to 1 MiB 5+50, to 16 MiB 3+20, to 64 MiB 2+10,
+    larger 1+5 (``--iters`` / ``--warmup`` override them for every size). Every wait is bounded
+    (``--config-timeout``); a configuration that fails or times out is reported with its error,
+    its processes are killed, and the run continues; the exit code is 1 if any configuration
+    failed.
 """
 
 from __future__ import annotations
@@ -52,6 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (
     BenchmarkError,
     CoordinatorProcess,
+    DriverSync,
     MiB,
     format_table,
     free_port,
@@ -99,17 +123,27 @@ def _check(out, world_size: int, elements: int, what: str) -> None:
         )
 
 
+def _group_shards(pg) -> int | None:
+    """How many hub shards the group's collectives are striped over (None: not exposed)."""
+    for obj in (pg, getattr(pg, "_group", None)):
+        shards = getattr(obj, "shards", None)
+        if shards is not None:
+            return len(shards)
+    return None
+
+
 def gradstar_rank(rank: int, world_size: int, address: str, job: str, elements: int,
-                  warmup: int, iters: int) -> dict:
+                  warmup: int, iters: int, chunk_bytes: int | None, sync) -> dict:
     import time
 
     import numpy as np
 
     import gradstar
 
+    options = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
     t_join = time.perf_counter()
     pg = gradstar.init_process_group(coordinator=address, job=job, world_size=world_size,
-                                     rank=rank, timeout=COLLECTIVE_TIMEOUT)
+                                     rank=rank, timeout=COLLECTIVE_TIMEOUT, **options)
     join_s = time.perf_counter() - t_join
     try:
         x = np.ones(elements, dtype=np.float32) * np.float32(rank + 1)
@@ -118,7 +152,9 @@ def gradstar_rank(rank: int, world_size: int, address: str, job: str, elements: 
             out = pg.all_reduce(x, op="sum")
             if i == 0:
                 _check(out, world_size, elements, f"gradstar rank {rank} warmup result")
+        sync.reach(0)  # the driver samples the hub's CPU while every rank waits here
         times = []
+        cpu0 = time.process_time()
         for i in range(iters):
             pg.barrier()
             t0 = time.perf_counter()
@@ -126,12 +162,15 @@ def gradstar_rank(rank: int, world_size: int, address: str, job: str, elements: 
             times.append(time.perf_counter() - t0)
             if i == 0 and warmup == 0:
                 _check(out, world_size, elements, f"gradstar rank {rank} first result")
+        cpu_s = time.process_time() - cpu0
+        sync.reach(1)  # ... and here
         if out is not None:
             _check(out, world_size, elements, f"gradstar rank {rank} last result")
+        shards = _group_shards(pg)
         pg.barrier()  # nobody leaves while a peer is still in its last collective
     finally:
         pg.close()
-    return {"times": times, "join_s": join_s}
+    return {"times": times, "join_s": join_s, "cpu_s": cpu_s, "shards": shards}
 
 
 def gloo_rank(rank: int, world_size: int, init_method: str, elements: int, warmup: int,
@@ -155,6 +194,7 @@ def gloo_rank(rank: int, world_size: int, init_method: str, elements: int, warmu
             if i == 0:
                 _check(x, world_size, elements, f"gloo rank {rank} warmup result")
         times = []
+        cpu0 = time.process_time()
         for i in range(iters):
             x.copy_(base)
             dist.barrier()
@@ -163,20 +203,27 @@ def gloo_rank(rank: int, world_size: int, init_method: str, elements: int, warmu
             times.append(time.perf_counter() - t0)
             if i == 0 and warmup == 0:
                 _check(x, world_size, elements, f"gloo rank {rank} first result")
+        cpu_s = time.process_time() - cpu0
         if warmup + iters:
             _check(x, world_size, elements, f"gloo rank {rank} last result")
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    return {"times": times, "join_s": join_s}
+    return {"times": times, "join_s": join_s, "cpu_s": cpu_s}
 
 
 # -- driver ------------------------------------------------------------------------------------
 
 
-def _summary(results: list[dict], nbytes: int) -> dict:
+def _per_gb(seconds: float | None, gb_moved: float) -> float | None:
+    return None if seconds is None or not gb_moved else seconds / gb_moved
+
+
+def _summary(results: list[dict], nbytes: int, iters: int) -> dict:
     times = results[0]["times"]
     med = median(times) if times else float("nan")
+    gb_moved = nbytes * len(results) * iters / 1e9
+    ranks_cpu = sum(r["cpu_s"] for r in results)
     return {
         "median_ms": med * 1e3,
         "min_ms": min(times) * 1e3 if times else None,
@@ -184,30 +231,74 @@ def _summary(results: list[dict], nbytes: int) -> dict:
         "rank0_times_ms": [round(t * 1e3, 3) for t in times],
         "median_ms_by_rank": [round(median(r["times"]) * 1e3, 3) if r["times"] else None
                               for r in results],
-        "algbw_gbps": nbytes / med / 1e9 if times else None,
+        "algbw_gbps": nbytes / med / 1e9 if times else None,  # = GB/s per rank
         "join_s_max": max(r["join_s"] for r in results),
+        "gb_moved": gb_moved,
+        "ranks_cpu_s": round(ranks_cpu, 4),
+        "ranks_cpu_s_by_rank": [round(r["cpu_s"], 4) for r in results],
+        "ranks_cpu_s_per_gb": _per_gb(ranks_cpu, gb_moved),
         "error": None,
     }
 
 
+def _hub_cpu(samples: dict, gb_moved: float) -> dict:
+    """Hub CPU fields from the samples taken at sync points 0 and 1 ((monotonic, cpu_sample))."""
+    if 0 not in samples or 1 not in samples or None in (samples[0][1], samples[1][1]):
+        return {"hub_cpu_s": None, "hub_cpu_s_per_gb": None, "hub_cores": None}
+    (t0, a), (t1, b) = samples[0], samples[1]
+    hub = b["total_s"] - a["total_s"]
+    window = t1 - t0
+    return {
+        "hub_cpu_s": round(hub, 4),
+        "hub_coordinator_cpu_s": round(b["coordinator_s"] - a["coordinator_s"], 4),
+        "hub_shards_cpu_s": round(b["shards_s"] - a["shards_s"], 4),
+        "hub_cpu_s_per_gb": _per_gb(hub, gb_moved),
+        "hub_window_s": round(window, 4),
+        "hub_cores": hub / window if window > 0 else None,
+        "shard_processes": len(b["shard_pids"]),
+        # a shard restarted or vanished during the timed loop: its work was partly lost
+        "shard_pids_changed": a["shard_pids"] != b["shard_pids"],
+    }
+
+
 def run_gradstar(ranks: int, elements: int, warmup: int, iters: int, timeout: float,
-                 label: str) -> dict:
-    job = f"bench-allreduce-n{ranks}-e{elements}-{uuid.uuid4().hex[:8]}"
-    coord = CoordinatorProcess()
+                 label: str, shards: int, chunk_bytes: int | None) -> dict:
+    job = f"bench-allreduce-n{ranks}-e{elements}-k{shards}-{uuid.uuid4().hex[:8]}"
+    # K shard processes each import gradstar and register before the coordinator listens.
+    coord = CoordinatorProcess(shards=shards, start_timeout=60.0 + 10.0 * shards)
     summary = None
     try:
         coord.start()
-        cpu0 = coord.cpu_seconds()
-        results = run_ranks(gradstar_rank, ranks,
-                            (coord.address, job, elements, warmup, iters),
-                            timeout=timeout, label=f"gradstar {label}")
-        cpu1 = coord.cpu_seconds()
+        samples: dict[int, tuple[float, dict | None]] = {}
+
+        def sample(point: int) -> None:
+            samples[point] = (time.monotonic(), coord.cpu_sample())
+
+        with DriverSync(ranks, 2, sample, timeout=timeout) as sync:
+            results = run_ranks(gradstar_rank, ranks,
+                                (coord.address, job, elements, warmup, iters, chunk_bytes,
+                                 sync.handle),
+                                timeout=timeout, label=f"gradstar {label}")
         if not coord.alive():
             raise BenchmarkError(f"[gradstar {label}] the coordinator exited during the run "
                                  f"(code {coord.proc.returncode}); log tail:\n{coord.log_tail()}")
-        summary = _summary(results, elements * 4)
-        summary["coordinator_cpu_s"] = (None if cpu0 is None or cpu1 is None
-                                        else round(cpu1 - cpu0, 3))
+        used = {r["shards"] for r in results}
+        if used != {shards} and used != {None}:
+            raise BenchmarkError(f"[gradstar {label}] the coordinator was started with --shards "
+                                 f"{shards} but the ranks' groups are striped over {sorted(used)} "
+                                 "shards")
+        summary = _summary(results, elements * 4, iters)
+        summary |= _hub_cpu(samples, summary["gb_moved"])
+        summary["shards"] = shards
+        summary["shards_seen_by_ranks"] = results[0]["shards"]
+        summary["chunk_bytes"] = chunk_bytes
+        summary["sync_errors"] = sync.errors
+        if sync.errors:
+            print(f"  note: [gradstar {label}] hub CPU not sampled: {'; '.join(sync.errors)}",
+                  file=sys.stderr)
+        if summary.get("shard_pids_changed"):
+            print(f"  note: [gradstar {label}] a shard process restarted during the timed loop",
+                  file=sys.stderr)
     except BenchmarkError as error:
         tail = coord.log_tail() if coord.proc is not None else "(not started)"
         raise BenchmarkError(f"{error}\n--- coordinator log tail ---\n{tail}") from None
@@ -226,7 +317,7 @@ def run_gloo(ranks: int, elements: int, warmup: int, iters: int, timeout: float,
     init_method = f"tcp://127.0.0.1:{free_port()}"
     results = run_ranks(gloo_rank, ranks, (init_method, elements, warmup, iters),
                         timeout=timeout, label=f"gloo {label}")
-    return _summary(results, elements * 4)
+    return _summary(results, elements * 4, iters)
 
 
 def default_timeout(ranks: int, size_mb: float, warmup: int, iters: int) -> float:
@@ -265,6 +356,87 @@ def _environment() -> dict:
 
 
 
+
+def _client_default_chunk_bytes() -> int | None:
+    try:
+        from gradstar.wire import DEFAULT_CHUNK_BYTES
+    except ImportError:
+        return None
+    return DEFAULT_CHUNK_BYTES
+
+
+def _max_chunk_bytes() -> int:
+    try:
+        from gradstar.wire import MAX_CHUNK_BYTES
+    except ImportError:
+        return 16 * MiB
+    return MAX_CHUNK_BYTES
+
+
+def gradstar_configs(shards: list[int], chunk_mb: list[float] | None) -> list[dict]:
+    """One gradstar configuration per (K, chunk size); named ``K=2`` (``K=2 chunk=4MiB`` when
+    more than one chunk size is measured)."""
+    chunks = [None] if not chunk_mb else [max(4, int(c * MiB)) // 4 * 4 for c in chunk_mb]
+    configs = []
+    for k in shards:
+        for c, mb in zip(chunks, chunk_mb or [None], strict=True):
+            name = f"K={k}" + (f" chunk={mb:g}MiB" if len(chunks) > 1 else "")
+            configs.append({"name": name, "shards": k, "chunk_bytes": c, "chunk_mb": mb})
+    return configs
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _tables(rows: list[dict], configs: list[dict]) -> tuple[str, str]:
+    """(one row per (ranks, size): gloo and one column per gradstar configuration with its
+    ratio; one row per (ranks, size, backend): time, GB/s/rank and CPU s/GB)."""
+
+    def ms(result: dict | None) -> str:
+        if result is None:
+            return "-"  # not run (--backends)
+        return "FAILED" if result["error"] else f"{result['median_ms']:.2f}"
+
+    summary_rows, detail_rows = [], []
+    for r in rows:
+        line = [r["ranks"], f"{r['size_mb']:g}", ms(r["gloo"])]
+        for c in configs:
+            result = r["gradstar"].get(c["name"])
+            cell = ms(result)
+            if result is not None and not result["error"] and result.get("ratio") is not None:
+                cell += f" ({result['ratio']:.2f})"
+            line.append(cell)
+        summary_rows.append(line)
+        backends = [("gloo", r["gloo"])] + [(f"gradstar {c['name']}", r["gradstar"].get(c["name"]))
+                                            for c in configs]
+        for name, result in backends:
+            if result is None:
+                continue
+            if result["error"]:
+                detail_rows.append([r["ranks"], f"{r['size_mb']:g}", name, "FAILED"]
+                                   + ["-"] * 6)
+                continue
+            hub = result.get("hub_cpu_s_per_gb")
+            ranks_cpu = result.get("ranks_cpu_s_per_gb")
+            total = None if ranks_cpu is None else ranks_cpu + (hub or 0.0)
+            if name != "gloo" and hub is None:
+                total = None  # the hub's share is unknown
+            detail_rows.append([
+                r["ranks"], f"{r['size_mb']:g}", name, f"{result['median_ms']:.2f}",
+                _fmt(result.get("ratio"), ".2f"), _fmt(result["algbw_gbps"], ".3f"),
+                "-" if name == "gloo" else _fmt(hub, ".3f"), _fmt(ranks_cpu, ".3f"),
+                _fmt(total, ".3f"),
+                "-" if name == "gloo" else _fmt(result.get("hub_cores"), ".2f"),
+            ])
+    summary = format_table(["ranks", "size MB", "gloo ms"]
+                           + [f"gradstar {c['name']} ms (ratio)" for c in configs], summary_rows)
+    detail = format_table(["ranks", "size MB", "backend", "ms", "ratio", "GB/s/rank",
+                           "hub CPU s/GB", "ranks CPU s/GB", "total CPU s/GB", "hub cores"],
+                          detail_rows)
+    return summary, detail
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="all_reduce: gradstar vs torch.distributed gloo, measured in the same run.")
@@ -278,6 +450,12 @@ def main(argv: list[str] | None = None) -> int:
                         "(default by size: 5 / 3 / 2 / 1)")
     parser.add_argument("--backends", nargs="+", choices=["gradstar", "gloo"],
                         default=["gradstar", "gloo"], help="which backends to run (default both)")
+    parser.add_argument("--shards", type=int, nargs="+", default=[0], metavar="K",
+                        help="run gradstar once per value, its coordinator started with "
+                             "--shards K (0: the single in-process hub; default 0)")
+    parser.add_argument("--chunk-mb", type=float, nargs="+", metavar="MB",
+                        help="gradstar chunk sizes in MiB (init_process_group(chunk_bytes=...)); "
+                             "gradstar runs once per value (default: the client's default)")
     parser.add_argument("--config-timeout", type=float,
                         help="seconds allowed per backend per configuration (default: scaled by "
                              "size, 120..600)")
@@ -287,14 +465,25 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--iters must be at least 1")
     if args.warmup is not None and args.warmup < 0:
         parser.error("--warmup must be at least 0")
+    if any(k < 0 for k in args.shards) or len(set(args.shards)) != len(args.shards):
+        parser.error("--shards takes distinct values >= 0")
+    if args.chunk_mb is not None:
+        limit = _max_chunk_bytes()
+        if any(not 0 < c * MiB <= limit for c in args.chunk_mb):
+            parser.error(f"--chunk-mb values must be in (0, {limit / MiB:g}]")
+        if len(set(args.chunk_mb)) != len(args.chunk_mb):
+            parser.error("--chunk-mb takes distinct values")
+    configs = gradstar_configs(args.shards, args.chunk_mb) if "gradstar" in args.backends else []
 
     # SIGTERM -> SystemExit, so the finally blocks kill every child before we exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     env = _environment()
+    env["client_default_chunk_bytes"] = _client_default_chunk_bytes()
     print(f"gradstar all_reduce benchmark: python {env['python']}, torch {env['torch']}, "
           f"numpy {env['numpy']}, gradstar {env['gradstar']} ({env['git_commit']}), "
-          f"{env['cpus']} CPUs, load average {env['loadavg_at_start']}", flush=True)
+          f"{env['cpus']} CPUs, load average {env['loadavg_at_start']}; gradstar hubs: "
+          f"{', '.join(c['name'] for c in configs) or 'none'}", flush=True)
     run_start = time.monotonic()
     rows, failures = [], []
     for ranks in args.ranks:
@@ -305,58 +494,64 @@ def main(argv: list[str] | None = None) -> int:
             timeout = args.config_timeout or default_timeout(ranks, size_mb, warmup, iters)
             label = f"ranks={ranks} size={size_mb:g}MiB"
             row = {"ranks": ranks, "size_mb": size_mb, "bytes": nbytes, "warmup": warmup,
-                   "iters": iters}
-            for backend in ("gradstar", "gloo"):
-                if backend not in args.backends:
-                    row[backend] = None
-                    continue
-                runner = run_gradstar if backend == "gradstar" else run_gloo
+                   "iters": iters, "gb_moved": nbytes * ranks * iters / 1e9,
+                   "gloo": None, "gradstar": {}}
+            runs = [("gloo", None)] if "gloo" in args.backends else []
+            runs += [("gradstar", c) for c in configs]
+            for backend, config in runs:
+                name = backend if config is None else f"gradstar {config['name']}"
                 t0 = time.monotonic()
                 try:
-                    result = runner(ranks, elements, warmup, iters, timeout, label)
+                    if config is None:
+                        result = run_gloo(ranks, elements, warmup, iters, timeout, label)
+                    else:
+                        result = run_gradstar(ranks, elements, warmup, iters, timeout,
+                                              f"{label} {config['name']}", config["shards"],
+                                              config["chunk_bytes"])
                 except BenchmarkError as error:
                     result = {"median_ms": None, "algbw_gbps": None, "error": str(error)}
-                    failures.append((backend, label, str(error)))
+                    failures.append((name, label, str(error)))
                 result["elapsed_s"] = round(time.monotonic() - t0, 2)
-                row[backend] = result
+                if config is None:
+                    row["gloo"] = result
+                else:
+                    result["config"] = config["name"]
+                    row["gradstar"][config["name"]] = result
                 status = ("FAILED" if result["error"] else
                           f"median {result['median_ms']:.2f} ms")
-                print(f"  {backend:8s} {label:26s} {status:>22s}  "
+                print(f"  {name:28s} {label:26s} {status:>22s}  "
                       f"({warmup}+{iters} iters, {result['elapsed_s']:.1f} s)",
                       file=sys.stderr, flush=True)
-            g = (row["gradstar"] or {}).get("median_ms")
             b = (row["gloo"] or {}).get("median_ms")
-            row["ratio"] = g / b if g is not None and b else None
+            for result in row["gradstar"].values():
+                g = result.get("median_ms")
+                result["ratio"] = g / b if g is not None and b else None
             rows.append(row)
 
     total = time.monotonic() - run_start
-    def cell(row: dict, backend: str, key: str, spec: str) -> str:
-        result = row[backend]
-        if result is None:
-            return "-"  # not run (--backends)
-        return "FAILED" if result["error"] else format(result[key], spec)
-
-    table = format_table(
-        ["ranks", "size MB", "gradstar ms", "gloo ms", "ratio (gradstar/gloo)",
-         "gradstar algbw GB/s"],
-        [[r["ranks"], f"{r['size_mb']:g}",
-          cell(r, "gradstar", "median_ms", ".2f"),
-          cell(r, "gloo", "median_ms", ".2f"),
-          "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
-          cell(r, "gradstar", "algbw_gbps", ".3f")] for r in rows],
-    )
+    summary, detail = _tables(rows, configs)
     print()
-    print(table)
-    print(f"\nmedian of rank 0's timed iterations; MB = MiB of float32 per rank; "
-          f"algbw = bytes / median (GB = 1e9 B); total runtime {total:.1f} s; "
-          f"load average at end {loadavg()}")
+    print(summary)
+    print()
+    print(detail)
+    chunk = env["client_default_chunk_bytes"]
+    print(f"\nms: median of rank 0's timed iterations; MB = MiB of float32 per rank; ratio = "
+          f"gradstar ms / gloo ms; K = coordinator --shards K (0: in-process hub); chunk: "
+          f"{'client default ' + format(chunk / MiB, 'g') + ' MiB' if chunk else 'client default'}"
+          f" unless named.\nGB/s/rank = bytes per rank / median (GB = 1e9 B). GB moved = bytes "
+          f"each rank contributes x ranks x timed iterations. hub CPU = coordinator + its shard "
+          f"processes (/proc, user+system), ranks CPU = sum of the ranks' process_time(), both "
+          f"over the timed loop only; s/GB = CPU seconds / GB moved; total = hub + ranks; hub "
+          f"cores = hub CPU s / loop wall s.\ntotal runtime {total:.1f} s; load average at end "
+          f"{loadavg()}")
     for backend, label, error in failures:
         print(f"\nFAILED: {backend} {label}:\n{error}")
     if args.json:
         args.json.write_text(json.dumps(
             {"benchmark": "allreduce", "environment": env, "runtime_s": round(total, 2),
-             "loadavg_at_end": loadavg(),
-             "rows": rows}, indent=2) + "\n")
+             "loadavg_at_end": loadavg(), "args": {k: (str(v) if isinstance(v, Path) else v)
+                                                   for k, v in vars(args).items()},
+             "gradstar_configs": configs, "rows": rows}, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 1 if failures else 0
 

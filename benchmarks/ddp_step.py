@@ -6,7 +6,8 @@ What is measured
     ``--batch`` rows of a deterministic random batch, in three configurations run one after the
     other in the same invocation:
 
-    * gradstar: a ``gradstar coordinator`` subprocess on 127.0.0.1 and
+    * gradstar: a ``gradstar coordinator --shards K`` subprocess on 127.0.0.1 (``--shards``,
+      default 0: the single in-process hub; K > 0: K shard processes carry the collectives) and
       ``gradstar.DDP(model, pg, bucket_cap_mb=...)`` (optionally ``--compression bf16``);
     * gloo: ``torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=...)`` over
       ``init_process_group("gloo", init_method="tcp://127.0.0.1:<free port>")``;
@@ -26,6 +27,7 @@ What is measured
 How to reproduce
     .venv/bin/python benchmarks/ddp_step.py                       # defaults: 2 ranks, 3+10 steps
     .venv/bin/python benchmarks/ddp_step.py --ranks 2 --iters 20 --compression bf16 --json out.json
+    .venv/bin/python benchmarks/ddp_step.py --ranks 4 --shards 2        # hub with 2 shards
 """
 
 from __future__ import annotations
@@ -119,10 +121,20 @@ def gradstar_rank(rank: int, world_size: int, address: str, job: str, batch: int
         t = ddp.last_step_timeline
         result["buckets"] = len(ddp.bucket_plan)
         result["launched_during_backward"] = t.launched_during_backward
+        result["shards"] = _group_shards(pg)
         pg.barrier()
     finally:
         pg.close()
     return result
+
+
+def _group_shards(pg) -> int | None:
+    """How many hub shards the group's collectives are striped over (None: not exposed)."""
+    for obj in (pg, getattr(pg, "_group", None)):
+        shards = getattr(obj, "shards", None)
+        if shards is not None:
+            return len(shards)
+    return None
 
 
 def gloo_rank(rank: int, world_size: int, init_method: str, batch: int, warmup: int, iters: int,
@@ -165,6 +177,21 @@ def _check_ranks_agree(results: list[dict], label: str) -> None:
                                  f"(max abs diff {worst:g}): the replicas diverged")
 
 
+def coordinator(shards: int) -> CoordinatorProcess:
+    """The hub for a gradstar configuration: ``gradstar coordinator --shards K`` (K shard
+    processes each start and register before the coordinator prints its address)."""
+    return CoordinatorProcess(shards=shards, start_timeout=60.0 + 10.0 * shards)
+
+
+def check_shards(results: list[dict], shards: int, label: str) -> None:
+    """Fail if the ranks' groups are not striped over the ``shards`` the hub was started with
+    (ranks that do not report it are not checked)."""
+    seen = {r.get("shards") for r in results} - {None}
+    if seen and seen != {shards}:
+        raise BenchmarkError(f"[{label}] the coordinator was started with --shards {shards} but "
+                             f"the ranks' groups are striped over {sorted(seen)} shards")
+
+
 
 def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     """The DDP-step options this benchmark shares with benchmarks/torch_backend.py."""
@@ -173,6 +200,9 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument("--shards", type=int, default=0, metavar="K",
+                        help="start gradstar's coordinator with --shards K (default 0: the "
+                             "single in-process hub)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,22 +212,27 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run gradstar with this gradient compression")
     add_run_arguments(parser)
     args = parser.parse_args(argv)
+    if args.shards < 0:
+        parser.error("--shards must be at least 0")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     import torch
 
     print(f"gradstar DDP step benchmark: torch {torch.__version__}, {os.cpu_count()} CPUs, "
           f"{args.ranks} ranks x batch {args.batch}, MLP {WIDTHS}, bucket_cap_mb "
-          f"{args.bucket_cap_mb:g}, {args.warmup}+{args.iters} steps, load average "
-          f"{loadavg()}", flush=True)
+          f"{args.bucket_cap_mb:g}, {args.warmup}+{args.iters} steps, coordinator --shards "
+          f"{args.shards}, load average {loadavg()}", flush=True)
     common = (args.batch, args.warmup, args.iters)
 
     def gradstar_run(compression):
-        with CoordinatorProcess() as coord:
+        label = f"gradstar {compression or ''}".strip()
+        with coordinator(args.shards) as coord:
             job = f"bench-ddp-{uuid.uuid4().hex[:8]}"
-            return run_ranks(gradstar_rank, args.ranks,
-                             (coord.address, job, *common, args.bucket_cap_mb, compression),
-                             timeout=args.timeout, label=f"gradstar {compression or ''}")
+            results = run_ranks(gradstar_rank, args.ranks,
+                                (coord.address, job, *common, args.bucket_cap_mb, compression),
+                                timeout=args.timeout, label=label)
+        check_shards(results, args.shards, label)
+        return results
 
     configs = [("local", lambda: run_ranks(local_rank, args.ranks, common,
                                            timeout=args.timeout, label="local")),
@@ -228,12 +263,15 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([name, f"{ms:.1f}", ratio, overlap, diff])
         summary[name] = {"median_ms": ms, "rank0_times_ms": [t * 1e3 for t in results[0]["times"]],
                          "median_ms_by_rank": [median(r["times"]) * 1e3 for r in results]}
+        if name.startswith("gradstar"):
+            summary[name]["shards"] = args.shards
     print()
     print(format_table(["backend", "ms/step", "ratio vs gloo", "buckets launched in backward",
                         "max |param - gloo param|"], rows))
     params = next((r[0]["params"] for r in runs.values() if r), None)
     print(f"\nrank 0's median over {args.iters} timed steps; {params} parameters; local = the "
-          f"same step without communication; load average at end {loadavg()}")
+          f"same step without communication; gradstar's hub: coordinator --shards "
+          f"{args.shards}; load average at end {loadavg()}")
     for name, error in failures:
         print(f"\nFAILED: {name}:\n{error}")
     if args.json:

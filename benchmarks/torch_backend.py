@@ -7,7 +7,8 @@ What is measured
     torch code in every configuration; only ``init_process_group`` differs:
 
     * gloo: ``init_process_group("gloo", init_method="file://...")``;
-    * gradstar: a ``gradstar coordinator`` subprocess on 127.0.0.1 and
+    * gradstar: a ``gradstar coordinator --shards K`` subprocess on 127.0.0.1 (``--shards``,
+      default 0: the single in-process hub) and
       ``init_process_group("gradstar", init_method="gradstar://127.0.0.1:PORT?job=...")``;
     * local: the bare model, no communication (the compute floor);
     * with ``--native``, also gradstar's own ``gradstar.DDP`` for comparison.
@@ -20,6 +21,7 @@ What is measured
 How to reproduce
     .venv/bin/python benchmarks/torch_backend.py                        # 2 ranks, 3+10 steps
     .venv/bin/python benchmarks/torch_backend.py --ranks 4 --iters 20 --native --json out.json
+    .venv/bin/python benchmarks/torch_backend.py --ranks 4 --shards 2    # hub with 2 shards
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import (
-    CoordinatorProcess,
     add_run_arguments,
     format_table,
     loadavg,
@@ -51,6 +52,8 @@ from ddp_step import (
     _model,
     _train,
     add_step_arguments,
+    check_shards,
+    coordinator,
     gloo_rank,
     gradstar_rank,
     local_rank,
@@ -87,21 +90,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--native", action="store_true", help="also run gradstar.DDP")
     add_run_arguments(parser)
     args = parser.parse_args(argv)
+    if args.shards < 0:
+        parser.error("--shards must be at least 0")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     import torch
 
     print(f"torch DDP step benchmark, backend gradstar vs gloo: torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, {args.ranks} ranks x batch {args.batch}, MLP {WIDTHS}, "
-          f"bucket_cap_mb {args.bucket_cap_mb:g}, {args.warmup}+{args.iters} steps, load "
-          f"average {loadavg()}", flush=True)
+          f"bucket_cap_mb {args.bucket_cap_mb:g}, {args.warmup}+{args.iters} steps, "
+          f"coordinator --shards {args.shards}, load average {loadavg()}", flush=True)
     common = (args.batch, args.warmup, args.iters)
 
     def on_coordinator(target, *extra):
-        with CoordinatorProcess() as coord:
+        with coordinator(args.shards) as coord:
             job = f"bench-torch-{uuid.uuid4().hex[:8]}"
-            return run_ranks(target, args.ranks, (coord.address, job, *common, *extra),
-                             timeout=args.timeout, label=target.__name__)
+            results = run_ranks(target, args.ranks, (coord.address, job, *common, *extra),
+                                timeout=args.timeout, label=target.__name__)
+        check_shards(results, args.shards, target.__name__)
+        return results
 
     def gloo():
         with tempfile.TemporaryDirectory() as folder:
@@ -134,12 +141,14 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([name, f"{ms:.1f}", f"{ms / gloo_ms:.2f}" if gloo_ms else "-", diff])
         summary[name] = {"median_ms": ms, "rank0_times_ms": [t * 1e3 for t in results[0]["times"]],
                          "median_ms_by_rank": [median(r["times"]) * 1e3 for r in results]}
+        if name.startswith("gradstar"):
+            summary[name]["shards"] = args.shards
     print()
     print(format_table(["backend", "ms/step", "ratio vs gloo", "max |param - gloo param|"],
                        rows))
     print(f"\nrank 0's median over {args.iters} timed steps of torch's DDP (gradstar.DDP: "
-          f"gradstar's own wrapper); local = the same step without communication; load average "
-          f"at end {loadavg()}")
+          f"gradstar's own wrapper); local = the same step without communication; gradstar's "
+          f"hub: coordinator --shards {args.shards}; load average at end {loadavg()}")
     for name, error in failures:
         print(f"\nFAILED: {name}:\n{error}")
     if args.json:
