@@ -25,7 +25,7 @@ from gradstar.errors import (
     ProtocolError,
 )
 from gradstar.proto.v1 import collective_pb2 as pb
-from gradstar.wire import dtype_from_wire
+from gradstar.wire import check_chunk_count, check_shape, dtype_from_wire
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,7 @@ def validate(h: pb.CollectiveHeader, world_size: int, limits: Limits) -> None:
     """
     if h.op not in ops.OP_NAMES:
         raise InvalidCollectiveError(f"unknown collective op {h.op}")
+    check_shape(h.shape, f"rank {h.rank}")
     info = dtype_from_wire(h.dtype)
     cb = h.chunk_bytes
     if not 0 < cb <= limits.max_chunk_bytes or cb % info.numpy.itemsize:
@@ -101,6 +102,8 @@ def validate(h: pb.CollectiveHeader, world_size: int, limits: Limits) -> None:
             f"coordinator's limit of {limits.max_tensor_bytes} bytes "
             "(coordinator setting max_tensor_bytes)"
         )
+    check_chunk_count(ops.input_layout(h.op, world_size, nbytes, cb).count, nbytes, cb,
+                      f"rank {h.rank}")
     if h.op == ops.BROADCAST and h.root >= world_size:
         raise InvalidCollectiveError(
             f"broadcast src={h.root} is out of range for world_size {world_size}"

@@ -24,6 +24,7 @@ from gradstar.wire import (
     KIND_CHUNK,
     KIND_END,
     KIND_HEADER,
+    check_header_size,
     decode_message,
     encode_error,
     frame_kind,
@@ -127,6 +128,7 @@ class CollectiveServicer:
         except StopAsyncIteration:
             return
         try:
+            check_header_size(first, "a collective stream")
             header = decode_message(first, KIND_HEADER, cpb.CollectiveHeader)
             if self.admit is not None:
                 await self.admit(header)

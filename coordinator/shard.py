@@ -282,8 +282,8 @@ class Shard:
             itemsize = dtype_from_wire(header.dtype).numpy.itemsize
         except GradstarError:
             return  # the engine refuses the header with its own message
-        if not 0 < header.chunk_bytes or header.op not in ops.OP_NAMES:
-            return
+        if not 0 < header.chunk_bytes or header.op not in ops.OP_NAMES or len(header.shape) > 64:
+            return  # the engine refuses the header with its own message
         nbytes = math.prod(header.shape) * itemsize
         world = self.rendezvous.jobs[header.job].generation.world_size
         layout = ops.input_layout(header.op, world, nbytes, header.chunk_bytes)

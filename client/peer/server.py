@@ -16,7 +16,12 @@ import grpc
 import numpy as np
 
 from gradstar.config import ClientSettings
-from gradstar.errors import ConfigurationError, GradstarError, ProtocolError
+from gradstar.errors import (
+    ConfigurationError,
+    GradstarError,
+    InvalidCollectiveError,
+    ProtocolError,
+)
 from gradstar.proto.v1 import collective_pb2 as cpb
 from gradstar.proto.v1 import peer_pb2 as ppb
 from gradstar.transport.auth import TokenAuthInterceptor
@@ -32,6 +37,9 @@ from gradstar.wire import (
     ChunkLayout,
     ChunkTracker,
     as_byte_view,
+    check_chunk_count,
+    check_header_size,
+    check_shape,
     decode_message,
     dtype_from_wire,
     encode_error,
@@ -140,7 +148,7 @@ class PeerServer:
         try:
             if await self._receive(context, mailbox, src):
                 ending = f"rank {src} closed its peer stream to rank {me.rank}"
-        except ProtocolError as error:
+        except (ProtocolError, InvalidCollectiveError) as error:
             mailbox.close(error)
             await context.write(encode_error(error))
             await abort(context, error)
@@ -179,16 +187,18 @@ class PeerServer:
             if frame_kind(frame) == KIND_END:
                 decode_message(frame, KIND_END, cpb.CollectiveEnd)
                 return True
+            check_header_size(frame, who)
             header = decode_message(frame, KIND_HEADER, ppb.PeerMessageHeader)
             if header.seq != expected_seq:
                 raise ProtocolError(f"{who}: message seq {header.seq}, expected {expected_seq}")
             expected_seq += 1
             info = dtype_from_wire(header.dtype)
-            shape = tuple(header.shape)
+            shape = check_shape(header.shape, who)
             nbytes = math.prod(shape) * info.numpy.itemsize
             if not 0 < header.chunk_bytes <= MAX_CHUNK_BYTES:
                 raise ProtocolError(f"{who}: chunk_bytes {header.chunk_bytes} is out of range")
             layout = ChunkLayout(1, nbytes, header.chunk_bytes)
+            check_chunk_count(layout.count, nbytes, header.chunk_bytes, who)
             reservation = await mailbox.admit(header.tag, nbytes)
             try:
                 out = np.empty(shape, dtype=info.numpy)

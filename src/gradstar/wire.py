@@ -25,7 +25,13 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from gradstar.errors import ConfigurationError, GradstarError, ProtocolError, error_from_wire
+from gradstar.errors import (
+    ConfigurationError,
+    GradstarError,
+    InvalidCollectiveError,
+    ProtocolError,
+    error_from_wire,
+)
 from gradstar.proto.v1 import collective_pb2 as pb
 
 try:
@@ -53,6 +59,12 @@ CHUNK_HEADER_BYTES = _CHUNK_HEADER.size
 
 DEFAULT_CHUNK_BYTES = 2 << 20
 MAX_CHUNK_BYTES = 16 << 20
+# Bounds checked before anything is sized or iterated from a header: a header is small, a tensor
+# has at most as many dimensions as torch allows, and the chunk count (one tracker byte each)
+# stays bounded however small a chunk a sender asks for.
+MAX_HEADER_BYTES = 64 << 10
+MAX_NDIM = 64
+MAX_CHUNKS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -77,6 +89,44 @@ _DTYPES = [
 _BY_NUMPY = {d.numpy: d for d in _DTYPES}
 _BY_WIRE = {d.wire: d for d in _DTYPES}
 SUPPORTED_DTYPES = tuple(d.name for d in _DTYPES)
+
+
+def check_shape(shape, who: str) -> tuple[int, ...]:
+    """``shape`` as a tuple, refused before any arithmetic on it if it has over
+    :data:`MAX_NDIM` dimensions.
+
+    Raises:
+        InvalidCollectiveError: too many dimensions.
+    """
+    if len(shape) > MAX_NDIM:
+        raise InvalidCollectiveError(
+            f"{who} sent a shape of {len(shape)} dimensions; at most {MAX_NDIM} are supported")
+    return tuple(shape)
+
+
+def check_chunk_count(count: int, nbytes: int, chunk_bytes: int, who: str) -> None:
+    """Refuse a layout of over :data:`MAX_CHUNKS` chunks before anything is sized from it.
+
+    Raises:
+        InvalidCollectiveError: naming the smallest chunk size that would do.
+    """
+    if count > MAX_CHUNKS:
+        least = -(-nbytes // MAX_CHUNKS)
+        raise InvalidCollectiveError(
+            f"{who}: chunk_bytes {chunk_bytes} cuts {nbytes} bytes into {count} chunks, over "
+            f"the limit of {MAX_CHUNKS}; use chunk_bytes of at least {least}")
+
+
+def check_header_size(frame: bytes, who: str) -> None:
+    """Refuse a header frame over :data:`MAX_HEADER_BYTES` before parsing it.
+
+    Raises:
+        InvalidCollectiveError: the frame is too large to be a header.
+    """
+    if len(frame) > MAX_HEADER_BYTES:
+        raise InvalidCollectiveError(
+            f"{who} sent a header of {len(frame)} bytes; headers are at most "
+            f"{MAX_HEADER_BYTES} bytes")
 
 
 def dtype_info(dtype: np.dtype) -> DTypeInfo:
