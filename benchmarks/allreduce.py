@@ -123,15 +123,6 @@ def _check(out, world_size: int, elements: int, what: str) -> None:
         )
 
 
-def _group_shards(pg) -> int | None:
-    """How many hub shards the group's collectives are striped over (None: not exposed)."""
-    for obj in (pg, getattr(pg, "_group", None)):
-        shards = getattr(obj, "shards", None)
-        if shards is not None:
-            return len(shards)
-    return None
-
-
 def gradstar_rank(rank: int, world_size: int, address: str, job: str, elements: int,
                   warmup: int, iters: int, chunk_bytes: int | None, sync) -> dict:
     import time
@@ -166,7 +157,7 @@ def gradstar_rank(rank: int, world_size: int, address: str, job: str, elements: 
         sync.reach(1)  # ... and here
         if out is not None:
             _check(out, world_size, elements, f"gradstar rank {rank} last result")
-        shards = _group_shards(pg)
+        shards = len(pg.shards)
         pg.barrier()  # nobody leaves while a peer is still in its last collective
     finally:
         pg.close()

@@ -121,20 +121,11 @@ def gradstar_rank(rank: int, world_size: int, address: str, job: str, batch: int
         t = ddp.last_step_timeline
         result["buckets"] = len(ddp.bucket_plan)
         result["launched_during_backward"] = t.launched_during_backward
-        result["shards"] = _group_shards(pg)
+        result["shards"] = len(pg.shards)
         pg.barrier()
     finally:
         pg.close()
     return result
-
-
-def _group_shards(pg) -> int | None:
-    """How many hub shards the group's collectives are striped over (None: not exposed)."""
-    for obj in (pg, getattr(pg, "_group", None)):
-        shards = getattr(obj, "shards", None)
-        if shards is not None:
-            return len(shards)
-    return None
 
 
 def gloo_rank(rank: int, world_size: int, init_method: str, batch: int, warmup: int, iters: int,

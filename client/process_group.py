@@ -360,6 +360,7 @@ class ProcessGroup:
     generation = property(lambda self: self._group.generation)
     job = property(lambda self: self._group.job)
     peers = property(lambda self: self._group.peers)
+    shards = property(lambda self: self._group.shards)
 
     def _call(self, awaitable, async_op: bool):
         future = self._runner.submit(awaitable)

@@ -9,14 +9,13 @@ results reach torch (threads, futures, errors) in :mod:`.work`; tensor conversio
 
 from .backend import (
     BACKEND,
-    BackendUnsupportedError,
-    GradstarWork,
-    ProcessGroupGradstar,
     parse_init_method,
-    reduce_op_name,
     register_backend,
     shutdown_all,
 )
+from .convert import reduce_op_name
+from .group import BackendUnsupportedError, ProcessGroupGradstar
+from .work import GradstarWork
 
 register_backend()
 

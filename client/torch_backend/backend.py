@@ -67,9 +67,8 @@ from gradstar.client.process_group import init_process_group
 from gradstar.config import ClientSettings
 from gradstar.errors import ConfigurationError
 
-from .convert import reduce_op_name
-from .group import BackendUnsupportedError, ProcessGroupGradstar
-from .work import CompletionThreads, GradstarWork
+from .group import ProcessGroupGradstar
+from .work import CompletionThreads
 
 log = logging.getLogger(__name__)
 
@@ -294,15 +293,3 @@ def register_backend() -> None:
         except RuntimeError:
             pass  # registered by an earlier copy of this module (importlib.reload)
         _registered = True
-
-
-__all__ = [
-    "BACKEND",
-    "BackendUnsupportedError",
-    "GradstarWork",
-    "ProcessGroupGradstar",
-    "parse_init_method",
-    "reduce_op_name",
-    "register_backend",
-    "shutdown_all",
-]

@@ -112,14 +112,9 @@ def _run_shard(args: argparse.Namespace) -> int:
     from gradstar.config import ShardSettings
     from gradstar.errors import GradstarError
 
-    given = {k: v for k, v in vars(args).items() if k not in ("command", "func") and v is not None}
-    try:
-        settings = ShardSettings(**given)
-    except ValidationError as error:
-        print(f"gradstar shard: invalid settings:\n{error}", file=sys.stderr)
+    settings = _server_settings(ShardSettings, args, "shard")
+    if settings is None:
         return 2
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return asyncio.run(_serve_shard(settings))
     except (OSError, GradstarError) as error:
@@ -151,16 +146,25 @@ async def _serve(settings: CoordinatorSettings) -> None:
     await coordinator.stop()
 
 
-def _run_coordinator(args: argparse.Namespace) -> int:
+def _server_settings(cls, args: argparse.Namespace, command: str, **defaults):
+    """``cls`` (a settings class) from the flags given, over ``defaults``, with logging set up;
+    None (after printing why) if they are invalid."""
     given = {k: v for k, v in vars(args).items() if k not in ("command", "func") and v is not None}
-    given.setdefault("shards", os.environ.get("GRADSTAR_SHARDS", "auto"))
     try:
-        settings = CoordinatorSettings(**given)
+        settings = cls(**{**defaults, **given})
     except ValidationError as error:
-        print(f"gradstar coordinator: invalid settings:\n{error}", file=sys.stderr)
-        return 2
+        print(f"gradstar {command}: invalid settings:\n{error}", file=sys.stderr)
+        return None
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return settings
+
+
+def _run_coordinator(args: argparse.Namespace) -> int:
+    settings = _server_settings(CoordinatorSettings, args, "coordinator",
+                                shards=os.environ.get("GRADSTAR_SHARDS", "auto"))
+    if settings is None:
+        return 2
     try:
         asyncio.run(_serve(settings))
     except OSError as error:

@@ -82,11 +82,7 @@ def reduce_op(name: str) -> int:
     Raises:
         ConfigurationError: an unknown name.
     """
-    try:
-        return REDUCE_OPS[name]
-    except (KeyError, TypeError):
-        raise ConfigurationError(
-            f"unknown reduce op {name!r}; use one of {', '.join(REDUCE_OPS)}") from None
+    return _named(REDUCE_OPS, name, "reduce op")
 
 
 def averaging_rule(name: str) -> int:
@@ -95,11 +91,15 @@ def averaging_rule(name: str) -> int:
     Raises:
         ConfigurationError: an unknown name.
     """
+    return _named(AVERAGING_RULES, name, "averaging rule")
+
+
+def _named(table: dict[str, int], name: str, what: str) -> int:
     try:
-        return AVERAGING_RULES[name]
+        return table[name]
     except (KeyError, TypeError):
         raise ConfigurationError(
-            f"unknown averaging rule {name!r}; use one of {', '.join(AVERAGING_RULES)}") from None
+            f"unknown {what} {name!r}; use one of {', '.join(table)}") from None
 
 
 @dataclass(frozen=True)
