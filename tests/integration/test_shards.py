@@ -322,3 +322,35 @@ async def test_shards_show_in_metrics_and_in_gradstar_admin(start_coordinator):
     assert lines[1].split() == ["SLOT", "ADDRESS", "STATE", "IN", "OUT", "REPORTED", "JOBS"]
     assert [line.split()[:3] for line in lines[2:]] == [
         [str(s), r.address, "up"] for s, r in sorted(coordinator.shards.slots.items())]
+
+
+async def test_a_stalled_shard_fails_every_rank_with_a_named_error_within_5_s(start_coordinator):
+    coordinator = await start_coordinator()
+    shard = await start_shard(coordinator.address, env={})
+    try:
+        await wait_for(lambda: len(coordinator.shards.up) == 1, 20)
+        groups = await join_all(coordinator.address, 2, job="stalled", timeout=60)
+        try:
+            x = np.ones(16 << 20, np.float32)
+            await asyncio.gather(*(g.all_reduce(x[:8]) for g in groups))  # works before
+            pending = [asyncio.ensure_future(g.all_reduce(x)) for g in groups]
+            await asyncio.sleep(0)
+            shard.send_signal(signal.SIGSTOP)  # alive, but answers nothing: not even pings
+            stalled = time.monotonic()
+            outcomes = await asyncio.wait_for(
+                asyncio.gather(*pending, return_exceptions=True), 15)
+            elapsed = time.monotonic() - stalled
+        finally:
+            await close_all(groups)
+        # Either every rank completed before the stall took hold, or every rank got the named
+        # error in time; never a hang or a partial result.
+        if all(isinstance(o, np.ndarray) for o in outcomes):
+            pytest.fail("the all_reduce finished before the shard stopped; make it larger")
+        for outcome in outcomes:
+            assert isinstance(outcome, errors.ShardLostError), outcome
+        assert elapsed < 5, elapsed
+        assert coordinator.shards.slots[0].state == "lost"
+    finally:
+        shard.send_signal(signal.SIGCONT)
+        shard.kill()
+        await asyncio.wait_for(shard.wait(), 10)
