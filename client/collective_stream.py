@@ -27,6 +27,15 @@ status. The call's deadline is only a backstop: the hub times a collective out i
 status, which grpc-python may misreport as INTERNAL when the server finishes while this side is
 still writing.
 
+Cancellation: a collective cancelled on this rank (its task cancelled, ``asyncio.wait_for``
+expiring) fails on every rank. Once the hub holds the rank's header, hanging up does that: the
+hub fails a collective whose stream closes before its end marker. Before the hub has it (the
+header is written by grpc's own task, so a cancelled caller cannot tell), the hub would not know
+this rank is gone, its session being alive, and the other ranks would wait out the timeout; so
+a stream cancelled before the hub's accept also sends the hub the header alone on a new stream
+(:func:`_abandon`). A collective coroutine cancelled before it ever ran sent nothing and sends
+nothing: that one still costs the other ranks the timeout.
+
 Shape of this module: :class:`StreamReceiver` is the bookkeeping of one stream's incoming side
 (a state machine with no I/O); :func:`run_stream` runs ONE stream to ONE :class:`Target` for a
 given set of chunks to send and result chunks to admit, writing into a shared result buffer;
@@ -77,6 +86,10 @@ log = logging.getLogger(__name__)
 # The hub answers a late collective with its own timeout error; the call's deadline is only a
 # backstop for a hub that stopped answering altogether.
 DEADLINE_MARGIN = 10.0
+#: How long a cancelled collective's notice to the hub (:func:`_abandon`) may take.
+ABANDON_TIMEOUT = 5.0
+# Notices in flight: the event loop holds tasks only weakly.
+_abandoning: set[asyncio.Task] = set()
 
 
 @dataclass(frozen=True)
@@ -219,10 +232,35 @@ async def run_stream(target: Target, header: pb.CollectiveHeader, plan: Collecti
             if failure is not None:
                 raise failure from None
         raise error_from_rpc(error, what, target.address) from None
+    except asyncio.CancelledError:
+        if receiver.phase is Phase.AWAITING_ACCEPT:
+            notice = asyncio.ensure_future(_abandon(target, header, metadata))
+            _abandoning.add(notice)
+            notice.add_done_callback(_abandoning.discard)
+        raise
     finally:
         call.cancel()
     # read() raises for a non-OK status, so this is an OK status without an END frame.
     raise ProtocolError(f"{what}: the coordinator closed the stream without an end marker")
+
+
+async def _abandon(target: Target, header: pb.CollectiveHeader, metadata) -> None:
+    """Tell ``target`` this rank gave up collective ``header``: the header alone, then a
+    half-close, which the hub answers by failing the collective on every rank (and on ranks
+    arriving later). If the cancelled stream's header did arrive, the hub already failed the
+    collective or refuses the duplicate; either way no rank waits out the timeout."""
+
+    async def header_only():
+        yield encode_message(KIND_HEADER, header)
+
+    call = target.stream(header_only(), metadata=metadata, timeout=ABANDON_TIMEOUT)
+    try:
+        await call.read()  # the hub's ERROR frame: the collective has failed
+    except Exception as error:  # best effort: the group may be closing under it
+        log.debug("collective seq %d: telling %s it was cancelled failed (%s)", header.seq,
+                  target.address, type(error).__name__)
+    finally:
+        call.cancel()
 
 
 async def run_collective(targets: Sequence[Target], header: pb.CollectiveHeader,

@@ -22,13 +22,13 @@ from gradstar.allocator import tune_allocator
 from gradstar.config import ClientSettings
 from gradstar.errors import (
     ConfigurationError,
-    CoordinatorUnavailableError,
     GradstarError,
     InvalidCollectiveError,
     ProcessGroupClosedError,
 )
 from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.transport.channels import call_metadata, open_channel
+from gradstar.transport.tls_check import wait_connected
 from gradstar.wire import aligned_chunk_bytes, dtype_info
 
 from .coalesced import all_reduce_coalesced
@@ -64,8 +64,8 @@ class AsyncProcessGroup:
         self._closed = False
         self._peer_endpoint = peer_endpoint
         if peer_endpoint is not None:
-            peer_endpoint.bind(Identity(self.job, self.generation, self.rank, self.world_size),
-                               self.peers, session)
+            peer_endpoint.bind(Identity(self.job, self.generation, self.rank, self.world_size,
+                                        joined.peer_key), self.peers, session)
 
     # -- collectives ---------------------------------------------------------------------------
 
@@ -308,14 +308,8 @@ async def init_process_group_async(
     peer_endpoint = PeerEndpoint(settings, call_metadata(settings))
     try:
         peer_address = await peer_endpoint.start(peer_address)
-        try:
-            await asyncio.wait_for(channel.channel_ready(), settings.connect_timeout)
-        except TimeoutError:
-            raise CoordinatorUnavailableError(
-                f"could not reach the coordinator at {settings.coordinator} within "
-                f"{settings.connect_timeout:g} s; is `gradstar coordinator` running there, and "
-                "do TLS settings match?"
-            ) from None
+        await wait_connected(channel, settings.coordinator, settings.connect_timeout,
+                             settings.tls_ca, settings.tls_cert, settings.tls_key)
         session = Session(channel, call_metadata(settings), settings.coordinator)
         await session.join(settings.job, settings.world_size, settings.rank,
                            peer_address, settings.join_timeout)

@@ -14,6 +14,10 @@ from .averaging import AveragingStore
 from .rendezvous import Job, Rendezvous
 from .shards import ShardRegistry
 
+#: Jobs per ListJobs page at most (each summary is small; a page stays far below the message
+#: limit even with 256-character names).
+PAGE_SIZE = 1000
+
 
 def job_summary(job: Job) -> apb.JobSummary:
     gen = job.generation
@@ -81,9 +85,13 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self._drain = drain
 
     async def ListJobs(self, request, context):
+        """Jobs in name order, a page at a time (jobs after ``page_token``)."""
+        size = min(request.page_size or PAGE_SIZE, PAGE_SIZE)
+        names = sorted(n for n in self.rendezvous.jobs if n > request.page_token)
+        page = names[:size]
         return apb.ListJobsResponse(
-            jobs=[job_summary(j) for _, j in sorted(self.rendezvous.jobs.items())]
-        )
+            jobs=[job_summary(self.rendezvous.jobs[n]) for n in page],
+            next_page_token=page[-1] if len(names) > size else "")
 
     async def GetJob(self, request, context):
         job = self.rendezvous.jobs.get(request.job)

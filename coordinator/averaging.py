@@ -16,16 +16,18 @@ happens exactly once, on the hub:
 
 Updates go to staging arrays and replace the model only when the round completes on every rank;
 a failed round changes nothing. With a state directory, each completed round is written to
-``<state_dir>/<job>/<model>.npz`` (temporary file, fsync, rename) before the ranks get their END
-frame, so a coordinator restart loses no completed round.
+``<state_dir>/<job stem>/<model stem>.npz`` (temporary file, fsync, rename) before the ranks get
+their END frame, so a coordinator restart loses no completed round. The stems come from
+:func:`state_file_stem`, so no job or model name can reach outside the state directory.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import string
 import tempfile
-import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +38,24 @@ from gradstar.errors import InvalidCollectiveError
 from gradstar.proto.v1 import collective_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+#: Characters a state file stem keeps as they are; every other byte is written ``%XX``.
+_READABLE = frozenset((string.ascii_letters + string.digits + "_-").encode())
+#: Bytes of a name shown in its stem: with the hash, a stem stays far below 255 bytes.
+_READABLE_BYTES = 40
+
+
+def state_file_stem(name: str) -> str:
+    """A file name for ``name`` that stays inside its directory and differs for every name.
+
+    A readable prefix (the first bytes of the UTF-8 name, each byte outside ``[A-Za-z0-9_-]``
+    written ``%XX``, so ``.``, ``/``, ``\\`` and NUL never survive) and 80 bits of the SHA-256
+    of the exact name, which tells apart names that share a prefix or differ only after it.
+    The stem is at most 141 characters and never starts with ``.`` (temporary files do).
+    """
+    raw = name.encode("utf-8", "surrogatepass")
+    prefix = "".join(chr(b) if b in _READABLE else f"%{b:02X}" for b in raw[:_READABLE_BYTES])
+    return f"{prefix or '_'}-{hashlib.sha256(raw).hexdigest()[:20]}"
 
 
 @dataclass(eq=False)
@@ -153,8 +173,7 @@ class AveragingStore:
         self._models[key] = model
 
     def _path(self, key: tuple[str, str]) -> Path:
-        # Quoted so that no job or model name can reach outside the state directory.
-        job, name = (urllib.parse.quote(part, safe="") for part in key)
+        job, name = (state_file_stem(part) for part in key)
         return self.state_dir / job / f"{name}.npz"
 
     @staticmethod

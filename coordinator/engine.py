@@ -20,6 +20,20 @@ Protocol of one collective (one stream per rank, see ``collective.proto`` and ``
    ``END``: a client treats its result as valid only after that marker, so a failure at any point
    leaves no rank with a partial result.
 
+Memory: the hub never holds a whole tensor. It stops reading a stream when the collective's
+:class:`ReadWindow` says so, and HTTP/2 flow control then holds the sender back (gRPC itself
+buffers up to its flow-control window, a few MiB to ~16 MiB, per paused stream). Per in-flight
+collective, with ``C`` the chunk size (2 MiB by default) and ``W`` = :data:`READ_AHEAD_CHUNKS`:
+
+* reducing ops (all_reduce, reduce_scatter): inputs at most ``W`` chunks apart, so a few windows
+  of pooled accumulators (``~W x C``), plus at most ``W`` queued result chunks per rank;
+* forwarding ops (broadcast, all_gather): at most ``W x C`` held in all before the collective is
+  matched; afterwards at most ``FORWARD_AHEAD_CHUNKS x C`` queued per receiving rank (one bytes
+  object shared by all the receivers of a frame), plus one chunk per sender being read.
+
+Measured (``tests/robustness/test_memory.py``, ``benchmarks/broadcast_memory.py``): a 512 MiB
+broadcast to 3 ranks, one 5 s late, grows the hub by 70-85 MiB, down from 564 MiB.
+
 Striping: behind a sharded hub each engine (one per shard process) carries one stripe of a
 collective, the input chunks ``i % stripes == stripe`` (:func:`gradstar.ops.in_stripe`); its
 participants send, and get, only those.
@@ -67,9 +81,14 @@ from .rendezvous import Generation, Rendezvous
 #: Placed in a participant's outbox after its END frame: the stream is complete.
 CLOSE = None
 #: How far (in chunks) a rank's input may run ahead of the slowest rank's input and, for
-#: all_reduce, of the slowest rank's output. Held first arrivals, accumulators and queued
-#: results are then bounded by a few windows of chunks, whatever the tensor size or skew.
+#: all_reduce, of the slowest rank's output; also how many forwarded chunks the hub holds before
+#: a collective matches. Held first arrivals, accumulators and queued results are then bounded by
+#: a few windows of chunks, whatever the tensor size or skew.
 READ_AHEAD_CHUNKS = 16
+#: How many forwarded chunks (broadcast, all_gather) may wait in one rank's outbox before the hub
+#: stops reading their senders. Half a window: an all_gather receiver's backlog holds frames of
+#: every other sender, so the distinct frames in flight can reach this times the world size.
+FORWARD_AHEAD_CHUNKS = READ_AHEAD_CHUNKS // 2
 
 
 @dataclass(eq=False)
@@ -93,10 +112,20 @@ class Participant:
 
 
 class ReadWindow:
-    """Backpressure of one reducing collective: the hub reads a rank's next chunk only while
-    that rank is less than :data:`READ_AHEAD_CHUNKS` ahead of the slowest rank's input (and,
-    for all_reduce, of the slowest rank's delivered output); otherwise it stops reading the
-    stream and HTTP/2 flow control holds the rank back."""
+    """Backpressure of one collective: when it may not read a rank's next chunk, the hub stops
+    reading that stream and HTTP/2 flow control holds the rank back.
+
+    Forwarding ops (broadcast, all_gather): before the collective is matched, chunks have no
+    outbox to go to and are held, :data:`READ_AHEAD_CHUNKS` of them in all (so at most that per
+    sender); afterwards a sender is read only while no other rank has
+    :data:`FORWARD_AHEAD_CHUNKS` chunks queued but not yet delivered.
+    Reducing ops: a rank is read only while no rank has :data:`READ_AHEAD_CHUNKS` result chunks
+    queued but not yet delivered, and while it is less than :data:`READ_AHEAD_CHUNKS` ahead of
+    the slowest rank's input (and, for all_reduce, of the slowest rank's delivered output).
+
+    Deliveries wake the waits (:meth:`progressed`), and a rank's outbox drains on its own task
+    while its reads wait, so a rank that both sends and receives cannot block itself.
+    """
 
     def __init__(self, coll: PendingCollective) -> None:
         self.coll = coll
@@ -105,8 +134,14 @@ class ReadWindow:
     def may_read(self, p: Participant) -> bool:
         """Whether the hub should read ``p``'s next chunk now."""
         c = self.coll
-        if c.finished or c.reducer is None:
+        if c.finished:
             return True
+        if c.reducer is None:
+            if not c.matched:
+                return c.held_chunks < READ_AHEAD_CHUNKS
+            return not self._backlogged(p, FORWARD_AHEAD_CHUNKS)
+        if self._backlogged(None, READ_AHEAD_CHUNKS):
+            return False
         low = min(c.participants[r].tracker.received if r in c.participants else 0
                   for r in range(c.world))
         if c.op == ops.ALL_REDUCE:
@@ -114,6 +149,11 @@ class ReadWindow:
             if not c.matched:
                 low = 0
         return p.tracker.received < low + READ_AHEAD_CHUNKS
+
+    def _backlogged(self, sender: Participant | None, window: int) -> bool:
+        """Whether a rank other than ``sender`` has ``window`` chunks queued, undelivered."""
+        return any(q.queued - q.delivered >= window
+                   for q in self.coll.participants.values() if q is not sender)
 
     async def wait(self, p: Participant) -> None:
         """Hold ``p``'s stream until it may read."""
@@ -190,6 +230,11 @@ class PendingCollective:
     def matched(self) -> bool:
         return len(self.participants) == self.world
 
+    @property
+    def held_chunks(self) -> int:
+        """Forwarded chunks read before the collective matched, held until it does."""
+        return len(self._held)
+
     def _on_matched(self) -> None:
         for p in self.participants.values():
             accept = pb.CollectiveAccept(output_chunks=p.output_count)
@@ -197,6 +242,8 @@ class PendingCollective:
         held, self._held = self._held, []
         for sender, index, frame in held:
             self._forward(sender, index, frame)
+        # Senders held back while unmatched may read again (as far as the receivers allow).
+        self.window.progressed()
         self._maybe_complete()
 
     # -- data ----------------------------------------------------------------------------------

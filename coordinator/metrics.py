@@ -80,6 +80,12 @@ class CollectiveMetrics:
         self.last_lag: dict[tuple[str, int], float] = {}
         self.last_arrivals: dict[tuple[str, int], int] = {}
 
+    def forget(self, job: str) -> None:
+        """Drop ``job``'s series (its state was dropped: see Rendezvous.drop_idle)."""
+        for table in (self.durations, self.lags, self.last_lag, self.last_arrivals):
+            for key in [k for k in table if k[0] == job]:
+                del table[key]
+
     def arrived(self, job: str, rank: int, started: float, world: int, arrived: int) -> None:
         """Rank ``rank`` sent its header; ``started`` is when the first one arrived."""
         lag = max(self.clock() - started, 0.0)

@@ -14,7 +14,9 @@ This module does no I/O; the servicers drive it and tests can drive it directly.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
+import unicodedata
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,8 +29,36 @@ from gradstar.errors import (
     JoinTimeoutError,
     RankLostError,
     RendezvousError,
+    TooManyJobsError,
     WorldSizeMismatchError,
 )
+
+#: Longest job name the rendezvous accepts: names go into logs, metrics labels and file names.
+MAX_JOB_NAME_CHARS = 256
+# Control and format characters (newlines, escapes, bidi overrides) and line separators: a
+# job name must not be able to forge log lines or hide what it is in a terminal.
+_UNPRINTABLE = frozenset(("Cc", "Cf", "Cs", "Zl", "Zp"))
+
+
+def check_job_name(job: str) -> None:
+    """Refuse a job name that is empty, too long, or holds control characters.
+
+    Raises:
+        ConfigurationError: the name is empty, longer than :data:`MAX_JOB_NAME_CHARS`
+            characters, or holds a control, format or line separator character.
+    """
+    if not job:
+        raise ConfigurationError("a job name must not be empty")
+    if len(job) > MAX_JOB_NAME_CHARS:
+        raise ConfigurationError(
+            f"a job name is at most {MAX_JOB_NAME_CHARS} characters, got one of {len(job)} "
+            f"starting {job[:40]!r}"
+        )
+    bad = next((c for c in job if unicodedata.category(c) in _UNPRINTABLE), None)
+    if bad is not None:
+        raise ConfigurationError(
+            f"a job name must not contain control characters, got {job!r} (with {bad!r})"
+        )
 
 
 @dataclass(eq=False)
@@ -67,6 +97,9 @@ class Generation:
     #: The hub shards this generation stripes its collectives over (addresses in stripe
     #: order); empty when the coordinator carries them itself. Fixed when it forms.
     shards: list[str] = field(default_factory=list)
+    #: The secret its members prove membership with on peer streams (``Joined.peer_key``);
+    #: random when it forms, empty on a hub shard's adopted copy, never in a repr.
+    peer_key: bytes = field(default=b"", repr=False)
 
     @property
     def healthy(self) -> bool:
@@ -96,6 +129,8 @@ class Job:
     forming: list[Member] = field(default_factory=list)
     generations_formed: int = 0
     counters: JobCounters = field(default_factory=JobCounters)
+    #: When the job was first seen with no live or joining member (None while it has some).
+    idle_since: float | None = None
 
     @property
     def state(self) -> str:
@@ -126,6 +161,8 @@ class Rendezvous:
     ) -> None:
         self.heartbeat_timeout = heartbeat_timeout
         self.jobs: dict[str, Job] = {}
+        #: Jobs held at most (see :meth:`offer`); :meth:`drop_idle` frees finished ones.
+        self.max_jobs = 1 << 62
         self.draining = False
         self._on_generation_failed = on_generation_failed
         self._on_generation_formed = on_generation_formed
@@ -138,7 +175,8 @@ class Rendezvous:
 
         Raises:
             CoordinatorDrainingError: the coordinator takes no new joins.
-            ConfigurationError: world_size or rank out of range.
+            ConfigurationError: world_size or rank out of range, or a job name that
+                :func:`check_job_name` refuses.
             WorldSizeMismatchError: the job is forming or running with another world size.
             DuplicateRankError: a live member already holds ``rank``.
             JoinTimeoutError: not every rank joined within ``timeout`` seconds.
@@ -168,12 +206,18 @@ class Rendezvous:
             raise CoordinatorDrainingError(
                 "the coordinator is draining and accepts no new joins; use another coordinator"
             )
+        check_job_name(job)
         if world_size < 1:
             raise ConfigurationError(f"world_size must be at least 1, got {world_size}")
         if rank is not None and not 0 <= rank < world_size:
             raise ConfigurationError(f"rank {rank} is out of range for world_size {world_size}")
         state = self.jobs.get(job)
         if state is None:
+            if len(self.jobs) >= self.max_jobs:
+                raise TooManyJobsError(
+                    f"the coordinator holds {len(self.jobs)} jobs, its limit (coordinator "
+                    f"setting max_jobs); job {job!r} cannot join until finished jobs are "
+                    "dropped (after job_retention seconds)")
             state = self.jobs[job] = Job(job, world_size)
         busy = state.forming or (state.generation is not None and state.generation.healthy
                                  and state.generation.live_members)
@@ -216,7 +260,8 @@ class Rendezvous:
             m.rank = m.requested_rank if m.requested_rank is not None else next(free)
             members[m.rank] = m
         job.generations_formed += 1
-        gen = Generation(job, job.generations_formed, job.world_size, members)
+        gen = Generation(job, job.generations_formed, job.world_size, members,
+                         peer_key=secrets.token_bytes(32))
         previous, job.generation, job.forming = job.generation, gen, []
         if previous is not None and previous.healthy:
             # Everyone moved on; nothing of the old generation can still be waited for.
@@ -328,6 +373,22 @@ class Rendezvous:
         for m in stale:
             self.lost(m, f"no heartbeat for {now - m.last_seen:.1f} s")
         return stale
+
+    def drop_idle(self, retention: float, now: float | None = None) -> list[str]:
+        """Forget jobs that have had no live or joining member for ``retention`` seconds (their
+        state and counters; a job that joins again starts afresh). Returns their names."""
+        now = time.monotonic() if now is None else now
+        dropped = []
+        for name, job in list(self.jobs.items()):
+            gen = job.generation
+            if job.forming or (gen is not None and gen.live_members and gen.healthy):
+                job.idle_since = None
+            elif job.idle_since is None:
+                job.idle_since = now
+            elif now - job.idle_since >= retention:
+                del self.jobs[name]
+                dropped.append(name)
+        return dropped
 
     def active_jobs(self) -> int:
         return sum(1 for j in self.jobs.values() if j.state in ("running", "forming"))

@@ -89,6 +89,7 @@ class Coordinator:
             on_generation_formed=lambda g: self.shards.on_formed(g),
             on_generation_closed=lambda g: self.shards.on_over(g),
         )
+        self.rendezvous.max_jobs = s.max_jobs
         expected = s.shards if s.expected_shards is None else s.expected_shards
         self.shards = ShardRegistry(self.rendezvous, expected, on_health=self._shards_health)
         self.engine = CollectiveEngine(
@@ -116,9 +117,10 @@ class Coordinator:
         # grpc's servicer answers SERVING for "" until told otherwise: not before the shards.
         await self._set_health(False)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
+        if s.reflection:  # open without a token (see gradstar.transport.auth): opt-in
+            reflection.enable_server_reflection(
+                (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            )
         bind = f"{s.host}:{s.port}"
         if self._tls:
             creds = server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca)
@@ -128,7 +130,7 @@ class Coordinator:
         if port == 0:
             raise OSError(f"could not bind the coordinator to {bind}")
         if s.metrics_port is not None:
-            self._metrics_server = await serve_http(s.host, s.metrics_port,
+            self._metrics_server = await serve_http(s.metrics_host, s.metrics_port,
                                                     {"/metrics": self._metrics_page})
             self.metrics_port = bound_port(self._metrics_server)
         await server.start()
@@ -173,11 +175,16 @@ class Coordinator:
             await self._health.set(name, status)
 
     async def _sweep(self) -> None:
-        """Declare lost the members whose heartbeats stopped (frozen or partitioned ranks)."""
+        """Declare lost the members whose heartbeats stopped (frozen or partitioned ranks), and
+        drop jobs idle for longer than ``job_retention``."""
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval / 2)
             for m in self.rendezvous.expire():
                 log.warning("job %r: rank %d missed heartbeats", m.job, m.rank)
+            for name in self.rendezvous.drop_idle(self.settings.job_retention):
+                self.engine.metrics.forget(name)
+                log.info("job %r dropped after %g s without members", name,
+                         self.settings.job_retention)
 
     async def _metrics_page(self) -> tuple[int, str, bytes]:
         text = render(self.rendezvous, self.engine.metrics, self.averaging, shards=self.shards)

@@ -76,7 +76,7 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
                 member_id=member.member_id,
                 peers=[rpb.Peer(rank=r, address=m.peer_address)
                        for r, m in sorted(gen.members.items())],
-                heartbeat_interval_seconds=self.heartbeat_interval,
+                heartbeat_interval_seconds=self.heartbeat_interval, peer_key=gen.peer_key,
             ))
             while (notice := await member.notices.get()) is not _SESSION_END:
                 yield rpb.SessionEvent(failed=rpb.GenerationFailed(

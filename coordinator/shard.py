@@ -201,6 +201,8 @@ class Shard:
         while True:
             await asyncio.sleep(interval)
             self._reports.put_nowait(spb.ShardReport(stats=self.stats()))
+            for name in self.rendezvous.drop_idle(self.settings.job_retention):
+                self.engine.metrics.forget(name)
 
     def stats(self) -> spb.ShardStats:
         stats = spb.ShardStats()

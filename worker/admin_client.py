@@ -73,10 +73,17 @@ class AdminClient:
             await asyncio.sleep(poll)
 
     async def jobs(self) -> list[admin_pb2.JobSummary]:
-        reply = await self._call(self._admin.ListJobs(
-            admin_pb2.ListJobsRequest(), timeout=self.timeout, metadata=self._metadata),
-            "listing jobs")
-        return list(reply.jobs)
+        """Every job, page after page."""
+        jobs: list[admin_pb2.JobSummary] = []
+        token = ""
+        while True:
+            reply = await self._call(self._admin.ListJobs(
+                admin_pb2.ListJobsRequest(page_token=token), timeout=self.timeout,
+                metadata=self._metadata), "listing jobs")
+            jobs.extend(reply.jobs)
+            token = reply.next_page_token
+            if not token:
+                return jobs
 
     async def job(self, name: str) -> admin_pb2.GetJobResponse:
         """Raises: GradstarError if the coordinator has no job ``name``."""

@@ -6,8 +6,9 @@ The protocol (frames in ``protos/gradstar/proto/v1/peer.proto``):
   (``peer_host``:``peer_port``, port 0 by default) and registers its address at rendezvous;
   ``Joined.peers`` tells every rank where the others are.
 * The first ``send`` to a rank opens ONE long-lived bidirectional stream to it (a
-  :class:`PeerLink`): a hello naming job, generation, sender and receiver, answered by an
-  accept once the receiver has checked them. Every later message to that rank rides the same
+  :class:`PeerLink`): a hello naming job, generation, sender and receiver and proving that
+  the sender is a member of the generation, answered by an accept once the receiver has
+  checked them. Every later message to that rank rides the same
   stream: a header (seq, tag, dtype, shape, chunking), chunk frames with CRC-32s (the collective
   codec of :mod:`gradstar.wire`) and an end marker with the chunk and byte count. The receiver
   acknowledges each complete message by its seq; ``send`` completes with that acknowledgement,
@@ -28,6 +29,30 @@ The protocol (frames in ``protos/gradstar/proto/v1/peer.proto``):
   hub's interceptor. With ``tls_cert`` and ``tls_key`` the peer server serves TLS with them
   (requiring client certificates from ``tls_ca`` when set), and links use the same credentials
   as the hub's channel.
+* Rank identity (:mod:`.proof`): the token only says "some process of this job". When a
+  generation forms, the coordinator draws a random 32-byte *peer key* for it and sends it to
+  the generation's members only, in ``Joined.peer_key`` on their session streams. A hello
+  carries a fresh random 16-byte nonce and HMAC-SHA256 under that key over job, generation,
+  sender, receiver and nonce. The receiver checks the proof in constant time and refuses a
+  nonce it has already accepted in this generation (it remembers the last 4096), raising
+  :class:`~gradstar.errors.AuthenticationError` (UNAUTHENTICATED) that names the claimed rank;
+  a refused stream files nothing in any mailbox.
+
+  What it prevents: a process holding the job token that is not a member of the generation
+  (a rank of an earlier generation, a process that never joined, a rank of another job using
+  the same token) cannot open a stream as any rank, so it cannot inject messages into a recv.
+  A proof names its generation and receiver, so it is void in the next generation and at
+  another rank, and a hello captured on the wire cannot open a second stream while its nonce
+  is remembered.
+
+  What it does not prevent: one member speaking as another. Every member holds the same key,
+  so rank ``s`` can sign a hello claiming to be rank ``t`` of its own generation; a member can
+  already corrupt every collective it takes part in, so members are trusted alike. (Closing
+  that would take a key per pair of ranks: the coordinator sending each rank
+  ``world_size - 1`` keys.) The proof authenticates the hello, not each later frame, and the
+  sender does not authenticate the receiver: without TLS an on-path attacker sees the token
+  and the key (the session stream carries it) and can read or alter any stream; with TLS to
+  the hub and between ranks it sees neither.
 """
 
 from gradstar.wire import PEER_METHOD

@@ -38,6 +38,7 @@ from gradstar.wire import (
 )
 
 from .. import session
+from .proof import sign
 from .server import Identity, LinkLost
 
 
@@ -77,7 +78,8 @@ class PeerLink:
         """Connect, say hello and wait for the receiver's accept.
 
         Raises:
-            AuthenticationError: the peer server refused the token.
+            AuthenticationError: the peer server refused the token or this rank's proof of
+                membership.
             LinkLost: the peer could not be reached within ``connect_timeout``.
             GradstarError: the receiver refused the hello (its ERROR frame).
         """
@@ -89,8 +91,8 @@ class PeerLink:
                                      f"server at {self.address} within {timeout:g} s") from None
         self._call = self._channel.stream_stream(PEER_METHOD)(metadata=self._metadata)
         try:
-            await self._call.write(encode_message(KIND_HEADER, ppb.PeerHello(
-                job=me.job, generation=me.generation, src_rank=me.rank, dst_rank=self.dst)))
+            await self._call.write(encode_message(KIND_HEADER, sign(me.peer_key, ppb.PeerHello(
+                job=me.job, generation=me.generation, src_rank=me.rank, dst_rank=self.dst))))
             first = await asyncio.wait_for(self._call.read(), timeout + session.VERDICT_GRACE)
             if first is grpc.aio.EOF:
                 raise LinkLost(self.dst, f"rank {self.dst} closed the peer stream at once")

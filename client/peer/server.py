@@ -1,8 +1,9 @@
 """The rank's peer server: the receiving side of peer streams.
 
-It checks each incoming stream's hello (job, generation, ranks; the job token is checked by the
-hub's interceptor before), reads the messages of the stream, and files each one in the
-:class:`~gradstar.client.peer.mailbox.Mailbox` of its sender, acknowledging it once it is filed.
+It checks each incoming stream's hello (job, generation, ranks, and the sender's proof of
+membership; the job token is checked by the hub's interceptor before), reads the messages of
+the stream, and files each one in the :class:`~gradstar.client.peer.mailbox.Mailbox` of its
+sender, acknowledging it once it is filed.
 The protocol is described in :mod:`gradstar.client.peer` and ``peer.proto``.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -49,6 +50,7 @@ from gradstar.wire import (
 )
 
 from .mailbox import Mailbox
+from .proof import HelloVerifier
 
 
 class LinkLost(GradstarError):
@@ -71,6 +73,8 @@ class Identity:
     generation: int
     rank: int
     world_size: int
+    #: The generation's secret (``Joined.peer_key``) that hellos are signed with.
+    peer_key: bytes = field(default=b"", repr=False)
 
 
 class PeerServer:
@@ -83,6 +87,7 @@ class PeerServer:
         self.settings = settings
         self.identity: Identity | None = None
         self.mailboxes: dict[int, Mailbox] = {}
+        self._verifier = HelloVerifier(b"")
         self._bound = asyncio.Event()
         self._server: grpc.aio.Server | None = None
 
@@ -120,6 +125,7 @@ class PeerServer:
         s = self.settings
         self.mailboxes = {r: Mailbox(r, s.peer_buffer_messages, s.peer_buffer_bytes)
                           for r in range(identity.world_size) if r != identity.rank}
+        self._verifier = HelloVerifier(identity.peer_key)
         self.identity = identity
         self._bound.set()
 
@@ -175,6 +181,7 @@ class PeerServer:
         if mailbox is None:
             raise ProtocolError(f"rank {me.rank} got a peer stream from invalid rank "
                                 f"{hello.src_rank} (world_size {me.world_size})")
+        self._verifier.verify(hello)
         return mailbox
 
     async def _receive(self, context, mailbox: Mailbox, src: int) -> bool:

@@ -7,9 +7,10 @@
     gradstar demo [--workers 4] [--mode ddp|localsgd|...]        the main job: train, report
     gradstar admin status|jobs|drain|health --coordinator H:P    operator views
 
-Flags fall back to ``GRADSTAR_*`` env vars. ``GRADSTAR_TOKEN_FILE`` and
-``GRADSTAR_ADMIN_TOKEN_FILE`` name files holding the tokens (docker secrets), read when the
-token variables themselves are not set.
+Flags fall back to ``GRADSTAR_*`` env vars. ``--token-file`` / ``--admin-token-file`` (or
+``GRADSTAR_TOKEN_FILE`` / ``GRADSTAR_ADMIN_TOKEN_FILE``, read when the token variables
+themselves are not set) name files holding the tokens (docker secrets). A token given as
+``--token`` or ``--admin-token`` works, with a warning: every local user sees it in ``ps``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -36,17 +36,25 @@ def _coordinator_args(sub: argparse._SubParsersAction) -> None:
                        description="Run the coordinator. Flags override GRADSTAR_* env vars.")
     p.add_argument("--host", help="address to bind (default 0.0.0.0, env GRADSTAR_HOST)")
     p.add_argument("--port", type=int, help="port; 0 picks a free one (default 29400)")
-    p.add_argument("--token", help="job token ranks must send (prefer env GRADSTAR_TOKEN)")
-    p.add_argument("--admin-token", help="token for Admin calls (env GRADSTAR_ADMIN_TOKEN)")
+    _token_args(p, on_command_line=True)
     p.add_argument("--tls-cert", help="PEM certificate chain; enables TLS")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="CA that client certificates must chain to (mTLS)")
     p.add_argument("--max-tensor-bytes", type=int, help="largest payload a rank may send")
     p.add_argument("--state-dir", help="directory for the jobs' global models (LocalSGD/DiLoCo)")
     p.add_argument("--heartbeat-timeout", type=float, help="seconds without heartbeat = lost")
+    p.add_argument("--job-retention", type=float,
+                   help="seconds a job without members is kept before it is dropped (600)")
+    p.add_argument("--max-jobs", type=int, help="jobs held at most; new ones beyond are refused")
     p.add_argument("--metrics-port", type=int,
                    help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port; "
                         "env GRADSTAR_METRICS_PORT)")
+    p.add_argument("--metrics-host",
+                   help="address the metrics endpoint binds (default 127.0.0.1: this host "
+                        "only; env GRADSTAR_METRICS_HOST)")
+    p.add_argument("--reflection", action="store_true", default=None,
+                   help="register gRPC server reflection, open without a token (default off; "
+                        "env GRADSTAR_REFLECTION)")
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING (default INFO)")
     p.add_argument("--shards", type=_shard_count,
                    help="data-plane shard processes to start here: a number, or 'auto' (the "
@@ -55,6 +63,23 @@ def _coordinator_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--expected-shards", type=int,
                    help="shards, local and remote, that must be up to report SERVING "
                         "(default: --shards)")
+
+
+def _token_args(p: argparse.ArgumentParser, *, on_command_line: bool) -> None:
+    """``--token-file`` and ``--admin-token-file``; with ``on_command_line`` also ``--token`` and
+    ``--admin-token``, each exclusive with its file form."""
+    job = p.add_mutually_exclusive_group()
+    admin = p.add_mutually_exclusive_group()
+    if on_command_line:
+        job.add_argument("--token", help="job token ranks must send; visible in ps, prefer "
+                                         "--token-file or env GRADSTAR_TOKEN")
+        admin.add_argument("--admin-token", help="token for Admin calls and shard registration; "
+                                                 "visible in ps, prefer --admin-token-file or "
+                                                 "env GRADSTAR_ADMIN_TOKEN")
+    job.add_argument("--token-file", type=Path,
+                     help="file holding the job token (env GRADSTAR_TOKEN_FILE)")
+    admin.add_argument("--admin-token-file", type=Path,
+                       help="file holding the admin token (env GRADSTAR_ADMIN_TOKEN_FILE)")
 
 
 def _shard_count(text: str) -> int:
@@ -69,7 +94,8 @@ def _shard_args(sub: argparse._SubParsersAction) -> None:
         description="Run one data-plane shard: it registers with the coordinator (admin token, "
                     "or the job token when there is none) and carries a stripe of every "
                     "collective of the generations formed while it is up. Tokens come from "
-                    "GRADSTAR_TOKEN / GRADSTAR_ADMIN_TOKEN (or their _FILE variants).")
+                    "--token-file / --admin-token-file, else GRADSTAR_TOKEN / "
+                    "GRADSTAR_ADMIN_TOKEN (or their _FILE variants).")
     p.add_argument("--coordinator", help="HOST:PORT of the coordinator (env GRADSTAR_COORDINATOR)")
     p.add_argument("--host", help="address to bind (default 0.0.0.0)")
     p.add_argument("--port", type=int, help="port; 0 picks a free one (default 0)")
@@ -81,6 +107,7 @@ def _shard_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="CA that client certificates must chain to (mTLS)")
     p.add_argument("--coordinator-ca", help="CA to verify the coordinator's certificate with")
+    _token_args(p, on_command_line=False)
     p.add_argument("--max-tensor-bytes", type=int, help="largest payload a rank may send")
     p.add_argument("--max-chunk-bytes", type=int, help="largest chunk a rank may send")
     p.add_argument("--max-collective-timeout", type=float, help="longest collective timeout")
@@ -138,8 +165,8 @@ async def _serve(settings: CoordinatorSettings) -> None:
         print(f"gradstar coordinator data plane: {len(coordinator.shards.up)} shards at "
               f"{', '.join(r.address for r in coordinator.shards.up)}", flush=True)
     if coordinator.metrics_port is not None:
-        print(f"gradstar coordinator metrics on http://{settings.host}:{coordinator.metrics_port}"
-              "/metrics", flush=True)
+        print(f"gradstar coordinator metrics on http://{settings.metrics_host}:"
+              f"{coordinator.metrics_port}/metrics", flush=True)
     await stop.wait()
     logging.getLogger("gradstar.coordinator").info("stopping: draining for up to %.1f s",
                                                    settings.drain_grace)
@@ -149,7 +176,7 @@ async def _serve(settings: CoordinatorSettings) -> None:
 def _server_settings(cls, args: argparse.Namespace, command: str, **defaults):
     """``cls`` (a settings class) from the flags given, over ``defaults``, with logging set up;
     None (after printing why) if they are invalid."""
-    given = {k: v for k, v in vars(args).items() if k not in ("command", "func") and v is not None}
+    given = {k: v for k, v in vars(args).items() if k not in _NOT_SETTINGS and v is not None}
     try:
         settings = cls(**{**defaults, **given})
     except ValidationError as error:
@@ -313,8 +340,11 @@ def _admin_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--coordinator",
                    default=os.environ.get("GRADSTAR_COORDINATOR", f"127.0.0.1:{DEFAULT_PORT}"),
                    help="HOST:PORT (env GRADSTAR_COORDINATOR, default 127.0.0.1:29400)")
-    p.add_argument("--admin-token",
-                   help="admin token (env GRADSTAR_ADMIN_TOKEN, else GRADSTAR_TOKEN)")
+    token = p.add_mutually_exclusive_group()
+    token.add_argument("--admin-token", help="admin token (env GRADSTAR_ADMIN_TOKEN, else "
+                                             "GRADSTAR_TOKEN); visible in ps")
+    token.add_argument("--admin-token-file", type=Path,
+                       help="file holding the admin token (env GRADSTAR_ADMIN_TOKEN_FILE)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--job", help="status: only this job")
     p.add_argument("--interval", type=float, default=1.0,
@@ -330,85 +360,50 @@ def _admin_args(sub: argparse._SubParsersAction) -> None:
 
 def _run_admin(args: argparse.Namespace) -> int:
     from gradstar.errors import GradstarError
+    from gradstar.worker.admin_command import run_admin
 
     try:
-        return asyncio.run(_admin(args))
+        return asyncio.run(run_admin(args))
     except GradstarError as error:
         print(f"gradstar admin: {error}", file=sys.stderr)
         return 1
 
 
-async def _admin(args: argparse.Namespace) -> int:
-    from gradstar.worker import admin_tables as tables
-    from gradstar.worker.admin_client import AdminClient
-
-    token = (args.admin_token or os.environ.get("GRADSTAR_ADMIN_TOKEN")
-             or os.environ.get("GRADSTAR_TOKEN"))
-    async with AdminClient(args.coordinator, token, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-                           tls_key=args.tls_key, timeout=args.timeout) as admin:
-        if args.action == "health":
-            if args.wait > 0:
-                await admin.wait_serving(args.wait)
-            status = await admin.health()
-            print(json.dumps({"coordinator": args.coordinator, "status": status})
-                  if args.json else status)
-            return 0 if status == "SERVING" else 1
-        if args.action == "drain":
-            active = await admin.drain()
-            print(json.dumps({"coordinator": args.coordinator, "draining": True,
-                              "active_jobs": active}) if args.json else
-                  f"coordinator {args.coordinator} is draining: new joins are refused; "
-                  f"{active} job(s) still have live members")
-            return 0
-        if args.action == "shards":
-            reply = await admin.shards()
-            print(json.dumps(tables.shards_as_dict(reply), indent=2) if args.json
-                  else tables.shards_table(reply))
-            return 0
-        jobs = await admin.jobs()
-        if args.action == "jobs":
-            print(json.dumps([tables.summary_as_dict(j) for j in jobs], indent=2)
-                  if args.json else tables.jobs_table(jobs))
-            return 0
-        names = [j.job for j in jobs if args.job in (None, j.job)]
-        if args.job is not None and not names:
-            print(f"gradstar admin: the coordinator has no job named {args.job!r}",
-                  file=sys.stderr)
-            return 1
-        health = await admin.health()
-        before = [await admin.job(n) for n in names]
-        rates = None
-        if args.interval > 0 and names:
-            loop = asyncio.get_running_loop()
-            began = loop.time()
-            await asyncio.sleep(args.interval)
-            after = [await admin.job(n) for n in names]
-            span = loop.time() - began
-            rates = {n: tables.rates_between(b, a, span)
-                     for n, b, a in zip(names, before, after, strict=True)}
-            before = after
-        if args.json:
-            print(json.dumps({"coordinator": args.coordinator, "health": health,
-                              "jobs": [tables.job_as_dict(j, (rates or {}).get(j.summary.job))
-                                       for j in before]}, indent=2))
-        else:
-            print(tables.status_report(args.coordinator, health, before, rates))
-        return 0
-
-
 # -- entry point -------------------------------------------------------------------------------
 
 
-def _load_token_files() -> None:
-    """``GRADSTAR_TOKEN_FILE`` -> ``GRADSTAR_TOKEN`` (and the admin token), for docker secrets.
+#: Parsed arguments that are not settings fields (token files go in through the environment).
+_NOT_SETTINGS = ("command", "func", "token_file", "admin_token_file")
+#: Token variable -> the argument names of its flag and of its file flag.
+_TOKENS = {"GRADSTAR_TOKEN": ("token", "token_file"),
+           "GRADSTAR_ADMIN_TOKEN": ("admin_token", "admin_token_file")}
 
-    The variables go into this process's environment, so the ranks that a launcher or agent
-    starts inherit the token as well.
+
+def _load_token_files(args: argparse.Namespace) -> None:
+    """Token files -> ``GRADSTAR_TOKEN`` / ``GRADSTAR_ADMIN_TOKEN``, for docker secrets.
+
+    ``--token-file`` / ``--admin-token-file`` win over the environment, like every flag;
+    ``GRADSTAR_TOKEN_FILE`` / ``GRADSTAR_ADMIN_TOKEN_FILE`` are read when the token variable
+    itself is not set. The variables go into this process's environment, so the ranks that a
+    launcher or agent starts inherit the token as well. A token passed as a flag gets a warning.
+
+    Raises:
+        OSError: a token file could not be read, or holds nothing but whitespace.
     """
-    for name in ("GRADSTAR_TOKEN", "GRADSTAR_ADMIN_TOKEN"):
-        path = os.environ.get(f"{name}_FILE")
-        if path and not os.environ.get(name):
-            os.environ[name] = Path(path).read_text(encoding="utf-8").strip()
+    for name, (flag, file_flag) in _TOKENS.items():
+        if getattr(args, flag, None) is not None:
+            print(f"gradstar: warning: --{flag.replace('_', '-')} on the command line is "
+                  f"visible to every local user in ps; use {name} or "
+                  f"--{file_flag.replace('_', '-')}", file=sys.stderr, flush=True)
+        path = getattr(args, file_flag, None)
+        if path is None and not os.environ.get(name):
+            path = os.environ.get(f"{name}_FILE") or None
+        if path is not None:
+            token = Path(path).read_text(encoding="utf-8").strip()
+            if not token:
+                # An empty token would mean "no authentication": never by accident.
+                raise OSError(f"the token file {path} is empty")
+            os.environ[name] = token
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -423,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     _admin_args(sub)
     args = parser.parse_args(argv)
     try:
-        _load_token_files()
+        _load_token_files(args)
     except OSError as error:
         print(f"gradstar: could not read a token file: {error}", file=sys.stderr)
         return 2

@@ -56,7 +56,19 @@ class CoordinatorSettings(BaseSettings):
     metrics_port: int | None = Field(
         None, ge=0, le=65535,
         description="serve Prometheus metrics over HTTP on this port (0 picks a free one)")
+    # Metrics name every job and rank and need no token: loopback unless an operator opens it.
+    metrics_host: str = Field(
+        "127.0.0.1", description="address the metrics endpoint binds; 0.0.0.0 for a scraper "
+                                 "on another host")
+    reflection: bool = Field(
+        False, description="register gRPC server reflection (service discovery for grpcurl "
+                           "and the like; open without a token)")
     log_level: str = "INFO"
+    job_retention: float = Field(
+        600.0, ge=0, description="seconds a job with no live or joining member is kept (its "
+                                 "state, counters and metric series) before it is dropped")
+    max_jobs: int = Field(10_000, gt=0, description="jobs the coordinator holds at most; a new "
+                                                    "job beyond it is refused")
     shards: int = Field(
         0, ge=0, le=64,
         description="data-plane shard processes to start on this host (gradstar coordinator "

@@ -13,7 +13,8 @@ Every error a rank can see derives from :class:`GradstarError`::
     │   ├── DuplicateRankError        another live member already holds the requested rank
     │   ├── WorldSizeMismatchError    the job exists with a different world size
     │   ├── JoinTimeoutError          not every rank joined in time
-    │   └── CoordinatorDrainingError  the coordinator is draining and takes no new work
+    │   ├── CoordinatorDrainingError  the coordinator is draining and takes no new work
+    │   └── TooManyJobsError          the coordinator holds as many jobs as it may
     └── CollectiveError               a collective failed on this rank
         ├── CollectiveMismatchError   ranks disagree on op, reduce op, dtype, shape or root
         ├── CollectiveTimeoutError    some ranks never reached the collective
@@ -49,6 +50,7 @@ __all__ = [
     "RankLostError",
     "RendezvousError",
     "ShardLostError",
+    "TooManyJobsError",
     "WorldSizeMismatchError",
 ]
 
@@ -117,6 +119,10 @@ class JoinTimeoutError(RendezvousError):
 
 class CoordinatorDrainingError(RendezvousError):
     """The coordinator is draining and accepts no new joins or collectives."""
+
+
+class TooManyJobsError(RendezvousError):
+    """The coordinator holds as many jobs as it may (``--max-jobs``); a new job cannot join."""
 
 
 class CollectiveError(GradstarError):

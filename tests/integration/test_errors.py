@@ -11,8 +11,9 @@ import pytest
 
 import gradstar
 from gradstar import errors
-from gradstar.proto.v1 import admin_pb2, admin_pb2_grpc
+from gradstar.proto.v1 import admin_pb2, admin_pb2_grpc, rendezvous_pb2_grpc
 from gradstar.proto.v1 import collective_pb2 as pb
+from gradstar.proto.v1 import rendezvous_pb2 as rpb
 from gradstar.wire import KIND_END, KIND_HEADER, encode_chunk, encode_message
 
 from .conftest import close_all, join_all
@@ -224,6 +225,21 @@ async def test_world_size_disagreement_is_refused(coordinator):
     first.cancel()
 
 
+@pytest.mark.parametrize(("job", "limit"), [("", "must not be empty"),
+                                             ("j" * 257, "at most 256 characters"),
+                                             ("evil\nINFO forged", "control characters")])
+async def test_bad_job_names_are_invalid_argument(coordinator, job, limit):
+    join = rpb.SessionRequest(join=rpb.JoinRequest(job=job, world_size=1, rank=-1))
+    async with grpc.aio.insecure_channel(coordinator.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in rendezvous_pb2_grpc.RendezvousStub(channel).Session(
+                    iter([join]), timeout=5):
+                pass
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert limit in info.value.details()
+    assert coordinator.rendezvous.jobs == {}
+
+
 async def test_join_timeout_names_who_joined(coordinator):
     started = time.monotonic()
     with pytest.raises(errors.JoinTimeoutError, match=r"only 1 of 3 ranks joined within 0.5 s"):
@@ -270,3 +286,32 @@ async def test_closed_group_raises(coordinator):
     await g.close()
     with pytest.raises(errors.ProcessGroupClosedError, match="closed"):
         g.all_reduce(np.ones(2))
+
+
+async def test_a_collective_cancelled_before_its_header_left_fails_every_rank_promptly(trio):
+    g0, g1, g2 = trio
+    real = g2._plane.coordinator
+    calls = []
+
+    def first_call_held_back(requests, **kwargs):
+        # The first call's header never leaves this process; later calls go as usual.
+        calls.append(kwargs)
+        if len(calls) == 1:
+            async def never():
+                await asyncio.Event().wait()
+                yield b""
+
+            requests = never()
+        return real.stream(requests, **kwargs)
+
+    g2._plane.coordinator = type(real)(first_call_held_back, real.address, real.name)
+    pending = [asyncio.ensure_future(g.all_reduce(np.ones(3), timeout=120)) for g in (g0, g1)]
+    cancelled = asyncio.ensure_future(g2.all_reduce(np.ones(3), timeout=120))
+    await asyncio.sleep(0.3)
+    cancelled.cancel()
+    for outcome in await gather_outcomes(*pending, timeout=10):  # not the 120 s timeout
+        assert isinstance(outcome, errors.RankLostError), outcome
+        assert "rank 2" in str(outcome) and "end marker" in str(outcome)
+    # The ranks stay in step: their next collective matches.
+    results = await gather_outcomes(*(g.all_reduce(np.ones(2)) for g in trio))
+    assert [r.tolist() for r in results] == [[3.0, 3.0]] * 3

@@ -16,10 +16,24 @@ import torch
 
 from gradstar import errors
 from gradstar.client import session
-from gradstar.client.peer import PEER_METHOD, Identity, PeerLink
+from gradstar.client.peer import PEER_METHOD, Identity, PeerLink, tag_key
+from gradstar.client.peer.proof import sign
 from gradstar.config import ClientSettings
+from gradstar.proto.v1 import collective_pb2 as cpb
 from gradstar.proto.v1 import peer_pb2 as ppb
-from gradstar.wire import KIND_HEADER, SUPPORTED_DTYPES, encode_message
+from gradstar.wire import (
+    KIND_ACCEPT,
+    KIND_END,
+    KIND_ERROR,
+    KIND_HEADER,
+    SUPPORTED_DTYPES,
+    ChunkLayout,
+    decode_error,
+    dtype_info,
+    encode_message,
+    frame_kind,
+    iter_chunk_frames,
+)
 
 from .certs import make_pki
 from .conftest import close_all, join_all
@@ -327,6 +341,93 @@ async def test_peer_server_refuses_a_stream_of_another_generation(pair):
             await link.open()
     finally:
         await link.close(errors.ProcessGroupClosedError("test over"))
+
+
+def forged_stream(hello: ppb.PeerHello, tag: str) -> list[bytes]:
+    """A hello and, right behind it, one message of ``tag`` (as an injector would send)."""
+    payload = np.full(4, 66.0)
+    layout = ChunkLayout(1, payload.nbytes, payload.nbytes)
+    return [
+        encode_message(KIND_HEADER, hello),
+        encode_message(KIND_HEADER, ppb.PeerMessageHeader(
+            seq=1, tag=tag_key(tag), dtype=dtype_info(payload.dtype).wire, shape=payload.shape,
+            chunk_bytes=payload.nbytes, array_kind=ppb.ARRAY_KIND_NUMPY)),
+        *iter_chunk_frames(memoryview(payload.tobytes()), layout),
+        encode_message(KIND_END, cpb.CollectiveEnd(chunks=1, bytes=payload.nbytes)),
+    ]
+
+
+async def open_raw(address: str, frames: list[bytes], metadata=()):
+    """Write ``frames`` on a new peer stream; return (call, first frame from the receiver)."""
+    channel = grpc.aio.insecure_channel(address)
+    call = channel.stream_stream(PEER_METHOD)(metadata=metadata, timeout=10)
+    for frame in frames:
+        await call.write(frame)
+    return channel, call, await call.read()
+
+
+def hello_to(b, src: int = 0) -> ppb.PeerHello:
+    return ppb.PeerHello(job=b.job, generation=b.generation, src_rank=src, dst_rank=b.rank)
+
+
+@pytest.mark.parametrize("forge", ["unsigned", "wrong key", "altered after signing"])
+async def test_a_token_holder_without_the_peer_key_cannot_speak_as_a_rank(tokened, forge):
+    a, b = tokened
+    hello = hello_to(b)
+    if forge == "wrong key":
+        sign(bytes(32), hello)
+    elif forge == "altered after signing":
+        hello = sign(a._peer_endpoint.identity.peer_key, hello_to(b, src=1))
+        hello.src_rank = 0  # a valid proof for another sender does not carry over
+    channel, call, first = await open_raw(b.peers[1], forged_stream(hello, "forged"),
+                                          (("authorization", f"Bearer {TOKEN}"),))
+    try:
+        assert frame_kind(first) == KIND_ERROR
+        refusal = decode_error(first)
+        assert isinstance(refusal, errors.AuthenticationError)
+        assert "claiming to come from rank 0" in str(refusal)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call.read()
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        await channel.close()
+    mailbox = b._peer_endpoint.server.mailboxes[0]
+    assert mailbox.held_tags() == [] and not mailbox.closed
+    # The real rank 0 is unaffected: its message is the one rank 1 receives.
+    got, _ = await asyncio.gather(b.recv(0, tag="forged"), a.send(np.arange(4.0), 1, "forged"))
+    assert got.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+async def test_a_replayed_hello_is_refused(pair):
+    a, b = pair
+    hello = sign(a._peer_endpoint.identity.peer_key, hello_to(b))
+    frames = [encode_message(KIND_HEADER, hello)]
+    channel, call, first = await open_raw(b.peers[1], frames)
+    assert frame_kind(first) == KIND_ACCEPT  # the genuine hello, once
+    replay, replayed_call, refused = await open_raw(b.peers[1], frames)
+    try:
+        assert isinstance(decode_error(refused), errors.AuthenticationError)
+        assert "replays" in str(decode_error(refused))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await replayed_call.read()
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        call.cancel()
+        await channel.close()
+        await replay.close()
+
+
+async def test_members_of_a_generation_share_a_peer_key_that_the_next_one_replaces(
+        coordinator):
+    first = await join_all(coordinator.address, 2, job="keys")
+    keys = [g._peer_endpoint.identity.peer_key for g in first]
+    await close_all(first)
+    second = await join_all(coordinator.address, 2, job="keys")
+    try:
+        assert len(keys[0]) == 32 and keys[0] == keys[1]
+        assert second[0]._peer_endpoint.identity.peer_key not in (keys[0], b"")
+    finally:
+        await close_all(second)
 
 
 @pytest.fixture

@@ -44,6 +44,15 @@ def test_workers_wait_for_a_healthy_coordinator_they_reach_by_service_name(compo
     assert f"{port}:{port}" in coordinator["ports"]
 
 
+def test_the_published_metrics_port_reaches_the_metrics_endpoint(compose):
+    # `curl localhost:9400/metrics` (README) goes through the published port: the endpoint
+    # must not bind the container's loopback, its default.
+    env = service_env(compose["services"]["coordinator"])
+    port = env["GRADSTAR_METRICS_PORT"]
+    assert f"{port}:{port}" in compose["services"]["coordinator"]["ports"]
+    assert env["GRADSTAR_METRICS_HOST"] == "0.0.0.0"
+
+
 def test_the_coordinator_healthcheck_asks_the_grpc_health_service_on_its_port(compose):
     coordinator = compose["services"]["coordinator"]
     argv = healthcheck_argv(coordinator)

@@ -142,6 +142,7 @@ def test_the_coordinator_service_carries_grpc_and_metrics_also_before_it_is_read
     assert _port(container, "grpc") == int(env["GRADSTAR_PORT"]) == 29400
     assert _service_port(service, "metrics")["port"] == 9400
     assert _port(container, "metrics") == int(env["GRADSTAR_METRICS_PORT"]) == 9400
+    assert env["GRADSTAR_METRICS_HOST"] == "0.0.0.0"  # not the default loopback
     assert env["GRADSTAR_HOST"] == "0.0.0.0"
     # The coordinator turns ready only once the shards registered through this Service.
     assert service["spec"]["publishNotReadyAddresses"] is True

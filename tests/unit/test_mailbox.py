@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gradstar.client.peer.mailbox import Mailbox, tag_key
+from gradstar.client.peer.mailbox import MAX_TAG_CHARS, Mailbox, tag_key
 from gradstar.errors import ConfigurationError
 
 
@@ -29,6 +29,14 @@ def test_tag_keys_are_canonical_json():
 def test_other_tags_are_configuration_errors(tag):
     with pytest.raises(ConfigurationError, match="tag"):
         tag_key(tag)
+
+
+def test_a_tag_key_is_at_most_max_tag_chars_long():
+    assert len(tag_key("x" * (MAX_TAG_CHARS - 2))) == MAX_TAG_CHARS  # the quotes count
+    with pytest.raises(ConfigurationError, match=f"longer than {MAX_TAG_CHARS} characters"):
+        tag_key("x" * (MAX_TAG_CHARS - 1))
+    with pytest.raises(ConfigurationError, match="longer than"):
+        tag_key(tuple(range(200)))
 
 
 async def test_messages_match_by_tag_and_keep_send_order_within_a_tag():

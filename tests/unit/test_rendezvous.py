@@ -169,6 +169,28 @@ async def test_out_of_range_world_size_or_rank_raises(rdv, world_size, rank, mes
         rdv.offer("job", world_size, rank, "a:1")
 
 
+@pytest.mark.parametrize(("job", "message"), [
+    ("", "a job name must not be empty"),
+    ("j" * 257, "a job name is at most 256 characters, got one of 257"),
+    ("a\nb", "must not contain control characters"),
+    ("a\x00b", "must not contain control characters"),
+    ("a\x1b[2Jb", "must not contain control characters"),
+    ("a\u202eb", "must not contain control characters"),  # a bidi override
+    ("a\u2028b", "must not contain control characters"),  # a line separator
+])
+async def test_empty_long_or_unprintable_job_names_are_refused(rdv, job, message):
+    with pytest.raises(ConfigurationError, match=re.escape(message)):
+        rdv.offer(job, 1, None, "a:1")
+    assert not rdv.jobs
+
+
+@pytest.mark.parametrize("job", ["j" * 256, "..", "a/b", "résumé run 1", "作业"])
+async def test_job_names_up_to_the_limit_are_accepted(rdv, job):
+    member = rdv.offer(job, 1, None, "a:1")
+    assert (await asyncio.wait_for(member.joined, BOUND)) is not None
+    assert list(rdv.jobs) == [job]
+
+
 # -- join timeout and withdrawal -----------------------------------------------------------------
 
 

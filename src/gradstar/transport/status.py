@@ -31,6 +31,7 @@ _CODES: list[tuple[type[e.GradstarError], grpc.StatusCode]] = [
     (e.PayloadTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (e.DuplicateRankError, grpc.StatusCode.ALREADY_EXISTS),
     (e.CoordinatorDrainingError, grpc.StatusCode.UNAVAILABLE),
+    (e.TooManyJobsError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (e.ProtocolError, grpc.StatusCode.DATA_LOSS),
     (e.InvalidCollectiveError, grpc.StatusCode.INVALID_ARGUMENT),
     (e.ConfigurationError, grpc.StatusCode.INVALID_ARGUMENT),

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from gradstar.proto.v1 import collective_pb2 as gradstar_dot_proto_dot_v1_dot_collective__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgradstar/proto/v1/admin.proto\x12\x11gradstar.proto.v1\x1a\"gradstar/proto/v1/collective.proto\"\x11\n\x0fListJobsRequest\"a\n\nJobSummary\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x0f\n\x07members\x18\x04 \x01(\r\x12\r\n\x05state\x18\x05 \x01(\t\"?\n\x10ListJobsResponse\x12+\n\x04jobs\x18\x01 \x03(\x0b\x32\x1d.gradstar.proto.v1.JobSummary\"\x1c\n\rGetJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"P\n\x06Member\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x14\n\x0cpeer_address\x18\x02 \x01(\t\x12\"\n\x1alast_heartbeat_age_seconds\x18\x03 \x01(\x01\"\xa0\x01\n\x12InFlightCollective\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05group\x18\x02 \x01(\t\x12+\n\x02op\x18\x03 \x01(\x0e\x32\x1f.gradstar.proto.v1.CollectiveOp\x12\x15\n\rarrived_ranks\x18\x04 \x03(\r\x12\x15\n\rmissing_ranks\x18\x05 \x03(\r\x12\x13\n\x0b\x61ge_seconds\x18\x06 \x01(\x01\"[\n\tOpCounter\x12+\n\x02op\x18\x01 \x01(\x0e\x32\x1f.gradstar.proto.v1.CollectiveOp\x12\x11\n\tcompleted\x18\x02 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\x04\"?\n\x0bGlobalModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06rounds\x18\x02 \x01(\x04\x12\x12\n\nparameters\x18\x03 \x01(\x04\"\xbc\x02\n\x0eGetJobResponse\x12.\n\x07summary\x18\x01 \x01(\x0b\x32\x1d.gradstar.proto.v1.JobSummary\x12*\n\x07members\x18\x02 \x03(\x0b\x32\x19.gradstar.proto.v1.Member\x12\x38\n\tin_flight\x18\x03 \x03(\x0b\x32%.gradstar.proto.v1.InFlightCollective\x12)\n\x03ops\x18\x04 \x03(\x0b\x32\x1c.gradstar.proto.v1.OpCounter\x12\x10\n\x08\x62ytes_in\x18\x05 \x01(\x04\x12\x11\n\tbytes_out\x18\x06 \x01(\x04\x12\x14\n\x0clast_failure\x18\x07 \x01(\t\x12.\n\x06models\x18\x08 \x03(\x0b\x32\x1e.gradstar.proto.v1.GlobalModel\"\x13\n\x11ListShardsRequest\"\x90\x01\n\x0cShardSummary\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x10\n\x08\x62ytes_in\x18\x04 \x01(\x04\x12\x11\n\tbytes_out\x18\x05 \x01(\x04\x12\x0c\n\x04jobs\x18\x06 \x03(\t\x12\x1f\n\x17last_report_age_seconds\x18\x07 \x01(\x01\"W\n\x12ListShardsResponse\x12/\n\x06shards\x18\x01 \x03(\x0b\x32\x1f.gradstar.proto.v1.ShardSummary\x12\x10\n\x08\x65xpected\x18\x02 \x01(\r\"\x0e\n\x0c\x44rainRequest\"$\n\rDrainResponse\x12\x13\n\x0b\x61\x63tive_jobs\x18\x01 \x01(\r2\xd2\x02\n\x05\x41\x64min\x12S\n\x08ListJobs\x12\".gradstar.proto.v1.ListJobsRequest\x1a#.gradstar.proto.v1.ListJobsResponse\x12M\n\x06GetJob\x12 .gradstar.proto.v1.GetJobRequest\x1a!.gradstar.proto.v1.GetJobResponse\x12J\n\x05\x44rain\x12\x1f.gradstar.proto.v1.DrainRequest\x1a .gradstar.proto.v1.DrainResponse\x12Y\n\nListShards\x12$.gradstar.proto.v1.ListShardsRequest\x1a%.gradstar.proto.v1.ListShardsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgradstar/proto/v1/admin.proto\x12\x11gradstar.proto.v1\x1a\"gradstar/proto/v1/collective.proto\"8\n\x0fListJobsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"a\n\nJobSummary\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x0f\n\x07members\x18\x04 \x01(\r\x12\r\n\x05state\x18\x05 \x01(\t\"X\n\x10ListJobsResponse\x12+\n\x04jobs\x18\x01 \x03(\x0b\x32\x1d.gradstar.proto.v1.JobSummary\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x1c\n\rGetJobRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"P\n\x06Member\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x14\n\x0cpeer_address\x18\x02 \x01(\t\x12\"\n\x1alast_heartbeat_age_seconds\x18\x03 \x01(\x01\"\xa0\x01\n\x12InFlightCollective\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\r\n\x05group\x18\x02 \x01(\t\x12+\n\x02op\x18\x03 \x01(\x0e\x32\x1f.gradstar.proto.v1.CollectiveOp\x12\x15\n\rarrived_ranks\x18\x04 \x03(\r\x12\x15\n\rmissing_ranks\x18\x05 \x03(\r\x12\x13\n\x0b\x61ge_seconds\x18\x06 \x01(\x01\"[\n\tOpCounter\x12+\n\x02op\x18\x01 \x01(\x0e\x32\x1f.gradstar.proto.v1.CollectiveOp\x12\x11\n\tcompleted\x18\x02 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\x04\"?\n\x0bGlobalModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06rounds\x18\x02 \x01(\x04\x12\x12\n\nparameters\x18\x03 \x01(\x04\"\xbc\x02\n\x0eGetJobResponse\x12.\n\x07summary\x18\x01 \x01(\x0b\x32\x1d.gradstar.proto.v1.JobSummary\x12*\n\x07members\x18\x02 \x03(\x0b\x32\x19.gradstar.proto.v1.Member\x12\x38\n\tin_flight\x18\x03 \x03(\x0b\x32%.gradstar.proto.v1.InFlightCollective\x12)\n\x03ops\x18\x04 \x03(\x0b\x32\x1c.gradstar.proto.v1.OpCounter\x12\x10\n\x08\x62ytes_in\x18\x05 \x01(\x04\x12\x11\n\tbytes_out\x18\x06 \x01(\x04\x12\x14\n\x0clast_failure\x18\x07 \x01(\t\x12.\n\x06models\x18\x08 \x03(\x0b\x32\x1e.gradstar.proto.v1.GlobalModel\"\x13\n\x11ListShardsRequest\"\x90\x01\n\x0cShardSummary\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x10\n\x08\x62ytes_in\x18\x04 \x01(\x04\x12\x11\n\tbytes_out\x18\x05 \x01(\x04\x12\x0c\n\x04jobs\x18\x06 \x03(\t\x12\x1f\n\x17last_report_age_seconds\x18\x07 \x01(\x01\"W\n\x12ListShardsResponse\x12/\n\x06shards\x18\x01 \x03(\x0b\x32\x1f.gradstar.proto.v1.ShardSummary\x12\x10\n\x08\x65xpected\x18\x02 \x01(\r\"\x0e\n\x0c\x44rainRequest\"$\n\rDrainResponse\x12\x13\n\x0b\x61\x63tive_jobs\x18\x01 \x01(\r2\xd2\x02\n\x05\x41\x64min\x12S\n\x08ListJobs\x12\".gradstar.proto.v1.ListJobsRequest\x1a#.gradstar.proto.v1.ListJobsResponse\x12M\n\x06GetJob\x12 .gradstar.proto.v1.GetJobRequest\x1a!.gradstar.proto.v1.GetJobResponse\x12J\n\x05\x44rain\x12\x1f.gradstar.proto.v1.DrainRequest\x1a .gradstar.proto.v1.DrainResponse\x12Y\n\nListShards\x12$.gradstar.proto.v1.ListShardsRequest\x1a%.gradstar.proto.v1.ListShardsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,33 +33,33 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gradstar.proto.v1.admin_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LISTJOBSREQUEST']._serialized_start=88
-  _globals['_LISTJOBSREQUEST']._serialized_end=105
-  _globals['_JOBSUMMARY']._serialized_start=107
-  _globals['_JOBSUMMARY']._serialized_end=204
-  _globals['_LISTJOBSRESPONSE']._serialized_start=206
-  _globals['_LISTJOBSRESPONSE']._serialized_end=269
-  _globals['_GETJOBREQUEST']._serialized_start=271
-  _globals['_GETJOBREQUEST']._serialized_end=299
-  _globals['_MEMBER']._serialized_start=301
-  _globals['_MEMBER']._serialized_end=381
-  _globals['_INFLIGHTCOLLECTIVE']._serialized_start=384
-  _globals['_INFLIGHTCOLLECTIVE']._serialized_end=544
-  _globals['_OPCOUNTER']._serialized_start=546
-  _globals['_OPCOUNTER']._serialized_end=637
-  _globals['_GLOBALMODEL']._serialized_start=639
-  _globals['_GLOBALMODEL']._serialized_end=702
-  _globals['_GETJOBRESPONSE']._serialized_start=705
-  _globals['_GETJOBRESPONSE']._serialized_end=1021
-  _globals['_LISTSHARDSREQUEST']._serialized_start=1023
-  _globals['_LISTSHARDSREQUEST']._serialized_end=1042
-  _globals['_SHARDSUMMARY']._serialized_start=1045
-  _globals['_SHARDSUMMARY']._serialized_end=1189
-  _globals['_LISTSHARDSRESPONSE']._serialized_start=1191
-  _globals['_LISTSHARDSRESPONSE']._serialized_end=1278
-  _globals['_DRAINREQUEST']._serialized_start=1280
-  _globals['_DRAINREQUEST']._serialized_end=1294
-  _globals['_DRAINRESPONSE']._serialized_start=1296
-  _globals['_DRAINRESPONSE']._serialized_end=1332
-  _globals['_ADMIN']._serialized_start=1335
-  _globals['_ADMIN']._serialized_end=1673
+  _globals['_LISTJOBSREQUEST']._serialized_end=144
+  _globals['_JOBSUMMARY']._serialized_start=146
+  _globals['_JOBSUMMARY']._serialized_end=243
+  _globals['_LISTJOBSRESPONSE']._serialized_start=245
+  _globals['_LISTJOBSRESPONSE']._serialized_end=333
+  _globals['_GETJOBREQUEST']._serialized_start=335
+  _globals['_GETJOBREQUEST']._serialized_end=363
+  _globals['_MEMBER']._serialized_start=365
+  _globals['_MEMBER']._serialized_end=445
+  _globals['_INFLIGHTCOLLECTIVE']._serialized_start=448
+  _globals['_INFLIGHTCOLLECTIVE']._serialized_end=608
+  _globals['_OPCOUNTER']._serialized_start=610
+  _globals['_OPCOUNTER']._serialized_end=701
+  _globals['_GLOBALMODEL']._serialized_start=703
+  _globals['_GLOBALMODEL']._serialized_end=766
+  _globals['_GETJOBRESPONSE']._serialized_start=769
+  _globals['_GETJOBRESPONSE']._serialized_end=1085
+  _globals['_LISTSHARDSREQUEST']._serialized_start=1087
+  _globals['_LISTSHARDSREQUEST']._serialized_end=1106
+  _globals['_SHARDSUMMARY']._serialized_start=1109
+  _globals['_SHARDSUMMARY']._serialized_end=1253
+  _globals['_LISTSHARDSRESPONSE']._serialized_start=1255
+  _globals['_LISTSHARDSRESPONSE']._serialized_end=1342
+  _globals['_DRAINREQUEST']._serialized_start=1344
+  _globals['_DRAINREQUEST']._serialized_end=1358
+  _globals['_DRAINRESPONSE']._serialized_start=1360
+  _globals['_DRAINRESPONSE']._serialized_end=1396
+  _globals['_ADMIN']._serialized_start=1399
+  _globals['_ADMIN']._serialized_end=1737
 # @@protoc_insertion_point(module_scope)

@@ -25,25 +25,25 @@ _sym_db = _symbol_database.Default()
 from gradstar.proto.v1 import collective_pb2 as gradstar_dot_proto_dot_v1_dot_collective__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cgradstar/proto/v1/peer.proto\x12\x11gradstar.proto.v1\x1a\"gradstar/proto/v1/collective.proto\"P\n\tPeerHello\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x10\n\x08src_rank\x18\x03 \x01(\r\x12\x10\n\x08\x64st_rank\x18\x04 \x01(\r\".\n\nPeerAccept\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"\xac\x01\n\x11PeerMessageHeader\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0b\n\x03tag\x18\x02 \x01(\t\x12\'\n\x05\x64type\x18\x03 \x01(\x0e\x32\x18.gradstar.proto.v1.DType\x12\r\n\x05shape\x18\x04 \x03(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\r\x12\x30\n\narray_kind\x18\x06 \x01(\x0e\x32\x1c.gradstar.proto.v1.ArrayKind\"\x16\n\x07PeerAck\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x1a\n\tPeerFrame\x12\r\n\x05\x66rame\x18\x01 \x01(\x0c*S\n\tArrayKind\x12\x1a\n\x16\x41RRAY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10\x41RRAY_KIND_NUMPY\x10\x01\x12\x14\n\x10\x41RRAY_KIND_TORCH\x10\x02\x32V\n\nPeerStream\x12H\n\x06Stream\x12\x1c.gradstar.proto.v1.PeerFrame\x1a\x1c.gradstar.proto.v1.PeerFrame(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cgradstar/proto/v1/peer.proto\x12\x11gradstar.proto.v1\x1a\"gradstar/proto/v1/collective.proto\"n\n\tPeerHello\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x10\n\x08src_rank\x18\x03 \x01(\r\x12\x10\n\x08\x64st_rank\x18\x04 \x01(\r\x12\r\n\x05nonce\x18\x05 \x01(\x0c\x12\r\n\x05proof\x18\x06 \x01(\x0c\".\n\nPeerAccept\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"\xac\x01\n\x11PeerMessageHeader\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0b\n\x03tag\x18\x02 \x01(\t\x12\'\n\x05\x64type\x18\x03 \x01(\x0e\x32\x18.gradstar.proto.v1.DType\x12\r\n\x05shape\x18\x04 \x03(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\r\x12\x30\n\narray_kind\x18\x06 \x01(\x0e\x32\x1c.gradstar.proto.v1.ArrayKind\"\x16\n\x07PeerAck\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x1a\n\tPeerFrame\x12\r\n\x05\x66rame\x18\x01 \x01(\x0c*S\n\tArrayKind\x12\x1a\n\x16\x41RRAY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10\x41RRAY_KIND_NUMPY\x10\x01\x12\x14\n\x10\x41RRAY_KIND_TORCH\x10\x02\x32V\n\nPeerStream\x12H\n\x06Stream\x12\x1c.gradstar.proto.v1.PeerFrame\x1a\x1c.gradstar.proto.v1.PeerFrame(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gradstar.proto.v1.peer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ARRAYKIND']._serialized_start=444
-  _globals['_ARRAYKIND']._serialized_end=527
+  _globals['_ARRAYKIND']._serialized_start=474
+  _globals['_ARRAYKIND']._serialized_end=557
   _globals['_PEERHELLO']._serialized_start=87
-  _globals['_PEERHELLO']._serialized_end=167
-  _globals['_PEERACCEPT']._serialized_start=169
-  _globals['_PEERACCEPT']._serialized_end=215
-  _globals['_PEERMESSAGEHEADER']._serialized_start=218
-  _globals['_PEERMESSAGEHEADER']._serialized_end=390
-  _globals['_PEERACK']._serialized_start=392
-  _globals['_PEERACK']._serialized_end=414
-  _globals['_PEERFRAME']._serialized_start=416
-  _globals['_PEERFRAME']._serialized_end=442
-  _globals['_PEERSTREAM']._serialized_start=529
-  _globals['_PEERSTREAM']._serialized_end=615
+  _globals['_PEERHELLO']._serialized_end=197
+  _globals['_PEERACCEPT']._serialized_start=199
+  _globals['_PEERACCEPT']._serialized_end=245
+  _globals['_PEERMESSAGEHEADER']._serialized_start=248
+  _globals['_PEERMESSAGEHEADER']._serialized_end=420
+  _globals['_PEERACK']._serialized_start=422
+  _globals['_PEERACK']._serialized_end=444
+  _globals['_PEERFRAME']._serialized_start=446
+  _globals['_PEERFRAME']._serialized_end=472
+  _globals['_PEERSTREAM']._serialized_start=559
+  _globals['_PEERSTREAM']._serialized_end=645
 # @@protoc_insertion_point(module_scope)

@@ -18,16 +18,20 @@ ARRAY_KIND_NUMPY: ArrayKind
 ARRAY_KIND_TORCH: ArrayKind
 
 class PeerHello(_message.Message):
-    __slots__ = ("job", "generation", "src_rank", "dst_rank")
+    __slots__ = ("job", "generation", "src_rank", "dst_rank", "nonce", "proof")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     SRC_RANK_FIELD_NUMBER: _ClassVar[int]
     DST_RANK_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     src_rank: int
     dst_rank: int
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., src_rank: _Optional[int] = ..., dst_rank: _Optional[int] = ...) -> None: ...
+    nonce: bytes
+    proof: bytes
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., src_rank: _Optional[int] = ..., dst_rank: _Optional[int] = ..., nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class PeerAccept(_message.Message):
     __slots__ = ("rank", "generation")

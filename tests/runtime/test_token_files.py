@@ -1,0 +1,87 @@
+"""Tokens for ``gradstar coordinator`` / ``shard`` / ``admin`` from files, and a warning for a
+token on the command line (where every local user sees it in ``ps``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import gradstar
+from gradstar import errors
+
+from .conftest import GRADSTAR, Lines, clean_env, run_gradstar, stop_process
+
+WARNING = "visible to every local user in ps; use GRADSTAR_TOKEN or --token-file"
+
+
+@pytest.fixture
+def secrets(tmp_path):
+    (tmp_path / "token").write_text("job-secret\n")
+    (tmp_path / "admin").write_text("admin-secret\n")
+    return tmp_path / "token", tmp_path / "admin"
+
+
+async def test_the_coordinator_takes_its_tokens_from_files(secrets):
+    token, admin = secrets
+    proc = await asyncio.create_subprocess_exec(
+        *GRADSTAR, "coordinator", "--host", "127.0.0.1", "--port", "0", "--shards", "0",
+        "--token-file", str(token), "--admin-token-file", str(admin), "--log-level", "WARNING",
+        env=clean_env(GRADSTAR_TOKEN="not-this-one"), stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = Lines(proc.stdout), Lines(proc.stderr)
+        address = (await out.wait_for(r"listening on (\S+)$", 20))[1]
+        with pytest.raises(errors.AuthenticationError):
+            await gradstar.init_process_group_async(coordinator=address, job="f", world_size=1,
+                                                    token="not-this-one", connect_timeout=5)
+        async with await gradstar.init_process_group_async(
+                coordinator=address, job="f", world_size=1, token="job-secret") as g:
+            np.testing.assert_array_equal(await g.all_reduce(np.ones(2)), np.ones(2))
+            code, listed, why = await run_gradstar(
+                "admin", "jobs", "--coordinator", address, "--admin-token-file", str(admin),
+                timeout=30)
+            assert code == 0 and "f" in listed.split(), why
+        assert "warning" not in err.text
+    finally:
+        await stop_process(proc)
+
+
+async def test_a_shard_takes_its_tokens_from_files(start_coordinator, secrets):
+    hub = await start_coordinator(token="job-secret", admin_token="admin-secret")
+    token, admin = secrets
+    proc = await asyncio.create_subprocess_exec(
+        *GRADSTAR, "shard", "--coordinator", hub.address, "--host", "127.0.0.1", "--port", "0",
+        "--token-file", str(token), "--admin-token-file", str(admin), "--log-level", "WARNING",
+        env=clean_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    try:
+        await Lines(proc.stdout).wait_for(r"gradstar shard \d+ listening", 20)
+        assert len(hub.shards.up) == 1
+    finally:
+        await stop_process(proc)
+
+
+@pytest.mark.parametrize(("flag", "hint"), [
+    ("--token", WARNING),
+    ("--admin-token", "use GRADSTAR_ADMIN_TOKEN or --admin-token-file"),
+])
+async def test_a_token_on_the_command_line_gets_a_warning(flag, hint):
+    # An invalid port ends the command right after the flags are read.
+    code, _, err = await run_gradstar("coordinator", "--port", "70000", flag, "s3cret",
+                                      timeout=30)
+    assert code == 2 and hint in err and f"warning: {flag} on the command line" in err
+    assert "s3cret" not in err
+
+
+async def test_an_empty_or_missing_token_file_or_two_tokens_are_refused(tmp_path):
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    code, _, err = await run_gradstar("coordinator", "--token-file", str(empty), timeout=30)
+    assert code == 2 and f"the token file {empty} is empty" in err
+    code, _, err = await run_gradstar("shard", "--admin-token-file", str(tmp_path / "nope"),
+                                      timeout=30)
+    assert code == 2 and "could not read a token file" in err
+    code, _, err = await run_gradstar("coordinator", "--token", "a", "--token-file", str(empty),
+                                      timeout=30)
+    assert code == 2 and "not allowed with argument" in err
