@@ -104,13 +104,17 @@ def ddp_bf16_hook(rank: int, world: int) -> dict:
 def fsdp2(rank: int, world: int) -> dict:
     """FSDP2: every Linear is its own shard group, then the root (same init everywhere: unlike
     DDP, fully_shard does not broadcast)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # A CPU mesh, named: without one, fully_shard picks "cuda" whenever a GPU is present, and
+    # this test trains CPU tensors.
+    mesh = init_device_mesh("cpu", (world,))
     model = make_mlp(0)
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     train(model, rank, world)
     local = {name: list(p.to_local().shape) for name, p in model.named_parameters()}
     return {"params": params_of(model), "local_shapes": local}
