@@ -67,6 +67,7 @@ from gradstar.client.process_group import init_process_group
 from gradstar.config import ClientSettings
 from gradstar.errors import ConfigurationError
 
+from . import store_hub
 from .group import ProcessGroupGradstar
 from .work import CompletionThreads
 
@@ -85,6 +86,8 @@ _lock = threading.Lock()
 _registered = False
 _completions: CompletionThreads | None = None
 _live: set[ProcessGroupGradstar] = set()
+#: Rank 0's default groups and the hubs they started (see store_hub).
+_hubs: dict[ProcessGroupGradstar, store_hub.StoreHub] = {}
 _exit_hook_installed = False
 
 
@@ -209,15 +212,27 @@ def _create_group(backend_options, pg_options) -> ProcessGroupGradstar:
     if isinstance(options.get("token"), str):
         options["token"] = SecretStr(options["token"])  # kept for subgroups, never printed
     job = options.pop("job", None) or _env_settings().job
+    hub = None
+    if is_default and _needs_store_hub(backend_options.store, options):
+        hub = store_hub.find_or_make(backend_options.store, backend_options.group_rank,
+                                     backend_options.group_size, backend_options.timeout)
+        options["coordinator"], options["token"], job = hub.address, SecretStr(hub.token), hub.job
     inherited = dict(options, job=job)
     if not is_default:
         job = f"{job}/group{backend_options.group_id}"
-    group = init_process_group(job=job, world_size=backend_options.group_size,
-                               rank=backend_options.group_rank, **options)
+    try:
+        group = init_process_group(job=job, world_size=backend_options.group_size,
+                                   rank=backend_options.group_rank, **options)
+    except BaseException:
+        if hub is not None:
+            hub.stop()
+        raise
     torch_group = ProcessGroupGradstar(group, _completion_threads(), options=inherited,
                                        on_shutdown=_forget)
     with _lock:
         _live.add(torch_group)
+        if hub is not None and hub.process is not None:
+            _hubs[torch_group] = hub
     _install_exit_hook()
     return torch_group
 
@@ -233,6 +248,16 @@ def _completion_threads() -> CompletionThreads:
 def _forget(group: ProcessGroupGradstar) -> None:
     with _lock:
         _live.discard(group)
+        hub = _hubs.pop(group, None)
+    if hub is not None:
+        hub.stop()  # rank 0's hub goes with rank 0's default group
+
+
+def _needs_store_hub(store, options: dict) -> bool:
+    """Whether the default group must find its hub through torch's store: nothing names a
+    coordinator (no GRADSTAR_COORDINATOR, no gradstar:// URL), as under torchrun's env://."""
+    return ("coordinator" not in options and "GRADSTAR_COORDINATOR" not in os.environ
+            and _init_method_of(store) is None)
 
 
 # -- shutdown ----------------------------------------------------------------------------------
