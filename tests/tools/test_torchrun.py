@@ -89,3 +89,24 @@ def test_an_explicit_coordinator_wins_over_the_store(monkeypatch):
     assert not backend._needs_store_hub(store, {"coordinator": "hub:29400"})
     monkeypatch.setenv("GRADSTAR_COORDINATOR", "hub:29400")
     assert not backend._needs_store_hub(store, {})
+
+
+LIGHTNING_SCRIPT = Path(__file__).with_name("lightning_script.py")
+
+
+def test_a_lightning_trainer_fits_like_gloo(tmp_path):
+    """Lightning's DDPStrategy(process_group_backend="gradstar") on 2 CPU processes, which
+    Lightning itself starts; nothing gradstar-specific set."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("GRADSTAR_", "MASTER_", "TORCHELASTIC_", "LOCAL_", "RANK",
+                                "WORLD_SIZE", "NODE_RANK"))}
+    results = {}
+    for name in ("gradstar", "gloo"):
+        out = tmp_path / f"{name}.json"
+        run = subprocess.run([sys.executable, str(LIGHTNING_SCRIPT), name, str(out)], env=env,
+                             cwd=tmp_path, capture_output=True, text=True, timeout=240)
+        assert run.returncode == 0, run.stderr[-3000:]
+        results[name] = json.loads(out.read_text())
+    assert results["gradstar"]["steps"] == results["gloo"]["steps"] == 8
+    for a, b in zip(results["gradstar"]["params"], results["gloo"]["params"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
