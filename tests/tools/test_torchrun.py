@@ -110,3 +110,47 @@ def test_a_lightning_trainer_fits_like_gloo(tmp_path):
     assert results["gradstar"]["steps"] == results["gloo"]["steps"] == 8
     for a, b in zip(results["gradstar"]["params"], results["gloo"]["params"], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_torchrun_with_the_c10d_rendezvous_backend(tmp_path):
+    run = subprocess.run(
+        [str(TORCHRUN), "--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d",
+         f"--rdzv-endpoint=127.0.0.1:{free_port()}", str(SCRIPT), "gradstar", str(tmp_path)],
+        env=clean_env(), capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len({r["job"] for r in reports(tmp_path, "gradstar", 2)}) == 1
+
+
+def test_two_torchrun_nodes_share_rank_0s_hub(tmp_path):
+    """Two torchrun agents (--nnodes 2, one process each) on this host stand in for two hosts:
+    rank 0's hub then listens on every interface and is advertised by name (here 127.0.0.1,
+    through GRADSTAR_ADVERTISE_HOST, so the test reaches nothing but loopback)."""
+    port = free_port()
+    env = dict(clean_env(), GRADSTAR_ADVERTISE_HOST="127.0.0.1")
+    nodes = [subprocess.Popen(
+        [str(TORCHRUN), "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
+         "--master-addr=127.0.0.1", f"--master-port={port}", str(SCRIPT), "gradstar",
+         str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for node in (0, 1)]
+    try:
+        outcomes = [node.communicate(timeout=180) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [n.returncode for n in nodes] == [0, 0], [err[-2000:] for _, err in outcomes]
+    ours = reports(tmp_path, "gradstar", 2)
+    assert ours[0]["coordinator"] == ours[1]["coordinator"]
+    assert ours[0]["coordinator"].startswith("127.0.0.1:")
+    for a, b in zip(ours[0]["params"], ours[1]["params"], strict=True):
+        assert a == b
+
+
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("GRADSTAR_", "MASTER_", "TORCHELASTIC_"))}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
