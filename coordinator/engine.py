@@ -349,8 +349,8 @@ class PendingCollective:
             detail = (f"ranks {missing} did not finish sending" if missing
                       else "results are still being delivered")
         self.fail(CollectiveTimeoutError(
-            f"{describe(self.spec)} seq {self.spec.seq} of job {self.gen.job.name!r} "
-            f"(group {self.spec.group!r}) timed out after {timeout:g} s: {detail}",
+            f"Timed out after {timeout:g} s: {describe(self.spec)} seq {self.spec.seq} of job "
+            f"{self.gen.job.name!r} (group {self.spec.group!r}): {detail}",
             missing_ranks=missing,
         ))
 

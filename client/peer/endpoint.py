@@ -96,8 +96,8 @@ class PeerEndpoint:
             await link.send(arr, array_kind, tag)
 
         await self._guarded(go(), dst, timeout, lambda: CollectiveTimeoutError(
-            f"rank {self.identity.rank}'s send of tag {tag} to rank {dst} was not received "
-            f"within {timeout:g} s", missing_ranks=[dst]))
+            f"Timed out: rank {self.identity.rank}'s send of tag {tag} to rank {dst} was not "
+            f"received within {timeout:g} s", missing_ranks=[dst]))
 
     async def recv(self, src: int, tag: str, timeout: float) -> tuple[np.ndarray, int]:
         """The next message from ``src`` with ``tag``: (array, ArrayKind)."""
@@ -113,8 +113,8 @@ class PeerEndpoint:
                        f"rank's buffer for it is full (tags held: {mailbox.held_tags()[:8]})"
                        if mailbox.stalled_on is not None else "")
             return CollectiveTimeoutError(
-                f"rank {self.identity.rank} received no message with tag {tag} from rank "
-                f"{src} within {timeout:g} s{stalled}", missing_ranks=[src])
+                f"Timed out: rank {self.identity.rank} received no message with tag {tag} "
+                f"from rank {src} within {timeout:g} s{stalled}", missing_ranks=[src])
 
         return await self._guarded(mailbox.take(tag), src, timeout, timed_out)
 

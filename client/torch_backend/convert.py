@@ -3,10 +3,13 @@
 float32/64, float16, bfloat16, int32 and int64 travel as they are. Other dtypes travel as raw
 bytes in collectives that only move data (broadcast, gathers, send/recv) and widened to int32 in
 reductions (bool, int8, uint8, int16); complex tensors reduce as their real view for SUM and AVG.
+BAND, BOR and BXOR reduce integer and bool tensors on the client (see :func:`bitwise_reduce`).
+Sparse tensors are refused.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -17,17 +20,29 @@ from gradstar.errors import ConfigurationError, InvalidCollectiveError
 
 ReduceOp = dist.ReduceOp
 _REDUCE_OPS = [(ReduceOp.SUM, "sum"), (ReduceOp.AVG, "mean"), (ReduceOp.MIN, "min"),
-               (ReduceOp.MAX, "max"), (ReduceOp.PRODUCT, "prod")]
+               (ReduceOp.MAX, "max"), (ReduceOp.PRODUCT, "prod"), (ReduceOp.BAND, "band"),
+               (ReduceOp.BOR, "bor"), (ReduceOp.BXOR, "bxor")]
+# The hub reduces sum/mean/min/max/prod only; these the client reduces itself from an all_gather.
+BITWISE_OPS = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}
+_LABELS = {name: f"ReduceOp.{torch_op.name}" for torch_op, name in _REDUCE_OPS}
 _NATIVE = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64}
 _WIDENED = {torch.bool, torch.uint8, torch.int8, torch.int16}
 _COMPLEX = {torch.complex64, torch.complex128}
 
 
+def op_label(op) -> str:
+    """How torch spells a ``ReduceOp`` (``"ReduceOp.BAND"``), for messages."""
+    kind = getattr(op, "op", op)  # a ReduceOp object wraps its RedOpType in .op
+    name = getattr(kind, "name", None)
+    return f"ReduceOp.{name}" if isinstance(name, str) else repr(op)
+
+
 def reduce_op_name(op) -> str:
-    """gradstar's name for a torch ``ReduceOp`` (or options object carrying ``reduceOp``).
+    """gradstar's name for a torch ``ReduceOp`` (or options object carrying ``reduceOp``):
+    one of the hub's ops, or a key of :data:`BITWISE_OPS`.
 
     Raises:
-        ConfigurationError: PREMUL_SUM or a bitwise op, which gradstar does not reduce.
+        ConfigurationError: PREMUL_SUM, or an op torch added after this backend was written.
     """
     op = getattr(op, "reduceOp", op)
     if op is None:
@@ -42,7 +57,8 @@ def reduce_op_name(op) -> str:
             "ReduceOp.SUM"
         )
     raise ConfigurationError(
-        f"the gradstar backend reduces with SUM, AVG, MIN, MAX and PRODUCT, not {op}"
+        f"{op_label(op)} is not supported by the gradstar backend: it reduces with SUM, AVG, "
+        "MIN, MAX, PRODUCT, BAND, BOR and BXOR"
     )
 
 
@@ -58,7 +74,13 @@ def tensor_list(tensors) -> list[torch.Tensor]:
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
-def check_cpu(t: torch.Tensor) -> None:
+def check_dense_cpu(t: torch.Tensor) -> None:
+    """Raises: ConfigurationError: ``t`` is sparse or not on the CPU."""
+    if t.layout != torch.strided:
+        raise ConfigurationError(
+            f"the gradstar backend moves dense (torch.strided) tensors; sparse layouts such as "
+            f"this tensor's {t.layout} are not supported: call .to_dense() first"
+        )
     if t.device.type != "cpu":
         raise ConfigurationError(
             f"the gradstar backend moves CPU tensors; this tensor is on {t.device}"
@@ -70,7 +92,7 @@ Restore = Callable[[torch.Tensor], torch.Tensor]
 
 def for_transfer(t: torch.Tensor) -> tuple[torch.Tensor, Restore]:
     """``t`` in a dtype gradstar moves, and how to turn a received tensor back into t's kind."""
-    check_cpu(t)
+    check_dense_cpu(t)
     if t.dtype in _NATIVE:
         return t, lambda r: r
     # Raw bytes, padded to whole int32 words: every rank pads the same tensor shape alike.
@@ -92,7 +114,7 @@ def for_reduction(t: torch.Tensor, op: str) -> tuple[torch.Tensor, Restore]:
     Raises:
         ConfigurationError: a dtype gradstar cannot reduce with ``op``.
     """
-    check_cpu(t)
+    check_dense_cpu(t)
     if t.dtype in _NATIVE:
         return t, lambda r: r
     if t.dtype in _WIDENED and op != "mean":
@@ -100,7 +122,31 @@ def for_reduction(t: torch.Tensor, op: str) -> tuple[torch.Tensor, Restore]:
         return t.to(torch.int32), lambda r: r.to(dtype)
     if t.dtype in _COMPLEX and op in ("sum", "mean"):
         return torch.view_as_real(t.detach()), torch.view_as_complex
-    raise ConfigurationError(f"the gradstar backend cannot reduce {t.dtype} tensors with {op!r}")
+    raise ConfigurationError(
+        f"the gradstar backend cannot reduce {t.dtype} tensors with {_LABELS.get(op, op)}")
+
+
+def for_bitwise(t: torch.Tensor, op: str) -> torch.Tensor:
+    """``t``, checked for a bitwise reduction (:data:`BITWISE_OPS`).
+
+    Raises:
+        ConfigurationError: ``t`` is a floating point or complex tensor, or sparse.
+    """
+    check_dense_cpu(t)
+    if t.is_floating_point() or t.is_complex():
+        raise ConfigurationError(
+            f"{_LABELS[op]} reduces integer and bool tensors, not {t.dtype} tensors")
+    return t
+
+
+def bitwise_reduce(parts: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    """Every rank's tensor (from an all_gather) reduced with the bitwise ``op``.
+
+    Exact, and done alike on every rank; it costs an all_gather (world x the data on the wire
+    instead of a reduction's 2x), which suits the small integer and bool tensors these ops are
+    used on (flags, masks).
+    """
+    return functools.reduce(BITWISE_OPS[op], parts)
 
 
 def write_rows(output: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
@@ -120,11 +166,15 @@ def check_numel(what: str, got: int, want: int) -> None:
 
 
 __all__ = [
+    "BITWISE_OPS",
     "Restore",
-    "check_cpu",
+    "bitwise_reduce",
+    "check_dense_cpu",
     "check_numel",
+    "for_bitwise",
     "for_reduction",
     "for_transfer",
+    "op_label",
     "reduce_op_name",
     "seconds_of",
     "tensor_list",

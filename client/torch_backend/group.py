@@ -12,6 +12,8 @@ starts gradstar collectives with ``async_op=True`` and returns a
   (all_reduce, broadcast, the output tensors of gathers and scatters), written when the Work is
   settled: by ``wait()`` or by a completion thread, whichever comes first.
 * **dtypes.** See :mod:`gradstar.client.torch_backend.convert`: every dtype moves, most reduce.
+* **Bitwise ops.** The hub reduces SUM, AVG, MIN, MAX and PRODUCT; BAND, BOR and BXOR run as an
+  all_gather that every rank reduces itself (exact, and cheap for the small tensors they suit).
 * **Errors.** An invalid argument (unsupported reduce op or dtype, wrong sizes) raises at once,
   as a ``ValueError`` (:class:`~gradstar.errors.ConfigurationError` or
   :class:`~gradstar.errors.InvalidCollectiveError`); a collective that fails later fails its Work.
@@ -32,7 +34,11 @@ from gradstar.client.process_group import ProcessGroup
 from gradstar.errors import GradstarError, ProcessGroupClosedError
 
 from .convert import (
+    BITWISE_OPS,
+    bitwise_reduce,
+    check_dense_cpu,
     check_numel,
+    for_bitwise,
     for_reduction,
     for_transfer,
     reduce_op_name,
@@ -118,6 +124,11 @@ class ProcessGroupGradstar(dist.ProcessGroup):
 
     def _reduce(self, tensors: list[torch.Tensor], op: str, timeout: float | None,
                 write: Callable[[int, torch.Tensor], None]):
+        if op in BITWISE_OPS:
+            return self._gather(
+                [for_bitwise(t, op) for t in tensors], timeout,
+                lambda i, parts: write(i, bitwise_reduce(parts, op).reshape(tensors[i].shape)),
+                tensors)
         prepared = [for_reduction(t, op) for t in tensors]
         starts = [lambda w=w: self.gradstar_group.all_reduce(w, op, async_op=True,
                                                              timeout=timeout)
@@ -147,7 +158,17 @@ class ProcessGroupGradstar(dist.ProcessGroup):
                         timeout: float | None):
         world = self.size()
         for out, flat in zip(outputs, flats, strict=True):
+            check_dense_cpu(flat)  # before reshape(), whose own error would not say why
             check_numel("reduce_scatter's input", flat.numel(), out.numel() * world)
+        if op in BITWISE_OPS:
+            me = self.rank()
+
+            def write(i, parts):
+                whole = bitwise_reduce([p.reshape(world, -1) for p in parts], op)
+                outputs[i].copy_(whole[me].reshape(outputs[i].shape))
+
+            return self._gather([for_bitwise(flat, op) for flat in flats], timeout, write,
+                                outputs)
         prepared = [for_reduction(flat.reshape(world, -1), op) for flat in flats]
         starts = [lambda w=w: self.gradstar_group.reduce_scatter(w, op, async_op=True,
                                                                  timeout=timeout)
@@ -170,6 +191,8 @@ class ProcessGroupGradstar(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors, opts=None):
         tensors = tensor_list(tensors)
         op, timeout = reduce_op_name(opts), seconds_of(opts)
+        if op in BITWISE_OPS:
+            return self._reduce(tensors, op, timeout, lambda i, r: tensors[i].copy_(r))
         prepared = [for_reduction(t, op) for t in tensors]
 
         def finish(results):
@@ -225,7 +248,20 @@ class ProcessGroupGradstar(dist.ProcessGroup):
         return self._gather(inputs, seconds_of(opts), write, output_tensors)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        return self.allgather(output_lists, input_list, opts)
+        """torch's all_gather_coalesced: ``output_lists[rank][i]`` receives input ``i`` of
+        ``rank`` (lists by rank, unlike allgather's lists by input), one all_gather per input."""
+        inputs = tensor_list(input_list)
+        check_numel("all_gather_coalesced's output list", len(output_lists), self.size())
+        for outs in output_lists:
+            check_numel("an all_gather_coalesced output list", len(outs), len(inputs))
+            for out, t in zip(outs, inputs, strict=True):
+                check_numel("an all_gather_coalesced output", out.numel(), t.numel())
+
+        def write(i, parts):
+            for outs, part in zip(output_lists, parts, strict=True):
+                outs[i].copy_(part.reshape(outs[i].shape))
+
+        return self._gather(inputs, seconds_of(opts), write, output_lists)
 
     def all_gather_single(self, output_tensor, input_tensor, opts=None):
         return self.all_gather_single_coalesced([output_tensor], [input_tensor], opts)
@@ -276,6 +312,7 @@ class ProcessGroupGradstar(dist.ProcessGroup):
         for out, parts in zip(outputs, input_tensors, strict=True):
             check_numel("reduce_scatter's input list", len(parts), self.size())
             for part in parts:
+                check_dense_cpu(part)
                 check_numel("a reduce_scatter input", part.numel(), out.numel())
         flats = [torch.cat([p.reshape(-1) for p in parts]) for parts in input_tensors]
         return self._scatter_reduce(outputs, flats, reduce_op_name(opts), seconds_of(opts))

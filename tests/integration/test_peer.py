@@ -198,7 +198,7 @@ async def test_recv_times_out_naming_the_silent_rank(pair):
         await b.recv(0, tag="never", timeout=0.2)
     assert info.value.missing_ranks == [0]
     assert str(info.value).startswith(
-        'rank 1 received no message with tag "never" from rank 0 within 0.2 s')
+        'Timed out: rank 1 received no message with tag "never" from rank 0 within 0.2 s')
 
 
 @pytest.mark.parametrize("call", ["send", "recv"])

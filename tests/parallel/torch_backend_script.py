@@ -259,8 +259,66 @@ def errors(rank: int, world: int) -> dict:
     return out
 
 
+def parity(rank: int, world: int) -> dict:
+    """Calls from torch's own distributed tests that gloo passes: all_gather_coalesced's lists by
+    rank, and the bitwise reduce ops on integer and bool tensors."""
+    out: dict = {}
+    inputs = [torch.full((2, 2), float(rank)), torch.arange(3.0) + 10 * rank]
+    lists = [[torch.empty(2, 2), torch.empty(3)] for _ in range(world)]
+    dist.all_gather_coalesced(lists, inputs)
+    out["all_gather_coalesced"] = [[t.tolist() for t in ts] for ts in lists]
+    lists = [[torch.empty(1, dtype=torch.int64)] for _ in range(world)]
+    dist.all_gather_coalesced(lists, [torch.tensor([rank])], async_op=True).wait()
+    out["all_gather_coalesced_async"] = [[t.tolist() for t in ts] for ts in lists]
+
+    for dtype in (torch.int64, torch.int32, torch.uint8, torch.bool):
+        for op in ("BAND", "BOR", "BXOR"):
+            t = (torch.tensor([True, rank % 2 == 1, rank == 0, False]) if dtype == torch.bool
+                 else ((torch.tensor([12, 10, 7, 255]) >> rank) | (1 << rank)).to(dtype))
+            dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+            out[f"all_reduce_{op}_{dtype}"] = [str(t.dtype), t.tolist()]
+    t = torch.tensor([1 << rank, 3], dtype=torch.int64)
+    dist.reduce(t, dst=world - 1, op=dist.ReduceOp.BOR)
+    if rank == world - 1:  # elsewhere torch leaves the tensor undefined (gloo: the result)
+        out["reduce_BOR_on_root"] = t.tolist()
+    shard = torch.empty(2, dtype=torch.int64)
+    dist.reduce_scatter_tensor(shard, torch.arange(2 * world, dtype=torch.int64) << rank,
+                               op=dist.ReduceOp.BXOR)
+    out["reduce_scatter_tensor_BXOR"] = shard.tolist()
+    return out
+
+
+def parity_errors(rank: int, world: int) -> dict:
+    """What gradstar refuses or times out, each with a message naming what went wrong."""
+    out: dict = {}
+    for name, call in [
+        ("band_float", lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)),
+        ("sparse", lambda: dist.all_reduce(torch.eye(3).to_sparse())),
+    ]:
+        try:
+            call()
+            out[name] = None
+        except Exception as error:
+            out[name] = [type(error).__name__, str(error)]
+    # A 1 s timeout that only rank 0 waits out: the others arrive late and get the same verdict.
+    opts = dist.AllreduceOptions()
+    opts.timeout = timedelta(seconds=1)
+    if rank != 0:
+        time.sleep(2)
+    try:
+        dist.group.WORLD.allreduce([torch.ones(2)], opts).wait()
+        out["timeout"] = None
+    except Exception as error:
+        out["timeout"] = [type(error).__name__, str(error)]
+    t = torch.full((2,), float(rank))
+    dist.all_reduce(t)
+    out["after"] = t.tolist()
+    return out
+
+
 SCENARIOS = {"ddp": ddp, "ddp_bf16_hook": ddp_bf16_hook, "fsdp2": fsdp2,
-             "collectives": collectives, "p2p": p2p, "errors": errors}
+             "collectives": collectives, "p2p": p2p, "errors": errors, "parity": parity,
+             "parity_errors": parity_errors}
 
 
 def run_ranks(args) -> int:

@@ -17,7 +17,14 @@ import torch
 import torch.distributed as dist
 
 from gradstar.client.torch_backend.backend import parse_init_method
-from gradstar.client.torch_backend.convert import for_reduction, for_transfer, reduce_op_name
+from gradstar.client.torch_backend.convert import (
+    bitwise_reduce,
+    for_bitwise,
+    for_reduction,
+    for_transfer,
+    op_label,
+    reduce_op_name,
+)
 from gradstar.client.torch_backend.work import CompletionThreads, GradstarWork
 from gradstar.client.work import Work
 from gradstar.errors import (
@@ -57,7 +64,8 @@ def test_another_scheme_is_refused():
 
 @pytest.mark.parametrize(("op", "name"), [
     (dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "mean"), (dist.ReduceOp.MIN, "min"),
-    (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.PRODUCT, "prod"), (None, "sum")])
+    (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.PRODUCT, "prod"), (dist.ReduceOp.BAND, "band"),
+    (dist.ReduceOp.BOR, "bor"), (dist.ReduceOp.BXOR, "bxor"), (None, "sum")])
 def test_reduce_ops_map_to_gradstar_names(op, name):
     assert reduce_op_name(op) == name
     opts = dist.AllreduceOptions()
@@ -71,9 +79,36 @@ def test_premul_sum_is_a_clear_error():
         reduce_op_name(dist._make_nccl_premul_sum(2.0))
 
 
-def test_bitwise_ops_are_refused():
-    with pytest.raises(ConfigurationError, match=r"reduces with SUM, AVG, MIN, MAX and PRODUCT"):
-        reduce_op_name(dist.ReduceOp.BAND)
+def test_messages_name_ops_the_way_torch_spells_them():
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.BOR  # torch hands backends a ReduceOp object, not the enum
+    assert op_label(opts.reduceOp) == op_label(dist.ReduceOp.BOR) == "ReduceOp.BOR"
+    assert op_label(dist._make_nccl_premul_sum(2.0)) == "ReduceOp.PREMUL_SUM"
+    with pytest.raises(ConfigurationError, match=r"^ReduceOp.BXOR reduces integer and bool "
+                                                 r"tensors, not torch.float32 tensors$"):
+        for_bitwise(torch.ones(2), "bxor")
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int32, torch.int64])
+def test_bitwise_ops_reduce_every_rank_s_tensor_exactly(dtype):
+    parts = [torch.tensor(v).to(dtype) for v in ([12, 10, 7], [10, 6, 7], [9, 3, 0])]
+    want = {"band": [8, 2, 0], "bor": [15, 15, 7], "bxor": [15, 15, 0]}
+    for op, values in want.items():
+        got = bitwise_reduce(parts, op)
+        if dtype == torch.bool:
+            bits = [p.tolist() for p in parts]
+            values = [{"band": all, "bor": any, "bxor": lambda c: sum(c) % 2 == 1}[op](column)
+                      for column in zip(*bits, strict=True)]
+        assert got.dtype == dtype and got.tolist() == values, op
+
+
+def test_sparse_tensors_are_a_clear_error():
+    sparse = torch.eye(3).to_sparse()
+    for convert in (for_transfer, lambda t: for_reduction(t, "sum"),
+                    lambda t: for_bitwise(t, "band")):
+        with pytest.raises(ConfigurationError, match=r"sparse layouts such as this tensor's "
+                                                     r"torch.sparse_coo are not supported"):
+            convert(sparse)
 
 
 @pytest.mark.parametrize("t", [
@@ -93,7 +128,8 @@ def test_small_integers_reduce_widened_and_complex_as_real_pairs():
     assert restore(wire * 2).tolist() == [144, 14]  # wraps around like uint8 arithmetic
     wire, restore = for_reduction(torch.tensor([1 + 2j]), "mean")
     assert wire.tolist() == [[1.0, 2.0]] and restore(wire).tolist() == [1 + 2j]
-    with pytest.raises(ConfigurationError, match=r"cannot reduce torch.complex64 tensors"):
+    with pytest.raises(ConfigurationError, match=r"cannot reduce torch.complex64 tensors with "
+                                                 r"ReduceOp.MAX$"):
         for_reduction(torch.tensor([1j]), "max")
 
 

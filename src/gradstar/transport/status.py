@@ -77,7 +77,8 @@ def error_from_rpc(error: grpc.RpcError, what: str, target: str) -> GradstarErro
             f"lost the coordinator at {target} during {what}: {details or code.name}"
         )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return CollectiveTimeoutError(f"{what} got no answer from {target} before its deadline")
+        return CollectiveTimeoutError(
+            f"Timed out: {what} got no answer from {target} before its deadline")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return PayloadTooLargeError(f"{what} was refused by {target}: {details}")
     return GradstarError(f"{what} failed at {target}: {code.name}: {details}")
