@@ -5,6 +5,13 @@
         total = pg.all_reduce(x, op="sum")
 """
 
+import os
+
+# grpc's C core logs INFO lines (connection GOAWAYs and the like) to stderr by default; they mean
+# nothing to a user and drown real errors. Quiet unless the user asks (GRPC_VERBOSITY=INFO/DEBUG);
+# read by grpc when it starts, so set before anything here imports it.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 from gradstar import errors
 from gradstar.client import (
     AsyncProcessGroup,

@@ -407,8 +407,11 @@ def _load_token_files(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gradstar import __version__
+
     parser = argparse.ArgumentParser(prog="gradstar", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"gradstar {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _coordinator_args(sub)
     _shard_args(sub)

@@ -6,6 +6,9 @@ but is absent from the wheel, so the list is checked against the folders here.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -110,3 +113,24 @@ def test_every_exported_name_exists(name):
 
 def test_version_matches_the_distribution_metadata():
     assert gradstar.__version__ == PYPROJECT["project"]["version"]
+
+
+def test_the_cli_reports_its_version():
+    out = subprocess.run([sys.executable, "-m", "gradstar", "--version"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert out.strip() == f"gradstar {gradstar.__version__}"
+
+
+def test_the_package_is_marked_typed_and_ships_the_marker():
+    assert (ROOT / "src" / "gradstar" / "py.typed").is_file()
+    assert "py.typed" in SETUPTOOLS["package-data"]["gradstar"]
+
+
+def test_grpc_core_logging_is_quiet_unless_asked_for():
+    probe = "import gradstar, os; print(os.environ['GRPC_VERBOSITY'])"
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"}
+    quiet = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                           timeout=60, check=True, env=env).stdout.strip()
+    asked = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                           timeout=60, check=True, env={**env, "GRPC_VERBOSITY": "DEBUG"})
+    assert (quiet, asked.stdout.strip()) == ("ERROR", "DEBUG")
