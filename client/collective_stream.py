@@ -49,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -72,10 +71,10 @@ from gradstar.wire import (
     as_byte_view,
     decode_error,
     decode_message,
-    dtype_from_wire,
     encode_message,
     frame_kind,
     iter_chunk_frames,
+    payload_bytes,
     receive_chunk,
 )
 
@@ -122,7 +121,7 @@ class CollectivePlan:
     def for_header(cls, header: pb.CollectiveHeader, world_size: int,
                    send: np.ndarray | None, out: np.ndarray) -> CollectivePlan:
         """The plan both sides derive from ``header`` (the hub computes the same geometry)."""
-        nbytes = math.prod(header.shape) * dtype_from_wire(header.dtype).numpy.itemsize
+        nbytes = payload_bytes(header.shape, header.dtype)
         geometry = ops.geometry(header.op, world_size, header.rank, nbytes, header.chunk_bytes,
                                 header.root)
         view = memoryview(b"") if send is None else as_byte_view(send)

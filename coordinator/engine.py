@@ -69,11 +69,12 @@ from gradstar.wire import (
     decode_message,
     dtype_from_wire,
     encode_message,
+    payload_bytes,
     seal_chunk_frame,
 )
 
 from .averaging import AveragingRound, AveragingStore
-from .matching import Limits, check_agrees, describe, payload_bytes, validate
+from .matching import Limits, check_agrees, describe, validate
 from .metrics import CollectiveMetrics
 from .reduce import BufferPool, ChunkReducer
 from .rendezvous import Generation, Rendezvous
@@ -185,7 +186,7 @@ class PendingCollective:
         self.window = ReadWindow(self)
         validate(header, self.world, engine.limits)
         self.dtype = dtype_from_wire(header.dtype)
-        self.nbytes = payload_bytes(header)
+        self.nbytes = payload_bytes(header.shape, header.dtype)
         #: Striping over hub shards: this engine carries input chunks i % stripes == stripe.
         self.stripes = max(1, header.stripes)
         self.layout = ops.input_layout(self.op, self.world, self.nbytes, header.chunk_bytes)

@@ -14,7 +14,6 @@ allocated for it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from gradstar import ops
@@ -25,7 +24,7 @@ from gradstar.errors import (
     ProtocolError,
 )
 from gradstar.proto.v1 import collective_pb2 as pb
-from gradstar.wire import check_chunk_count, check_shape, dtype_from_wire
+from gradstar.wire import check_chunk_count, check_shape, dtype_from_wire, payload_bytes
 
 
 @dataclass(frozen=True)
@@ -70,11 +69,6 @@ def field_values(h: pb.CollectiveHeader) -> list[tuple[str, object]]:
     return values
 
 
-def payload_bytes(h: pb.CollectiveHeader) -> int:
-    """Bytes of one rank's input (the header's dtype must be known)."""
-    return math.prod(h.shape) * dtype_from_wire(h.dtype).numpy.itemsize
-
-
 def validate(h: pb.CollectiveHeader, world_size: int, limits: Limits) -> None:
     """Check a header on its own.
 
@@ -95,7 +89,7 @@ def validate(h: pb.CollectiveHeader, world_size: int, limits: Limits) -> None:
             f"chunk_bytes {h.chunk_bytes} must be a multiple of the element size "
             f"{info.numpy.itemsize} and at most {limits.max_chunk_bytes}"
         )
-    nbytes = payload_bytes(h)
+    nbytes = payload_bytes(h.shape, h.dtype)
     if nbytes > limits.max_tensor_bytes:
         raise PayloadTooLargeError(
             f"rank {h.rank} sent a {describe(h)} payload of {nbytes} bytes, over the "

@@ -69,6 +69,7 @@ class Coordinator:
         self.shards: ShardRegistry | None = None
         self._local_shards: LocalShards | None = None
         self._serving = False
+        self._health_updates: set[asyncio.Task] = set()
 
     @property
     def address(self) -> str:
@@ -164,7 +165,10 @@ class Coordinator:
 
     def _shards_health(self, healthy: bool) -> None:
         if self._serving and not self.rendezvous.draining:
-            asyncio.get_running_loop().create_task(self._set_health(healthy))
+            # The loop holds tasks only weakly: keep this one until it has run.
+            task = asyncio.get_running_loop().create_task(self._set_health(healthy))
+            self._health_updates.add(task)
+            task.add_done_callback(self._health_updates.discard)
 
     async def _set_health(self, serving: bool) -> None:
         """SERVING only while not draining and every expected shard is up."""

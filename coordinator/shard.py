@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import socket
 import time
 
@@ -50,7 +49,7 @@ from gradstar.transport.channels import (
     server_credentials,
 )
 from gradstar.transport.status import error_from_rpc
-from gradstar.wire import COLLECTIVE_SERVICE, dtype_from_wire
+from gradstar.wire import COLLECTIVE_SERVICE, MAX_NDIM, payload_bytes
 
 from .engine import CollectiveEngine
 from .rendezvous import Rendezvous
@@ -280,13 +279,13 @@ class Shard:
         position, shards = self.positions.get(key, (None, 0))
         if position is None:
             return
+        if (not 0 < header.chunk_bytes or header.op not in ops.OP_NAMES
+                or len(header.shape) > MAX_NDIM):
+            return  # the engine refuses the header with its own message
         try:
-            itemsize = dtype_from_wire(header.dtype).numpy.itemsize
+            nbytes = payload_bytes(header.shape, header.dtype)
         except GradstarError:
-            return  # the engine refuses the header with its own message
-        if not 0 < header.chunk_bytes or header.op not in ops.OP_NAMES or len(header.shape) > 64:
-            return  # the engine refuses the header with its own message
-        nbytes = math.prod(header.shape) * itemsize
+            return  # likewise: an unknown dtype
         world = self.rendezvous.jobs[header.job].generation.world_size
         layout = ops.input_layout(header.op, world, nbytes, header.chunk_bytes)
         active = ops.active_shards(layout, shards)

@@ -10,7 +10,6 @@ The protocol is described in :mod:`gradstar.client.peer` and ``peer.proto``.
 from __future__ import annotations
 
 import asyncio
-import math
 from dataclasses import dataclass, field
 
 import grpc
@@ -46,6 +45,7 @@ from gradstar.wire import (
     encode_error,
     encode_message,
     frame_kind,
+    payload_bytes,
     receive_chunk,
 )
 
@@ -201,7 +201,7 @@ class PeerServer:
             expected_seq += 1
             info = dtype_from_wire(header.dtype)
             shape = check_shape(header.shape, who)
-            nbytes = math.prod(shape) * info.numpy.itemsize
+            nbytes = payload_bytes(shape, header.dtype)
             if not 0 < header.chunk_bytes <= MAX_CHUNK_BYTES:
                 raise ProtocolError(f"{who}: chunk_bytes {header.chunk_bytes} is out of range")
             layout = ChunkLayout(1, nbytes, header.chunk_bytes)

@@ -114,15 +114,21 @@ def _shard_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", help="DEBUG, INFO, WARNING (default INFO)")
 
 
-async def _serve_shard(settings) -> int:
-    from gradstar.coordinator.shard import Shard
-
-    shard = Shard(settings)
+def _stop_on_signals() -> asyncio.Event:
+    """An event SIGINT and SIGTERM set (instead of killing), for a server to drain on."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _serve_shard(settings) -> int:
+    from gradstar.coordinator.shard import Shard
+
+    shard = Shard(settings)
+    stop = _stop_on_signals()
     await shard.start()
     print(f"gradstar shard {shard.slot} listening on {settings.host}:{shard.port} "
           f"(advertised as {shard.address})", flush=True)
@@ -153,12 +159,8 @@ async def _serve(settings: CoordinatorSettings) -> None:
     from gradstar.coordinator import Coordinator
 
     coordinator = Coordinator(settings)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     # Handlers first: a SIGTERM right after the "listening" line must drain, not kill.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+    stop = _stop_on_signals()
     await coordinator.start()
     print(f"gradstar coordinator listening on {settings.host}:{coordinator.port}", flush=True)
     if coordinator.shards.slots:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import struct
 from dataclasses import dataclass
 
@@ -102,6 +103,16 @@ def check_shape(shape, who: str) -> tuple[int, ...]:
         raise InvalidCollectiveError(
             f"{who} sent a shape of {len(shape)} dimensions; at most {MAX_NDIM} are supported")
     return tuple(shape)
+
+
+def payload_bytes(shape, dtype_wire: int) -> int:
+    """Bytes of a tensor of ``shape`` in wire dtype ``dtype_wire``; check the shape with
+    :func:`check_shape` first where it comes from outside.
+
+    Raises:
+        ProtocolError: unknown dtype.
+    """
+    return math.prod(shape) * dtype_from_wire(dtype_wire).numpy.itemsize
 
 
 def check_chunk_count(count: int, nbytes: int, chunk_bytes: int, who: str) -> None:

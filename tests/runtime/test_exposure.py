@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gradstar.config import CoordinatorSettings
+from tests.integration.test_server import reflected_services
 
 from .conftest import http_get
 
@@ -36,20 +36,11 @@ def test_metrics_host_and_reflection_come_from_the_environment(monkeypatch):
     assert (settings.metrics_host, settings.reflection) == ("0.0.0.0", True)
 
 
-async def list_services(address: str) -> set[str]:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        request = reflection_pb2.ServerReflectionRequest(list_services="")
-        async for reply in stub.ServerReflectionInfo(iter([request]), timeout=5):
-            return {s.name for s in reply.list_services_response.service}
-    return set()
-
-
 async def test_reflection_is_off_unless_asked_for(start_coordinator):
     hub = await start_coordinator()
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await list_services(hub.address)
+        await reflected_services(hub.address)
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
     hub = await start_coordinator(reflection=True)
-    assert "gradstar.proto.v1.Rendezvous" in await list_services(hub.address)
+    assert "gradstar.proto.v1.Rendezvous" in await reflected_services(hub.address)
