@@ -19,6 +19,7 @@ Every error a rank can see derives from :class:`GradstarError`::
         ├── CollectiveMismatchError   ranks disagree on op, reduce op, dtype, shape or root
         ├── CollectiveTimeoutError    some ranks never reached the collective
         ├── RankLostError             a rank died or disconnected; its generation is over
+        │   └── RankFinishedError     a rank this call needs closed its group cleanly
         ├── PayloadTooLargeError      the payload is over the coordinator's limit
         └── InvalidCollectiveError    the request is invalid on its own (also a ValueError)
 
@@ -47,6 +48,7 @@ __all__ = [
     "PayloadTooLargeError",
     "ProcessGroupClosedError",
     "ProtocolError",
+    "RankFinishedError",
     "RankLostError",
     "RendezvousError",
     "ShardLostError",
@@ -162,6 +164,11 @@ class RankLostError(CollectiveError):
 
     def fields(self) -> dict:
         return {"rank": self.rank, "generation": self.generation}
+
+
+class RankFinishedError(RankLostError):
+    """A rank closed its process group cleanly (it *finished*); a collective or receive that
+    needs it cannot complete. The generation stays healthy for traffic among the others."""
 
 
 class PayloadTooLargeError(CollectiveError):
