@@ -12,6 +12,7 @@ from gradstar.errors import (
     CoordinatorUnavailableError,
     GradstarError,
     ProtocolError,
+    RankFinishedError,
     RankLostError,
     error_from_wire,
 )
@@ -42,6 +43,9 @@ class Session:
         self.joined: rpb.Joined | None = None
         self._failure: GradstarError | None = None
         self._failed = asyncio.Event()
+        #: Ranks of the generation that closed their group cleanly (RankFinished notices).
+        self._finished: dict[int, RankFinishedError] = {}
+        self._finishes = asyncio.Event()
 
     @property
     def failure(self) -> GradstarError | None:
@@ -53,16 +57,38 @@ class Session:
             self._failure = error
             self._failed.set()
 
+    def finished(self, rank: int) -> RankFinishedError | None:
+        """The notice that ``rank`` finished (closed its group cleanly), or None."""
+        return self._finished.get(rank)
+
+    async def until_finished(self, rank: int) -> RankFinishedError:
+        """Wait until the hub reports that ``rank`` finished; its notice."""
+        while rank not in self._finished:
+            self._finishes.clear()
+            await self._finishes.wait()
+        return self._finished[rank]
+
     async def failure_within(self, timeout: float) -> GradstarError | None:
         """The session's failure, waiting up to ``timeout`` seconds for one to be reported."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._failed.wait(), timeout)
         return self._failure
 
-    async def verdict(self) -> GradstarError | None:
-        """The hub's verdict on a broken stream: the session's failure, waiting up to
-        :data:`VERDICT_GRACE` seconds for it to be reported."""
-        return await self.failure_within(VERDICT_GRACE)
+    async def verdict(self, peer: int | None = None) -> GradstarError | None:
+        """The hub's verdict on a broken stream: the session's failure — or, for a stream with
+        rank ``peer``, the notice that it finished — waiting up to :data:`VERDICT_GRACE`
+        seconds for one to be reported."""
+        if peer is None:
+            return await self.failure_within(VERDICT_GRACE)
+        failed = asyncio.ensure_future(self._failed.wait())
+        finished = asyncio.ensure_future(self.until_finished(peer))
+        try:
+            await asyncio.wait((failed, finished), timeout=VERDICT_GRACE,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+            finished.cancel()
+        return self._failure or self._finished.get(peer)
 
     async def join(self, job: str, world_size: int, rank: int | None, peer_address: str,
                    timeout: float) -> rpb.Joined:
@@ -113,7 +139,12 @@ class Session:
             # read() rather than iteration: the join already used read() on this call, and
             # grpc.aio forbids mixing the two styles on one RPC.
             while (event := await self._call.read()) is not grpc.aio.EOF:
-                if event.WhichOneof("kind") == "failed":
+                if event.WhichOneof("kind") == "finished":
+                    f = event.finished
+                    self._finished[f.rank] = RankFinishedError(
+                        f.reason, rank=f.rank, generation=f.generation)
+                    self._finishes.set()
+                elif event.WhichOneof("kind") == "failed":
                     f = event.failed
                     self._fail(error_from_wire(f.error, f.fields_json, f.reason) if f.error
                                else RankLostError(f.reason, rank=f.lost_rank,

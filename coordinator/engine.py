@@ -39,8 +39,9 @@ collective, the input chunks ``i % stripes == stripe`` (:func:`gradstar.ops.in_s
 participants send, and get, only those.
 
 Any failure — mismatch, invalid request, corrupt frame, a stream closed before its end marker,
-the collective's timeout, or the generation failing because a member was lost — fails the
-collective on every rank that arrived, and on every rank that arrives later for the same seq.
+the collective's timeout, the generation failing because a member was lost, or a member
+finishing (closing its group) while the collective needs it — fails the collective on every rank
+that arrived, and on every rank that arrives later for the same seq.
 """
 
 from __future__ import annotations
@@ -404,10 +405,13 @@ class CollectiveEngine:
 
         Raises:
             RankLostError / RendezvousError: the caller's generation failed or is not current.
+            RankFinishedError: a rank of the generation finished (closed its group).
             GradstarError: the collective failed (mismatch, invalid, timeout); every rank that
                 arrived or arrives later for this seq gets the same error.
         """
         gen = self.rendezvous.member(h.job, h.generation, h.rank, h.member_id)
+        if gen.finished_error is not None:
+            raise gen.finished_error
         key = (h.group, h.seq)
         ended = gen.ended.get(key)
         if ended is not None:
@@ -439,7 +443,8 @@ class CollectiveEngine:
             counts = gen.job.counters.failed if failed else gen.job.counters.completed
             counts[h.op] = counts.get(h.op, 0) + 1
 
-    def fail_generation(self, gen: Generation) -> None:
-        """Fail every pending collective of ``gen`` with the generation's failure."""
+    def fail_generation(self, gen: Generation, error: GradstarError | None = None) -> None:
+        """Fail every pending collective of ``gen`` with ``error`` (default: the generation's
+        failure)."""
         for coll in list(gen.collectives.values()):
-            coll.fail(gen.failure)
+            coll.fail(error or gen.failure)

@@ -122,7 +122,7 @@ def render(rendezvous, collectives: CollectiveMetrics, averaging=None, *,
     jobs = sorted(rendezvous.jobs.items())
     family("gradstar_serving", "gauge", "1 while the coordinator takes new joins, 0 once draining.",
            [f"gradstar_serving {1 if serving and not rendezvous.draining else 0}"])
-    states: dict[str, int] = {"running": 0, "forming": 0, "failed": 0, "idle": 0}
+    states: dict[str, int] = {"running": 0, "forming": 0, "completed": 0, "failed": 0, "idle": 0}
     for _, job in jobs:
         states[job.state] = states.get(job.state, 0) + 1
     family("gradstar_jobs", "gauge", "Jobs known to the coordinator, by state.",

@@ -3,10 +3,16 @@
 A *job* is a named group of ``world_size`` ranks. Ranks join it; once ``world_size`` of them
 are waiting the coordinator assigns the free ranks, numbers the membership as a new
 *generation* and answers every joiner with the same peer table. A generation stays healthy
-until one of its members is lost (its session stream closes or it misses heartbeats) or leaves;
-then it *fails*: every pending and later collective of it raises
+until one of its members is *lost* (its session stream closes or it misses heartbeats); then it
+*fails*: every pending and later collective of it raises
 :class:`~gradstar.errors.RankLostError` naming that rank, and survivors may join again to form
-the next generation. Jobs are isolated: nothing in one job's state refers to another's.
+the next generation.
+
+A member that leaves in an orderly way (``pg.close()``) has *finished*, not failed: the
+generation stays healthy, so point-to-point traffic among the others goes on, and only the
+collectives that need the finished rank (every collective of the generation spans all of its
+ranks) fail with :class:`~gradstar.errors.RankFinishedError`. A generation whose members all
+finished is *completed*. Jobs are isolated: nothing in one job's state refers to another's.
 
 This module does no I/O; the servicers drive it and tests can drive it directly.
 """
@@ -27,6 +33,7 @@ from gradstar.errors import (
     DuplicateRankError,
     GradstarError,
     JoinTimeoutError,
+    RankFinishedError,
     RankLostError,
     RendezvousError,
     TooManyJobsError,
@@ -72,10 +79,12 @@ class Member:
     rank: int = -1
     generation: Generation | None = None
     last_seen: float = field(default_factory=time.monotonic)
-    #: GenerationFailed notices for this member's session stream.
+    #: GenerationFailed and RankFinished notices for this member's session stream.
     notices: asyncio.Queue = field(default_factory=asyncio.Queue)
     joined: asyncio.Future | None = None
+    #: The member is gone: lost, or finished (left in an orderly way).
     left: bool = False
+    finished: bool = False
 
     def touch(self) -> None:
         self.last_seen = time.monotonic()
@@ -100,10 +109,18 @@ class Generation:
     #: The secret its members prove membership with on peer streams (``Joined.peer_key``);
     #: random when it forms, empty on a hub shard's adopted copy, never in a repr.
     peer_key: bytes = field(default=b"", repr=False)
+    #: Why collectives of this generation can no longer complete although it is healthy: the
+    #: first of its members that finished while others were still live.
+    finished_error: RankFinishedError | None = None
 
     @property
     def healthy(self) -> bool:
         return self.failure is None
+
+    @property
+    def completed(self) -> bool:
+        """Every member finished (closed its group cleanly) and nothing failed."""
+        return self.healthy and all(m.finished for m in self.members.values())
 
     @property
     def live_members(self) -> list[Member]:
@@ -140,6 +157,8 @@ class Job:
             return "forming"
         if self.generation is not None and not self.generation.healthy:
             return "failed"
+        if self.generation is not None and self.generation.completed:
+            return "completed"
         return "idle"
 
 
@@ -149,7 +168,9 @@ class Rendezvous:
     Hooks: ``on_generation_formed(generation)`` runs as a generation forms, before any member
     hears of it (the shard registry picks its shards there); ``on_generation_failed`` once when
     it fails, so the collective engine can fail its pending collectives; and
-    ``on_generation_closed`` when its last member leaves in an orderly way.
+    ``on_generation_closed`` when its last member leaves in an orderly way; and
+    ``on_rank_finished(generation, error)`` when a member finishes while others are still live,
+    so the collectives that need it fail with ``error``.
     """
 
     def __init__(
@@ -158,6 +179,7 @@ class Rendezvous:
         on_generation_failed: Callable[[Generation], None] = lambda g: None,
         on_generation_formed: Callable[[Generation], None] = lambda g: None,
         on_generation_closed: Callable[[Generation], None] = lambda g: None,
+        on_rank_finished: Callable[[Generation, RankFinishedError], None] = lambda g, e: None,
     ) -> None:
         self.heartbeat_timeout = heartbeat_timeout
         self.jobs: dict[str, Job] = {}
@@ -167,6 +189,7 @@ class Rendezvous:
         self._on_generation_failed = on_generation_failed
         self._on_generation_formed = on_generation_formed
         self._on_generation_closed = on_generation_closed
+        self._on_rank_finished = on_rank_finished
 
     async def join(
         self, job: str, world_size: int, rank: int | None, peer_address: str, timeout: float
@@ -223,6 +246,7 @@ class Rendezvous:
                                  and state.generation.live_members)
         if state.world_size != world_size:
             if busy:
+                self._dispute_world_size(state, world_size)
                 raise WorldSizeMismatchError(
                     f"job {job!r} has world_size {state.world_size}, but this rank asked for "
                     f"{world_size}; every rank must pass the same world_size"
@@ -246,6 +270,18 @@ class Rendezvous:
             self._form(state)
         return member
 
+    @staticmethod
+    def _dispute_world_size(state: Job, asked: int) -> None:
+        """Tell the ranks waiting for ``state`` to form that another rank disputes its world
+        size: no generation of the size they asked for can form as configured, so each gets
+        :class:`WorldSizeMismatchError` now instead of a join timeout later. A running
+        generation is left alone (a stray process must not end a healthy job)."""
+        for waiting in state.forming:
+            if not waiting.joined.done():
+                waiting.joined.set_exception(WorldSizeMismatchError(
+                    f"job {state.name!r} is forming with world_size {state.world_size}, but "
+                    f"another rank asked for {asked}; every rank must pass the same world_size"))
+
     def withdraw(self, member: Member) -> None:
         """Take a joiner that gave up out of its job's forming set."""
         state = self.jobs.get(member.job)
@@ -263,8 +299,9 @@ class Rendezvous:
         gen = Generation(job, job.generations_formed, job.world_size, members,
                          peer_key=secrets.token_bytes(32))
         previous, job.generation, job.forming = job.generation, gen, []
-        if previous is not None and previous.healthy:
-            # Everyone moved on; nothing of the old generation can still be waited for.
+        if previous is not None and previous.healthy and previous.live_members:
+            # Everyone moved on; nothing of the old generation can still be waited for (a
+            # completed one has nothing pending and did not fail).
             self.fail(previous, RendezvousError(f"job {job.name!r} formed a new generation"))
         self._on_generation_formed(gen)
         for m in members.values():
@@ -310,19 +347,28 @@ class Rendezvous:
         ))
 
     def leave(self, member: Member) -> None:
-        """An orderly goodbye: the rest of the generation cannot complete collectives."""
+        """An orderly goodbye: the member *finished*. The generation stays healthy (peer
+        traffic among the others goes on); its collectives, which need every rank, fail from
+        now on with :class:`RankFinishedError`. The last member to leave completes it."""
         self.withdraw(member)
         gen = member.generation
         if gen is None or member.left:
             return
-        member.left = True
+        member.left = member.finished = True
+        if gen.failure is not None:
+            return
         if gen.live_members:
-            self.fail(gen, RankLostError(
-                f"rank {member.rank} of job {member.job!r} left (closed its process group); "
-                f"generation {gen.number} is over, so every later collective of it fails",
-                rank=member.rank, generation=gen.number,
-            ))
-        elif gen.failure is None:
+            error = RankFinishedError(
+                f"rank {member.rank} of job {member.job!r} finished (closed its process "
+                f"group), and every collective of generation {gen.number} needs all "
+                f"{gen.world_size} ranks; close the group on every rank only after its "
+                "last collective", rank=member.rank, generation=gen.number)
+            for m in gen.live_members:  # each hears of it: a recv from it must not wait on
+                m.notices.put_nowait(error)
+            if gen.finished_error is None:
+                gen.finished_error = error
+                self._on_rank_finished(gen, error)
+        else:
             self._on_generation_closed(gen)
 
     def adopt(self, job: str, number: int, world_size: int, member_ids: dict[int, str],

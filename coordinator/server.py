@@ -89,6 +89,7 @@ class Coordinator:
             s.heartbeat_timeout, on_generation_failed=self._generation_failed,
             on_generation_formed=lambda g: self.shards.on_formed(g),
             on_generation_closed=lambda g: self.shards.on_over(g),
+            on_rank_finished=self._rank_finished,
         )
         self.rendezvous.max_jobs = s.max_jobs
         expected = s.shards if s.expected_shards is None else s.expected_shards
@@ -162,6 +163,10 @@ class Coordinator:
     def _generation_failed(self, gen) -> None:
         self.engine.fail_generation(gen)
         self.shards.on_over(gen)
+
+    def _rank_finished(self, gen, error) -> None:
+        self.engine.fail_generation(gen, error)
+        self.shards.on_over(gen, error)
 
     def _shards_health(self, healthy: bool) -> None:
         if self._serving and not self.rendezvous.draining:

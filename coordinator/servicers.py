@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from gradstar.errors import GradstarError, ProtocolError
+from gradstar.errors import GradstarError, ProtocolError, RankFinishedError
 from gradstar.proto.v1 import collective_pb2 as cpb
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
 from gradstar.proto.v1 import rendezvous_pb2_grpc
@@ -79,6 +79,10 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
                 heartbeat_interval_seconds=self.heartbeat_interval, peer_key=gen.peer_key,
             ))
             while (notice := await member.notices.get()) is not _SESSION_END:
+                if isinstance(notice, RankFinishedError):
+                    yield rpb.SessionEvent(finished=rpb.RankFinished(
+                        generation=gen.number, rank=notice.rank, reason=str(notice)))
+                    continue
                 yield rpb.SessionEvent(failed=rpb.GenerationFailed(
                     generation=gen.number, lost_rank=getattr(notice, "rank", -1),
                     reason=str(notice), error=type(notice).__name__,

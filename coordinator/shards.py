@@ -12,7 +12,9 @@ free or lost, else the lowest free one) and answers ``accepted``. From then on:
   rank hears of the generation. A rank's header reaching a shard a moment before the notice is
   held briefly by the shard (:mod:`.shard`), never refused;
 - every generation that ends (failed, superseded, or closed by its last member) is told
-  ``over`` to its shards, so their pending collectives fail at once with the same error;
+  ``over`` to its shards, so their pending collectives fail at once with the same error; so is
+  one whose member finished while others are live (RankFinishedError): every collective of it
+  needs that rank, and the shards carry nothing else;
 - the shard reports its counters every second (``stats``).
 
 A shard whose stream breaks (process killed, host gone, or stalled: keepalive pings go
@@ -154,8 +156,11 @@ class ShardRegistry:
                 job=gen.job.name, generation=gen.number, world_size=gen.world_size,
                 members=members, shards=len(up), position=position)))
 
-    def on_over(self, gen: Generation) -> None:
-        error = gen.failure or GradstarError(
+    def on_over(self, gen: Generation, error: GradstarError | None = None) -> None:
+        """Tell ``gen``'s shards it is over: their pending and later collectives of it fail
+        with ``error`` (default: the generation's failure). Also sent when a member finishes
+        while others are live — every collective needs it, and shards carry collectives only."""
+        error = error or gen.failure or GradstarError(
             f"generation {gen.number} of job {gen.job.name!r} is over: every rank left")
         over = spb.GenerationOver(job=gen.job.name, generation=gen.number,
                                   error=type(error).__name__,

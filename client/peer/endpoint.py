@@ -91,6 +91,10 @@ class PeerEndpoint:
                    timeout: float) -> None:
         """Send ``arr`` to ``dst``; completes once ``dst`` holds it. See the module docstring."""
 
+        finished = self._session.finished(dst)
+        if finished is not None:
+            raise finished
+
         async def go():
             link = await self._link(dst)
             await link.send(arr, array_kind, tag)
@@ -107,6 +111,9 @@ class PeerEndpoint:
             return value
         if self._session.failure is not None:
             raise self._session.failure
+        finished = self._session.finished(src)
+        if finished is not None:  # and nothing of it waits in the mailbox
+            raise finished
 
         def timed_out():
             stalled = (f"; its stream is stalled on tag {mailbox.stalled_on} because this "
@@ -116,7 +123,27 @@ class PeerEndpoint:
                 f"Timed out: rank {self.identity.rank} received no message with tag {tag} "
                 f"from rank {src} within {timeout:g} s{stalled}", missing_ranks=[src])
 
-        return await self._guarded(mailbox.take(tag), src, timeout, timed_out)
+        return await self._guarded(self._take_unless_finished(mailbox, tag, src), src, timeout,
+                                   timed_out)
+
+    async def _take_unless_finished(self, mailbox, tag: str, src: int):
+        """``mailbox.take(tag)``, unless the hub reports that ``src`` finished first: its sends
+        were acknowledged before it left, so what the mailbox lacks then never comes."""
+        take = asyncio.ensure_future(mailbox.take(tag))
+        finished = asyncio.ensure_future(self._session.until_finished(src))
+        try:
+            await asyncio.wait((take, finished), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            finished.cancel()
+            if not take.done():
+                take.cancel()
+                await asyncio.gather(take, return_exceptions=True)
+        if not take.cancelled():
+            return take.result()
+        found, value = mailbox.try_take(tag)
+        if found:
+            return value
+        raise self._session.finished(src)
 
     async def _guarded(self, coro, peer: int, timeout: float, timeout_error):
         """Run ``coro`` until it ends, the generation fails or ``timeout`` passes.
@@ -142,7 +169,7 @@ class PeerEndpoint:
         if isinstance(error, LinkLost) and self.closed is not None:
             raise self.closed from None
         if isinstance(error, LinkLost):
-            failure = await self._session.verdict()
+            failure = await self._session.verdict(error.peer)
             if failure is not None:
                 raise failure from None
             raise RankLostError(

@@ -83,18 +83,23 @@ async def test_collective_some_ranks_never_reach_times_out_naming_them(trio):
         np.testing.assert_array_equal(r, np.full(3, 3.0))
 
 
-async def test_rank_that_leaves_fails_waiting_ranks_naming_it(trio):
+async def test_rank_that_finishes_fails_the_collectives_that_need_it_naming_it(trio):
     g0, g1, g2 = trio
     pending = [asyncio.ensure_future(g.all_reduce(np.ones(3))) for g in (g0, g1)]
     await asyncio.sleep(0.2)
     await g2.close()
     outcomes = await gather_outcomes(*pending, timeout=5)
     for outcome in outcomes:
-        assert isinstance(outcome, errors.RankLostError), outcome
-        assert outcome.rank == 2 and "rank 2" in str(outcome) and "left" in str(outcome)
-    # Later collectives of the failed generation fail at once with the same named error.
-    with pytest.raises(errors.RankLostError, match="rank 2"):
+        assert isinstance(outcome, errors.RankFinishedError), outcome
+        assert outcome.rank == 2
+        assert str(outcome).startswith("rank 2 of job 'test' finished (closed its process group)")
+    # Later collectives need rank 2 too: they fail at once with the same named error...
+    with pytest.raises(errors.RankFinishedError, match="rank 2"):
         await asyncio.wait_for(g0.barrier(), 5)
+    # ...but the generation did not fail: the remaining ranks still talk to each other.
+    sent = np.arange(5, dtype=np.float32)
+    _, received = await gather_outcomes(g0.send(sent, dst=1), g1.recv(src=0))
+    np.testing.assert_array_equal(received, sent)
 
 
 def raw_all_reduce_header(g, elements: int) -> pb.CollectiveHeader:
@@ -216,14 +221,17 @@ async def test_duplicate_rank_is_refused(coordinator):
     await close_all(groups)
 
 
-async def test_world_size_disagreement_is_refused(coordinator):
+async def test_world_size_disagreement_is_refused_and_the_waiting_rank_told(coordinator):
     first = asyncio.ensure_future(gradstar.init_process_group_async(
-        coordinator=coordinator.address, job="ws", world_size=2, join_timeout=10))
+        coordinator=coordinator.address, job="ws", world_size=2, join_timeout=60))
     await asyncio.sleep(0.3)
     with pytest.raises(errors.WorldSizeMismatchError, match=r"world_size 2.*asked for 3"):
         await gradstar.init_process_group_async(
             coordinator=coordinator.address, job="ws", world_size=3, join_timeout=10)
-    first.cancel()
+    # The rank already waiting hears of the dispute now, not after its 60 s join timeout.
+    with pytest.raises(errors.WorldSizeMismatchError,
+                       match=r"forming with world_size 2, but another rank asked for 3"):
+        await asyncio.wait_for(first, 5)
 
 
 @pytest.mark.parametrize(("job", "limit"), [("", "must not be empty"),

@@ -7,6 +7,7 @@ messages cross real gRPC streams between them; tests/parallel covers separate pr
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import ml_dtypes
@@ -219,26 +220,30 @@ async def test_invalid_tags_are_refused(pair, tag):
         await a.send(np.ones(1), 1, tag=tag)
 
 
-async def test_a_rank_that_leaves_fails_the_wait_of_its_neighbour_naming_it(pair):
+async def test_a_rank_that_finishes_fails_the_wait_of_its_neighbour_naming_it(pair):
     a, b = pair
     waiting = asyncio.ensure_future(a.recv(1, tag="never"))
     await asyncio.sleep(0.05)
+    started = time.monotonic()
     await b.close()
-    with pytest.raises(errors.RankLostError) as info:
+    with pytest.raises(errors.RankFinishedError) as info:
         await asyncio.wait_for(waiting, 10)
-    assert info.value.rank == 1
-    with pytest.raises(errors.RankLostError):
+    assert info.value.rank == 1 and "finished (closed its process group)" in str(info.value)
+    assert time.monotonic() - started < session.VERDICT_GRACE  # the hub's notice, not a guess
+    with pytest.raises(errors.RankFinishedError):
         await a.send(np.ones(1), 1)
 
 
-async def test_a_message_that_already_arrived_is_received_after_the_generation_failed(pair):
+async def test_a_message_that_already_arrived_is_received_after_its_sender_finished(pair):
     a, b = pair
     await a.send(np.arange(3), 1, tag="kept")
     await a.close()
-    await until(lambda: b._session.failure is not None)
+    await until(lambda: b._session.finished(0) is not None)
     assert (await b.recv(0, tag="kept")).tolist() == [0, 1, 2]
-    with pytest.raises(errors.RankLostError):
-        await b.recv(0, tag="missing")
+    with pytest.raises(errors.RankFinishedError, match=r"rank 0 of job .* finished"):
+        await asyncio.wait_for(b.recv(0, tag="missing"), 5)
+    with pytest.raises(errors.RankFinishedError):
+        await asyncio.wait_for(b.send(np.ones(1), 0), 5)
 
 
 @pytest.fixture

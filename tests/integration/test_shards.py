@@ -137,6 +137,28 @@ async def test_a_killed_shard_fails_every_rank_with_a_named_error_within_5_s(sta
         await close_all(groups)
 
 
+async def test_a_rank_that_finishes_fails_striped_collectives_naming_it(start_coordinator):
+    coordinator = await start_coordinator(shards=2)
+    groups = await join_all(coordinator.address, WORLD, job="early", chunk_bytes=CHUNK_BYTES)
+    try:
+        # Mid-flight on both shards: the last rank closes instead of calling all_reduce.
+        x = np.ones(1 << 16, np.float32)
+        pending = [asyncio.ensure_future(g.all_reduce(x)) for g in groups[:-1]]
+        await asyncio.sleep(0.3)
+        await groups[-1].close()
+        outcomes = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 5)
+        for outcome in outcomes:
+            assert isinstance(outcome, errors.RankFinishedError), outcome
+            assert outcome.rank == WORLD - 1 and "finished" in str(outcome)
+        # The generation is still healthy for the others: peer traffic goes on.
+        y = np.arange(3.0)
+        _, got = await asyncio.gather(groups[0].send(y, dst=1), groups[1].recv(src=0))
+        np.testing.assert_array_equal(got, y)
+    finally:
+        await close_all(groups)
+    assert coordinator.rendezvous.jobs["early"].state == "completed"
+
+
 async def test_a_lost_shard_is_reported_and_turns_the_coordinator_not_serving(
         start_coordinator):
     # A coordinator that expects one shard does not start serving without it...

@@ -17,6 +17,7 @@ from gradstar.errors import (
     CoordinatorDrainingError,
     DuplicateRankError,
     JoinTimeoutError,
+    RankFinishedError,
     RankLostError,
     RendezvousError,
     WorldSizeMismatchError,
@@ -353,18 +354,54 @@ async def test_touch_keeps_a_member_alive(rdv):
 # -- leaving -------------------------------------------------------------------------------------
 
 
-async def test_leave_fails_the_generation_for_the_remaining_members(rdv, failures):
+async def test_a_member_that_leaves_has_finished_and_the_generation_stays_healthy(failures):
+    finished = []
+    rdv = Rendezvous(heartbeat_timeout=HEARTBEAT_TIMEOUT, on_generation_failed=failures,
+                     on_rank_finished=lambda gen, error: finished.append((gen, error)))
     members = await join_all(rdv, "job", [0, 1, 2])
     generation = members[0].generation
 
     rdv.leave(members[2])
 
-    error = generation.failure
-    assert isinstance(error, RankLostError) and error.rank == 2
-    assert "rank 2 of job 'job' left (closed its process group)" in str(error)
+    assert generation.healthy and failures.calls == []
+    error = generation.finished_error
+    assert isinstance(error, RankFinishedError) and isinstance(error, RankLostError)
+    assert error.rank == 2 and error.generation == generation.number
+    assert str(error).startswith("rank 2 of job 'job' finished (closed its process group)")
+    assert finished == [(generation, error)]
+    assert drain_notices(members[0]) == []  # no failure notice: peer traffic goes on
+    assert rdv.member("job", generation.number, 0, members[0].member_id) is generation
+    assert rdv.jobs["job"].state == "running"
+
+
+async def test_a_job_whose_members_all_finished_is_completed(failures):
+    finished = []
+    rdv = Rendezvous(heartbeat_timeout=HEARTBEAT_TIMEOUT, on_generation_failed=failures,
+                     on_rank_finished=lambda gen, error: finished.append(error.rank))
+    members = await join_all(rdv, "job", [0, 1, 2])
+
+    for m in members:
+        rdv.leave(m)
+
+    assert finished == [0]  # the first finisher is what collectives are failed with
+    assert members[0].generation.completed
+    assert rdv.jobs["job"].state == "completed"
+    assert failures.calls == [] and rdv.jobs["job"].counters.last_failure == ""
+    assert rdv.active_jobs() == 0
+
+
+async def test_a_member_lost_after_another_finished_still_fails_the_job(rdv, failures):
+    members = await join_all(rdv, "job", [0, 1, 2])
+
+    rdv.leave(members[0])
+    rdv.lost(members[1], "session closed")
+
+    generation = members[0].generation
     assert failures.calls == [generation]
-    assert drain_notices(members[0]) == [error]
-    assert drain_notices(members[2]) == []
+    assert isinstance(generation.failure, RankLostError)
+    assert not isinstance(generation.failure, RankFinishedError)
+    rdv.leave(members[2])
+    assert rdv.jobs["job"].state == "failed"
 
 
 async def test_the_last_member_leaving_an_otherwise_empty_generation_fails_nothing(rdv, failures):
@@ -374,7 +411,7 @@ async def test_the_last_member_leaving_an_otherwise_empty_generation_fails_nothi
 
     assert member.generation.healthy
     assert failures.calls == []
-    assert rdv.jobs["solo"].state == "idle"
+    assert rdv.jobs["solo"].state == "completed"
     assert rdv.active_jobs() == 0
 
 
@@ -404,16 +441,26 @@ async def test_a_new_generation_forms_after_a_failure(rdv):
     assert not first[0].generation.healthy
 
 
-async def test_forming_over_a_healthy_empty_generation_fails_it_as_superseded(rdv, failures):
+async def test_forming_over_a_completed_generation_does_not_fail_it(rdv, failures):
     old = (await join_all(rdv, "solo", [None]))[0]
     rdv.leave(old)
 
     new = (await join_all(rdv, "solo", [None]))[0]
 
     assert new.generation.number == 2
-    assert failures.calls == [old.generation]
-    assert isinstance(old.generation.failure, RendezvousError)
-    assert str(old.generation.failure) == "job 'solo' formed a new generation"
+    assert failures.calls == []
+    assert old.generation.completed and rdv.jobs["solo"].counters.last_failure == ""
+
+
+async def test_forming_over_a_generation_with_live_members_fails_it_as_superseded(rdv, failures):
+    old = await join_all(rdv, "job", [0, 1])
+    rdv.leave(old[1])  # rank 0 is still live in generation 1
+
+    new = await join_all(rdv, "job", [None, None])
+
+    assert new[0].generation.number == 2
+    assert failures.calls == [old[0].generation]
+    assert str(old[0].generation.failure) == "job 'job' formed a new generation"
 
 
 # -- member lookup -------------------------------------------------------------------------------

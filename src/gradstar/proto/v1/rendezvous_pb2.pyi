@@ -80,12 +80,24 @@ class GenerationFailed(_message.Message):
     fields_json: str
     def __init__(self, generation: _Optional[int] = ..., lost_rank: _Optional[int] = ..., reason: _Optional[str] = ..., error: _Optional[str] = ..., fields_json: _Optional[str] = ...) -> None: ...
 
+class RankFinished(_message.Message):
+    __slots__ = ("generation", "rank", "reason")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    rank: int
+    reason: str
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class SessionEvent(_message.Message):
-    __slots__ = ("joined", "failed", "heartbeat_ack")
+    __slots__ = ("joined", "failed", "heartbeat_ack", "finished")
     JOINED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_ACK_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     joined: Joined
     failed: GenerationFailed
     heartbeat_ack: Heartbeat
-    def __init__(self, joined: _Optional[_Union[Joined, _Mapping]] = ..., failed: _Optional[_Union[GenerationFailed, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
+    finished: RankFinished
+    def __init__(self, joined: _Optional[_Union[Joined, _Mapping]] = ..., failed: _Optional[_Union[GenerationFailed, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[Heartbeat, _Mapping]] = ..., finished: _Optional[_Union[RankFinished, _Mapping]] = ...) -> None: ...
