@@ -2,43 +2,79 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+## Which torch build the venv gets (scripts/install_torch.py says more):
+##   cpu   the CPU wheel, from PyTorch's CPU index when it answers (default)
+##   cuda  the wheel PyPI serves: on Linux x86-64 the CUDA build (several GB)
+##   none  no torch: gradstar with numpy only (the library and the CLI; not demo or test)
+## The last choice is remembered in $(VENV)/.torch; a new one reinstalls.
+TORCH_FILE := $(VENV)/.torch
+TORCH ?= $(or $(shell cat $(TORCH_FILE) 2>/dev/null),cpu)
+## Where TORCH=cpu looks for the CPU wheel; empty: pip's own configuration decides.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+EXTRAS := $(if $(filter none,$(TORCH)),,[dev,torch,plot])
 
-.PHONY: setup demo test lint protos protos-check wheel-check bench compose-check clean
+.PHONY: setup demo test lint protos protos-check wheel-check bench compose-check clean \
+	need-torch FORCE chromium torch-suite
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt $(TORCH_FILE)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,torch]"
+	$(PY) scripts/install_torch.py "$(TORCH)" --index "$(TORCH_CPU_INDEX)"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".$(EXTRAS)"
 	touch $(STAMP)
+
+# Rewritten only when the choice changes, so that only a change reinstalls.
+$(TORCH_FILE): FORCE
+	@mkdir -p $(VENV)
+	@test "$$(cat $@ 2>/dev/null)" = "$(TORCH)" || echo "$(TORCH)" > $@
+
+FORCE:
 
 setup: $(STAMP)
 
+need-torch:
+	@test "$(TORCH)" != none || { echo "make: TORCH=none sets up gradstar alone (numpy only);" \
+	    "'make $(MAKECMDGOALS)' needs the full set-up: add TORCH=cpu or TORCH=cuda" >&2; exit 2; }
+
 ## The main job: an embedded coordinator and 4 local worker processes train an MLP and report
 ## accuracy, throughput, bytes through the hub and the match with a single-process run.
-demo: $(STAMP)
-	$(VENV)/bin/gradstar demo
+## Its loss/accuracy plot and JSON report go to $(DEMO_OUT)/.
+DEMO_OUT ?= demo-out
+demo: need-torch $(STAMP)
+	$(VENV)/bin/gradstar demo --plot $(DEMO_OUT)/demo.png --report $(DEMO_OUT)/report.json
 
 ## Validate docker-compose.yml with `docker-compose config` (needs Debian's docker-compose).
 compose-check:
 	bash scripts/check_compose.sh
 
 ## The test suite (unit + integration with real servers and processes).
-test: $(STAMP)
+test: need-torch $(STAMP) chromium
 	$(PY) -m pytest -q
 
-lint: $(STAMP)
+## Chromium for tests/runtime/test_status_page.py: installed with apt-get as root when missing
+## (about 2 minutes); elsewhere a one-line hint, and that test fails saying the same.
+chromium:
+	-@bash scripts/ensure_chromium.sh
+
+lint: need-torch $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) scripts/gen_protos.py --check
 
 ## Regenerate the committed gRPC stubs after editing protos/.
-protos: $(STAMP)
+protos: need-torch $(STAMP)
 	$(PY) scripts/gen_protos.py
 
 ## Build the wheel, install it into a clean venv and import every module.
-wheel-check: $(STAMP)
+wheel-check: need-torch $(STAMP)
 	$(PY) scripts/check_wheel.py
 
-bench: $(STAMP)
+bench: need-torch $(STAMP)
 	$(PY) benchmarks/allreduce.py
+
+## PyTorch's own distributed test suite over backend "gradstar" next to gloo, at 2 and 3 ranks:
+## passed/run per test family, and every test gloo passes and gradstar fails with its error
+## (README, "PyTorch's own test suite"). About 10 minutes on 2 cores.
+torch-suite: need-torch $(STAMP)
+	$(PY) scripts/torch_suite.py --world-sizes 2 3
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

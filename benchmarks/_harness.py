@@ -11,6 +11,12 @@
   and collects one result per rank, with a hard deadline: a rank that raises, dies or does not
   report in time makes it raise :class:`RankFailure`, and every child is killed before it returns.
 * :func:`run_configs` runs named configurations one after the other, collecting failures.
+* Data paths (:data:`PATHS`): a gradstar configuration runs on the same-host shared-memory fast
+  path (``shm``) or on the gRPC stream (``stream``), chosen with ``GRADSTAR_SHARED_MEMORY`` in
+  the environment of both the coordinator and the ranks (:func:`path_env`, the ``env`` of
+  :class:`CoordinatorProcess` and :func:`run_ranks`); each rank reports what its group used
+  (:func:`shm_report`) and :func:`check_path` fails a configuration whose ranks did not take the
+  path it is labelled with. :func:`add_paths_argument`: the ``--paths`` option.
 * :func:`add_run_arguments`, :func:`write_json`: the ``--timeout`` / ``--json`` options every
   script shares.
 * :func:`free_port`, :func:`median`, :func:`format_table`: small helpers.
@@ -38,7 +44,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 MiB = 1 << 20
@@ -190,6 +196,8 @@ class CoordinatorProcess:
 
     ``shards``: passed as ``--shards K`` (0: the single in-process hub; None: the coordinator's
     own default, ``GRADSTAR_SHARDS`` or ``auto``, which depends on the machine's core count).
+    ``env``: variables set for the coordinator on top of this process's environment (its local
+    shards inherit them).
 
     Its stdout and stderr go to a log file (``coord.log_path``); :meth:`log_tail` shows the end of
     it for error reports. ``stop()`` sends SIGTERM, waits ``stop_timeout`` seconds, then SIGKILLs.
@@ -198,8 +206,9 @@ class CoordinatorProcess:
     def __init__(self, *, host: str = "127.0.0.1", shards: int | None = None,
                  extra_args: Sequence[str] = (), start_timeout: float = 30.0,
                  stop_timeout: float = 15.0, log_level: str = "WARNING",
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, env: Mapping[str, str] | None = None) -> None:
         self.host = host
+        self.env = dict(env or {})
         self.shards = shards
         self.extra_args = list(extra_args)
         if shards is not None:
@@ -224,7 +233,7 @@ class CoordinatorProcess:
                "--port", "0", "--log-level", self.log_level, *self.extra_args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, text=True, bufsize=1,
-                                     preexec_fn=_die_with_parent)
+                                     env=os.environ | self.env, preexec_fn=_die_with_parent)
         _LIVE.add(self.proc)
         found: queue.Queue[str] = queue.Queue()
         self._reader = threading.Thread(target=self._read, args=(found,), daemon=True,
@@ -297,6 +306,26 @@ class CoordinatorProcess:
         processes (the shards), from Linux /proc; else None."""
         sample = self.cpu_sample()
         return None if sample is None else sample["total_s"]
+
+    def shm_mappings(self) -> int | None:
+        """How many ranks' shared-memory segments the hub (the coordinator and its shards) has
+        mapped now, counted in /proc/PID/maps; None off Linux or once it exited. The hub keeps
+        a mapping while its rank holds the segment, so while the ranks are alive this is the
+        hub's own proof that they used the shared-memory path."""
+        from gradstar.transport.shm import NAME
+
+        if not self.alive():
+            return None
+        found = 0
+        for pid in [self.proc.pid, *descendants(self.proc.pid)]:
+            try:
+                maps = Path(f"/proc/{pid}/maps").read_text()
+            except OSError:  # exited in between, or not Linux
+                continue
+            # One segment can span several lines of maps: count distinct (device, inode).
+            found += len({tuple(line.split()[3:5]) for line in maps.splitlines()
+                          if f"/memfd:{NAME}" in line})
+        return found
 
     def log_tail(self, lines: int = 30) -> str:
         return "\n".join(list(self._lines)[-lines:]) or "(empty)"
@@ -444,10 +473,11 @@ class DriverSync:
 
 
 def _rank_entry(target: Callable, rank: int, world_size: int, args: tuple, results,
-                parent: int) -> None:
+                parent: int, env: dict[str, str]) -> None:
     _die_with_parent()
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
+    os.environ.update(env)  # before the target creates its process group, which reads it
     try:
         value = target(rank, world_size, *args)
     except BaseException as error:  # reported to the parent, which raises RankFailure
@@ -457,8 +487,10 @@ def _rank_entry(target: Callable, rank: int, world_size: int, args: tuple, resul
 
 
 def run_ranks(target: Callable, world_size: int, args: tuple = (), *, timeout: float,
-              label: str = "", grace: float = 15.0) -> list:
-    """Run ``target(rank, world_size, *args)`` in ``world_size`` spawned processes.
+              label: str = "", grace: float = 15.0,
+              env: Mapping[str, str] | None = None) -> list:
+    """Run ``target(rank, world_size, *args)`` in ``world_size`` spawned processes, with
+    ``env`` added to their environment.
 
     ``target`` must be a module-level function and return something picklable. Returns the
     results indexed by rank. Raises :class:`RankFailure` (after killing every child) if a rank
@@ -469,7 +501,8 @@ def run_ranks(target: Callable, world_size: int, args: tuple = (), *, timeout: f
     results = ctx.Queue()
     parent = os.getpid()
     procs = [ctx.Process(target=_rank_entry, name=f"rank{r}", daemon=True,
-                         args=(target, r, world_size, args, results, parent))
+                         args=(target, r, world_size, args, results, parent,
+                               dict(env or {})))
              for r in range(world_size)]
     what = f"[{label}] " if label else ""
     reports: dict[int, tuple[bool, object]] = {}
@@ -537,6 +570,74 @@ def _errors_of(reports: dict) -> str:
     return "".join(lines)
 
 
+# -- data paths ----------------------------------------------------------------------------------
+
+#: How a rank's chunks reach a hub on its host: through a shared-memory segment the hub maps
+#: (``shm``, gradstar's default there) or as frames on the gRPC stream (``stream``, the only
+#: path to a hub on another host).
+PATHS = ("shm", "stream")
+
+
+def add_paths_argument(parser: argparse.ArgumentParser) -> None:
+    """``--paths``: which data paths gradstar runs on, each a configuration of its own."""
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS),
+                        help="run gradstar once per data path: shm (the same-host shared-memory "
+                             "fast path) and/or stream (chunks on the gRPC stream, "
+                             "GRADSTAR_SHARED_MEMORY=0 for the coordinator and the ranks); "
+                             "default both")
+
+
+def path_env(path: str) -> dict[str, str]:
+    """The environment of the coordinator and the ranks of a configuration on ``path``. Set
+    either way, so that a GRADSTAR_SHARED_MEMORY in the caller's environment cannot change
+    the path a configuration is labelled with."""
+    if path not in PATHS:
+        raise ValueError(f"unknown data path {path!r}; expected one of {PATHS}")
+    return {"GRADSTAR_SHARED_MEMORY": "1" if path == "shm" else "0"}
+
+
+def shm_report(group) -> dict:
+    """Run in a rank, after its timed loop and before it closes ``group`` (a gradstar
+    ProcessGroup or AsyncProcessGroup): which data path its collectives took, for
+    :func:`check_path`. ``shm_offered`` has one entry per target of the group's collectives (the
+    hub, or each hub shard): whether the rank still offers it shared memory, which it stops
+    doing for good once the target refuses (the reasons are in ``shm_refused``)."""
+    from gradstar.transport import shm
+
+    # The SDK has no public "which path did my collectives take": read the data plane.
+    plane = getattr(group, "_group", group)._plane
+    targets = plane.targets()
+    return {"shm_supported": shm.supported(),
+            "shm_offered": [t.shm.enabled for t in targets],
+            "shm_refused": [f"{t.name}: {t.shm.refused}" for t in targets if t.shm.refused]}
+
+
+def check_path(results: Sequence[dict], path: str, label: str,
+               hub_mappings: int | None = None) -> None:
+    """Raise :class:`BenchmarkError` unless every rank's collectives took ``path``, as each
+    reported with :func:`shm_report`: for ``shm``, every target of every rank attached its
+    segments; for ``stream``, none was offered any. ``hub_mappings``, if known
+    (:meth:`CoordinatorProcess.shm_mappings` while the ranks were alive), must agree: some
+    for ``shm``, none for ``stream``."""
+    problems = []
+    for rank, r in enumerate(results):
+        if "shm_offered" not in r:
+            problems.append(f"rank {rank} did not report its data path")
+        elif path == "shm" and not r["shm_supported"]:
+            problems.append(f"rank {rank}: this system has no sealable memfds")
+        elif path == "shm" and not (r["shm_offered"] and all(r["shm_offered"])):
+            why = "; ".join(r["shm_refused"]) or "no target took an offer"
+            problems.append(f"rank {rank}: {why}")
+        elif path == "stream" and any(r["shm_offered"]):
+            problems.append(f"rank {rank} still offered shared memory to "
+                            f"{sum(r['shm_offered'])} of its targets")
+    if hub_mappings is not None and (hub_mappings > 0) != (path == "shm"):
+        problems.append(f"the hub had {hub_mappings} ranks' segments mapped")
+    if problems:
+        raise BenchmarkError(f"[{label}] the configuration labelled {path!r} did not use the "
+                             f"{path} data path: " + "; ".join(problems))
+
+
 # -- output ------------------------------------------------------------------------------------
 
 
@@ -577,12 +678,12 @@ def run_configs(configs: Sequence[tuple[str, Callable[[], list]]],
             if check is not None and name != "local":
                 check(results, name)
             runs[name] = results
-            print(f"  {name:14s} median {median(results[0]['times']) * 1e3:9.1f} ms/step "
+            print(f"  {name:20s} median {median(results[0]['times']) * 1e3:9.1f} ms/step "
                   f"({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
         except BenchmarkError as error:
             runs[name] = None
             failures.append((name, str(error)))
-            print(f"  {name:14s} FAILED", file=sys.stderr, flush=True)
+            print(f"  {name:20s} FAILED", file=sys.stderr, flush=True)
     return runs, failures
 
 

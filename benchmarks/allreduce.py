@@ -2,8 +2,8 @@
 
 What is measured
     For each (ranks, size) configuration, both backends run in the same invocation of this script,
-    on the same machine, one after the other; gradstar once per hub configuration (``--shards K``
-    and ``--chunk-mb C``), gloo once:
+    on the same machine, one after the other; gradstar once per data path (``--paths``) and hub
+    configuration (``--shards K`` and ``--chunk-mb C``), gloo once:
 
     * gradstar: a real ``gradstar coordinator --shards K`` subprocess on 127.0.0.1 (a fresh one
       per configuration, stopped with SIGTERM afterwards; K = 0: the single in-process hub, K > 0:
@@ -12,6 +12,16 @@ What is measured
       coordinator=..., job=<unique>, world_size=n, rank=r, timeout=300[, chunk_bytes=C])`` and a
       float32 numpy array ``ones(size/4) * (r + 1)``. Every rank checks that its group is striped
       over exactly K shards.
+    * the data path of a gradstar configuration (``--paths``, default both, labelled e.g.
+      ``K=0 shm`` and ``K=0 stream``): ``shm``, the same-host fast path (chunk payloads move
+      through a sealed memfd segment the hub maps; GRADSTAR_SHARED_MEMORY=1), or ``stream``,
+      every payload byte on the gRPC stream as between hosts (GRADSTAR_SHARED_MEMORY=0). The
+      variable is set for the coordinator (and so its shards) and for the ranks. The path is
+      checked, not assumed: after the timed loop each rank reports whether it still offers
+      every target (the hub or each shard) its segment, which it stops doing once a target
+      refuses, and the script counts the ranks' segments the hub processes have mapped
+      (/proc/PID/maps); a configuration whose ranks or hub did not take the path it is labelled
+      with fails loudly.
     * gloo: ``ranks`` spawned processes with ``torch.distributed.init_process_group("gloo",
       init_method="tcp://127.0.0.1:<free port>")`` and a float32 tensor ``ones(size/4) * (r + 1)``
       (restored from a saved copy before every iteration, since gloo reduces in place).
@@ -40,21 +50,25 @@ What is measured
 
 How to reproduce
     .venv/bin/python benchmarks/allreduce.py                       # default table (K = 0)
+    # the two data paths side by side (the default), or one of them
+    .venv/bin/python benchmarks/allreduce.py --ranks 2 4 --sizes-mb 1 16 64 256 \\
+        --paths shm stream --json /tmp/allreduce-paths.json
+    .venv/bin/python benchmarks/allreduce.py --paths stream
     .venv/bin/python benchmarks/allreduce.py --sizes-mb 1 16 --ranks 2 --iters 10 --warmup 2 \\
         --json /tmp/allreduce.json
-    # hub scaling: one gradstar column per shard count, against the same gloo run
+    # hub scaling: one gradstar column per shard count and path, against the same gloo run
     .venv/bin/python benchmarks/allreduce.py --ranks 2 4 8 --sizes-mb 1 16 64 256 \\
         --shards 0 1 2 4 8 --json /tmp/allreduce-shards.json
     # chunk size, chosen by measurement
     .venv/bin/python benchmarks/allreduce.py --ranks 4 --sizes-mb 64 --shards 4 \\
         --chunk-mb 0.5 1 2 4 8 --backends gradstar
 
-    Defaults: sizes 1 16 64 256 MiB, ranks 2 4, shards 0, chunk: the client's default (2 MiB);
-    iterations per size (warmup + timed): up to 1 MiB 5+50, to 16 MiB 3+20, to 64 MiB 2+10,
-    larger 1+5 (``--iters`` / ``--warmup`` override them for every size). Every wait is bounded
-    (``--config-timeout``); a configuration that fails or times out is reported with its error,
-    its processes are killed, and the run continues; the exit code is 1 if any configuration
-    failed.
+    Defaults: sizes 1 16 64 256 MiB, ranks 2 4, shards 0, paths shm and stream, chunk: the
+    client's default (2 MiB); iterations per size (warmup + timed): up to 1 MiB 5+50, to 16 MiB
+    3+20, to 64 MiB 2+10, larger 1+5 (``--iters`` / ``--warmup`` override them for every
+    size). Every wait is bounded (``--config-timeout``); a configuration that fails or times out
+    is reported with its error, its processes are killed, and the run continues; the exit code
+    is 1 if any configuration failed.
 """
 
 from __future__ import annotations
@@ -68,6 +82,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -77,11 +92,15 @@ from _harness import (
     CoordinatorProcess,
     DriverSync,
     MiB,
+    add_paths_argument,
+    check_path,
     format_table,
     free_port,
     loadavg,
     median,
+    path_env,
     run_ranks,
+    shm_report,
 )
 
 # size in MiB -> (warmup, timed iterations) when --warmup / --iters are not given
@@ -158,10 +177,11 @@ def gradstar_rank(rank: int, world_size: int, address: str, job: str, elements: 
         if out is not None:
             _check(out, world_size, elements, f"gradstar rank {rank} last result")
         shards = len(pg.shards)
+        report = shm_report(pg)
         pg.barrier()  # nobody leaves while a peer is still in its last collective
     finally:
         pg.close()
-    return {"times": times, "join_s": join_s, "cpu_s": cpu_s, "shards": shards}
+    return {"times": times, "join_s": join_s, "cpu_s": cpu_s, "shards": shards, **report}
 
 
 def gloo_rank(rank: int, world_size: int, init_method: str, elements: int, warmup: int,
@@ -253,23 +273,29 @@ def _hub_cpu(samples: dict, gb_moved: float) -> dict:
 
 
 def run_gradstar(ranks: int, elements: int, warmup: int, iters: int, timeout: float,
-                 label: str, shards: int, chunk_bytes: int | None) -> dict:
+                 label: str, shards: int, chunk_bytes: int | None, path: str) -> dict:
+    from gradstar.transport.shm import POOL_KEEP_BYTES
+
     job = f"bench-allreduce-n{ranks}-e{elements}-k{shards}-{uuid.uuid4().hex[:8]}"
+    env = path_env(path)
     # K shard processes each import gradstar and register before the coordinator listens.
-    coord = CoordinatorProcess(shards=shards, start_timeout=60.0 + 10.0 * shards)
+    coord = CoordinatorProcess(shards=shards, start_timeout=60.0 + 10.0 * shards, env=env)
     summary = None
     try:
         coord.start()
         samples: dict[int, tuple[float, dict | None]] = {}
+        mappings: list[int | None] = []
 
         def sample(point: int) -> None:
             samples[point] = (time.monotonic(), coord.cpu_sample())
+            if point == 1:  # every rank is alive and holds its segments
+                mappings.append(coord.shm_mappings())
 
         with DriverSync(ranks, 2, sample, timeout=timeout) as sync:
             results = run_ranks(gradstar_rank, ranks,
                                 (coord.address, job, elements, warmup, iters, chunk_bytes,
                                  sync.handle),
-                                timeout=timeout, label=f"gradstar {label}")
+                                timeout=timeout, label=f"gradstar {label}", env=env)
         if not coord.alive():
             raise BenchmarkError(f"[gradstar {label}] the coordinator exited during the run "
                                  f"(code {coord.proc.returncode}); log tail:\n{coord.log_tail()}")
@@ -278,7 +304,16 @@ def run_gradstar(ranks: int, elements: int, warmup: int, iters: int, timeout: fl
             raise BenchmarkError(f"[gradstar {label}] the coordinator was started with --shards "
                                  f"{shards} but the ranks' groups are striped over {sorted(used)} "
                                  "shards")
+        hub_mappings = mappings[0] if mappings else None
+        if elements * 4 > POOL_KEEP_BYTES:
+            # A rank closes a segment this large after each collective, and the hub then drops
+            # its mapping: count or not, it proves nothing; the ranks' reports still do.
+            hub_mappings = None
+        check_path(results, path, f"gradstar {label}", hub_mappings)
         summary = _summary(results, elements * 4, iters)
+        summary["path"] = path
+        summary["hub_shm_mappings"] = hub_mappings
+        summary["shm_offered_by_rank"] = [r["shm_offered"] for r in results]
         summary |= _hub_cpu(samples, summary["gb_moved"])
         summary["shards"] = shards
         summary["shards_seen_by_ranks"] = results[0]["shards"]
@@ -364,15 +399,19 @@ def _max_chunk_bytes() -> int:
     return MAX_CHUNK_BYTES
 
 
-def gradstar_configs(shards: list[int], chunk_mb: list[float] | None) -> list[dict]:
-    """One gradstar configuration per (K, chunk size); named ``K=2`` (``K=2 chunk=4MiB`` when
-    more than one chunk size is measured)."""
+def gradstar_configs(shards: list[int], chunk_mb: list[float] | None,
+                     paths: Sequence[str]) -> list[dict]:
+    """One gradstar configuration per (K, chunk size, data path), the paths of one hub side by
+    side; named ``K=2 shm`` (``K=2 chunk=4MiB shm`` when more than one chunk size is
+    measured)."""
     chunks = [None] if not chunk_mb else [max(4, int(c * MiB)) // 4 * 4 for c in chunk_mb]
     configs = []
     for k in shards:
         for c, mb in zip(chunks, chunk_mb or [None], strict=True):
-            name = f"K={k}" + (f" chunk={mb:g}MiB" if len(chunks) > 1 else "")
-            configs.append({"name": name, "shards": k, "chunk_bytes": c, "chunk_mb": mb})
+            for path in paths:
+                name = f"K={k}" + (f" chunk={mb:g}MiB" if len(chunks) > 1 else "") + f" {path}"
+                configs.append({"name": name, "shards": k, "chunk_bytes": c, "chunk_mb": mb,
+                                "path": path})
     return configs
 
 
@@ -444,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", type=int, nargs="+", default=[0], metavar="K",
                         help="run gradstar once per value, its coordinator started with "
                              "--shards K (0: the single in-process hub; default 0)")
+    add_paths_argument(parser)
     parser.add_argument("--chunk-mb", type=float, nargs="+", metavar="MB",
                         help="gradstar chunk sizes in MiB (init_process_group(chunk_bytes=...)); "
                              "gradstar runs once per value (default: the client's default)")
@@ -464,7 +504,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--chunk-mb values must be in (0, {limit / MiB:g}]")
         if len(set(args.chunk_mb)) != len(args.chunk_mb):
             parser.error("--chunk-mb takes distinct values")
-    configs = gradstar_configs(args.shards, args.chunk_mb) if "gradstar" in args.backends else []
+    if len(set(args.paths)) != len(args.paths):
+        parser.error("--paths takes distinct values")
+    configs = (gradstar_configs(args.shards, args.chunk_mb, args.paths)
+               if "gradstar" in args.backends else [])
 
     # SIGTERM -> SystemExit, so the finally blocks kill every child before we exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -498,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         result = run_gradstar(ranks, elements, warmup, iters, timeout,
                                               f"{label} {config['name']}", config["shards"],
-                                              config["chunk_bytes"])
+                                              config["chunk_bytes"], config["path"])
                 except BenchmarkError as error:
                     result = {"median_ms": None, "algbw_gbps": None, "error": str(error)}
                     failures.append((name, label, str(error)))
@@ -510,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
                     row["gradstar"][config["name"]] = result
                 status = ("FAILED" if result["error"] else
                           f"median {result['median_ms']:.2f} ms")
-                print(f"  {name:28s} {label:26s} {status:>22s}  "
+                print(f"  {name:34s} {label:26s} {status:>22s}  "
                       f"({warmup}+{iters} iters, {result['elapsed_s']:.1f} s)",
                       file=sys.stderr, flush=True)
             b = (row["gloo"] or {}).get("median_ms")
@@ -527,7 +570,9 @@ def main(argv: list[str] | None = None) -> int:
     print(detail)
     chunk = env["client_default_chunk_bytes"]
     print(f"\nms: median of rank 0's timed iterations; MB = MiB of float32 per rank; ratio = "
-          f"gradstar ms / gloo ms; K = coordinator --shards K (0: in-process hub); chunk: "
+          f"gradstar ms / gloo ms; K = coordinator --shards K (0: in-process hub); shm / "
+          f"stream = data path between ranks and hub (shared-memory segments / gRPC stream, "
+          f"GRADSTAR_SHARED_MEMORY=1 / 0); chunk: "
           f"{'client default ' + format(chunk / MiB, 'g') + ' MiB' if chunk else 'client default'}"
           f" unless named.\nGB/s/rank = bytes per rank / median (GB = 1e9 B). GB moved = bytes "
           f"each rank contributes x ranks x timed iterations. hub CPU = coordinator + its shard "

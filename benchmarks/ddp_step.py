@@ -8,7 +8,12 @@ What is measured
 
     * gradstar: a ``gradstar coordinator --shards K`` subprocess on 127.0.0.1 (``--shards``,
       default 0: the single in-process hub; K > 0: K shard processes carry the collectives) and
-      ``gradstar.DDP(model, pg, bucket_cap_mb=...)`` (optionally ``--compression bf16``);
+      ``gradstar.DDP(model, pg, bucket_cap_mb=...)`` (optionally ``--compression bf16``), once
+      per data path (``--paths``, default both): ``gradstar shm``, chunk payloads through the
+      same-host shared-memory segments, and ``gradstar stream``, every byte on the gRPC stream
+      (GRADSTAR_SHARED_MEMORY=1 / 0 for the coordinator and the ranks). Each rank reports the
+      path its collectives took, and a configuration that did not take the path it is labelled
+      with fails;
     * gloo: ``torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=...)`` over
       ``init_process_group("gloo", init_method="tcp://127.0.0.1:<free port>")``;
     * local: the bare model in each rank, no communication (the compute floor).
@@ -26,6 +31,7 @@ What is measured
 
 How to reproduce
     .venv/bin/python benchmarks/ddp_step.py                       # defaults: 2 ranks, 3+10 steps
+    .venv/bin/python benchmarks/ddp_step.py --paths stream        # only the gRPC stream path
     .venv/bin/python benchmarks/ddp_step.py --ranks 2 --iters 20 --compression bf16 --json out.json
     .venv/bin/python benchmarks/ddp_step.py --ranks 4 --shards 2        # hub with 2 shards
 """
@@ -39,6 +45,7 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -46,13 +53,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (
     BenchmarkError,
     CoordinatorProcess,
+    add_paths_argument,
     add_run_arguments,
+    check_path,
     format_table,
     free_port,
     loadavg,
     median,
+    path_env,
     run_configs,
     run_ranks,
+    shm_report,
     write_json,
 )
 
@@ -122,6 +133,7 @@ def gradstar_rank(rank: int, world_size: int, address: str, job: str, batch: int
         result["buckets"] = len(ddp.bucket_plan)
         result["launched_during_backward"] = t.launched_during_backward
         result["shards"] = len(pg.shards)
+        result |= shm_report(pg)
         pg.barrier()
     finally:
         pg.close()
@@ -168,10 +180,27 @@ def _check_ranks_agree(results: list[dict], label: str) -> None:
                                  f"(max abs diff {worst:g}): the replicas diverged")
 
 
-def coordinator(shards: int) -> CoordinatorProcess:
+def coordinator(shards: int, env: dict[str, str]) -> CoordinatorProcess:
     """The hub for a gradstar configuration: ``gradstar coordinator --shards K`` (K shard
-    processes each start and register before the coordinator prints its address)."""
-    return CoordinatorProcess(shards=shards, start_timeout=60.0 + 10.0 * shards)
+    processes each start and register before the coordinator prints its address), with
+    ``env`` added to its environment."""
+    return CoordinatorProcess(shards=shards, start_timeout=60.0 + 10.0 * shards, env=env)
+
+
+def run_on_hub(target: Callable, ranks: int, args: tuple, *, shards: int, path: str,
+               timeout: float, label: str) -> list[dict]:
+    """Run ``target(rank, ranks, address, job, *args)`` in ``ranks`` processes against a fresh
+    :func:`coordinator` with ``shards``, the hub and the ranks set up for data path ``path``;
+    returns the ranks' results. Raises :class:`BenchmarkError` if they fail, or did not use
+    ``shards`` shards or the path ``path`` (each rank's result must carry ``shm_report``)."""
+    env = path_env(path)
+    with coordinator(shards, env) as coord:
+        job = f"bench-step-{uuid.uuid4().hex[:8]}"
+        results = run_ranks(target, ranks, (coord.address, job, *args), timeout=timeout,
+                            label=label, env=env)
+    check_shards(results, shards, label)
+    check_path(results, path, label)
+    return results
 
 
 def check_shards(results: list[dict], shards: int, label: str) -> None:
@@ -194,6 +223,7 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shards", type=int, default=0, metavar="K",
                         help="start gradstar's coordinator with --shards K (default 0: the "
                              "single in-process hub)")
+    add_paths_argument(parser)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.shards < 0:
         parser.error("--shards must be at least 0")
+    if len(set(args.paths)) != len(args.paths):
+        parser.error("--paths takes distinct values")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     import torch
@@ -212,28 +244,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gradstar DDP step benchmark: torch {torch.__version__}, {os.cpu_count()} CPUs, "
           f"{args.ranks} ranks x batch {args.batch}, MLP {WIDTHS}, bucket_cap_mb "
           f"{args.bucket_cap_mb:g}, {args.warmup}+{args.iters} steps, coordinator --shards "
-          f"{args.shards}, load average {loadavg()}", flush=True)
+          f"{args.shards}, paths {' '.join(args.paths)}, load average {loadavg()}", flush=True)
     common = (args.batch, args.warmup, args.iters)
 
-    def gradstar_run(compression):
-        label = f"gradstar {compression or ''}".strip()
-        with coordinator(args.shards) as coord:
-            job = f"bench-ddp-{uuid.uuid4().hex[:8]}"
-            results = run_ranks(gradstar_rank, args.ranks,
-                                (coord.address, job, *common, args.bucket_cap_mb, compression),
-                                timeout=args.timeout, label=label)
-        check_shards(results, args.shards, label)
-        return results
+    def gradstar_config(compression, path):
+        name = " ".join(filter(None, ("gradstar", compression, path)))
+        return name, lambda: run_on_hub(gradstar_rank, args.ranks,
+                                        (*common, args.bucket_cap_mb, compression),
+                                        shards=args.shards, path=path, timeout=args.timeout,
+                                        label=name)
 
     configs = [("local", lambda: run_ranks(local_rank, args.ranks, common,
                                            timeout=args.timeout, label="local")),
                ("gloo", lambda: run_ranks(gloo_rank, args.ranks,
                                           (f"tcp://127.0.0.1:{free_port()}", *common,
                                            args.bucket_cap_mb),
-                                          timeout=args.timeout, label="gloo")),
-               ("gradstar", lambda: gradstar_run(None))]
+                                          timeout=args.timeout, label="gloo"))]
+    configs += [gradstar_config(None, path) for path in args.paths]
     if args.compression:
-        configs.append((f"gradstar {args.compression}", lambda: gradstar_run(args.compression)))
+        configs += [gradstar_config(args.compression, path) for path in args.paths]
     runs, failures = run_configs(configs, _check_ranks_agree)
 
     gloo = runs.get("gloo")
@@ -256,13 +285,15 @@ def main(argv: list[str] | None = None) -> int:
                          "median_ms_by_rank": [median(r["times"]) * 1e3 for r in results]}
         if name.startswith("gradstar"):
             summary[name]["shards"] = args.shards
+            summary[name]["path"] = name.rsplit(" ", 1)[1]
     print()
     print(format_table(["backend", "ms/step", "ratio vs gloo", "buckets launched in backward",
                         "max |param - gloo param|"], rows))
     params = next((r[0]["params"] for r in runs.values() if r), None)
     print(f"\nrank 0's median over {args.iters} timed steps; {params} parameters; local = the "
           f"same step without communication; gradstar's hub: coordinator --shards "
-          f"{args.shards}; load average at end {loadavg()}")
+          f"{args.shards}; shm / stream: data path between ranks and hub (shared-memory "
+          f"segments / gRPC stream); load average at end {loadavg()}")
     for name, error in failures:
         print(f"\nFAILED: {name}:\n{error}")
     if args.json:

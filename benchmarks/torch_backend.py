@@ -9,7 +9,11 @@ What is measured
     * gloo: ``init_process_group("gloo", init_method="file://...")``;
     * gradstar: a ``gradstar coordinator --shards K`` subprocess on 127.0.0.1 (``--shards``,
       default 0: the single in-process hub) and
-      ``init_process_group("gradstar", init_method="gradstar://127.0.0.1:PORT?job=...")``;
+      ``init_process_group("gradstar", init_method="gradstar://127.0.0.1:PORT?job=...")``, once
+      per data path (``--paths``, default both): ``gradstar shm``, chunk payloads through the
+      same-host shared-memory segments, and ``gradstar stream``, every byte on the gRPC stream
+      (GRADSTAR_SHARED_MEMORY=1 / 0 for the coordinator and the ranks), each checked as in
+      ``ddp_step.py``;
     * local: the bare model, no communication (the compute floor);
     * with ``--native``, also gradstar's own ``gradstar.DDP`` for comparison.
 
@@ -20,6 +24,7 @@ What is measured
 
 How to reproduce
     .venv/bin/python benchmarks/torch_backend.py                        # 2 ranks, 3+10 steps
+    .venv/bin/python benchmarks/torch_backend.py --paths shm             # only shared memory
     .venv/bin/python benchmarks/torch_backend.py --ranks 4 --iters 20 --native --json out.json
     .venv/bin/python benchmarks/torch_backend.py --ranks 4 --shards 2    # hub with 2 shards
 """
@@ -31,7 +36,6 @@ import os
 import signal
 import sys
 import tempfile
-import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,6 +47,7 @@ from _harness import (
     median,
     run_configs,
     run_ranks,
+    shm_report,
     write_json,
 )
 from ddp_step import (
@@ -52,11 +57,10 @@ from ddp_step import (
     _model,
     _train,
     add_step_arguments,
-    check_shards,
-    coordinator,
     gloo_rank,
     gradstar_rank,
     local_rank,
+    run_on_hub,
 )
 
 
@@ -78,6 +82,7 @@ def torch_ddp_on_gradstar_rank(rank: int, world_size: int, address: str, job: st
         model = _model(seed=rank)
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
         result = _train(model, ddp, dist.barrier, rank, batch, warmup, iters)
+        result |= shm_report(dist.distributed_c10d._get_default_group().gradstar_group)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -92,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.shards < 0:
         parser.error("--shards must be at least 0")
+    if len(set(args.paths)) != len(args.paths):
+        parser.error("--paths takes distinct values")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     import torch
@@ -99,16 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch DDP step benchmark, backend gradstar vs gloo: torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, {args.ranks} ranks x batch {args.batch}, MLP {WIDTHS}, "
           f"bucket_cap_mb {args.bucket_cap_mb:g}, {args.warmup}+{args.iters} steps, "
-          f"coordinator --shards {args.shards}, load average {loadavg()}", flush=True)
+          f"coordinator --shards {args.shards}, paths {' '.join(args.paths)}, load average "
+          f"{loadavg()}", flush=True)
     common = (args.batch, args.warmup, args.iters)
 
-    def on_coordinator(target, *extra):
-        with coordinator(args.shards) as coord:
-            job = f"bench-torch-{uuid.uuid4().hex[:8]}"
-            results = run_ranks(target, args.ranks, (coord.address, job, *common, *extra),
-                                timeout=args.timeout, label=target.__name__)
-        check_shards(results, args.shards, target.__name__)
-        return results
+    def on_hub(backend, path, target, *extra):
+        name = f"{backend} {path}"
+        return name, lambda: run_on_hub(target, args.ranks, (*common, *extra), shards=args.shards,
+                                        path=path, timeout=args.timeout, label=name)
 
     def gloo():
         with tempfile.TemporaryDirectory() as folder:
@@ -118,12 +123,12 @@ def main(argv: list[str] | None = None) -> int:
 
     configs = [("local", lambda: run_ranks(local_rank, args.ranks, common,
                                            timeout=args.timeout, label="local")),
-               ("gloo", gloo),
-               ("gradstar", lambda: on_coordinator(torch_ddp_on_gradstar_rank,
-                                                   args.bucket_cap_mb))]
+               ("gloo", gloo)]
+    configs += [on_hub("gradstar", path, torch_ddp_on_gradstar_rank, args.bucket_cap_mb)
+                for path in args.paths]
     if args.native:
-        configs.append(("gradstar.DDP", lambda: on_coordinator(gradstar_rank, args.bucket_cap_mb,
-                                                               None)))
+        configs += [on_hub("gradstar.DDP", path, gradstar_rank, args.bucket_cap_mb, None)
+                    for path in args.paths]
     runs, failures = run_configs(configs, _check_ranks_agree)
 
     gloo_runs = runs.get("gloo")
@@ -143,12 +148,14 @@ def main(argv: list[str] | None = None) -> int:
                          "median_ms_by_rank": [median(r["times"]) * 1e3 for r in results]}
         if name.startswith("gradstar"):
             summary[name]["shards"] = args.shards
+            summary[name]["path"] = name.rsplit(" ", 1)[1]
     print()
     print(format_table(["backend", "ms/step", "ratio vs gloo", "max |param - gloo param|"],
                        rows))
     print(f"\nrank 0's median over {args.iters} timed steps of torch's DDP (gradstar.DDP: "
           f"gradstar's own wrapper); local = the same step without communication; gradstar's "
-          f"hub: coordinator --shards {args.shards}; load average at end {loadavg()}")
+          f"hub: coordinator --shards {args.shards}; shm / stream: data path between ranks and "
+          f"hub (shared-memory segments / gRPC stream); load average at end {loadavg()}")
     for name, error in failures:
         print(f"\nFAILED: {name}:\n{error}")
     if args.json:

@@ -36,6 +36,14 @@ a stream cancelled before the hub's accept also sends the hub the header alone o
 (:func:`_abandon`). A collective coroutine cancelled before it ever ran sent nothing and sends
 nothing: that one still costs the other ranks the timeout.
 
+Shared memory: when a rank may share a host with its target, it offers a segment in the header
+(:mod:`gradstar.transport.shm`); the hub answers ``SHM_ATTACH`` before anything else. If it
+attached the segment, the rank copies each input chunk into the segment and sends a small
+``SHM_CHUNK`` frame instead of the chunk, and the hub writes each result chunk into the segment
+and announces it the same way; everything else — accept, end marker and its counts, errors,
+flow control — is unchanged. If not (another host, user or container), the stream carries
+chunks as above, and the rank stops offering that target a segment.
+
 Shape of this module: :class:`StreamReceiver` is the bookkeeping of one stream's incoming side
 (a state machine with no I/O); :func:`run_stream` runs ONE stream to ONE :class:`Target` for a
 given set of chunks to send and result chunks to admit, writing into a shared result buffer;
@@ -49,8 +57,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -58,6 +67,7 @@ import numpy as np
 from gradstar import ops
 from gradstar.errors import ProtocolError
 from gradstar.proto.v1 import collective_pb2 as pb
+from gradstar.transport import shm
 from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
 from gradstar.wire import (
     CHUNK_HEADER_BYTES,
@@ -66,6 +76,8 @@ from gradstar.wire import (
     KIND_END,
     KIND_ERROR,
     KIND_HEADER,
+    KIND_SHM_ATTACH,
+    KIND_SHM_CHUNK,
     ChunkLayout,
     ChunkTracker,
     as_byte_view,
@@ -89,6 +101,16 @@ DEADLINE_MARGIN = 10.0
 ABANDON_TIMEOUT = 5.0
 # Notices in flight: the event loop holds tasks only weakly.
 _abandoning: set[asyncio.Task] = set()
+#: This process's shared-memory segments (one per collective in flight, reused after).
+SEGMENTS = shm.SegmentPool()
+
+
+@dataclass
+class SharedMemoryOffer:
+    """Whether a rank offers a target shared memory: until the target refuses once."""
+
+    enabled: bool = True
+    refused: str = ""
 
 
 @dataclass(frozen=True)
@@ -102,6 +124,7 @@ class Target:
     stream: grpc.aio.StreamStreamMultiCallable
     address: str
     name: str = "coordinator"
+    shm: SharedMemoryOffer = field(default_factory=lambda: SharedMemoryOffer(False))
 
 
 @dataclass(frozen=True)
@@ -151,11 +174,17 @@ class StreamReceiver:
     """
 
     def __init__(self, what: str, who: str, out_layout: ChunkLayout,
-                 receives: frozenset[int], out: memoryview) -> None:
+                 receives: frozenset[int], out: memoryview,
+                 shm_out: memoryview | None = None) -> None:
         self.what = what
         self.phase = Phase.AWAITING_ACCEPT
         self.tracker = ChunkTracker(out_layout, who, allowed=receives)
         self.out = out
+        #: The result region of the segment this stream offered (None: none offered), and
+        #: the target's answer: None until it comes, then whether it attached the segment.
+        self.shm_out = shm_out
+        self.attached: bool | None = None if shm_out is not None else False
+        self.refusal = ""
 
     def on_frame(self, frame: bytes) -> None:
         """Take one frame from the hub.
@@ -167,6 +196,15 @@ class StreamReceiver:
         kind = frame_kind(frame)
         if kind == KIND_CHUNK and self.phase is Phase.RECEIVING:
             receive_chunk(frame, self.tracker, self.out)
+        elif kind == KIND_SHM_CHUNK and self.phase is Phase.RECEIVING and self.attached:
+            index = shm.decode_shm_chunk(frame)
+            offset, length = self.tracker.layout.span(index)
+            region = self.shm_out[offset:offset + length]
+            self.tracker.admit(index, region)
+            self.out[offset:offset + length] = region
+        elif kind == KIND_SHM_ATTACH and self.attached is None:
+            answer = decode_message(frame, KIND_SHM_ATTACH, pb.ShmAttach)
+            self.attached, self.refusal = answer.attached, answer.reason
         elif kind == KIND_ACCEPT and self.phase is Phase.AWAITING_ACCEPT:
             accept = decode_message(frame, KIND_ACCEPT, pb.CollectiveAccept)
             if accept.output_chunks != self.tracker.expected:
@@ -185,21 +223,32 @@ class StreamReceiver:
 
 
 async def _frames(header: pb.CollectiveHeader, layout: ChunkLayout, send: memoryview,
-                  sends: Sequence[int]):
-    """The rank's side of the stream: header, chunks ``sends`` of ``send``, end marker."""
+                  sends: Sequence[int], attached: asyncio.Future | None = None,
+                  segment: shm.Segment | None = None):
+    """The rank's side of the stream: header, chunks ``sends`` of ``send``, end marker. With
+    a segment offered, the chunks wait for the target's answer (``attached``) and then go
+    through the segment if it attached it."""
     yield encode_message(KIND_HEADER, header)
     sent = 0
-    for frame in iter_chunk_frames(send, layout, sends):
-        sent += len(frame) - CHUNK_HEADER_BYTES
-        yield frame
+    if attached is not None and await attached:
+        for index in sends:
+            offset, length = layout.span(index)
+            segment.data[offset:offset + length] = send[offset:offset + length]
+            sent += length
+            yield shm.encode_shm_chunk(KIND_SHM_CHUNK, index)
+    else:
+        for frame in iter_chunk_frames(send, layout, sends):
+            sent += len(frame) - CHUNK_HEADER_BYTES
+            yield frame
     yield encode_message(KIND_END, pb.CollectiveEnd(chunks=len(sends), bytes=sent))
 
 
 async def run_stream(target: Target, header: pb.CollectiveHeader, plan: CollectivePlan,
                      sends: Sequence[int], receives: frozenset[int], *, session: Session,
-                     metadata, timeout: float) -> None:
+                     metadata, timeout: float, segment: shm.Segment | None = None) -> None:
     """Run one Collective stream to ``target``: send input chunks ``sends`` of ``plan.send``
-    and write result chunks ``receives`` (output indices) into ``plan.out``.
+    and write result chunks ``receives`` (output indices) into ``plan.out`` — through
+    ``segment`` if ``header`` offers it and the target attaches it.
 
     Returns once the stream's END marker proved every chunk of ``receives`` arrived; other
     streams of the same collective may fill other chunks of ``plan.out`` concurrently.
@@ -212,13 +261,25 @@ async def run_stream(target: Target, header: pb.CollectiveHeader, plan: Collecti
     """
     what = f"collective seq {header.seq}"
     geometry = plan.geometry
+    offered = segment is not None and header.HasField("shm")
+    shm_out = None
+    if offered:
+        start = header.shm.output_offset
+        shm_out = segment.data[start:start + geometry.out_layout.total_bytes]
     receiver = StreamReceiver(what, target.name, geometry.out_layout, receives,
-                              as_byte_view(plan.out))
-    call = target.stream(_frames(header, geometry.layout, plan.send, sends), metadata=metadata,
-                         timeout=timeout + DEADLINE_MARGIN)
+                              as_byte_view(plan.out), shm_out)
+    attached = asyncio.get_running_loop().create_future() if offered else None
+    call = target.stream(_frames(header, geometry.layout, plan.send, sends, attached, segment),
+                         metadata=metadata, timeout=timeout + DEADLINE_MARGIN)
     try:
         while (frame := await call.read()) is not grpc.aio.EOF:
             receiver.on_frame(frame)
+            if attached is not None and not attached.done() and receiver.attached is not None:
+                attached.set_result(receiver.attached)
+                if not receiver.attached:
+                    target.shm.enabled, target.shm.refused = False, receiver.refusal
+                    log.info("%s refused shared memory (%s); its chunks travel on the stream",
+                             target.name, receiver.refusal)
             if receiver.phase is Phase.COMPLETE:
                 return
     except grpc.RpcError as error:
@@ -238,6 +299,8 @@ async def run_stream(target: Target, header: pb.CollectiveHeader, plan: Collecti
             notice.add_done_callback(_abandoning.discard)
         raise
     finally:
+        if attached is not None and not attached.done():
+            attached.set_result(False)  # the frame generator must not wait for ever
         call.cancel()
     # read() raises for a non-OK status, so this is an OK status without an END frame.
     raise ProtocolError(f"{what}: the coordinator closed the stream without an end marker")
@@ -280,31 +343,76 @@ async def run_collective(targets: Sequence[Target], header: pb.CollectiveHeader,
     plan = CollectivePlan.for_header(header, world_size, send, out)
     geometry = plan.geometry
     stripes = ops.active_shards(geometry.layout, len(targets)) if len(targets) > 1 else 1
-    if stripes == 1 and len(targets) == 1:
-        receives = plan.out_indices(i for r in geometry.receives for i in r)
-        await run_stream(targets[0], header, plan, geometry.sends, receives, session=session,
-                         metadata=metadata, timeout=timeout)
-        return out
-    streams = []
-    for k in range(stripes):
-        stripe = pb.CollectiveHeader()
-        stripe.CopyFrom(header)
-        stripe.stripe, stripe.stripes = k, stripes
-        sends = ops.in_stripe((geometry.sends,), k, stripes)
-        receives = plan.out_indices(ops.in_stripe(geometry.receives, k, stripes))
-        streams.append(asyncio.ensure_future(run_stream(
-            targets[k], stripe, plan, sends, receives, session=session, metadata=metadata,
-            timeout=timeout)))
+    segment = _offer_segment(targets[:stripes], geometry)
+    clean = False
     try:
-        done, _ = await asyncio.wait(streams, return_when=asyncio.FIRST_EXCEPTION)
-        for stream in streams:
-            if stream in done and stream.exception() is not None:
-                raise stream.exception()
+        if stripes == 1 and len(targets) == 1:
+            receives = plan.out_indices(i for r in geometry.receives for i in r)
+            await run_stream(targets[0], _offering(header, targets[0], segment, geometry),
+                             plan, geometry.sends, receives, session=session,
+                             metadata=metadata, timeout=timeout, segment=segment)
+            clean = True
+            return out
+        streams = []
+        for k in range(stripes):
+            stripe = _offering(header, targets[k], segment, geometry)
+            stripe.stripe, stripe.stripes = k, stripes
+            sends = ops.in_stripe((geometry.sends,), k, stripes)
+            receives = plan.out_indices(ops.in_stripe(geometry.receives, k, stripes))
+            streams.append(asyncio.ensure_future(run_stream(
+                targets[k], stripe, plan, sends, receives, session=session, metadata=metadata,
+                timeout=timeout, segment=segment)))
+        try:
+            done, _ = await asyncio.wait(streams, return_when=asyncio.FIRST_EXCEPTION)
+            for stream in streams:
+                if stream in done and stream.exception() is not None:
+                    raise stream.exception()
+        finally:
+            for stream in streams:
+                stream.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+        clean = True
+        return out
     finally:
-        for stream in streams:
-            stream.cancel()
-        await asyncio.gather(*streams, return_exceptions=True)
-    return out
+        if segment is not None:
+            # After a failure a hub may still be writing into the segment: never reuse it.
+            (SEGMENTS.release if clean else SEGMENTS.discard)(segment)
+
+
+def _output_offset(geometry: ops.Geometry) -> int:
+    """Where a segment's result region starts: after the input region, cache-line aligned; for
+    all_reduce on the input region itself (the hub writes result chunk i only after reading
+    every rank's chunk i), which halves the segment."""
+    if geometry.op == ops.ALL_REDUCE:
+        return 0
+    size = geometry.layout.total_bytes
+    return size + (-size % 64)
+
+
+def _offer_segment(targets: Sequence[Target], geometry: ops.Geometry) -> shm.Segment | None:
+    """A segment for this collective if any target still takes offers and it moves bytes."""
+    if not any(t.shm.enabled for t in targets) or not shm.supported():
+        return None
+    size = _output_offset(geometry) + geometry.out_layout.total_bytes
+    if geometry.layout.total_bytes == 0 and geometry.out_layout.total_bytes == 0:
+        return None
+    try:
+        return SEGMENTS.acquire(size)
+    except OSError as error:  # out of memory for memfds, or fds: stream instead
+        log.debug("no shared-memory segment of %d bytes (%s)", size, error)
+        return None
+
+
+def _offering(header: pb.CollectiveHeader, target: Target, segment: shm.Segment | None,
+              geometry: ops.Geometry) -> pb.CollectiveHeader:
+    """A copy of ``header`` for ``target``, offering ``segment`` if the target takes offers."""
+    copy = pb.CollectiveHeader()
+    copy.CopyFrom(header)
+    if segment is not None and target.shm.enabled:
+        copy.shm.CopyFrom(pb.ShmSegment(
+            pid=os.getpid(), fd=segment.fd, inode=segment.inode, size=segment.size,
+            output_offset=_output_offset(geometry), key=segment.key))
+    return copy
 
 
 __all__ = ["CollectivePlan", "Phase", "StreamReceiver", "Target", "run_collective",

@@ -19,7 +19,7 @@ from gradstar.config import ClientSettings
 from gradstar.transport.channels import open_channel
 from gradstar.wire import COLLECTIVE_METHOD
 
-from .collective_stream import Target
+from .collective_stream import SharedMemoryOffer, Target
 
 
 def resolve(address: str, coordinator: str) -> str:
@@ -36,13 +36,14 @@ class DataPlane:
     def __init__(self, settings: ClientSettings, coordinator: grpc.aio.Channel,
                  shards: list[str]) -> None:
         self.coordinator = Target(coordinator.stream_stream(COLLECTIVE_METHOD),
-                                  settings.coordinator)
+                                  settings.coordinator,
+                                  shm=SharedMemoryOffer(settings.shared_memory))
         #: The shards' addresses, in stripe order, as this rank reaches them.
         self.addresses = [resolve(a, settings.coordinator) for a in shards]
         self._channels = [open_channel(settings, address) for address in self.addresses]
         self.shards = [
             Target(channel.stream_stream(COLLECTIVE_METHOD), address,
-                   f"hub shard {k} at {address}")
+                   f"hub shard {k} at {address}", SharedMemoryOffer(settings.shared_memory))
             for k, (channel, address) in enumerate(zip(self._channels, self.addresses,
                                                        strict=True))]
 

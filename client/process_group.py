@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import threading
 from collections.abc import Awaitable
@@ -25,12 +26,14 @@ from gradstar.errors import (
     GradstarError,
     InvalidCollectiveError,
     ProcessGroupClosedError,
+    ProtocolError,
 )
 from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.transport.channels import call_metadata, open_channel
 from gradstar.transport.tls_check import wait_connected
 from gradstar.wire import aligned_chunk_bytes, dtype_info
 
+from . import all_to_all as a2a
 from .coalesced import all_reduce_coalesced
 from .collective_stream import run_collective
 from .convert import array_kind, restore_array, to_numpy
@@ -61,11 +64,21 @@ class AsyncProcessGroup:
         #: The hub shards this generation's collectives are striped over (empty: none).
         self.shards: list[str] = self._plane.addresses
         self._seq = itertools.count(1)
+        #: Numbers this rank's all_to_all calls (their payload's peer tag), in call order.
+        self._all_to_all_calls = itertools.count(1)
         self._closed = False
         self._peer_endpoint = peer_endpoint
         if peer_endpoint is not None:
             peer_endpoint.bind(Identity(self.job, self.generation, self.rank, self.world_size,
                                         joined.peer_key), self.peers, session)
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether collective payloads move through shared memory with the hub (and its
+        shards): True while every one of them still takes this rank's segments, False once one
+        refused (another host, user or container: that target gets them on the stream) or
+        when ``shared_memory=False`` was set."""
+        return all(t.shm.enabled for t in self._plane.targets())
 
     # -- collectives ---------------------------------------------------------------------------
 
@@ -152,6 +165,143 @@ class AsyncProcessGroup:
         return self._run(ops.ALL_REDUCE, arr, arr, np.empty_like(arr), restore, timeout,
                          reduce_op=ops.reduce_op("mean"), averaging=spec)
 
+    def all_to_all(self, inputs, *, timeout: float | None = None) -> Awaitable:
+        """Send ``inputs[j]`` to rank ``j``; resolves to a list whose element ``i`` is what rank
+        ``i`` sent this rank, with the shape it was sent with and the type of this rank's
+        inputs. Every array has the same dtype; shapes are free. The hub checks and orders the
+        call, the arrays ride peer streams (:mod:`gradstar.client.all_to_all`).
+
+        Raises:
+            InvalidCollectiveError: not one array per rank, or arrays of different dtypes.
+            ConfigurationError: an unsupported array type or dtype, or a rank of the group
+                without a peer address.
+            CollectiveMismatchError: (on every rank) ranks called other collectives, or passed
+                other dtypes.
+            CollectiveError and subclasses: timeout, lost or finished rank, as for all_reduce.
+        """
+        inputs = list(inputs)
+        converted = [to_numpy(x) for x in inputs]
+        if len(converted) != self.world_size:
+            raise InvalidCollectiveError(
+                f"all_to_all needs one array per rank ({self.world_size}), got {len(converted)}")
+        arrays = [arr for arr, _ in converted]
+        dtypes = sorted({str(arr.dtype) for arr in arrays})
+        if len(dtypes) > 1:
+            raise InvalidCollectiveError(f"all_to_all's arrays must share one dtype, got {dtypes}")
+        restore = converted[0][1]
+        plan = a2a.Plan(a2a.LIST, dtype_info(arrays[0].dtype).wire, 1,
+                        tuple(arr.size for arr in arrays), (a2a.ANY,) * self.world_size)
+
+        def deliver(received: dict[int, np.ndarray]) -> list:
+            received[self.rank] = arrays[self.rank].copy()
+            return [restore(received[r]) for r in range(self.world_size)]
+
+        return self._all_to_all(plan, arrays, array_kind(inputs[0]), deliver, timeout)
+
+    def all_to_all_single(self, x, output_split_sizes=None, input_split_sizes=None, *,
+                          timeout: float | None = None) -> Awaitable:
+        """Split ``x`` along dim 0 by ``input_split_sizes`` and send split ``j`` to rank ``j``;
+        resolves to one array of x's type: the splits received from ranks 0, 1, ... one after
+        the other along dim 0, ``output_split_sizes[i]`` rows from rank ``i``. None (or empty)
+        means equal splits of ``x``'s dim 0, as in torch.distributed. Rank ``i``'s
+        ``input_split_sizes[j]`` must equal rank ``j``'s ``output_split_sizes[i]``.
+
+        Raises:
+            InvalidCollectiveError: a 0-d ``x``, or split sizes that are not one non-negative
+                int per rank, or (input) do not sum to dim 0, or (None) dim 0 not divisible by
+                the world size.
+            CollectiveMismatchError: (on every rank) ranks disagree on split sizes, dtype or row
+                size, or called other collectives; the message names both ranks and sizes.
+            ConfigurationError, CollectiveError and subclasses: as for :meth:`all_to_all`.
+        """
+        arr, restore = to_numpy(x)
+        if arr.ndim == 0:
+            raise InvalidCollectiveError("all_to_all_single needs a tensor of at least 1 "
+                                         "dimension, got a 0-d one")
+        rows = arr.shape[0]
+        sends = a2a.split_sizes(input_split_sizes, rows, self.world_size, "input_split_sizes")
+        expects = a2a.split_sizes(output_split_sizes, None if output_split_sizes else rows,
+                                  self.world_size, "output_split_sizes")
+        plan = a2a.Plan(a2a.SINGLE, dtype_info(arr.dtype).wire, a2a.row_elements(arr.shape),
+                        tuple(sends), tuple(expects))
+        at, to = a2a.offsets(sends), a2a.offsets(expects)
+        out = np.empty((to[-1], *arr.shape[1:]), dtype=arr.dtype)
+        splits = [out[to[i]:to[i + 1]] for i in range(self.world_size)]
+
+        def deliver(received: dict[int, np.ndarray]) -> object:
+            me = self.rank
+            splits[me][...] = arr[at[me]:at[me + 1]]
+            for src, got in received.items():
+                if got is not splits[src]:  # not received in place
+                    splits[src][...] = got.reshape(splits[src].shape)
+            return restore(out)
+
+        pieces = [arr[at[j]:at[j + 1]] for j in range(self.world_size)]
+        return self._all_to_all(plan, pieces, array_kind(x), deliver, timeout, splits)
+
+    def _all_to_all(self, plan: a2a.Plan, pieces: list[np.ndarray], kind: int, deliver,
+                    timeout: float | None, into: list[np.ndarray] | None = None) -> Awaitable:
+        """Take the call's seq now (its plan is a hub collective) and return the coroutine that
+        checks every rank's plan and moves ``pieces[j]`` to rank ``j`` (see
+        :mod:`gradstar.client.all_to_all`); ``deliver`` turns what arrived, by sender, into
+        the result. ``into[i]``: where rank ``i``'s piece may be received in place."""
+        unreachable = [r for r in range(self.world_size)
+                       if r != self.rank and not self.peers.get(r)]
+        if unreachable or (self._peer_endpoint is None and self.world_size > 1):
+            raise ConfigurationError(
+                f"{plan.name} moves its payload over peer streams, but ranks {unreachable} "
+                "registered no peer address: a rank configured for TLS needs tls_cert and "
+                "tls_key to serve peer streams")
+        timeout = self.settings.timeout if timeout is None else timeout
+        encoded = plan.encode()
+        plans = np.empty((self.world_size, encoded.size), dtype=np.int64)
+        plans[self.rank] = encoded  # this rank's segment: sent from here, never received
+        exchange = self._run(ops.ALL_TO_ALL, encoded, plans, plans, lambda r: r, timeout)
+        return self._move(exchange, next(self._all_to_all_calls), plan, pieces, kind, deliver,
+                          timeout, into)
+
+    async def _move(self, exchange: Awaitable, call: int, plan: a2a.Plan,
+                    pieces: list[np.ndarray], kind: int, deliver, timeout: float,
+                    into: list[np.ndarray] | None):
+        """The all_to_all itself, once its seq is taken: every plan checked (the same verdict
+        on every rank), then receives posted and pieces sent over the peer streams."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        plans = [a2a.Plan.decode(row, self.world_size) for row in await exchange]
+        a2a.check_plans(plans, f"{plan.name} call {call}")
+        me, tag, peers = self.rank, a2a.payload_tag(call), self._peer_endpoint
+        others = [r for r in range(self.world_size) if r != me]
+        # A single tensor's empty splits need no message: both sides know their shape.
+        skip_empty = plan.form == a2a.SINGLE
+        sources = [r for r in others if not (skip_empty and plans[r].sends[me] == 0)]
+        targets = [r for r in others if not (skip_empty and plan.sends[r] == 0)]
+        left = max(deadline - loop.time(), 0.0)
+        receives = [asyncio.ensure_future(peers.recv(src, tag, left,
+                                                     None if into is None else into[src]))
+                    for src in sources]
+        sends = [asyncio.ensure_future(peers.send(pieces[dst], kind, dst, tag, left))
+                 for dst in targets]
+        try:
+            # Shielded: a send cancelled mid-message would end its stream for every later
+            # message, so on failure or cancellation each finishes or fails on its own
+            # (bounded by the timeout). The receives are cancelled; a piece arriving after that
+            # stays unclaimed in this rank's mailbox (its tag is never used again).
+            await asyncio.gather(*receives, *(asyncio.shield(task) for task in sends))
+        except BaseException:
+            for task in receives:
+                task.cancel()
+            raise
+        received = {}
+        for src, task in zip(sources, receives, strict=True):
+            got, _ = task.result()
+            elements = plans[src].sends[me] * plan.row_elems
+            if got.dtype != pieces[me].dtype or got.size != elements:
+                raise ProtocolError(
+                    f"{plan.name} call {call}: rank {src} sent rank {me} {got.size} elements "
+                    f"of {got.dtype}; its plan said {elements} of {pieces[me].dtype}")
+            received[src] = got
+        return deliver(received)
+
     # -- point to point (peer streams, see gradstar.client.peer) --------------------------------
 
     def send(self, x, dst: int, tag=0, *, timeout: float | None = None) -> Awaitable:
@@ -173,31 +323,48 @@ class AsyncProcessGroup:
         timeout = self.settings.timeout if timeout is None else timeout
         return self._peer_endpoint.send(arr, array_kind(x), dst, key, timeout)
 
-    def recv(self, src: int, tag=0, *, timeout: float | None = None) -> Awaitable:
+    def recv(self, src: int | None = None, tag=0, *,
+             timeout: float | None = None) -> Awaitable:
         """The next message from rank ``src`` with ``tag``, as the type it was sent as (numpy
         array, or torch tensor where torch is installed), with its shape and dtype.
 
-        A message that already arrived is returned even if the generation failed since.
+        ``src=None`` receives the next message with ``tag`` from any other rank and resolves to
+        ``(sender, x)``. Messages of one sender are received in the order it sent them,
+        whichever kind of recv takes them; among senders, the message that arrived first.
+
+        A message that already arrived is returned even if the generation failed, or its
+        sender finished, since.
 
         Raises:
-            ConfigurationError: bad ``src`` or tag.
+            ConfigurationError: bad ``src`` or tag, or (``src=None``) no other rank.
+            RankFinishedError: ``src`` (``src=None``: every other rank) closed its group
+                cleanly, and everything it sent before has been received.
             RankLostError: ``src`` (or another rank of the generation) was lost.
             CollectiveTimeoutError: no such message arrived within ``timeout``.
         """
-        src, key = self._peer_check(src, "receive from"), tag_key(tag)
+        src = self._peer_check(src, "receive from", any_source=True)
+        key = tag_key(tag)
+        if src is None and self.world_size == 1:
+            raise ConfigurationError(
+                f"rank {self.rank} has no other rank to receive from (world_size 1)")
         if self._closed:  # (a failed generation is checked later: see above)
             self._check_usable()
         timeout = self.settings.timeout if timeout is None else timeout
         peers = self._peer_endpoint
 
         async def receive():
+            if src is None:
+                sender, (arr, kind) = await peers.recv_any(key, timeout)
+                return sender, restore_array(arr, kind)
             return restore_array(*await peers.recv(src, key, timeout))
 
         return receive()
 
-    def _peer_check(self, peer: int, what: str) -> int:
+    def _peer_check(self, peer: int | None, what: str, *, any_source: bool = False) -> int | None:
         if self._peer_endpoint is None:
             raise ConfigurationError("this process group has no peer endpoint for send/recv")
+        if peer is None and any_source:
+            return None
         if isinstance(peer, bool) or not isinstance(peer, int | np.integer) or not (
                 0 <= peer < self.world_size) or peer == self.rank:
             raise ConfigurationError(
@@ -248,12 +415,16 @@ class AsyncProcessGroup:
             return
         self._closed = True
         try:
-            await self._session.close()
-        finally:
-            await self._plane.close()
-            await self._channel.close()
             if self._peer_endpoint is not None:
+                # Goodbyes first: a rank receiving from this one then has all it sent before it
+                # hears from the hub that this rank finished (gradstar.client.peer.endpoint).
                 await self._peer_endpoint.close()
+        finally:
+            try:
+                await self._session.close()
+            finally:
+                await self._plane.close()
+                await self._channel.close()
 
     async def __aenter__(self) -> AsyncProcessGroup:
         return self
@@ -333,10 +504,27 @@ class _LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def stop(self) -> None:
+        """Finish what is left on the loop, as ``asyncio.run`` does, then stop and close it.
+
+        Left over after a failed join, for one: grpc's task feeding the session's request
+        stream. Closing the loop under it made Python print "Task was destroyed but it is
+        pending!" and "Event loop is closed" after the error the user needs to read.
+        """
+        with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
+            self.submit(_finish_tasks()).result(timeout=5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+async def _finish_tasks() -> None:
+    """Cancel every other task of the running loop, wait for them, and close async generators."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.get_running_loop().shutdown_asyncgens()
 
 
 class ProcessGroup:
@@ -355,6 +543,7 @@ class ProcessGroup:
     job = property(lambda self: self._group.job)
     peers = property(lambda self: self._group.peers)
     shards = property(lambda self: self._group.shards)
+    shared_memory = property(lambda self: self._group.shared_memory)
 
     def _call(self, awaitable, async_op: bool):
         future = self._runner.submit(awaitable)
@@ -389,8 +578,16 @@ class ProcessGroup:
     def send(self, x, dst: int, tag=0, *, async_op: bool = False, timeout=None):
         return self._call(self._group.send(x, dst, tag, timeout=timeout), async_op)
 
-    def recv(self, src: int, tag=0, *, async_op: bool = False, timeout=None):
+    def recv(self, src: int | None = None, tag=0, *, async_op: bool = False, timeout=None):
         return self._call(self._group.recv(src, tag, timeout=timeout), async_op)
+
+    def all_to_all(self, inputs, *, async_op: bool = False, timeout=None):
+        return self._call(self._group.all_to_all(inputs, timeout=timeout), async_op)
+
+    def all_to_all_single(self, x, output_split_sizes=None, input_split_sizes=None, *,
+                          async_op: bool = False, timeout=None):
+        return self._call(self._group.all_to_all_single(
+            x, output_split_sizes, input_split_sizes, timeout=timeout), async_op)
 
     def close(self) -> None:
         """Leave the job, close the connection and stop the loop thread. Idempotent."""

@@ -60,15 +60,19 @@ from gradstar.errors import (
     RankLostError,
 )
 from gradstar.proto.v1 import collective_pb2 as pb
+from gradstar.transport.shm import decode_shm_chunk, encode_shm_chunk
 from gradstar.wire import (
     CHUNK_HEADER_BYTES,
     KIND_ACCEPT,
     KIND_END,
+    KIND_SHM_CHUNK,
+    ChunkLayout,
     ChunkTracker,
     chunk_frame_buffer,
     decode_chunk,
     decode_message,
     dtype_from_wire,
+    encode_chunk,
     encode_message,
     payload_bytes,
     seal_chunk_frame,
@@ -105,12 +109,25 @@ class Participant:
     inputs: range
     input_count: int
     output_count: int
+    #: The rank's result layout (where output chunk ``i`` goes).
+    out_layout: ChunkLayout
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    #: Result chunks queued for the rank, and their payload bytes.
     queued: int = 0
     queued_bytes: int = 0
     #: Chunk frames handed to gRPC for this rank (the servicer counts them).
     delivered: int = 0
     ended: bool = False
+    #: The rank's attached shared-memory segment (:mod:`gradstar.transport.shm`): its input
+    #: chunks are read from it, and its result chunks written into it at ``shm_out``.
+    shm: memoryview | None = None
+    shm_out: int = 0
+
+    def out_region(self, index: int) -> memoryview:
+        """Where output chunk ``index`` goes in the rank's segment."""
+        offset, length = self.out_layout.span(index)
+        start = self.shm_out + offset
+        return self.shm[start:start + length]
 
 
 class ReadWindow:
@@ -202,8 +219,9 @@ class PendingCollective:
 
     # -- arrival -------------------------------------------------------------------------------
 
-    def arrive(self, h: pb.CollectiveHeader) -> Participant:
-        """Admit rank ``h.rank``; raises (after failing the collective) on a mismatch."""
+    def arrive(self, h: pb.CollectiveHeader, shm: memoryview | None = None) -> Participant:
+        """Admit rank ``h.rank`` (with its attached segment ``shm``, if any); raises (after
+        failing the collective) on a mismatch."""
         if h.rank in self.participants:
             raise ProtocolError(f"rank {h.rank} issued collective seq {h.seq} twice")
         validate(h, self.world, self.engine.limits)
@@ -214,7 +232,19 @@ class PendingCollective:
         outputs = self._stripe(g.receives)
         p = Participant(h.rank, h, ChunkTracker(self.layout, f"rank {h.rank}", allowed=inputs),
                         g.sends, len(g.sends) if inputs is None else len(inputs),
-                        g.receive_count if outputs is None else len(outputs))
+                        g.receive_count if outputs is None else len(outputs), g.out_layout)
+        if shm is not None:
+            # Input region at 0, result region at output_offset: both must fit the segment,
+            # apart or, for all_reduce, the same (result chunk i is written only after every
+            # rank's input chunk i was read).
+            start, end = h.shm.output_offset, h.shm.output_offset + g.out_layout.total_bytes
+            apart = start >= self.layout.total_bytes or (start == 0 and self.op == ops.ALL_REDUCE)
+            if not apart or end > len(shm):
+                raise ProtocolError(
+                    f"rank {h.rank}'s segment of {len(shm)} bytes with its result at {start} "
+                    f"cannot hold {self.layout.total_bytes} input and "
+                    f"{g.out_layout.total_bytes} result bytes")
+            p.shm, p.shm_out = shm, start
         self.participants[h.rank] = p
         self.engine.metrics.arrived(self.gen.job.name, h.rank, self.started, self.world,
                                     len(self.participants))
@@ -242,8 +272,8 @@ class PendingCollective:
             accept = pb.CollectiveAccept(output_chunks=p.output_count)
             p.outbox.put_nowait(encode_message(KIND_ACCEPT, accept))
         held, self._held = self._held, []
-        for sender, index, frame in held:
-            self._forward(sender, index, frame)
+        for sender, index, payload, frame in held:
+            self._forward(sender, index, payload, frame)
         # Senders held back while unmatched may read again (as far as the receivers allow).
         self.window.progressed()
         self._maybe_complete()
@@ -256,6 +286,23 @@ class PendingCollective:
             index, payload = decode_chunk(frame)
         except ProtocolError as error:
             raise ProtocolError(f"rank {p.rank}: {error}") from None
+        self._take(p, index, payload, frame)
+
+    def on_shm_chunk(self, p: Participant, frame: bytes) -> None:
+        """``p`` announced an input chunk in its segment; reduce or forward it."""
+        if p.shm is None:
+            raise ProtocolError(f"rank {p.rank} sent a shared-memory chunk on a stream whose "
+                                "segment the hub did not attach")
+        try:
+            index = decode_shm_chunk(frame)
+            offset, length = self.layout.span(index)
+        except ProtocolError as error:
+            raise ProtocolError(f"rank {p.rank}: {error}") from None
+        self._take(p, index, p.shm[offset:offset + length], None)
+
+    def _take(self, p: Participant, index: int, payload: memoryview,
+              frame: bytes | None) -> None:
+        """Input chunk ``index`` of ``p`` (``frame``: the chunk frame it came in, if any)."""
         if index not in p.inputs:
             raise ProtocolError(
                 f"rank {p.rank} sent chunk {index}, outside its range "
@@ -266,36 +313,58 @@ class PendingCollective:
         self.gen.job.counters.bytes_in += payload.nbytes
         if self.reducer is None:
             if self.matched:
-                self._forward(p.rank, index, frame)
+                self._forward(p.rank, index, payload, frame)
             else:
-                self._held.append((p.rank, index, frame))
+                self._held.append((p.rank, index, payload, frame))
             return
         slot = self._slots.pop(index, None)
         if (slot.count if slot is not None else 0) + 1 < self.world:
             self._slots[index] = self.reducer.fold(slot, payload)
             return
-        frame, view = chunk_frame_buffer(payload.nbytes)
-        self.reducer.finish_into(slot, payload, view[CHUNK_HEADER_BYTES:])
-        if self.round is not None:
-            values = np.frombuffer(view[CHUNK_HEADER_BYTES:], dtype=np.float32)
-            self.round.apply(self.layout.span(index)[0] // 4, values)
         routes = ops.routes(self.op, self.layout, index, p.rank, self.world, self.spec.root)
-        # Every route of a reduced chunk has the same output index (one frame for all ranks).
-        seal_chunk_frame(frame, view, routes[0][1])
-        for rank, _ in routes:
-            self._queue(self.participants[rank], frame)
+        # Every route of a reduced chunk has the same output index (one result for all ranks).
+        out_index = routes[0][1]
+        receivers = [self.participants[rank] for rank, _ in routes]
+        if all(q.shm is not None for q in receivers):
+            # Every receiver shares memory with the hub: reduce straight into the first one's
+            # segment, copy from there to the others; no frame at all.
+            result, frame = receivers[0].out_region(out_index), None
+            self.reducer.finish_into(slot, payload, result)
+        else:
+            frame, view = chunk_frame_buffer(payload.nbytes)
+            result = view[CHUNK_HEADER_BYTES:]
+            self.reducer.finish_into(slot, payload, result)
+        if self.round is not None:
+            values = np.frombuffer(result, dtype=np.float32)
+            self.round.apply(self.layout.span(index)[0] // 4, values)
+        if frame is not None:
+            seal_chunk_frame(frame, view, out_index)
+        for i, q in enumerate(receivers):
+            self._deliver(q, out_index, result, frame, placed=frame is None and i == 0)
         self._maybe_complete()
 
-    def _forward(self, sender: int, index: int, frame: bytes) -> None:
-        for rank, _ in ops.routes(self.op, self.layout, index, sender, self.world):
-            self._queue(self.participants[rank], frame)
+    def _forward(self, sender: int, index: int, payload: memoryview,
+                 frame: bytes | None) -> None:
+        for rank, out_index in ops.routes(self.op, self.layout, index, sender, self.world):
+            q = self.participants[rank]
+            if frame is None and q.shm is None:
+                frame = encode_chunk(out_index, payload)  # once, shared by every receiver
+            self._deliver(q, out_index, payload, frame)
         self._maybe_complete()
 
-    def _queue(self, p: Participant, frame: bytes) -> None:
-        p.outbox.put_nowait(frame)
-        p.queued += 1
-        p.queued_bytes += len(frame)
-        self.gen.job.counters.bytes_out += len(frame)
+    def _deliver(self, q: Participant, index: int, payload: memoryview,
+                 frame: bytes | None, placed: bool = False) -> None:
+        """Queue output chunk ``index`` for ``q``: through its segment if it has one (the
+        payload copied into place unless it was ``placed`` there already), else as ``frame``."""
+        if q.shm is not None:
+            if not placed:
+                q.out_region(index)[:] = payload
+            q.outbox.put_nowait(encode_shm_chunk(KIND_SHM_CHUNK, index))
+        else:
+            q.outbox.put_nowait(frame)
+        q.queued += 1
+        q.queued_bytes += payload.nbytes
+        self.gen.job.counters.bytes_out += payload.nbytes
 
     def on_end(self, p: Participant, frame: bytes) -> None:
         """``p``'s end marker; raises ProtocolError if its counts disagree with what arrived."""
@@ -323,9 +392,8 @@ class PendingCollective:
                 return
         self._finish(None)
         for p in self.participants.values():
-            payload = p.queued_bytes - p.queued * CHUNK_HEADER_BYTES
             p.outbox.put_nowait(encode_message(KIND_END, pb.CollectiveEnd(
-                chunks=p.queued, bytes=payload)))
+                chunks=p.queued, bytes=p.queued_bytes)))
             p.outbox.put_nowait(CLOSE)
 
     # -- failure -------------------------------------------------------------------------------
@@ -376,7 +444,7 @@ class PendingCollective:
         self.gen.collectives.pop(self.key, None)
         self.engine.count(self.gen, self.spec, failed=error is not None)
         self.engine.metrics.finished(self.gen.job.name, ops.op_name(self.op), self.started,
-                                     failed=error is not None)
+                                     failed=error is not None, error=error)
 
 
 class CollectiveEngine:
@@ -400,8 +468,9 @@ class CollectiveEngine:
         self.averaging = averaging or AveragingStore()
         self.metrics = metrics or CollectiveMetrics()
 
-    def arrive(self, h: pb.CollectiveHeader) -> tuple[PendingCollective, Participant]:
-        """Admit a rank's header.
+    def arrive(self, h: pb.CollectiveHeader,
+               shm: memoryview | None = None) -> tuple[PendingCollective, Participant]:
+        """Admit a rank's header (and its attached shared-memory segment, if any).
 
         Raises:
             RankLostError / RendezvousError: the caller's generation failed or is not current.
@@ -425,7 +494,7 @@ class CollectiveEngine:
             if coll is None:
                 coll = PendingCollective(self, gen, h)
                 gen.collectives[key] = coll
-            return coll, coll.arrive(h)
+            return coll, coll.arrive(h, shm)
         except GradstarError as error:
             if coll is None:
                 # The opening header itself was invalid: later ranks must see the same error.

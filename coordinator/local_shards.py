@@ -50,6 +50,8 @@ class LocalShards:
                         "--coordinator-ca", str(s.tls_cert)]
             if s.tls_client_ca is not None:
                 command += ["--tls-client-ca", str(s.tls_client_ca)]
+        if s.insecure:  # a coordinator allowed to serve unprotected: its shards are too
+            command.append("--insecure")
         return command
 
     def _env(self) -> dict[str, str]:

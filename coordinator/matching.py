@@ -44,6 +44,9 @@ def dtype_name(wire: int) -> str:
 
 def describe(h: pb.CollectiveHeader) -> str:
     """A header as a user would have written the call, for error messages."""
+    if h.op == ops.ALL_TO_ALL:
+        # Its header describes the plan, not the user's tensors (those the ranks check).
+        return "all_to_all (or all_to_all_single)"
     parts = [f"dtype={dtype_name(h.dtype)}", f"shape={tuple(h.shape)}"]
     if h.op in ops.REDUCING:
         parts.insert(0, f"op={ops.REDUCE_OP_NAMES.get(h.reduce_op, h.reduce_op)!r}")
@@ -75,7 +78,8 @@ def validate(h: pb.CollectiveHeader, world_size: int, limits: Limits) -> None:
     Raises:
         InvalidCollectiveError: unknown op, bad chunk size, root out of range, an averaging
             round that is not a float32 mean all_reduce, reduce_scatter's dim 0 not divisible
-            by the world size, or a stripe out of range.
+            by the world size, an all_to_all plan that is not int64 of shape
+            (:func:`gradstar.ops.plan_length`,), or a stripe out of range.
         PayloadTooLargeError: the payload is over ``limits.max_tensor_bytes``.
         ProtocolError: unknown dtype.
     """
@@ -111,6 +115,11 @@ def validate(h: pb.CollectiveHeader, world_size: int, limits: Limits) -> None:
     if h.stripes > 1 and h.stripe >= h.stripes:
         raise InvalidCollectiveError(
             f"rank {h.rank} sent stripe {h.stripe} of a collective striped {h.stripes} ways")
+    plan = (ops.plan_length(world_size),)
+    if h.op == ops.ALL_TO_ALL and (h.dtype != pb.DTYPE_INT64 or tuple(h.shape) != plan):
+        raise InvalidCollectiveError(
+            f"rank {h.rank} sent an all_to_all plan of {dtype_name(h.dtype)} shape "
+            f"{tuple(h.shape)}; with world_size {world_size} a plan is int64 of shape {plan}")
     if h.op == ops.REDUCE_SCATTER and (not h.shape or h.shape[0] % world_size):
         raise InvalidCollectiveError(
             f"reduce_scatter needs dim 0 divisible by world_size {world_size}, "

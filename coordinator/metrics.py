@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gradstar.errors import GradstarError
 from gradstar.ops import op_name
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,9 @@ class CollectiveMetrics:
         if arrived == world and world > 1:
             self.last_arrivals[key] = self.last_arrivals.get(key, 0) + 1
 
-    def finished(self, job: str, op: str, started: float, failed: bool) -> None:
+    def finished(self, job: str, op: str, started: float, failed: bool,
+                 error: GradstarError | None = None) -> None:
+        """A collective ended (``error``: why it failed; the status page shows it)."""
         key = (job, op, "failed" if failed else "completed")
         hist = self.durations.get(key)
         if hist is None:

@@ -34,6 +34,8 @@ from .metrics import render
 from .rendezvous import Rendezvous
 from .servicers import CollectiveServicer, RendezvousServicer
 from .shards import ShardControlServicer, ShardRegistry
+from .status import CoordinatorStatus
+from .status_page import status_routes
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,8 @@ class Coordinator:
         #: Bound port of the Prometheus endpoint (``settings.metrics_port``), once started.
         self.metrics_port: int | None = None
         self._metrics_server: asyncio.Server | None = None
+        #: What the status page beside /metrics shows (see gradstar.coordinator.status).
+        self.status: CoordinatorStatus | None = None
         #: The data-plane shards (see gradstar.coordinator.shards), once started.
         self.shards: ShardRegistry | None = None
         self._local_shards: LocalShards | None = None
@@ -81,8 +85,11 @@ class Coordinator:
 
         Raises:
             OSError: the address could not be bound.
+            ConfigurationError: a placeholder token, or a non-loopback address without a job
+                token and without ``insecure`` (see CoordinatorSettings.check_protected).
         """
         s = self.settings
+        s.check_protected()
         tune_allocator()
         self.averaging = AveragingStore(s.state_dir)
         self.rendezvous = Rendezvous(
@@ -94,10 +101,12 @@ class Coordinator:
         self.rendezvous.max_jobs = s.max_jobs
         expected = s.shards if s.expected_shards is None else s.expected_shards
         self.shards = ShardRegistry(self.rendezvous, expected, on_health=self._shards_health)
+        self.status = CoordinatorStatus(self.rendezvous, self.shards,
+                                        serving=lambda: self._serving and self.shards.healthy)
         self.engine = CollectiveEngine(
             self.rendezvous, max_tensor_bytes=s.max_tensor_bytes,
             max_chunk_bytes=s.max_chunk_bytes, max_timeout=s.max_collective_timeout,
-            averaging=self.averaging,
+            averaging=self.averaging, metrics=self.status.metrics,
         )
         token = s.token.get_secret_value() if s.token else None
         admin = s.admin_token.get_secret_value() if s.admin_token else None
@@ -108,8 +117,9 @@ class Coordinator:
             RendezvousServicer(self.rendezvous, s.heartbeat_interval, s.max_collective_timeout),
             server,
         )
-        server.add_generic_rpc_handlers(
-            (CollectiveServicer(self.engine, admit=self._admit).handler(),))
+        self.collectives = CollectiveServicer(self.engine, admit=self._admit,
+                                              shared_memory=s.shared_memory)
+        server.add_generic_rpc_handlers((self.collectives.handler(),))
         admin_pb2_grpc.add_AdminServicer_to_server(
             AdminServicer(self.rendezvous, self.averaging, self.drain, self.shards), server
         )
@@ -132,8 +142,8 @@ class Coordinator:
         if port == 0:
             raise OSError(f"could not bind the coordinator to {bind}")
         if s.metrics_port is not None:
-            self._metrics_server = await serve_http(s.metrics_host, s.metrics_port,
-                                                    {"/metrics": self._metrics_page})
+            routes = {"/metrics": self._metrics_page, **status_routes(self.status.snapshot)}
+            self._metrics_server = await serve_http(s.metrics_host, s.metrics_port, routes)
             self.metrics_port = bound_port(self._metrics_server)
         await server.start()
         self._server, self.port = server, port
@@ -147,8 +157,8 @@ class Coordinator:
                           f"registered within {s.shard_wait:g} s")
         self._serving = True
         await self._set_health(True)
-        log.info("coordinator serving on %s (tls=%s, auth=%s, shards=%d)", bind, self._tls,
-                 bool(token), len(self.shards.up))
+        log.info("coordinator serving on %s:%d (tls=%s, auth=%s, shards=%d)", s.host, port,
+                 self._tls, bool(token), len(self.shards.up))
         return port
 
     @staticmethod
@@ -161,7 +171,9 @@ class Coordinator:
                 "listed when the generation formed")
 
     def _generation_failed(self, gen) -> None:
-        self.engine.fail_generation(gen)
+        # One failure on the status page, not one more per collective it takes down.
+        with self.status.generation_failed(gen):
+            self.engine.fail_generation(gen)
         self.shards.on_over(gen)
 
     def _rank_finished(self, gen, error) -> None:
@@ -188,6 +200,7 @@ class Coordinator:
         drop jobs idle for longer than ``job_retention``."""
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval / 2)
+            self.status.sample()  # the status page's byte rates
             for m in self.rendezvous.expire():
                 log.warning("job %r: rank %d missed heartbeats", m.job, m.rank)
             for name in self.rendezvous.drop_idle(self.settings.job_retention):

@@ -18,15 +18,19 @@ from gradstar.errors import GradstarError, ProtocolError, RankFinishedError
 from gradstar.proto.v1 import collective_pb2 as cpb
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
 from gradstar.proto.v1 import rendezvous_pb2_grpc
+from gradstar.transport.shm import SegmentMapper, ShmRefused
 from gradstar.transport.status import abort
 from gradstar.wire import (
     COLLECTIVE_SERVICE,
     KIND_CHUNK,
     KIND_END,
     KIND_HEADER,
+    KIND_SHM_ATTACH,
+    KIND_SHM_CHUNK,
     check_header_size,
     decode_message,
     encode_error,
+    encode_message,
     frame_kind,
 )
 
@@ -113,11 +117,15 @@ class CollectiveServicer:
     """The raw-frame collective stream (registered with identity serializers)."""
 
     def __init__(self, engine: CollectiveEngine,
-                 admit: Callable[[cpb.CollectiveHeader], Awaitable[None]] | None = None):
+                 admit: Callable[[cpb.CollectiveHeader], Awaitable[None]] | None = None,
+                 shared_memory: bool = True):
         self.engine = engine
         #: Awaited with each header before the engine sees it (a hub shard waits there for the
         #: coordinator's word that the header's generation formed, and checks its stripe).
         self.admit = admit
+        #: Ranks' shared-memory segments this process has mapped (same-host fast path); None
+        #: when the operator turned the fast path off.
+        self.segments = SegmentMapper() if shared_memory else None
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
@@ -136,20 +144,23 @@ class CollectiveServicer:
             header = decode_message(first, KIND_HEADER, cpb.CollectiveHeader)
             if self.admit is not None:
                 await self.admit(header)
-            coll, me = self.engine.arrive(header)
+            shm, attach = self._attach(header)
+            coll, me = self.engine.arrive(header, shm)
         except GradstarError as error:
             yield encode_error(error)
             await self._linger(asyncio.ensure_future(self._drain(frames)))
             await abort(context, error)
         reader = asyncio.create_task(self._read(coll, me, frames))
         try:
+            if attach is not None:
+                yield attach
             while (item := await me.outbox.get()) is not CLOSE:
                 if isinstance(item, GradstarError):
                     yield encode_error(item)
                     await self._linger(reader)
                     await abort(context, item)
                 yield item
-                if item[0] == KIND_CHUNK:
+                if item[0] == KIND_CHUNK or item[0] == KIND_SHM_CHUNK:
                     me.delivered += 1
                     coll.window.progressed()
         finally:
@@ -157,6 +168,21 @@ class CollectiveServicer:
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
             coll.on_stream_closed(me, "disconnected")
+
+    def _attach(self, header: cpb.CollectiveHeader) -> tuple[memoryview | None, bytes | None]:
+        """Map the segment ``header`` offers, if any: (its data or None, the attach verdict
+        frame to send first, or None when nothing was offered)."""
+        if not header.HasField("shm"):
+            return None, None
+        s = header.shm
+        try:
+            if self.segments is None:
+                raise ShmRefused("shared memory is turned off on this hub (shared_memory)")
+            data = self.segments.attach(s.pid, s.fd, s.inode, s.size, s.key)
+        except ShmRefused as refused:
+            log.debug("rank %d's segment not attached: %s", header.rank, refused)
+            return None, encode_message(KIND_SHM_ATTACH, cpb.ShmAttach(reason=str(refused)))
+        return data, encode_message(KIND_SHM_ATTACH, cpb.ShmAttach(attached=True))
 
     @staticmethod
     async def _linger(reader: asyncio.Future) -> None:
@@ -180,6 +206,9 @@ class CollectiveServicer:
                 kind = frame_kind(frame)
                 if kind == KIND_CHUNK:
                     coll.on_chunk(me, frame)
+                    await coll.window.wait(me)
+                elif kind == KIND_SHM_CHUNK:
+                    coll.on_shm_chunk(me, frame)
                     await coll.window.wait(me)
                 elif kind == KIND_END:
                     coll.on_end(me, frame)

@@ -99,15 +99,19 @@ class Shard:
         Raises:
             OSError: the address could not be bound.
             CoordinatorUnavailableError / AuthenticationError: registration failed.
+            ConfigurationError: a placeholder token, or a non-loopback address without a job
+                token and without ``insecure`` (see CoordinatorSettings.check_protected).
         """
         s = self.settings
+        s.check_protected()
         tune_allocator()
         token = s.token.get_secret_value() if s.token else None
         admin = s.admin_token.get_secret_value() if s.admin_token else None
         server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token, admin)],
                                  options=SERVER_OPTIONS)
         server.add_generic_rpc_handlers(
-            (CollectiveServicer(self.engine, admit=self._admit).handler(),))
+            (CollectiveServicer(self.engine, admit=self._admit,
+                                shared_memory=self.settings.shared_memory).handler(),))
         self._health = health.aio.HealthServicer()
         # grpc's servicer answers SERVING for "" until told otherwise: not before registering.
         for name in ("", COLLECTIVE_SERVICE):

@@ -6,7 +6,8 @@ What it does, in order:
    reports SERVING, so containers started together do not race the hub.
 2. Starts ``nproc`` local ranks of the command with ``GRADSTAR_*`` set. When the job's world
    size equals ``nproc`` the ranks are 0..nproc-1; with a larger world (several agents, e.g.
-   ``--scale worker=4``) ``GRADSTAR_RANK`` stays unset and the coordinator assigns ranks.
+   docker-compose's worker replicas) ``GRADSTAR_RANK`` stays unset and the coordinator assigns
+   ranks.
 3. Restarts a rank that dies, up to ``max_restarts`` times in total for this agent, with
    ``GRADSTAR_RESTART_COUNT`` telling it which restart it is. The rank's own loss fails the
    job's generation on the hub; the surviving ranks (anywhere) re-join, and the rendezvous forms
@@ -89,6 +90,7 @@ class WorkerAgent:
         return env
 
     async def run(self) -> int:
+        from gradstar.transport.bind import describe_bind_error
         from gradstar.transport.http import bound_port, serve_http
 
         s = self.settings
@@ -96,14 +98,20 @@ class WorkerAgent:
             _log(f"gradstar worker: world size {self.world_size} is smaller than --nproc "
                  f"{s.nproc}")
             return 2
-        self._admin = AdminClient(s.coordinator, tls_ca=s.tls_ca, tls_cert=s.tls_cert,
-                                  tls_key=s.tls_key, timeout=2.0)
         server = None
-        try:
-            if s.health_port is not None:
+        if s.health_port is not None:
+            try:
                 server = await serve_http(s.health_host, s.health_port,
                                           {"/healthz": self._health_page})
-                self.health_port = bound_port(server)
+            except OSError as error:  # a mistake in how the agent was started: one line
+                _log("gradstar worker: " + describe_bind_error(error, s.health_host,
+                                                               s.health_port, "--health-port"))
+                return 2
+            self.health_port = bound_port(server)
+        self._admin = AdminClient(s.coordinator, tls_ca=s.tls_ca, tls_cert=s.tls_cert,
+                                  tls_key=s.tls_key, timeout=2.0)
+        try:
+            if server is not None:
                 _log(f"gradstar worker: health on http://{s.health_host}:{self.health_port}"
                      "/healthz")
             _log(f"gradstar worker: job {s.job!r}, {s.nproc} local rank(s) of a world of "

@@ -14,6 +14,9 @@ distributed run computed what one process computes:
   in arrival order) until, hundreds of steps later, whole runs differ visibly;
 - *from scratch*: one process trains the same schedule from the start, and its accuracy and
   predictions are compared with the distributed model's.
+
+``--report FILE.json`` writes all of it as data and ``--plot FILE.png`` draws loss and test
+accuracy per epoch beside the from-scratch run (:mod:`.demo_report`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .demo_report import SCHEMA, plot_unavailable, write_plot, write_report
 from .replay import SingleProcessRun, checkpoint_steps, rank_states, replica_states
 from .supervisor import RankSupervisor, rank_env
 from .train import TrainSettings
@@ -63,6 +67,9 @@ class DemoOptions:
     lr: float = 0.1
     sync_every: int = 4
     seed: int = 0
+    #: Where to write the loss/accuracy plot (PNG) and the JSON report (see .demo_report).
+    plot: Path | None = None
+    report: Path | None = None
 
 
 def mode_unavailable(mode: str, workers: int = 1) -> str | None:
@@ -142,6 +149,8 @@ def run_demo(options: DemoOptions) -> int:
     from gradstar.coordinator import EmbeddedCoordinator
 
     problem = mode_unavailable(options.mode, options.workers)
+    if problem is None and options.plot is not None:
+        problem = plot_unavailable()
     if problem is not None:
         print(f"gradstar demo: {problem}", file=sys.stderr)
         return 2
@@ -167,6 +176,10 @@ def run_demo(options: DemoOptions) -> int:
             if outcome.exit_code != 0:
                 print(outcome.message, file=sys.stderr)
                 print("demo FAILED: training did not complete", file=sys.stderr)
+                failed = _report_data(options, began, outcome.exit_code,
+                                      {options.mode: {"job": job, "epochs": _epochs(bars)}},
+                                      error=outcome.message)
+                _write_artefacts(options, failed)
                 return outcome.exit_code
             traffic = job_counters(hub.address, job)
         return _report(options, settings, out, bars, traffic, began)
@@ -237,6 +250,25 @@ def job_counters(address: str, job: str) -> dict:
 
 def _report(options: DemoOptions, settings: TrainSettings, out: Path, bars: EpochBars,
             traffic: dict, began: float) -> int:
+    run = _measure(options, settings, out, bars, traffic)
+    _print_report(run, settings, options.workers)
+    exit_code = 0 if run["match"] else EXIT_MISMATCH
+    report = _report_data(options, began, exit_code, {settings.mode: run})
+    written = _write_artefacts(options, report)
+    if written is not None:
+        return written
+    total = time.monotonic() - began
+    if run["match"]:
+        _print(f"demo passed in {total:.0f} s: the distributed run matches the single-process run")
+        return 0
+    _print(f"demo FAILED in {total:.0f} s: the distributed run does not match the single-process "
+           "run")
+    return EXIT_MISMATCH
+
+
+def _measure(options: DemoOptions, settings: TrainSettings, out: Path, bars: EpochBars,
+             traffic: dict) -> dict:
+    """Everything the report says about the run, as data (the report's ``modes[mode]``)."""
     from .spirals import evaluate, load_flat_parameters
 
     world, mode = options.workers, settings.mode
@@ -265,52 +297,131 @@ def _report(options: DemoOptions, settings: TrainSettings, out: Path, bars: Epoc
                    for a, b in zip(replay.parameters(), saved, strict=True))
         if diff >= worst:
             worst, worst_at = diff, end
-    scratch = SingleProcessRun(settings, world)
-    scratch_began = time.monotonic()
-    scratch.run(0, replay.schedule.total_steps)
-    scratch_seconds = time.monotonic() - scratch_began
-
     data = replay.data
+    scratch, scratch_epochs, scratch_seconds = _from_scratch(settings, world, data)
+
     model = replay.models[0]
     load_flat_parameters(model, final)
     train_loss, train_acc, _ = evaluate(model, data.train)
     test_loss, test_acc, predicted = evaluate(model, data.test)
     _, scratch_acc, scratch_predicted = evaluate(scratch.models[0], data.test)
-    agree = float(np.mean(predicted == scratch_predicted))
-    matches = identical and worst <= REPLAY_TOLERANCE
-
-    samples, seconds = summary["samples"], summary["seconds"]
+    samples, seconds, step_count = summary["samples"], summary["seconds"], summary["steps"]
     moved = traffic["bytes_in"] + traffic["bytes_out"]
-    ops = ", ".join(f"{n:,} {name}" + (f" ({failed} failed)" if failed else "")
-                    for name, (n, failed) in sorted(traffic["ops"].items()))
+    return {
+        "job": f"demo-{mode}",
+        "epochs": _epochs(bars),
+        "result": {"test_accuracy": test_acc, "test_loss": test_loss,
+                   "train_accuracy": train_acc, "train_loss": train_loss},
+        "throughput": {
+            "samples_per_second": samples / seconds, "steps_per_second": step_count / seconds,
+            "steps": step_count, "samples": samples, "samples_per_step": samples // step_count,
+            "seconds": seconds, "ranks": world,
+            "single_process_samples_per_second": samples / scratch_seconds},
+        "traffic": {
+            "bytes_in": traffic["bytes_in"], "bytes_out": traffic["bytes_out"],
+            "bytes_total": moved, "bytes_per_step_and_rank": moved / step_count / world,
+            "generation": traffic["generation"],
+            "collectives": {name: {"completed": n, "failed": failed}
+                            for name, (n, failed) in sorted(traffic["ops"].items())}},
+        "ranks": {"identical_final_parameters": identical, "summary": holding},
+        "single_process": {
+            "replay": {"check_every": CHECK_EVERY, "max_abs_difference": worst,
+                       "after_step": worst_at, "tolerance": REPLAY_TOLERANCE,
+                       "match": worst <= REPLAY_TOLERANCE},
+            "from_scratch": {"test_accuracy": scratch_acc,
+                             "prediction_agreement": float(np.mean(predicted == scratch_predicted)),
+                             "epochs": scratch_epochs}},
+        "match": identical and worst <= REPLAY_TOLERANCE,
+    }
+
+
+def _epochs(bars: EpochBars) -> list[dict]:
+    """The reporting rank's epochs: mean training loss, test accuracy, seconds."""
+    return [{k: e[k] for k in ("epoch", "loss", "test_accuracy", "seconds")}
+            for e in bars.epoch_events]
+
+
+def _from_scratch(settings: TrainSettings, world: int, data) -> tuple:
+    """The same schedule trained in one process from the start, epoch by epoch: (the run, its
+    loss and test accuracy per epoch, its training seconds without the evaluations)."""
+    from .spirals import evaluate
+
+    scratch = SingleProcessRun(settings, world)
+    per_epoch = scratch.schedule.steps_per_epoch
+    epochs, seconds = [], 0.0
+    for epoch in range(settings.epochs):
+        began = time.monotonic()
+        losses = scratch.run(epoch * per_epoch, (epoch + 1) * per_epoch)
+        seconds += time.monotonic() - began
+        accuracy = evaluate(scratch.models[0], data.test)[1]
+        epochs.append({"epoch": epoch + 1, "loss": float(np.mean(losses)),
+                       "test_accuracy": accuracy})
+    return scratch, epochs, seconds
+
+
+def _print_report(run: dict, settings: TrainSettings, world: int) -> None:
+    result, speed, traffic = run["result"], run["throughput"], run["traffic"]
+    replay = run["single_process"]["replay"]
+    scratch = run["single_process"]["from_scratch"]
+    ops = ", ".join(f"{c['completed']:,} {name}" + (f" ({c['failed']} failed)" if c["failed"]
+                                                     else "")
+                    for name, c in traffic["collectives"].items())
     _print()
     _print("report")
-    _print(f"  result       test accuracy {test_acc:.1%}, test loss {test_loss:.4f}; train "
-           f"accuracy {train_acc:.1%}, train loss {train_loss:.4f}")
-    _print(f"  throughput   {samples / seconds:,.0f} samples/s, {summary['steps'] / seconds:.1f} "
-           f"steps/s ({summary['steps']:,} steps of {samples // summary['steps']:,} samples in "
-           f"{seconds:.1f} s on {world} ranks; one process: "
-           f"{samples / scratch_seconds:,.0f} samples/s)")
-    _print(f"  traffic      {_mb(moved)} through the hub: {_mb(traffic['bytes_in'])} in, "
-           f"{_mb(traffic['bytes_out'])} out ({_kb(moved / summary['steps'] / world)} per step "
-           f"and rank); Admin counters of job 'demo-{settings.mode}': {ops}")
-    if mode == "pipeline":
+    _print(f"  result       test accuracy {result['test_accuracy']:.1%}, test loss "
+           f"{result['test_loss']:.4f}; train accuracy {result['train_accuracy']:.1%}, train "
+           f"loss {result['train_loss']:.4f}")
+    _print(f"  throughput   {speed['samples_per_second']:,.0f} samples/s, "
+           f"{speed['steps_per_second']:.1f} steps/s ({speed['steps']:,} steps of "
+           f"{speed['samples_per_step']:,} samples in {speed['seconds']:.1f} s on {world} ranks; "
+           f"one process: {speed['single_process_samples_per_second']:,.0f} samples/s)")
+    _print(f"  traffic      {_mb(traffic['bytes_total'])} through the hub: "
+           f"{_mb(traffic['bytes_in'])} in, {_mb(traffic['bytes_out'])} out "
+           f"({_kb(traffic['bytes_per_step_and_rank'])} per step and rank); Admin counters of "
+           f"job '{run['job']}': {ops}")
+    if settings.mode == "pipeline":
         _print("               (activations and gradients go stage to stage over peer streams, "
                "not through the hub)")
-    _print(f"  ranks        {holding}")
+    _print(f"  ranks        {run['ranks']['summary']}")
     _print(f"  vs 1 process each stretch of {CHECK_EVERY} steps replayed in one process from the "
-           f"ranks' saved state: max |difference| {worst:.1e} (after step {worst_at}; "
-           f"tolerance {REPLAY_TOLERANCE:.0e}) -> "
-           f"{'MATCH' if worst <= REPLAY_TOLERANCE else 'MISMATCH'}")
+           f"ranks' saved state: max |difference| {replay['max_abs_difference']:.1e} (after step "
+           f"{replay['after_step']}; tolerance {REPLAY_TOLERANCE:.0e}) -> "
+           f"{'MATCH' if replay['match'] else 'MISMATCH'}")
     _print(f"               trained from scratch in one process: test accuracy "
-           f"{scratch_acc:.1%}, predictions agree on {agree:.1%} of test points")
-    total = time.monotonic() - began
-    if matches:
-        _print(f"demo passed in {total:.0f} s: the distributed run matches the single-process run")
-        return 0
-    _print(f"demo FAILED in {total:.0f} s: the distributed run does not match the single-process "
-           "run")
-    return EXIT_MISMATCH
+           f"{scratch['test_accuracy']:.1%}, predictions agree on "
+           f"{scratch['prediction_agreement']:.1%} of test points")
+
+
+def _report_data(options: DemoOptions, began: float, exit_code: int, modes: dict,
+                 error: str | None = None) -> dict:
+    """The whole JSON report (see .demo_report)."""
+    report = {"schema": SCHEMA, "passed": exit_code == 0, "exit_code": exit_code,
+              "seconds": time.monotonic() - began,
+              "settings": {"workers": options.workers, "mode": options.mode,
+                           "epochs": options.epochs, "samples": options.samples,
+                           "batch_size": options.batch_size, "hidden": options.hidden,
+                           "lr": options.lr, "sync_every": options.sync_every,
+                           "seed": options.seed},
+              "modes": modes}
+    if error is not None:
+        report["error"] = error
+    return report
+
+
+def _write_artefacts(options: DemoOptions, report: dict) -> int | None:
+    """Write the --report and --plot files and say where; an exit code if one failed."""
+    for path, write, what in ((options.report, write_report, "report"),
+                              (options.plot, write_plot, "plot")):
+        if path is None:
+            continue
+        try:
+            write(path, report)
+        except OSError as error:
+            print(f"gradstar demo: cannot write the {what} to {path}: {error.strerror or error}",
+                  file=sys.stderr)
+            return 1
+        _print(f"  {what:<12} {path}")
+    return None
 
 
 def _mb(n: float) -> str:

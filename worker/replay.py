@@ -50,18 +50,22 @@ class SingleProcessRun:
             load_flat_parameters(model, params)
             opt.load_momentum(momentum)
 
-    def run(self, start: int, stop: int) -> None:
-        """Train steps ``start`` to ``stop - 1`` of the schedule."""
+    def run(self, start: int, stop: int) -> list[float]:
+        """Train steps ``start`` to ``stop - 1`` of the schedule; return each step's training
+        loss (localsgd: replica 0's, as its rank 0 reports)."""
         every, total = self.settings.sync_every, self.schedule.total_steps
+        losses = []
         for step in range(start, stop):
             if self.replicas == 1:
-                sgd_step(self.models[0], self.opts[0], self.data,
-                         self.schedule.global_rows(step))
+                losses.append(sgd_step(self.models[0], self.opts[0], self.data,
+                                       self.schedule.global_rows(step)))
                 continue
-            for r, (m, opt) in enumerate(zip(self.models, self.opts, strict=True)):
-                sgd_step(m, opt, self.data, self.schedule.rank_rows(step, r))
+            replicas = [sgd_step(m, opt, self.data, self.schedule.rank_rows(step, r))
+                        for r, (m, opt) in enumerate(zip(self.models, self.opts, strict=True))]
+            losses.append(replicas[0])
             if (step + 1) % every == 0 or step + 1 == total:
                 self._average()
+        return losses
 
     def parameters(self) -> list[np.ndarray]:
         return [flat_parameters(m) for m in self.models]

@@ -17,8 +17,16 @@ The protocol (frames in ``protos/gradstar/proto/v1/peer.proto``):
   sender, where ``recv(src, tag)`` matches it by tag. Early messages are buffered up to
   ``peer_buffer_messages`` / ``peer_buffer_bytes`` per sender; past that the server stops
   reading the stream and flow control holds the sender back.
-* A rank closing its process group ends each of its streams with a goodbye (an empty end
-  marker), so its receivers can tell an orderly close from a broken stream.
+* ``recv(src=None)`` takes the next message with its tag from any sender
+  (:class:`~gradstar.client.peer.mailbox.Mailboxes`): each sender's messages in the order it
+  sent them, and across senders the one that arrived first.
+* A rank closing its process group has *finished*. It lets its sends in flight finish, then ends
+  each of its streams with a goodbye (an empty end marker) behind its last message, so its
+  receivers can tell an orderly close from a broken stream, and answers the senders of its
+  incoming streams with a ``RankFinishedError`` frame; only then does it leave the hub, whose
+  notice tells the ranks it never opened a stream to. A receive from a finished rank gets what
+  it sent, then raises :class:`~gradstar.errors.RankFinishedError` naming it at once (a
+  receive from any sender: once every other rank finished); so does a send to it.
 * Failure: channels use the hub's keepalive options (a dead or frozen peer breaks its streams
   in seconds), and every wait also watches the rank's session with the hub, whose
   generation-failure notice names the lost rank. A broken stream waits briefly for that notice
@@ -59,8 +67,8 @@ from gradstar.wire import PEER_METHOD
 
 from .endpoint import PeerEndpoint
 from .link import PeerLink
-from .mailbox import Mailbox, tag_key
+from .mailbox import Mailbox, Mailboxes, tag_key
 from .server import Identity, LinkLost, PeerServer
 
-__all__ = ["PEER_METHOD", "Identity", "LinkLost", "Mailbox", "PeerEndpoint", "PeerLink",
-           "PeerServer", "tag_key"]
+__all__ = ["PEER_METHOD", "Identity", "LinkLost", "Mailbox", "Mailboxes", "PeerEndpoint",
+           "PeerLink", "PeerServer", "tag_key"]

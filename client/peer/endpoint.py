@@ -1,5 +1,13 @@
 """A rank's point-to-point side: its peer server, its links, and the session it watches (the
-protocol is in :mod:`gradstar.client.peer`)."""
+protocol is in :mod:`gradstar.client.peer`).
+
+When a receive from a rank fails because that rank *finished* (closed its group cleanly):
+only once everything it sent has been received. Two signals say it finished: the goodbye at
+the end of its peer stream to this rank (behind its last message), and the hub's notice on the
+session (which also covers a rank that never opened a stream to this one). A rank closing its
+group says goodbye on its streams before it leaves the hub, so by the time the notice comes its
+streams have ended; a notice that overtakes a stream still open waits for that stream's end.
+"""
 
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from gradstar.errors import (
     ConfigurationError,
     GradstarError,
     ProcessGroupClosedError,
+    RankFinishedError,
     RankLostError,
 )
 
@@ -24,6 +33,9 @@ from .link import PeerLink
 from .server import Identity, LinkLost, PeerServer, host_port
 
 _WILDCARDS = ("", "0.0.0.0", "::")
+#: How long closing the group waits for sends still in flight (issued, not yet held by their
+#: receivers) before it says goodbye behind them.
+FLUSH_TIMEOUT = 5.0
 
 
 class PeerEndpoint:
@@ -34,6 +46,8 @@ class PeerEndpoint:
         self.server = PeerServer(settings)
         self._metadata = metadata
         self._links: dict[int, asyncio.Future] = {}
+        #: Sends in flight (tasks), which closing lets finish first.
+        self._sending: set[asyncio.Future] = set()
         self._session = None
         self.identity: Identity | None = None
         self.peers: dict[int, str] = {}
@@ -67,6 +81,8 @@ class PeerEndpoint:
     async def _link(self, dst: int) -> PeerLink:
         opening = self._links.get(dst)
         if opening is None:
+            if self.closed is not None:  # no new stream once the goodbyes are said
+                raise self.closed
             address = self.peers.get(dst, "")
             if not address:
                 raise ConfigurationError(
@@ -99,21 +115,30 @@ class PeerEndpoint:
             link = await self._link(dst)
             await link.send(arr, array_kind, tag)
 
-        await self._guarded(go(), dst, timeout, lambda: CollectiveTimeoutError(
+        sending = asyncio.ensure_future(go())
+        self._sending.add(sending)
+        sending.add_done_callback(self._sending.discard)
+        await self._guarded(sending, dst, timeout, lambda: CollectiveTimeoutError(
             f"Timed out: rank {self.identity.rank}'s send of tag {tag} to rank {dst} was not "
             f"received within {timeout:g} s", missing_ranks=[dst]))
 
-    async def recv(self, src: int, tag: str, timeout: float) -> tuple[np.ndarray, int]:
-        """The next message from ``src`` with ``tag``: (array, ArrayKind)."""
+    async def recv(self, src: int, tag: str, timeout: float,
+                   into: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+        """The next message from ``src`` with ``tag``: (array, ArrayKind). ``into``: a
+        C-contiguous array the message may be written straight into, if it has that dtype and
+        size (then the array returned is ``into`` itself); keep it untouched until this returns.
+
+        Raises:
+            RankFinishedError: ``src`` closed its group cleanly and sent no such message.
+            RankLostError, CollectiveTimeoutError, ProcessGroupClosedError: as for ``send``.
+        """
         mailbox = self.server.mailboxes[src]
         found, value = mailbox.try_take(tag)
         if found:  # already complete: no other rank is needed, even if the generation failed
             return value
         if self._session.failure is not None:
             raise self._session.failure
-        finished = self._session.finished(src)
-        if finished is not None:  # and nothing of it waits in the mailbox
-            raise finished
+        self._settle(src)
 
         def timed_out():
             stalled = (f"; its stream is stalled on tag {mailbox.stalled_on} because this "
@@ -123,27 +148,79 @@ class PeerEndpoint:
                 f"Timed out: rank {self.identity.rank} received no message with tag {tag} "
                 f"from rank {src} within {timeout:g} s{stalled}", missing_ranks=[src])
 
-        return await self._guarded(self._take_unless_finished(mailbox, tag, src), src, timeout,
-                                   timed_out)
-
-    async def _take_unless_finished(self, mailbox, tag: str, src: int):
-        """``mailbox.take(tag)``, unless the hub reports that ``src`` finished first: its sends
-        were acknowledged before it left, so what the mailbox lacks then never comes."""
-        take = asyncio.ensure_future(mailbox.take(tag))
-        finished = asyncio.ensure_future(self._session.until_finished(src))
         try:
-            await asyncio.wait((take, finished), return_when=asyncio.FIRST_COMPLETED)
+            return await self._guarded(self._take_unless_finished(mailbox.take(tag, into), [src]),
+                                       src, timeout, timed_out)
+        except RankFinishedError as error:
+            raise self._finished_error([error.rank], tag) from None
+
+    async def recv_any(self, tag: str, timeout: float) -> tuple[int, tuple[np.ndarray, int]]:
+        """The next message with ``tag`` from any other rank: (src, (array, ArrayKind)).
+        Messages of one rank come in the order it sent them; across ranks, see
+        :mod:`gradstar.client.peer.mailbox`.
+
+        Raises:
+            RankFinishedError: every other rank finished and none left such a message.
+            RankLostError, CollectiveTimeoutError, ProcessGroupClosedError: as for ``recv``.
+        """
+        boxes = self.server.mailboxes
+        found = boxes.try_take_any(tag)
+        if found is not None:
+            return found
+        if self._session.failure is not None:
+            raise self._session.failure
+        senders = [box.src for box in boxes.values()]
+        for src in senders:
+            self._settle(src)
+
+        def timed_out():
+            return CollectiveTimeoutError(
+                f"Timed out: rank {self.identity.rank} received no message with tag {tag} "
+                f"from any rank within {timeout:g} s", missing_ranks=senders)
+
+        try:
+            return await self._guarded(self._take_unless_finished(boxes.take_any(tag), senders),
+                                       None, timeout, timed_out)
+        except RankFinishedError:
+            raise self._finished_error(senders, tag) from None
+
+    def _settle(self, src: int) -> None:
+        """Close ``src``'s mailbox if the hub reports that it finished and no stream from it is
+        open: nothing more can come from it (what it sent is held and stays receivable)."""
+        finished = self._session.finished(src)
+        if finished is not None and not self.server.streaming_from(src):
+            self.server.mailboxes[src].close(finished)
+
+    async def _take_unless_finished(self, take, senders: list[int]):
+        """Await the receive ``take`` from ``senders``, settling each sender the hub reports
+        finished meanwhile (:meth:`_settle`), which fails ``take`` once none can send."""
+        take = asyncio.ensure_future(take)
+        notices = {asyncio.ensure_future(self._session.until_finished(src)): src
+                   for src in senders if not self.server.mailboxes[src].closed}
+        try:
+            while notices:
+                done, _ = await asyncio.wait((take, *notices),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if take in done:
+                    break
+                for notice in done:
+                    self._settle(notices.pop(notice))
+            return await take
         finally:
-            finished.cancel()
+            for notice in notices:
+                notice.cancel()
             if not take.done():
                 take.cancel()
                 await asyncio.gather(take, return_exceptions=True)
-        if not take.cancelled():
-            return take.result()
-        found, value = mailbox.try_take(tag)
-        if found:
-            return value
-        raise self._session.finished(src)
+
+    def _finished_error(self, ranks: list[int], tag: str) -> RankFinishedError:
+        me = self.identity
+        who = (f"rank {ranks[0]} of job {me.job!r} finished" if len(ranks) == 1 else
+               f"every other rank of job {me.job!r} ({', '.join(map(str, ranks))}) finished")
+        return RankFinishedError(
+            f"{who} (closed its process group) without sending rank {me.rank} a message with "
+            f"tag {tag}; everything it sent before closing has been received",
+            rank=ranks[0], generation=me.generation)
 
     async def _guarded(self, coro, peer: int, timeout: float, timeout_error):
         """Run ``coro`` until it ends, the generation fails or ``timeout`` passes.
@@ -180,8 +257,20 @@ class PeerEndpoint:
         raise error
 
     async def close(self) -> None:
-        """Say goodbye on every link and stop the peer server. Idempotent."""
-        rank = self.identity.rank if self.identity is not None else "?"
+        """Say goodbye on every link and stop the peer server. Idempotent.
+
+        Sends still in flight may finish first (up to :data:`FLUSH_TIMEOUT`). A goodbye
+        follows the link's last message, so the receiver knows this rank *finished* once it
+        has everything it sent (its receives from here then raise RankFinishedError);
+        the peer server answers the senders of its incoming streams with a RankFinishedError
+        frame, which their pending and later sends to this rank raise.
+        """
+        if self.closed is not None:
+            return
+        if self._sending:  # what was sent before closing is delivered before the goodbye
+            await asyncio.wait(set(self._sending), timeout=FLUSH_TIMEOUT)
+        me = self.identity
+        rank = me.rank if me is not None else "?"
         self.closed = ProcessGroupClosedError(f"rank {rank}'s process group was closed")
         links = list(self._links.values())
         self._links.clear()
@@ -193,4 +282,7 @@ class PeerEndpoint:
                 await link.close(self.closed)
 
         await asyncio.gather(*(close_link(opening) for opening in links))
-        await self.server.stop(self.closed)
+        farewell = None if me is None else RankFinishedError(
+            f"rank {me.rank} of job {me.job!r} finished (closed its process group) and takes "
+            "no more messages", rank=me.rank, generation=me.generation)
+        await self.server.stop(self.closed, farewell)

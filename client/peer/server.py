@@ -4,6 +4,13 @@ It checks each incoming stream's hello (job, generation, ranks, and the sender's
 membership; the job token is checked by the hub's interceptor before), reads the messages of
 the stream, and files each one in the :class:`~gradstar.client.peer.mailbox.Mailbox` of its
 sender, acknowledging it once it is filed.
+
+How a stream ends decides what a receive still waiting for its sender raises: a goodbye (the
+sender closed its process group) closes the sender's mailbox with
+:class:`~gradstar.errors.RankFinishedError`; a stream that ends without one closes it with
+:class:`LinkLost`, which the endpoint resolves into the hub's verdict. When this rank closes its
+own group, :meth:`PeerServer.stop` answers every incoming stream with a ``RankFinishedError``
+frame before it stops, so the senders' pending and later sends say that this rank finished.
 The protocol is described in :mod:`gradstar.client.peer` and ``peer.proto``.
 """
 
@@ -21,6 +28,7 @@ from gradstar.errors import (
     GradstarError,
     InvalidCollectiveError,
     ProtocolError,
+    RankFinishedError,
 )
 from gradstar.proto.v1 import collective_pb2 as cpb
 from gradstar.proto.v1 import peer_pb2 as ppb
@@ -49,8 +57,12 @@ from gradstar.wire import (
     receive_chunk,
 )
 
-from .mailbox import Mailbox
+from .mailbox import Mailbox, Mailboxes
 from .proof import HelloVerifier
+
+#: How long :meth:`PeerServer.stop` spends telling the senders of incoming streams that this
+#: rank finished (all streams at once), and then waits for their calls to end.
+FAREWELL_TIMEOUT = 0.5
 
 
 class LinkLost(GradstarError):
@@ -86,7 +98,9 @@ class PeerServer:
     def __init__(self, settings: ClientSettings) -> None:
         self.settings = settings
         self.identity: Identity | None = None
-        self.mailboxes: dict[int, Mailbox] = {}
+        self.mailboxes = Mailboxes((), 1, 0)
+        #: Incoming streams by sender: their call contexts and the locks their writes take.
+        self._inbound: dict[int, tuple[grpc.aio.ServicerContext, asyncio.Lock]] = {}
         self._verifier = HelloVerifier(b"")
         self._bound = asyncio.Event()
         self._server: grpc.aio.Server | None = None
@@ -123,18 +137,43 @@ class PeerServer:
 
     def bind(self, identity: Identity) -> None:
         s = self.settings
-        self.mailboxes = {r: Mailbox(r, s.peer_buffer_messages, s.peer_buffer_bytes)
-                          for r in range(identity.world_size) if r != identity.rank}
+        self.mailboxes = Mailboxes((r for r in range(identity.world_size) if r != identity.rank),
+                                   s.peer_buffer_messages, s.peer_buffer_bytes)
         self._verifier = HelloVerifier(identity.peer_key)
         self.identity = identity
         self._bound.set()
 
-    async def stop(self, error: GradstarError) -> None:
-        for mailbox in self.mailboxes.values():
-            mailbox.close(error)
-        if self._server is not None:
-            await self._server.stop(0)
-            self._server = None
+    async def stop(self, error: GradstarError, farewell: GradstarError | None = None) -> None:
+        """Close every mailbox with ``error`` and stop serving. With ``farewell`` (this rank
+        closed its group cleanly), first send it to the sender of every incoming stream, so
+        their sends raise it instead of a broken stream's error."""
+        self.mailboxes.close(error)
+        if self._server is None:
+            return
+        grace = None
+        if farewell is not None and self._inbound:
+            grace = FAREWELL_TIMEOUT
+            _, late = await asyncio.wait(
+                [asyncio.ensure_future(self._say(src, farewell)) for src in self._inbound],
+                timeout=FAREWELL_TIMEOUT)
+            for task in late:
+                task.cancel()
+        server, self._server = self._server, None
+        await server.stop(grace)
+
+    def streaming_from(self, src: int) -> bool:
+        """Whether a stream from rank ``src`` is open (more may still come from it)."""
+        return src in self._inbound
+
+    async def _say(self, src: int, error: GradstarError) -> None:
+        context, lock = self._inbound.get(src, (None, None))
+        if context is None:
+            return
+        async with lock:
+            try:
+                await context.write(encode_error(error))
+            except Exception:  # best effort: the stream may be ending under us
+                return
 
     async def Stream(self, request_iterator, context) -> None:
         first = await context.read()
@@ -150,16 +189,23 @@ class PeerServer:
         await context.write(encode_message(
             KIND_ACCEPT, ppb.PeerAccept(rank=me.rank, generation=me.generation)))
         src = hello.src_rank
-        ending = f"rank {src}'s peer stream to rank {me.rank} broke"
+        lock = asyncio.Lock()
+        self._inbound[src] = (context, lock)
+        ending: GradstarError = LinkLost(src, f"rank {src}'s peer stream to rank {me.rank} broke")
         try:
-            if await self._receive(context, mailbox, src):
-                ending = f"rank {src} closed its peer stream to rank {me.rank}"
+            if await self._receive(context, mailbox, src, lock):
+                ending = RankFinishedError(
+                    f"rank {src} finished (closed its process group)", rank=src,
+                    generation=me.generation)
         except (ProtocolError, InvalidCollectiveError) as error:
             mailbox.close(error)
-            await context.write(encode_error(error))
+            async with lock:
+                await context.write(encode_error(error))
             await abort(context, error)
         finally:
-            mailbox.close(LinkLost(src, ending))
+            if self._inbound.get(src, (None,))[0] is context:
+                del self._inbound[src]
+            mailbox.close(ending)
 
     async def _accept(self, hello: ppb.PeerHello) -> Mailbox:
         timeout = self.settings.join_timeout
@@ -184,7 +230,7 @@ class PeerServer:
         self._verifier.verify(hello)
         return mailbox
 
-    async def _receive(self, context, mailbox: Mailbox, src: int) -> bool:
+    async def _receive(self, context, mailbox: Mailbox, src: int, lock: asyncio.Lock) -> bool:
         """Read messages and acknowledge each once it is filed, until the sender says goodbye
         (True) or the stream ends without a goodbye (False: a cancelled call, as when the
         sender dies, also reads as EOF)."""
@@ -207,11 +253,15 @@ class PeerServer:
             layout = ChunkLayout(1, nbytes, header.chunk_bytes)
             check_chunk_count(layout.count, nbytes, header.chunk_bytes, who)
             reservation = await mailbox.admit(header.tag, nbytes)
-            try:
-                out = np.empty(shape, dtype=info.numpy)
-            except (MemoryError, ValueError) as error:
-                raise ProtocolError(f"{who}: cannot hold message {header.seq} of shape "
-                                    f"{shape} ({type(error).__name__}: {error})") from None
+            out, detach = _in_place(reservation.into, info.numpy, nbytes), None
+            if out is not None:
+                detach = _detached
+            else:
+                try:
+                    out = np.empty(shape, dtype=info.numpy)
+                except (MemoryError, ValueError) as error:
+                    raise ProtocolError(f"{who}: cannot hold message {header.seq} of shape "
+                                        f"{shape} ({type(error).__name__}: {error})") from None
             out_bytes = as_byte_view(out)
             tracker = ChunkTracker(layout, who)
             while True:
@@ -226,6 +276,23 @@ class PeerServer:
                     break
                 else:
                     raise ProtocolError(f"{who}: unexpected frame of kind {kind} in a message")
-            mailbox.put(reservation, (out, header.array_kind))
-            await context.write(encode_message(KIND_ACCEPT, ppb.PeerAck(seq=header.seq)))
+            mailbox.put(reservation, (out, header.array_kind), detach)
+            async with lock:
+                await context.write(encode_message(KIND_ACCEPT, ppb.PeerAck(seq=header.seq)))
         return False
+
+
+def _in_place(into, dtype: np.dtype, nbytes: int) -> np.ndarray | None:
+    """``into`` if a message of ``nbytes`` of ``dtype`` can be written straight into it (a
+    C-contiguous array of that dtype and size); else None (the message gets its own array)."""
+    if (isinstance(into, np.ndarray) and into.dtype == dtype and into.nbytes == nbytes
+            and into.flags.c_contiguous and into.flags.writeable):
+        return into
+    return None
+
+
+def _detached(value: tuple[np.ndarray, int]) -> tuple[np.ndarray, int]:
+    """A message written into a receive's destination, copied out of it (that receive gave
+    up, so the destination is no longer the message's to use)."""
+    arr, kind = value
+    return arr.copy(), kind

@@ -1,4 +1,4 @@
-"""The ``gradstar`` command.
+"""The gradstar command.
 
     gradstar coordinator [--port 29400] [--shards K]              run the hub
     gradstar shard --coordinator H:P [--port P]                  a hub shard on another host
@@ -7,10 +7,15 @@
     gradstar demo [--workers 4] [--mode ddp|localsgd|...]        the main job: train, report
     gradstar admin status|jobs|drain|health --coordinator H:P    operator views
 
-Flags fall back to ``GRADSTAR_*`` env vars. ``--token-file`` / ``--admin-token-file`` (or
-``GRADSTAR_TOKEN_FILE`` / ``GRADSTAR_ADMIN_TOKEN_FILE``, read when the token variables
-themselves are not set) name files holding the tokens (docker secrets). A token given as
-``--token`` or ``--admin-token`` works, with a warning: every local user sees it in ``ps``.
+Flags fall back to GRADSTAR_* env vars. --token-file / --admin-token-file (or
+GRADSTAR_TOKEN_FILE / GRADSTAR_ADMIN_TOKEN_FILE, read when the token variables themselves are
+not set) name files holding the tokens (docker secrets). A token given as --token or
+--admin-token works, with a warning: every local user sees it in ps. A coordinator or shard
+listening beyond this machine (any --host but 127.0.0.1/localhost) needs a job token, or
+--insecure.
+
+Mistakes (a port in use, an invalid setting) end a command with one line on stderr and exit
+status 2.
 """
 
 from __future__ import annotations
@@ -26,17 +31,27 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from gradstar.config import DEFAULT_PORT, CoordinatorSettings
+from gradstar.config import DEFAULT_PORT, LOG_LEVELS, CoordinatorSettings, is_loopback
+
+#: Exit status of a command refused because of how it was called or configured (as argparse).
+USAGE_ERROR = 2
 
 # -- coordinator -------------------------------------------------------------------------------
 
 
-def _coordinator_args(sub: argparse._SubParsersAction) -> None:
+def _coordinator_args(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser("coordinator", help="run the coordinator (hub) until SIGINT/SIGTERM",
-                       description="Run the coordinator. Flags override GRADSTAR_* env vars.")
-    p.add_argument("--host", help="address to bind (default 0.0.0.0, env GRADSTAR_HOST)")
+                       allow_abbrev=False,
+                       description="Run the coordinator. Flags override GRADSTAR_* env vars. "
+                                   "On any address but loopback it needs a job token "
+                                   "(GRADSTAR_TOKEN or --token-file) or --insecure; with "
+                                   "--host 127.0.0.1 (this machine only) it runs without one.")
+    p.add_argument("--host", help="address to bind (default 0.0.0.0: every interface, which "
+                                  "needs a job token or --insecure; 127.0.0.1: this machine "
+                                  "only, no token needed; env GRADSTAR_HOST)")
     p.add_argument("--port", type=int, help="port; 0 picks a free one (default 29400)")
     _token_args(p, on_command_line=True)
+    _insecure_arg(p)
     p.add_argument("--tls-cert", help="PEM certificate chain; enables TLS")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="CA that client certificates must chain to (mTLS)")
@@ -55,7 +70,7 @@ def _coordinator_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reflection", action="store_true", default=None,
                    help="register gRPC server reflection, open without a token (default off; "
                         "env GRADSTAR_REFLECTION)")
-    p.add_argument("--log-level", help="DEBUG, INFO, WARNING (default INFO)")
+    _log_level_arg(p)
     p.add_argument("--shards", type=_shard_count,
                    help="data-plane shard processes to start here: a number, or 'auto' (the "
                         "default: one per two cores beyond the first two, at most 8; env "
@@ -63,6 +78,19 @@ def _coordinator_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--expected-shards", type=int,
                    help="shards, local and remote, that must be up to report SERVING "
                         "(default: --shards)")
+    return p
+
+
+def _log_level_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, metavar="LEVEL",
+                   help=f"{', '.join(LOG_LEVELS)} (default INFO; env GRADSTAR_LOG_LEVEL)")
+
+
+def _insecure_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--insecure", action="store_true", default=None,
+                   help="serve on a non-loopback --host without a job token: anyone who "
+                        "reaches the port can join jobs, read their tensors and call Admin "
+                        "(env GRADSTAR_INSECURE; not needed with mutual TLS)")
 
 
 def _token_args(p: argparse.ArgumentParser, *, on_command_line: bool) -> None:
@@ -88,16 +116,17 @@ def _shard_count(text: str) -> int:
     return default_shard_count() if text == "auto" else int(text)
 
 
-def _shard_args(sub: argparse._SubParsersAction) -> None:
+def _shard_args(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "shard", help="run a hub shard that registers with a coordinator",
+        "shard", help="run a hub shard that registers with a coordinator", allow_abbrev=False,
         description="Run one data-plane shard: it registers with the coordinator (admin token, "
                     "or the job token when there is none) and carries a stripe of every "
                     "collective of the generations formed while it is up. Tokens come from "
                     "--token-file / --admin-token-file, else GRADSTAR_TOKEN / "
                     "GRADSTAR_ADMIN_TOKEN (or their _FILE variants).")
     p.add_argument("--coordinator", help="HOST:PORT of the coordinator (env GRADSTAR_COORDINATOR)")
-    p.add_argument("--host", help="address to bind (default 0.0.0.0)")
+    p.add_argument("--host", help="address to bind (default 0.0.0.0: every interface, which "
+                                  "needs a job token or --insecure; env GRADSTAR_HOST)")
     p.add_argument("--port", type=int, help="port; 0 picks a free one (default 0)")
     p.add_argument("--advertise-host",
                    help="host ranks reach this shard at (default: the bound host, or this "
@@ -108,10 +137,12 @@ def _shard_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-client-ca", help="CA that client certificates must chain to (mTLS)")
     p.add_argument("--coordinator-ca", help="CA to verify the coordinator's certificate with")
     _token_args(p, on_command_line=False)
+    _insecure_arg(p)
     p.add_argument("--max-tensor-bytes", type=int, help="largest payload a rank may send")
     p.add_argument("--max-chunk-bytes", type=int, help="largest chunk a rank may send")
     p.add_argument("--max-collective-timeout", type=float, help="longest collective timeout")
-    p.add_argument("--log-level", help="DEBUG, INFO, WARNING (default INFO)")
+    _log_level_arg(p)
+    return p
 
 
 def _stop_on_signals() -> asyncio.Event:
@@ -146,10 +177,12 @@ def _run_shard(args: argparse.Namespace) -> int:
     from gradstar.errors import GradstarError
 
     settings = _server_settings(ShardSettings, args, "shard")
-    if settings is None:
-        return 2
+    if settings is None or not _can_serve(settings, "shard"):
+        return USAGE_ERROR
     try:
         return asyncio.run(_serve_shard(settings))
+    except RuntimeError as error:  # grpc's bind failure, if the port was taken after the check
+        return _bind_failed(error, settings, "shard")
     except (OSError, GradstarError) as error:
         print(f"gradstar shard: {error}", file=sys.stderr)
         return 1
@@ -169,33 +202,118 @@ async def _serve(settings: CoordinatorSettings) -> None:
     if coordinator.metrics_port is not None:
         print(f"gradstar coordinator metrics on http://{settings.metrics_host}:"
               f"{coordinator.metrics_port}/metrics", flush=True)
+        print(f"gradstar coordinator status page on http://{settings.metrics_host}:"
+              f"{coordinator.metrics_port}/", flush=True)
     await stop.wait()
     logging.getLogger("gradstar.coordinator").info("stopping: draining for up to %.1f s",
                                                    settings.drain_grace)
     await coordinator.stop()
 
 
+def _settings_error(error: ValidationError) -> str:
+    """A settings ValidationError as one line: each field with its flag and variable, the
+    value given (never a token's) and what is wrong with it."""
+    parts = []
+    for e in error.errors():
+        field = ".".join(str(part) for part in e["loc"])
+        what = e["msg"].removeprefix("Value error, ")
+        what = what[:1].lower() + what[1:]
+        if not field:
+            parts.append(what)
+            continue
+        name = f"--{field.replace('_', '-')} (GRADSTAR_{field.upper()})"
+        if e["type"] == "missing":
+            parts.append(f"{name} is required")
+        elif "token" in field:
+            parts.append(f"invalid {name}: {what}")
+        else:
+            parts.append(f"invalid {name} {e.get('input')!r}: {what}")
+    return "; ".join(parts)
+
+
 def _server_settings(cls, args: argparse.Namespace, command: str, **defaults):
     """``cls`` (a settings class) from the flags given, over ``defaults``, with logging set up;
-    None (after printing why) if they are invalid."""
+    None (after printing why, in one line) if they are invalid."""
     given = {k: v for k, v in vars(args).items() if k not in _NOT_SETTINGS and v is not None}
     try:
         settings = cls(**{**defaults, **given})
     except ValidationError as error:
-        print(f"gradstar {command}: invalid settings:\n{error}", file=sys.stderr)
+        print(f"gradstar {command}: {_settings_error(error)}", file=sys.stderr)
         return None
-    logging.basicConfig(level=settings.log_level.upper(),
+    logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return settings
+
+
+def _can_serve(settings: CoordinatorSettings, command: str) -> bool:
+    """Whether ``settings`` may serve (tokens, see CoordinatorSettings.check_protected) and
+    their ports can be bound; prints why not, in one line."""
+    from gradstar.errors import ConfigurationError
+    from gradstar.transport.bind import bind_problem
+
+    try:
+        settings.check_protected()
+    except ConfigurationError as error:
+        print(f"gradstar {command}: {error}", file=sys.stderr)
+        return False
+    problem = _unreadable({flag: getattr(settings, flag.strip("-").replace("-", "_"), None)
+                           for flag in ("--tls-cert", "--tls-key", "--tls-client-ca",
+                                        "--coordinator-ca")})
+    if problem is not None:
+        print(f"gradstar {command}: {problem}", file=sys.stderr)
+        return False
+    ports = [(settings.host, settings.port, "--port")]
+    if getattr(settings, "metrics_port", None) is not None:
+        ports.append((settings.metrics_host, settings.metrics_port, "--metrics-port"))
+    for host, port, flag in ports:
+        problem = bind_problem(host, port, flag)  # with port 0 too: it checks the host
+        if problem is not None:
+            print(f"gradstar {command}: {problem}", file=sys.stderr)
+            return False
+    if (settings.insecure and settings.token is None and settings.tls_client_ca is None
+            and not is_loopback(settings.host)):
+        print(f"gradstar {command}: warning: --insecure: serving on {settings.host} without "
+              "authentication; anyone who reaches the port can join jobs", file=sys.stderr,
+              flush=True)
+    return True
+
+
+def _unreadable(files: dict[str, Path | None]) -> str | None:
+    """Why one of ``files`` (flag -> path, None when not given) cannot be read, or None."""
+    for flag, path in files.items():
+        if path is None:
+            continue
+        try:
+            Path(path).read_bytes()
+        except OSError as error:
+            return f"cannot read {flag} {path}: {error.strerror or error}"
+    return None
+
+
+def _bind_failed(error: RuntimeError, settings: CoordinatorSettings, command: str) -> int:
+    """grpc's "Failed to bind" (the port was taken between the check and the bind) as one line;
+    any other RuntimeError is a bug and goes on up."""
+    import errno
+
+    from gradstar.transport.bind import describe_bind_error
+
+    if not str(error).startswith("Failed to bind"):
+        raise error
+    taken = OSError(errno.EADDRINUSE, "address in use")
+    print(f"gradstar {command}: {describe_bind_error(taken, settings.host, settings.port)}",
+          file=sys.stderr)
+    return USAGE_ERROR
 
 
 def _run_coordinator(args: argparse.Namespace) -> int:
     settings = _server_settings(CoordinatorSettings, args, "coordinator",
                                 shards=os.environ.get("GRADSTAR_SHARDS", "auto"))
-    if settings is None:
-        return 2
+    if settings is None or not _can_serve(settings, "coordinator"):
+        return USAGE_ERROR
     try:
         asyncio.run(_serve(settings))
+    except RuntimeError as error:  # grpc's bind failure, if the port was taken after the check
+        return _bind_failed(error, settings, "coordinator")
     except OSError as error:
         print(f"gradstar coordinator: {error}", file=sys.stderr)
         return 1
@@ -205,9 +323,10 @@ def _run_coordinator(args: argparse.Namespace) -> int:
 # -- launch ------------------------------------------------------------------------------------
 
 
-def _launch_args(sub: argparse._SubParsersAction) -> None:
+def _launch_args(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "launch", help="run N ranks of a script on this machine (like torchrun)",
+        allow_abbrev=False,
         description="Start N processes of SCRIPT with GRADSTAR_* set (an embedded coordinator "
                     "unless --coordinator is given), prefix their output with their rank, and "
                     "stop them all when one fails.")
@@ -227,6 +346,7 @@ def _launch_args(sub: argparse._SubParsersAction) -> None:
                    help="SCRIPT is an executable, run without the Python interpreter")
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return p
 
 
 def _run_launch(args: argparse.Namespace) -> int:
@@ -234,7 +354,13 @@ def _run_launch(args: argparse.Namespace) -> int:
 
     if args.nproc < 1:
         print("gradstar launch: --nproc must be at least 1", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
+    if not (args.module or args.no_python or Path(args.script).is_file()):
+        # Said once here rather than by every rank's interpreter.
+        print(f"gradstar launch: there is no file {args.script} (from {os.getcwd()}); give the "
+              "path of a Python script, or -m MODULE, or --no-python EXECUTABLE",
+              file=sys.stderr)
+        return USAGE_ERROR
     command = script_command(args.script, args.script_args, module=args.module,
                              no_python=args.no_python)
     return run_launch(LaunchOptions(command, args.nproc, args.coordinator, args.job,
@@ -244,9 +370,10 @@ def _run_launch(args: argparse.Namespace) -> int:
 # -- worker ------------------------------------------------------------------------------------
 
 
-def _worker_args(sub: argparse._SubParsersAction) -> None:
+def _worker_args(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "worker", help="the per-host agent: start, watch and restart local ranks",
+        allow_abbrev=False,
         description="Wait for the coordinator, start NPROC ranks of COMMAND with GRADSTAR_* "
                     "set, restart dead ones (the others re-join the next generation) and "
                     "report health. Flags override GRADSTAR_* env vars.")
@@ -266,6 +393,7 @@ def _worker_args(sub: argparse._SubParsersAction) -> None:
                    help="seconds to wait for the coordinator to be SERVING (default 120)")
     p.add_argument("rank_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                    help="what each rank runs, e.g. -- python -m gradstar.worker.train")
+    return p
 
 
 def _run_worker(args: argparse.Namespace) -> int:
@@ -277,26 +405,33 @@ def _run_worker(args: argparse.Namespace) -> int:
     if not command:
         print("gradstar worker: give the rank command after --, e.g. "
               "gradstar worker ... -- python -m gradstar.worker.train", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
     given = {k: v for k, v in vars(args).items()
              if k not in ("command", "rank_command") and v is not None}
     try:
         settings = AgentSettings(**given)
     except ValidationError as error:
-        print(f"gradstar worker: invalid settings:\n{error}", file=sys.stderr)
-        return 2
+        print(f"gradstar worker: {_settings_error(error)}", file=sys.stderr)
+        return USAGE_ERROR
+    problem = _unreadable({"GRADSTAR_TLS_CA": settings.tls_ca,
+                           "GRADSTAR_TLS_CERT": settings.tls_cert,
+                           "GRADSTAR_TLS_KEY": settings.tls_key})
+    if problem is not None:
+        print(f"gradstar worker: {problem}", file=sys.stderr)
+        return USAGE_ERROR
     return run_agent(settings, command)
 
 
 # -- demo --------------------------------------------------------------------------------------
 
 
-def _demo_args(sub: argparse._SubParsersAction) -> None:
+def _demo_args(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     from gradstar.worker.demo import MODES, DemoOptions
 
     d = DemoOptions()
     p = sub.add_parser(
         "demo", help="the main job: train a model across local worker processes and report",
+        allow_abbrev=False,
         description="Start an embedded coordinator and WORKERS rank processes that train an MLP "
                     "on a generated spirals dataset, then report accuracy, throughput, bytes "
                     "through the hub and whether the result matches a single-process run.")
@@ -313,6 +448,13 @@ def _demo_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sync-every", type=int, default=d.sync_every,
                    help=f"localsgd: steps between averaging rounds (default {d.sync_every})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"default {d.seed}")
+    p.add_argument("--plot", type=Path, metavar="FILE.png",
+                   help="also draw loss and test accuracy per epoch into this PNG (needs "
+                        "matplotlib: pip install 'gradstar[plot]')")
+    p.add_argument("--report", type=Path, metavar="FILE.json",
+                   help="also write the report as JSON: per epoch, result, throughput, bytes "
+                        "through the hub, the match with one process")
+    return p
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -320,19 +462,20 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     if args.workers < 1:
         print("gradstar demo: --workers must be at least 1", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
     return run_demo(DemoOptions(workers=args.workers, mode=args.mode, epochs=args.epochs,
                                 samples=args.samples, batch_size=args.batch_size,
                                 hidden=args.hidden, lr=args.lr, sync_every=args.sync_every,
-                                seed=args.seed))
+                                seed=args.seed, plot=args.plot, report=args.report))
 
 
 # -- admin -------------------------------------------------------------------------------------
 
 
-def _admin_args(sub: argparse._SubParsersAction) -> None:
+def _admin_args(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "admin", help="operator views of a coordinator: status, jobs, shards, drain, health",
+        allow_abbrev=False,
         description="status: every job (or --job) with members, generation, in-flight "
                     "collectives and the ranks they wait for, traffic and throughput. jobs: one "
                     "line per job. shards: the data-plane shards with address, state, traffic "
@@ -355,15 +498,23 @@ def _admin_args(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wait", type=float, default=0.0,
                    help="health: wait up to this many seconds for SERVING (default 0)")
     p.add_argument("--timeout", type=float, default=10.0, help="per-call deadline (default 10)")
-    p.add_argument("--tls-ca", type=Path, default=os.environ.get("GRADSTAR_TLS_CA"))
+    p.add_argument("--tls-ca", type=Path, default=os.environ.get("GRADSTAR_TLS_CA"),
+                   help="CA certificate (PEM) to verify a TLS coordinator with; enables TLS "
+                        "(env GRADSTAR_TLS_CA)")
     p.add_argument("--tls-cert", type=Path, help="client certificate (mutual TLS)")
     p.add_argument("--tls-key", type=Path, help="key of --tls-cert")
+    return p
 
 
 def _run_admin(args: argparse.Namespace) -> int:
     from gradstar.errors import GradstarError
     from gradstar.worker.admin_command import run_admin
 
+    problem = _unreadable({"--tls-ca": args.tls_ca, "--tls-cert": args.tls_cert,
+                           "--tls-key": args.tls_key})
+    if problem is not None:
+        print(f"gradstar admin: {problem}", file=sys.stderr)
+        return USAGE_ERROR
     try:
         return asyncio.run(run_admin(args))
     except GradstarError as error:
@@ -411,22 +562,21 @@ def _load_token_files(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     from gradstar import __version__
 
-    parser = argparse.ArgumentParser(prog="gradstar", description=__doc__,
+    parser = argparse.ArgumentParser(prog="gradstar", description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"gradstar {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    _coordinator_args(sub)
-    _shard_args(sub)
-    _launch_args(sub)
-    _worker_args(sub)
-    _demo_args(sub)
-    _admin_args(sub)
-    args = parser.parse_args(argv)
+    commands = {p.prog.split()[-1]: p for p in (
+        _coordinator_args(sub), _shard_args(sub), _launch_args(sub), _worker_args(sub),
+        _demo_args(sub), _admin_args(sub))}
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # with the subcommand's usage, not the top-level one (argparse's default)
+        commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         _load_token_files(args)
     except OSError as error:
         print(f"gradstar: could not read a token file: {error}", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
     runners = {"coordinator": _run_coordinator, "shard": _run_shard, "launch": _run_launch,
                "worker": _run_worker,
                "demo": _run_demo, "admin": _run_admin}

@@ -6,15 +6,43 @@ arguments win. Tokens are ``SecretStr`` so they never appear in a repr or a log 
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gradstar.errors import ConfigurationError
 from gradstar.wire import DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES
 
 DEFAULT_PORT = 29400
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+#: Token values of examples (``.env.example``'s, and the usual "change me" kind): public, so
+#: never a secret. A value equal to one of these, or starting with one of the prefixes, is one.
+PLACEHOLDER_TOKENS = frozenset({
+    "replace-with-a-job-token", "replace-with-an-admin-token", "change-me", "changeme",
+    "change-this", "changethis", "replace-me", "replaceme",
+})
+_PLACEHOLDER_PREFIXES = ("replace-with-", "change-me-", "changeme-", "your-")
+
+
+def is_placeholder_token(token: str) -> bool:
+    """Whether ``token`` is an example value (``replace-with-...``, ``change-me``, ``<token>``)
+    rather than a secret."""
+    value = token.strip().lower()
+    return (value in PLACEHOLDER_TOKENS or value.startswith(_PLACEHOLDER_PREFIXES)
+            or (value.startswith("<") and value.endswith(">")))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (``localhost``, 127.0.0.0/8, ::1)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def default_shard_count(cores: int | None = None) -> int:
@@ -42,6 +70,9 @@ class CoordinatorSettings(BaseSettings):
         None, description="CA bundle that client certificates must chain to (mutual TLS)"
     )
     max_tensor_bytes: int = Field(8 << 30, gt=0, description="largest payload one rank may send")
+    shared_memory: bool = Field(
+        True, description="attach the shared-memory segments ranks on this host offer, so "
+                          "their payloads skip the network stack (see gradstar.transport.shm)")
     max_chunk_bytes: int = Field(MAX_CHUNK_BYTES, gt=0, le=MAX_CHUNK_BYTES)
     heartbeat_interval: float = Field(1.0, gt=0)
     # Frozen or partitioned ranks are found by gRPC keepalive in ~3 s; heartbeats catch a rank
@@ -63,7 +94,10 @@ class CoordinatorSettings(BaseSettings):
     reflection: bool = Field(
         False, description="register gRPC server reflection (service discovery for grpcurl "
                            "and the like; open without a token)")
-    log_level: str = "INFO"
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    insecure: bool = Field(
+        False, description="serve on a non-loopback address without a job token or mutual TLS "
+                           "(anyone who reaches the port may join jobs and call Admin)")
     job_retention: float = Field(
         600.0, ge=0, description="seconds a job with no live or joining member is kept (its "
                                  "state, counters and metric series) before it is dropped")
@@ -92,6 +126,37 @@ class CoordinatorSettings(BaseSettings):
         if value is not None and info.data.get("tls_cert") is None:
             raise ValueError("tls_key needs tls_cert")
         return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        if value.upper() not in LOG_LEVELS:
+            raise ValueError(f"should be one of {', '.join(LOG_LEVELS)}")
+        return value.upper()
+
+    def check_protected(self) -> None:
+        """Refuse settings that would serve without protection by mistake, the way Redis'
+        protected mode does: loopback without a token is fine for local use; any other address
+        needs a job token (or mutual TLS), or ``insecure`` said explicitly.
+
+        Raises:
+            ConfigurationError: a token is a placeholder from an example file, or the server
+                would listen on a non-loopback address unprotected without ``insecure``.
+        """
+        for secret, name in ((self.token, "job token (GRADSTAR_TOKEN)"),
+                             (self.admin_token, "admin token (GRADSTAR_ADMIN_TOKEN)")):
+            if secret is not None and is_placeholder_token(secret.get_secret_value()):
+                raise ConfigurationError(
+                    f"the {name} is a placeholder from an example, not a secret; set it to a "
+                    "long random string, e.g. python3 -c 'import secrets; "
+                    "print(secrets.token_urlsafe(32))'")
+        if (self.token is None and self.tls_client_ca is None and not self.insecure
+                and not is_loopback(self.host)):
+            raise ConfigurationError(
+                f"refusing to listen on {self.host or '0.0.0.0'} without a job token: anyone "
+                "who reaches the port could join jobs and read their tensors; set "
+                "GRADSTAR_TOKEN (or --token-file), or use --host 127.0.0.1 for this machine "
+                "only, or pass --insecure to serve without authentication")
 
 
 class ShardSettings(CoordinatorSettings):
@@ -128,6 +193,10 @@ class ClientSettings(BaseSettings):
     tune_allocator: bool = Field(
         True, description="raise glibc's mmap threshold so chunk buffers are reused "
                           "(see gradstar.allocator)")
+    shared_memory: bool = Field(
+        True, description="offer the hub shared memory for collective payloads; used only "
+                          "when the hub is on this host and may map it "
+                          "(see gradstar.transport.shm)")
     peer_host: str = Field(
         "127.0.0.1", description="address the rank's peer server (send/recv, pipelines) binds; "
                                  "advertised to the other ranks unless it is a wildcard, which "

@@ -13,7 +13,12 @@ broadcast      1 segment of the tensor      every chunk if root   every chunk un
 all_gather     world segments of r's input  segment r             every segment but r
 reduce_scatter world segments (dim 0 split) every chunk           segment r, reduced
 barrier        no chunks                    nothing               nothing
+all_to_all     world segments of r's plan   segment r             every segment but r
 ============== ============================ ===================== ===========================
+
+all_to_all carries only the ranks' plans through the hub (the geometry of all_gather: every
+rank gets every plan and checks them alike); its payload rides the ranks' peer streams (see
+``gradstar.client.all_to_all``).
 
 A received chunk is written at its place in the rank's result (the *output layout*): the same
 layout for all_reduce, broadcast and all_gather; for reduce_scatter, one segment, where input
@@ -38,6 +43,7 @@ BROADCAST = pb.COLLECTIVE_OP_BROADCAST
 ALL_GATHER = pb.COLLECTIVE_OP_ALL_GATHER
 REDUCE_SCATTER = pb.COLLECTIVE_OP_REDUCE_SCATTER
 BARRIER = pb.COLLECTIVE_OP_BARRIER
+ALL_TO_ALL = pb.COLLECTIVE_OP_ALL_TO_ALL
 
 #: wire enum -> name, for every collective op.
 OP_NAMES = {
@@ -46,6 +52,7 @@ OP_NAMES = {
     ALL_GATHER: "all_gather",
     REDUCE_SCATTER: "reduce_scatter",
     BARRIER: "barrier",
+    ALL_TO_ALL: "all_to_all",
 }
 #: Ops whose chunks the hub reduces (the others it forwards unchanged).
 REDUCING = frozenset((ALL_REDUCE, REDUCE_SCATTER))
@@ -133,7 +140,7 @@ def input_layout(op: int, world_size: int, nbytes: int, chunk_bytes: int) -> Chu
     """The layout every rank's chunk indices refer to; ``nbytes`` is one rank's input size."""
     if op == REDUCE_SCATTER:
         return ChunkLayout(world_size, nbytes // world_size, chunk_bytes)
-    if op == ALL_GATHER:
+    if op in (ALL_GATHER, ALL_TO_ALL):
         return ChunkLayout(world_size, nbytes, chunk_bytes)
     if op == BARRIER:
         return ChunkLayout(1, 0, chunk_bytes)
@@ -153,7 +160,7 @@ def geometry(op: int, world_size: int, rank: int, nbytes: int, chunk_bytes: int,
         if rank == root:
             return Geometry(op, layout, layout, every, ())
         return Geometry(op, layout, layout, none, (every,))
-    if op == ALL_GATHER:
+    if op in (ALL_GATHER, ALL_TO_ALL):
         own = range(rank * per, (rank + 1) * per)
         return Geometry(op, layout, layout, own,
                         (range(0, own.start), range(own.stop, layout.count)))
@@ -177,6 +184,13 @@ def routes(op: int, layout: ChunkLayout, index: int, sender: int, world_size: in
         owner = layout.segment_of(index)
         return [(owner, index - owner * layout.per_segment)]
     return [(r, index) for r in range(world_size) if r != sender]
+
+
+def plan_length(world_size: int) -> int:
+    """Elements (int64) of one rank's all_to_all plan: its form, dtype and elements per row,
+    then the rows it sends to each rank and the rows it expects from each
+    (``gradstar.client.all_to_all.Plan``)."""
+    return 3 + 2 * world_size
 
 
 def active_shards(layout: ChunkLayout, shards: int) -> int:

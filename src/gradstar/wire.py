@@ -54,6 +54,10 @@ KIND_ACCEPT = 2
 KIND_CHUNK = 3
 KIND_END = 4
 KIND_ERROR = 5
+#: Shared-memory fast path (:mod:`gradstar.transport.shm`): the hub's attach verdict, and a
+#: chunk whose payload is in the rank's segment rather than in the frame.
+KIND_SHM_ATTACH = 6
+KIND_SHM_CHUNK = 7
 
 _CHUNK_HEADER = struct.Struct("<B3xIII")
 CHUNK_HEADER_BYTES = _CHUNK_HEADER.size

@@ -77,11 +77,97 @@ def big_allreduce(pg) -> dict:
     seconds = time.monotonic() - started
     want = float(sum(range(1, pg.world_size + 1)))
     return {"rank": pg.rank, "seconds": seconds,
-            "exact": bool(out[0] == want and out[-1] == want and np.all(out == want))}
+            "exact": bool(out[0] == want and out[-1] == want and np.all(out == want)),
+            "shared_memory": pg.shared_memory}
+
+
+def uneven_all_to_all(pg) -> dict:
+    """all_to_all_single with uneven (and empty) splits, checked exactly against a reference
+    computed here; then splits that disagree between two ranks (every rank must raise the same
+    named error); then a call that works."""
+    r, w = pg.rank, pg.world_size
+    sends = np.random.default_rng(0).integers(0, 5, size=(w, w))  # the same on every rank
+    sends[0][w - 1] = sends[w - 1][w - 1] = 0
+
+    def inputs(k: int) -> np.ndarray:  # 12 KB rows: splits of several 1 MiB chunks
+        return (np.arange(sends[k].sum() * 3000, dtype=np.float32) % 1009 + 1000 * k).reshape(
+            -1, 3000)
+
+    out = pg.all_to_all_single(inputs(r), sends[:, r].tolist(), sends[r].tolist())
+    ref = np.concatenate([inputs(k)[sends[k][:r].sum():sends[k][:r + 1].sum()]
+                          for k in range(w)])
+    checks = {"uneven": bool(out.shape == ref.shape and np.array_equal(out, ref))}
+    expects = sends[:, r].tolist()
+    if r == w - 1:
+        expects[0] += 1  # rank w-1 expects one row more from rank 0 than it sends
+    try:
+        pg.all_to_all_single(np.ones((sends[r].sum(), 2)), expects, sends[r].tolist())
+        mismatch = None
+    except GradstarError as error:
+        mismatch = [type(error).__name__, str(error)]
+    got = pg.all_to_all([np.full(k + 1, 10 * r + k, np.int64) for k in range(w)])
+    checks["after"] = [a.tolist() for a in got] == [[10 * k + r] * (r + 1) for k in range(w)]
+    return {"rank": r, "checks": checks, "mismatch": mismatch}
+
+
+def any_source(pg) -> dict:
+    """Every rank but 0 sends rank 0 ``K`` messages on tag "m" all at once, and one on tag
+    "other"; rank 0 receives all of "m" from any source, then "other" by rank."""
+    r, w, k = pg.rank, pg.world_size, 25
+    if r != 0:
+        works = [pg.send(np.array([r, i], np.int64), 0, tag="m", async_op=True)
+                 for i in range(k)]
+        pg.send(np.array([r * 100]), 0, tag="other")
+        for work in works:
+            work.wait(timeout=60)
+        pg.barrier()
+        return {"rank": r}
+    got = [pg.recv(None, tag="m") for _ in range(k * (w - 1))]
+    others = [int(pg.recv(src, tag="other")[0]) for src in range(1, w)]
+    pg.barrier()
+    return {"rank": 0, "senders_named": all(int(x[0]) == src for src, x in got),
+            "order": {str(src): [int(x[1]) for s, x in got if s == src] for src in range(1, w)},
+            "others": others}
+
+
+def finished_sender(pg) -> dict:
+    """Rank 1 sends rank 0 two messages (the second not waited for) and closes its group while
+    rank 0 waits for a third; rank 2 closes without ever sending. Rank 0 reports what each of
+    its receives got or raised, and how long each failing one took."""
+    r = pg.rank
+    pg.barrier()
+    if r == 1:
+        time.sleep(0.3)  # rank 0 is waiting by now
+        pg.send(np.arange(3), 0, tag="a")
+        pg.send(np.arange(4), 0, tag="a", async_op=True)
+        return {"rank": 1}
+    if r != 0:
+        time.sleep(0.6)
+        return {"rank": r}
+    report = {"rank": 0}
+
+    def attempt(name, call):
+        started = time.monotonic()
+        try:
+            report[name] = call().tolist()
+        except GradstarError as error:
+            report[name] = [type(error).__name__, str(error), getattr(error, "rank", None),
+                            time.monotonic() - started]
+
+    attempt("waiting", lambda: pg.recv(1, tag="never"))
+    attempt("first", lambda: pg.recv(1, tag="a"))
+    attempt("second", lambda: pg.recv(1, tag="a"))
+    attempt("after", lambda: pg.recv(1, tag="a"))
+    if pg.world_size > 2:
+        attempt("silent", lambda: pg.recv(2, tag="x"))
+    attempt("any", lambda: pg.recv(None, tag="y"))
+    attempt("send", lambda: pg.send(np.ones(1), 1))
+    return report
 
 
 SCENARIOS = {"collectives": collectives, "allreduce_until_error": allreduce_until_error,
-             "big_allreduce": big_allreduce}
+             "big_allreduce": big_allreduce, "uneven_all_to_all": uneven_all_to_all,
+             "any_source": any_source, "finished_sender": finished_sender}
 
 
 def main() -> int:

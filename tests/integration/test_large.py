@@ -1,6 +1,9 @@
 """Tensors far beyond gRPC's message limit, with the hub's memory bounded whatever their size.
 
-The coordinator runs as its own process here so its peak resident memory (VmHWM) can be read.
+The coordinator runs as its own process here, and a thread samples its private resident memory
+(VmRSS less RssShmem: over the same-host shared-memory path the hub maps the ranks' segments,
+which are the ranks' memory, not the hub's). Both data paths are measured: the stream (ranks on
+other hosts) and shared memory (ranks on the hub's host).
 """
 
 from __future__ import annotations
@@ -11,17 +14,11 @@ import sys
 
 import pytest
 
+from tests.robustness.test_memory import RssSampler
+
 from .conftest import finish, spawn_ranks
 
 MIB = 1 << 20
-
-
-def memory(pid: int, key: str) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"{key} not in /proc/{pid}/status")
 
 
 @pytest.fixture
@@ -35,18 +32,23 @@ async def coordinator_process():
     await asyncio.wait_for(proc.wait(), 20)
 
 
-@pytest.mark.parametrize(("mib", "world"), [(1024, 2), (256, 4)], ids=["1GiB-x2", "256MiB-x4"])
+@pytest.mark.parametrize(("mib", "world", "path"),
+                         [(1024, 2, "stream"), (256, 4, "stream"), (1024, 2, "shm")],
+                         ids=["1GiB-x2-stream", "256MiB-x4-stream", "1GiB-x2-shm"])
 @pytest.mark.timeout(300)
 async def test_huge_all_reduce_is_exact_and_hub_memory_stays_bounded(
-        coordinator_process, mib, world):
+        coordinator_process, mib, world, path):
     proc, address = coordinator_process
-    baseline = memory(proc.pid, "VmRSS")
-    ranks = await spawn_ranks("big_allreduce", address, world, f"big{mib}", str(mib))
-    results = [await finish(p, 240) for p in ranks]
+    env = {} if path == "shm" else {"GRADSTAR_SHARED_MEMORY": "0"}
+    with RssSampler(proc.pid) as sampler:
+        ranks = await spawn_ranks("big_allreduce", address, world, f"big{mib}", str(mib), **env)
+        results = [await finish(p, 240) for p in ranks]
     for code, out, err in results:
         assert code == 0, err[-2000:]
-        assert json.loads(out.strip().splitlines()[-1])["exact"] is True
-    growth = memory(proc.pid, "VmHWM") - baseline
+        report = json.loads(out.strip().splitlines()[-1])
+        assert report["exact"] is True
+        assert report["shared_memory"] is (path == "shm")
+    growth = sampler.growth
     # world_size copies would be world * mib MiB (2 GiB, 1 GiB here). The hub reads at most
     # READ_AHEAD_CHUNKS chunks ahead (engine.py), so what it holds is a few windows of 2 MiB
     # chunks plus gRPC's per-stream buffers and what glibc keeps after frees: one bound for both

@@ -39,9 +39,11 @@ def exact_inputs(dtype, shape, world=WORLD, seed=7):
     return [rng.integers(-6, 7, size=shape).astype(dtype) for _ in range(world)]
 
 
-async def run_every_collective(address: str, dtype, job: str) -> dict:
-    """Every collective of the SDK on ``exact_inputs``; {name: per-rank results}."""
-    groups = await join_all(address, WORLD, job=job, chunk_bytes=CHUNK_BYTES)
+async def run_every_collective(address: str, dtype, job: str, offers: list | None = None,
+                               **options) -> dict:
+    """Every collective of the SDK on ``exact_inputs``; {name: per-rank results}. The ranks'
+    shared-memory offers to their targets, as they stand at the end, go into ``offers``."""
+    groups = await join_all(address, WORLD, job=job, chunk_bytes=CHUNK_BYTES, **options)
     try:
         xs = exact_inputs(dtype, SHAPE)
         rs = exact_inputs(dtype, (WORLD * 4, 7), seed=8)
@@ -60,6 +62,10 @@ async def run_every_collective(address: str, dtype, job: str) -> dict:
         out["one_element"] = await asyncio.gather(
             *(g.all_reduce(x.reshape(-1)[:1], "max") for g, x in zip(groups, xs, strict=True)))
         await asyncio.gather(*(g.barrier() for g in groups))
+        if offers is not None:
+            offers.extend(t.shm for g in groups for t in g._plane.targets())
+            assert all(g.shared_memory is all(t.shm.enabled for t in g._plane.targets())
+                       for g in groups)
         return out
     finally:
         await close_all(groups)

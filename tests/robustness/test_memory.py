@@ -3,7 +3,11 @@
 Broadcast and all_gather chunks are forwarded, not reduced, so nothing but the hub's read window
 (``coordinator/engine.py``, ``ReadWindow``) stops it from reading a sender's whole tensor while
 one receiver is not there yet. The coordinator runs as its own process here, as in a deployment,
-and a thread samples its resident memory (VmRSS) every 50 ms while the collective runs.
+and a thread samples its private resident memory every 50 ms while the collective runs.
+
+Both data paths are measured: chunks on the stream (ranks on other hosts) and through the ranks'
+shared-memory segments (same host). Mapped segments are the ranks' memory, which the hub only
+maps (they show in its VmRSS as RssShmem), so the hub's own memory is VmRSS minus RssShmem.
 """
 
 from __future__ import annotations
@@ -32,12 +36,14 @@ MAX_GROWTH_ALL_GATHER = 176 * MIB
 
 
 def rss(pid: int) -> int:
-    """The resident memory of process ``pid`` in bytes (Linux /proc)."""
+    """The private resident memory of process ``pid`` in bytes: VmRSS less the shared memory
+    it maps (Linux /proc)."""
     with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"VmRSS not in /proc/{pid}/status")
+        fields = {line.split(":")[0]: int(line.split()[1]) * 1024
+                  for line in status if line.startswith(("VmRSS:", "RssShmem:"))}
+    if "VmRSS" not in fields:
+        raise AssertionError(f"VmRSS not in /proc/{pid}/status")
+    return fields["VmRSS"] - fields.get("RssShmem", 0)
 
 
 class RssSampler:
@@ -90,11 +96,12 @@ async def hub():
 
 
 @contextlib.asynccontextmanager
-async def groups_of(address: str, world_size: int, job: str):
+async def groups_of(address: str, world_size: int, job: str, shared_memory: bool):
     """``world_size`` AsyncProcessGroups of ``job`` in this process, closed on exit."""
     groups = await asyncio.wait_for(asyncio.gather(*(
         gradstar.init_process_group_async(coordinator=address, job=job, world_size=world_size,
-                                          rank=r, timeout=30, join_timeout=20)
+                                          rank=r, timeout=30, join_timeout=20,
+                                          shared_memory=shared_memory)
         for r in range(world_size)
     )), 30)
     try:
@@ -109,11 +116,12 @@ async def late(delay: float, call):
 
 
 @pytest.mark.timeout(60)
-async def test_broadcast_to_a_late_rank_keeps_hub_memory_bounded(hub):
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["stream", "shm"])
+async def test_broadcast_to_a_late_rank_keeps_hub_memory_bounded(hub, shared_memory):
     proc, address = hub
     n = 256 * MIB // 4
     data = np.arange(n, dtype=np.float32)
-    async with groups_of(address, 4, "late-broadcast") as groups:
+    async with groups_of(address, 4, "late-broadcast", shared_memory) as groups:
 
         def call(g):
             x = data if g.rank == 0 else np.empty(n, dtype=np.float32)
@@ -132,13 +140,14 @@ async def test_broadcast_to_a_late_rank_keeps_hub_memory_bounded(hub):
 
 
 @pytest.mark.timeout(60)
-async def test_all_gather_with_a_late_rank_keeps_hub_memory_bounded(hub):
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["stream", "shm"])
+async def test_all_gather_with_a_late_rank_keeps_hub_memory_bounded(hub, shared_memory):
     proc, address = hub
     n = 64 * MIB // 4
     world = 4
     pattern = (np.arange(n) % 65521).astype(np.float32)
     inputs = [pattern + rank * 65536 for rank in range(world)]
-    async with groups_of(address, world, "late-all-gather") as groups:
+    async with groups_of(address, world, "late-all-gather", shared_memory) as groups:
         with RssSampler(proc.pid) as sampler:
             results = await asyncio.wait_for(asyncio.gather(
                 *(late(LATE_S if g.rank == world - 1 else 0.0,

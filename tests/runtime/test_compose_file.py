@@ -137,22 +137,32 @@ def test_no_shard_starts_where_the_workers_cannot_reach_it(compose):
 
 def test_the_worker_is_scalable_and_runs_the_demo_job_under_the_agent(compose):
     worker = compose["services"]["worker"]
-    assert "ports" not in worker, "fixed host ports would collide under --scale worker=N"
+    assert "ports" not in worker, "fixed host ports would collide between the replicas"
     assert "container_name" not in worker
     command = worker["command"]
     assert command[:2] == ["gradstar", "worker"]
     assert command[command.index("--") + 1:] == ["python", "-m", "gradstar.worker.train"]
     env = service_env(worker)
     assert env["GRADSTAR_WORLD_SIZE"] == env_file()["GRADSTAR_WORKERS"]
+    assert str(worker["deploy"]["replicas"]) == env_file()["GRADSTAR_WORKERS"]
+    assert env["GRADSTAR_NPROC"] == "1"  # one rank per container: containers = world size
     assert int(env["GRADSTAR_MAX_RESTARTS"]) > 0
     assert TrainSettings(mode=env["GRADSTAR_TRAIN_MODE"]).mode == "localsgd"
     health = " ".join(healthcheck_argv(worker))
     assert f"http://127.0.0.1:{env['GRADSTAR_HEALTH_PORT']}/healthz" in health
 
 
-def test_world_size_follows_the_worker_count_from_the_env_file():
-    worker = load_compose(GRADSTAR_WORKERS="7")["services"]["worker"]
-    assert service_env(worker)["GRADSTAR_WORLD_SIZE"] == "7"
+def test_one_variable_sets_both_the_worker_containers_and_the_world_size():
+    raw = (ROOT / "docker-compose.yml").read_text(encoding="utf-8")
+    assert raw.count("${GRADSTAR_WORKERS:-4}") == 2  # replicas and world size, one default
+    for count in ("1", "7"):
+        worker = load_compose(GRADSTAR_WORKERS=count)["services"]["worker"]
+        assert worker["deploy"]["replicas"] == count  # what `docker compose up` starts
+        assert service_env(worker)["GRADSTAR_WORLD_SIZE"] == count
+    # Nothing tells the user to keep a --scale in step by hand any more.
+    for text in (raw, (ROOT / ".env.example").read_text(encoding="utf-8")):
+        assert "do not use --scale" in text or "Do not pass --scale" in text
+        assert "up --build --scale" not in text
 
 
 def _fields(settings_class, prefix: str) -> set[str]:
@@ -189,6 +199,7 @@ def test_tokens_come_from_the_env_file_and_only_the_hub_holds_the_admin_token():
 def test_the_dockerfile_builds_the_image_every_service_runs():
     dockerfile = (ROOT / "Dockerfile").read_text(encoding="utf-8")
     assert re.search(r'pip install .*"torch==2\.13\.0"', dockerfile)
+    assert re.search(r"^ARG TORCH=cpu$", dockerfile, re.M)
     assert re.search(r"^EXPOSE .*\b29400\b.*\b9400\b.*\b8080\b", dockerfile, re.M)
     assert re.search(r'^CMD \["gradstar", "coordinator"\]', dockerfile, re.M)
     for folder in ("src", "coordinator", "client", "worker", "protos"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import secrets
 
 from .compose import healthcheck_argv, load_compose, local_argv, service_env
 from .conftest import Lines, clean_env, stop_process
@@ -43,7 +44,9 @@ async def _wait_healthy(network, argv: list[str], env: dict[str, str], timeout: 
 
 
 async def test_compose_services_train_the_demo_job(tmp_path, capsys):
-    compose = load_compose(GRADSTAR_WORKERS=str(WORKERS))
+    # Real tokens, as a user's .env has: the coordinator refuses .env.example's placeholders.
+    compose = load_compose(GRADSTAR_WORKERS=str(WORKERS), GRADSTAR_TOKEN=secrets.token_urlsafe(),
+                           GRADSTAR_ADMIN_TOKEN=secrets.token_urlsafe())
     coordinator, worker = compose["services"]["coordinator"], compose["services"]["worker"]
     names = ["coordinator", *(f"worker-{i + 1}" for i in range(WORKERS))]
     procs: list[asyncio.subprocess.Process] = []
@@ -52,7 +55,10 @@ async def test_compose_services_train_the_demo_job(tmp_path, capsys):
             print(f"\ncompose topology: {network.describe()}", flush=True)
         coordinator_env = clean_env(**{**service_env(coordinator),
                                        "GRADSTAR_STATE_DIR": str(tmp_path / "state")})
-        worker_env = clean_env(**{**service_env(worker), **FAST})
+        # Each container has its own pid namespace, so the hub could not map a worker's
+        # shared-memory segment there; these namespaces share this host's, so say it.
+        worker_env = clean_env(**{**service_env(worker), **FAST,
+                                  "GRADSTAR_SHARED_MEMORY": "0"})
         health = local_argv(healthcheck_argv(coordinator))
         if network.kind == "loopback":
             # One network for everything: no fixed ports, and the service name is 127.0.0.1.

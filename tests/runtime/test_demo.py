@@ -9,14 +9,18 @@ import pytest
 from gradstar.worker.demo import mode_unavailable
 
 from .conftest import run_gradstar
+from .test_demo_artefacts import check_artefacts
 
 SMALL = ("--workers", "2", "--epochs", "2", "--samples", "3000")
 
 
-async def test_demo_trains_and_reports_a_match_with_one_process():
-    # The default mode, small: 2 epochs of 18 steps, so two stretches are replayed.
+async def test_demo_trains_and_reports_a_match_with_one_process(tmp_path):
+    # The default mode, small: 2 epochs of 18 steps, so two stretches are replayed; with the
+    # JSON report and the plot (checked against what it printed).
     mode = "ddp"
-    code, out, err = await run_gradstar("demo", *SMALL, timeout=120)
+    json_file, png_file = tmp_path / "out" / "report.json", tmp_path / "out" / "demo.png"
+    code, out, err = await run_gradstar("demo", *SMALL, "--report", str(json_file), "--plot",
+                                        str(png_file), timeout=150)
 
     assert code == 0, out[-3000:] + err[-3000:]
     assert f"gradstar demo: {mode} on 2 worker processes, coordinator 127.0.0.1:" in out
@@ -34,6 +38,7 @@ async def test_demo_trains_and_reports_a_match_with_one_process():
     assert replay and float(replay[1]) <= 1e-4
     assert re.search(r"predictions agree on [\d.]+% of test points", report)
     assert "demo passed" in out
+    check_artefacts(out, json_file, png_file, workers=2, epochs=2, samples=3000)
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "pipeline"])

@@ -16,7 +16,8 @@ def metrics_address(hub) -> str:
 
 
 async def test_metrics_bind_loopback_even_when_grpc_binds_every_interface(start_coordinator):
-    hub = await start_coordinator(host="0.0.0.0", metrics_port=0)
+    # No token here: every interface needs --insecure (tests/runtime/test_cli_errors.py).
+    hub = await start_coordinator(host="0.0.0.0", metrics_port=0, insecure=True)
     assert metrics_address(hub) == "127.0.0.1"
     status, _, _ = await http_get(hub.metrics_port, "/metrics")
     assert status == 200

@@ -6,6 +6,7 @@ and the worker agent all share.
 - :mod:`.auth`: the token interceptor every server installs, and ``bearer`` for clients.
 - :mod:`.status`: gradstar errors to gRPC statuses and back.
 - :mod:`.http`: a GET-only HTTP endpoint (``/metrics``, ``/healthz``).
+- :mod:`.bind`: whether an address can be listened on, and bind failures as one line of advice.
 
 Nothing here knows about collectives or jobs, and nothing here imports torch.
 """

@@ -15,6 +15,7 @@ class CollectiveOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COLLECTIVE_OP_ALL_GATHER: _ClassVar[CollectiveOp]
     COLLECTIVE_OP_REDUCE_SCATTER: _ClassVar[CollectiveOp]
     COLLECTIVE_OP_BARRIER: _ClassVar[CollectiveOp]
+    COLLECTIVE_OP_ALL_TO_ALL: _ClassVar[CollectiveOp]
 
 class ReduceOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -48,6 +49,7 @@ COLLECTIVE_OP_BROADCAST: CollectiveOp
 COLLECTIVE_OP_ALL_GATHER: CollectiveOp
 COLLECTIVE_OP_REDUCE_SCATTER: CollectiveOp
 COLLECTIVE_OP_BARRIER: CollectiveOp
+COLLECTIVE_OP_ALL_TO_ALL: CollectiveOp
 REDUCE_OP_UNSPECIFIED: ReduceOp
 REDUCE_OP_SUM: ReduceOp
 REDUCE_OP_MEAN: ReduceOp
@@ -80,7 +82,7 @@ class AveragingSpec(_message.Message):
     def __init__(self, model: _Optional[str] = ..., rule: _Optional[_Union[AveragingRule, str]] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ...) -> None: ...
 
 class CollectiveHeader(_message.Message):
-    __slots__ = ("job", "generation", "group", "seq", "rank", "member_id", "op", "reduce_op", "dtype", "shape", "root", "chunk_bytes", "timeout_seconds", "averaging", "stripe", "stripes")
+    __slots__ = ("job", "generation", "group", "seq", "rank", "member_id", "op", "reduce_op", "dtype", "shape", "root", "chunk_bytes", "timeout_seconds", "averaging", "stripe", "stripes", "shm")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +99,7 @@ class CollectiveHeader(_message.Message):
     AVERAGING_FIELD_NUMBER: _ClassVar[int]
     STRIPE_FIELD_NUMBER: _ClassVar[int]
     STRIPES_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     group: str
@@ -113,7 +116,32 @@ class CollectiveHeader(_message.Message):
     averaging: AveragingSpec
     stripe: int
     stripes: int
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., group: _Optional[str] = ..., seq: _Optional[int] = ..., rank: _Optional[int] = ..., member_id: _Optional[str] = ..., op: _Optional[_Union[CollectiveOp, str]] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., root: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ..., stripe: _Optional[int] = ..., stripes: _Optional[int] = ...) -> None: ...
+    shm: ShmSegment
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., group: _Optional[str] = ..., seq: _Optional[int] = ..., rank: _Optional[int] = ..., member_id: _Optional[str] = ..., op: _Optional[_Union[CollectiveOp, str]] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., root: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ..., stripe: _Optional[int] = ..., stripes: _Optional[int] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ...) -> None: ...
+
+class ShmSegment(_message.Message):
+    __slots__ = ("pid", "fd", "inode", "size", "output_offset", "key")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
+    INODE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    fd: int
+    inode: int
+    size: int
+    output_offset: int
+    key: bytes
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., size: _Optional[int] = ..., output_offset: _Optional[int] = ..., key: _Optional[bytes] = ...) -> None: ...
+
+class ShmAttach(_message.Message):
+    __slots__ = ("attached", "reason")
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    attached: bool
+    reason: str
+    def __init__(self, attached: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CollectiveAccept(_message.Message):
     __slots__ = ("output_chunks", "output_bytes")

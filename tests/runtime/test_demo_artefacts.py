@@ -1,0 +1,110 @@
+"""``gradstar demo --report FILE.json --plot FILE.png``: the report holds what the demo printed,
+as data, and the plot is a PNG that decodes. The demo run itself is test_demo.py's (one small
+run checks both its printed report and these files: see :func:`check_artefacts`)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import matplotlib.image
+import numpy as np
+
+from gradstar.worker.demo_report import PLOT_NEEDS, SCHEMA, write_plot, write_report
+
+from .conftest import clean_env, run_gradstar
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+#: The plot's size in pixels (figsize 10 x 4.2 inches at 100 dpi).
+PLOT_SHAPE = (420, 1000)
+
+
+def number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def check_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    pixels = matplotlib.image.imread(path)
+    assert pixels.shape[:2] == PLOT_SHAPE
+    # Drawn on, not blank: axes, text and lines in several colours.
+    assert len(np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)) > 20
+
+
+def check_artefacts(out: str, report_path: Path, plot_path: Path, *, workers: int, epochs: int,
+                    samples: int, mode: str = "ddp") -> None:
+    """The report and plot of a demo run that printed ``out`` and passed."""
+    assert re.search(rf"^  report +{re.escape(str(report_path))}$", out, re.M)
+    assert re.search(rf"^  plot +{re.escape(str(plot_path))}$", out, re.M)
+    check_png(plot_path)
+    report = json.loads(report_path.read_text())
+    assert (report["schema"], report["passed"], report["exit_code"]) == (SCHEMA, True, 0)
+    assert {k: report["settings"][k] for k in ("workers", "mode", "epochs", "samples")} == {
+        "workers": workers, "mode": mode, "epochs": epochs, "samples": samples}
+    assert list(report["modes"]) == [mode]
+    run = report["modes"][mode]
+    assert run["job"] == f"demo-{mode}" and run["match"] is True
+
+    # Every epoch as its progress bar printed it.
+    bars = re.findall(r"^epoch (\d+)/\d+ \|.*\|.*  loss ([\d.]+)  test acc ([\d.]+)%  ([\d.]+) s$",
+                      out, re.M)
+    assert [e["epoch"] for e in run["epochs"]] == list(range(1, epochs + 1))
+    assert [(str(e["epoch"]), f"{e['loss']:.4f}", f"{e['test_accuracy']:.1%}"[:-1],
+             f"{e['seconds']:.1f}") for e in run["epochs"]] == bars
+
+    result = run["result"]
+    assert (f"result       test accuracy {result['test_accuracy']:.1%}, test loss "
+            f"{result['test_loss']:.4f}; train accuracy {result['train_accuracy']:.1%}") in out
+    speed = run["throughput"]
+    printed = re.search(r"throughput +([\d,]+) samples/s, ([\d.]+) steps/s \(([\d,]+) steps of "
+                        r"([\d,]+) samples", out)
+    assert printed[1] == f"{speed['samples_per_second']:,.0f}"
+    assert int(number(printed[3])) == speed["steps"] and speed["ranks"] == workers
+    assert speed["samples"] == speed["steps"] * speed["samples_per_step"]
+    assert speed["samples_per_second"] == speed["samples"] / speed["seconds"]
+
+    traffic = run["traffic"]
+    assert traffic["bytes_total"] == traffic["bytes_in"] + traffic["bytes_out"] > 0
+    assert (f"{traffic['bytes_total'] / 1e6:,.1f} MB through the hub: "
+            f"{traffic['bytes_in'] / 1e6:,.1f} MB in") in out
+    # One all_reduce of the gradients per step, as the Admin counters printed say.
+    all_reduce = traffic["collectives"]["all_reduce"]
+    assert all_reduce["completed"] >= speed["steps"] and all_reduce["failed"] == 0
+    assert f"{all_reduce['completed']:,} all_reduce" in out
+
+    replay = run["single_process"]["replay"]
+    assert replay["match"] and replay["max_abs_difference"] <= replay["tolerance"] == 1e-4
+    assert f"max |difference| {replay['max_abs_difference']:.1e} (after step " in out
+    scratch = run["single_process"]["from_scratch"]
+    assert f"test accuracy {scratch['test_accuracy']:.1%}, predictions agree on " in out
+    assert [e["epoch"] for e in scratch["epochs"]] == list(range(1, epochs + 1))
+    # The last epoch's evaluation is the finished model's.
+    assert scratch["epochs"][-1]["test_accuracy"] == scratch["test_accuracy"]
+    assert 0.0 <= scratch["prediction_agreement"] <= 1.0
+
+
+def test_a_plot_per_mode_with_its_single_process_reference(tmp_path):
+    epochs = [{"epoch": e, "loss": 1.0 / e, "test_accuracy": 0.3 + 0.1 * e, "seconds": 0.5}
+              for e in (1, 2, 3)]
+    report = {"passed": False, "settings": {"workers": 3}, "modes": {
+        "ddp": {"epochs": epochs,
+                "single_process": {"from_scratch": {"epochs": epochs}}},
+        "localsgd": {"epochs": epochs[:1]}}}  # a run that failed after one epoch
+    write_plot(tmp_path / "a" / "plot.png", report)
+    check_png(tmp_path / "a" / "plot.png")
+    write_report(tmp_path / "b" / "report.json", report)
+    assert json.loads((tmp_path / "b" / "report.json").read_text()) == report
+
+
+async def test_plot_without_matplotlib_names_the_extra_to_install(tmp_path):
+    # A matplotlib that cannot be imported, ahead of the real one on the path.
+    fake = tmp_path / "site" / "matplotlib"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named matplotlib')\n")
+    code, out, err = await run_gradstar(
+        "demo", "--workers", "2", "--plot", str(tmp_path / "p.png"), "--report",
+        str(tmp_path / "r.json"), timeout=60, env=clean_env(PYTHONPATH=str(tmp_path / "site")))
+    assert (code, out, err) == (2, "", f"gradstar demo: {PLOT_NEEDS}\n")
+    assert "pip install 'gradstar[plot]'" in PLOT_NEEDS
+    assert not (tmp_path / "p.png").exists() and not (tmp_path / "r.json").exists()

@@ -1,0 +1,157 @@
+"""The status page in a real headless browser: a ``gradstar coordinator`` process, a 2-rank job
+of real processes (rank 1 the straggler), a job with a hostile name, and Chromium (Debian's
+``chromium`` package; ``make test`` installs it as root through scripts/ensure_chromium.sh)
+loading ``/`` with its script running, then what the DOM shows."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.integration.conftest import close_all, communicate_or_kill, join_all, rank_env
+from tests.unit.test_status_page import Cells
+
+from .conftest import GRADSTAR, Lines, clean_env, http_get, stop_process
+
+RANK = Path(__file__).with_name("status_rank.py")
+JOB = "spirals-ddp"
+ROUNDS, FLOATS, LATE = 5, 250_000, 0.3
+#: What the hub receives from the job's ranks: every rank's payload of every all_reduce.
+BYTES_IN = ROUNDS * 2 * FLOATS * 4
+#: A job name that would run script if the page did not escape it (and CSP did not stop it).
+HOSTILE = ("<script>document.title='pwned'</script>"
+           "<img src=x onerror=\"document.title='pwned'\">")
+INSTALL = ("Chromium is not installed; install it with 'sudo apt-get install -y chromium' "
+           "(`make test` does, as root) to run the status page test")
+
+
+def chromium() -> str:
+    for name in ("chromium", "chromium-browser"):
+        if path := shutil.which(name):
+            return path
+    pytest.fail(INSTALL, pytrace=False)
+
+
+async def browse(browser: str, url: str, profile: Path, budget_ms: int = 5000) -> Cells:
+    """The DOM of ``url`` after ``budget_ms`` of (virtual) time with its scripts running."""
+    proc = await asyncio.create_subprocess_exec(
+        browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+        "--no-first-run", f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}",
+        "--dump-dom", url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        stdin=asyncio.subprocess.DEVNULL)
+    out, err, hung = await communicate_or_kill(proc, 90)
+    assert not hung and proc.returncode == 0, f"chromium failed:\n{err.decode()[-3000:]}"
+    return Cells(out.decode())
+
+
+def refreshes(page: Cells) -> int:
+    (body, _), = page.find("body")
+    return int(body.get("data-refreshes", "0"))
+
+
+async def test_the_page_shows_a_real_job_in_a_headless_browser(tmp_path):
+    browser = chromium()
+    coordinator = await asyncio.create_subprocess_exec(
+        *GRADSTAR, "coordinator", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+        "--shards", "0", "--log-level", "WARNING", env=clean_env(),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    ranks: list[asyncio.subprocess.Process] = []
+    hostile = []
+    try:
+        said = Lines(coordinator.stdout)
+        Lines(coordinator.stderr)  # drained, so the coordinator never blocks on a full pipe
+        port = (await said.wait_for(r"listening on 127\.0\.0\.1:(\d+)$", 30))[1]
+        address = f"127.0.0.1:{port}"
+        page_port = (await said.wait_for(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", 30))[1]
+        url = f"http://127.0.0.1:{page_port}/"
+        for r in range(2):
+            ranks.append(await asyncio.create_subprocess_exec(
+                sys.executable, str(RANK), str(ROUNDS), str(FLOATS), str(LATE),
+                env=rank_env(address, JOB, 2, r), stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT))
+        outputs = [Lines(p.stdout) for p in ranks]
+        for lines in outputs:
+            await lines.wait_for(r"^ready$", 120)
+        hostile = await join_all(address, 1, job=HOSTILE)
+        await hostile[0].all_reduce(np.ones(4, np.float32))
+
+        page = await browse(browser, url, tmp_path / "profile")
+        # The script ran: it re-fetched the page and swapped in the new <main>; nothing the
+        # hostile name carries ran.
+        assert refreshes(page) >= 1
+        assert [t for _, t in page.find("title")] == ["gradstar coordinator"]
+        job = page.cells(data_job=JOB)
+        assert job["name"] == (None, JOB)
+        assert job["state"][1] == "running"
+        assert job["world_size"] == ("2", "2") and job["generation"][0] == "1"
+        assert job["members"][0] == "2"
+        assert job["bytes_in"] == (str(BYTES_IN), f"{BYTES_IN / 1e6:.1f} MB")
+        assert int(job["bytes_out"][0]) >= BYTES_IN  # every rank gets the whole result
+        assert job["collectives_completed"][0] == str(ROUNDS)
+        rows = {a["data-rank"]: a for a, _ in page.find("tr", in_data_ranks_of=JOB)
+                if "data-rank" in a}
+        assert sorted(rows) == ["0", "1"]
+        rank = {r: page.cells(data_ranks_of=JOB, data_rank=r) for r in rows}
+        assert [rank[r]["state"][1] for r in "01"] == ["live", "live"]
+        # Rank 1 arrived LATE seconds after rank 0 at every all_reduce: the straggler.
+        assert float(rank["1"]["mean_lag_seconds"][0]) >= LATE / 2
+        assert float(rank["0"]["mean_lag_seconds"][0]) < LATE / 2
+        assert rows["1"].get("class") == "slowest" and rows["0"].get("class") is None
+        assert rank["1"]["last_arrivals"][0] == str(ROUNDS)
+        odd = page.cells(data_job=HOSTILE)
+        assert odd["name"] == (None, HOSTILE) and odd["state"][1] == "running"
+
+        for p in ranks:
+            p.stdin.write(b"done\n")
+            await p.stdin.drain()
+        for p, lines in zip(ranks, outputs, strict=True):
+            await lines.wait_for(r"^closed$", 60)
+            assert await asyncio.wait_for(p.wait(), 30) == 0, lines.text
+        await close_all(hostile)
+        hostile = []
+
+        page = await browse(browser, url, tmp_path / "profile")
+        job = page.cells(data_job=JOB)
+        assert job["state"][1] == "completed" and job["members"][0] == "0"
+        assert int(job["bytes_in"][0]) >= BYTES_IN
+        assert [page.cells(data_ranks_of=JOB, data_rank=r)["state"][1] for r in "01"] == [
+            "finished", "finished"]
+        assert page.cells(data_job=HOSTILE)["state"][1] == "completed"
+        assert page.find("p", id="no-failures")  # clean closes are no failures
+
+        status, kind, body = await http_get(int(page_port), "/status.json")
+        data = {j["name"]: j for j in json.loads(body)["jobs"]}
+        assert (status, kind) == (200, "application/json")
+        assert data[JOB]["state"] == "completed" and data[HOSTILE]["state"] == "completed"
+    finally:
+        if hostile:
+            await close_all(hostile)
+        for p in ranks:
+            await stop_process(p)
+        await stop_process(coordinator)
+
+
+async def test_the_page_and_its_json_sit_beside_metrics(start_coordinator):
+    hub = await start_coordinator(metrics_port=0)
+    groups = await join_all(hub.address, 2, job="side")
+    try:
+        await asyncio.gather(*(g.all_reduce(np.ones(1000, np.float32)) for g in groups))
+        status, kind, body = await http_get(hub.metrics_port, "/")
+        assert (status, kind) == (200, "text/html; charset=utf-8")
+        page = Cells(body.decode())
+        assert page.cells(data_job="side")["bytes_in"][0] == str(2 * 4000)
+        status, kind, body = await http_get(hub.metrics_port, "/status.json")
+        (job,) = json.loads(body)["jobs"]
+        assert (status, job["name"], job["state"], job["bytes_in"]) == (200, "side", "running",
+                                                                        8000)
+        assert [r["state"] for r in job["ranks"]] == ["live", "live"]
+        status, _, body = await http_get(hub.metrics_port, "/nothing")
+        assert status == 404 and b"/status.json" in body
+    finally:
+        await close_all(groups)
