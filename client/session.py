@@ -112,8 +112,8 @@ class Session:
         except TimeoutError:
             self._call.cancel()
             raise CoordinatorUnavailableError(
-                f"the coordinator at {self._target} did not answer the join of job {job!r} "
-                f"within {timeout + 10:g} s"
+                f"Timed out: the coordinator at {self._target} did not answer the join of job "
+                f"{job!r} within {timeout + 10:g} s"
             ) from None
         if event is grpc.aio.EOF or event.WhichOneof("kind") != "joined":
             raise ProtocolError("the coordinator ended the session without a join answer")

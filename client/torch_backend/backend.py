@@ -41,7 +41,9 @@ init_method; ``new_group(ranks)`` joins job ``f"{job}/group{name}"``, where ``na
 own name of the new group: torch numbers groups identically on every rank (every rank calls
 ``new_group`` in the same order, as torch requires), or names them by a hash of their ranks, so
 the members agree on the job without talking to each other. A subgroup inherits the default
-group's settings.
+group's settings, timeouts included, except where ``new_group`` says otherwise: its ``timeout``
+(anything but torch's default, which is what torch passes when none is given) bounds the
+subgroup's collectives and join, and its ``pg_options`` override any setting.
 
 **Shutdown.** torch's ``destroy_process_group`` shuts each group down (the rank leaves its job).
 torch never does that by itself at exit, and a live group at interpreter exit aborted the process
@@ -202,13 +204,27 @@ def _pg_options(given) -> dict:
     return dict(given)
 
 
+def _timeouts(options: dict, given: dict, torch_timeout: timedelta, is_default: bool) -> dict:
+    """The group's collective and join timeouts: torch's ``timeout`` bounds both, as with
+    gloo, where nothing more specific says otherwise (see the module docstring)."""
+    seconds = torch_timeout.total_seconds()
+    # A subgroup's timeout other than torch's default was given to new_group for this group.
+    own = not is_default and torch_timeout != dist.default_pg_timeout
+    out = {}
+    for name in ("timeout", "join_timeout"):
+        if name in given:
+            continue  # pg_options name it
+        if own or (name not in options and f"GRADSTAR_{name.upper()}" not in os.environ):
+            out[name] = seconds
+    return out
+
+
 def _create_group(backend_options, pg_options) -> ProcessGroupGradstar:
     """torch's backend factory (extended API): join this group's gradstar job."""
     is_default = len(backend_options.global_ranks_in_group) == 0
-    options = _base_options(backend_options.store, is_default) | _pg_options(pg_options)
-    for name in ("timeout", "join_timeout"):  # torch's timeout bounds both, as with gloo
-        if name not in options and f"GRADSTAR_{name.upper()}" not in os.environ:
-            options[name] = backend_options.timeout.total_seconds()
+    given = _pg_options(pg_options)
+    options = _base_options(backend_options.store, is_default) | given
+    options |= _timeouts(options, given, backend_options.timeout, is_default)
     if isinstance(options.get("token"), str):
         options["token"] = SecretStr(options["token"])  # kept for subgroups, never printed
     job = options.pop("job", None) or _env_settings().job
@@ -250,7 +266,7 @@ def _forget(group: ProcessGroupGradstar) -> None:
         _live.discard(group)
         hub = _hubs.pop(group, None)
     if hub is not None:
-        hub.stop()  # rank 0's hub goes with rank 0's default group
+        hub.stop(wait=False)  # rank 0's hub goes with rank 0's default group (see store_hub)
 
 
 def _needs_store_hub(store, options: dict) -> bool:
@@ -274,7 +290,8 @@ def _install_exit_hook() -> None:
 
 
 def shutdown_all() -> None:
-    """Shut down every gradstar torch group and stop the completion threads (the exit hook).
+    """Shut down every gradstar torch group, stop the completion threads and wait for the hubs
+    this process started to exit (the exit hook).
 
     If torch's default group is gradstar's, this is ``destroy_process_group()``, which also
     clears torch's registry; otherwise each gradstar group leaves its job. Never raises.
@@ -297,6 +314,7 @@ def shutdown_all() -> None:
         completions, _completions = _completions, None
     if completions is not None:
         completions.close()
+    store_hub.reap_stopped()
 
 
 # -- registration ------------------------------------------------------------------------------

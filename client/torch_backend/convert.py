@@ -108,6 +108,34 @@ def for_transfer(t: torch.Tensor) -> tuple[torch.Tensor, Restore]:
     return raw.view(torch.int32), restore
 
 
+def rows_for_transfer(t: torch.Tensor) -> tuple[torch.Tensor,
+                                                Callable[[torch.Tensor, torch.Tensor], None]]:
+    """``t`` (1-d or more) in a dtype gradstar moves with its rows (dim 0) kept, and how to
+    write rows received in that form into an output tensor of t's dtype.
+
+    Native dtypes move as they are. Others move as rows of raw bytes, each padded to whole
+    int32 words (rows of one size pad alike on every rank), so splits along dim 0 still work.
+    """
+    check_dense_cpu(t)
+    if t.dim() == 0:
+        raise InvalidCollectiveError("all_to_all_single needs tensors of at least 1 dimension")
+    if t.dtype in _NATIVE:
+        def write(received: torch.Tensor, output: torch.Tensor) -> None:
+            output.copy_(received.reshape(output.shape))
+
+        return t.detach(), write
+    rows = t.detach().contiguous().reshape(t.shape[0], -1).view(torch.uint8)
+    row_bytes, pad = rows.shape[1], -rows.shape[1] % 4
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros((rows.shape[0], pad))], dim=1)
+
+    def write(received: torch.Tensor, output: torch.Tensor) -> None:
+        raw = received.reshape(received.shape[0], -1).view(torch.uint8)[:, :row_bytes]
+        output.copy_(raw.contiguous().view(output.dtype).reshape(output.shape))
+
+    return rows.view(torch.int32), write
+
+
 def for_reduction(t: torch.Tensor, op: str) -> tuple[torch.Tensor, Restore]:
     """``t`` in a dtype the hub reduces, and how to turn a result back into t's dtype.
 
@@ -176,6 +204,7 @@ __all__ = [
     "for_transfer",
     "op_label",
     "reduce_op_name",
+    "rows_for_transfer",
     "seconds_of",
     "tensor_list",
     "write_rows",

@@ -17,8 +17,14 @@ starts gradstar collectives with ``async_op=True`` and returns a
 * **Errors.** An invalid argument (unsupported reduce op or dtype, wrong sizes) raises at once,
   as a ``ValueError`` (:class:`~gradstar.errors.ConfigurationError` or
   :class:`~gradstar.errors.InvalidCollectiveError`); a collective that fails later fails its Work.
-  What the backend does not do (all_to_all, recv from any source; send/recv without gradstar's
-  peer streams) raises :class:`BackendUnsupportedError`, a NotImplementedError.
+  What the backend does not do (send/recv without gradstar's peer streams) raises
+  :class:`BackendUnsupportedError`, a NotImplementedError.
+* **Profiler.** Each collective records a ``gradstar:<op>`` event with its inputs' shapes
+  while torch's profiler runs, as gloo's record ``gloo:<op>`` (see :mod:`.profiling`).
+* **all_to_all** rides gradstar's ``all_to_all_single`` (plans checked through the hub, payload
+  over peer streams); torch's list form is one flat ``all_to_all_single`` of the concatenated
+  tensors. **recv from any source** reports the sender as torch's Work does
+  (``work._source_rank()``, which ``dist.recv`` returns).
 """
 
 from __future__ import annotations
@@ -26,12 +32,18 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from gradstar.client.process_group import ProcessGroup
-from gradstar.errors import GradstarError, ProcessGroupClosedError
+from gradstar.errors import (
+    CollectiveTimeoutError,
+    GradstarError,
+    InvalidCollectiveError,
+    ProcessGroupClosedError,
+)
 
 from .convert import (
     BITWISE_OPS,
@@ -42,10 +54,12 @@ from .convert import (
     for_reduction,
     for_transfer,
     reduce_op_name,
+    rows_for_transfer,
     seconds_of,
     tensor_list,
     write_rows,
 )
+from .profiling import record_collectives
 from .work import CompletionThreads, GradstarWork
 
 
@@ -53,9 +67,14 @@ class BackendUnsupportedError(GradstarError, NotImplementedError):
     """The gradstar torch.distributed backend does not implement this operation (yet)."""
 
 
+class MonitoredBarrierError(CollectiveTimeoutError, RuntimeError):
+    """Some ranks did not reach a ``monitored_barrier`` in time (a RuntimeError, as gloo's)."""
+
+
 # -- the group ---------------------------------------------------------------------------------
 
 
+@record_collectives
 class ProcessGroupGradstar(dist.ProcessGroup):
     """A torch.distributed process group whose collectives run on a gradstar coordinator.
 
@@ -75,6 +94,7 @@ class ProcessGroupGradstar(dist.ProcessGroup):
         self._group_desc = ""
         self._closed = False
         self._in_flight: weakref.WeakSet[GradstarWork] = weakref.WeakSet()
+        self._error_label = f"[Rank {group.rank}] "  # before the messages of failed Works
         self._lock = threading.Lock()
 
     # -- what torch asks about the group -------------------------------------------------------
@@ -106,7 +126,8 @@ class ProcessGroupGradstar(dist.ProcessGroup):
     # -- machinery -----------------------------------------------------------------------------
 
     def _launch(self, starts: Sequence[Callable[[], object]],
-                finish: Callable[[list], object]) -> GradstarWork:
+                finish: Callable[[list], object],
+                work_type: type[GradstarWork] = GradstarWork) -> GradstarWork:
         """Start gradstar collectives (in order, here) and wrap them in one Work.
 
         ValueErrors (invalid arguments) propagate; any other gradstar error fails the Work.
@@ -116,8 +137,8 @@ class ProcessGroupGradstar(dist.ProcessGroup):
         except ValueError:
             raise
         except GradstarError as error:
-            return GradstarWork.failed(error, self._completions)
-        work = GradstarWork(pending, finish, self._completions)
+            return GradstarWork.failed(error, self._completions, label=self._error_label)
+        work = work_type(pending, finish, self._completions, label=self._error_label)
         with self._lock:
             self._in_flight.add(work)
         return work
@@ -332,6 +353,33 @@ class ProcessGroupGradstar(dist.ProcessGroup):
         return self._launch([lambda: self.gradstar_group.barrier(
             async_op=True, timeout=seconds_of(opts))], lambda _results: [])
 
+    def monitored_barrier(self, timeout: timedelta | None = None,
+                          wait_all_ranks: bool = False) -> None:
+        """torch's ``ProcessGroup.monitored_barrier``, called on the group (torch's
+        ``dist.monitored_barrier`` itself accepts gloo groups only): a barrier that, if some
+        ranks do not reach it within ``timeout`` (default: the group's), raises on the ranks
+        that did, naming the first rank missing (all of them with ``wait_all_ranks``) in gloo's
+        words. Blocks.
+
+        Raises:
+            MonitoredBarrierError: some ranks did not arrive in time.
+            GradstarError: the barrier failed otherwise (a lost rank, a closed group).
+        """
+        seconds = None if timeout is None else max(timeout.total_seconds(), 0.001)
+        opts = dist.BarrierOptions()
+        if seconds is not None:
+            opts.timeout = timedelta(seconds=seconds)
+        try:
+            self.barrier(opts).wait()
+        except CollectiveTimeoutError as error:
+            spent = "the group's timeout" if seconds is None else f"{seconds * 1000:g} ms"
+            missing = error.missing_ranks
+            who = (f"Ranks {', '.join(map(str, missing))}" if wait_all_ranks else
+                   f"Rank {missing[0]}") if missing else "Some ranks"
+            raise MonitoredBarrierError(
+                f"Rank {self.rank()} timed out in monitoredBarrier after {spent}: {who} failed "
+                f"to pass monitoredBarrier in {spent} ({error})", missing_ranks=missing) from None
+
     # -- point to point ------------------------------------------------------------------------
 
     def _peer(self, name: str):
@@ -365,13 +413,77 @@ class ProcessGroupGradstar(dist.ProcessGroup):
                             finish)
 
     def recv_anysource(self, tensors, tag=0):
-        raise BackendUnsupportedError(
-            "the gradstar backend receives from a named rank only: pass src= to recv")
+        """torch's recv with ``src=None``: the next message with ``tag`` from any rank; the
+        Work's ``_source_rank()`` names its sender."""
+        recv = self._peer("recv")
+        tensors = tensor_list(tensors)
+        prepared = [for_transfer(t) for t in tensors]
 
-    def alltoall_base(self, *args, **kwargs):
-        raise BackendUnsupportedError("the gradstar backend does not implement all_to_all")
+        def finish(results):
+            for t, (_, restore), (_, r) in zip(tensors, prepared, results, strict=True):
+                t.copy_(restore(torch.as_tensor(r)).reshape(t.shape))
+            return tensors
 
-    alltoall = all_to_all_single = alltoall_base
+        return self._launch([lambda: recv(None, tag, async_op=True) for _ in prepared],
+                            finish, AnySourceWork)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        """torch's all_to_all_single: rows (dim 0) of ``input`` split by
+        ``input_split_sizes`` go to the ranks; ``output`` receives their splits for this rank,
+        ``output_split_sizes[i]`` rows from rank ``i`` (empty sizes: equal splits)."""
+        world = self.size()
+        check_dense_cpu(output)
+        if output.dtype != input.dtype:
+            raise InvalidCollectiveError(
+                f"all_to_all_single's output is {output.dtype} but its input is {input.dtype}")
+        if output.dim() == 0:
+            raise InvalidCollectiveError("all_to_all_single needs tensors of at least 1 "
+                                         "dimension")
+        wire, write = rows_for_transfer(input)
+        outs = list(output_split_sizes) or None
+        if outs is None:
+            if output.shape[0] % world:
+                raise InvalidCollectiveError(
+                    f"output_split_sizes is empty, so the output's dim 0 ({output.shape[0]}) "
+                    f"must be divisible by world_size {world}")
+            outs = [output.shape[0] // world] * world
+        if len(outs) == world and sum(outs) != output.shape[0]:
+            raise InvalidCollectiveError(
+                f"output_split_sizes {outs} sums to {sum(outs)}, but the output's dim 0 is "
+                f"{output.shape[0]}")
+        ins = list(input_split_sizes) or None
+
+        def finish(results):
+            write(torch.as_tensor(results[0]), output)
+            return [output]
+
+        return self._launch([lambda: self.gradstar_group.all_to_all_single(
+            wire, outs, ins, async_op=True, timeout=seconds_of(opts))], finish)
+
+    all_to_all_single = alltoall_base
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        """torch's all_to_all: ``input_tensors[j]`` goes to rank ``j``; ``output_tensors[i]``
+        receives rank ``i``'s. One flat all_to_all_single of the concatenated tensors, so every
+        rank checks every size (a rank sending other sizes than another expects fails all)."""
+        world = self.size()
+        inputs, outputs = tensor_list(input_tensors), tensor_list(output_tensors)
+        check_numel("all_to_all's input list", len(inputs), world)
+        check_numel("all_to_all's output list", len(outputs), world)
+        sent = [for_transfer(t) for t in inputs]
+        taken = [for_transfer(o) for o in outputs]
+        flat = torch.cat([w.reshape(-1) for w, _ in sent])
+        sizes = [w.numel() for w, _ in taken]
+
+        def finish(results):
+            parts = torch.split(torch.as_tensor(results[0]), sizes)
+            for out, (_, restore), part in zip(outputs, taken, parts, strict=True):
+                out.copy_(restore(part).reshape(out.shape))
+            return outputs
+
+        return self._launch([lambda: self.gradstar_group.all_to_all_single(
+            flat, sizes, [w.numel() for w, _ in sent], async_op=True,
+            timeout=seconds_of(opts))], finish)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -397,4 +509,31 @@ class ProcessGroupGradstar(dist.ProcessGroup):
     abort = shutdown
 
 
-__all__ = ["BackendUnsupportedError", "ProcessGroupGradstar"]
+class AnySourceWork(GradstarWork):
+    """The Work of a receive from any rank: :meth:`_source_rank` names the sender (what torch's
+    ``dist.recv(src=None)`` returns), once the message is in torch's tensor."""
+
+    def __init__(self, pending, finish, completions: CompletionThreads, **options) -> None:
+        senders: list[int] = []
+
+        def noted(results):
+            senders.extend(sender for sender, _ in results)
+            return finish(results)
+
+        super().__init__(pending, noted, completions, **options)
+        self._senders = senders
+
+    def _source_rank(self) -> int:
+        """The rank the message came from; waits for it.
+
+        Raises:
+            GradstarError: the receive failed.
+        """
+        self.wait()
+        return self._senders[0]
+
+    source_rank = _source_rank
+
+
+__all__ = ["AnySourceWork", "BackendUnsupportedError", "MonitoredBarrierError",
+           "ProcessGroupGradstar"]

@@ -5,17 +5,22 @@ MASTER_PORT, RANK, WORLD_SIZE) and nothing else. When the gradstar backend is as
 default group and no coordinator is configured (no ``GRADSTAR_COORDINATOR``, no host in a
 ``gradstar://`` URL), the ranks agree on a hub through that store:
 
-- rank 0 starts ``python -m gradstar coordinator`` as a child process on a free port, with a
+- rank 0 starts ``gradstar coordinator`` as a child Python process on a free port, with a
   fresh random job token in its environment, and publishes the hub's address, the token and a
   fresh job name in the store;
 - every other rank waits for those keys (up to the group's timeout) and joins that hub.
 
 The keys carry torchelastic's restart count, so a restarted round (every worker started again)
 gets a new hub and a new job, never a stale one. The hub lives as long as rank 0's default
-group: destroying it stops the hub (SIGTERM: it drains, then exits), and the hub exits by itself
-if rank 0's process dies (Linux: a parent-death signal). It is a separate process rather than
-a thread in rank 0, so it neither shares rank 0's interpreter lock nor brings the hub's code
-into a training process.
+group: destroying it stops the hub (SIGTERM: it drains, then exits) without waiting for the
+hub's process to end, which takes a few hundred milliseconds that ``destroy_process_group``
+need not spend; rank 0's exit hook waits for it (:func:`reap_stopped`), and the hub exits by
+itself if rank 0's process dies (Linux: a parent-death signal). It is a separate process
+rather than a thread in rank 0, so it neither shares rank 0's interpreter lock nor brings the
+hub's code into a training process. Starting it is most of the time rank 0 spends joining: a
+Python interpreter that imports grpc, numpy and pydantic (0.6-1.2 s on the 2-core development
+machine, more under load; benchmarks/join_leave.py); a coordinator that is already running
+(``GRADSTAR_COORDINATOR``) saves it.
 
 Where the hub listens: 127.0.0.1 when every rank is on this host (``LOCAL_WORLD_SIZE`` equals
 the world size, as under ``torchrun --standalone``), else every interface, advertised as
@@ -24,7 +29,6 @@ the world size, as under ``torchrun --standalone``), else every interface, adver
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import queue
@@ -34,6 +38,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -56,17 +61,43 @@ class StoreHub:
     job: str
     process: subprocess.Popen | None = None
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Rank 0: stop the hub (it drains running calls first). Idempotent."""
+    def stop(self, timeout: float = 10.0, *, wait: bool = True) -> None:
+        """Rank 0: stop the hub (it drains running calls first, then exits; killed if it has
+        not exited ``timeout`` seconds later). ``wait=False`` returns at once and leaves the
+        waiting to :func:`reap_stopped`. Idempotent."""
         proc, self.process = self.process, None
         if proc is None or proc.poll() is not None:
             return
         proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if wait:
+            _reap(proc, timeout)
+        else:
+            with _stopping_lock:
+                _stopping.append(proc)
+
+
+#: Hubs told to stop by ``stop(wait=False)`` and not reaped yet.
+_stopping: list[subprocess.Popen] = []
+_stopping_lock = threading.Lock()
+
+
+def _reap(proc: subprocess.Popen, timeout: float) -> None:
+    try:
+        proc.wait(max(timeout, 0.0))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def reap_stopped(timeout: float = 10.0) -> None:
+    """Wait for the hubs stopped without waiting to exit, killing those still running after
+    ``timeout`` seconds in all (the exit hook calls this)."""
+    deadline = time.monotonic() + timeout
+    with _stopping_lock:
+        procs = list(_stopping)
+        _stopping.clear()
+    for proc in procs:
+        _reap(proc, deadline - time.monotonic())
 
 
 def _keys() -> tuple[str, str, str]:
@@ -75,12 +106,22 @@ def _keys() -> tuple[str, str, str]:
     return prefix + "address", prefix + "token", prefix + "job"
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the rank that started it dies."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass  # not Linux: the hub then outlives a killed rank 0 until its jobs time out
+# How the hub process starts: ``gradstar coordinator ARGS`` that first asks for SIGTERM when
+# the rank that started it dies (Linux's parent-death signal; elsewhere the hub outlives a killed
+# rank 0 until its jobs time out), and exits if that rank died before it asked. Done in the
+# child's own code rather than in a ``preexec_fn``, which makes Python fork the whole training
+# process instead of spawning the child cheaply: 50-80 ms of rank 0's join, measured.
+_BOOTSTRAP = f"""\
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl({_PR_SET_PDEATHSIG}, signal.SIGTERM)
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)
+from gradstar.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
 
 
 def _listen_host(world_size: int) -> tuple[str, str]:
@@ -96,11 +137,11 @@ def _start(world_size: int) -> StoreHub:
     token = secrets.token_urlsafe(32)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSTAR_")}
     env.update(GRADSTAR_TOKEN=token, GRADSTAR_ADMIN_TOKEN=token)
-    command = [sys.executable, "-u", "-m", "gradstar", "coordinator", "--host", bind,
-               "--port", "0", "--shards", os.environ.get("GRADSTAR_SHARDS", "0"),
+    command = [sys.executable, "-u", "-c", _BOOTSTRAP, str(os.getpid()), "coordinator",
+               "--host", bind, "--port", "0", "--shards", os.environ.get("GRADSTAR_SHARDS", "0"),
                "--log-level", "WARNING"]
     proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            text=True, preexec_fn=_die_with_parent)
+                            text=True)
     lines: queue.Queue = queue.Queue()
 
     def read() -> None:
@@ -147,7 +188,7 @@ def find_or_make(store, rank: int, world_size: int, timeout: timedelta) -> Store
         store.wait([address_key], timeout)
     except RuntimeError as error:  # torch's store raises a plain RuntimeError on its timeout
         raise ConfigurationError(
-            f"rank {rank} found no gradstar coordinator in torch's store within "
+            f"Timed out: rank {rank} found no gradstar coordinator in torch's store within "
             f"{timeout.total_seconds():g} s: rank 0 starts one when GRADSTAR_COORDINATOR is not "
             "set; is rank 0 running with backend='gradstar', or set GRADSTAR_COORDINATOR "
             f"({error})") from None

@@ -14,12 +14,17 @@ Three rules, each learned from a failure on torch 2.13:
   collective itself (waits for gradstar's result and writes it into torch's tensors) if no
   completion thread has yet, so a callback that waits for another collective cannot deadlock.
   Settling happens exactly once, under a lock.
+
+A Work may also carry the collective's profiler event (see :mod:`.profiling`): it ends on a
+completion thread when the collective ends, before ``wait()`` returns and before the future
+completes, so the event covers the collective and torch's profiler marks it async, as gloo's.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import copy
 import logging
 import queue
 import threading
@@ -29,9 +34,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from gradstar.errors import GradstarError
+
 log = logging.getLogger(__name__)
 
 _STOP = object()
+#: How long ``wait()`` waits for the collective's profiler event to end after the collective
+#: ended (a completion thread ends it at once; the bound only guards against a lost thread).
+RECORD_END_WAIT = 10.0
 
 
 class CompletionThreads:
@@ -88,6 +98,20 @@ class CompletionThreads:
                 thread.join(timeout)
 
 
+def labelled(error: BaseException, label: str) -> BaseException:
+    """``error`` with ``label`` (``"[Rank 0] "``) before its message, if it is a gradstar error:
+    a copy (one error may be raised by many calls: a failed session's, for one), with the same
+    type and fields. Torch's own backends name the rank in their errors the same way, and tests
+    that grep for a word (``" Timed out "``) find it after the label."""
+    if not (label and isinstance(error, GradstarError) and error.args
+            and isinstance(error.args[0], str)) or error.args[0].startswith(label):
+        return error
+    named = copy.copy(error)
+    named.args = (label + error.args[0], *error.args[1:])
+    named.__cause__ = error.__cause__
+    return named
+
+
 def _reraise(fut: torch.futures.Future):
     # Runs as a .then() callback: value() raises the stored exception, and torch marks the
     # chained future as failed in C++ (see the module docstring).
@@ -103,8 +127,9 @@ class GradstarWork(dist._Work):
     """
 
     def __init__(self, pending: Sequence, finish: Callable[[list], object],
-                 completions: CompletionThreads) -> None:
+                 completions: CompletionThreads, *, label: str = "") -> None:
         super().__init__()
+        self._label = label  # prefixes the messages of the gradstar errors it raises
         self._pending = list(pending)
         self._count = len(self._pending)
         self._finish = finish
@@ -117,6 +142,10 @@ class GradstarWork(dist._Work):
         self._future = self._raw.then(_reraise)
         self._remaining = len(self._pending)
         self._count_lock = threading.Lock()
+        # The profiler event (see record_until_done), ended as the collective completes.
+        self._record = None
+        self._record_ended: threading.Event | None = None
+        self._completing = False
         if not self._pending:
             completions.submit(self._complete)
         for work in self._pending:
@@ -125,13 +154,14 @@ class GradstarWork(dist._Work):
             work._future.add_done_callback(self._one_done)
 
     @classmethod
-    def failed(cls, error: BaseException, completions: CompletionThreads) -> GradstarWork:
+    def failed(cls, error: BaseException, completions: CompletionThreads, *,
+               label: str = "") -> GradstarWork:
         """A Work that fails with ``error`` (a collective that could not even start)."""
 
         def finish(_results):
             raise error
 
-        return cls([], finish, completions)
+        return cls([], finish, completions, label=label)
 
     def _one_done(self, _future: concurrent.futures.Future) -> None:
         with self._count_lock:
@@ -149,7 +179,7 @@ class GradstarWork(dist._Work):
             except TimeoutError:
                 raise  # still running: settle later
             except BaseException as error:
-                self._error = error
+                self._error = labelled(error, self._label)
             else:
                 try:
                     # Writing into torch's tensors is communication, not computation: keep it
@@ -157,7 +187,7 @@ class GradstarWork(dist._Work):
                     with torch.no_grad():
                         self._value = self._finish(results)
                 except BaseException as error:
-                    self._error = error
+                    self._error = labelled(error, self._label)
             self._settled = True
             # Torch may keep a Work long after it ended: drop the results and wire copies.
             self._pending, self._finish = [], None
@@ -169,7 +199,31 @@ class GradstarWork(dist._Work):
             with contextlib.suppress(concurrent.futures.InvalidStateError):
                 work._future.set_exception(error)
 
+    def record_until_done(self, record) -> None:
+        """End ``record`` (a :class:`~.profiling.CollectiveRecord` started by the caller) when
+        the collective ends, on a completion thread; ``wait()`` waits for that."""
+        ended = threading.Event()
+        with self._count_lock:
+            self._record_ended = ended
+            late = self._completing
+            if not late:
+                self._record = record
+        if late:  # it ended already (or failed at once): end the event now, on another thread
+            self._completions.submit(lambda: self._end(record, ended))
+
+    @staticmethod
+    def _end(record, ended: threading.Event) -> None:
+        try:
+            record.end()
+        finally:
+            ended.set()
+
     def _complete(self) -> None:
+        with self._count_lock:
+            self._completing = True
+            record, self._record = self._record, None
+        if record is not None:
+            self._end(record, self._record_ended)
         self._settle()
         if self._error is not None:
             self._raw.set_exception(self._error)
@@ -188,7 +242,13 @@ class GradstarWork(dist._Work):
         seconds = None
         if timeout is not None and timeout > timedelta(0):
             seconds = timeout.total_seconds()
-        self._settle(seconds)
+        try:
+            self._settle(seconds)
+        except TimeoutError:
+            raise TimeoutError(f"Timed out waiting {seconds * 1000:g} ms for the collective "
+                               "(it keeps running)") from None
+        if self._record_ended is not None:
+            self._record_ended.wait(RECORD_END_WAIT)
         if self._error is not None:
             raise self._error
         return True
@@ -215,4 +275,4 @@ class GradstarWork(dist._Work):
         return f"GradstarWork({state}, {self._count} gradstar collective(s))"
 
 
-__all__ = ["CompletionThreads", "GradstarWork"]
+__all__ = ["RECORD_END_WAIT", "CompletionThreads", "GradstarWork", "labelled"]

@@ -70,5 +70,6 @@ def test_refusals_and_timeouts_name_what_went_wrong(runs):
         assert "sparse layouts such as this tensor's torch.sparse_coo are not supported" in message
         name, message = report["timeout"]
         assert name == "CollectiveTimeoutError", report["timeout"]
-        assert message.startswith("Timed out after 1 s: "), message
+        # Errors through torch's Works name the rank first, as torch's own backends' do.
+        assert message.startswith(f"[Rank {rank}] Timed out after 1 s: "), message
         assert report["after"] == [float(sum(range(WORLD)))] * 2

@@ -316,9 +316,83 @@ def parity_errors(rank: int, world: int) -> dict:
     return out
 
 
+def all_to_all(rank: int, world: int) -> dict:
+    """all_to_all_single with uneven (and empty) splits, equal splits of rows of a dtype
+    gradstar moves as bytes (3-byte rows), complex and bool tensors, async_op; all_to_all's list
+    form with tensors of other shapes on each rank."""
+    out: dict = {}
+    sends = [[(s * 2 + d) % 3 for d in range(world)] for s in range(world)]  # uneven, some 0
+    x = torch.arange(sum(sends[rank]) * 2, dtype=torch.float32).reshape(-1, 2) + 100 * rank
+    expects = [sends[s][rank] for s in range(world)]
+    got = torch.empty(sum(expects), 2)
+    dist.all_to_all_single(got, x, expects, sends[rank])
+    out["single_uneven"] = got.tolist()
+    for dtype in (torch.uint8, torch.int8, torch.bool, torch.complex64, torch.bfloat16):
+        x = (torch.arange(world * 2 * 3) * (rank + 1)).reshape(world * 2, 3)
+        x = x % 2 == 1 if dtype == torch.bool else (x + 1j * rank if dtype == torch.complex64
+                                                    else x).to(dtype)
+        got = torch.empty_like(x)
+        dist.all_to_all_single(got, x, async_op=True).wait()
+        out[f"single_{dtype}"] = [str(got.dtype), torch.view_as_real(got).tolist()
+                                  if got.is_complex() else got.float().tolist()]
+    inputs = [torch.full((2, 2), float(10 * rank + d)) for d in range(world)]
+    outputs = [torch.empty(2, 2) for _ in range(world)]  # gloo: one shape throughout
+    dist.all_to_all(outputs, inputs)
+    out["list"] = [t.tolist() for t in outputs]
+    inputs = [torch.tensor([rank, d], dtype=torch.uint8) for d in range(world)]
+    outputs = [torch.empty(2, dtype=torch.uint8) for _ in range(world)]
+    dist.all_to_all(outputs, inputs, async_op=True).wait()
+    out["list_uint8"] = [t.tolist() for t in outputs]
+    return out
+
+
+def recv_any(rank: int, world: int) -> dict:
+    """Every rank but 0 sends rank 0 three tensors, all at once; rank 0 receives them from any
+    source (``dist.recv`` returns the sender, as does ``irecv``'s ``_source_rank()``)."""
+    if rank != 0:
+        works = [dist.isend(torch.tensor([float(rank), float(i)]), dst=0) for i in range(3)]
+        for work in works:
+            work.wait()
+        dist.send(torch.tensor([float(rank), 9.0]), dst=0, tag=7)
+        return {}
+    got = []
+    for _ in range(3 * (world - 1)):
+        t = torch.empty(2)
+        got.append((dist.recv(t), t.tolist()))
+    tagged = []
+    for _ in range(world - 1):
+        t = torch.empty(2)
+        work = dist.irecv(t, tag=7)
+        work.wait()
+        tagged.append([work._source_rank(), t.tolist()])
+    return {"senders_named": all(src == int(t[0]) for src, t in got),
+            "by_sender": {str(src): [t[1] for s, t in got if s == src]
+                          for src in range(1, world)},
+            "tagged": sorted(tagged)}
+
+
+def all_to_all_errors(rank: int, world: int) -> dict:
+    """all_to_all_single whose split sizes disagree between two ranks (the last rank expects a
+    row more from rank 0 than rank 0 sends it): every rank raises, and the next call works."""
+    out: dict = {}
+    expects = [1] * world
+    if rank == world - 1:
+        expects[0] = 2
+    try:
+        dist.all_to_all_single(torch.empty(sum(expects)), torch.ones(world), expects, [1] * world)
+        out["mismatch"] = None
+    except Exception as error:
+        out["mismatch"] = [type(error).__name__, str(error)]
+    got = torch.empty(world)
+    dist.all_to_all_single(got, torch.full((world,), float(rank)))
+    out["after"] = got.tolist()
+    return out
+
+
 SCENARIOS = {"ddp": ddp, "ddp_bf16_hook": ddp_bf16_hook, "fsdp2": fsdp2,
              "collectives": collectives, "p2p": p2p, "errors": errors, "parity": parity,
-             "parity_errors": parity_errors}
+             "parity_errors": parity_errors, "all_to_all": all_to_all, "recv_any": recv_any,
+             "all_to_all_errors": all_to_all_errors}
 
 
 def run_ranks(args) -> int:
