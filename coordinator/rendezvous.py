@@ -215,8 +215,8 @@ class Rendezvous:
             self.withdraw(member)
             named = ", ".join("any" if r < 0 else str(r) for r in present)
             raise JoinTimeoutError(
-                f"job {job!r}: only {len(present)} of {world_size} ranks joined within "
-                f"{timeout:g} s (requested ranks present: {named or 'none'})"
+                f"Timed out: job {job!r}: only {len(present)} of {world_size} ranks joined "
+                f"within {timeout:g} s (requested ranks present: {named or 'none'})"
             ) from None
         except BaseException:
             self.withdraw(member)

@@ -192,7 +192,8 @@ class CollectiveServicer:
 
     @staticmethod
     async def _drain(frames) -> None:
-        with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
+        # AbortError: the call was already aborted (the refusal went out); nothing to drain.
+        with contextlib.suppress(grpc.RpcError, grpc.aio.AbortError, asyncio.CancelledError):
             async for _ in frames:
                 pass
 
@@ -218,7 +219,9 @@ class CollectiveServicer:
             coll.on_stream_closed(me, "closed its stream before its end marker")
         except ProtocolError as error:
             coll.fail(error)
-        except grpc.RpcError:
+        except (grpc.RpcError, grpc.aio.AbortError):
+            # AbortError: the call was aborted under the reader (the rank's stream ended or
+            # this side sent its verdict); either way the rank is gone from the collective.
             coll.on_stream_closed(me, "disconnected")
         except Exception as error:
             # A bug must cost one collective, never the hub or a silent hang of the other ranks.

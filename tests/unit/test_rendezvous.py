@@ -199,7 +199,7 @@ async def test_join_timeout_names_how_many_joined_and_withdraws_the_joiner(rdv):
     waiting = rdv.offer("job", 3, 1, "a:1")
 
     with pytest.raises(JoinTimeoutError, match=re.escape(
-            "job 'job': only 2 of 3 ranks joined within 0.05 s "
+            "Timed out: job 'job': only 2 of 3 ranks joined within 0.05 s "
             "(requested ranks present: any, 1)")):
         await asyncio.wait_for(rdv.join("job", 3, None, "b:1", timeout=0.05), BOUND)
 
