@@ -40,6 +40,7 @@ import torch.distributed as dist
 from gradstar.client.process_group import ProcessGroup
 from gradstar.errors import (
     CollectiveTimeoutError,
+    ConfigurationError,
     GradstarError,
     InvalidCollectiveError,
     ProcessGroupClosedError,
@@ -206,8 +207,47 @@ class ProcessGroupGradstar(dist.ProcessGroup):
 
     def allreduce(self, tensors, opts=None):
         tensors = tensor_list(tensors)
+        if any(t.layout == torch.sparse_coo for t in tensors):
+            return self._sparse_allreduce(tensors, reduce_op_name(opts), seconds_of(opts))
         return self._reduce(tensors, reduce_op_name(opts), seconds_of(opts),
                             lambda i, r: tensors[i].copy_(r))
+
+    def _sparse_allreduce(self, tensors: list[torch.Tensor], op: str, timeout: float | None):
+        """Sum sparse COO tensors as gloo does: every rank gathers every rank's indices and
+        values and coalesces them. Ranks hold different numbers of entries, so the counts go
+        first (one small all_gather, waited for here), then indices and values padded to the
+        largest count; the result replaces each input in place."""
+        if op != "sum":
+            raise ConfigurationError(
+                f"sparse all_reduce supports SUM only (as gloo does), got {op.upper()}")
+        if len(tensors) != 1 or tensors[0].layout != torch.sparse_coo:
+            raise ConfigurationError("sparse all_reduce takes one sparse COO tensor per call")
+        t = tensors[0].coalesce()
+        if t.device.type != "cpu":
+            raise ConfigurationError(
+                f"the gradstar backend moves CPU tensors; this tensor is on {t.device}")
+        indices, values = t.indices(), t.values()
+        counts = self.gradstar_group.all_gather(torch.tensor([indices.shape[1]]),
+                                                timeout=timeout)
+        counts = [int(c[0]) for c in counts]
+        most = max(counts)
+        padded_indices = torch.zeros((indices.shape[0], most), dtype=torch.int64)
+        padded_indices[:, :indices.shape[1]] = indices
+        padded_values = torch.zeros((most, *values.shape[1:]), dtype=values.dtype)
+        padded_values[:values.shape[0]] = values
+        gathered: list = []
+
+        def write(i, parts):
+            gathered.append(parts)
+            if len(gathered) == 2:
+                every_index = torch.cat([p[:, :n] for p, n in zip(gathered[0], counts,
+                                                                  strict=True)], dim=1)
+                every_value = torch.cat([p[:n] for p, n in zip(gathered[1], counts,
+                                                               strict=True)])
+                total = torch.sparse_coo_tensor(every_index, every_value, t.shape).coalesce()
+                tensors[0].copy_(total)
+
+        return self._gather([padded_indices, padded_values], timeout, write, tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         tensors = tensor_list(tensors)

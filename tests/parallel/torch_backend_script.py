@@ -270,6 +270,12 @@ def parity(rank: int, world: int) -> dict:
     lists = [[torch.empty(1, dtype=torch.int64)] for _ in range(world)]
     dist.all_gather_coalesced(lists, [torch.tensor([rank])], async_op=True).wait()
     out["all_gather_coalesced_async"] = [[t.tolist() for t in ts] for ts in lists]
+    # Sparse SUM: entries that overlap between ranks and entries only one rank has, with
+    # different entry counts per rank (rank r has r + 2 of them).
+    coords = [[i % 4 for i in range(rank + 2)], [(i * (rank + 1)) % 5 for i in range(rank + 2)]]
+    sparse = torch.sparse_coo_tensor(coords, torch.arange(rank + 2.0) + rank, (4, 5))
+    dist.all_reduce(sparse)
+    out["sparse_sum"] = [sparse.layout == torch.sparse_coo, sparse.to_dense().tolist()]
 
     for dtype in (torch.int64, torch.int32, torch.uint8, torch.bool):
         for op in ("BAND", "BOR", "BXOR"):
@@ -293,7 +299,7 @@ def parity_errors(rank: int, world: int) -> dict:
     out: dict = {}
     for name, call in [
         ("band_float", lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)),
-        ("sparse", lambda: dist.all_reduce(torch.eye(3).to_sparse())),
+        ("sparse", lambda: dist.all_reduce(torch.eye(3).to_sparse(), op=dist.ReduceOp.MAX)),
     ]:
         try:
             call()
