@@ -61,7 +61,10 @@ async def run_ranks(world: int, argv_of, timeout: float) -> list[dict[str, dict]
     return reports
 
 
-async def both_backends(world: int, rendezvous_file) -> tuple[list, list]:
+async def both_backends(world: int, rendezvous_file, job: str, gradstar_scenarios,
+                        gloo_scenarios, timeout: float = 150) -> tuple[list, list]:
+    """``world`` ranks of the script over gradstar (a fresh in-process hub, job ``job``) and
+    over gloo (file rendezvous), both at once; (gradstar reports, gloo reports)."""
     hub = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0))
     await hub.start()
     try:
@@ -70,9 +73,10 @@ async def both_backends(world: int, rendezvous_file) -> tuple[list, list]:
                                  "--rank", str(rank), "--world-size", str(world), *scenarios]
 
         return await asyncio.gather(
-            run_ranks(world, argv("gradstar", f"gradstar://{hub.address}?job=torch{world}"
-                                              "&timeout=60", *COMPARED, "errors"), 150),
-            run_ranks(world, argv("gloo", f"file://{rendezvous_file}", *COMPARED), 150))
+            run_ranks(world, argv("gradstar", f"gradstar://{hub.address}?job={job}"
+                                              "&timeout=60", *gradstar_scenarios), timeout),
+            run_ranks(world, argv("gloo", f"file://{rendezvous_file}", *gloo_scenarios),
+                      timeout))
     finally:
         await hub.stop(grace=0)
 
@@ -83,7 +87,9 @@ def runs(tmp_path_factory) -> dict[tuple[str, int], list[dict[str, dict]]]:
     folder = tmp_path_factory.mktemp("gloo-rendezvous")
 
     async def everything():
-        return await asyncio.gather(*(both_backends(w, folder / f"world{w}") for w in WORLDS))
+        return await asyncio.gather(*(
+            both_backends(w, folder / f"world{w}", f"torch{w}", (*COMPARED, "errors"), COMPARED)
+            for w in WORLDS))
 
     out = {}
     for world, (gradstar_reports, gloo_reports) in zip(WORLDS, asyncio.run(everything()),

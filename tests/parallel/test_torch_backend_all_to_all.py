@@ -9,10 +9,7 @@ import asyncio
 
 import pytest
 
-from gradstar.config import CoordinatorSettings
-from gradstar.coordinator import Coordinator
-
-from .test_torch_backend import run_ranks
+from .test_torch_backend import both_backends
 
 WORLD = 4
 SCENARIOS = ("all_to_all", "recv_any")
@@ -24,24 +21,8 @@ def runs(tmp_path_factory) -> dict[str, list[dict[str, dict]]]:
     """{backend: [rank 0's {scenario: report}, ...]}."""
     rendezvous = tmp_path_factory.mktemp("gloo-rendezvous") / "a2a"
 
-    async def both():
-        hub = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0))
-        await hub.start()
-        try:
-            def argv(backend: str, init_method: str, *scenarios: str):
-                return lambda rank: ["ranks", "--backend", backend, "--init-method",
-                                     init_method, "--rank", str(rank), "--world-size",
-                                     str(WORLD), *scenarios]
-
-            return await asyncio.gather(
-                run_ranks(WORLD, argv("gradstar", f"gradstar://{hub.address}?job=a2a"
-                                                  "&timeout=60", *SCENARIOS,
-                                      "all_to_all_errors"), 180),
-                run_ranks(WORLD, argv("gloo", f"file://{rendezvous}", *SCENARIOS), 180))
-        finally:
-            await hub.stop(grace=0)
-
-    gradstar_reports, gloo_reports = asyncio.run(both())
+    gradstar_reports, gloo_reports = asyncio.run(both_backends(
+        WORLD, rendezvous, "a2a", (*SCENARIOS, "all_to_all_errors"), SCENARIOS, 180))
     return {"gradstar": gradstar_reports, "gloo": gloo_reports}
 
 

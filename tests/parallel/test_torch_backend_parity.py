@@ -13,10 +13,7 @@ import asyncio
 
 import pytest
 
-from gradstar.config import CoordinatorSettings
-from gradstar.coordinator import Coordinator
-
-from .test_torch_backend import run_ranks
+from .test_torch_backend import both_backends
 
 WORLD = 3
 pytestmark = pytest.mark.timeout(200)
@@ -27,24 +24,8 @@ def runs(tmp_path_factory) -> dict[str, list[dict[str, dict]]]:
     """{backend: [rank 0's {scenario: report}, ...]}."""
     rendezvous = tmp_path_factory.mktemp("gloo-rendezvous") / "parity"
 
-    async def both():
-        hub = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0))
-        await hub.start()
-        try:
-            def argv(backend: str, init_method: str, *scenarios: str):
-                return lambda rank: ["ranks", "--backend", backend, "--init-method",
-                                     init_method, "--rank", str(rank), "--world-size",
-                                     str(WORLD), *scenarios]
-
-            return await asyncio.gather(
-                run_ranks(WORLD, argv("gradstar", f"gradstar://{hub.address}?job=parity"
-                                                  "&timeout=60", "parity", "parity_errors"),
-                          120),
-                run_ranks(WORLD, argv("gloo", f"file://{rendezvous}", "parity"), 120))
-        finally:
-            await hub.stop(grace=0)
-
-    gradstar_reports, gloo_reports = asyncio.run(both())
+    gradstar_reports, gloo_reports = asyncio.run(both_backends(
+        WORLD, rendezvous, "parity", ("parity", "parity_errors"), ("parity",), 120))
     return {"gradstar": gradstar_reports, "gloo": gloo_reports}
 
 
