@@ -39,7 +39,7 @@ def make(*args: str, venv: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(("torch", "extras"), [
-    ("cpu", '".[dev,torch]"'), ("cuda", '".[dev,torch]"'), ("none", '"."')])
+    ("cpu", '".[dev,torch,plot]"'), ("cuda", '".[dev,torch,plot]"'), ("none", '"."')])
 def test_make_setup_installs_the_torch_build_that_torch_names(tmp_path, torch, extras):
     venv = tmp_path / "venv"
     plan = make("-n", "setup", f"TORCH={torch}", venv=venv)
