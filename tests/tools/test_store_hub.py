@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -16,16 +15,9 @@ import pytest
 
 from gradstar.client.torch_backend import store_hub
 
+from .test_torchrun import refused
+
 pytestmark = pytest.mark.timeout(120)
-
-
-def refused(address: str) -> bool:
-    host, port = address.rsplit(":", 1)
-    try:
-        socket.create_connection((host, int(port)), timeout=2).close()
-    except OSError:
-        return True
-    return False
 
 
 def running(pid: int) -> bool:
