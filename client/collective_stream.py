@@ -83,10 +83,13 @@ from gradstar.wire import (
     as_byte_view,
     decode_error,
     decode_message,
+    decode_shm_chunk,
     encode_message,
+    encode_shm_chunk,
     frame_kind,
     iter_chunk_frames,
     payload_bytes,
+    place_chunk,
     receive_chunk,
 )
 
@@ -197,11 +200,9 @@ class StreamReceiver:
         if kind == KIND_CHUNK and self.phase is Phase.RECEIVING:
             receive_chunk(frame, self.tracker, self.out)
         elif kind == KIND_SHM_CHUNK and self.phase is Phase.RECEIVING and self.attached:
-            index = shm.decode_shm_chunk(frame)
+            index = decode_shm_chunk(frame)
             offset, length = self.tracker.layout.span(index)
-            region = self.shm_out[offset:offset + length]
-            self.tracker.admit(index, region)
-            self.out[offset:offset + length] = region
+            place_chunk(index, self.shm_out[offset:offset + length], self.tracker, self.out)
         elif kind == KIND_SHM_ATTACH and self.attached is None:
             answer = decode_message(frame, KIND_SHM_ATTACH, pb.ShmAttach)
             self.attached, self.refusal = answer.attached, answer.reason
@@ -235,7 +236,7 @@ async def _frames(header: pb.CollectiveHeader, layout: ChunkLayout, send: memory
             offset, length = layout.span(index)
             segment.data[offset:offset + length] = send[offset:offset + length]
             sent += length
-            yield shm.encode_shm_chunk(KIND_SHM_CHUNK, index)
+            yield encode_shm_chunk(index)
     else:
         for frame in iter_chunk_frames(send, layout, sends):
             sent += len(frame) - CHUNK_HEADER_BYTES

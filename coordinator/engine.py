@@ -60,20 +60,20 @@ from gradstar.errors import (
     RankLostError,
 )
 from gradstar.proto.v1 import collective_pb2 as pb
-from gradstar.transport.shm import decode_shm_chunk, encode_shm_chunk
 from gradstar.wire import (
     CHUNK_HEADER_BYTES,
     KIND_ACCEPT,
     KIND_END,
-    KIND_SHM_CHUNK,
     ChunkLayout,
     ChunkTracker,
     chunk_frame_buffer,
     decode_chunk,
     decode_message,
+    decode_shm_chunk,
     dtype_from_wire,
     encode_chunk,
     encode_message,
+    encode_shm_chunk,
     payload_bytes,
     seal_chunk_frame,
 )
@@ -329,11 +329,10 @@ class PendingCollective:
             # Every receiver shares memory with the hub: reduce straight into the first one's
             # segment, copy from there to the others; no frame at all.
             result, frame = receivers[0].out_region(out_index), None
-            self.reducer.finish_into(slot, payload, result)
         else:
             frame, view = chunk_frame_buffer(payload.nbytes)
             result = view[CHUNK_HEADER_BYTES:]
-            self.reducer.finish_into(slot, payload, result)
+        self.reducer.finish_into(slot, payload, result)
         if self.round is not None:
             values = np.frombuffer(result, dtype=np.float32)
             self.round.apply(self.layout.span(index)[0] // 4, values)
@@ -359,7 +358,7 @@ class PendingCollective:
         if q.shm is not None:
             if not placed:
                 q.out_region(index)[:] = payload
-            q.outbox.put_nowait(encode_shm_chunk(KIND_SHM_CHUNK, index))
+            q.outbox.put_nowait(encode_shm_chunk(index))
         else:
             q.outbox.put_nowait(frame)
         q.queued += 1

@@ -7,6 +7,9 @@ payload). The first byte of every frame is its kind:
   message (``CollectiveHeader``, ``CollectiveAccept``, ``CollectiveEnd``, ``CollectiveFailure``).
 - ``CHUNK``: the kind byte, three zero bytes, then little-endian ``u32 index``, ``u32 length``,
   ``u32 crc32`` of the payload, then ``length`` raw little-endian tensor bytes.
+- ``SHM_ATTACH`` (a ``ShmAttach`` message) and ``SHM_CHUNK`` (kind byte, three zero bytes,
+  ``u32 index``): the same-host fast path, where a chunk's payload is in a shared-memory segment
+  (:mod:`gradstar.transport.shm`) instead of in the frame.
 
 A tensor is cut by a :class:`ChunkLayout` into segments (one per shard or per rank) and each
 segment into chunks of at most ``chunk_bytes``. Both sides compute the layout from the header,
@@ -61,6 +64,8 @@ KIND_SHM_CHUNK = 7
 
 _CHUNK_HEADER = struct.Struct("<B3xIII")
 CHUNK_HEADER_BYTES = _CHUNK_HEADER.size
+#: Frame of a chunk whose payload is in a shared-memory segment: kind, pad, chunk index.
+_SHM_CHUNK = struct.Struct("<B3xI")
 
 DEFAULT_CHUNK_BYTES = 2 << 20
 MAX_CHUNK_BYTES = 16 << 20
@@ -285,6 +290,20 @@ def seal_chunk_frame(frame: bytes, view: memoryview, index: int) -> bytes:
     return frame
 
 
+def encode_shm_chunk(index: int) -> bytes:
+    """The frame announcing that chunk ``index`` is in place in a shared-memory segment
+    (:mod:`gradstar.transport.shm`) rather than in the frame."""
+    return _SHM_CHUNK.pack(KIND_SHM_CHUNK, index)
+
+
+def decode_shm_chunk(frame: bytes) -> int:
+    """The chunk index of a frame from :func:`encode_shm_chunk`."""
+    if len(frame) != _SHM_CHUNK.size:
+        raise ProtocolError(f"shared-memory chunk frame of {len(frame)} bytes, expected "
+                            f"{_SHM_CHUNK.size}")
+    return _SHM_CHUNK.unpack(frame)[1]
+
+
 def decode_chunk(frame: bytes) -> tuple[int, memoryview]:
     """(index, payload view) of a chunk frame whose length and checksum are verified."""
     if len(frame) < CHUNK_HEADER_BYTES:
@@ -372,9 +391,20 @@ def receive_chunk(frame: bytes, tracker: ChunkTracker, out: memoryview) -> int:
         ProtocolError: a corrupt, misplaced, repeated or wrongly sized chunk.
     """
     index, payload = decode_chunk(frame)
+    place_chunk(index, payload, tracker, out)
+    return index
+
+
+def place_chunk(index: int, payload: memoryview, tracker: ChunkTracker,
+                out: memoryview) -> None:
+    """Admit chunk ``index`` to ``tracker`` and copy ``payload`` to its place in ``out``
+    (from a frame, or from a shared-memory segment).
+
+    Raises:
+        ProtocolError: a misplaced, repeated or wrongly sized chunk.
+    """
     offset = tracker.admit(index, payload)
     out[offset:offset + payload.nbytes] = payload
-    return index
 
 
 def as_byte_view(array: np.ndarray) -> memoryview:

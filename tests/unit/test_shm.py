@@ -16,7 +16,7 @@ import pytest
 
 from gradstar.errors import ProtocolError
 from gradstar.transport import shm
-from gradstar.wire import KIND_SHM_CHUNK
+from gradstar.wire import KIND_SHM_CHUNK, decode_shm_chunk, encode_shm_chunk
 
 MIB = 1 << 20
 
@@ -162,8 +162,8 @@ def test_sizes_round_up_to_whole_mebibytes():
 
 
 def test_chunk_frames_round_trip_and_refuse_other_lengths():
-    frame = shm.encode_shm_chunk(KIND_SHM_CHUNK, 12345)
+    frame = encode_shm_chunk(12345)
     assert frame[0] == KIND_SHM_CHUNK
-    assert shm.decode_shm_chunk(frame) == 12345
+    assert decode_shm_chunk(frame) == 12345
     with pytest.raises(ProtocolError, match="shared-memory chunk frame of 9 bytes"):
-        shm.decode_shm_chunk(frame + b"x")
+        decode_shm_chunk(frame + b"x")

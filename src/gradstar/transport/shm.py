@@ -7,7 +7,8 @@ its hub (or hub shard) share a host, the rank instead puts its input into a memo
 hub maps, and the hub writes the rank's result into the same segment: one copy in and one copy
 out on the rank, the reduction reading and writing memory directly on the hub. The Collective
 stream still carries the whole protocol (header, accept, end, errors, flow control); only the
-chunk payloads move through memory, announced by small frames (:func:`encode_shm_chunk`).
+chunk payloads move through memory, announced by small frames
+(:func:`gradstar.wire.encode_shm_chunk`).
 
 Safety. A segment is a Linux memfd the rank creates with sealing allowed and seals against
 shrinking and growing, so a mapping can never lose its pages under the hub (which would kill it
@@ -32,12 +33,9 @@ import mmap
 import os
 import secrets
 import stat
-import struct
 import sys
 import threading
 import time
-
-from gradstar.errors import ProtocolError
 
 #: The data starts one page in; the page before holds the key.
 DATA_OFFSET = mmap.PAGESIZE
@@ -50,28 +48,12 @@ POOL_KEEP_BYTES = 1 << 30
 #: How often (seconds) the hub looks for mappings whose owner let go (see SegmentMapper).
 SWEEP_INTERVAL = 10.0
 
-#: Frame of a chunk that travels through shared memory: kind, pad, chunk index.
-_SHM_CHUNK = struct.Struct("<B3xI")
-
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0)
 
 
 def supported() -> bool:
     """Whether this system has sealable memfds (Linux)."""
     return sys.platform.startswith("linux") and hasattr(os, "memfd_create") and bool(_SEALS)
-
-
-def encode_shm_chunk(kind: int, index: int) -> bytes:
-    """The frame announcing that chunk ``index`` is in place in the segment."""
-    return _SHM_CHUNK.pack(kind, index)
-
-
-def decode_shm_chunk(frame: bytes) -> int:
-    """The chunk index of a frame from :func:`encode_shm_chunk`."""
-    if len(frame) != _SHM_CHUNK.size:
-        raise ProtocolError(f"shared-memory chunk frame of {len(frame)} bytes, expected "
-                            f"{_SHM_CHUNK.size}")
-    return _SHM_CHUNK.unpack(frame)[1]
 
 
 class Segment:
@@ -231,5 +213,4 @@ class SegmentMapper:
         return sum(len(m) for _, m, _ in self._maps.values())
 
 
-__all__ = ["DATA_OFFSET", "Segment", "SegmentMapper", "SegmentPool", "ShmRefused",
-           "decode_shm_chunk", "encode_shm_chunk", "supported"]
+__all__ = ["DATA_OFFSET", "Segment", "SegmentMapper", "SegmentPool", "ShmRefused", "supported"]
