@@ -58,8 +58,8 @@ def all_reduce_coalesced(group: AllReducer, arrays: Sequence, op: str = "mean",
                 flat[offset:offset + numel] = converted[sent[member]][0].reshape(-1)
             pending.append(group.all_reduce(flat, op, timeout=timeout))
     except BaseException:
-        for coro in pending:  # never awaited: close them so nothing half-starts
-            coro.close()
+        for call in pending:  # withdrawn: a started task tells the hub, a coroutine never ran
+            call.cancel() if isinstance(call, asyncio.Future) else call.close()
         raise
     return _gather(plan, pending, converted, sent)
 

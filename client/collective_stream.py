@@ -33,8 +33,10 @@ hub fails a collective whose stream closes before its end marker. Before the hub
 header is written by grpc's own task, so a cancelled caller cannot tell), the hub would not know
 this rank is gone, its session being alive, and the other ranks would wait out the timeout; so
 a stream cancelled before the hub's accept also sends the hub the header alone on a new stream
-(:func:`_abandon`). A collective coroutine cancelled before it ever ran sent nothing and sends
-nothing: that one still costs the other ranks the timeout.
+(:func:`_abandon`). A collective is issued when it is called, not when it is awaited
+(:func:`issue`: the asyncio API returns a running task, as torch's ``async_op`` does), so one
+the caller never awaits still runs; and one cancelled before its task ever ran sends the hub its
+header alone the same way (:func:`abandon_collective`), so no rank waits out the timeout.
 
 Shared memory: when a rank may share a host with its target, it offers a segment in the header
 (:mod:`gradstar.transport.shm`); the hub answers ``SHM_ATTACH`` before anything else. If it
@@ -58,7 +60,7 @@ import asyncio
 import enum
 import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -380,6 +382,52 @@ async def run_collective(targets: Sequence[Target], header: pb.CollectiveHeader,
             (SEGMENTS.release if clean else SEGMENTS.discard)(segment)
 
 
+def issue(run: Callable[[], Coroutine], abandon: Callable[[], Coroutine]) -> Awaitable:
+    """Start ``run()`` now, as a task of the running loop, and return that task.
+
+    A task cancelled before its first step never ran ``run()`` at all, so nothing told the hub:
+    then ``abandon()`` runs (on its own task, held until it ends) to do so. Without a running
+    loop (the blocking API builds the call on its own thread and submits it to its loop at
+    once) the coroutine itself is returned.
+    """
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return run()
+    started = False
+
+    async def running():
+        nonlocal started
+        started = True
+        return await run()
+
+    def settled(task: asyncio.Task) -> None:
+        if task.cancelled() and not started:
+            notice = loop.create_task(abandon())
+            _abandoning.add(notice)
+            notice.add_done_callback(_abandoning.discard)
+
+    task = loop.create_task(running())
+    task.add_done_callback(settled)
+    return task
+
+
+async def abandon_collective(targets: Sequence[Target], header: pb.CollectiveHeader,
+                             world_size: int, metadata) -> None:
+    """Tell the hub (each shard of the collective's stripes) that this rank gave up
+    ``header`` before sending anything: :func:`_abandon` on every stripe's target."""
+    geometry = CollectivePlan.for_header(header, world_size, None, np.empty(0)).geometry
+    stripes = ops.active_shards(geometry.layout, len(targets)) if len(targets) > 1 else 1
+    notices = []
+    for k in range(stripes):
+        stripe = pb.CollectiveHeader()
+        stripe.CopyFrom(header)
+        if len(targets) > 1:
+            stripe.stripe, stripe.stripes = k, stripes
+        notices.append(_abandon(targets[k], stripe, metadata))
+    await asyncio.gather(*notices)
+
+
 def _output_offset(geometry: ops.Geometry) -> int:
     """Where a segment's result region starts: after the input region, cache-line aligned; for
     all_reduce on the input region itself (the hub writes result chunk i only after reading
@@ -416,5 +464,5 @@ def _offering(header: pb.CollectiveHeader, target: Target, segment: shm.Segment 
     return copy
 
 
-__all__ = ["CollectivePlan", "Phase", "StreamReceiver", "Target", "run_collective",
-           "run_stream"]
+__all__ = ["CollectivePlan", "Phase", "StreamReceiver", "Target", "abandon_collective", "issue",
+           "run_collective", "run_stream"]

@@ -35,7 +35,7 @@ from gradstar.wire import aligned_chunk_bytes, dtype_info
 
 from . import all_to_all as a2a
 from .coalesced import all_reduce_coalesced
-from .collective_stream import run_collective
+from .collective_stream import abandon_collective, issue, run_collective
 from .convert import array_kind, restore_array, to_numpy
 from .data_plane import DataPlane
 from .peer import Identity, PeerEndpoint
@@ -45,7 +45,11 @@ from .work import Work
 
 
 class AsyncProcessGroup:
-    """A rank of a job; collectives are awaitables. Create with ``init_process_group_async``."""
+    """A rank of a job. Create with ``init_process_group_async``.
+
+    Each collective is issued when it is called: it returns an ``asyncio.Task`` already
+    running on the caller's loop, so collectives go out in call order whether or not (and in
+    whatever order) they are awaited; cancelling one fails it on every rank."""
 
     def __init__(self, settings: ClientSettings, channel: grpc.aio.Channel, session: Session,
                  peer_endpoint: PeerEndpoint | None = None):
@@ -256,9 +260,11 @@ class AsyncProcessGroup:
         encoded = plan.encode()
         plans = np.empty((self.world_size, encoded.size), dtype=np.int64)
         plans[self.rank] = encoded  # this rank's segment: sent from here, never received
-        exchange = self._run(ops.ALL_TO_ALL, encoded, plans, plans, lambda r: r, timeout)
-        return self._move(exchange, next(self._all_to_all_calls), plan, pieces, kind, deliver,
-                          timeout, into)
+        header, timeout = self._header(ops.ALL_TO_ALL, encoded, timeout)
+        call = next(self._all_to_all_calls)
+        return self._issue(header, lambda: self._move(
+            self._collect(header, plans, plans, lambda r: r, timeout), call, plan, pieces, kind,
+            deliver, timeout, into))
 
     async def _move(self, exchange: Awaitable, call: int, plan: a2a.Plan,
                     pieces: list[np.ndarray], kind: int, deliver, timeout: float,
@@ -385,9 +391,16 @@ class AsyncProcessGroup:
     def _run(self, op: int, arr: np.ndarray, send: np.ndarray | None, out: np.ndarray, restore,
              timeout: float | None, *, reduce_op: int = 0, root: int = 0,
              averaging: pb.AveragingSpec | None = None) -> Awaitable:
-        """Take the collective's seq now and return the coroutine that runs it (see
+        """Take the collective's seq and issue it now (see
         :mod:`gradstar.client.collective_stream`): ``send`` is cut by the op's input layout,
         ``out`` receives the result and ``restore`` turns it into what the caller gets."""
+        header, timeout = self._header(op, arr, timeout, reduce_op, root, averaging)
+        return self._issue(header, lambda: self._collect(header, send, out, restore, timeout))
+
+    def _header(self, op: int, arr: np.ndarray, timeout: float | None, reduce_op: int = 0,
+                root: int = 0, averaging: pb.AveragingSpec | None = None,
+                ) -> tuple[pb.CollectiveHeader, float]:
+        """The next collective's header (its seq taken now) and its timeout."""
         self._check_usable()
         timeout = self.settings.timeout if timeout is None else timeout
         header = pb.CollectiveHeader(
@@ -397,12 +410,21 @@ class AsyncProcessGroup:
             chunk_bytes=aligned_chunk_bytes(self.settings.chunk_bytes, arr.dtype.itemsize),
             timeout_seconds=timeout, averaging=averaging,
         )
-        return self._collect(header, send, out, restore, timeout)
+        return header, timeout
+
+    def _targets(self, header: pb.CollectiveHeader):
+        return self._plane.targets(averaging=bool(header.averaging.rule))
+
+    def _issue(self, header: pb.CollectiveHeader, run) -> Awaitable:
+        """Start ``run()``, the call that carries collective ``header``, now
+        (:func:`~gradstar.client.collective_stream.issue`); cancelled before it ran, it tells
+        the hub so that no rank waits for it."""
+        return issue(run, lambda: abandon_collective(self._targets(header), header,
+                                                     self.world_size, self._metadata))
 
     async def _collect(self, header: pb.CollectiveHeader, send: np.ndarray | None,
                        out: np.ndarray, restore, timeout: float):
-        targets = self._plane.targets(averaging=bool(header.averaging.rule))
-        result = await run_collective(targets, header, self.world_size, send, out,
+        result = await run_collective(self._targets(header), header, self.world_size, send, out,
                                       session=self._session, metadata=self._metadata,
                                       timeout=timeout)
         return restore(result)

@@ -324,3 +324,27 @@ async def test_a_collective_cancelled_before_its_header_left_fails_every_rank_pr
     # The ranks stay in step: their next collective matches.
     results = await gather_outcomes(*(g.all_reduce(np.ones(2)) for g in trio))
     assert [r.tolist() for r in results] == [[3.0, 3.0]] * 3
+
+
+async def test_a_collective_cancelled_before_it_ever_ran_fails_every_rank_promptly(trio):
+    g0, g1, g2 = trio
+    pending = [asyncio.ensure_future(g.all_reduce(np.ones(3), timeout=120)) for g in (g0, g1)]
+    withdrawn = g2.all_reduce(np.ones(3), timeout=120)
+    withdrawn.cancel()  # before the loop ever ran it: nothing of it has left this process
+    for outcome in await gather_outcomes(*pending, timeout=10):  # not the 120 s timeout
+        assert isinstance(outcome, errors.RankLostError), outcome
+        assert "rank 2" in str(outcome), outcome
+    with pytest.raises(asyncio.CancelledError):
+        await withdrawn
+    results = await gather_outcomes(*(g.all_reduce(np.ones(2)) for g in trio))
+    assert [r.tolist() for r in results] == [[3.0, 3.0]] * 3
+
+
+async def test_a_collective_is_issued_when_called_even_if_never_awaited(trio):
+    g0, g1, g2 = trio
+    x = np.arange(4, dtype=np.float32)
+    g2.all_reduce(x * 10)  # called and dropped: it still takes part
+    results = await gather_outcomes(g0.all_reduce(x), g1.all_reduce(x))
+    assert [r.tolist() for r in results] == [(x * 12).tolist()] * 2
+    later = await gather_outcomes(*(g.all_reduce(np.ones(2)) for g in trio))
+    assert [r.tolist() for r in later] == [[3.0, 3.0]] * 3
