@@ -5,7 +5,9 @@ coordinator carries every collective itself). The rank opens one channel per sha
 coordinator channel's TLS settings and token, so each shard's stripe travels on its own TCP
 connection. A shard address with no host (``:PORT``, as local shards advertise themselves)
 means the host this rank reaches the coordinator at. Parameter-averaging rounds always go to
-the coordinator, which keeps the job's global model.
+the coordinator, which keeps the job's global model. Joining waits until every shard is
+connected (:meth:`DataPlane.connect`), as it waits for the coordinator, so that a shard this
+rank cannot reach fails the join with its cause named (a TLS mismatch within a second or two).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import grpc
 
 from gradstar.config import ClientSettings
 from gradstar.transport.channels import open_channel
+from gradstar.transport.tls_check import wait_connected
 from gradstar.wire import COLLECTIVE_METHOD
 
 from .collective_stream import SharedMemoryOffer, Target
@@ -35,6 +38,7 @@ class DataPlane:
 
     def __init__(self, settings: ClientSettings, coordinator: grpc.aio.Channel,
                  shards: list[str]) -> None:
+        self.settings = settings
         self.coordinator = Target(coordinator.stream_stream(COLLECTIVE_METHOD),
                                   settings.coordinator,
                                   shm=SharedMemoryOffer(settings.shared_memory))
@@ -53,6 +57,25 @@ class DataPlane:
         if averaging or not self.shards:
             return [self.coordinator]
         return self.shards
+
+    async def connect(self, timeout: float) -> None:
+        """Wait until this rank is connected to every hub shard (all at once).
+
+        Raises:
+            CoordinatorUnavailableError: a shard was not reached within ``timeout`` seconds,
+                or its TLS settings do not match this rank's (named at once).
+        """
+        s = self.settings
+        waits = [asyncio.ensure_future(wait_connected(
+            channel, target.address, timeout, s.tls_ca, s.tls_cert, s.tls_key,
+            name=target.name)) for channel, target in zip(self._channels, self.shards,
+                                                          strict=True)]
+        try:
+            await asyncio.gather(*waits)
+        finally:
+            for wait in waits:
+                wait.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):

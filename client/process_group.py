@@ -74,7 +74,7 @@ class AsyncProcessGroup:
         self._peer_endpoint = peer_endpoint
         if peer_endpoint is not None:
             peer_endpoint.bind(Identity(self.job, self.generation, self.rank, self.world_size,
-                                        joined.peer_key), self.peers, session)
+                                        tuple(joined.peer_keys)), self.peers, session)
 
     @property
     def shared_memory(self) -> bool:
@@ -483,8 +483,8 @@ async def init_process_group_async(
 
     Raises:
         ConfigurationError: a missing or invalid setting.
-        CoordinatorUnavailableError: the coordinator could not be reached within
-            ``connect_timeout`` seconds.
+        CoordinatorUnavailableError: the coordinator or a hub shard of the generation could
+            not be reached within ``connect_timeout`` seconds (a TLS mismatch: at once, named).
         AuthenticationError: the coordinator refused the token.
         RendezvousError and subclasses: duplicate rank, world-size disagreement, join timeout.
     """
@@ -510,7 +510,13 @@ async def init_process_group_async(
         await channel.close()
         await peer_endpoint.close()
         raise
-    return AsyncProcessGroup(settings, channel, session, peer_endpoint)
+    group = AsyncProcessGroup(settings, channel, session, peer_endpoint)
+    try:
+        await group._plane.connect(settings.connect_timeout)
+    except BaseException:
+        await group.close()
+        raise
+    return group
 
 
 class _LoopThread:

@@ -20,7 +20,10 @@ This module does no I/O; the servicers drive it and tests can drive it directly.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import secrets
+import struct
 import time
 import unicodedata
 import uuid
@@ -45,6 +48,16 @@ MAX_JOB_NAME_CHARS = 256
 # Control and format characters (newlines, escapes, bidi overrides) and line separators: a
 # job name must not be able to forge log lines or hide what it is in a terminal.
 _UNPRINTABLE = frozenset(("Cc", "Cf", "Cs", "Zl", "Zp"))
+# Domain separation: a pair key can never equal another use of the generation's secret.
+_PAIR_KEY_CONTEXT = b"gradstar peer pair key v1\x00"
+
+
+def pair_key(secret: bytes, a: int, b: int) -> bytes:
+    """The peer-stream key ranks ``a`` and ``b`` share: HMAC-SHA256 under the generation's
+    ``secret`` of the unordered pair, so both ends derive the same key and no other rank can."""
+    low, high = min(a, b), max(a, b)
+    # Fixed-width big-endian ranks (uint32 on the wire): no two pairs encode alike.
+    return hmac.digest(secret, _PAIR_KEY_CONTEXT + struct.pack(">II", low, high), hashlib.sha256)
 
 
 def check_job_name(job: str) -> None:
@@ -106,9 +119,10 @@ class Generation:
     #: The hub shards this generation stripes its collectives over (addresses in stripe
     #: order); empty when the coordinator carries them itself. Fixed when it forms.
     shards: list[str] = field(default_factory=list)
-    #: The secret its members prove membership with on peer streams (``Joined.peer_key``);
-    #: random when it forms, empty on a hub shard's adopted copy, never in a repr.
-    peer_key: bytes = field(default=b"", repr=False)
+    #: The secret its members' peer-stream keys derive from (:meth:`peer_keys`); it never
+    #: leaves the coordinator. Random when it forms, empty on a hub shard's adopted copy, never
+    #: in a repr.
+    peer_secret: bytes = field(default=b"", repr=False)
     #: Why collectives of this generation can no longer complete although it is healthy: the
     #: first of its members that finished while others were still live.
     finished_error: RankFinishedError | None = None
@@ -125,6 +139,14 @@ class Generation:
     @property
     def live_members(self) -> list[Member]:
         return [m for m in self.members.values() if not m.left]
+
+    def peer_keys(self, rank: int) -> list[bytes]:
+        """``Joined.peer_keys`` of member ``rank``: by rank, the key it shares with each other
+        member (:func:`pair_key`), empty at its own rank; no keys without a secret."""
+        if not self.peer_secret:
+            return []
+        return [b"" if other == rank else pair_key(self.peer_secret, rank, other)
+                for other in range(self.world_size)]
 
 
 @dataclass
@@ -297,7 +319,7 @@ class Rendezvous:
             members[m.rank] = m
         job.generations_formed += 1
         gen = Generation(job, job.generations_formed, job.world_size, members,
-                         peer_key=secrets.token_bytes(32))
+                         peer_secret=secrets.token_bytes(32))
         previous, job.generation, job.forming = job.generation, gen, []
         if previous is not None and previous.healthy and previous.live_members:
             # Everyone moved on; nothing of the old generation can still be waited for (a

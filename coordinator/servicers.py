@@ -80,7 +80,9 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
                 member_id=member.member_id,
                 peers=[rpb.Peer(rank=r, address=m.peer_address)
                        for r, m in sorted(gen.members.items())],
-                heartbeat_interval_seconds=self.heartbeat_interval, peer_key=gen.peer_key,
+                heartbeat_interval_seconds=self.heartbeat_interval,
+                # This member's keys only, on its own session stream (32 bytes per rank).
+                peer_keys=gen.peer_keys(member.rank),
             ))
             while (notice := await member.notices.get()) is not _SESSION_END:
                 if isinstance(notice, RankFinishedError):

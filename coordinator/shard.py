@@ -49,6 +49,7 @@ from gradstar.transport.channels import (
     server_credentials,
 )
 from gradstar.transport.status import error_from_rpc
+from gradstar.transport.tls_check import wait_connected
 from gradstar.wire import COLLECTIVE_SERVICE, MAX_NDIM, payload_bytes
 
 from .engine import CollectiveEngine
@@ -98,6 +99,10 @@ class Shard:
 
         Raises:
             OSError: the address could not be bound.
+            CoordinatorUnavailableError: the coordinator did not accept a connection within
+                ``shard_wait`` seconds, or (at once, naming the cause) TLS settings do not
+                match it: ``coordinator_ca`` is not the CA of its certificate, it requires a
+                client certificate, or TLS is on one side only.
             CoordinatorUnavailableError / AuthenticationError: registration failed.
             ConfigurationError: a placeholder token, or a non-loopback address without a job
                 token and without ``insecure`` (see CoordinatorSettings.check_protected).
@@ -149,6 +154,11 @@ class Shard:
         creds = (client_credentials(s.coordinator_ca, s.tls_cert, s.tls_key)
                  if s.coordinator_ca is not None else None)
         self._channel = secure_or_insecure_channel(s.coordinator, creds)
+        # The shard presents its own certificate to the coordinator only over TLS.
+        tls = creds is not None
+        await wait_connected(self._channel, s.coordinator, s.shard_wait, s.coordinator_ca,
+                             s.tls_cert if tls else None, s.tls_key if tls else None,
+                             ca_setting="coordinator_ca")
         admin = s.admin_token or s.token
         metadata = bearer(admin.get_secret_value()) if admin is not None else ()
         stub = shard_pb2_grpc.ShardControlStub(self._channel)

@@ -36,31 +36,37 @@ The protocol (frames in ``protos/gradstar/proto/v1/peer.proto``):
 * Security: the job token travels in call metadata and the peer server checks it with the
   hub's interceptor. With ``tls_cert`` and ``tls_key`` the peer server serves TLS with them
   (requiring client certificates from ``tls_ca`` when set), and links use the same credentials
-  as the hub's channel.
+  as the hub's channel. A link whose TLS settings do not match its peer's (a certificate from
+  another CA or for another name, a missing client certificate, TLS on one side only) fails
+  within a second or two with :class:`~gradstar.errors.ConfigurationError` naming the cause
+  (:mod:`gradstar.transport.tls_check`), not as a lost rank after ``connect_timeout``.
 * Rank identity (:mod:`.proof`): the token only says "some process of this job". When a
-  generation forms, the coordinator draws a random 32-byte *peer key* for it and sends it to
-  the generation's members only, in ``Joined.peer_key`` on their session streams. A hello
-  carries a fresh random 16-byte nonce and HMAC-SHA256 under that key over job, generation,
-  sender, receiver and nonce. The receiver checks the proof in constant time and refuses a
+  generation forms, the coordinator draws a random 32-byte secret for it, which never leaves
+  the coordinator. From it each pair of ranks gets a key of its own,
+  ``k(a, b) = HMAC-SHA256(secret, "gradstar peer pair key v1" | min(a, b) | max(a, b))``, and
+  each member ``r`` gets its keys only (``Joined.peer_keys``: ``k(r, x)`` at index ``x``, 32
+  bytes per rank) on its own session stream. A hello from ``s`` to ``t`` carries a fresh random
+  16-byte nonce and HMAC-SHA256 under ``k(s, t)`` over job, generation, sender, receiver and
+  nonce. The receiver ``t`` checks it with its own ``k(t, s)`` in constant time and refuses a
   nonce it has already accepted in this generation (it remembers the last 4096), raising
   :class:`~gradstar.errors.AuthenticationError` (UNAUTHENTICATED) that names the claimed rank;
   a refused stream files nothing in any mailbox.
 
   What it prevents: a process holding the job token that is not a member of the generation
   (a rank of an earlier generation, a process that never joined, a rank of another job using
-  the same token) cannot open a stream as any rank, so it cannot inject messages into a recv.
-  A proof names its generation and receiver, so it is void in the next generation and at
-  another rank, and a hello captured on the wire cannot open a second stream while its nonce
-  is remembered.
+  the same token) cannot open a stream as any rank, so it cannot inject messages into a recv;
+  and a member ``r`` cannot open a stream as another member: a hello from ``s`` to ``t`` needs
+  ``k(s, t)``, which for ``s, t != r`` only ``s``, ``t`` and the coordinator hold. A proof names
+  its generation, sender and receiver, so it is void in the next generation, at another rank
+  and in the other direction, and a hello captured on the wire cannot open a second stream
+  while its nonce is remembered.
 
-  What it does not prevent: one member speaking as another. Every member holds the same key,
-  so rank ``s`` can sign a hello claiming to be rank ``t`` of its own generation; a member can
-  already corrupt every collective it takes part in, so members are trusted alike. (Closing
-  that would take a key per pair of ranks: the coordinator sending each rank
-  ``world_size - 1`` keys.) The proof authenticates the hello, not each later frame, and the
-  sender does not authenticate the receiver: without TLS an on-path attacker sees the token
-  and the key (the session stream carries it) and can read or alter any stream; with TLS to
-  the hub and between ranks it sees neither.
+  What it does not prevent: a member can still corrupt every collective it takes part in (the
+  hub trusts members alike), and a rank can say anything on its own streams. The proof
+  authenticates the hello, not each later frame, and the sender does not authenticate the
+  receiver: without TLS an on-path attacker sees the token and the keys (the session stream
+  carries them) and can read or alter any stream; with TLS to the hub and between ranks it
+  sees neither.
 """
 
 from gradstar.wire import PEER_METHOD

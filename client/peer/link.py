@@ -13,6 +13,7 @@ import numpy as np
 from gradstar.config import ClientSettings
 from gradstar.errors import (
     AuthenticationError,
+    ConfigurationError,
     GradstarError,
     ProtocolError,
 )
@@ -20,6 +21,7 @@ from gradstar.proto.v1 import collective_pb2 as cpb
 from gradstar.proto.v1 import peer_pb2 as ppb
 from gradstar.transport.channels import client_credentials
 from gradstar.transport.channels import secure_or_insecure_channel as open_channel
+from gradstar.transport.tls_check import connect_or_diagnose
 from gradstar.wire import (
     KIND_ACCEPT,
     KIND_END,
@@ -79,20 +81,31 @@ class PeerLink:
 
         Raises:
             AuthenticationError: the peer server refused the token or this rank's proof of
-                membership.
+                being who it is.
+            ConfigurationError: TLS settings keep the link from connecting (a certificate from
+                another CA or for another name, a missing client certificate, TLS on one side
+                only), named within a second or two instead of after ``connect_timeout``.
             LinkLost: the peer could not be reached within ``connect_timeout``.
             GradstarError: the receiver refused the hello (its ERROR frame).
         """
-        me, timeout = self.identity, self.settings.connect_timeout
+        me, s = self.identity, self.settings
+        timeout = s.connect_timeout
+        server = f"rank {self.dst}'s peer server at {self.address}"
         try:
-            await asyncio.wait_for(self._channel.channel_ready(), timeout)
+            problem = await connect_or_diagnose(self._channel, self.address, timeout,
+                                                s.tls_ca, s.tls_cert, s.tls_key)
         except TimeoutError:
-            raise LinkLost(self.dst, f"rank {me.rank} could not reach rank {self.dst}'s peer "
-                                     f"server at {self.address} within {timeout:g} s") from None
+            raise LinkLost(self.dst, f"rank {me.rank} could not reach {server} within "
+                                     f"{timeout:g} s") from None
+        if problem is not None:
+            # Not LinkLost: the peer is alive and retrying cannot help, so it must not be
+            # reported as a lost rank.
+            raise ConfigurationError(f"rank {me.rank} could not connect to {server}: {problem}")
         self._call = self._channel.stream_stream(PEER_METHOD)(metadata=self._metadata)
         try:
-            await self._call.write(encode_message(KIND_HEADER, sign(me.peer_key, ppb.PeerHello(
-                job=me.job, generation=me.generation, src_rank=me.rank, dst_rank=self.dst))))
+            await self._call.write(encode_message(KIND_HEADER, sign(
+                me.key_for(self.dst), ppb.PeerHello(job=me.job, generation=me.generation,
+                                                    src_rank=me.rank, dst_rank=self.dst))))
             first = await asyncio.wait_for(self._call.read(), timeout + session.VERDICT_GRACE)
             if first is grpc.aio.EOF:
                 raise LinkLost(self.dst, f"rank {self.dst} closed the peer stream at once")

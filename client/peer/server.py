@@ -1,9 +1,9 @@
 """The rank's peer server: the receiving side of peer streams.
 
-It checks each incoming stream's hello (job, generation, ranks, and the sender's proof of
-membership; the job token is checked by the hub's interceptor before), reads the messages of
-the stream, and files each one in the :class:`~gradstar.client.peer.mailbox.Mailbox` of its
-sender, acknowledging it once it is filed.
+It checks each incoming stream's hello (job, generation, ranks, and the sender's proof that it
+is the rank it claims; the job token is checked by the hub's interceptor before), reads the
+messages of the stream, and files each one in the
+:class:`~gradstar.client.peer.mailbox.Mailbox` of its sender, acknowledging it once it is filed.
 
 How a stream ends decides what a receive still waiting for its sender raises: a goodbye (the
 sender closed its process group) closes the sender's mailbox with
@@ -85,8 +85,13 @@ class Identity:
     generation: int
     rank: int
     world_size: int
-    #: The generation's secret (``Joined.peer_key``) that hellos are signed with.
-    peer_key: bytes = field(default=b"", repr=False)
+    #: ``Joined.peer_keys``: by rank, the key this rank shares with that rank alone, which
+    #: hellos between the two are signed with (empty at this rank's own index).
+    peer_keys: tuple[bytes, ...] = field(default=(), repr=False)
+
+    def key_for(self, rank: int) -> bytes:
+        """The key this rank shares with ``rank`` (empty if the coordinator gave none)."""
+        return self.peer_keys[rank] if 0 <= rank < len(self.peer_keys) else b""
 
 
 class PeerServer:
@@ -101,7 +106,7 @@ class PeerServer:
         self.mailboxes = Mailboxes((), 1, 0)
         #: Incoming streams by sender: their call contexts and the locks their writes take.
         self._inbound: dict[int, tuple[grpc.aio.ServicerContext, asyncio.Lock]] = {}
-        self._verifier = HelloVerifier(b"")
+        self._verifier = HelloVerifier(())
         self._bound = asyncio.Event()
         self._server: grpc.aio.Server | None = None
 
@@ -139,7 +144,7 @@ class PeerServer:
         s = self.settings
         self.mailboxes = Mailboxes((r for r in range(identity.world_size) if r != identity.rank),
                                    s.peer_buffer_messages, s.peer_buffer_bytes)
-        self._verifier = HelloVerifier(identity.peer_key)
+        self._verifier = HelloVerifier(identity.peer_keys)
         self.identity = identity
         self._bound.set()
 

@@ -385,7 +385,7 @@ async def test_a_token_holder_without_the_peer_key_cannot_speak_as_a_rank(tokene
     if forge == "wrong key":
         sign(bytes(32), hello)
     elif forge == "altered after signing":
-        hello = sign(a._peer_endpoint.identity.peer_key, hello_to(b, src=1))
+        hello = sign(a._peer_endpoint.identity.key_for(1), hello_to(b, src=1))
         hello.src_rank = 0  # a valid proof for another sender does not carry over
     channel, call, first = await open_raw(b.peers[1], forged_stream(hello, "forged"),
                                           (("authorization", f"Bearer {TOKEN}"),))
@@ -408,7 +408,7 @@ async def test_a_token_holder_without_the_peer_key_cannot_speak_as_a_rank(tokene
 
 async def test_a_replayed_hello_is_refused(pair):
     a, b = pair
-    hello = sign(a._peer_endpoint.identity.peer_key, hello_to(b))
+    hello = sign(a._peer_endpoint.identity.key_for(b.rank), hello_to(b))
     frames = [encode_message(KIND_HEADER, hello)]
     channel, call, first = await open_raw(b.peers[1], frames)
     assert frame_kind(first) == KIND_ACCEPT  # the genuine hello, once
@@ -425,15 +425,70 @@ async def test_a_replayed_hello_is_refused(pair):
         await replay.close()
 
 
-async def test_members_of_a_generation_share_a_peer_key_that_the_next_one_replaces(
-        coordinator):
-    first = await join_all(coordinator.address, 2, job="keys")
-    keys = [g._peer_endpoint.identity.peer_key for g in first]
-    await close_all(first)
-    second = await join_all(coordinator.address, 2, job="keys")
+def refused(first: bytes, claimed: int) -> None:
+    """``first`` is the receiver's ERROR frame refusing a hello that claimed rank ``claimed``."""
+    assert frame_kind(first) == KIND_ERROR
+    refusal = decode_error(first)
+    assert isinstance(refusal, errors.AuthenticationError)
+    assert f"claiming to come from rank {claimed} was refused" in str(refusal)
+
+
+async def test_a_member_cannot_open_a_peer_stream_as_another_member(coordinator):
+    groups = await join_all(coordinator.address, 3, job="impostor")
+    zero, one, two = groups
     try:
-        assert len(keys[0]) == 32 and keys[0] == keys[1]
-        assert second[0]._peer_endpoint.identity.peer_key not in (keys[0], b"")
+        # All that rank 2 legitimately holds: its Joined, with its keys k(2, 0) and k(2, 1).
+        held = list(two._session.joined.peer_keys)
+        assert [len(k) for k in held] == [32, 32, 0]
+        # Rank 2 opens streams to rank 1 claiming to be rank 0, signed with each key it has
+        # (k(2, 1) is even the one rank 1 checks rank 2's own hellos with).
+        for key in held[:2]:
+            channel, call, first = await open_raw(
+                one.peers[1], forged_stream(sign(key, hello_to(one, src=0)), "impostor"))
+            try:
+                refused(first, claimed=0)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call.read()
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            finally:
+                await channel.close()
+        # The same through gradstar's own link, with an identity that claims rank 0.
+        forged = Identity(two.job, two.generation, 0, two.world_size, tuple(held))
+        link = PeerLink(forged, 1, one.peers[1], ClientSettings(world_size=3, connect_timeout=5),
+                        ())
+        try:
+            with pytest.raises(errors.AuthenticationError, match="claiming to come from rank 0"):
+                await asyncio.wait_for(link.open(), 10)
+        finally:
+            await link.close(errors.ProcessGroupClosedError("test over"))
+        # Nothing reached rank 1 as rank 0's...
+        mailbox = one._peer_endpoint.server.mailboxes[0]
+        assert mailbox.held_tags() == [] and not mailbox.closed
+        assert not one._peer_endpoint.server.streaming_from(0)
+        # ...while rank 0's real message, and rank 2's own under its own name, arrive.
+        from_zero, _ = await asyncio.wait_for(asyncio.gather(
+            one.recv(0, tag="impostor"), zero.send(np.arange(4.0), 1, "impostor")), 10)
+        from_two, _ = await asyncio.wait_for(asyncio.gather(
+            one.recv(2, tag="own"), two.send(np.full(2, 2.0), 1, "own")), 10)
+        assert from_zero.tolist() == [0.0, 1.0, 2.0, 3.0] and from_two.tolist() == [2.0, 2.0]
+    finally:
+        await close_all(groups)
+
+
+async def test_each_pair_of_members_shares_a_key_that_the_next_generation_replaces(
+        coordinator):
+    first = await join_all(coordinator.address, 3, job="keys")
+    keys = [g._peer_endpoint.identity.peer_keys for g in first]
+    await close_all(first)
+    second = await join_all(coordinator.address, 3, job="keys")
+    try:
+        for r in range(3):
+            assert keys[r][r] == b"" and all(len(keys[r][x]) == 32 for x in range(3) if x != r)
+            assert all(keys[r][x] == keys[x][r] for x in range(3))  # both ends of a pair
+        pairs = {keys[0][1], keys[0][2], keys[1][2]}
+        assert len(pairs) == 3  # a key per pair: no member holds another pair's key
+        later = {k for g in second for k in g._peer_endpoint.identity.peer_keys if k}
+        assert len(later) == 3 and not later & pairs
     finally:
         await close_all(second)
 

@@ -45,7 +45,7 @@ class Peer(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class Joined(_message.Message):
-    __slots__ = ("job", "generation", "rank", "world_size", "member_id", "peers", "heartbeat_interval_seconds", "shards", "peer_key")
+    __slots__ = ("job", "generation", "rank", "world_size", "member_id", "peers", "heartbeat_interval_seconds", "shards", "peer_keys")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -54,7 +54,7 @@ class Joined(_message.Message):
     PEERS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
-    PEER_KEY_FIELD_NUMBER: _ClassVar[int]
+    PEER_KEYS_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     rank: int
@@ -63,8 +63,8 @@ class Joined(_message.Message):
     peers: _containers.RepeatedCompositeFieldContainer[Peer]
     heartbeat_interval_seconds: float
     shards: _containers.RepeatedScalarFieldContainer[str]
-    peer_key: bytes
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., member_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., heartbeat_interval_seconds: _Optional[float] = ..., shards: _Optional[_Iterable[str]] = ..., peer_key: _Optional[bytes] = ...) -> None: ...
+    peer_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., member_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., heartbeat_interval_seconds: _Optional[float] = ..., shards: _Optional[_Iterable[str]] = ..., peer_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class GenerationFailed(_message.Message):
     __slots__ = ("generation", "lost_rank", "reason", "error", "fields_json")
