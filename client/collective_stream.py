@@ -86,9 +86,11 @@ from gradstar.wire import (
     decode_error,
     decode_message,
     decode_shm_chunk,
+    encode_batch,
     encode_message,
     encode_shm_chunk,
     frame_kind,
+    frames_of,
     iter_chunk_frames,
     payload_bytes,
     place_chunk,
@@ -192,12 +194,16 @@ class StreamReceiver:
         self.refusal = ""
 
     def on_frame(self, frame: bytes) -> None:
-        """Take one frame from the hub.
+        """Take one message from the hub: a frame, or a batch of them in order.
 
         Raises:
             GradstarError: the hub's verdict (an ERROR frame).
             ProtocolError: a frame out of place, or a bad chunk or end marker.
         """
+        for one in frames_of(frame):
+            self._on_frame(one)
+
+    def _on_frame(self, frame: bytes) -> None:
         kind = frame_kind(frame)
         if kind == KIND_CHUNK and self.phase is Phase.RECEIVING:
             receive_chunk(frame, self.tracker, self.out)
@@ -234,15 +240,20 @@ async def _frames(header: pb.CollectiveHeader, layout: ChunkLayout, send: memory
     yield encode_message(KIND_HEADER, header)
     sent = 0
     if attached is not None and await attached:
+        last = None  # the last announcement travels with the end marker, in one message
         for index in sends:
+            if last is not None:
+                yield last
             offset, length = layout.span(index)
             segment.data[offset:offset + length] = send[offset:offset + length]
             sent += length
-            yield encode_shm_chunk(index)
-    else:
-        for frame in iter_chunk_frames(send, layout, sends):
-            sent += len(frame) - CHUNK_HEADER_BYTES
-            yield frame
+            last = encode_shm_chunk(index)
+        end = encode_message(KIND_END, pb.CollectiveEnd(chunks=len(sends), bytes=sent))
+        yield end if last is None else encode_batch([last, end])
+        return
+    for frame in iter_chunk_frames(send, layout, sends):
+        sent += len(frame) - CHUNK_HEADER_BYTES
+        yield frame
     yield encode_message(KIND_END, pb.CollectiveEnd(chunks=len(sends), bytes=sent))
 
 

@@ -27,17 +27,24 @@ from gradstar.wire import (
     KIND_HEADER,
     KIND_SHM_ATTACH,
     KIND_SHM_CHUNK,
+    MAX_BATCH_FRAMES,
+    batchable,
     check_header_size,
     decode_message,
+    encode_batch,
     encode_error,
     encode_message,
     frame_kind,
+    frames_of,
 )
 
 from .engine import CLOSE, CollectiveEngine, Participant, PendingCollective
 from .rendezvous import Member, Rendezvous
 
 log = logging.getLogger(__name__)
+
+# "No frame held back" in a stream's writer (CLOSE, the outbox's last item, is None).
+_NOTHING = object()
 
 # How long a failed collective's call stays open for the client to read the in-band error and
 # hang up. Ending a call while the client still writes can make grpc-python report INTERNAL to
@@ -154,17 +161,30 @@ class CollectiveServicer:
             await abort(context, error)
         reader = asyncio.create_task(self._read(coll, me, frames))
         try:
-            if attach is not None:
-                yield attach
-            while (item := await me.outbox.get()) is not CLOSE:
+            held = _NOTHING if attach is None else attach
+            while True:
+                item = await me.outbox.get() if held is _NOTHING else held
+                held = _NOTHING
+                if item is CLOSE:
+                    break
                 if isinstance(item, GradstarError):
                     yield encode_error(item)
                     await self._linger(reader)
                     await abort(context, item)
-                yield item
-                if item[0] == KIND_CHUNK or item[0] == KIND_SHM_CHUNK:
-                    me.delivered += 1
-                    coll.window.progressed()
+                # Small frames already queued behind this one go with it, in one message.
+                batch = [item]
+                while batchable(batch[-1]) and len(batch) < MAX_BATCH_FRAMES \
+                        and not me.outbox.empty():
+                    following = me.outbox.get_nowait()
+                    if not batchable(following):
+                        held = following
+                        break
+                    batch.append(following)
+                yield item if len(batch) == 1 else encode_batch(batch)
+                for frame in batch:
+                    if frame[0] == KIND_CHUNK or frame[0] == KIND_SHM_CHUNK:
+                        me.delivered += 1
+                        coll.window.progressed()
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -203,21 +223,27 @@ class CollectiveServicer:
     async def _read(coll: PendingCollective, me: Participant, frames) -> None:
         """Feed ``me``'s frames to the collective; after it ends, drain until the client stops."""
         try:
-            async for frame in frames:
+            async for message in frames:
                 if coll.finished:
                     continue
-                kind = frame_kind(frame)
-                if kind == KIND_CHUNK:
-                    coll.on_chunk(me, frame)
-                    await coll.window.wait(me)
-                elif kind == KIND_SHM_CHUNK:
-                    coll.on_shm_chunk(me, frame)
-                    await coll.window.wait(me)
-                elif kind == KIND_END:
-                    coll.on_end(me, frame)
-                    return
-                else:
-                    raise ProtocolError(f"rank {me.rank} sent a frame of kind {kind} mid-stream")
+                try:
+                    batch = frames_of(message)
+                except ProtocolError as error:
+                    raise ProtocolError(f"rank {me.rank}: {error}") from None
+                for frame in batch:
+                    kind = frame_kind(frame)
+                    if kind == KIND_CHUNK:
+                        coll.on_chunk(me, frame)
+                        await coll.window.wait(me)
+                    elif kind == KIND_SHM_CHUNK:
+                        coll.on_shm_chunk(me, frame)
+                        await coll.window.wait(me)
+                    elif kind == KIND_END:
+                        coll.on_end(me, frame)
+                        return
+                    else:
+                        raise ProtocolError(
+                            f"rank {me.rank} sent a frame of kind {kind} mid-stream")
             coll.on_stream_closed(me, "closed its stream before its end marker")
         except ProtocolError as error:
             coll.fail(error)

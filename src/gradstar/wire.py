@@ -24,6 +24,7 @@ import ctypes
 import json
 import math
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -61,11 +62,21 @@ KIND_ERROR = 5
 #: chunk whose payload is in the rank's segment rather than in the frame.
 KIND_SHM_ATTACH = 6
 KIND_SHM_CHUNK = 7
+#: Several small frames in one message (:func:`encode_batch`): each gRPC message costs both
+#: ends far more CPU than its bytes (on the shared-memory path a collective is mostly messages),
+#: so frames that are ready together travel together. Never holds a header, a chunk with its
+#: payload, an error or another batch.
+KIND_BATCH = 8
+_BATCHABLE = frozenset((KIND_ACCEPT, KIND_END, KIND_SHM_ATTACH, KIND_SHM_CHUNK))
 
 _CHUNK_HEADER = struct.Struct("<B3xIII")
 CHUNK_HEADER_BYTES = _CHUNK_HEADER.size
 #: Frame of a chunk whose payload is in a shared-memory segment: kind, pad, chunk index.
 _SHM_CHUNK = struct.Struct("<B3xI")
+#: Length prefix of each frame in a batch.
+_BATCH_ITEM = struct.Struct("<I")
+#: Most frames one batch holds (a sender packs fewer; a receiver refuses more).
+MAX_BATCH_FRAMES = 256
 
 DEFAULT_CHUNK_BYTES = 2 << 20
 MAX_CHUNK_BYTES = 16 << 20
@@ -247,6 +258,45 @@ def frame_kind(frame: bytes) -> int:
     if not frame:
         raise ProtocolError("empty frame")
     return frame[0]
+
+
+def batchable(frame) -> bool:
+    """Whether ``frame`` may travel in a batch: a small control frame (accept, end marker,
+    shared-memory attach verdict or chunk announcement)."""
+    return isinstance(frame, bytes) and bool(frame) and frame[0] in _BATCHABLE
+
+
+def encode_batch(frames: Sequence[bytes]) -> bytes:
+    """One message carrying ``frames`` (each :func:`batchable`) in order."""
+    parts = [bytes((KIND_BATCH,))]
+    for frame in frames:
+        parts += (_BATCH_ITEM.pack(len(frame)), frame)
+    return b"".join(parts)
+
+
+def frames_of(message: bytes) -> list[bytes]:
+    """The frames a message carries: itself, or a batch's frames in order.
+
+    Raises:
+        ProtocolError: a malformed batch (truncated, empty, too many frames, or holding a frame
+            that may not travel in one).
+    """
+    if not message or message[0] != KIND_BATCH:
+        return [message]
+    frames, pos, end = [], 1, len(message)
+    while pos < end:
+        if pos + _BATCH_ITEM.size > end or len(frames) == MAX_BATCH_FRAMES:
+            raise ProtocolError(f"malformed batch of {end} bytes")
+        (length,) = _BATCH_ITEM.unpack_from(message, pos)
+        pos += _BATCH_ITEM.size
+        frame = message[pos:pos + length]
+        pos += length
+        if pos > end or not batchable(frame):
+            raise ProtocolError(f"malformed batch of {end} bytes")
+        frames.append(frame)
+    if not frames:
+        raise ProtocolError("empty batch")
+    return frames
 
 
 def encode_chunk(index: int, payload) -> bytes:

@@ -14,7 +14,7 @@ from gradstar import errors
 from gradstar.proto.v1 import admin_pb2, admin_pb2_grpc, rendezvous_pb2_grpc
 from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
-from gradstar.wire import KIND_END, KIND_HEADER, encode_chunk, encode_message
+from gradstar.wire import KIND_END, KIND_HEADER, encode_batch, encode_chunk, encode_message
 
 from .conftest import close_all, join_all
 
@@ -133,7 +133,7 @@ async def test_stream_cut_before_end_marker_commits_nothing(coordinator, trio):
         assert "rank 2" in str(outcome) and "end marker" in str(outcome)
 
 
-@pytest.mark.parametrize("damage", ["checksum", "length", "chunk count"])
+@pytest.mark.parametrize("damage", ["checksum", "length", "chunk count", "batch"])
 async def test_corrupt_frames_fail_the_collective_with_protocol_error(trio, damage):
     g0, g1, g2 = trio
     pending = [asyncio.ensure_future(g.all_reduce(np.ones(1000, np.float32))) for g in (g0, g1)]
@@ -144,13 +144,16 @@ async def test_corrupt_frames_fail_the_collective_with_protocol_error(trio, dama
         chunk[-1] ^= 0x40
     elif damage == "length":
         chunk = chunk[:-4]
-    else:
+    elif damage == "chunk count":
         end.chunks = 2
+    last = encode_message(KIND_END, end)
+    if damage == "batch":  # the end marker in a batch cut one byte short
+        last = encode_batch([last])[:-1]
 
     async def frames():
         yield encode_message(KIND_HEADER, header)
         yield bytes(chunk)
-        yield encode_message(KIND_END, end)
+        yield last
 
     with pytest.raises(grpc.aio.AioRpcError) as info:
         async for _ in g2._plane.coordinator.stream(frames(), metadata=g2._metadata, timeout=10):

@@ -154,3 +154,22 @@ def test_an_end_marker_short_of_chunks_is_a_protocol_error():
     with pytest.raises(ProtocolError, match="stream ended after 1 of 2 chunks"):
         receiver.on_frame(end(1, 8))
     assert receiver.phase is Phase.RECEIVING
+
+
+def test_a_batch_from_the_hub_is_taken_frame_by_frame():
+    """The hub sends frames that are ready together as one message (wire.encode_batch)."""
+    from gradstar.wire import KIND_SHM_ATTACH, encode_batch, encode_shm_chunk
+
+    arr = np.arange(4, dtype=np.float32)
+    out = np.zeros_like(arr)
+    plan = CollectivePlan.for_header(header(ops.ALL_REDUCE, 0, [4]), WORLD, arr, out)
+    segment = bytearray(as_byte_view(arr * 3))
+    receiver = StreamReceiver("collective seq 1", "coordinator", plan.geometry.out_layout,
+                              all_receives(plan), as_byte_view(out), memoryview(segment))
+    receiver.on_frame(encode_batch([
+        encode_message(KIND_SHM_ATTACH, pb.ShmAttach(attached=True)), accept(2)]))
+    assert receiver.attached and receiver.phase is Phase.RECEIVING
+    receiver.on_frame(encode_shm_chunk(1))
+    receiver.on_frame(encode_batch([encode_shm_chunk(0), end(2, 16)]))
+    assert receiver.phase is Phase.COMPLETE
+    assert np.array_equal(out, arr * 3)

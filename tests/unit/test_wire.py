@@ -694,3 +694,47 @@ def test_frames_built_in_place_are_distinct_objects():
     assert frames[0] is not frames[1]
     assert decode_chunk(frames[0])[1].tobytes() == b"\x01" * 8
     assert decode_chunk(frames[1])[1].tobytes() == b"\x02" * 8
+
+
+# -- batches: several small frames in one message ----------------------------------------------
+
+
+def _control_frames():
+    from gradstar.wire import KIND_ACCEPT, KIND_END, encode_shm_chunk
+    return [encode_message(KIND_ACCEPT, pb.CollectiveAccept(output_chunks=3)),
+            encode_shm_chunk(0), encode_shm_chunk(2 ** 31),
+            encode_message(KIND_END, pb.CollectiveEnd(chunks=3, bytes=12))]
+
+
+def test_a_batch_carries_its_frames_in_order_and_a_plain_frame_is_itself():
+    from gradstar.wire import encode_batch, frames_of
+    frames = _control_frames()
+    assert frames_of(encode_batch(frames)) == frames
+    for frame in frames:
+        assert frames_of(frame) == [frame]
+
+
+@pytest.mark.parametrize("cut", [1, 3, 6, -1])
+def test_a_truncated_batch_is_a_protocol_error(cut):
+    from gradstar.wire import encode_batch, frames_of
+    with pytest.raises(ProtocolError, match=r"malformed batch|empty batch"):
+        frames_of(encode_batch(_control_frames())[:cut])
+
+
+def test_a_batch_may_not_hold_a_chunk_a_header_an_error_or_a_batch():
+    from gradstar.errors import GradstarError
+    from gradstar.wire import KIND_HEADER, encode_batch, encode_chunk, encode_error, frames_of
+    inner = encode_batch(_control_frames()[:2])
+    for frame in (encode_chunk(0, np.ones(4, np.float32)),
+                  encode_message(KIND_HEADER, pb.CollectiveHeader(seq=1)),
+                  encode_error(GradstarError("x")), inner):
+        with pytest.raises(ProtocolError, match="malformed batch"):
+            frames_of(encode_batch([_control_frames()[0], frame]))
+
+
+def test_a_batch_of_more_frames_than_the_limit_is_refused():
+    from gradstar.wire import MAX_BATCH_FRAMES, encode_batch, encode_shm_chunk, frames_of
+    assert len(frames_of(encode_batch([encode_shm_chunk(i)
+                                       for i in range(MAX_BATCH_FRAMES)]))) == MAX_BATCH_FRAMES
+    with pytest.raises(ProtocolError, match="malformed batch"):
+        frames_of(encode_batch([encode_shm_chunk(i) for i in range(MAX_BATCH_FRAMES + 1)]))
