@@ -44,7 +44,10 @@ attached the segment, the rank copies each input chunk into the segment and send
 ``SHM_CHUNK`` frame instead of the chunk, and the hub writes each result chunk into the segment
 and announces it the same way; everything else — accept, end marker and its counts, errors,
 flow control — is unchanged. If not (another host, user or container), the stream carries
-chunks as above, and the rank stops offering that target a segment.
+chunks as above, and the rank stops offering that target a segment. A segment the target
+attached before is offered *eagerly*: the rank writes its chunks at once, without waiting for the
+verdict, which the hub then sends with its accept (one round trip and one message fewer for every
+collective after the first); a refusal then fails the collective on every rank.
 
 Shape of this module: :class:`StreamReceiver` is the bookkeeping of one stream's incoming side
 (a state machine with no I/O); :func:`run_stream` runs ONE stream to ONE :class:`Target` for a
@@ -118,6 +121,9 @@ class SharedMemoryOffer:
 
     enabled: bool = True
     refused: str = ""
+    #: Inodes of this process's segments the target attached: offering one of them again is
+    #: eager (``ShmSegment.eager``: the chunks go without waiting for the verdict).
+    attached: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -283,15 +289,23 @@ async def run_stream(target: Target, header: pb.CollectiveHeader, plan: Collecti
     receiver = StreamReceiver(what, target.name, geometry.out_layout, receives,
                               as_byte_view(plan.out), shm_out)
     attached = asyncio.get_running_loop().create_future() if offered else None
+    if offered and header.shm.eager:
+        attached.set_result(True)  # the target attached this segment before: no round trip
+    verdict = not offered  # whether the target's attach verdict has been taken
     call = target.stream(_frames(header, geometry.layout, plan.send, sends, attached, segment),
                          metadata=metadata, timeout=timeout + DEADLINE_MARGIN)
     try:
         while (frame := await call.read()) is not grpc.aio.EOF:
             receiver.on_frame(frame)
-            if attached is not None and not attached.done() and receiver.attached is not None:
-                attached.set_result(receiver.attached)
-                if not receiver.attached:
+            if not verdict and receiver.attached is not None:
+                verdict = True
+                if not attached.done():
+                    attached.set_result(receiver.attached)
+                if receiver.attached:
+                    target.shm.attached.add(segment.inode)
+                else:
                     target.shm.enabled, target.shm.refused = False, receiver.refusal
+                    target.shm.attached.clear()
                     log.info("%s refused shared memory (%s); its chunks travel on the stream",
                              target.name, receiver.refusal)
             if receiver.phase is Phase.COMPLETE:
@@ -315,6 +329,8 @@ async def run_stream(target: Target, header: pb.CollectiveHeader, plan: Collecti
     finally:
         if attached is not None and not attached.done():
             attached.set_result(False)  # the frame generator must not wait for ever
+        if offered and header.shm.eager and receiver.phase is not Phase.COMPLETE:
+            target.shm.attached.clear()  # after a failure, the next offer waits for a verdict
         call.cancel()
     # read() raises for a non-OK status, so this is an OK status without an END frame.
     raise ProtocolError(f"{what}: the coordinator closed the stream without an end marker")
@@ -471,7 +487,8 @@ def _offering(header: pb.CollectiveHeader, target: Target, segment: shm.Segment 
     if segment is not None and target.shm.enabled:
         copy.shm.CopyFrom(pb.ShmSegment(
             pid=os.getpid(), fd=segment.fd, inode=segment.inode, size=segment.size,
-            output_offset=_output_offset(geometry), key=segment.key))
+            output_offset=_output_offset(geometry), key=segment.key,
+            eager=segment.inode in target.shm.attached))
     return copy
 
 

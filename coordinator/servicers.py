@@ -39,7 +39,7 @@ from gradstar.wire import (
 )
 
 from .engine import CLOSE, CollectiveEngine, Participant, PendingCollective
-from .rendezvous import Member, Rendezvous
+from .rendezvous import Member, Rendezvous, check_job_name
 
 log = logging.getLogger(__name__)
 
@@ -148,20 +148,28 @@ class CollectiveServicer:
             first = await anext(frames)
         except StopAsyncIteration:
             return
+        attach = None
         try:
             check_header_size(first, "a collective stream")
             header = decode_message(first, KIND_HEADER, cpb.CollectiveHeader)
+            # Before anything quotes it: a header may carry a name of up to its own size.
+            check_job_name(header.job)
             if self.admit is not None:
                 await self.admit(header)
             shm, attach = self._attach(header)
             coll, me = self.engine.arrive(header, shm)
         except GradstarError as error:
+            if attach is not None:
+                yield attach  # the rank learns a refusal even from a failed collective
             yield encode_error(error)
             await self._linger(asyncio.ensure_future(self._drain(frames)))
             await abort(context, error)
         reader = asyncio.create_task(self._read(coll, me, frames))
         try:
-            held = _NOTHING if attach is None else attach
+            # An eager rank does not wait for the verdict on a segment this hub attached: it
+            # goes with the accept. Any other verdict goes first, at once.
+            eager = shm is not None and header.shm.eager
+            held = _NOTHING if attach is None or eager else attach
             while True:
                 item = await me.outbox.get() if held is _NOTHING else held
                 held = _NOTHING
@@ -173,6 +181,12 @@ class CollectiveServicer:
                     await abort(context, item)
                 # Small frames already queued behind this one go with it, in one message.
                 batch = [item]
+                if eager:
+                    eager = False
+                    if batchable(item):
+                        batch = [attach, item]
+                    else:
+                        yield attach
                 while batchable(batch[-1]) and len(batch) < MAX_BATCH_FRAMES \
                         and not me.outbox.empty():
                     following = me.outbox.get_nowait()

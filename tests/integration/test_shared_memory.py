@@ -8,9 +8,19 @@ a segment must cost nothing but speed.
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
+from gradstar import errors
+from gradstar.client import collective_stream
+from gradstar.client.collective_stream import Target
+from gradstar.proto.v1 import collective_pb2 as pb
+from gradstar.transport import shm
+from gradstar.wire import KIND_HEADER, decode_message
+
+from .conftest import close_all, join_all
 from .test_shards import DTYPES, SHAPE, as_bytes, exact_inputs, run_every_collective
 
 
@@ -45,3 +55,71 @@ async def test_a_hub_that_does_not_attach_segments_gets_chunks_on_the_stream(sta
     assert offers and all(not o.enabled for o in offers)
     assert all("shared memory is turned off on this hub" in o.refused for o in offers)
     assert hub.collectives.segments is None
+
+
+class _Recording:
+    """Wraps a group's coordinator target: keeps the header of every stream it opens."""
+
+    def __init__(self, group):
+        self.headers: list = []
+        real = group._plane.coordinator
+
+        def stream(requests, **kwargs):
+            async def recorded():
+                first = True
+                async for frame in requests:
+                    if first:
+                        self.headers.append(decode_message(frame, KIND_HEADER,
+                                                           pb.CollectiveHeader))
+                        first = False
+                    yield frame
+
+            return real.stream(recorded(), **kwargs)
+
+        group._plane.coordinator = Target(stream, real.address, real.name, real.shm)
+
+
+async def test_a_segment_the_hub_attached_before_is_offered_eagerly(coordinator, monkeypatch):
+    # A fresh pool and one rank: every collective is handed the same segment.
+    monkeypatch.setattr(collective_stream, "SEGMENTS", shm.SegmentPool())
+    (group,) = await join_all(coordinator.address, 1, job="eager")
+    try:
+        recording = _Recording(group)
+        x = np.arange(1000, dtype=np.float32)
+        for step in range(3):
+            result = await asyncio.wait_for(group.all_reduce(x * step), 20)
+            np.testing.assert_array_equal(result, x * step)
+        # The first offer of the segment waits for the hub's verdict; later ones do not.
+        assert [h.shm.eager for h in recording.headers] == [False, True, True]
+        assert len({h.shm.inode for h in recording.headers}) == 1
+    finally:
+        await close_all([group])
+
+
+class _Everything(set):
+    def __contains__(self, item) -> bool:
+        return True
+
+
+async def test_an_eager_offer_the_hub_refuses_fails_once_on_every_rank_then_streams(
+        start_coordinator):
+    """A hub that refuses a segment a rank believed attached (it cannot, short of running out
+    of memory or descriptors; forced here) cannot take the chunks already announced: the
+    collective fails with a named error on every rank, and the next one goes on the stream."""
+    hub = await start_coordinator(shared_memory=False)
+    groups = await join_all(hub.address, 2, job="refused-eager")
+    try:
+        for g in groups:
+            g._plane.coordinator.shm.attached = _Everything()
+        outcomes = await asyncio.wait_for(asyncio.gather(
+            *(g.all_reduce(np.ones(100, np.float32)) for g in groups),
+            return_exceptions=True), 20)
+        for outcome in outcomes:
+            assert isinstance(outcome, errors.ProtocolError), outcome
+            assert "segment the hub did not attach" in str(outcome)
+        assert all(not g.shared_memory for g in groups)
+        results = await asyncio.wait_for(asyncio.gather(
+            *(g.all_reduce(np.full(3, g.rank + 1.0)) for g in groups)), 20)
+        assert [r.tolist() for r in results] == [[3.0, 3.0, 3.0]] * 2
+    finally:
+        await close_all(groups)

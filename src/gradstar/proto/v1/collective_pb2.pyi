@@ -120,20 +120,22 @@ class CollectiveHeader(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., group: _Optional[str] = ..., seq: _Optional[int] = ..., rank: _Optional[int] = ..., member_id: _Optional[str] = ..., op: _Optional[_Union[CollectiveOp, str]] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., root: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ..., stripe: _Optional[int] = ..., stripes: _Optional[int] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ...) -> None: ...
 
 class ShmSegment(_message.Message):
-    __slots__ = ("pid", "fd", "inode", "size", "output_offset", "key")
+    __slots__ = ("pid", "fd", "inode", "size", "output_offset", "key", "eager")
     PID_FIELD_NUMBER: _ClassVar[int]
     FD_FIELD_NUMBER: _ClassVar[int]
     INODE_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    EAGER_FIELD_NUMBER: _ClassVar[int]
     pid: int
     fd: int
     inode: int
     size: int
     output_offset: int
     key: bytes
-    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., size: _Optional[int] = ..., output_offset: _Optional[int] = ..., key: _Optional[bytes] = ...) -> None: ...
+    eager: bool
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., size: _Optional[int] = ..., output_offset: _Optional[int] = ..., key: _Optional[bytes] = ..., eager: _Optional[bool] = ...) -> None: ...
 
 class ShmAttach(_message.Message):
     __slots__ = ("attached", "reason")
