@@ -1,28 +1,130 @@
-"""Hostile headers, as a token holder (or a buggy client) would send them, against a real
-coordinator: each is refused to its sender only, with a named error, while another job's
-all_reduce runs correctly, and the hub's event loop never stalls.
+"""Hostile input, as a token holder (or a buggy client) would send it, against a real
+coordinator: each case is refused to its sender only, with a named error, while another job's
+all_reduce runs correctly, and no case blocks the hub's event loop for more than
+:data:`MAX_LOOP_BUSY` (issue #13: "no input may block the event loop for more than ~50 ms").
 
-The loop lag is measured by a ticker on the coordinator's own loop (the test's loop serves the
-coordinator). Before headers were bounded, a ~2 MB header with a long shape froze the loop for
-tens of seconds; the bound asserted here (1 s) is far above what is measured (a few ms) and far
-below that.
+How the loop is measured, and why so:
+
+- The coordinator serves on its own thread and event loop (:class:`EmbeddedCoordinator`), and a
+  ticker (:class:`LoopMeter`) wakes every :data:`TICK` seconds on that loop. The attacker and
+  the bystanders run on the test's loop, and the hostile frames are built before measuring, so
+  what the clients do (a 10 MB join request, an 8 MiB header) is not charged to the hub.
+- The bound is asserted on CPU time, not on wall-clock lag: between two wake-ups the loop ran
+  every other ready callback, so the CPU time its thread spent in that interval
+  (``time.thread_time()``, read by the ticker on that thread) bounds the longest callback from
+  above. CPU time does not advance while the thread is preempted or waits for the GIL, so
+  scheduler noise on a loaded machine (two cores shared with other test runs) adds nothing to
+  it, yet a handler that computes for 50 ms exceeds it wherever it is scheduled. Wall-clock lag
+  is measured too and held to :data:`MAX_LOOP_LAG`: it catches what CPU time cannot see (a
+  handler that sleeps or blocks on a system call), with the margin scheduler noise needs.
+- A baseline (the bystanders' all_reduce alone) is measured in the same test and reported
+  beside each case, so the table shows what the hostile input adds.
+- The test process's heap (pytest, numpy, grpc, every module earlier tests imported) is frozen
+  out of the garbage collector while measuring: a full collection of it takes tens of ms, comes
+  at random, and is not the hub's work on hostile input.
+
+The per-case table is printed at the end of the module's run. Measured here: a few ms per tick
+for every case but the 10 MB job name, ~15-30 ms (gRPC receiving the message and protobuf
+parsing it before any gradstar code runs, then one copy of the name as a str). The test fails
+if a job name's characters are checked before its length (~1 s on the 10 MB name) or a header
+is parsed and its shape walked before its size is checked (~0.4 s on the 8 MiB one).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+from dataclasses import dataclass
 
+import grpc
 import numpy as np
 import pytest
 
 from gradstar import errors
+from gradstar.config import CoordinatorSettings
+from gradstar.coordinator import EmbeddedCoordinator
 from gradstar.proto.v1 import collective_pb2 as pb
+from gradstar.proto.v1 import rendezvous_pb2 as rpb
+from gradstar.transport.status import error_from_rpc
 from gradstar.wire import KIND_END, KIND_HEADER, decode_error, encode_message
 
 from .conftest import close_all, join_all
 
+#: Most CPU time the hub's loop thread may spend between two ticks (the issue's bound).
+MAX_LOOP_BUSY = 0.050
+#: Most wall-clock time a tick may come late: a blocked (not busy) loop, with room for noise.
 MAX_LOOP_LAG = 1.0
+TICK = 0.005
+ATTEMPTS = 3
+SESSION_METHOD = "/gradstar.proto.v1.Rendezvous/Session"
+
+
+class LoopMeter:
+    """A ticker for the loop it runs on: ``busy`` is the most CPU time the loop's thread spent
+    between two ticks, ``lag`` the most wall-clock time a tick came late."""
+
+    def __init__(self) -> None:
+        self.busy = 0.0
+        self.lag = 0.0
+        self._stopped = False
+
+    async def run(self) -> None:
+        while not self._stopped:
+            wall, cpu = time.monotonic(), time.thread_time()
+            await asyncio.sleep(TICK)
+            self.busy = max(self.busy, time.thread_time() - cpu)
+            self.lag = max(self.lag, time.monotonic() - wall - TICK)
+
+    def stop(self) -> None:
+        """Stop at the next tick (a flag: safe to set from another thread)."""
+        self._stopped = True
+
+
+async def measured(hub: EmbeddedCoordinator, work) -> LoopMeter:
+    """Await ``work`` while a :class:`LoopMeter` ticks on the hub's loop; the meter."""
+    meter = LoopMeter()
+    # EmbeddedCoordinator has no public handle on its loop, and the meter must run on it.
+    loop = hub._loop
+    ticking = asyncio.run_coroutine_threadsafe(meter.run(), loop)
+    # Callbacks run in order: once this returns the ticker has taken its first reading.
+    await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop))
+    gc.freeze()
+    try:
+        await work
+    finally:
+        gc.unfreeze()
+        meter.stop()
+        await asyncio.wait_for(asyncio.wrap_future(ticking), 5)
+    return meter
+
+
+@dataclass
+class Row:
+    baseline: LoopMeter
+    hostile: LoopMeter
+
+
+REPORT: dict[str, Row] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def loop_report(request):
+    """Print each case's loop measurements once the module has run."""
+    yield
+    if not REPORT:
+        return
+    plugins = request.config.pluginmanager
+    write = plugins.get_plugin("terminalreporter").write_line
+    # Past output capture, as capsys.disabled() does (that fixture is per test).
+    with plugins.get_plugin("capturemanager").global_and_fixture_disabled():
+        write("")
+        write(f"hub loop per {TICK * 1e3:g} ms tick: CPU busy / wall lag, in ms "
+              f"(bounds {MAX_LOOP_BUSY * 1e3:g} / {MAX_LOOP_LAG * 1e3:g})")
+        write(f"{'case':28} {'baseline busy':>13} {'lag':>6} {'hostile busy':>13} {'lag':>6}")
+        for case, row in REPORT.items():
+            write(f"{case:28} {row.baseline.busy * 1e3:13.1f} {row.baseline.lag * 1e3:6.1f} "
+                  f"{row.hostile.busy * 1e3:13.1f} {row.hostile.lag * 1e3:6.1f}")
 
 
 def header(g, **fields) -> pb.CollectiveHeader:
@@ -34,11 +136,23 @@ def header(g, **fields) -> pb.CollectiveHeader:
     return pb.CollectiveHeader(**base)
 
 
-async def refusal(g, h: pb.CollectiveHeader) -> errors.GradstarError:
-    """Send ``h`` on a raw Collective stream of ``g``; the hub's in-band verdict."""
+def header_frames(g, fields: dict) -> list[bytes]:
+    """:data:`ATTEMPTS` header frames of ``g`` with ``fields``, encoded before the hub is
+    measured: building an 8 MiB header takes the client ~0.5 s in C code that holds the GIL,
+    which the hub's thread needs too."""
+    h = header(g, **fields)
+    frames = []
+    for _ in range(ATTEMPTS):
+        h.seq = next(g._seq)
+        frames.append(encode_message(KIND_HEADER, h))
+    return frames
+
+
+async def refusal(g, header_frame: bytes) -> errors.GradstarError:
+    """Send ``header_frame`` on a raw Collective stream of ``g``; the hub's in-band verdict."""
 
     async def frames():
-        yield encode_message(KIND_HEADER, h)
+        yield header_frame
         yield encode_message(KIND_END, pb.CollectiveEnd())
 
     call = g._plane.coordinator.stream(frames(), metadata=g._metadata, timeout=10)
@@ -48,13 +162,18 @@ async def refusal(g, h: pb.CollectiveHeader) -> errors.GradstarError:
         call.cancel()
 
 
-HOSTILE = {
+HEADERS = {
     # 65 dimensions: refused before any arithmetic on the shape.
     "too many dimensions": (dict(shape=[2] * 65), errors.InvalidCollectiveError,
                             "at most 64 are supported"),
     # A ~100 kB header (a shape of 100,000 dimensions): refused before it is parsed.
     "huge header": (dict(shape=[1] * 100_000), errors.InvalidCollectiveError,
                     "headers are at most 65536 bytes"),
+    # A ~8 MiB header, as large as a chunk frame (gRPC lets up to 16 MiB through): parsing it
+    # and walking its shape would cost the hub ~0.4 s; it too is refused before it is parsed.
+    # (8 Mi dimensions of 0, held as 8 MiB of bytes rather than as a 64 MiB list.)
+    "header as large as a chunk": (dict(shape=bytes(8 << 20)), errors.InvalidCollectiveError,
+                                   "headers are at most 65536 bytes"),
     # 4-byte chunks of a 64 MiB payload: 2^24 chunks, refused before a tracker is sized.
     "tiny chunks": (dict(shape=[1 << 24], chunk_bytes=4), errors.InvalidCollectiveError,
                     "over the limit of 1048576; use chunk_bytes of at least 64"),
@@ -63,48 +182,94 @@ HOSTILE = {
                   "over the coordinator's limit of 67108864 bytes"),
     # An element count whose product overflows any fixed-width integer.
     "overflowing shape": (dict(shape=[1 << 62] * 8), errors.PayloadTooLargeError, "payload of"),
+    # A ~60 kB job name in a header (under the header bound): refused by the job-name check,
+    # whose message quotes 40 characters of it, not all of it.
+    "huge job name in a header": (dict(job="j" * 60_000), errors.ConfigurationError,
+                                  "got one of 60000 starting 'jjjj"),
+}
+
+NAMES = {
+    "10 MB job name": ("x" * (10 << 20), "a job name is at most 256 characters"),
+    "NUL in a job name": ("a\x00b", "must not contain control characters"),
+    "empty job name": ("", "a job name must not be empty"),
 }
 
 
-@pytest.mark.parametrize("case", list(HOSTILE))
-async def test_a_hostile_header_is_refused_to_its_sender_only(start_coordinator, case):
-    fields, error_type, message = HOSTILE[case]
-    coordinator = await start_coordinator(max_tensor_bytes=64 << 20)
-    (attacker,) = await join_all(coordinator.address, 1, job="attacker")
-    bystanders = await join_all(coordinator.address, 2, job="bystander")
-    lag = 0.0
-    stop = asyncio.Event()
+async def attack_with_headers(attacker, frames: list[bytes], error_type, message: str) -> None:
+    for frame in frames:
+        verdict = await asyncio.wait_for(refusal(attacker, frame), 20)
+        assert isinstance(verdict, error_type), verdict
+        assert message in str(verdict)
+        assert len(str(verdict)) < 1000, "a hostile value was quoted in full"
 
-    async def ticker():
-        nonlocal lag
-        while not stop.is_set():
-            before = time.monotonic()
-            await asyncio.sleep(0.005)
-            lag = max(lag, time.monotonic() - before - 0.005)
 
-    ticking = asyncio.ensure_future(ticker())
-    try:
-        x = np.arange(1 << 18, dtype=np.float32)
-        work = [asyncio.ensure_future(g.all_reduce(x)) for g in bystanders]
-        for _ in range(3):
-            verdict = await asyncio.wait_for(refusal(attacker, header(attacker, **fields)), 20)
-            assert isinstance(verdict, error_type), verdict
-            assert message in str(verdict)
-        results = await asyncio.wait_for(asyncio.gather(*work), 20)
+def join_request(name: str) -> bytes:
+    """A serialized join of job ``name``, built before the hub is measured (see
+    :func:`header_frames`; a rank's client takes ~0.2 s to build one of 10 MB)."""
+    return rpb.SessionRequest(join=rpb.JoinRequest(
+        job=name, world_size=1, rank=0, timeout_seconds=10)).SerializeToString()
+
+
+async def join_refusal(address: str, request: bytes) -> errors.GradstarError:
+    """Send ``request`` on a raw Session stream; the error a rank's client would raise."""
+
+    async def requests():
+        yield request
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = channel.stream_stream(SESSION_METHOD)(requests(), timeout=20)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call.read()
+    return error_from_rpc(info.value, "a join", address)
+
+
+async def attack_with_job_name(address: str, request: bytes, message: str) -> None:
+    for _ in range(ATTEMPTS):
+        refused = await join_refusal(address, request)
+        assert isinstance(refused, errors.ConfigurationError), refused
+        assert message in str(refused)
+        assert len(str(refused)) < 1000, "a hostile value was quoted in full"
+
+
+@pytest.fixture
+async def hub():
+    settings = CoordinatorSettings(host="127.0.0.1", port=0, max_tensor_bytes=64 << 20)
+    embedded = EmbeddedCoordinator(settings)
+    await asyncio.to_thread(embedded.start)
+    yield embedded
+    await asyncio.to_thread(embedded.stop)
+
+
+@pytest.mark.parametrize("case", [*HEADERS, *NAMES])
+async def test_hostile_input_is_refused_to_its_sender_only_without_stalling_the_hub(hub, case):
+    (attacker,) = await join_all(hub.address, 1, job="attacker")
+    bystanders = await join_all(hub.address, 2, job="bystander")
+    x = np.arange(1 << 18, dtype=np.float32)
+
+    async def all_reduce():
+        results = await asyncio.wait_for(asyncio.gather(*(g.all_reduce(x) for g in bystanders)),
+                                         20)
         for result in results:
             np.testing.assert_array_equal(result, 2 * x)
+
+    try:
+        if case in HEADERS:
+            fields, error_type, message = HEADERS[case]
+            attack = attack_with_headers(attacker, header_frames(attacker, fields), error_type,
+                                         message)
+        else:
+            name, message = NAMES[case]
+            attack = attack_with_job_name(hub.address, join_request(name), message)
+        baseline = await measured(hub, all_reduce())
+        hostile = await measured(hub, asyncio.gather(all_reduce(), attack))
         # The attacker's own group still works: a refusal costs that collective only.
         np.testing.assert_array_equal(await attacker.all_reduce(np.ones(3)), np.ones(3))
     finally:
-        stop.set()
-        await ticking
         await close_all([attacker, *bystanders])
-    assert lag < MAX_LOOP_LAG, f"the hub's event loop stalled for {lag:.3f} s"
-
-
-async def test_a_hostile_job_name_is_refused_without_a_trace(start_coordinator):
-    coordinator = await start_coordinator()
-    for name in ("x" * (10 << 20), "a\x00b", ""):
-        with pytest.raises(errors.ConfigurationError):
-            await join_all(coordinator.address, 1, job=name)
-    assert coordinator.rendezvous.jobs == {}
+    assert set(hub.coordinator.rendezvous.jobs) == {"attacker", "bystander"}
+    REPORT[case] = Row(baseline, hostile)
+    measurements = (f"{case}: busy {hostile.busy * 1e3:.1f} ms, lag {hostile.lag * 1e3:.1f} ms "
+                    f"(baseline busy {baseline.busy * 1e3:.1f} ms, lag "
+                    f"{baseline.lag * 1e3:.1f} ms)")
+    assert hostile.busy < MAX_LOOP_BUSY, f"the hub's loop computed too long; {measurements}"
+    assert hostile.lag < MAX_LOOP_LAG, f"the hub's loop stalled; {measurements}"

@@ -9,7 +9,16 @@ constant time and never logged.
 A refused call whose client streams requests is answered only once the client has
 half-closed or stopped writing (bounded by :data:`DENIAL_DRAIN_SECONDS`): ending the call while
 the client is still writing fails the client's pending write, and grpc-python then reports
-INTERNAL ("Internal error from Core") to that client instead of our UNAUTHENTICATED.
+INTERNAL ("Internal error from Core", debug string ``Failed "execute_batch":
+(SendMessageOperation,)``) to that client instead of our UNAUTHENTICATED (grpc/grpc#36066: the
+failed write overwrites the status that already arrived). Silence alone cannot tell a client
+waiting for its answer from one paused between two writes, so it is trusted only where waiting
+is what a client does: after its opening message at most, and only for time during which this
+loop kept time (a stall of the loop, from a full garbage collection or a starved CPU, leaves
+frames the client sent unread, and stalls a client that shares the process).
+
+Calls to methods this server does not know are drained too: their streaming shape is unknown,
+and a draining handler answers a client of any shape.
 """
 
 from __future__ import annotations
@@ -25,13 +34,21 @@ ADMIN_PREFIXES = ("/gradstar.proto.v1.Admin/", "/gradstar.proto.v1.ShardControl/
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 #: How long a refused streaming call reads (and discards) the client's requests, waiting for
 #: its half-close, before it ends anyway. A collective's frames arrive at link speed, so this
-#: covers every payload but a huge one on a slow link, while bounding what an unauthenticated
-#: client can make the server read.
-DENIAL_DRAIN_SECONDS = 2.0
-#: ...or until the client has written nothing for this long: a client that stopped writing (a
-#: rank's session after its join, a peer link after its hello) is waiting for an answer and has
-#: no write in flight to fail, so it need not wait the full drain.
-DENIAL_QUIET_SECONDS = 0.25
+#: covers every payload but a huge one on a slow link, and a client slowed by a loaded machine
+#: (2 MB streams took up to 2.1 s with two CPU burners on a 2-core machine, past the 2 s this
+#: once was), while bounding what an unauthenticated client can make the server read.
+DENIAL_DRAIN_SECONDS = 10.0
+#: ...or, for a client that wrote no more than its opening message, until it has written
+#: nothing for this long while the loop kept time: such a client (a rank's session after its
+#: join, a peer link after its hello) is waiting for an answer and has no write in flight to
+#: fail, so it need not wait the full drain. A streaming client's second message must come
+#: sooner: with two CPU burners on a 2-core machine it took up to 0.25 s (the bound this once
+#: was; 60 ms at the 99th percentile), as the server's read, the window update and the
+#: client's send each waited for a CPU.
+DENIAL_QUIET_SECONDS = 1.0
+#: Quiet is counted in ticks of this length; a tick that ends over a tick late means the loop
+#: stalled, and the count starts again.
+_QUIET_TICK = 0.05
 
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:
@@ -64,12 +81,14 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         what = "admin token" if is_admin else "job token"
         reason = "missing" if not presented else "wrong"
+        var = "GRADSTAR_ADMIN_TOKEN" if is_admin else "GRADSTAR_TOKEN"
         return _denying(handler, f"{what} {reason}: pass the coordinator's {what} "
-                                 f"({'GRADSTAR_ADMIN_TOKEN' if is_admin else 'GRADSTAR_TOKEN'})")
+                                 f"({var} or {var}_FILE)")
 
 
 def _denying(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming shape as ``handler`` that only aborts.
+    """A handler of the same streaming shape as ``handler`` (a streaming one when the method is
+    unknown) that only aborts.
 
     It has no deserializer, so a streaming request is drained as raw bytes and a malformed one
     cannot turn the refusal into another status.
@@ -83,22 +102,44 @@ def _denying(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMet
             await asyncio.wait_for(_drain(requests), DENIAL_DRAIN_SECONDS)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    if handler is None or not (handler.request_streaming or handler.response_streaming):
-        return grpc.unary_unary_rpc_method_handler(deny)
-    if handler.request_streaming and handler.response_streaming:
+    if handler is None or (handler.request_streaming and handler.response_streaming):
         return grpc.stream_stream_rpc_method_handler(drain_then_deny)
+    if not (handler.request_streaming or handler.response_streaming):
+        return grpc.unary_unary_rpc_method_handler(deny)
     if handler.request_streaming:
         return grpc.stream_unary_rpc_method_handler(drain_then_deny)
     return grpc.unary_stream_rpc_method_handler(deny)
 
 
 async def _drain(requests) -> None:
-    """Read and discard requests until the client half-closes.
-
-    Raises:
-        TimeoutError: the client wrote nothing for :data:`DENIAL_QUIET_SECONDS`.
-    """
+    """Read and discard requests until the client half-closes. A client that has written no
+    more than its opening message (a join, a hello, a header offering shared memory) may be
+    waiting for an answer: it gets one once it has been quiet (:func:`_next_unless_quiet`).
+    One that wrote more is streaming, and may pause for longer than that (a garbage collection
+    in its process, a starved CPU, a link it shares): only its half-close says it is done."""
     frames = requests.__aiter__()
-    with contextlib.suppress(StopAsyncIteration):
-        while True:
-            await asyncio.wait_for(anext(frames), DENIAL_QUIET_SECONDS)
+    for _ in range(2):  # its opening message, then a second: from there on it is streaming
+        if await _next_unless_quiet(frames) is None:
+            return
+    async for _ in frames:
+        pass
+
+
+async def _next_unless_quiet(frames) -> bytes | None:
+    """The next request, or None once the client has half-closed or has written nothing for
+    :data:`DENIAL_QUIET_SECONDS` of ticks that this loop kept on time."""
+    loop = asyncio.get_running_loop()
+    # One read stays pending across ticks: cancelling a read closes grpc's request iterator.
+    read = asyncio.ensure_future(anext(frames, None))
+    quiet = 0.0
+    try:
+        while quiet < DENIAL_QUIET_SECONDS:
+            started = loop.time()
+            done, _ = await asyncio.wait((read,), timeout=_QUIET_TICK)
+            if done:
+                return read.result()
+            # A tick over a tick late: the loop stalled, and with it a client that shares it.
+            quiet = 0.0 if loop.time() - started > 2 * _QUIET_TICK else quiet + _QUIET_TICK
+        return None
+    finally:
+        read.cancel()
