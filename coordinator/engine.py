@@ -22,17 +22,23 @@ Protocol of one collective (one stream per rank, see ``collective.proto`` and ``
 
 Memory: the hub never holds a whole tensor. It stops reading a stream when the collective's
 :class:`ReadWindow` says so, and HTTP/2 flow control then holds the sender back (gRPC itself
-buffers up to its flow-control window, a few MiB to ~16 MiB, per paused stream). Per in-flight
-collective, with ``C`` the chunk size (2 MiB by default) and ``W`` = :data:`READ_AHEAD_CHUNKS`:
+buffers up to its flow-control window, 4 MiB or twice its bandwidth-delay estimate, per paused
+stream). Per in-flight collective, with ``C`` the chunk size (2 MiB by default), ``W`` =
+:data:`READ_AHEAD_CHUNKS` and ``F`` = :data:`FORWARD_AHEAD_CHUNKS`:
 
 * reducing ops (all_reduce, reduce_scatter): inputs at most ``W`` chunks apart, so a few windows
   of pooled accumulators (``~W x C``), plus at most ``W`` queued result chunks per rank;
-* forwarding ops (broadcast, all_gather): at most ``W x C`` held in all before the collective is
-  matched; afterwards at most ``FORWARD_AHEAD_CHUNKS x C`` queued per receiving rank (one bytes
-  object shared by all the receivers of a frame), plus one chunk per sender being read.
+* forwarding ops (broadcast, all_gather): at most ``F x C`` held in all before the collective is
+  matched; afterwards at most ``F x C`` queued per receiving rank (one bytes object shared by
+  all the receivers of a frame), plus one chunk per sender being read. On the shared-memory
+  path a held or forwarded chunk is a view of its sender's segment: the hub holds no copy.
 
-Measured (``tests/robustness/test_memory.py``, ``benchmarks/broadcast_memory.py``): a 512 MiB
-broadcast to 3 ranks, one 5 s late, grows the hub by 70-85 MiB, down from 564 MiB.
+Measured (``tests/robustness/test_memory.py``, ``benchmarks/broadcast_memory.py``, the hub's
+VmRSS less the ranks' segments it maps): a 512 MiB broadcast to 3 ranks, one 5 s late, grows the
+hub by 39-54 MiB on the stream path (8 held chunks, then 8 queued, plus one send per receiver
+and the root's paused stream, whose window gRPC sizes by its bandwidth-delay estimate; 564 MiB
+without the window, 76-89 MiB with 16 chunks held and a malloc arena per gRPC thread, see
+``gradstar.allocator.share_malloc_arena``) and by under 1 MiB on the shared-memory path.
 
 Striping: behind a sharded hub each engine (one per shard process) carries one stripe of a
 collective, the input chunks ``i % stripes == stripe`` (:func:`gradstar.ops.in_stripe`); its
@@ -87,13 +93,15 @@ from .rendezvous import Generation, Rendezvous
 #: Placed in a participant's outbox after its END frame: the stream is complete.
 CLOSE = None
 #: How far (in chunks) a rank's input may run ahead of the slowest rank's input and, for
-#: all_reduce, of the slowest rank's output; also how many forwarded chunks the hub holds before
-#: a collective matches. Held first arrivals, accumulators and queued results are then bounded by
-#: a few windows of chunks, whatever the tensor size or skew.
+#: all_reduce, of the slowest rank's output. Held first arrivals, accumulators and queued results
+#: are then bounded by a few windows of chunks, whatever the tensor size or skew.
 READ_AHEAD_CHUNKS = 16
 #: How many forwarded chunks (broadcast, all_gather) may wait in one rank's outbox before the hub
-#: stops reading their senders. Half a window: an all_gather receiver's backlog holds frames of
-#: every other sender, so the distinct frames in flight can reach this times the world size.
+#: stops reading their senders, and how many the hub holds, from all senders, before such a
+#: collective matches. Half a window: an all_gather receiver's backlog holds frames of every
+#: other sender, so the distinct frames in flight can reach this times the world size. Holding
+#: 16 before the match cost 8-10 MiB more for a late rank and gained nothing: the collective
+#: ends when the late rank has every chunk, whatever the root sent before it came.
 FORWARD_AHEAD_CHUNKS = READ_AHEAD_CHUNKS // 2
 
 
@@ -135,8 +143,8 @@ class ReadWindow:
     reading that stream and HTTP/2 flow control holds the rank back.
 
     Forwarding ops (broadcast, all_gather): before the collective is matched, chunks have no
-    outbox to go to and are held, :data:`READ_AHEAD_CHUNKS` of them in all (so at most that per
-    sender); afterwards a sender is read only while no other rank has
+    outbox to go to and are held, :data:`FORWARD_AHEAD_CHUNKS` of them in all (so at most that
+    per sender); afterwards a sender is read only while no other rank has
     :data:`FORWARD_AHEAD_CHUNKS` chunks queued but not yet delivered.
     Reducing ops: a rank is read only while no rank has :data:`READ_AHEAD_CHUNKS` result chunks
     queued but not yet delivered, and while it is less than :data:`READ_AHEAD_CHUNKS` ahead of
@@ -157,7 +165,7 @@ class ReadWindow:
             return True
         if c.reducer is None:
             if not c.matched:
-                return c.held_chunks < READ_AHEAD_CHUNKS
+                return c.held_chunks < FORWARD_AHEAD_CHUNKS
             return not self._backlogged(p, FORWARD_AHEAD_CHUNKS)
         if self._backlogged(None, READ_AHEAD_CHUNKS):
             return False

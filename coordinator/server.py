@@ -81,7 +81,24 @@ class Coordinator:
         return f"{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{self.port}"
 
     async def start(self) -> int:
-        """Bind, register every service and start serving; return the bound port.
+        """Bind, serve and wait for the expected shards (:meth:`listen`, then
+        :meth:`wait_for_shards`); return the bound port.
+
+        Raises:
+            OSError: the address could not be bound, or fewer than the expected shards
+                registered within ``shard_wait`` seconds (the coordinator is stopped then).
+            ConfigurationError: a placeholder token, or a non-loopback address without a job
+                token and without ``insecure`` (see CoordinatorSettings.check_protected).
+        """
+        await self.listen()
+        await self.wait_for_shards()
+        return self.port
+
+    async def listen(self) -> int:
+        """Bind, register every service, start serving and start the local shards; return the
+        bound port. Health says NOT_SERVING until :meth:`wait_for_shards` has seen the expected
+        shards up, but the port takes connections at once: shards on other hosts register
+        through it.
 
         Raises:
             OSError: the address could not be bound.
@@ -151,15 +168,30 @@ class Coordinator:
         if s.shards:
             self._local_shards = LocalShards(s, port, s.shards)
             await self._local_shards.start()
+        return port
+
+    async def wait_for_shards(self) -> None:
+        """Wait up to ``shard_wait`` seconds for the expected shards, then report SERVING.
+
+        Cancelled, it leaves the coordinator listening and NOT_SERVING: :meth:`stop` it.
+
+        Raises:
+            OSError: fewer than the expected shards registered in time; the coordinator is
+                stopped then.
+        """
+        s = self.settings
+        if not self.shards.healthy:
+            log.info("coordinator bound to %s:%d; waiting up to %g s for hub shards (%d of %d "
+                     "up)", s.host, self.port, s.shard_wait, len(self.shards.up),
+                     self.shards.expected)
         if not await self.shards.wait_ready(s.shard_wait):
             await self.stop(grace=0)
             raise OSError(f"only {len(self.shards.up)} of {self.shards.expected} hub shards "
                           f"registered within {s.shard_wait:g} s")
         self._serving = True
         await self._set_health(True)
-        log.info("coordinator serving on %s:%d (tls=%s, auth=%s, shards=%d)", s.host, port,
-                 self._tls, bool(token), len(self.shards.up))
-        return port
+        log.info("coordinator serving on %s:%d (tls=%s, auth=%s, shards=%d)", s.host, self.port,
+                 self._tls, bool(s.token), len(self.shards.up))
 
     @staticmethod
     async def _admit(header) -> None:

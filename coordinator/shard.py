@@ -156,6 +156,8 @@ class Shard:
         self._channel = secure_or_insecure_channel(s.coordinator, creds)
         # The shard presents its own certificate to the coordinator only over TLS.
         tls = creds is not None
+        log.info("shard bound to %s:%d; registering with the coordinator at %s (waiting up to "
+                 "%g s)", s.host, self.port, s.coordinator, s.shard_wait)
         await wait_connected(self._channel, s.coordinator, s.shard_wait, s.coordinator_ca,
                              s.tls_cert if tls else None, s.tls_key if tls else None,
                              ca_setting="coordinator_ca")

@@ -27,10 +27,12 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Awaitable
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from gradstar.allocator import share_malloc_arena
 from gradstar.config import DEFAULT_PORT, LOG_LEVELS, CoordinatorSettings, is_loopback
 
 #: Exit status of a command refused because of how it was called or configured (as argparse).
@@ -158,9 +160,12 @@ def _stop_on_signals() -> asyncio.Event:
 async def _serve_shard(settings) -> int:
     from gradstar.coordinator.shard import Shard
 
+    share_malloc_arena()  # before the shard's gRPC threads start
     shard = Shard(settings)
     stop = _stop_on_signals()
-    await shard.start()
+    # A signal while it waits for its coordinator (up to shard_wait) stops it at once.
+    if not await _unless_stopped(shard.start(), stop):
+        return 0
     print(f"gradstar shard {shard.slot} listening on {settings.host}:{shard.port} "
           f"(advertised as {shard.address})", flush=True)
     stopping = asyncio.ensure_future(stop.wait())
@@ -188,13 +193,55 @@ def _run_shard(args: argparse.Namespace) -> int:
         return 1
 
 
+async def _unless_stopped(work: Awaitable[None], stop: asyncio.Event) -> bool:
+    """Await ``work`` unless ``stop`` is set first, which cancels it; whether it finished.
+
+    Raises:
+        Whatever ``work`` raises.
+    """
+    task = asyncio.ensure_future(work)
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait((task, stopping), return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if task.done():
+        task.result()
+        return True
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return False
+
+
 async def _serve(settings: CoordinatorSettings) -> None:
     from gradstar.coordinator import Coordinator
 
+    log = logging.getLogger("gradstar.coordinator")
+    share_malloc_arena()  # before the hub's gRPC threads start
     coordinator = Coordinator(settings)
-    # Handlers first: a SIGTERM right after the "listening" line must drain, not kill.
+    # Handlers first: a SIGTERM right after the "listening" line, or while the coordinator
+    # waits for its shards, must drain, not kill (nor wait for the shards).
     stop = _stop_on_signals()
-    await coordinator.start()
+    await coordinator.listen()
+    remote = coordinator.shards.expected - settings.shards
+    if remote > 0:
+        # Shards on other hosts need the port (--port 0) to register; "listening on" waits for
+        # them, so it cannot be the line that tells them.
+        print(f"gradstar coordinator bound to {settings.host}:{coordinator.port}; waiting up "
+              f"to {settings.shard_wait:g} s for hub shards ({remote} from other hosts)",
+              flush=True)
+    if await _unless_stopped(coordinator.wait_for_shards(), stop):
+        _print_serving(coordinator, settings)
+        await stop.wait()
+    else:
+        log.info("stopped while waiting for hub shards (%d of %d up)",
+                 len(coordinator.shards.up), coordinator.shards.expected)
+    log.info("stopping: draining for up to %.1f s", settings.drain_grace)
+    await coordinator.stop()
+
+
+def _print_serving(coordinator, settings: CoordinatorSettings) -> None:
+    """The lines a serving coordinator prints: its address (the line scripts wait for), its
+    shards and its metrics endpoint."""
     print(f"gradstar coordinator listening on {settings.host}:{coordinator.port}", flush=True)
     if coordinator.shards.slots:
         print(f"gradstar coordinator data plane: {len(coordinator.shards.up)} shards at "
@@ -204,10 +251,6 @@ async def _serve(settings: CoordinatorSettings) -> None:
               f"{coordinator.metrics_port}/metrics", flush=True)
         print(f"gradstar coordinator status page on http://{settings.metrics_host}:"
               f"{coordinator.metrics_port}/", flush=True)
-    await stop.wait()
-    logging.getLogger("gradstar.coordinator").info("stopping: draining for up to %.1f s",
-                                                   settings.drain_grace)
-    await coordinator.stop()
 
 
 def _settings_error(error: ValidationError) -> str:
