@@ -56,6 +56,11 @@ MAX_LOOP_BUSY = 0.050
 #: Most wall-clock time a tick may come late: a blocked (not busy) loop, with room for noise.
 MAX_LOOP_LAG = 1.0
 TICK = 0.005
+#: Most the process may grow while a case runs: the hub must not size anything from a hostile
+#: header (a 77-byte one used to make it allocate 512 MB). The process holds the attacker and
+#: the bystanders too, and gRPC's copies of the largest hostile messages on both sides (three
+#: 10 MB joins: ~61 MiB at peak, measured; an 8 MiB header: ~38), so the bound has room for them.
+MAX_RSS_GROWTH = 128 << 20
 ATTEMPTS = 3
 SESSION_METHOD = "/gradstar.proto.v1.Rendezvous/Session"
 
@@ -67,18 +72,31 @@ class LoopMeter:
     def __init__(self) -> None:
         self.busy = 0.0
         self.lag = 0.0
+        #: Growth of this process's resident memory over its first reading, at its peak.
+        self.growth = 0
         self._stopped = False
 
     async def run(self) -> None:
+        start = resident_bytes()
         while not self._stopped:
             wall, cpu = time.monotonic(), time.thread_time()
             await asyncio.sleep(TICK)
             self.busy = max(self.busy, time.thread_time() - cpu)
             self.lag = max(self.lag, time.monotonic() - wall - TICK)
+            self.growth = max(self.growth, resident_bytes() - start)
 
     def stop(self) -> None:
         """Stop at the next tick (a flag: safe to set from another thread)."""
         self._stopped = True
+
+
+def resident_bytes() -> int:
+    """This process's VmRSS (the hub runs in it, on its own thread)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS in /proc/self/status")
 
 
 async def measured(hub: EmbeddedCoordinator, work) -> LoopMeter:
@@ -120,11 +138,14 @@ def loop_report(request):
     with plugins.get_plugin("capturemanager").global_and_fixture_disabled():
         write("")
         write(f"hub loop per {TICK * 1e3:g} ms tick: CPU busy / wall lag, in ms "
-              f"(bounds {MAX_LOOP_BUSY * 1e3:g} / {MAX_LOOP_LAG * 1e3:g})")
-        write(f"{'case':28} {'baseline busy':>13} {'lag':>6} {'hostile busy':>13} {'lag':>6}")
+              f"(bounds {MAX_LOOP_BUSY * 1e3:g} / {MAX_LOOP_LAG * 1e3:g}); peak RSS growth "
+              f"in MiB (bound {MAX_RSS_GROWTH >> 20})")
+        write(f"{'case':28} {'baseline busy':>13} {'lag':>6} {'RSS':>5} {'hostile busy':>13} "
+              f"{'lag':>6} {'RSS':>5}")
         for case, row in REPORT.items():
-            write(f"{case:28} {row.baseline.busy * 1e3:13.1f} {row.baseline.lag * 1e3:6.1f} "
-                  f"{row.hostile.busy * 1e3:13.1f} {row.hostile.lag * 1e3:6.1f}")
+            b, h = row.baseline, row.hostile
+            write(f"{case:28} {b.busy * 1e3:13.1f} {b.lag * 1e3:6.1f} {b.growth / 2**20:5.1f} "
+                  f"{h.busy * 1e3:13.1f} {h.lag * 1e3:6.1f} {h.growth / 2**20:5.1f}")
 
 
 def header(g, **fields) -> pb.CollectiveHeader:
@@ -268,8 +289,10 @@ async def test_hostile_input_is_refused_to_its_sender_only_without_stalling_the_
         await close_all([attacker, *bystanders])
     assert set(hub.coordinator.rendezvous.jobs) == {"attacker", "bystander"}
     REPORT[case] = Row(baseline, hostile)
-    measurements = (f"{case}: busy {hostile.busy * 1e3:.1f} ms, lag {hostile.lag * 1e3:.1f} ms "
-                    f"(baseline busy {baseline.busy * 1e3:.1f} ms, lag "
-                    f"{baseline.lag * 1e3:.1f} ms)")
+    measurements = (f"{case}: busy {hostile.busy * 1e3:.1f} ms, lag {hostile.lag * 1e3:.1f} ms, "
+                    f"RSS +{hostile.growth / 2**20:.1f} MiB (baseline busy "
+                    f"{baseline.busy * 1e3:.1f} ms, lag {baseline.lag * 1e3:.1f} ms, RSS "
+                    f"+{baseline.growth / 2**20:.1f} MiB)")
     assert hostile.busy < MAX_LOOP_BUSY, f"the hub's loop computed too long; {measurements}"
     assert hostile.lag < MAX_LOOP_LAG, f"the hub's loop stalled; {measurements}"
+    assert hostile.growth < MAX_RSS_GROWTH, f"the process grew too much; {measurements}"
