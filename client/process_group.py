@@ -17,6 +17,7 @@ from collections.abc import Awaitable
 
 import grpc
 import numpy as np
+from pydantic import SecretStr
 
 from gradstar import ops
 from gradstar.allocator import tune_allocator
@@ -465,6 +466,15 @@ def _settings(**given) -> ClientSettings:
         raise ConfigurationError(
             "world_size is required: pass world_size= or set GRADSTAR_WORLD_SIZE"
         )
+    if settings.token is None and settings.token_file is not None:
+        try:
+            token = settings.token_file.read_text(encoding="utf-8").strip()
+        except OSError as error:
+            raise ConfigurationError(f"cannot read the token file {settings.token_file}: "
+                                     f"{error.strerror}") from None
+        if not token:  # an empty token would mean "no authentication": never by accident
+            raise ConfigurationError(f"the token file {settings.token_file} is empty")
+        settings.token = SecretStr(token)
     return settings
 
 

@@ -377,6 +377,9 @@ def _launch_args(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="rank processes (default 1, env GRADSTAR_NPROC)")
     p.add_argument("--coordinator", help="HOST:PORT of a running coordinator (default: start "
                                          "an embedded one on 127.0.0.1)")
+    p.add_argument("--token-file", type=Path,
+                   help="file holding the job token the ranks send (env GRADSTAR_TOKEN_FILE); "
+                        "they get it in their environment, never on a command line")
     p.add_argument("--job", default=os.environ.get("GRADSTAR_JOB", "launch"),
                    help="job name (default 'launch', env GRADSTAR_JOB)")
     p.add_argument("--max-restarts", type=int, default=0,
@@ -421,6 +424,9 @@ def _worker_args(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "set, restart dead ones (the others re-join the next generation) and "
                     "report health. Flags override GRADSTAR_* env vars.")
     p.add_argument("--coordinator", help="HOST:PORT (env GRADSTAR_COORDINATOR)")
+    p.add_argument("--token-file", type=Path,
+                   help="file holding the job token the ranks send (env GRADSTAR_TOKEN_FILE); "
+                        "they get it in their environment, never on a command line")
     p.add_argument("--job", help="job name (env GRADSTAR_JOB, default 'default')")
     p.add_argument("--nproc", type=int, help="ranks on this host (env GRADSTAR_NPROC, default 1)")
     p.add_argument("--world-size", type=int,

@@ -183,6 +183,9 @@ class ClientSettings(BaseSettings):
     world_size: int | None = Field(None, gt=0)
     rank: int | None = Field(None, ge=0)
     token: SecretStr | None = None
+    token_file: Path | None = Field(
+        None, description="file holding the job token, read when no token is given (a docker "
+                          "or Kubernetes secret; keeps the token out of the environment)")
     tls_ca: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None

@@ -4,6 +4,7 @@ token on the command line (where every local user sees it in ``ps``)."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -85,3 +86,40 @@ async def test_an_empty_or_missing_token_file_or_two_tokens_are_refused(tmp_path
     code, _, err = await run_gradstar("coordinator", "--token", "a", "--token-file", str(empty),
                                       timeout=30)
     assert code == 2 and "not allowed with argument" in err
+    for command in ("launch", "worker"):  # the launcher and the agent read one for their ranks
+        code, _, err = await run_gradstar(command, "--token-file", str(empty), "x.py",
+                                          timeout=30)
+        assert code == 2 and f"the token file {empty} is empty" in err, (command, err)
+
+
+async def test_launch_gives_its_ranks_the_token_from_a_file(start_coordinator, secrets):
+    hub = await start_coordinator(token="job-secret")
+    token, _ = secrets
+    script = str(Path(__file__).with_name("rank_script.py"))
+    code, out, err = await run_gradstar("launch", "--nproc", "2", "--coordinator", hub.address,
+                                        "--token-file", str(token), "--job", "tf", script, "sum",
+                                        timeout=90)
+    assert code == 0, err[-3000:]
+    assert "job-secret" not in out + err
+    # Without it the ranks are refused: the file is what let them in.
+    code, _, err = await run_gradstar("launch", "--nproc", "1", "--coordinator", hub.address,
+                                      "--job", "tf-none", script, "sum", timeout=90)
+    assert code != 0 and "job token missing" in err, err[-3000:]
+
+
+async def test_a_rank_reads_its_token_from_the_file_gradstar_token_file_names(
+        start_coordinator, secrets, tmp_path, monkeypatch):
+    hub = await start_coordinator(token="job-secret")
+    token, _ = secrets
+    monkeypatch.delenv("GRADSTAR_TOKEN", raising=False)
+    monkeypatch.setenv("GRADSTAR_TOKEN_FILE", str(token))
+    async with await gradstar.init_process_group_async(
+            coordinator=hub.address, job="rank-file", world_size=1, connect_timeout=5) as g:
+        np.testing.assert_array_equal(await g.all_reduce(np.ones(2)), np.ones(2))
+    empty = tmp_path / "empty"
+    empty.write_text(" \n")
+    for path, why in ((empty, "is empty"), (tmp_path / "nope", "cannot read the token file")):
+        monkeypatch.setenv("GRADSTAR_TOKEN_FILE", str(path))
+        with pytest.raises(errors.ConfigurationError, match=why):
+            await gradstar.init_process_group_async(coordinator=hub.address, job="rank-file",
+                                                    world_size=1, connect_timeout=5)
