@@ -296,3 +296,57 @@ async def test_hostile_input_is_refused_to_its_sender_only_without_stalling_the_
     assert hostile.busy < MAX_LOOP_BUSY, f"the hub's loop computed too long; {measurements}"
     assert hostile.lag < MAX_LOOP_LAG, f"the hub's loop stalled; {measurements}"
     assert hostile.growth < MAX_RSS_GROWTH, f"the process grew too much; {measurements}"
+
+
+def process_resident_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+SHARD_CASES = ["too many dimensions", "huge header", "tiny chunks", "too large",
+               "overflowing shape", "huge job name in a header"]
+
+
+@pytest.mark.timeout(120)
+async def test_a_hub_shard_refuses_hostile_headers_to_their_sender_only(start_coordinator):
+    """The same headers sent straight to a hub shard (a process of its own, so its loop is not
+    metered here; its resident memory is): each refused with the named error, while another
+    job's all_reduce through the same shard stays exact."""
+    hub = await start_coordinator(shards=1, max_tensor_bytes=64 << 20)
+    shard_pid = hub._local_shards.processes[0].pid
+    (attacker,) = await join_all(hub.address, 1, job="attacker")
+    bystanders = await join_all(hub.address, 2, job="bystander")
+    assert len(attacker._plane.targets()) == 1 and attacker._plane.targets()[0].name != \
+        "coordinator"
+    shard = attacker._plane.targets()[0]
+    x = np.arange(1 << 18, dtype=np.float32)
+    try:
+        before = peak = process_resident_bytes(shard_pid)
+        for case in SHARD_CASES:
+            fields, error_type, message = HEADERS[case]
+            for frame in header_frames(attacker, fields):
+
+                async def frames(frame=frame):
+                    yield frame
+                    yield encode_message(KIND_END, pb.CollectiveEnd())
+
+                call = shard.stream(frames(), metadata=attacker._metadata, timeout=10)
+                try:
+                    verdict, results = await asyncio.wait_for(asyncio.gather(
+                        call.read(), asyncio.gather(*(g.all_reduce(x) for g in bystanders))),
+                        20)
+                finally:
+                    call.cancel()
+                verdict = decode_error(verdict)
+                assert isinstance(verdict, error_type), (case, verdict)
+                assert message in str(verdict) and len(str(verdict)) < 1000, (case, verdict)
+                for result in results:
+                    np.testing.assert_array_equal(result, 2 * x)
+                peak = max(peak, process_resident_bytes(shard_pid))
+        np.testing.assert_array_equal(await attacker.all_reduce(np.ones(3)), np.ones(3))
+    finally:
+        await close_all([attacker, *bystanders])
+    assert peak - before < MAX_RSS_GROWTH, f"the shard grew by {(peak - before) >> 20} MiB"
