@@ -72,8 +72,12 @@ class LocalShards:
     async def _keep(self, slot: int) -> None:
         failures = 0
         while not self._stopping:
+            # A session of its own: a terminal's Ctrl-C (SIGINT to the foreground process group)
+            # reaches the coordinator alone, which then stops its shards itself, instead of
+            # killing them under it (which read as a shard failure, and a restart).
             process = await asyncio.create_subprocess_exec(
-                *self._command(slot), env=self._env(), stdin=asyncio.subprocess.DEVNULL)
+                *self._command(slot), env=self._env(), stdin=asyncio.subprocess.DEVNULL,
+                start_new_session=True)
             self.processes[slot] = process
             code = await process.wait()
             if self._stopping:

@@ -8,6 +8,7 @@ Every case runs the real command as a process, on 127.0.0.1:0, with a deadline o
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 from pathlib import Path
@@ -121,3 +122,31 @@ async def test_a_signal_while_a_shard_waits_for_its_coordinator_stops_it(tmp_pat
     assert code == 0, err.text
     assert not any("listening on" in line for line in out.lines), out.text
     assert "Traceback" not in err.text, err.text
+
+
+@pytest.mark.timeout(120)
+async def test_ctrl_c_stops_the_coordinator_and_its_shards_without_a_restart():
+    """Ctrl-C sends SIGINT to the terminal's whole foreground process group: the local shards
+    must not get it (they used to die under the coordinator, which logged a shard failure and
+    a restart); the coordinator stops them itself."""
+    proc = await asyncio.create_subprocess_exec(
+        *GRADSTAR, "coordinator", "--host", "127.0.0.1", "--port", "0", "--shards", "1",
+        env=clean_env(GRADSTAR_SHARD_WAIT=str(SHARD_WAIT)), stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        start_new_session=True)  # its own process group, as a shell gives a foreground job
+    out, err = Lines(proc.stdout), Lines(proc.stderr)
+    try:
+        await out.wait_for(r"^gradstar coordinator listening on ", 60)
+        shards = children(proc.pid)
+        assert len(shards) == 1, shards
+        # Outside the coordinator's process group, so the group's SIGINT cannot reach them.
+        assert all(os.getpgid(pid) != os.getpgid(proc.pid) for pid in shards)
+        os.killpg(proc.pid, signal.SIGINT)
+        code = await asyncio.wait_for(proc.wait(), 30)
+    finally:
+        await stop_process(proc)
+    await out.finish()
+    await err.finish()
+    assert code == 0, err.text
+    assert "restarting" not in err.text, err.text
+    assert not [pid for pid in shards if pid_alive(pid)], "a local shard outlived its coordinator"
