@@ -40,6 +40,19 @@ async def start_waiting(*args: str) -> tuple[asyncio.subprocess.Process, Lines, 
     return proc, out, err
 
 
+async def exit_code_after(proc, out: Lines, err: Lines, stopping, within: float) -> int:
+    """Await ``stopping`` (which signals ``proc``), then ``proc``'s exit, at most ``within``
+    seconds; read all it printed. ``proc`` is killed if anything fails on the way."""
+    try:
+        await stopping
+        code = await asyncio.wait_for(proc.wait(), within)
+    finally:
+        await stop_process(proc)
+    await out.finish()
+    await err.finish()
+    return code
+
+
 def children(pid: int) -> set[int]:
     """The processes ``pid`` started (from any of its threads) and has not reaped."""
     found: set[int] = set()
@@ -110,15 +123,13 @@ async def test_a_signal_while_a_shard_waits_for_its_coordinator_stops_it(tmp_pat
         env=clean_env(GRADSTAR_SHARD_WAIT=str(SHARD_WAIT)), stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = Lines(proc.stdout), Lines(proc.stderr)
-    try:
+
+    async def wait_then_stop():
         await err.wait_for(r"registering with the coordinator at .* \(waiting up to 120 s\)",
                            30)
         proc.send_signal(signal.SIGTERM)
-        code = await asyncio.wait_for(proc.wait(), 20)
-    finally:
-        await stop_process(proc)
-    await out.finish()
-    await err.finish()
+
+    code = await exit_code_after(proc, out, err, wait_then_stop(), 20)
     assert code == 0, err.text
     assert not any("listening on" in line for line in out.lines), out.text
     assert "Traceback" not in err.text, err.text
@@ -135,18 +146,17 @@ async def test_ctrl_c_stops_the_coordinator_and_its_shards_without_a_restart():
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         start_new_session=True)  # its own process group, as a shell gives a foreground job
     out, err = Lines(proc.stdout), Lines(proc.stderr)
-    try:
+    shards: set[int] = set()
+
+    async def ctrl_c():
         await out.wait_for(r"^gradstar coordinator listening on ", 60)
-        shards = children(proc.pid)
+        shards.update(children(proc.pid))
         assert len(shards) == 1, shards
         # Outside the coordinator's process group, so the group's SIGINT cannot reach them.
         assert all(os.getpgid(pid) != os.getpgid(proc.pid) for pid in shards)
         os.killpg(proc.pid, signal.SIGINT)
-        code = await asyncio.wait_for(proc.wait(), 30)
-    finally:
-        await stop_process(proc)
-    await out.finish()
-    await err.finish()
+
+    code = await exit_code_after(proc, out, err, ctrl_c(), 30)
     assert code == 0, err.text
     assert "restarting" not in err.text, err.text
     assert not [pid for pid in shards if pid_alive(pid)], "a local shard outlived its coordinator"
