@@ -322,9 +322,7 @@ async def run_stream(target: Target, header: pb.CollectiveHeader, plan: Collecti
         raise error_from_rpc(error, what, target.address) from None
     except asyncio.CancelledError:
         if receiver.phase is Phase.AWAITING_ACCEPT:
-            notice = asyncio.ensure_future(_abandon(target, header, metadata))
-            _abandoning.add(notice)
-            notice.add_done_callback(_abandoning.discard)
+            _notify(_abandon(target, header, metadata))
         raise
     finally:
         if attached is not None and not attached.done():
@@ -372,7 +370,7 @@ async def run_collective(targets: Sequence[Target], header: pb.CollectiveHeader,
     """
     plan = CollectivePlan.for_header(header, world_size, send, out)
     geometry = plan.geometry
-    stripes = ops.active_shards(geometry.layout, len(targets)) if len(targets) > 1 else 1
+    stripes = _stripe_count(targets, geometry)
     segment = _offer_segment(targets[:stripes], geometry)
     clean = False
     try:
@@ -409,6 +407,19 @@ async def run_collective(targets: Sequence[Target], header: pb.CollectiveHeader,
             (SEGMENTS.release if clean else SEGMENTS.discard)(segment)
 
 
+def _stripe_count(targets: Sequence[Target], geometry: ops.Geometry) -> int:
+    """How many of ``targets`` (hub shards) a collective is striped over; 1: unstriped."""
+    return ops.active_shards(geometry.layout, len(targets)) if len(targets) > 1 else 1
+
+
+def _notify(notice: Coroutine) -> None:
+    """Run ``notice`` (telling the hub this rank gave up) on a task of its own, held until it
+    ends: the event loop holds tasks only weakly."""
+    task = asyncio.ensure_future(notice)
+    _abandoning.add(task)
+    task.add_done_callback(_abandoning.discard)
+
+
 def issue(run: Callable[[], Coroutine], abandon: Callable[[], Coroutine]) -> Awaitable:
     """Start ``run()`` now, as a task of the running loop, and return that task.
 
@@ -430,9 +441,7 @@ def issue(run: Callable[[], Coroutine], abandon: Callable[[], Coroutine]) -> Awa
 
     def settled(task: asyncio.Task) -> None:
         if task.cancelled() and not started:
-            notice = loop.create_task(abandon())
-            _abandoning.add(notice)
-            notice.add_done_callback(_abandoning.discard)
+            _notify(abandon())
 
     task = loop.create_task(running())
     task.add_done_callback(settled)
@@ -444,7 +453,7 @@ async def abandon_collective(targets: Sequence[Target], header: pb.CollectiveHea
     """Tell the hub (each shard of the collective's stripes) that this rank gave up
     ``header`` before sending anything: :func:`_abandon` on every stripe's target."""
     geometry = CollectivePlan.for_header(header, world_size, None, np.empty(0)).geometry
-    stripes = ops.active_shards(geometry.layout, len(targets)) if len(targets) > 1 else 1
+    stripes = _stripe_count(targets, geometry)
     notices = []
     for k in range(stripes):
         stripe = pb.CollectiveHeader()

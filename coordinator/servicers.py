@@ -46,6 +46,18 @@ log = logging.getLogger(__name__)
 # "No frame held back" in a stream's writer (CLOSE, the outbox's last item, is None).
 _NOTHING = object()
 
+
+def _take_batch(item, outbox: asyncio.Queue) -> tuple[list, object]:
+    """``item`` and the small frames already queued behind it, to go in one message, and the
+    first queued item that may not join them (``_NOTHING`` if none was taken)."""
+    batch = [item]
+    while batchable(batch[-1]) and len(batch) < MAX_BATCH_FRAMES and not outbox.empty():
+        following = outbox.get_nowait()
+        if not batchable(following):
+            return batch, following
+        batch.append(following)
+    return batch, _NOTHING
+
 # How long a failed collective's call stays open for the client to read the in-band error and
 # hang up. Ending a call while the client still writes can make grpc-python report INTERNAL to
 # that client instead of our status; a client that read the ERROR frame cancels at once.
@@ -179,22 +191,14 @@ class CollectiveServicer:
                     yield encode_error(item)
                     await self._linger(reader)
                     await abort(context, item)
-                # Small frames already queued behind this one go with it, in one message.
-                batch = [item]
+                batch, held = _take_batch(item, me.outbox)
                 if eager:
                     eager = False
                     if batchable(item):
-                        batch = [attach, item]
+                        batch.insert(0, attach)
                     else:
                         yield attach
-                while batchable(batch[-1]) and len(batch) < MAX_BATCH_FRAMES \
-                        and not me.outbox.empty():
-                    following = me.outbox.get_nowait()
-                    if not batchable(following):
-                        held = following
-                        break
-                    batch.append(following)
-                yield item if len(batch) == 1 else encode_batch(batch)
+                yield batch[0] if len(batch) == 1 else encode_batch(batch)
                 for frame in batch:
                     if frame[0] == KIND_CHUNK or frame[0] == KIND_SHM_CHUNK:
                         me.delivered += 1
