@@ -157,24 +157,40 @@ def _stop_on_signals() -> asyncio.Event:
     return stop
 
 
+def _default_signals() -> None:
+    """Once a server has stopped, a SIGINT or SIGTERM has nothing left to drain: it ends the
+    process at once (the default action). Without this, one arriving while asyncio tears the
+    loop down, its wakeup fd already closed, printed "Exception ignored ... Bad file
+    descriptor" with a traceback (a local shard gets its coordinator's SIGTERM just as it
+    exits, having lost that coordinator)."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_DFL)
+
+
 async def _serve_shard(settings) -> int:
     from gradstar.coordinator.shard import Shard
 
     share_malloc_arena()  # before the shard's gRPC threads start
     shard = Shard(settings)
     stop = _stop_on_signals()
-    # A signal while it waits for its coordinator (up to shard_wait) stops it at once.
-    if not await _unless_stopped(shard.start(), stop):
-        return 0
-    print(f"gradstar shard {shard.slot} listening on {settings.host}:{shard.port} "
-          f"(advertised as {shard.address})", flush=True)
-    stopping = asyncio.ensure_future(stop.wait())
-    closed = asyncio.ensure_future(shard.wait_closed())
-    await asyncio.wait((stopping, closed), return_when=asyncio.FIRST_COMPLETED)
-    stopping.cancel()
-    closed.cancel()
-    await shard.stop()
-    return 1 if shard.lost is not None else 0
+    try:
+        # A signal while it waits for its coordinator (up to shard_wait) stops it at once.
+        if not await _unless_stopped(shard.start(), stop):
+            return 0
+        print(f"gradstar shard {shard.slot} listening on {settings.host}:{shard.port} "
+              f"(advertised as {shard.address})", flush=True)
+        stopping = asyncio.ensure_future(stop.wait())
+        closed = asyncio.ensure_future(shard.wait_closed())
+        await asyncio.wait((stopping, closed), return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        closed.cancel()
+        await shard.stop()
+        return 1 if shard.lost is not None else 0
+    finally:
+        _default_signals()
 
 
 def _run_shard(args: argparse.Namespace) -> int:
@@ -237,6 +253,7 @@ async def _serve(settings: CoordinatorSettings) -> None:
                  len(coordinator.shards.up), coordinator.shards.expected)
     log.info("stopping: draining for up to %.1f s", settings.drain_grace)
     await coordinator.stop()
+    _default_signals()
 
 
 def _print_serving(coordinator, settings: CoordinatorSettings) -> None:
