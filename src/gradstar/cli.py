@@ -157,6 +157,14 @@ def _stop_on_signals() -> asyncio.Event:
     return stop
 
 
+def _say(line: str) -> None:
+    """One line on stdout in one write: a coordinator and its local shards share stdout, and
+    print() writes the newline apart, so their lines could interleave mid-line (scripts read
+    these lines to learn the address)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def _default_signals() -> None:
     """Once a server has stopped, a SIGINT or SIGTERM has nothing left to drain: it ends the
     process at once (the default action). Without this, one arriving while asyncio tears the
@@ -180,8 +188,8 @@ async def _serve_shard(settings) -> int:
         # A signal while it waits for its coordinator (up to shard_wait) stops it at once.
         if not await _unless_stopped(shard.start(), stop):
             return 0
-        print(f"gradstar shard {shard.slot} listening on {settings.host}:{shard.port} "
-              f"(advertised as {shard.address})", flush=True)
+        _say(f"gradstar shard {shard.slot} listening on {settings.host}:{shard.port} "
+             f"(advertised as {shard.address})")
         stopping = asyncio.ensure_future(stop.wait())
         closed = asyncio.ensure_future(shard.wait_closed())
         await asyncio.wait((stopping, closed), return_when=asyncio.FIRST_COMPLETED)
@@ -242,9 +250,8 @@ async def _serve(settings: CoordinatorSettings) -> None:
     if remote > 0:
         # Shards on other hosts need the port (--port 0) to register; "listening on" waits for
         # them, so it cannot be the line that tells them.
-        print(f"gradstar coordinator bound to {settings.host}:{coordinator.port}; waiting up "
-              f"to {settings.shard_wait:g} s for hub shards ({remote} from other hosts)",
-              flush=True)
+        _say(f"gradstar coordinator bound to {settings.host}:{coordinator.port}; waiting up "
+             f"to {settings.shard_wait:g} s for hub shards ({remote} from other hosts)")
     if await _unless_stopped(coordinator.wait_for_shards(), stop):
         _print_serving(coordinator, settings)
         await stop.wait()
@@ -259,15 +266,15 @@ async def _serve(settings: CoordinatorSettings) -> None:
 def _print_serving(coordinator, settings: CoordinatorSettings) -> None:
     """The lines a serving coordinator prints: its address (the line scripts wait for), its
     shards and its metrics endpoint."""
-    print(f"gradstar coordinator listening on {settings.host}:{coordinator.port}", flush=True)
+    _say(f"gradstar coordinator listening on {settings.host}:{coordinator.port}")
     if coordinator.shards.slots:
-        print(f"gradstar coordinator data plane: {len(coordinator.shards.up)} shards at "
-              f"{', '.join(r.address for r in coordinator.shards.up)}", flush=True)
+        _say(f"gradstar coordinator data plane: {len(coordinator.shards.up)} shards at "
+             f"{', '.join(r.address for r in coordinator.shards.up)}")
     if coordinator.metrics_port is not None:
-        print(f"gradstar coordinator metrics on http://{settings.metrics_host}:"
-              f"{coordinator.metrics_port}/metrics", flush=True)
-        print(f"gradstar coordinator status page on http://{settings.metrics_host}:"
-              f"{coordinator.metrics_port}/", flush=True)
+        _say(f"gradstar coordinator metrics on http://{settings.metrics_host}:"
+             f"{coordinator.metrics_port}/metrics")
+        _say(f"gradstar coordinator status page on http://{settings.metrics_host}:"
+             f"{coordinator.metrics_port}/")
 
 
 def _settings_error(error: ValidationError) -> str:
