@@ -14,7 +14,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 EXTRAS := $(if $(filter none,$(TORCH)),,[dev,torch,plot])
 
 .PHONY: setup demo test lint protos protos-check wheel-check bench compose-check clean \
-	need-torch FORCE chromium torch-suite
+	need-torch FORCE chromium torch-suite test-cuda
 
 $(STAMP): pyproject.toml constraints.txt $(TORCH_FILE)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -49,6 +49,12 @@ compose-check:
 ## The test suite (unit + integration with real servers and processes).
 test: need-torch $(STAMP) chromium
 	$(PY) -m pytest -q
+
+## The CUDA tests alone (tests/cuda/), on a machine with a GPU: `make TORCH=cuda test-cuda`.
+## Without a CUDA device each is reported as skipped, "needs a CUDA device" (they also run, and
+## skip, in `make test`).
+test-cuda: need-torch $(STAMP)
+	$(PY) -m pytest -q -rs tests/cuda
 
 ## Chromium for tests/runtime/test_status_page.py: installed with apt-get as root when missing
 ## (about 2 minutes); elsewhere a one-line hint, and that test fails saying the same.

@@ -1,4 +1,7 @@
-"""numpy arrays and torch CPU tensors in, the same type out, without copying where possible.
+"""numpy arrays and torch tensors in, the same type out, without copying where possible.
+
+CPU tensors are viewed as numpy arrays; CUDA tensors are copied to host memory when the call is
+made and their results copied back to their device (see :mod:`gradstar.client.device`).
 
 Collectives restore a result to the caller's type with the function :func:`to_numpy` returns; a
 peer message carries its type across as an ``ArrayKind`` (:func:`array_kind`,
@@ -17,6 +20,8 @@ from gradstar.errors import ConfigurationError
 from gradstar.proto.v1 import peer_pb2 as ppb
 from gradstar.wire import dtype_info
 
+from .device import check_device, is_staged, to_device, to_host_array
+
 Restore = Callable[[np.ndarray], object]
 
 
@@ -29,7 +34,8 @@ def to_numpy(x) -> tuple[np.ndarray, Restore]:
     """A C-contiguous numpy view of ``x`` and a function turning a result back into x's type.
 
     Raises:
-        ConfigurationError: ``x`` is not a numpy array or CPU tensor, or its dtype is unsupported.
+        ConfigurationError: ``x`` is not a numpy array or a CPU or CUDA tensor, or its dtype
+            is unsupported.
     """
     if isinstance(x, np.ndarray):
         # Not np.ascontiguousarray: it turns a 0-d array into a 1-d one.
@@ -39,7 +45,7 @@ def to_numpy(x) -> tuple[np.ndarray, Restore]:
         arr, restore = _torch_to_numpy(x)
     else:
         raise ConfigurationError(
-            f"expected a numpy array or a torch CPU tensor, got {type(x).__name__}"
+            f"expected a numpy array or a torch tensor, got {type(x).__name__}"
         )
     dtype_info(arr.dtype)
     return arr, restore
@@ -52,10 +58,9 @@ def _same(a: np.ndarray) -> np.ndarray:
 def _torch_to_numpy(t) -> tuple[np.ndarray, Restore]:
     import torch
 
-    if t.device.type != "cpu":
-        raise ConfigurationError(
-            f"gradstar moves CPU tensors; this tensor is on {t.device}: call .cpu() first"
-        )
+    check_device(t)
+    if is_staged(t):
+        return _staged_to_numpy(t)
     t = t.detach().contiguous()
     if t.dtype == torch.bfloat16:
         # numpy has no bfloat16: reinterpret the same bits as ml_dtypes.bfloat16.
@@ -67,6 +72,25 @@ def _torch_to_numpy(t) -> tuple[np.ndarray, Restore]:
 
         return arr, restore
     return t.numpy(), torch.from_numpy
+
+
+def _staged_to_numpy(t) -> tuple[np.ndarray, Restore]:
+    """A host copy of the device tensor ``t`` as numpy, and a restore that copies a result back
+    to t's device (see :mod:`gradstar.client.device`)."""
+    import torch
+
+    device, bf16 = t.device, t.dtype == torch.bfloat16
+    arr = to_host_array(t)
+    if bf16:
+        arr = arr.view(ml_dtypes.bfloat16)
+
+    def restore(a: np.ndarray):
+        a = a if a.flags.c_contiguous else a.copy(order="C")
+        on_host = torch.from_numpy(a.view(np.int16) if bf16 else a)
+        on_device = to_device(on_host, device)
+        return on_device.view(torch.bfloat16) if bf16 else on_device
+
+    return arr, restore
 
 
 def array_kind(x) -> int:

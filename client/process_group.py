@@ -92,7 +92,7 @@ class AsyncProcessGroup:
 
         Raises:
             CollectiveError and subclasses: mismatch, timeout, lost rank, payload too large.
-            ConfigurationError: unsupported op or dtype, or not an array or CPU tensor.
+            ConfigurationError: unsupported op or dtype, or not an array or a CPU or CUDA tensor.
         """
         arr, restore = to_numpy(x)
         reduce_op = ops.reduce_op(op)
