@@ -11,15 +11,16 @@ A script written for torch.distributed switches to gradstar's hub by naming the 
 after which ``dist.all_reduce``, ``all_gather_into_tensor``, ``reduce_scatter_tensor``,
 ``broadcast``, ``barrier``, ``new_group``, torch's ``DistributedDataParallel`` (comm hooks
 included) and FSDP2's ``fully_shard`` run over gradstar collectives, and ``send``/``recv`` over
-gradstar's rank-to-rank peer streams. What each torch call becomes is in
+gradstar's rank-to-rank peer streams, on CPU and CUDA tensors alike (DDP with
+``device_ids=[i]``, FSDP2 on a ``"cuda"`` mesh). What each torch call becomes is in
 :mod:`gradstar.client.torch_backend.group`; how results reach torch (threads, futures, errors) in
 :mod:`gradstar.client.torch_backend.work`.
 
 **Registration.** ``import gradstar`` registers the backend without importing torch: if torch is
 already imported it registers at once, otherwise right after torch's own import finishes (see
 :mod:`gradstar.client.torch_import_hook`). ``import gradstar.client.torch_backend`` (or
-:func:`register_backend`) registers explicitly. Registering does not change torch's default
-backend for any device.
+:func:`register_backend`) registers explicitly, for devices ``cpu`` and ``cuda``. Registering
+does not change torch's default backend for any device (gloo keeps ``cpu``, NCCL ``cuda``).
 
 **init_method.** ``gradstar://HOST:PORT?job=NAME``; every part is optional and falls back to the
 ``GRADSTAR_*`` environment variables (``GRADSTAR_COORDINATOR``, ``GRADSTAR_JOB``,
@@ -330,7 +331,7 @@ def register_backend() -> None:
         if _registered:
             return
         dist.Backend.register_backend(BACKEND, _create_group, extended_api=True,
-                                      devices=["cpu"])
+                                      devices=["cpu", "cuda"])
         try:
             register_rendezvous_handler(SCHEME, _rendezvous)
         except RuntimeError:

@@ -5,6 +5,12 @@ bytes in collectives that only move data (broadcast, gathers, send/recv) and wid
 reductions (bool, int8, uint8, int16); complex tensors reduce as their real view for SUM and AVG.
 BAND, BOR and BXOR reduce integer and bool tensors on the client (see :func:`bitwise_reduce`).
 Sparse tensors are refused.
+
+**Devices.** Tensors live on the CPU or on a CUDA device; any other device (mps, xpu, meta, ...)
+is refused, named. The conversions here run on the tensor's own device, in the caller's thread
+and on its current stream (gradstar's SDK copies a CUDA tensor to host memory when a collective
+is called, see :mod:`gradstar.client.device`), so nothing reads a CUDA tensor later or
+elsewhere. :func:`cuda_devices` names the devices whose streams a collective synchronizes.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from gradstar.client.device import check_device
 from gradstar.errors import ConfigurationError, InvalidCollectiveError
 
 ReduceOp = dist.ReduceOp
@@ -74,17 +81,36 @@ def tensor_list(tensors) -> list[torch.Tensor]:
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
-def check_dense_cpu(t: torch.Tensor) -> None:
-    """Raises: ConfigurationError: ``t`` is sparse or not on the CPU."""
+def tensors_in(value) -> list[torch.Tensor]:
+    """The tensors in ``value``: a tensor, or (nested) lists and tuples of them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for item in value for t in tensors_in(item)]
+    return []
+
+
+def cuda_devices(value) -> list[torch.device]:
+    """The CUDA devices of the tensors in ``value`` (see :func:`tensors_in`), each once, in
+    index order: where a collective over them must order its copies with the caller's streams
+    and synchronize its results."""
+    devices = {t.device for t in tensors_in(value) if t.device.type == "cuda"}
+    return sorted(devices, key=lambda device: device.index)
+
+
+def check_dense(t: torch.Tensor) -> None:
+    """Accept a dense tensor on the CPU or a CUDA device.
+
+    Raises:
+        ConfigurationError: ``t`` is sparse, or lives on another device (mps, xpu, meta, ...),
+            which the message names.
+    """
     if t.layout != torch.strided:
         raise ConfigurationError(
             f"the gradstar backend moves dense (torch.strided) tensors; sparse layouts such as "
             f"this tensor's {t.layout} are not supported: call .to_dense() first"
         )
-    if t.device.type != "cpu":
-        raise ConfigurationError(
-            f"the gradstar backend moves CPU tensors; this tensor is on {t.device}"
-        )
+    check_device(t)
 
 
 Restore = Callable[[torch.Tensor], torch.Tensor]
@@ -92,7 +118,7 @@ Restore = Callable[[torch.Tensor], torch.Tensor]
 
 def for_transfer(t: torch.Tensor) -> tuple[torch.Tensor, Restore]:
     """``t`` in a dtype gradstar moves, and how to turn a received tensor back into t's kind."""
-    check_dense_cpu(t)
+    check_dense(t)
     if t.dtype in _NATIVE:
         return t, lambda r: r
     # Raw bytes, padded to whole int32 words: every rank pads the same tensor shape alike.
@@ -116,7 +142,7 @@ def rows_for_transfer(t: torch.Tensor) -> tuple[torch.Tensor,
     Native dtypes move as they are. Others move as rows of raw bytes, each padded to whole
     int32 words (rows of one size pad alike on every rank), so splits along dim 0 still work.
     """
-    check_dense_cpu(t)
+    check_dense(t)
     if t.dim() == 0:
         raise InvalidCollectiveError("all_to_all_single needs tensors of at least 1 dimension")
     if t.dtype in _NATIVE:
@@ -142,7 +168,7 @@ def for_reduction(t: torch.Tensor, op: str) -> tuple[torch.Tensor, Restore]:
     Raises:
         ConfigurationError: a dtype gradstar cannot reduce with ``op``.
     """
-    check_dense_cpu(t)
+    check_dense(t)
     if t.dtype in _NATIVE:
         return t, lambda r: r
     if t.dtype in _WIDENED and op != "mean":
@@ -160,7 +186,7 @@ def for_bitwise(t: torch.Tensor, op: str) -> torch.Tensor:
     Raises:
         ConfigurationError: ``t`` is a floating point or complex tensor, or sparse.
     """
-    check_dense_cpu(t)
+    check_dense(t)
     if t.is_floating_point() or t.is_complex():
         raise ConfigurationError(
             f"{_LABELS[op]} reduces integer and bool tensors, not {t.dtype} tensors")
@@ -197,8 +223,9 @@ __all__ = [
     "BITWISE_OPS",
     "Restore",
     "bitwise_reduce",
-    "check_dense_cpu",
+    "check_dense",
     "check_numel",
+    "cuda_devices",
     "for_bitwise",
     "for_reduction",
     "for_transfer",
@@ -207,5 +234,6 @@ __all__ = [
     "rows_for_transfer",
     "seconds_of",
     "tensor_list",
+    "tensors_in",
     "write_rows",
 ]

@@ -12,6 +12,13 @@ starts gradstar collectives with ``async_op=True`` and returns a
   (all_reduce, broadcast, the output tensors of gathers and scatters), written when the Work is
   settled: by ``wait()`` or by a completion thread, whichever comes first.
 * **dtypes.** See :mod:`gradstar.client.torch_backend.convert`: every dtype moves, most reduce.
+* **Devices.** Tensors on the CPU or a CUDA device, as with gloo; others (mps, xpu, meta, ...)
+  are refused with a :class:`~gradstar.errors.ConfigurationError` naming the device. A CUDA
+  collective first waits, in the caller's thread, for what the caller queued on its current
+  streams (the tensors' producers), then copies its inputs to host memory there (gradstar's
+  SDK does, see :mod:`gradstar.client.device`); its results are written on the device by the
+  thread that settles the Work and are complete for every stream by the time ``wait()`` returns
+  or the Work's future completes (see :mod:`.work`).
 * **Bitwise ops.** The hub reduces SUM, AVG, MIN, MAX and PRODUCT; BAND, BOR and BXOR run as an
   all_gather that every rank reduces itself (exact, and cheap for the small tensors they suit).
 * **Errors.** An invalid argument (unsupported reduce op or dtype, wrong sizes) raises at once,
@@ -37,6 +44,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from gradstar.client.device import check_device, synchronize
 from gradstar.client.process_group import ProcessGroup
 from gradstar.errors import (
     CollectiveTimeoutError,
@@ -49,8 +57,9 @@ from gradstar.errors import (
 from .convert import (
     BITWISE_OPS,
     bitwise_reduce,
-    check_dense_cpu,
+    check_dense,
     check_numel,
+    cuda_devices,
     for_bitwise,
     for_reduction,
     for_transfer,
@@ -58,6 +67,7 @@ from .convert import (
     rows_for_transfer,
     seconds_of,
     tensor_list,
+    tensors_in,
     write_rows,
 )
 from .profiling import record_collectives
@@ -127,19 +137,33 @@ class ProcessGroupGradstar(dist.ProcessGroup):
     # -- machinery -----------------------------------------------------------------------------
 
     def _launch(self, starts: Sequence[Callable[[], object]],
-                finish: Callable[[list], object],
+                finish: Callable[[list], object], tensors,
                 work_type: type[GradstarWork] = GradstarWork) -> GradstarWork:
         """Start gradstar collectives (in order, here) and wrap them in one Work.
 
-        ValueErrors (invalid arguments) propagate; any other gradstar error fails the Work.
+        ``tensors`` (nested lists allowed) are every tensor the collectives read or write. On a
+        CUDA device, what the caller queued on its current stream is finished before anything
+        starts: results are written on another thread's stream, which would not wait for it
+        (an input's copy to the host waits for it too, but not every output is an input).
+
+        Raises:
+            ConfigurationError: a tensor on a device other than the CPU or CUDA, named.
+            ValueError: other invalid arguments (gradstar's own, raised by ``starts``); any
+                other gradstar error fails the Work instead.
         """
+        for t in tensors_in(tensors):
+            check_device(t)
+        devices = cuda_devices(tensors)
+        for device in devices:
+            synchronize(device)
         try:
             pending = [start() for start in starts]
         except ValueError:
             raise
         except GradstarError as error:
             return GradstarWork.failed(error, self._completions, label=self._error_label)
-        work = work_type(pending, finish, self._completions, label=self._error_label)
+        work = work_type(pending, finish, self._completions, label=self._error_label,
+                         devices=devices)
         with self._lock:
             self._in_flight.add(work)
         return work
@@ -161,7 +185,7 @@ class ProcessGroupGradstar(dist.ProcessGroup):
                 write(i, restore(result))
             return tensors
 
-        return self._launch(starts, finish)
+        return self._launch(starts, finish, tensors)
 
     def _gather(self, inputs: list[torch.Tensor], timeout: float | None,
                 write: Callable[[int, list[torch.Tensor]], None], result):
@@ -174,13 +198,13 @@ class ProcessGroupGradstar(dist.ProcessGroup):
                 write(i, [restore(p) for p in parts])
             return result
 
-        return self._launch(starts, finish)
+        return self._launch(starts, finish, [inputs, result])
 
     def _scatter_reduce(self, outputs: list[torch.Tensor], flats: list[torch.Tensor], op: str,
                         timeout: float | None):
         world = self.size()
         for out, flat in zip(outputs, flats, strict=True):
-            check_dense_cpu(flat)  # before reshape(), whose own error would not say why
+            check_dense(flat)  # before reshape(), whose own error would not say why
             check_numel("reduce_scatter's input", flat.numel(), out.numel() * world)
         if op in BITWISE_OPS:
             me = self.rank()
@@ -201,7 +225,7 @@ class ProcessGroupGradstar(dist.ProcessGroup):
                 out.copy_(restore(shard).reshape(out.shape))
             return outputs
 
-        return self._launch(starts, finish)
+        return self._launch(starts, finish, [outputs, flats])
 
     # -- collectives ---------------------------------------------------------------------------
 
@@ -222,10 +246,10 @@ class ProcessGroupGradstar(dist.ProcessGroup):
                 f"sparse all_reduce supports SUM only (as gloo does), got {op.upper()}")
         if len(tensors) != 1 or tensors[0].layout != torch.sparse_coo:
             raise ConfigurationError("sparse all_reduce takes one sparse COO tensor per call")
+        check_device(tensors[0])
         t = tensors[0].coalesce()
-        if t.device.type != "cpu":
-            raise ConfigurationError(
-                f"the gradstar backend moves CPU tensors; this tensor is on {t.device}")
+        # Every rank's entries travel in host tensors; a CUDA tensor's are copied there now, in
+        # the caller's thread, after what its stream computed (copy_ to the host waits for it).
         indices, values = t.indices(), t.values()
         counts = self.gradstar_group.all_gather(torch.tensor([indices.shape[1]]),
                                                 timeout=timeout)
@@ -245,7 +269,7 @@ class ProcessGroupGradstar(dist.ProcessGroup):
                 every_value = torch.cat([p[:n] for p, n in zip(gathered[1], counts,
                                                                strict=True)])
                 total = torch.sparse_coo_tensor(every_index, every_value, t.shape).coalesce()
-                tensors[0].copy_(total)
+                tensors[0].copy_(total.to(tensors[0].device))
 
         return self._gather([padded_indices, padded_values], timeout, write, tensors)
 
@@ -262,7 +286,7 @@ class ProcessGroupGradstar(dist.ProcessGroup):
             return tensors
 
         return self._launch([lambda: self.gradstar_group.all_reduce_coalesced(
-            [w for w, _ in prepared], op, async_op=True, timeout=timeout)], finish)
+            [w for w, _ in prepared], op, async_op=True, timeout=timeout)], finish, tensors)
 
     def reduce(self, tensors, opts=None):
         """torch's reduce, as an all_reduce whose result only the root keeps."""
@@ -293,7 +317,7 @@ class ProcessGroupGradstar(dist.ProcessGroup):
                     write(i, restore(r))
             return result
 
-        return self._launch(starts, finish)
+        return self._launch(starts, finish, [tensors, result])
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         inputs = tensor_list(input_tensors)
@@ -356,6 +380,7 @@ class ProcessGroupGradstar(dist.ProcessGroup):
         root, world, me = getattr(opts, "rootRank", 0), self.size(), self.rank()
         stacked = []
         for i, out in enumerate(outputs):
+            check_dense(out)  # before the root writes its own part below
             if me == root:
                 parts = input_tensors[i]
                 check_numel("scatter's input list", len(parts), world)
@@ -373,7 +398,7 @@ class ProcessGroupGradstar(dist.ProcessGroup):
         for out, parts in zip(outputs, input_tensors, strict=True):
             check_numel("reduce_scatter's input list", len(parts), self.size())
             for part in parts:
-                check_dense_cpu(part)
+                check_dense(part)
                 check_numel("a reduce_scatter input", part.numel(), out.numel())
         flats = [torch.cat([p.reshape(-1) for p in parts]) for parts in input_tensors]
         return self._scatter_reduce(outputs, flats, reduce_op_name(opts), seconds_of(opts))
@@ -391,7 +416,7 @@ class ProcessGroupGradstar(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         return self._launch([lambda: self.gradstar_group.barrier(
-            async_op=True, timeout=seconds_of(opts))], lambda _results: [])
+            async_op=True, timeout=seconds_of(opts))], lambda _results: [], [])
 
     def monitored_barrier(self, timeout: timedelta | None = None,
                           wait_all_ranks: bool = False) -> None:
@@ -437,7 +462,7 @@ class ProcessGroupGradstar(dist.ProcessGroup):
         tensors = tensor_list(tensors)
         prepared = [for_transfer(t) for t in tensors]
         return self._launch([lambda w=w: send(w, dst, tag, async_op=True)
-                             for w, _ in prepared], lambda _results: tensors)
+                             for w, _ in prepared], lambda _results: tensors, tensors)
 
     def recv(self, tensors, src, tag=0):
         recv = self._peer("recv")
@@ -450,7 +475,7 @@ class ProcessGroupGradstar(dist.ProcessGroup):
             return tensors
 
         return self._launch([lambda: recv(src, tag, async_op=True) for _ in prepared],
-                            finish)
+                            finish, tensors)
 
     def recv_anysource(self, tensors, tag=0):
         """torch's recv with ``src=None``: the next message with ``tag`` from any rank; the
@@ -465,14 +490,14 @@ class ProcessGroupGradstar(dist.ProcessGroup):
             return tensors
 
         return self._launch([lambda: recv(None, tag, async_op=True) for _ in prepared],
-                            finish, AnySourceWork)
+                            finish, tensors, AnySourceWork)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         """torch's all_to_all_single: rows (dim 0) of ``input`` split by
         ``input_split_sizes`` go to the ranks; ``output`` receives their splits for this rank,
         ``output_split_sizes[i]`` rows from rank ``i`` (empty sizes: equal splits)."""
         world = self.size()
-        check_dense_cpu(output)
+        check_dense(output)
         if output.dtype != input.dtype:
             raise InvalidCollectiveError(
                 f"all_to_all_single's output is {output.dtype} but its input is {input.dtype}")
@@ -498,7 +523,7 @@ class ProcessGroupGradstar(dist.ProcessGroup):
             return [output]
 
         return self._launch([lambda: self.gradstar_group.all_to_all_single(
-            wire, outs, ins, async_op=True, timeout=seconds_of(opts))], finish)
+            wire, outs, ins, async_op=True, timeout=seconds_of(opts))], finish, [output, input])
 
     all_to_all_single = alltoall_base
 
@@ -523,7 +548,7 @@ class ProcessGroupGradstar(dist.ProcessGroup):
 
         return self._launch([lambda: self.gradstar_group.all_to_all_single(
             flat, sizes, [w.numel() for w, _ in sent], async_op=True,
-            timeout=seconds_of(opts))], finish)
+            timeout=seconds_of(opts))], finish, [outputs, inputs])
 
     # -- lifecycle -----------------------------------------------------------------------------
 

@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 
+from .convert import tensors_in
+
 try:  # records the inputs' shapes, as gloo's events have them (torch >= 2.2)
     from torch._C._profiler import _RecordFunctionFast
 except ImportError:  # pragma: no cover - older torch: names without shapes
@@ -56,15 +58,6 @@ TITLES: dict[str, tuple[str, int | None]] = {
 }
 
 _inside = threading.local()
-
-
-def tensors_in(value) -> list[torch.Tensor]:
-    """The tensors in ``value``: a tensor, or (nested) lists of them."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, list | tuple):
-        return [t for item in value for t in tensors_in(item)]
-    return []
 
 
 class CollectiveRecord:
@@ -121,4 +114,4 @@ def record_collectives(cls: type) -> type:
     return cls
 
 
-__all__ = ["TITLES", "CollectiveRecord", "profiled", "record_collectives", "tensors_in"]
+__all__ = ["TITLES", "CollectiveRecord", "profiled", "record_collectives"]

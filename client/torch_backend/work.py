@@ -5,8 +5,9 @@ Three rules, each learned from a failure on torch 2.13:
 
 * An exception set on a plain ``torch.futures.Future`` reaches C++ as an ordinary value: DDP's
   reducer then read it as a list of tensors and crashed with SIGSEGV. :meth:`GradstarWork.
-  get_future` therefore returns a future *chained* with ``.then()`` whose callback re-raises, so
-  C++ sees a properly failed future and throws.
+  get_future` therefore returns a future *chained* with ``.then()`` whose callback raises the
+  collective's error (handed to it as a :class:`_Failure` value), so C++ sees a properly failed
+  future and throws.
 * Futures are completed on :class:`CompletionThreads`, never on gradstar's asyncio loop thread:
   a callback may issue a collective and wait for it (PowerSGD does), which deadlocks if it runs
   on the thread that has to drive that collective.
@@ -14,6 +15,22 @@ Three rules, each learned from a failure on torch 2.13:
   collective itself (waits for gradstar's result and writes it into torch's tensors) if no
   completion thread has yet, so a callback that waits for another collective cannot deadlock.
   Settling happens exactly once, under a lock.
+
+A Work over CUDA tensors (``devices``: the CUDA devices of the tensors it reads and writes)
+holds to torch's rules for them, as NCCL's and gloo's Works do:
+
+* Its future is a ``torch.futures.Future(devices=...)``: torch then records an event on the
+  completing thread's streams, makes every stream that waits for the future (or runs a
+  ``.then()`` callback, on a stream of its own) wait for that event, and tells the caching
+  allocator where the value's tensors are used. A future without devices does none of that: a
+  comm hook's ``.then()`` callback (DDP's bf16 compression) would read the result on a stream
+  that never waited for it.
+* Results are written into torch's tensors by whichever thread settles the Work, on its
+  current streams, which are then **synchronized** before the Work counts as settled: when
+  ``wait()`` returns and when the future completes, the results are there for every stream.
+* The future completes with the Work's first device current on the completion thread, so the
+  callbacks torch runs under that device do not open a CUDA context on device 0 in a process
+  that uses another device.
 
 A Work may also carry the collective's profiler event (see :mod:`.profiling`): it ends on a
 completion thread when the collective ends, before ``wait()`` returns and before the future
@@ -34,6 +51,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from gradstar.client.device import synchronize
 from gradstar.errors import GradstarError
 
 log = logging.getLogger(__name__)
@@ -112,10 +130,36 @@ def labelled(error: BaseException, label: str) -> BaseException:
     return named
 
 
+class _Failure:
+    """A collective's error, carried as the value of a Work's inner future to the ``.then()``
+    callback that raises it (:func:`_reraise`).
+
+    A future with devices pickles its value to find the tensors in it when it completes; an
+    error holds none, and its fields need not pickle, so this pickles as an empty marker.
+    """
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+    def __reduce__(self):
+        return _Failure, (None,)
+
+
 def _reraise(fut: torch.futures.Future):
-    # Runs as a .then() callback: value() raises the stored exception, and torch marks the
-    # chained future as failed in C++ (see the module docstring).
-    return fut.value()
+    # Runs as a .then() callback: raising here makes torch mark the chained future as failed
+    # in C++ (see the module docstring).
+    value = fut.value()
+    if isinstance(value, _Failure):
+        raise value.error
+    return value
+
+
+def _on_device(devices: Sequence[torch.device]):
+    """A context making the first of ``devices`` (CUDA) this thread's current device; none
+    for a Work without devices."""
+    return torch.cuda.device(devices[0]) if devices else contextlib.nullcontext()
 
 
 class GradstarWork(dist._Work):
@@ -123,11 +167,14 @@ class GradstarWork(dist._Work):
 
     ``pending`` are gradstar :class:`~gradstar.client.work.Work` handles; ``finish`` receives
     their results (in order), writes them into torch's output tensors and returns the value of
-    the torch future (the output tensors, as torch's own backends return).
+    the torch future (the output tensors, as torch's own backends return). ``devices`` are the
+    CUDA devices of the tensors the collective reads and writes (see the module docstring);
+    the caller has synchronized their current streams before starting the collectives.
     """
 
     def __init__(self, pending: Sequence, finish: Callable[[list], object],
-                 completions: CompletionThreads, *, label: str = "") -> None:
+                 completions: CompletionThreads, *, label: str = "",
+                 devices: Sequence[torch.device] = ()) -> None:
         super().__init__()
         self._label = label  # prefixes the messages of the gradstar errors it raises
         self._pending = list(pending)
@@ -138,7 +185,8 @@ class GradstarWork(dist._Work):
         self._settled = False
         self._value: object = None
         self._error: BaseException | None = None
-        self._raw = torch.futures.Future()
+        self._devices = list(devices)
+        self._raw = torch.futures.Future(devices=self._devices)
         self._future = self._raw.then(_reraise)
         self._remaining = len(self._pending)
         self._count_lock = threading.Lock()
@@ -182,10 +230,17 @@ class GradstarWork(dist._Work):
                 self._error = labelled(error, self._label)
             else:
                 try:
-                    # Writing into torch's tensors is communication, not computation: keep it
-                    # out of autograd (parameters that require grad are written in place).
-                    with torch.no_grad():
-                        self._value = self._finish(results)
+                    try:
+                        # Writing into torch's tensors is communication, not computation: keep
+                        # it out of autograd (parameters that require grad are written in place).
+                        with torch.no_grad():
+                            self._value = self._finish(results)
+                    finally:
+                        # The writes ran on this thread's current streams (some, if finish
+                        # failed): done before anyone (wait(), the future, another stream, the
+                        # caller reusing its tensors) reads or writes those tensors.
+                        for device in self._devices:
+                            synchronize(device)
                 except BaseException as error:
                     self._error = labelled(error, self._label)
             self._settled = True
@@ -224,16 +279,15 @@ class GradstarWork(dist._Work):
             record, self._record = self._record, None
         if record is not None:
             self._end(record, self._record_ended)
-        self._settle()
-        if self._error is not None:
-            self._raw.set_exception(self._error)
-        else:
-            self._raw.set_result(self._value)
+        with _on_device(self._devices):
+            self._settle()
+            self._raw.set_result(self._value if self._error is None else _Failure(self._error))
 
     # -- torch's Work interface ----------------------------------------------------------------
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Block until the collective ended and its results are in torch's tensors.
+        """Block until the collective ended and its results are in torch's tensors (on a CUDA
+        device: complete, for every stream).
 
         Raises:
             GradstarError: the collective failed (mismatch, timeout, lost rank, ...).

@@ -166,6 +166,8 @@ def test_a_failed_collective_is_a_python_exception_and_the_next_one_works(runs, 
             "ReduceOp.PREMUL_SUM is not supported by the gradstar backend: torch does not expose "
             "its scale factor to Python backends; multiply the tensor by the factor and use "
             "ReduceOp.SUM")]
+        name, message = report["meta"]
+        assert name == "ConfigurationError" and "this tensor is on meta" in message, message
         # DDP whose rank 0 compresses to bf16: backward() raises on every rank, no SIGSEGV.
         name, message = report["ddp_error"]
         assert name == "RuntimeError"

@@ -242,6 +242,12 @@ def errors(rank: int, world: int) -> dict:
         dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0))
     except Exception as error:
         out["premul_sum"] = [type(error).__name__, str(error)]
+    # A device gradstar does not move: refused, named, before any collective starts.
+    try:
+        dist.all_gather_into_tensor(torch.empty(2 * world, device="meta"), torch.ones(2))
+        out["meta"] = None
+    except Exception as error:
+        out["meta"] = [type(error).__name__, str(error)]
     # DDP with a comm hook on rank 0 only: bf16 buckets there, float32 elsewhere. The failure
     # must come out of backward() as an exception (it once came out as a SIGSEGV).
     model = nn.parallel.DistributedDataParallel(make_mlp(0))

@@ -1,5 +1,7 @@
 """The torch.distributed backend's parts that need no coordinator: init_method parsing, reduce
-ops, dtype conversions, GradstarWork and its completion threads, and registration on import.
+ops, dtype conversions, the refusal of tensors on devices it does not move, GradstarWork (on the
+CPU, and the CUDA rules it keeps, with torch's CUDA calls stood in for) and its completion
+threads, and registration on import.
 
 The backend over real processes and a real coordinator is in tests/parallel/test_torch_backend.py.
 """
@@ -7,15 +9,19 @@ The backend over real processes and a real coordinator is in tests/parallel/test
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import pickle
 import subprocess
 import sys
 import threading
 from datetime import timedelta
+from typing import TypeVar
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from gradstar.client.torch_backend import work as work_module
 from gradstar.client.torch_backend.backend import parse_init_method
 from gradstar.client.torch_backend.convert import (
     bitwise_reduce,
@@ -25,12 +31,14 @@ from gradstar.client.torch_backend.convert import (
     op_label,
     reduce_op_name,
 )
+from gradstar.client.torch_backend.group import ProcessGroupGradstar
 from gradstar.client.torch_backend.work import CompletionThreads, GradstarWork
 from gradstar.client.work import Work
 from gradstar.errors import (
     CollectiveMismatchError,
     ConfigurationError,
     ProcessGroupClosedError,
+    RankLostError,
 )
 
 # -- init_method -------------------------------------------------------------------------------
@@ -131,6 +139,63 @@ def test_small_integers_reduce_widened_and_complex_as_real_pairs():
     with pytest.raises(ConfigurationError, match=r"cannot reduce torch.complex64 tensors with "
                                                  r"ReduceOp.MAX$"):
         for_reduction(torch.tensor([1j]), "max")
+
+
+# -- devices -----------------------------------------------------------------------------------
+
+
+class UnreachableGroup:
+    """Stands in for the gradstar ProcessGroup under a ProcessGroupGradstar whose calls must be
+    refused before they reach it."""
+
+    rank, world_size, job = 0, 2, "unreachable"
+
+    def __getattr__(self, name: str):
+        def called(*_args, **_kwargs):
+            raise AssertionError(f"gradstar's {name} was called")
+
+        return called
+
+
+def _band():
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.BAND
+    return opts
+
+
+CPU, META = torch.ones(4), torch.ones(4, device="meta")
+# Each of the backend's calls with a meta tensor somewhere among its inputs or its outputs.
+META_CALLS = {
+    "allreduce": lambda pg: pg.allreduce([META]),
+    "allreduce_band": lambda pg: pg.allreduce([META.int()], _band()),
+    "allreduce_sparse": lambda pg: pg.allreduce([torch.eye(2).to_sparse().to("meta")]),
+    "allreduce_coalesced": lambda pg: pg.allreduce_coalesced([CPU, META]),
+    "reduce": lambda pg: pg.reduce([META]),
+    "broadcast": lambda pg: pg.broadcast([META]),
+    "allgather_input": lambda pg: pg.allgather([[CPU, CPU]], [META]),
+    "allgather_output": lambda pg: pg.allgather([[META, META]], [CPU]),
+    "allgather_coalesced": lambda pg: pg.allgather_coalesced([[META], [META]], [CPU]),
+    "all_gather_into_tensor": lambda pg: pg._allgather_base(torch.ones(8, device="meta"), CPU),
+    "gather": lambda pg: pg.gather([[CPU, CPU]], [META]),
+    "scatter": lambda pg: pg.scatter([META], [[CPU, CPU]]),
+    "reduce_scatter_input": lambda pg: pg.reduce_scatter([CPU], [[CPU, META]]),
+    "reduce_scatter_output": lambda pg: pg.reduce_scatter([META], [[CPU, CPU]]),
+    "reduce_scatter_tensor": lambda pg: pg._reduce_scatter_base(
+        torch.ones(2, device="meta"), CPU),
+    "all_to_all_single": lambda pg: pg.alltoall_base(META, CPU, [], []),
+    "all_to_all": lambda pg: pg.alltoall([META, META], [CPU, CPU]),
+    "send": lambda pg: pg.send([META], 1),
+    "recv": lambda pg: pg.recv([META], 1),
+    "recv_anysource": lambda pg: pg.recv_anysource([META]),
+}
+
+
+@pytest.mark.parametrize("call", list(META_CALLS))
+def test_a_tensor_on_another_device_than_cpu_or_cuda_is_refused_by_name(call, completions):
+    group = ProcessGroupGradstar(UnreachableGroup(), completions)
+    with pytest.raises(ConfigurationError, match=r"CPU and CUDA tensors; this tensor is on "
+                                                 r"meta"):
+        META_CALLS[call](group)
 
 
 # -- GradstarWork ------------------------------------------------------------------------------
@@ -262,6 +327,117 @@ def test_abandoning_a_work_whose_loop_is_gone_fails_it_instead_of_hanging(comple
         work.get_future().wait()
 
 
+T = TypeVar("T")
+
+
+class CudaStandIns:
+    """What a Work over CUDA tensors asks of torch, on a machine without CUDA: the future bound
+    to devices (a plain future that notes them and, as torch's does, pickles its value to find
+    the tensors in it), the device made current and the synchronization of each device, all
+    noted in ``events``."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.events: list[tuple] = []
+        events = self.events
+
+        # Generic like torch's own: torch.futures reads the (patched) name Future[S] in then().
+        class DeviceFuture(torch.futures.Future[T]):
+            def __init__(self, *, devices=None) -> None:
+                events.append(("future", list(devices or [])))
+                super().__init__()
+
+            def set_result(self, result) -> None:
+                events.append(("complete", torch._jit_internal._extract_tensors(result)))
+                super().set_result(result)
+
+        @contextlib.contextmanager
+        def device(index):
+            events.append(("current", index))
+            yield
+            events.append(("restored",))
+
+        monkeypatch.setattr(torch.futures, "Future", DeviceFuture)
+        monkeypatch.setattr(torch.cuda, "device", device)
+        monkeypatch.setattr(work_module, "synchronize", lambda d: events.append(
+            ("synchronize", d, threading.current_thread().name)))
+
+
+CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
+
+
+def done_within(future: torch.futures.Future, seconds: float) -> bool:
+    done = threading.Event()
+    future.add_done_callback(lambda _f: done.set())
+    return done.wait(seconds)
+
+
+def test_a_work_over_cuda_tensors_synchronizes_them_before_its_future_completes(
+        completions, monkeypatch):
+    torch_cuda = CudaStandIns(monkeypatch)
+    loop, out = FakeLoop(), torch.zeros(3)
+    work_of_gradstar, future = loop.work()
+    work = GradstarWork([work_of_gradstar], lambda results: [out.copy_(results[0])],
+                        completions, devices=[CUDA0, CUDA1])
+    loop.complete(future, torch.ones(3))
+    assert done_within(work.get_future(), 10)
+    assert work.wait() is True and out.tolist() == [1.0] * 3
+    made, current, first, second, complete = torch_cuda.events[:5]
+    assert made == ("future", [CUDA0, CUDA1]) and current == ("current", CUDA0)
+    # Each device's writes are finished, on the completing thread, before the future completes
+    # with the output tensors.
+    assert [first[:2], second[:2]] == [("synchronize", CUDA0), ("synchronize", CUDA1)]
+    assert first[2].startswith("gradstar-torch-completion")
+    assert complete[0] == "complete" and complete[1][0] is out
+
+
+def test_wait_synchronizes_the_devices_itself_when_it_writes_the_results(completions,
+                                                                         monkeypatch):
+    torch_cuda = CudaStandIns(monkeypatch)
+    loop = FakeLoop()
+    work_of_gradstar, future = loop.work()
+    work = GradstarWork([work_of_gradstar], lambda results: results, completions,
+                        devices=[CUDA0])
+    threading.Timer(0.2, loop.complete, (future, "result")).start()
+    assert work.wait() is True  # settles here, before any completion thread can
+    assert ("synchronize", CUDA0, threading.current_thread().name) in torch_cuda.events
+    assert done_within(work.get_future(), 10)
+
+
+def test_a_work_whose_results_fail_to_land_still_finishes_what_it_wrote(completions,
+                                                                        monkeypatch):
+    torch_cuda = CudaStandIns(monkeypatch)
+    loop = FakeLoop()
+    work_of_gradstar, future = loop.work()
+
+    def finish(_results):
+        raise ConfigurationError("the output has 3 elements, expected 4")
+
+    work = GradstarWork([work_of_gradstar], finish, completions, devices=[CUDA0])
+    loop.complete(future, "result")
+    with pytest.raises(ConfigurationError, match=r"expected 4$"):
+        work.wait()
+    assert ("synchronize", CUDA0) in [event[:2] for event in torch_cuda.events]
+
+
+def test_a_failed_work_over_cuda_tensors_fails_its_future_with_the_collective_s_error(
+        completions, monkeypatch):
+    CudaStandIns(monkeypatch)
+    loop = FakeLoop()
+    work_of_gradstar, future = loop.work()
+    work = GradstarWork([work_of_gradstar], lambda results: results, completions,
+                        devices=[CUDA0])
+    error = RankLostError("rank 1 was lost", rank=1)
+    error.on_retry = lambda: None  # a field that does not pickle: torch's extraction would fail
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        pickle.dumps(error)
+    loop.complete(future, error=error)
+    assert done_within(work.get_future(), 10)
+    with pytest.raises(RuntimeError, match=r"RankLostError: rank 1 was lost"):
+        work.get_future().wait()
+    with pytest.raises(RankLostError):
+        work.wait()
+
+
 def test_completion_threads_grow_while_one_is_blocked_and_stop_on_close():
     threads = CompletionThreads()
     release, second_ran = threading.Event(), threading.Event()
@@ -294,6 +470,8 @@ from torch.distributed.rendezvous import _rendezvous_handlers
 assert "gradstar" in dist.Backend.backend_list
 assert "gradstar" in _rendezvous_handlers
 assert dist.Backend.default_device_backend_map["cpu"] == "gloo"  # took no device from gloo
+assert dist.Backend.default_device_backend_map["cuda"] == "nccl"  # nor from NCCL
+assert dist.Backend.backend_capability["gradstar"] == ["cpu", "cuda"]
 print("ok")
 """
 
