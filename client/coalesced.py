@@ -1,10 +1,10 @@
 """all_reduce_coalesced: many arrays reduced as a few flat buckets, for any framework.
 
-The framework-neutral sibling of DDP's gradient buckets: numpy arrays or torch CPU tensors of any
-shapes and (supported) dtypes go in, arrays of the same shapes and types come out. The arrays
-are grouped by dtype into :class:`~gradstar.client.buckets.BucketPlan` buckets of at most
-``bucket_cap_mb``, in the order given; each bucket is flattened into one array and all the
-buckets' all_reduces run concurrently.
+The framework-neutral sibling of DDP's gradient buckets: numpy arrays or torch tensors (CPU or
+CUDA) of any shapes and (supported) dtypes go in, arrays of the same shapes, types and devices
+come out. The arrays are grouped by dtype into :class:`~gradstar.client.buckets.BucketPlan`
+buckets of at most ``bucket_cap_mb``, in the order given; each bucket is flattened into one array
+and all the buckets' all_reduces run concurrently.
 
 :meth:`AsyncProcessGroup.all_reduce_coalesced` calls :func:`all_reduce_coalesced`, and the
 blocking :meth:`ProcessGroup.all_reduce_coalesced` wraps that coroutine like every other
@@ -37,7 +37,8 @@ def all_reduce_coalesced(group: AllReducer, arrays: Sequence, op: str = "mean",
     Every bucket's collective is issued (takes its sequence number) when this is *called*, so
     all ranks must call it with the same shapes, dtypes and ``bucket_cap_mb``, in the same order
     relative to their other collectives. Empty arrays are not sent and come back as empty copies.
-    Results of one bucket share one buffer (each is a view of its own slice of it).
+    Results of one bucket share one buffer (each is a view of its own slice of it), except CUDA
+    tensors, each of which comes back as a new tensor on its own device.
 
     Raises:
         ConfigurationError: an unsupported op, dtype or object, or a bad ``bucket_cap_mb``.

@@ -1,4 +1,5 @@
-"""DistributedDataParallel: torch's DDP on CPU, with gradient buckets reduced through the hub.
+"""DistributedDataParallel: torch's DDP on the CPU or a CUDA device, with gradient buckets
+reduced through the hub.
 
 How a backward pass is synchronised (the protocol every rank follows):
 
@@ -28,6 +29,11 @@ per parameter ("this rank has a gradient for it"); a parameter no rank has a gra
 zeros from the others. With the flag off, a parameter whose hook did not fire is an error: the
 missing buckets are still sent (with zeros) so the other ranks' collectives complete, the means
 are written, and then :class:`~gradstar.errors.ConfigurationError` names the parameters.
+
+Devices. The module lives on the CPU or on one CUDA device, and so do its gradients and the
+buckets' flat buffers. A CUDA bucket is copied to host memory when its all_reduce is issued and
+its mean comes back as a tensor on the module's device (the process group stages it, see
+:mod:`gradstar.client.device`), so every ``.grad`` stays on the parameter's device.
 
 Where this differs from torch: unused parameters are found when backward ends rather than by
 walking the autograd graph after forward, so a bucket holding one launches at the end of
@@ -102,15 +108,15 @@ class _Step:
 class DistributedDataParallel(nn.Module):
     """Wraps ``module`` so that every backward leaves the mean gradient over ranks in ``.grad``.
 
-    A drop-in for ``torch.nn.parallel.DistributedDataParallel`` on CPU: ``forward``,
-    ``parameters()``, ``state_dict()`` (keys prefixed ``module.`` as in torch), ``train()`` and
-    ``eval()`` behave the same, and ``.module`` is the wrapped module. Every rank must construct
-    it with the same module structure and settings and run the same number of forward passes
-    (buffers are broadcast in forward) and synchronising backward passes. See the module
-    docstring for the protocol.
+    A drop-in for ``torch.nn.parallel.DistributedDataParallel`` with one device per process:
+    ``forward``, ``parameters()``, ``state_dict()`` (keys prefixed ``module.`` as in torch),
+    ``train()`` and ``eval()`` behave the same, and ``.module`` is the wrapped module; ``device``
+    is the module's device. Every rank must construct it with the same module structure and
+    settings and run the same number of forward passes (buffers are broadcast in forward) and
+    synchronising backward passes. See the module docstring for the protocol.
 
     Args:
-        module: the model; parameters and buffers on the CPU.
+        module: the model; parameters and buffers all on the CPU or all on one CUDA device.
         pg: the blocking :class:`gradstar.ProcessGroup` (hooks run synchronously in autograd).
         bucket_cap_mb: bucket size bound in MB (2**20 bytes) of parameter data.
         broadcast_buffers: re-broadcast rank 0's buffers at the start of each forward (as torch).
@@ -120,7 +126,8 @@ class DistributedDataParallel(nn.Module):
 
     Raises:
         ConfigurationError: ``pg`` is not a blocking process group, an argument is invalid, the
-            module has no trainable parameter, or a parameter is not a floating CPU tensor.
+            module has no trainable parameter, a parameter is not floating point, or the
+            module is not on the CPU or one CUDA device (named).
         CollectiveError and subclasses: the initial broadcast failed.
     """
 
@@ -128,8 +135,8 @@ class DistributedDataParallel(nn.Module):
                  broadcast_buffers: bool = True, find_unused_parameters: bool = False,
                  gradient_compression: str | None = None) -> None:
         super().__init__()
-        check_wrapper_arguments("DistributedDataParallel", module, pg,
-                                ("all_reduce", "broadcast"))
+        self.device = check_wrapper_arguments("DistributedDataParallel", module, pg,
+                                              ("all_reduce", "broadcast"))
         wire_dtype = wire_dtype_of("gradient_compression", gradient_compression)
         self.module = module
         self.process_group = pg
@@ -162,7 +169,7 @@ class DistributedDataParallel(nn.Module):
         last = len(self.bucket_plan) - 1
         self._flat = [
             torch.zeros(b.numel + (len(self._params) if self._flags and b.index == last else 0),
-                        dtype=wire_dtype or b.dtype)
+                        dtype=wire_dtype or b.dtype, device=self.device)
             for b in self.bucket_plan
         ]
         self._broadcast_cap = cap
@@ -297,7 +304,7 @@ class DistributedDataParallel(nn.Module):
                     flat[offset:offset + numel].copy_(grad.reshape(-1))
             if self._flags and index == len(self.bucket_plan) - 1:
                 flat[bucket.numel:] = torch.tensor([p.grad is not None for p in self._params],
-                                                   dtype=flat.dtype)
+                                                   dtype=flat.dtype, device=flat.device)
         # The flat buffer is reused next step: it is not written again until this Work is
         # waited for in _complete.
         step.works[index] = self.process_group.all_reduce(flat, op="mean", async_op=True)

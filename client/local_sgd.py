@@ -12,6 +12,11 @@ Either way every rank ends the round with the identical new global parameters. A
 the ranks take rank 0's parameters and then the job's global model if the hub already holds one,
 so a rank that joins late or restarts after a failure resumes from the last completed round
 (which the coordinator also persists with ``--state-dir``).
+
+The module may live on the CPU or on one CUDA device: the flat float32 vectors of a round
+(parameters, pseudo-gradients, the global parameters) are built and kept on that device, the
+process group stages them through host memory, and the new parameters are written in place,
+so the module never leaves its device.
 """
 
 from __future__ import annotations
@@ -29,10 +34,12 @@ class LocalSGD:
     """Synchronises ``module``'s parameters every ``sync_every`` steps over ``pg``.
 
     Call :meth:`step` after every ``optimizer.step()``. Only parameters are synchronised
-    (buffers such as BatchNorm statistics stay local), as in torch's PostLocalSGD.
+    (buffers such as BatchNorm statistics stay local), as in torch's PostLocalSGD. The
+    module's parameters and buffers are all on the CPU or all on one CUDA device (``device``).
 
     Raises:
-        ConfigurationError: invalid arguments, or ``pg`` is not a blocking ProcessGroup.
+        ConfigurationError: invalid arguments, ``pg`` is not a blocking ProcessGroup, or the
+            module is not an nn.Module on the CPU or one CUDA device (the device is named).
         CollectiveError and subclasses: a round failed (for example a rank was lost); the
             parameters are unchanged and the round can be retried with a new process group.
     """
@@ -50,6 +57,11 @@ class LocalSGD:
             raise ConfigurationError(
                 f"outer_optimizer must be None, 'sgd' or 'nesterov', got {outer_optimizer!r}"
             )
+        # Imported here: gradstar.client imports this module, and numpy-only installs of
+        # gradstar have no torch.
+        from .torch_common import module_device
+
+        self.device = module_device("LocalSGD", module)
         self.module = module
         self.pg = pg
         self.sync_every = sync_every
@@ -89,24 +101,25 @@ class LocalSGD:
 
     @property
     def global_parameters(self) -> np.ndarray:
-        """The flat float32 global parameters after the last round (a copy)."""
-        return self._anchor.copy()
+        """The flat float32 global parameters after the last round (a host copy)."""
+        return self._anchor.to("cpu", copy=True).numpy()
 
-    def _flatten(self) -> np.ndarray:
+    def _flatten(self):
+        """The parameters as one flat float32 tensor on the module's device (a new tensor)."""
         import torch
 
         with torch.no_grad():
             if not self.params:
-                return np.empty(0, dtype=np.float32)
-            return torch.cat([p.detach().reshape(-1).float() for p in self.params]).numpy()
+                return torch.empty(0, dtype=torch.float32, device=self.device)
+            return torch.cat([p.detach().reshape(-1).float() for p in self.params])
 
-    def _load(self, flat: np.ndarray) -> None:
+    def _load(self, flat) -> None:
+        """Write a flat float32 tensor (on the module's device) into the parameters."""
         import torch
 
-        source = torch.from_numpy(flat)
         offset = 0
         with torch.no_grad():
             for p in self.params:
                 n = p.numel()
-                p.copy_(source[offset:offset + n].view_as(p))
+                p.copy_(flat[offset:offset + n].view_as(p))
                 offset += n

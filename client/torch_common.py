@@ -1,5 +1,6 @@
-"""What gradstar's torch wrappers (DDP, FSDP) share: the dtypes gradients travel in, the checks
-every wrapper makes of its arguments, and the broadcast of rank 0's state at construction.
+"""What gradstar's torch wrappers (DDP, FSDP, Pipeline, LocalSGD) share: the dtypes gradients
+travel in, the checks every wrapper makes of its arguments (the module's one device among them),
+and the broadcast of rank 0's state at construction.
 
 Siblings import these from here, never from each other (``ddp`` and ``fsdp`` stay independent).
 """
@@ -12,6 +13,7 @@ from torch import nn
 from gradstar.errors import ConfigurationError
 
 from .buckets import BucketPlan, TensorSpec
+from .device import is_staged
 
 #: ``gradient_compression`` / ``mixed_precision`` names -> the dtype gradients travel in.
 COMPRESSION = {
@@ -29,9 +31,12 @@ _WIDENED = {torch.bool: torch.int32, torch.uint8: torch.int32, torch.int8: torch
             torch.int16: torch.int32}
 
 
-def check_wrapper_arguments(wrapper: str, module, pg, needs: tuple[str, ...]) -> None:
+def check_wrapper_arguments(wrapper: str, module, pg, needs: tuple[str, ...]) -> torch.device:
     """The checks every wrapper makes: a blocking process group with ``needs`` methods, an
-    ``nn.Module`` whose parameters and buffers are on the CPU.
+    ``nn.Module`` whose parameters and buffers are all on the CPU or all on one CUDA device.
+
+    Returns:
+        That device (:func:`module_device`).
 
     Raises:
         ConfigurationError: naming the wrapper and what is wrong.
@@ -45,11 +50,39 @@ def check_wrapper_arguments(wrapper: str, module, pg, needs: tuple[str, ...]) ->
             f"gradstar.init_process_group(), got {type(pg).__name__}: its gradient hooks run "
             "inside autograd and cannot await"
         )
+    return module_device(wrapper, module)
+
+
+def module_device(wrapper: str, module) -> torch.device:
+    """The one device the ``nn.Module`` ``module``'s parameters and buffers live on: the CPU or
+    a CUDA device (the CPU for a module that has neither). The wrapper keeps its buffers there,
+    and what it receives from the wire is copied there.
+
+    Raises:
+        ConfigurationError: ``module`` is not an ``nn.Module``; a parameter or buffer is on
+            another kind of device (mps, xpu, meta, ...), or they are spread over several
+            devices. The message names the wrapper, the tensors and the devices.
+    """
     if not isinstance(module, nn.Module):
         raise ConfigurationError(f"{wrapper} wraps a torch.nn.Module, got {type(module).__name__}")
-    for name, t in (*module.named_parameters(), *module.named_buffers()):
-        if t.device.type != "cpu":
-            raise ConfigurationError(f"{name} is on {t.device}; gradstar's {wrapper} runs on CPU")
+    found: tuple[str, torch.device] | None = None
+    for kind, named in (("parameter", module.named_parameters()),
+                        ("buffer", module.named_buffers())):
+        for name, t in named:
+            if t.device.type != "cpu" and not is_staged(t):
+                raise ConfigurationError(
+                    f"{wrapper} runs on the CPU or a CUDA device; {kind} {name} is on "
+                    f"{t.device}: move the module to one of them first"
+                )
+            if found is None:
+                found = (f"{kind} {name}", t.device)
+            elif t.device != found[1]:
+                raise ConfigurationError(
+                    f"{wrapper} needs all of a module's parameters and buffers on one device; "
+                    f"{found[0]} is on {found[1]}, {kind} {name} on {t.device}: move the "
+                    "whole module with .to(device) first"
+                )
+    return torch.device("cpu") if found is None else found[1]
 
 
 def wire_dtype_of(option: str, value) -> torch.dtype | None:

@@ -30,6 +30,11 @@ a time (the autograd engine runs a unit's ``_UnitGather.backward`` after all of 
 operations, so a unit gathered for backward is freed before the previous unit's backward
 starts, except for enclosing units, whose forward also enclosed it). The forward and backward
 orders are recorded in the first forward and backward; until then nothing is prefetched.
+
+Devices. Units live on the module's device (the CPU or one CUDA device). The process group
+copies a CUDA shard or gradient to host memory when its collective is issued and returns the
+result on the same device, so gathered buffers and ``shard.grad`` are always on the unit's
+device.
 """
 
 from __future__ import annotations
@@ -240,7 +245,8 @@ class UnitRuntime:
         except (RuntimeError, NotImplementedError, TypeError):  # no storage (subclasses, meta)
             return tensor
         unit = self._by_storage.get(address)
-        if unit is None or tensor.dtype != unit.full.dtype:
+        # Addresses are only unique within one device's memory: the device must match too.
+        if unit is None or tensor.dtype != unit.full.dtype or tensor.device != unit.full.device:
             return tensor
         return _SavedParam(unit, tensor.shape, tensor.stride(),
                            tensor.storage_offset() - unit.full.storage_offset(),

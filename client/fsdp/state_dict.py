@@ -8,6 +8,10 @@
 * **Sharded**: :func:`sharded_state_dict` is each rank's own part, without communication;
   :func:`load_sharded_state_dict` loads it back into the same world size and plan, and
   :func:`full_state_dict_from_shards` merges every rank's into a full state dict offline.
+
+Devices: the state dicts FSDP returns hold tensors on the module's device (the CPU or a CUDA
+device), as its parameters and buffers are; the loads accept tensors on any device and copy
+them to the module's.
 """
 
 from __future__ import annotations
@@ -109,6 +113,8 @@ def scatter_from_rank0(pg, units: Sequence[ShardingUnit],
         if pg.rank == 0:
             flat = unit.flatten(tensors_of(unit))
         else:
+            # Only received into: in host memory even for a CUDA unit, so that nothing is
+            # copied off the device for it and only this rank's shard is copied onto it.
             flat = torch.empty(unit.layout.padded_numel, dtype=unit.dtype)
         return pg.broadcast(flat, src=0, async_op=True)
 
@@ -246,12 +252,14 @@ def full_state_dict_from_shards(shards: Sequence[Mapping]) -> dict[str, torch.Te
     params = {}
     for name, entry in first["params"].items():
         shape = entry["shape"]
-        flat = torch.empty(math.prod(shape), dtype=entry["values"].dtype)
+        # On rank 0's device, like the buffers (the dicts may have been loaded onto others).
+        flat = torch.empty(math.prod(shape), dtype=entry["values"].dtype,
+                           device=entry["values"].device)
         covered = torch.zeros(flat.numel(), dtype=torch.int32)
         for rank in range(world):
             piece = by_rank[rank]["params"][name]
             n = piece["values"].numel()
-            flat[piece["start"]:piece["start"] + n] = piece["values"]
+            flat[piece["start"]:piece["start"] + n].copy_(piece["values"].reshape(-1))
             covered[piece["start"]:piece["start"] + n] += 1
         if not bool((covered == 1).all()):
             raise ConfigurationError(f"the ranks' pieces of {name} do not cover it exactly once")

@@ -13,6 +13,10 @@ A unit is in one of three states:
   set views of it (shaped like the original parameters) as plain attributes of the modules, so
   their forward finds ``self.weight`` as usual.
 
+Every tensor of a unit (shard, placeholder, gathered buffer) lives on the device the unit's
+parameters were on, the CPU or a CUDA device; what :meth:`flatten` is given (a checkpoint's
+tensors, say) is copied there.
+
 :meth:`release` returns to sharded; the views are dropped with :meth:`unbind`. What autograd
 sees of all this is :class:`~gradstar.client.fsdp.wrapper.FullyShardedDataParallel`'s business.
 """
@@ -47,12 +51,13 @@ class ShardingUnit:
         self.layout = FlatParamLayout([p.param.numel() for p in plan.params], world_size)
         self.rank = rank
         self.dtype: torch.dtype = plan.params[0].param.dtype
+        self.device: torch.device = plan.params[0].param.device
         self.wire_dtype = param_dtype or self.dtype
         flat = self.flatten([p.param.detach() for p in plan.params])
         own = self.layout.shard_range(rank)
         self.shard = nn.Parameter(flat[own.start:own.stop].clone(),
                                   requires_grad=plan.params[0].param.requires_grad)
-        self.placeholder = torch.empty(0, dtype=self.dtype)
+        self.placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
         self.full: torch.Tensor | None = None
         self.active = 0  # forwards of this unit's module now running (re-entrant calls)
         self._work: Work | None = None
@@ -60,10 +65,12 @@ class ShardingUnit:
     # -- flat buffers --------------------------------------------------------------------------
 
     def flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """The flat padded buffer of ``tensors`` (one per parameter), in the shards' dtype."""
-        parts = [t.detach().reshape(-1).to(self.dtype) for t in tensors]
+        """The flat padded buffer of ``tensors`` (one per parameter), in the shards' dtype, on
+        the unit's device."""
+        parts = [t.detach().reshape(-1).to(device=self.device, dtype=self.dtype)
+                 for t in tensors]
         if self.layout.padding:
-            parts.append(torch.zeros(self.layout.padding, dtype=self.dtype))
+            parts.append(torch.zeros(self.layout.padding, dtype=self.dtype, device=self.device))
         return torch.cat(parts)
 
     def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -72,7 +79,8 @@ class ShardingUnit:
         return [v.view(shape) for v, shape in zip(views, self.shapes, strict=False)]
 
     def load_flat(self, flat: torch.Tensor) -> None:
-        """Overwrite the shard with this rank's part of a whole flat padded buffer."""
+        """Overwrite the shard with this rank's part of a whole flat padded buffer (on any
+        device)."""
         own = self.layout.shard_range(self.rank)
         with torch.no_grad():
             self.shard.copy_(flat[own.start:own.stop])

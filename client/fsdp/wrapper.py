@@ -15,6 +15,10 @@ gradient reduce-scattered, as :mod:`~gradstar.client.fsdp.runtime` describes; af
 ``loss.backward()`` each shard's ``.grad`` holds the mean over ranks of the gradient of that
 shard. Checkpoints: :mod:`~gradstar.client.fsdp.state_dict`.
 
+Devices. The module is on the CPU or on one CUDA device; shards, gathered buffers, gradients
+and state dicts stay there (:mod:`~gradstar.client.fsdp.runtime` says how the collectives
+carry them).
+
 Rules. Every rank must construct FSDP from the same module structure and settings, run the
 same forwards and backwards, and reach the same units in each backward (as DDP without
 ``find_unused_parameters``). A unit's parameters exist only during its module's forward
@@ -62,7 +66,8 @@ class FullyShardedDataParallel(nn.Module):
     ``last_collectives`` and ``peak_gathered_numel``.
 
     Args:
-        module: the model, on the CPU; its parameters are moved into the shards.
+        module: the model, all on the CPU or all on one CUDA device (``device`` is that
+            device); its parameters are moved into the shards, which stay on that device.
         pg: the blocking :class:`gradstar.ProcessGroup` (hooks run inside autograd).
         auto_wrap_policy: which submodules are sharding units: None (each direct child holding
             parameters), a list of module classes, or a callable ``policy(module) -> bool``;
@@ -77,7 +82,8 @@ class FullyShardedDataParallel(nn.Module):
 
     Raises:
         ConfigurationError: ``pg`` is not a blocking process group, an argument is invalid, the
-            module has no parameter, a parameter is not a floating CPU tensor, a unit mixes
+            module has no parameter, a parameter is not floating point, the module is not on
+            the CPU or one CUDA device (named), a unit mixes
             dtypes or frozen and trainable parameters, or the ranks' sharding plans differ.
         CollectiveError and subclasses: a construction collective failed.
     """
@@ -86,8 +92,8 @@ class FullyShardedDataParallel(nn.Module):
                  auto_wrap_policy: AutoWrapPolicy = None, mixed_precision: str | None = None,
                  prefetch: bool = True, sync_module_states: bool = True) -> None:
         super().__init__()
-        check_wrapper_arguments("FullyShardedDataParallel", module, pg,
-                                ("all_gather", "reduce_scatter", "broadcast"))
+        self.device = check_wrapper_arguments("FullyShardedDataParallel", module, pg,
+                                              ("all_gather", "reduce_scatter", "broadcast"))
         wire_dtype = wire_dtype_of("mixed_precision", mixed_precision)
         for name, p in module.named_parameters():
             if p.dtype not in GRAD_DTYPES:

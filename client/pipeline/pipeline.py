@@ -19,6 +19,14 @@ How a training step runs (the protocol every stage follows):
    sends before returning. Every message is tagged ``("pipe", pipeline, call, micro, kind)``,
    so activations and gradients of different steps and micro-batches cannot be confused.
 
+Devices. A stage runs on the CPU or on one CUDA device, the device of its parameters and
+buffers (the CPU for a stage that has none); stages of one pipeline may use different devices.
+Tensors are sent from wherever they are (the process group copies a CUDA tensor to host memory
+when the send is issued) and arrive as CPU tensors, which the receiving stage copies to its
+own device before it computes with them: activations and gradients from a neighbour always
+land on this stage's device. The first stage's ``inputs`` and the last stage's ``targets``
+are used as given, so pass them on the stage's device.
+
 Memory. A micro-batch's activations are alive from the start of its forward until its backward
 ends; :attr:`Pipeline.max_live_activations` is the most alive at once during the last step (M
 under GPipe, at most ``stages - r`` under 1F1B), and :attr:`Pipeline.peak_activation_bytes` the
@@ -41,7 +49,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from gradstar.client.device import to_device
 from gradstar.client.process_group import ProcessGroup
+from gradstar.client.torch_common import module_device
 from gradstar.errors import ConfigurationError, ProtocolError
 
 from .memory import ActivationMeter
@@ -68,7 +78,9 @@ class Pipeline:
     number of times in the same order. See the module docstring for the protocol.
 
     Args:
-        stage_module: this rank's stage; takes one tensor, returns one tensor.
+        stage_module: this rank's stage; takes one tensor, returns one tensor. Its parameters
+            and buffers are all on the CPU or all on one CUDA device (``device`` is that
+            device), where received activations and gradients are put.
         pg: the blocking :class:`~gradstar.ProcessGroup` (rank r runs stage r).
         num_microbatches: M, the micro-batches each batch is split into.
         schedule: "gpipe" (all forwards, then all backwards) or "1f1b".
@@ -76,7 +88,8 @@ class Pipeline:
             group's collective timeout).
 
     Raises:
-        ConfigurationError: an AsyncProcessGroup, an unknown schedule, or M < 1.
+        ConfigurationError: an AsyncProcessGroup, an unknown schedule, M < 1, or a stage that
+            is not an nn.Module on the CPU or one CUDA device (the device is named).
     """
 
     def __init__(self, stage_module: nn.Module, pg: ProcessGroup, num_microbatches: int,
@@ -93,6 +106,7 @@ class Pipeline:
         if schedule not in SCHEDULES:
             raise ConfigurationError(
                 f"unknown pipeline schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
+        self.device = module_device("Pipeline", stage_module)
         self.module = stage_module
         self.pg = pg
         self.num_microbatches = num_microbatches
@@ -309,6 +323,9 @@ class _Exchange:
         self.pipe.wait_seconds += time.perf_counter() - started
         if not isinstance(value, torch.Tensor):
             value = torch.from_numpy(value)
+        if value.device != self.pipe.device:
+            # The wire carries no device: a message arrives in host memory.
+            value = to_device(value, self.pipe.device)
         return value
 
     def recv_activation(self, micro: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import gradstar
+from gradstar.client import device
 from gradstar.errors import ConfigurationError, GradstarError
 
 SCRIPT = Path(__file__)
@@ -211,6 +212,23 @@ def bf16(pg) -> dict:
             "bucket_dtypes": sorted({str(d) for d in ddp.bucket_dtypes})}
 
 
+def staged(pg) -> dict:
+    """``sgd`` (with the used-parameter flags) with the CPU declared a staged device: every
+    bucket, broadcast and mean takes the path of a CUDA tensor (a host copy made when the
+    collective is issued, the result a new tensor copied back), the part of DDP on a GPU that
+    runs on this machine's CPU."""
+    saved = device.STAGED_DEVICES
+    device.STAGED_DEVICES = ("cuda", "cpu")
+    try:
+        ddp = gradstar.DDP(make_mlp(pg.rank), pg, bucket_cap_mb=SMALL_BUCKET_MB,
+                           find_unused_parameters=True)
+        train_plain(ddp, optimizer("sgd", ddp.parameters()), pg.rank, pg.world_size)
+        return {"params": params_of(ddp.module), "buckets": len(ddp.bucket_plan),
+                "staged": all(device.is_staged(p) for p in ddp.parameters())}
+    finally:
+        device.STAGED_DEVICES = saved
+
+
 def buffers(pg) -> dict:
     """BatchNorm buffers: rank 0's are broadcast at construction and before each forward."""
     model = make_bn_mlp(pg.rank)
@@ -230,7 +248,8 @@ def buffers(pg) -> dict:
 
 
 SCENARIOS = {"sgd": sgd, "adam": adam, "no_sync": no_sync, "sync_by_hand": sync_by_hand,
-             "unused": unused, "unused_error": unused_error, "bf16": bf16, "buffers": buffers}
+             "unused": unused, "unused_error": unused_error, "bf16": bf16, "staged": staged,
+             "buffers": buffers}
 
 
 def main() -> int:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import gradstar
+from gradstar.client import device
 from gradstar.errors import ConfigurationError, GradstarError
 
 SCRIPT = Path(__file__)
@@ -261,6 +262,27 @@ def sharded(pg, out: Path) -> dict:
     return report
 
 
+def staged(pg, out: Path) -> dict:
+    """``nested`` with the CPU declared a staged device, so that every gather, reduction and
+    broadcast takes the path of a CUDA tensor (a host copy made when the collective is issued,
+    the result a new tensor copied back); then its full state dict loaded into a fresh FSDP."""
+    saved = device.STAGED_DEVICES
+    device.STAGED_DEVICES = ("cuda", "cpu")
+    try:
+        fsdp = gradstar.FSDP(NestedNet(pg.rank), pg, auto_wrap_policy=NESTED_POLICY)
+        train(fsdp, optimizer("adam", fsdp.parameters()), pg.rank, pg.world_size)
+        full = fsdp.full_state_dict(rank0_only=False)
+        fresh = gradstar.FSDP(NestedNet(100 + pg.rank), pg, auto_wrap_policy=NESTED_POLICY)
+        fresh.load_full_state_dict(full if pg.rank == 0 else None)
+        with torch.no_grad():
+            same = torch.equal(fresh(probe()), fsdp(probe()))
+        return {"state_dict": listed(full), "reloaded_outputs_equal": same,
+                "staged": all(device.is_staged(p) for p in fsdp.parameters()),
+                **fsdp_report(fsdp)}
+    finally:
+        device.STAGED_DEVICES = saved
+
+
 def memory(pg, out: Path) -> dict:
     """Adam on a 16-unit model: what each rank keeps between steps."""
     fsdp = gradstar.FSDP(memory_model(pg.rank), pg)
@@ -329,7 +351,8 @@ def rank_death(pg, out: Path) -> dict:
 
 
 SCENARIOS = {"sgd": sgd, "adam": adam, "no_prefetch": no_prefetch, "mixed": mixed,
-             "nested": nested, "checkpoint": checkpoint, "sharded": sharded, "memory": memory,
+             "nested": nested, "checkpoint": checkpoint, "sharded": sharded, "staged": staged,
+             "memory": memory,
              "plan_mismatch": plan_mismatch, "diverged": diverged, "rank_death": rank_death}
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import gradstar
+from gradstar.client import device
 from gradstar.errors import ConfigurationError, InvalidCollectiveError
 from tests.integration.conftest import close_all, join_all
 
@@ -83,8 +84,12 @@ async def test_numpy_arrays_of_every_dtype_and_shape(groups, op, dtypes):
             assert_same(got, w)
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["cpu", "staged"])
 @pytest.mark.parametrize("op", ["sum", "mean"])
-async def test_torch_tensors_come_back_as_tensors_of_their_dtype(groups, op):
+async def test_torch_tensors_come_back_as_tensors_of_their_dtype(groups, op, staged,
+                                                                 monkeypatch):
+    if staged:  # CPU tensors take a CUDA tensor's path: host copies out, new tensors back
+        monkeypatch.setattr(device, "STAGED_DEVICES", ("cuda", "cpu"))
     dtypes = FLOATS if op == "mean" else FLOATS + INTS
     per_rank = [arrays_of(r, dtypes) for r in range(WORLD)]
 
@@ -139,7 +144,7 @@ async def test_bad_arguments_raise_before_anything_is_sent(groups, kwargs, messa
 
 
 async def test_unsupported_element_type_is_a_configuration_error(groups):
-    with pytest.raises(ConfigurationError, match="expected a numpy array or a torch CPU tensor"):
+    with pytest.raises(ConfigurationError, match="expected a numpy array or a torch tensor"):
         groups[0].all_reduce_coalesced([[1.0, 2.0]])
 
 

@@ -112,6 +112,13 @@ def test_bf16_compressed_gradients_within_bf16_tolerance(runs):
     assert all(r["params"] == runs["bf16"][0]["params"] for r in runs["bf16"])
 
 
+def test_the_staged_path_of_cuda_tensors_matches_one_process_on_cpu(runs):
+    # The CPU declared a staged device: buckets, the used-parameter flags, broadcasts and means
+    # travel as a CUDA tensor's would, and training must not notice.
+    assert all(r["staged"] and r["buckets"] >= 3 for r in runs["staged"])
+    assert_params_match(runs["staged"], reference_mlp("sgd"))
+
+
 def test_first_bucket_all_reduce_starts_before_backward_ends(runs):
     for report in runs["sgd"]:
         t = report["timeline"]

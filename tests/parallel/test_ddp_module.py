@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import gradstar
+from gradstar.client import device
 from gradstar.errors import ConfigurationError
 from tests.integration.conftest import close_all, join_all
 
@@ -51,6 +52,35 @@ async def test_a_module_without_trainable_parameters_is_refused(solo):
             gradstar.DDP(frozen, pg)
         with pytest.raises(ConfigurationError, match=r"wraps a torch\.nn\.Module"):
             gradstar.DDP(lambda x: x, pg)
+
+    await on_thread(body, solo)
+
+
+async def test_a_module_on_another_device_is_refused_naming_the_device(solo):
+    def body(pg):
+        with pytest.raises(ConfigurationError) as raised:
+            gradstar.DDP(mlp().to("meta"), pg)
+        assert str(raised.value) == (
+            "DistributedDataParallel runs on the CPU or a CUDA device; parameter 0.weight is on "
+            "meta: move the module to one of them first")
+
+    await on_thread(body, solo)
+
+
+async def test_a_module_spread_over_two_devices_is_refused_naming_both(solo, monkeypatch):
+    # No GPU is needed to spread a module: with meta accepted like CUDA, CPU and meta are two
+    # devices of one module.
+    monkeypatch.setattr(device, "STAGED_DEVICES", ("cuda", "meta"))
+
+    def body(pg):
+        model = mlp()
+        model[2].to("meta")
+        with pytest.raises(ConfigurationError) as raised:
+            gradstar.DDP(model, pg)
+        assert str(raised.value) == (
+            "DistributedDataParallel needs all of a module's parameters and buffers on one "
+            "device; parameter 0.weight is on cpu, parameter 2.weight on meta: move the whole "
+            "module with .to(device) first")
 
     await on_thread(body, solo)
 

@@ -26,7 +26,8 @@ from .conftest import run_world
 # than the whole batch, so results agree to rounding, not bit for bit.
 RTOL, ATOL = 1e-5, 1e-6
 SCENARIOS = {  # world size: scenarios, played in this order
-    4: ["sgd", "adam", "no_prefetch", "mixed", "nested", "checkpoint", "sharded", "memory"],
+    4: ["sgd", "adam", "no_prefetch", "mixed", "nested", "checkpoint", "sharded", "staged",
+        "memory"],
     2: ["sgd", "adam", "nested", "plan_mismatch", "diverged", "rank_death"],
 }
 
@@ -154,6 +155,14 @@ def test_nested_units_tied_weight_frozen_unit_and_buffer_match_one_process(runs,
     assert_state_dicts_match(reports, want)
     frozen = script.NestedNet(0).frozen.state_dict()
     assert script.listed(frozen)["weight"] == reports[0]["state_dict"]["frozen.weight"]
+
+
+def test_the_staged_path_of_cuda_tensors_matches_one_process_on_cpu(runs):
+    # The CPU declared a staged device: shards, gathers, reductions and broadcasts travel as a
+    # CUDA tensor's would, and neither training nor a checkpoint's round trip may notice.
+    reports = runs[4, "staged"]
+    assert all(r["staged"] and r["reloaded_outputs_equal"] for r in reports)
+    assert_state_dicts_match(reports, reference(script.NestedNet(0), "adam").state_dict())
 
 
 def test_full_checkpoint_loads_into_a_plain_model_and_back(runs, out_dir):

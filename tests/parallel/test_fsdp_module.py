@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import gradstar
+from gradstar.client import device
 from gradstar.errors import ConfigurationError
 from tests.integration.conftest import close_all, join_all
 
@@ -64,6 +65,35 @@ async def test_modules_it_cannot_shard_are_refused(solo):
         counter.steps = nn.Parameter(torch.zeros(1, dtype=torch.int64), requires_grad=False)
         with pytest.raises(ConfigurationError, match=r"parameter steps has dtype torch\.int64"):
             gradstar.FSDP(counter, pg)
+
+    await on_thread(body, solo)
+
+
+async def test_a_module_on_another_device_is_refused_naming_the_device(solo):
+    def body(pg):
+        with pytest.raises(ConfigurationError) as raised:
+            gradstar.FSDP(script.MLP(0).to("meta"), pg)
+        assert str(raised.value) == (
+            "FullyShardedDataParallel runs on the CPU or a CUDA device; parameter scale is on "
+            "meta: move the module to one of them first")
+
+    await on_thread(body, solo)
+
+
+async def test_a_module_spread_over_two_devices_is_refused_naming_both(solo, monkeypatch):
+    # With meta accepted like CUDA, a buffer on meta beside CPU parameters spreads the module
+    # over two devices without a GPU.
+    monkeypatch.setattr(device, "STAGED_DEVICES", ("cuda", "meta"))
+
+    def body(pg):
+        model = script.NestedNet(0)
+        model.offset = model.offset.to("meta")
+        with pytest.raises(ConfigurationError) as raised:
+            gradstar.FSDP(model, pg)
+        assert str(raised.value) == (
+            "FullyShardedDataParallel needs all of a module's parameters and buffers on one "
+            "device; parameter embed.weight is on cpu, buffer offset on meta: move the whole "
+            "module with .to(device) first")
 
     await on_thread(body, solo)
 

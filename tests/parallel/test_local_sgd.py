@@ -14,10 +14,13 @@ import pytest
 import torch
 from torch import nn
 
+import gradstar
+from gradstar.errors import ConfigurationError
 from gradstar.proto.v1 import admin_pb2, admin_pb2_grpc
 from tests.integration.conftest import finish, rank_env, start_coordinator  # noqa: F401
 
 from . import local_sgd_script as script
+from .conftest import on_thread
 
 SCRIPT = Path(script.__file__)
 
@@ -141,6 +144,37 @@ async def test_restarted_rank_resumes_from_the_global_model(start_coordinator, t
     assert not np.array_equal(global_model, script.flat(script.make_model(999)))
     np.testing.assert_array_equal(np.load(tmp_path / "final0.npy"),
                                   np.load(tmp_path / "final1.npy"))
+
+
+async def test_one_rank_rounds_keep_the_parameters_and_report_them_on_the_host(solo):
+    def body(pg):
+        model = script.make_model(3)
+        before = script.flat(model)
+        lsgd = gradstar.LocalSGD(model, pg, 2, model_name="solo")
+        assert lsgd.device == torch.device("cpu")
+        assert [lsgd.step(), lsgd.step()] == [False, True]
+        np.testing.assert_array_equal(script.flat(model), before)
+        held = lsgd.global_parameters
+        assert isinstance(held, np.ndarray) and held.dtype == np.float32
+        np.testing.assert_array_equal(held, before)
+        held[:] = 0  # a copy: the next round starts from the real global parameters
+        lsgd.sync()
+        np.testing.assert_array_equal(lsgd.global_parameters, before)
+
+    await on_thread(body, solo)
+
+
+async def test_a_module_on_another_device_is_refused_naming_the_device(solo):
+    def body(pg):
+        with pytest.raises(ConfigurationError) as raised:
+            gradstar.LocalSGD(script.make_model(0).to("meta"), pg, 1)
+        assert str(raised.value) == ("LocalSGD runs on the CPU or a CUDA device; parameter "
+                                     "0.weight is on meta: move the module to one of them first")
+        with pytest.raises(ConfigurationError, match=r"LocalSGD wraps a torch\.nn\.Module, got "
+                                                     r"list"):
+            gradstar.LocalSGD([torch.zeros(3)], pg, 1)
+
+    await on_thread(body, solo)
 
 
 async def coordinator_process(state_dir: Path):

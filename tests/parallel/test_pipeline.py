@@ -273,6 +273,16 @@ def test_invalid_pipeline_settings_are_refused(solo, kwargs, match):
         gradstar.Pipeline(script.make_model(), solo, **kwargs)
 
 
+def test_a_stage_on_another_device_is_refused_naming_the_device(solo):
+    with pytest.raises(errors.ConfigurationError) as raised:
+        gradstar.Pipeline(script.make_model().to("meta"), solo, num_microbatches=2)
+    assert str(raised.value) == ("Pipeline runs on the CPU or a CUDA device; parameter 0.0.weight "
+                                 "is on meta: move the module to one of them first")
+    with pytest.raises(errors.ConfigurationError, match=r"Pipeline wraps a torch\.nn\.Module, "
+                                                        r"got function"):
+        gradstar.Pipeline(lambda x: x, solo, num_microbatches=2)
+
+
 def test_a_pipeline_needs_the_blocking_process_group():
     with pytest.raises(errors.ConfigurationError, match="needs the blocking ProcessGroup"):
         gradstar.Pipeline(script.make_model(), object(), num_microbatches=2)
