@@ -10,6 +10,7 @@ To name a running coordinator instead: ``init_method="gradstar://HOST:PORT?job=N
 
 import hashlib
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -58,7 +59,11 @@ dist.all_gather_single(gathered, torch.tensor([float(rank)]))
 
 params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 digest = hashlib.sha256(params.numpy().tobytes()).hexdigest()[:16]
-print(f"torch_backend: rank {rank} of {world}: loss {before:.4f} -> {full_loss(model.module):.4f} "
-      f"after {STEPS} steps (last batch, mean over ranks {mean_loss.item():.4f}); "
-      f"all_gather_single {gathered.tolist()}; parameters sha256 {digest}", flush=True)
+# One write per line: under torchrun the ranks share one stdout, and print() writes a line and
+# its newline separately when Python runs unbuffered, so two ranks' lines could run together.
+sys.stdout.write(f"torch_backend: rank {rank} of {world}: loss {before:.4f} -> "
+                 f"{full_loss(model.module):.4f} after {STEPS} steps (last batch, mean over "
+                 f"ranks {mean_loss.item():.4f}); all_gather_single {gathered.tolist()}; "
+                 f"parameters sha256 {digest}\n")
+sys.stdout.flush()
 dist.destroy_process_group()  # leaves the job
