@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from .buckets import BucketPlan, TensorSpec, cap_bytes_of
-from .convert import to_numpy
+from .convert import copies_to_device, to_numpy
 
 
 class AllReducer(Protocol):
@@ -70,6 +70,13 @@ async def _gather(plan: BucketPlan, pending: list, converted: list, sent: list[i
     for result in results:
         if isinstance(result, BaseException):
             raise result
+    if any(copies_to_device(restore) for _, restore in converted):
+        # Copies to a GPU block: off the event loop (see process_group._delivered).
+        return await asyncio.to_thread(_outputs, plan, results, converted, sent)
+    return _outputs(plan, results, converted, sent)
+
+
+def _outputs(plan: BucketPlan, results: list, converted: list, sent: list[int]) -> list:
     out: list = [None if arr.size else restore(arr.copy()) for arr, restore in converted]
     for bucket, flat in zip(plan, results, strict=True):
         for member, offset, numel in zip(bucket.members, bucket.offsets, bucket.numels,

@@ -20,7 +20,7 @@ from gradstar.errors import ConfigurationError
 from gradstar.proto.v1 import peer_pb2 as ppb
 from gradstar.wire import dtype_info
 
-from .device import check_device, is_staged, to_device, to_host_array
+from .device import caller_stream, check_device, is_staged, to_device, to_host_array
 
 Restore = Callable[[np.ndarray], object]
 
@@ -76,10 +76,11 @@ def _torch_to_numpy(t) -> tuple[np.ndarray, Restore]:
 
 def _staged_to_numpy(t) -> tuple[np.ndarray, Restore]:
     """A host copy of the device tensor ``t`` as numpy, and a restore that copies a result back
-    to t's device (see :mod:`gradstar.client.device`)."""
+    to t's device, on the stream that is current now (see :mod:`gradstar.client.device`)."""
     import torch
 
     device, bf16 = t.device, t.dtype == torch.bfloat16
+    stream = caller_stream(device)
     arr = to_host_array(t)
     if bf16:
         arr = arr.view(ml_dtypes.bfloat16)
@@ -87,10 +88,24 @@ def _staged_to_numpy(t) -> tuple[np.ndarray, Restore]:
     def restore(a: np.ndarray):
         a = a if a.flags.c_contiguous else a.copy(order="C")
         on_host = torch.from_numpy(a.view(np.int16) if bf16 else a)
-        on_device = to_device(on_host, device)
+        on_device = to_device(on_host, device, stream=stream)
         return on_device.view(torch.bfloat16) if bf16 else on_device
 
-    return arr, restore
+    return arr, copying_to_device(restore)
+
+
+def copying_to_device(restore: Restore, copies: bool = True) -> Restore:
+    """``restore``, marked as one that copies to a device when ``copies``: it blocks until
+    the copy is done (and the caller's stream with it), so the process group runs it on a
+    worker thread, never on its event loop (:func:`copies_to_device`)."""
+    if copies:
+        restore.copies_to_device = True  # type: ignore[attr-defined]
+    return restore
+
+
+def copies_to_device(restore: Restore) -> bool:
+    """Whether ``restore`` was marked by :func:`copying_to_device`."""
+    return getattr(restore, "copies_to_device", False)
 
 
 def array_kind(x) -> int:

@@ -33,6 +33,7 @@ Nothing here runs without a CUDA tensor: the CPU path neither imports CUDA nor p
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
@@ -139,20 +140,31 @@ def to_host_array(t):
 
     wire = t.detach().view(torch.int16) if t.dtype == torch.bfloat16 else t.detach()
     nbytes = wire.numel() * wire.element_size()
+    # torch's caching host allocator rounds a pinned block up to a power of two: count that.
+    held = 1 << max(nbytes - 1, 0).bit_length()
     budget = pinned_budget()
-    pinned = _pins(t) and nbytes > 0 and budget.take(nbytes)
+    pinned = _pins(t) and nbytes > 0 and budget.take(held)
+    host = None
+    if pinned:
+        try:
+            host = _allocate(wire.shape, wire.dtype, True)
+        except RuntimeError:
+            # Page-locking failed (ulimit -l, a container's limit): stage through pageable
+            # memory instead, slower but never refused.
+            budget.give_back(held)
+            pinned = False
     try:
-        host = _allocate(wire.shape, wire.dtype, pinned)
+        host = _allocate(wire.shape, wire.dtype, False) if host is None else host
         host.copy_(wire)
         arr = host.numpy()
     except BaseException:
         if pinned:
-            budget.give_back(nbytes)
+            budget.give_back(held)
         raise
     if pinned:
         # Every numpy view of ``arr`` keeps arr.base (the tensor numpy was handed) alive, not
         # ``host`` itself: count the bytes for as long as that object lives.
-        budget.track(arr.base, nbytes)
+        budget.track(arr.base, held)
     return arr
 
 
@@ -166,14 +178,32 @@ def _allocate(shape, dtype, pinned: bool):
     return torch.empty(shape, dtype=dtype, pin_memory=pinned)
 
 
-def to_device(host, device, into=None):
-    """``host`` (a CPU tensor) copied to ``device``, or into the tensor ``into`` (same number
-    of elements, on ``device``), complete on every stream when this returns."""
+def caller_stream(device):
+    """The calling thread's current stream of ``device`` (a CUDA device), None for others:
+    :func:`to_device` allocates and copies a result on it (see :func:`to_device`)."""
     import torch
 
-    target = torch.empty(host.shape, dtype=host.dtype, device=device) if into is None else into
-    target.copy_(host.reshape(target.shape) if into is not None else host)
-    synchronize(target.device)
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def to_device(host, device, into=None, *, stream=None):
+    """``host`` (a CPU tensor) copied to ``device``, or into the tensor ``into`` (same number
+    of elements, on ``device``), complete on every stream when this returns.
+
+    ``stream`` (a CUDA stream of ``device``; default: this thread's current one) is where the
+    new tensor is allocated and the copy runs. Staged results pass the stream that was current
+    when the call was made (:func:`caller_stream`): the caching allocator then files the
+    memory under the caller's stream, so it is reused in that stream's order after the caller
+    frees it, and the copy cannot overwrite a block the caller's queued kernels still read.
+    """
+    import torch
+
+    on = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    with on:
+        target = (torch.empty(host.shape, dtype=host.dtype, device=device) if into is None
+                  else into)
+        target.copy_(host.reshape(target.shape) if into is not None else host)
+        synchronize(target.device)
     return target
 
 
@@ -191,6 +221,7 @@ __all__ = [
     "PINNED_LIMIT_ENV",
     "STAGED_DEVICES",
     "PinnedBudget",
+    "caller_stream",
     "check_device",
     "is_staged",
     "pinned_budget",

@@ -37,7 +37,7 @@ from gradstar.wire import aligned_chunk_bytes, dtype_info
 from . import all_to_all as a2a
 from .coalesced import all_reduce_coalesced
 from .collective_stream import abandon_collective, issue, run_collective
-from .convert import array_kind, restore_array, to_numpy
+from .convert import array_kind, copies_to_device, copying_to_device, restore_array, to_numpy
 from .data_plane import DataPlane
 from .peer import Identity, PeerEndpoint
 from .peer.mailbox import tag_key
@@ -119,7 +119,8 @@ class AsyncProcessGroup:
             whole = restore(result)
             return [whole[i] for i in range(self.world_size)]
 
-        return self._run(ops.ALL_GATHER, arr, out, out, split, timeout)
+        return self._run(ops.ALL_GATHER, arr, out, out,
+                         copying_to_device(split, copies_to_device(restore)), timeout)
 
     def reduce_scatter(self, x, op: str = "sum", *, timeout: float | None = None) -> Awaitable:
         """Reduce ``x`` over ranks and keep shard ``rank`` of dim 0 (dim 0 % world_size == 0)."""
@@ -201,7 +202,8 @@ class AsyncProcessGroup:
             received[self.rank] = arrays[self.rank].copy()
             return [restore(received[r]) for r in range(self.world_size)]
 
-        return self._all_to_all(plan, arrays, array_kind(inputs[0]), deliver, timeout)
+        return self._all_to_all(plan, arrays, array_kind(inputs[0]),
+                                copying_to_device(deliver, copies_to_device(restore)), timeout)
 
     def all_to_all_single(self, x, output_split_sizes=None, input_split_sizes=None, *,
                           timeout: float | None = None) -> Awaitable:
@@ -242,7 +244,9 @@ class AsyncProcessGroup:
             return restore(out)
 
         pieces = [arr[at[j]:at[j + 1]] for j in range(self.world_size)]
-        return self._all_to_all(plan, pieces, array_kind(x), deliver, timeout, splits)
+        return self._all_to_all(plan, pieces, array_kind(x),
+                                copying_to_device(deliver, copies_to_device(restore)), timeout,
+                                splits)
 
     def _all_to_all(self, plan: a2a.Plan, pieces: list[np.ndarray], kind: int, deliver,
                     timeout: float | None, into: list[np.ndarray] | None = None) -> Awaitable:
@@ -307,7 +311,7 @@ class AsyncProcessGroup:
                     f"{plan.name} call {call}: rank {src} sent rank {me} {got.size} elements "
                     f"of {got.dtype}; its plan said {elements} of {pieces[me].dtype}")
             received[src] = got
-        return deliver(received)
+        return await _delivered(deliver, received)
 
     # -- point to point (peer streams, see gradstar.client.peer) --------------------------------
 
@@ -428,7 +432,7 @@ class AsyncProcessGroup:
         result = await run_collective(self._targets(header), header, self.world_size, send, out,
                                       session=self._session, metadata=self._metadata,
                                       timeout=timeout)
-        return restore(result)
+        return await _delivered(restore, result)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -458,6 +462,16 @@ class AsyncProcessGroup:
     def __repr__(self) -> str:
         return (f"AsyncProcessGroup(job={self.job!r}, rank={self.rank}, "
                 f"world_size={self.world_size}, generation={self.generation})")
+
+
+async def _delivered(restore, value):
+    """``restore(value)``: what the caller gets. A restore that copies to a GPU blocks until
+    the copy and the caller's stream are done, so it runs on a worker thread: the event loop
+    keeps driving every other collective, peer message and heartbeat meanwhile (and a caller
+    whose stream waits for another of this rank's collectives cannot deadlock it)."""
+    if copies_to_device(restore):
+        return await asyncio.to_thread(restore, value)
+    return restore(value)
 
 
 def _settings(**given) -> ClientSettings:

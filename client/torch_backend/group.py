@@ -163,7 +163,8 @@ class ProcessGroupGradstar(dist.ProcessGroup):
         except GradstarError as error:
             return GradstarWork.failed(error, self._completions, label=self._error_label)
         work = work_type(pending, finish, self._completions, label=self._error_label,
-                         devices=devices)
+                         devices=devices,
+                         inference=any(t.is_inference() for t in tensors_in(tensors)))
         with self._lock:
             self._in_flight.add(work)
         return work

@@ -174,7 +174,7 @@ class GradstarWork(dist._Work):
 
     def __init__(self, pending: Sequence, finish: Callable[[list], object],
                  completions: CompletionThreads, *, label: str = "",
-                 devices: Sequence[torch.device] = ()) -> None:
+                 devices: Sequence[torch.device] = (), inference: bool = False) -> None:
         super().__init__()
         self._label = label  # prefixes the messages of the gradstar errors it raises
         self._pending = list(pending)
@@ -186,6 +186,9 @@ class GradstarWork(dist._Work):
         self._value: object = None
         self._error: BaseException | None = None
         self._devices = list(devices)
+        # Outputs made under torch.inference_mode() (Lightning's validation metrics) may only be
+        # written in place under it, and the thread that settles is not the caller's.
+        self._inference = inference
         self._raw = torch.futures.Future(devices=self._devices)
         self._future = self._raw.then(_reraise)
         self._remaining = len(self._pending)
@@ -233,7 +236,7 @@ class GradstarWork(dist._Work):
                     try:
                         # Writing into torch's tensors is communication, not computation: keep
                         # it out of autograd (parameters that require grad are written in place).
-                        with torch.no_grad():
+                        with torch.inference_mode() if self._inference else torch.no_grad():
                             self._value = self._finish(results)
                     finally:
                         # The writes ran on this thread's current streams (some, if finish

@@ -57,7 +57,7 @@ async def test_every_collective_on_cuda_equals_the_cpu_path(groups, dtype):
         "all_to_all": lambda g, x: g.all_to_all([x[g.rank][:, :j + 1] for j in range(WORLD)]),
         "all_to_all_single": lambda g, x: g.all_to_all_single(torch.cat([x[g.rank]] * WORLD)),
         "all_reduce_coalesced": lambda g, x: g.all_reduce_coalesced(
-            [x[g.rank], x[g.rank][0], x[g.rank].sum()], op="sum"),
+            [x[g.rank], x[g.rank][0], x[g.rank][1, 2]], op="sum"),  # a 0-d one too
     }
     on_gpu = [x.to(cuda) for x in xs]
     for name, call in calls.items():
@@ -85,7 +85,8 @@ async def test_the_input_is_read_after_the_kernels_queued_before_the_call(groups
     for g in groups:
         with torch.cuda.stream(side):
             x = torch.zeros(1 << 22, device="cuda")
-            for _ in range(20):  # long enough to still be running when the call is made
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU cycles: the adds run after the call
+            for _ in range(20):
                 x.add_(1.0)
             pending.append(g.all_reduce(x))
     results = await asyncio.wait_for(asyncio.gather(*pending), 60)

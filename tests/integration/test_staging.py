@@ -6,6 +6,7 @@ CUDA tensors where a GPU is present."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -117,3 +118,26 @@ async def test_an_averaging_round_staged(groups, monkeypatch):
             params[g.rank], model="m-staged", rule="average"))
     assert_same(direct, staged)
     assert torch.equal(staged[0], torch.full((50,), 1.0))
+
+
+async def test_copies_back_to_the_device_run_off_the_event_loop(groups, monkeypatch):
+    """A copy to a GPU blocks until the caller's stream is done: it must never run on the
+    loop that drives every collective, peer message and heartbeat."""
+    from gradstar.client import convert
+
+    monkeypatch.setattr(device, "STAGED_DEVICES", ("cuda", "cpu"))
+    loop_thread = threading.get_ident()
+    copied_on = []
+
+    def to_device(host, where, into=None, *, stream=None):
+        copied_on.append(threading.get_ident())
+        return host.clone()
+
+    monkeypatch.setattr(convert, "to_device", to_device)
+    x = torch.ones(10)
+    await each(groups, lambda g: g.all_reduce(x))
+    await each(groups, lambda g: g.all_gather(x))
+    await each(groups, lambda g: g.all_to_all([x] * WORLD))
+    await each(groups, lambda g: g.all_reduce_coalesced([x, x[:3]]))
+    assert len(copied_on) == WORLD * (1 + 1 + WORLD + 2)
+    assert loop_thread not in copied_on

@@ -482,3 +482,31 @@ def test_import_gradstar_registers_the_backend_in_either_order(imports):
     done = subprocess.run([sys.executable, "-c", imports + REGISTERED], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and done.stdout == "ok\n", done.stderr
+
+
+class OneReduceGroup(UnreachableGroup):
+    """A stand-in gradstar group whose all_reduce hands back a Work the test completes."""
+
+    def __init__(self, loop: FakeLoop) -> None:
+        self.loop, self.futures = loop, []
+
+    def all_reduce(self, x, op, *, async_op, timeout):
+        work, future = self.loop.work()
+        self.futures.append(future)
+        return work
+
+
+def test_an_inference_tensor_is_written_in_place_by_a_completion_thread(completions):
+    """Lightning reduces validation metrics made under torch.inference_mode(): the thread that
+    settles the Work (not the caller's) writes them in place, which torch allows only in
+    inference mode."""
+    loop = FakeLoop()
+    group = ProcessGroupGradstar(OneReduceGroup(loop), completions)
+    with torch.inference_mode():
+        metric = torch.ones(3)
+        work = group.allreduce([metric])
+    settled = work.get_future().then(lambda f: None)
+    loop.complete(group.gradstar_group.futures[0], torch.full((3,), 2.0))
+    settled.wait()  # the completion thread settled it, before wait() below
+    assert work.wait() is True
+    assert metric.tolist() == [2.0, 2.0, 2.0]
