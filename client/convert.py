@@ -30,6 +30,11 @@ def _is_torch_tensor(x) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def is_cpu_tensor(x) -> bool:
+    """Whether ``x`` is a torch tensor whose memory numpy can view (on the CPU, not staged)."""
+    return _is_torch_tensor(x) and x.device.type == "cpu" and not is_staged(x)
+
+
 def to_numpy(x) -> tuple[np.ndarray, Restore]:
     """A C-contiguous numpy view of ``x`` and a function turning a result back into x's type.
 

@@ -37,7 +37,14 @@ from gradstar.wire import aligned_chunk_bytes, dtype_info
 from . import all_to_all as a2a
 from .coalesced import all_reduce_coalesced
 from .collective_stream import abandon_collective, issue, run_collective
-from .convert import array_kind, copies_to_device, copying_to_device, restore_array, to_numpy
+from .convert import (
+    array_kind,
+    copies_to_device,
+    copying_to_device,
+    is_cpu_tensor,
+    restore_array,
+    to_numpy,
+)
 from .data_plane import DataPlane
 from .peer import Identity, PeerEndpoint
 from .peer.mailbox import tag_key
@@ -87,17 +94,27 @@ class AsyncProcessGroup:
 
     # -- collectives ---------------------------------------------------------------------------
 
-    def all_reduce(self, x, op: str = "sum", *, timeout: float | None = None) -> Awaitable:
-        """Elementwise ``op`` over every rank's ``x``; resolves to a new array of x's type.
+    def all_reduce(self, x, op: str = "sum", *, timeout: float | None = None,
+                   out=None) -> Awaitable:
+        """Elementwise ``op`` over every rank's ``x``; resolves to a new array of x's type, or
+        to ``out`` holding the result.
+
+        ``out``: a C-contiguous, writable numpy array or CPU tensor of x's shape and dtype
+        that receives the result (``out=x`` reduces in place, as torch.distributed does); the
+        result then skips a fresh array and a copy. Do not touch ``out`` until the call
+        resolved.
 
         Raises:
             CollectiveError and subclasses: mismatch, timeout, lost rank, payload too large.
-            ConfigurationError: unsupported op or dtype, or not an array or a CPU or CUDA tensor.
+            ConfigurationError: unsupported op or dtype, or not an array or a CPU or CUDA
+                tensor; an ``out`` that is not a writable, contiguous CPU array or tensor.
+            InvalidCollectiveError: ``out`` of another shape or dtype than ``x``.
         """
         arr, restore = to_numpy(x)
         reduce_op = ops.reduce_op(op)
-        return self._run(ops.ALL_REDUCE, arr, arr, np.empty_like(arr), restore, timeout,
-                         reduce_op=reduce_op)
+        into = np.empty_like(arr) if out is None else _output_array(out, arr)
+        return self._run(ops.ALL_REDUCE, arr, arr, into, restore if out is None
+                         else (lambda _result: out), timeout, reduce_op=reduce_op)
 
     def broadcast(self, x, src: int = 0, *, timeout: float | None = None) -> Awaitable:
         """Rank ``src``'s ``x`` on every rank (every rank passes an ``x`` of the same shape)."""
@@ -464,6 +481,29 @@ class AsyncProcessGroup:
                 f"world_size={self.world_size}, generation={self.generation})")
 
 
+def _output_array(out, like: np.ndarray) -> np.ndarray:
+    """``out`` as a numpy array sharing its memory, checked against the input ``like``.
+
+    Raises:
+        ConfigurationError: not a writable C-contiguous numpy array or CPU tensor.
+        InvalidCollectiveError: another shape or dtype than ``like``.
+    """
+    arr = None
+    if isinstance(out, np.ndarray):
+        arr = out
+    elif is_cpu_tensor(out) and out.is_contiguous():
+        arr, _ = to_numpy(out)  # a view of the tensor's memory
+    if arr is None or not (arr.flags.c_contiguous and arr.flags.writeable):
+        raise ConfigurationError(
+            "out= takes a writable, C-contiguous numpy array or CPU tensor, got "
+            f"{type(out).__name__}" + (f" on {out.device}" if hasattr(out, "device") else ""))
+    if arr.shape != like.shape or arr.dtype != like.dtype:
+        raise InvalidCollectiveError(
+            f"out= must match the input: shape {like.shape} and dtype {like.dtype}, got shape "
+            f"{arr.shape} and dtype {arr.dtype}")
+    return arr
+
+
 async def _delivered(restore, value):
     """``restore(value)``: what the caller gets. A restore that copies to a GPU blocks until
     the copy and the caller's stream are done, so it runs on a worker thread: the event loop
@@ -601,8 +641,9 @@ class ProcessGroup:
         future = self._runner.submit(awaitable)
         return Work(future) if async_op else Work(future).wait()
 
-    def all_reduce(self, x, op: str = "sum", *, async_op: bool = False, timeout=None):
-        return self._call(self._group.all_reduce(x, op, timeout=timeout), async_op)
+    def all_reduce(self, x, op: str = "sum", *, async_op: bool = False, timeout=None,
+                   out=None):
+        return self._call(self._group.all_reduce(x, op, timeout=timeout, out=out), async_op)
 
     def broadcast(self, x, src: int = 0, *, async_op: bool = False, timeout=None):
         return self._call(self._group.broadcast(x, src, timeout=timeout), async_op)

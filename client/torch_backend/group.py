@@ -44,6 +44,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from gradstar.client.convert import is_cpu_tensor
 from gradstar.client.device import check_device, synchronize
 from gradstar.client.process_group import ProcessGroup
 from gradstar.errors import (
@@ -80,6 +81,14 @@ class BackendUnsupportedError(GradstarError, NotImplementedError):
 
 class MonitoredBarrierError(CollectiveTimeoutError, RuntimeError):
     """Some ranks did not reach a ``monitored_barrier`` in time (a RuntimeError, as gloo's)."""
+
+
+def _viewable(t: torch.Tensor) -> bool:
+    """Whether the result may be written into ``t``'s memory straight from the wire: a
+    contiguous CPU tensor (a CUDA one is staged through host memory) that does not require
+    grad. (The write is not autograd's; ``finish``'s ``copy_`` of the tensor onto itself then
+    bumps its version counter as any in-place write does.)"""
+    return is_cpu_tensor(t) and t.is_contiguous() and not t.requires_grad
 
 
 # -- the group ---------------------------------------------------------------------------------
@@ -170,16 +179,21 @@ class ProcessGroupGradstar(dist.ProcessGroup):
         return work
 
     def _reduce(self, tensors: list[torch.Tensor], op: str, timeout: float | None,
-                write: Callable[[int, torch.Tensor], None]):
+                write: Callable[[int, torch.Tensor], None], *, in_place: bool = False):
+        """All_reduce each of ``tensors`` and ``write(i, result)``. ``in_place``: the result
+        may overwrite the tensor itself (all_reduce, not reduce), so a contiguous CPU tensor
+        of a dtype the hub reduces receives it straight from the wire (``out=``): no result
+        array to allocate and fault in, no copy (and ``write``'s copy_ is then a no-op)."""
         if op in BITWISE_OPS:
             return self._gather(
                 [for_bitwise(t, op) for t in tensors], timeout,
                 lambda i, parts: write(i, bitwise_reduce(parts, op).reshape(tensors[i].shape)),
                 tensors)
         prepared = [for_reduction(t, op) for t in tensors]
-        starts = [lambda w=w: self.gradstar_group.all_reduce(w, op, async_op=True,
-                                                             timeout=timeout)
-                  for w, _ in prepared]
+        starts = [lambda w=w, t=t: self.gradstar_group.all_reduce(
+                      w, op, async_op=True, timeout=timeout,
+                      out=w if in_place and w is t and _viewable(t) else None)
+                  for (w, _), t in zip(prepared, tensors, strict=True)]
 
         def finish(results):
             for i, ((_, restore), result) in enumerate(zip(prepared, results, strict=True)):
@@ -235,7 +249,7 @@ class ProcessGroupGradstar(dist.ProcessGroup):
         if any(t.layout == torch.sparse_coo for t in tensors):
             return self._sparse_allreduce(tensors, reduce_op_name(opts), seconds_of(opts))
         return self._reduce(tensors, reduce_op_name(opts), seconds_of(opts),
-                            lambda i, r: tensors[i].copy_(r))
+                            lambda i, r: tensors[i].copy_(r), in_place=True)
 
     def _sparse_allreduce(self, tensors: list[torch.Tensor], op: str, timeout: float | None):
         """Sum sparse COO tensors as gloo does: every rank gathers every rank's indices and
