@@ -56,6 +56,7 @@ from torch import nn
 from gradstar.errors import ConfigurationError
 
 from .buckets import BucketPlan, TensorSpec, cap_bytes_of
+from .convert import is_cpu_tensor
 from .process_group import ProcessGroup
 from .torch_common import (
     GRAD_DTYPES,
@@ -306,8 +307,10 @@ class DistributedDataParallel(nn.Module):
                 flat[bucket.numel:] = torch.tensor([p.grad is not None for p in self._params],
                                                    dtype=flat.dtype, device=flat.device)
         # The flat buffer is reused next step: it is not written again until this Work is
-        # waited for in _complete.
-        step.works[index] = self.process_group.all_reduce(flat, op="mean", async_op=True)
+        # waited for in _complete. A CPU bucket takes its means in place (no fresh array to
+        # fault in, no copy); a CUDA one is staged through host memory and comes back new.
+        step.works[index] = self.process_group.all_reduce(
+            flat, op="mean", async_op=True, out=flat if is_cpu_tensor(flat) else None)
         step.timeline.launches.append(BucketLaunch(index, time.perf_counter(), during))
         step.next_launch = index + 1
 
