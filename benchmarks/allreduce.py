@@ -143,7 +143,8 @@ def _check(out, world_size: int, elements: int, what: str) -> None:
 
 
 def gradstar_rank(rank: int, world_size: int, address: str, job: str, elements: int,
-                  warmup: int, iters: int, chunk_bytes: int | None, sync) -> dict:
+                  warmup: int, iters: int, chunk_bytes: int | None, in_place: bool,
+                  sync) -> dict:
     import time
 
     import numpy as np
@@ -156,19 +157,29 @@ def gradstar_rank(rank: int, world_size: int, address: str, job: str, elements: 
                                      rank=rank, timeout=COLLECTIVE_TIMEOUT, **options)
     join_s = time.perf_counter() - t_join
     try:
-        x = np.ones(elements, dtype=np.float32) * np.float32(rank + 1)
+        base = np.ones(elements, dtype=np.float32) * np.float32(rank + 1)
+        x = base.copy()
+
+        def all_reduce():
+            # In place (out=x), as gloo reduces: x is restored from base first, untimed.
+            return pg.all_reduce(x, op="sum", out=x) if in_place else pg.all_reduce(x, op="sum")
+
         out = None
         for i in range(warmup):
-            out = pg.all_reduce(x, op="sum")
+            if in_place:
+                np.copyto(x, base)
+            out = all_reduce()
             if i == 0:
                 _check(out, world_size, elements, f"gradstar rank {rank} warmup result")
         sync.reach(0)  # the driver samples the hub's CPU while every rank waits here
         times = []
         cpu0 = time.process_time()
         for i in range(iters):
+            if in_place:
+                np.copyto(x, base)
             pg.barrier()
             t0 = time.perf_counter()
-            out = pg.all_reduce(x, op="sum")
+            out = all_reduce()
             times.append(time.perf_counter() - t0)
             if i == 0 and warmup == 0:
                 _check(out, world_size, elements, f"gradstar rank {rank} first result")
@@ -273,7 +284,8 @@ def _hub_cpu(samples: dict, gb_moved: float) -> dict:
 
 
 def run_gradstar(ranks: int, elements: int, warmup: int, iters: int, timeout: float,
-                 label: str, shards: int, chunk_bytes: int | None, path: str) -> dict:
+                 label: str, shards: int, chunk_bytes: int | None, path: str,
+                 in_place: bool = False) -> dict:
     from gradstar.transport.shm import POOL_KEEP_BYTES
 
     job = f"bench-allreduce-n{ranks}-e{elements}-k{shards}-{uuid.uuid4().hex[:8]}"
@@ -294,7 +306,7 @@ def run_gradstar(ranks: int, elements: int, warmup: int, iters: int, timeout: fl
         with DriverSync(ranks, 2, sample, timeout=timeout) as sync:
             results = run_ranks(gradstar_rank, ranks,
                                 (coord.address, job, elements, warmup, iters, chunk_bytes,
-                                 sync.handle),
+                                 in_place, sync.handle),
                                 timeout=timeout, label=f"gradstar {label}", env=env)
         if not coord.alive():
             raise BenchmarkError(f"[gradstar {label}] the coordinator exited during the run "
@@ -487,6 +499,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-mb", type=float, nargs="+", metavar="MB",
                         help="gradstar chunk sizes in MiB (init_process_group(chunk_bytes=...)); "
                              "gradstar runs once per value (default: the client's default)")
+    parser.add_argument("--in-place", action="store_true",
+                        help="gradstar reduces in place, pg.all_reduce(x, out=x), as gloo does "
+                             "(x restored from a saved copy before each call, untimed, as for "
+                             "gloo); default: a new result array per call")
     parser.add_argument("--config-timeout", type=float,
                         help="seconds allowed per backend per configuration (default: scaled by "
                              "size, 120..600)")
@@ -508,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--paths takes distinct values")
     configs = (gradstar_configs(args.shards, args.chunk_mb, args.paths)
                if "gradstar" in args.backends else [])
+    for config in configs if args.in_place else []:
+        config["name"] += " in-place"
 
     # SIGTERM -> SystemExit, so the finally blocks kill every child before we exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -541,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         result = run_gradstar(ranks, elements, warmup, iters, timeout,
                                               f"{label} {config['name']}", config["shards"],
-                                              config["chunk_bytes"], config["path"])
+                                              config["chunk_bytes"], config["path"],
+                                              args.in_place)
                 except BenchmarkError as error:
                     result = {"median_ms": None, "algbw_gbps": None, "error": str(error)}
                     failures.append((name, label, str(error)))
