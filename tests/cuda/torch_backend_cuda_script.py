@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import sys
 import warnings
 from datetime import timedelta
@@ -32,6 +31,10 @@ from torch import nn
 import gradstar  # noqa: F401  (registers backend "gradstar")
 from gradstar.client import device as staging
 
+if not __package__:  # run as a file, the way the tests start ranks: find the `tests` package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests.parallel.torch_backend_script import emit, params_of
+
 SCRIPT = Path(__file__)
 IN, HIDDEN, OUT = 6, 32, 3  # OUT=3 rows: FSDP2 pads the last layer's shards on 2 ranks
 BATCH = 16  # per step, over all ranks
@@ -43,12 +46,6 @@ BITWISE = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bit
 
 # torch 2.13 renamed the *_tensor collectives; the old names are what most scripts still call.
 warnings.filterwarnings("ignore", category=FutureWarning)
-
-
-def emit(report: dict) -> None:
-    """One JSON line in one write (ranks share the test's pipes, not a terminal)."""
-    sys.stdout.write(json.dumps(report) + "\n")
-    sys.stdout.flush()
 
 
 class Checks:
@@ -317,14 +314,6 @@ def train(model: nn.Module, rank: int, world: int, device: torch.device) -> None
         nn.functional.mse_loss(model(x.chunk(world)[rank].to(device)),
                                y.chunk(world)[rank].to(device)).backward()
         opt.step()
-
-
-def params_of(module: nn.Module) -> dict[str, list[float]]:
-    out = {}
-    for name, p in module.named_parameters():
-        p = p.full_tensor() if hasattr(p, "full_tensor") else p  # FSDP2's DTensor shards
-        out[name] = p.detach().double().reshape(-1).tolist()
-    return out
 
 
 def one_process(device: torch.device) -> dict[str, list[float]]:
