@@ -18,7 +18,7 @@ from gradstar.errors import GradstarError, ProtocolError, RankFinishedError
 from gradstar.proto.v1 import collective_pb2 as cpb
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
 from gradstar.proto.v1 import rendezvous_pb2_grpc
-from gradstar.transport.shm import SegmentMapper, ShmRefused
+from gradstar.transport.shm import SegmentMapper, ShmRefused, process_gone
 from gradstar.transport.status import abort
 from gradstar.wire import (
     COLLECTIVE_SERVICE,
@@ -170,6 +170,13 @@ class CollectiveServicer:
                 await self.admit(header)
             shm, attach = self._attach(header)
             coll, me = self.engine.arrive(header, shm)
+            if shm is None and attach is not None and header.shm.eager and (
+                    process_gone(header.shm.pid)):
+                # The rank wrote its chunks into a segment it expected this hub to hold, then
+                # died before the hub could open it: a lost rank (what every other rank must
+                # hear, to rejoin), not a protocol error (what its announced chunks would be).
+                coll.on_stream_closed(me, "exited before the hub could attach the shared-memory "
+                                          "segment holding its chunks")
         except GradstarError as error:
             if attach is not None:
                 yield attach  # the rank learns a refusal even from a failed collective

@@ -123,3 +123,34 @@ async def test_an_eager_offer_the_hub_refuses_fails_once_on_every_rank_then_stre
         assert [r.tolist() for r in results] == [[3.0, 3.0, 3.0]] * 2
     finally:
         await close_all(groups)
+
+
+async def test_a_rank_that_dies_before_the_hub_attaches_its_eager_segment_is_lost(
+        start_coordinator, monkeypatch):
+    """A rank writes its chunks into a segment the hub attached before, announces them, and is
+    killed before the hub opens the segment again (seen with an agent restarting a SIGKILLed
+    rank): the others must hear RankLostError naming it, which elastic recovery acts on, not
+    the ProtocolError its announced chunks would otherwise raise. Rank 1's offer is made to
+    name a process that has exited, eagerly."""
+    exited = await asyncio.create_subprocess_exec("true")
+    await asyncio.wait_for(exited.wait(), 10)
+    real = collective_stream._offering
+
+    def offering(header, target, segment, geometry):
+        offer = real(header, target, segment, geometry)
+        if offer.rank == 1 and offer.HasField("shm"):
+            offer.shm.pid, offer.shm.eager = exited.pid, True
+        return offer
+
+    monkeypatch.setattr(collective_stream, "_offering", offering)
+    hub = await start_coordinator()
+    groups = await join_all(hub.address, 2, job="died-eager")
+    try:
+        outcomes = await asyncio.wait_for(asyncio.gather(
+            *(g.all_reduce(np.ones(100, np.float32)) for g in groups),
+            return_exceptions=True), 20)
+        assert isinstance(outcomes[0], errors.RankLostError), outcomes[0]
+        assert outcomes[0].rank == 1
+        assert "exited before the hub could attach" in str(outcomes[0])
+    finally:
+        await close_all(groups)

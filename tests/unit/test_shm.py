@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import fcntl
 import os
+import subprocess
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -167,3 +169,17 @@ def test_chunk_frames_round_trip_and_refuse_other_lengths():
     assert decode_shm_chunk(frame) == 12345
     with pytest.raises(ProtocolError, match="shared-memory chunk frame of 9 bytes"):
         decode_shm_chunk(frame + b"x")
+
+
+def test_a_process_that_exited_is_gone_even_before_it_is_reaped():
+    child = subprocess.Popen(["sleep", "0.2"])
+    try:
+        assert not shm.process_gone(child.pid)
+        deadline = time.monotonic() + 10
+        while not shm.process_gone(child.pid):  # a zombie until wait() below reaps it
+            assert time.monotonic() < deadline, "the child never exited"
+            time.sleep(0.05)
+    finally:
+        child.wait(10)
+    assert shm.process_gone(child.pid)
+    assert not shm.process_gone(os.getpid())

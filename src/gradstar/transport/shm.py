@@ -123,6 +123,19 @@ class ShmRefused(Exception):
     """The hub cannot attach a segment; the reason is sent to the rank, which then streams."""
 
 
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` (in this pid namespace) has exited: no such process, or a
+    zombie whose parent has not reaped it yet (its descriptors, segments included, are gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read()
+    except OSError:
+        return True
+    # "pid (comm) state ...": comm may hold spaces and parentheses; the state follows the last ")".
+    state = fields.rpartition(b")")[2].split()[:1]
+    return state in ([b"Z"], [b"X"], [])
+
+
 class SegmentMapper:
     """The hub's side: attaches ranks' segments, keeping mappings for reuse by (pid, fd, inode).
 
@@ -213,4 +226,5 @@ class SegmentMapper:
         return sum(len(m) for _, m, _ in self._maps.values())
 
 
-__all__ = ["DATA_OFFSET", "Segment", "SegmentMapper", "SegmentPool", "ShmRefused", "supported"]
+__all__ = ["DATA_OFFSET", "Segment", "SegmentMapper", "SegmentPool", "ShmRefused", "process_gone",
+           "supported"]
