@@ -26,7 +26,10 @@ The protocol (frames in ``protos/gradstar/proto/v1/peer.proto``):
   incoming streams with a ``RankFinishedError`` frame; only then does it leave the hub, whose
   notice tells the ranks it never opened a stream to. A receive from a finished rank gets what
   it sent, then raises :class:`~gradstar.errors.RankFinishedError` naming it at once (a
-  receive from any sender: once every other rank finished); so does a send to it.
+  receive from any sender: once every other rank finished); so does a send to it. A rank that
+  closes its group after its generation failed has not finished: no goodbye, and its incoming
+  streams are answered with the failure (a goodbye could overtake the hub's failure notice and
+  make a neighbour report it finished instead of naming the lost rank).
 * Failure: channels use the hub's keepalive options (a dead or frozen peer breaks its streams
   in seconds), and every wait also watches the rank's session with the hub, whose
   generation-failure notice names the lost rank. A broken stream waits briefly for that notice

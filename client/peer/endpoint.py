@@ -7,6 +7,11 @@ the end of its peer stream to this rank (behind its last message), and the hub's
 session (which also covers a rank that never opened a stream to this one). A rank closing its
 group says goodbye on its streams before it leaves the hub, so by the time the notice comes its
 streams have ended; a notice that overtakes a stream still open waits for that stream's end.
+
+A rank whose generation already failed when it closes its group has not finished: its streams
+end without a goodbye and its answer to the senders of its incoming streams is the failure, not
+a RankFinishedError. Its neighbours may not have heard of the failure yet (the goodbye could
+overtake the hub's notice), and they must report the lost rank, not this one as finished.
 """
 
 
@@ -264,6 +269,10 @@ class PeerEndpoint:
         has everything it sent (its receives from here then raise RankFinishedError);
         the peer server answers the senders of its incoming streams with a RankFinishedError
         frame, which their pending and later sends to this rank raise.
+
+        If the generation already failed, this rank did not finish it: no goodbye (the streams
+        end as broken ones, which their receivers resolve into the hub's verdict) and the
+        senders are answered with the failure itself (see the module docstring).
         """
         if self.closed is not None:
             return
@@ -272,6 +281,7 @@ class PeerEndpoint:
         me = self.identity
         rank = me.rank if me is not None else "?"
         self.closed = ProcessGroupClosedError(f"rank {rank}'s process group was closed")
+        failure = None if self._session is None else self._session.failure
         links = list(self._links.values())
         self._links.clear()
 
@@ -279,10 +289,12 @@ class PeerEndpoint:
             opening.cancel()  # only if still opening; an open link says goodbye
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 link = await opening
-                await link.close(self.closed)
+                await link.close(self.closed, say_goodbye=failure is None)
 
         await asyncio.gather(*(close_link(opening) for opening in links))
-        farewell = None if me is None else RankFinishedError(
-            f"rank {me.rank} of job {me.job!r} finished (closed its process group) and takes "
-            "no more messages", rank=me.rank, generation=me.generation)
+        farewell = failure
+        if farewell is None and me is not None:
+            farewell = RankFinishedError(
+                f"rank {me.rank} of job {me.job!r} finished (closed its process group) and "
+                "takes no more messages", rank=me.rank, generation=me.generation)
         await self.server.stop(self.closed, farewell)

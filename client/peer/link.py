@@ -196,10 +196,11 @@ class PeerLink:
                                               f"failed ({type(error).__name__})"))
         await acked
 
-    async def close(self, error: GradstarError) -> None:
+    async def close(self, error: GradstarError, say_goodbye: bool = True) -> None:
         """End the stream with a goodbye, so the receiver can tell it from a broken one; sends
-        still waiting raise ``error``."""
-        if self.error is None and self._call is not None:
+        still waiting raise ``error``. ``say_goodbye=False``: end it without one (this rank did not
+        finish: its generation failed), so the receiver waits for the hub's verdict."""
+        if say_goodbye and self.error is None and self._call is not None:
             async def goodbye():
                 async with self._write_lock:
                     await self._call.write(encode_message(KIND_END, cpb.CollectiveEnd()))

@@ -287,6 +287,62 @@ async def test_a_waiting_recv_names_the_sender_whose_stream_ended(pair, how, sho
     assert str(info.value).startswith(start)
 
 
+async def test_a_neighbour_that_closes_after_the_generation_failed_did_not_finish(
+        coordinator, monkeypatch):
+    """A pipeline whose middle stage dies: stage 1 hears of the loss first and closes its group
+    (its ``with`` block ends), while stage 0 has not heard yet. Stage 0's send to and wait on
+    stage 1 must still name the lost rank, not report that stage 1 *finished*.
+
+    The interleaving is driven, not timed: the hub holds back rank 0's notices until rank 1 has
+    closed, and a broken stream waits for the hub's verdict for as long as that takes."""
+    monkeypatch.setattr(session, "VERDICT_GRACE", 60.0)
+    g0, g1, g2 = await join_all(coordinator.address, 3, job="lost-mid")
+    gen = coordinator.rendezvous.jobs["lost-mid"].generation
+    first, held = gen.members[0], asyncio.Queue()
+    # The servicer of rank 0's session waits on ``delivered``; new notices go to ``held``.
+    delivered, first.notices = first.notices, held
+    waiting = None
+    try:
+        # Both streams between stages 0 and 1 are open, as in a step.
+        await g0.send(np.ones(2), 1, tag="act")
+        await g1.send(np.ones(2), 0, tag="grad")
+        assert (await g1.recv(0, tag="act")).tolist() == [1.0, 1.0]
+        assert (await g0.recv(1, tag="grad")).tolist() == [1.0, 1.0]
+        waiting = asyncio.ensure_future(g0.recv(1, tag="grad2"))
+        await asyncio.sleep(0.05)
+
+        # Rank 2 is lost (its session stream broke): the hub fails the generation.
+        coordinator.rendezvous.lost(gen.members[2], "killed by the test")
+        await until(lambda: g1._session.failure is not None)
+        await g1.close()  # rank 1's step failed and its `with` block closes the group
+        assert g0._session.failure is None  # rank 0 has not heard of the loss yet
+
+        link = await g0._peer_endpoint._link(1)
+        await until(lambda: link.error is not None)  # rank 1's last word on stage 0's stream
+        with pytest.raises(errors.RankLostError) as sent:
+            await asyncio.wait_for(g0.send(np.ones(2), 1, tag="act2"), 10)
+        assert not isinstance(sent.value, errors.RankFinishedError), sent.value
+        assert sent.value.rank == 2
+
+        # The hub's notices reach rank 0 now; its wait on rank 1 ends with the hub's verdict.
+        first.notices = delivered
+        while not held.empty():
+            delivered.put_nowait(held.get_nowait())
+        with pytest.raises(errors.RankLostError) as received:
+            await asyncio.wait_for(waiting, 10)
+        assert not isinstance(received.value, errors.RankFinishedError), received.value
+        assert received.value.rank == 2
+        assert "rank 2 of job 'lost-mid' was lost" in str(received.value)
+    finally:
+        first.notices = delivered
+        while not held.empty():
+            delivered.put_nowait(held.get_nowait())
+        if waiting is not None:
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+        await close_all([g0, g1, g2])
+
+
 async def test_closed_group_refuses_send_and_recv(pair):
     a, _ = pair
     await a.close()
