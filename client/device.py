@@ -186,9 +186,9 @@ def caller_stream(device):
     return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
 
-def to_device(host, device, into=None, *, stream=None):
-    """``host`` (a CPU tensor) copied to ``device``, or into the tensor ``into`` (same number
-    of elements, on ``device``), complete on every stream when this returns.
+def to_device(host, device, *, stream=None):
+    """``host`` (a CPU tensor) copied to a new tensor on ``device``, complete on every stream
+    when this returns.
 
     ``stream`` (a CUDA stream of ``device``; default: this thread's current one) is where the
     new tensor is allocated and the copy runs. Staged results pass the stream that was current
@@ -200,9 +200,8 @@ def to_device(host, device, into=None, *, stream=None):
 
     on = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
     with on:
-        target = (torch.empty(host.shape, dtype=host.dtype, device=device) if into is None
-                  else into)
-        target.copy_(host.reshape(target.shape) if into is not None else host)
+        target = torch.empty(host.shape, dtype=host.dtype, device=device)
+        target.copy_(host)
         synchronize(target.device)
     return target
 

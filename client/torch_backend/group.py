@@ -160,9 +160,10 @@ class ProcessGroupGradstar(dist.ProcessGroup):
             ValueError: other invalid arguments (gradstar's own, raised by ``starts``); any
                 other gradstar error fails the Work instead.
         """
-        for t in tensors_in(tensors):
+        every = list(tensors_in(tensors))
+        for t in every:
             check_device(t)
-        devices = cuda_devices(tensors)
+        devices = cuda_devices(every)
         for device in devices:
             synchronize(device)
         try:
@@ -173,7 +174,7 @@ class ProcessGroupGradstar(dist.ProcessGroup):
             return GradstarWork.failed(error, self._completions, label=self._error_label)
         work = work_type(pending, finish, self._completions, label=self._error_label,
                          devices=devices,
-                         inference=any(t.is_inference() for t in tensors_in(tensors)))
+                         inference=any(t.is_inference() for t in every))
         with self._lock:
             self._in_flight.add(work)
         return work

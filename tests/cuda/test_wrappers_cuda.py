@@ -33,7 +33,7 @@ from gradstar.client.fsdp import full_state_dict_from_shards
 from gradstar.errors import ConfigurationError
 from tests.integration.conftest import close_all, join_all
 from tests.parallel import ddp_script, fsdp_script, pipeline_script
-from tests.parallel.conftest import on_thread, run_world
+from tests.parallel.conftest import on_thread, reports_by_scenario, run_world
 
 from . import wrappers_script as script
 from .conftest import needs_cuda
@@ -58,15 +58,7 @@ async def run_wrappers(out_dir: Path, job: str, device: torch.device, *args: str
     ``device`` (``args``: more options of the script, such as ``--stage-cpu``)."""
     reports = await run_world(script.SCRIPT, WORLD, job, str(out_dir), "--device", str(device),
                               *args, timeout=timeout)
-    by_scenario: Runs = {}
-    for rank, lines in enumerate(reports):
-        for line in lines:
-            assert line["rank"] == rank
-            assert "fatal" not in line, line
-            by_scenario.setdefault(line["scenario"], []).append(line)
-    assert sorted(by_scenario) == sorted(script.SCENARIOS)
-    assert all(len(v) == WORLD for v in by_scenario.values())
-    return by_scenario
+    return reports_by_scenario(reports, script.SCENARIOS, WORLD)
 
 
 @pytest.fixture(scope="module")

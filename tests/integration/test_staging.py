@@ -131,7 +131,7 @@ async def test_copies_back_to_the_device_run_off_the_event_loop(groups, monkeypa
     loop_thread = threading.get_ident()
     copied_on = []
 
-    def to_device(host, where, into=None, *, stream=None):
+    def to_device(host, where, *, stream=None):
         copied_on.append(threading.get_ident())
         return host.clone()
 

@@ -83,3 +83,17 @@ async def solo(coordinator):  # noqa: F811  (the fixture imported above)
 async def on_thread(body, *args):
     """``body(*args)`` on a worker thread, bounded by 30 seconds."""
     return await asyncio.wait_for(asyncio.to_thread(body, *args), 30)
+
+
+def reports_by_scenario(reports: list[list[dict]], scenarios, world: int) -> dict[str, list[dict]]:
+    """{scenario: [report of rank 0, ...]} from each rank's JSON lines (:func:`run_world`):
+    every rank reported every one of ``scenarios``, none of them fatally, under its own rank."""
+    by_scenario: dict[str, list[dict]] = {}
+    for rank, lines in enumerate(reports):
+        for line in lines:
+            assert line["rank"] == rank
+            assert "fatal" not in line, line
+            by_scenario.setdefault(line["scenario"], []).append(line)
+    assert sorted(by_scenario) == sorted(scenarios)
+    assert all(len(v) == world for v in by_scenario.values())
+    return by_scenario

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from . import ddp_script as script
-from .conftest import run_world
+from .conftest import reports_by_scenario, run_world
 
 WORLD = 4
 # float32 training of a few steps: the hub sums ranks in arrival order and the ranks' shards in
@@ -27,15 +27,7 @@ RTOL, ATOL = 1e-5, 1e-6
 def runs() -> dict[str, list[dict]]:
     """{scenario: [report of rank 0, ..., rank 3]} from one 4-rank run of every scenario."""
     reports = asyncio.run(run_world(script.SCRIPT, WORLD, "ddp", timeout=100))
-    by_scenario: dict[str, list[dict]] = {}
-    for rank, lines in enumerate(reports):
-        for line in lines:
-            assert line["rank"] == rank
-            assert "fatal" not in line, line
-            by_scenario.setdefault(line["scenario"], []).append(line)
-    assert sorted(by_scenario) == sorted(script.SCENARIOS)
-    assert all(len(v) == WORLD for v in by_scenario.values())
-    return by_scenario
+    return reports_by_scenario(reports, script.SCENARIOS, WORLD)
 
 
 def assert_params_match(reports: list[dict], reference: torch.nn.Module, rtol=RTOL, atol=ATOL):
