@@ -78,5 +78,9 @@ class DataPlane:
             await asyncio.gather(*waits, return_exceptions=True)
 
     async def close(self) -> None:
+        """End the streams kept open to the coordinator and the shards, then the shards'
+        channels (the coordinator's channel is the group's to close)."""
+        for target in (self.coordinator, *self.shards):
+            target.close()
         with contextlib.suppress(Exception):
             await asyncio.gather(*(c.close() for c in self._channels))

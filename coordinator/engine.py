@@ -1,6 +1,7 @@
 """The collective engine: matches collective calls of a generation and moves their chunks.
 
-Protocol of one collective (one stream per rank, see ``collective.proto`` and ``gradstar.wire``):
+Protocol of one collective (one stream per rank, which may carry the rank's next collective
+after this one's END; see ``collective.proto`` and ``gradstar.wire``):
 
 1. Each rank sends a ``HEADER`` naming (job, generation, group, seq) and what it asks for. The
    first header of a seq opens a :class:`PendingCollective`; every later one is checked against

@@ -155,11 +155,22 @@ class CollectiveServicer:
         )
 
     async def Stream(self, request_iterator, context):
+        """Serve collectives one after another on one stream: a rank keeps its stream to the
+        hub open across collectives (one call set-up per stream, not per collective). The
+        next header may follow only a collective that ended cleanly (both END markers); a
+        failed collective ends the call."""
         frames = request_iterator.__aiter__()
-        try:
-            first = await anext(frames)
-        except StopAsyncIteration:
-            return
+        while True:
+            try:
+                first = await anext(frames)
+            except StopAsyncIteration:
+                return
+            async for message in self._collective(first, frames, context):
+                yield message
+
+    async def _collective(self, first: bytes, frames, context):
+        """One collective on the stream, from its header ``first`` to the hub's END (or an
+        abort of the call with the collective's error)."""
         attach = None
         try:
             check_header_size(first, "a collective stream")

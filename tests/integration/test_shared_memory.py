@@ -18,7 +18,7 @@ from gradstar.client import collective_stream
 from gradstar.client.collective_stream import Target
 from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.transport import shm
-from gradstar.wire import KIND_HEADER, decode_message
+from gradstar.wire import KIND_HEADER, decode_message, frame_kind
 
 from .conftest import close_all, join_all
 from .test_shards import DTYPES, SHAPE, as_bytes, exact_inputs, run_every_collective
@@ -58,20 +58,22 @@ async def test_a_hub_that_does_not_attach_segments_gets_chunks_on_the_stream(sta
 
 
 class _Recording:
-    """Wraps a group's coordinator target: keeps the header of every stream it opens."""
+    """Wraps a group's coordinator target: keeps the header of every collective it carries
+    (a stream carries collectives one after another) and counts the streams it opens."""
 
     def __init__(self, group):
         self.headers: list = []
+        self.streams = 0
         real = group._plane.coordinator
 
         def stream(requests, **kwargs):
+            self.streams += 1
+
             async def recorded():
-                first = True
                 async for frame in requests:
-                    if first:
+                    if frame_kind(frame) == KIND_HEADER:
                         self.headers.append(decode_message(frame, KIND_HEADER,
                                                            pb.CollectiveHeader))
-                        first = False
                     yield frame
 
             return real.stream(recorded(), **kwargs)
