@@ -577,5 +577,5 @@ def _offering(header: pb.CollectiveHeader, target: Target, segment: shm.Segment 
     return copy
 
 
-__all__ = ["CollectivePlan", "OpenStream", "Phase", "StreamReceiver", "Target", "abandon_collective", "issue",
-           "run_collective", "run_stream"]
+__all__ = ["CollectivePlan", "OpenStream", "Phase", "StreamReceiver", "Target",
+           "abandon_collective", "issue", "run_collective", "run_stream"]
