@@ -17,6 +17,7 @@ The protocol is described in :mod:`gradstar.client.peer` and ``peer.proto``.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 
 import grpc
@@ -59,6 +60,8 @@ from gradstar.wire import (
 
 from .mailbox import Mailbox, Mailboxes
 from .proof import HelloVerifier
+
+log = logging.getLogger(__name__)
 
 #: How long :meth:`PeerServer.stop` spends telling the senders of incoming streams that this
 #: rank finished (all streams at once), and then waits for their calls to end.
@@ -235,7 +238,8 @@ class PeerServer:
         self._verifier.verify(hello)
         return mailbox
 
-    async def _receive(self, context, mailbox: Mailbox, src: int, lock: asyncio.Lock) -> bool:
+    @staticmethod
+    async def _receive(context, mailbox: Mailbox, src: int, lock: asyncio.Lock) -> bool:
         """Read messages and acknowledge each once it is filed, until the sender says goodbye
         (True) or the stream ends without a goodbye (False: a cancelled call, as when the
         sender dies, also reads as EOF)."""
@@ -272,7 +276,11 @@ class PeerServer:
             while True:
                 frame = await context.read()
                 if frame is grpc.aio.EOF:
-                    raise ProtocolError(f"{who} ended in the middle of message {header.seq}")
+                    # The sender died or hung up mid-message (both read as EOF here): a lost
+                    # link, named by the session as a lost rank, not a protocol error. The
+                    # partial message is dropped; the receive waiting for it fails.
+                    log.debug("%s ended in the middle of message %d", who, header.seq)
+                    return False
                 kind = frame_kind(frame)
                 if kind == KIND_CHUNK:
                     receive_chunk(frame, tracker, out_bytes)

@@ -165,7 +165,31 @@ def finished_sender(pg) -> dict:
     return report
 
 
-SCENARIOS = {"collectives": collectives, "allreduce_until_error": allreduce_until_error,
+def recv_until_error(pg) -> dict:
+    """Rank 1 sends rank 0 messages of 32 MiB, one after another, until it is killed (each one
+    takes a good fraction of a second: a kill lands mid-message); rank 0 receives them, checked,
+    until a receive fails, and reports the error."""
+    x = np.arange(8 << 20, dtype=np.float32)
+    rounds = 0
+    while True:
+        started = time.monotonic()
+        try:
+            if pg.rank == 1:
+                pg.send(x + rounds, 0)
+            else:
+                got = pg.recv(1)
+                if not np.array_equal(got, x + rounds):
+                    return {"rank": pg.rank, "error": "wrong message", "rounds": rounds}
+        except GradstarError as error:
+            return {"rank": pg.rank, "rounds": rounds, "error": type(error).__name__,
+                    "message": str(error), "lost_rank": getattr(error, "rank", None),
+                    "seconds_in_failed_call": time.monotonic() - started,
+                    "failed_at": time.time()}
+        rounds += 1
+        print(json.dumps({"progress": rounds}), flush=True)
+
+
+SCENARIOS = {"collectives": collectives, "recv_until_error": recv_until_error, "allreduce_until_error": allreduce_until_error,
              "big_allreduce": big_allreduce, "uneven_all_to_all": uneven_all_to_all,
              "any_source": any_source, "finished_sender": finished_sender}
 

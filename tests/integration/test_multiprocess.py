@@ -37,6 +37,33 @@ async def health_status(address: str) -> int:
         return reply.status
 
 
+async def test_a_sender_killed_mid_message_fails_the_receive_with_rank_lost_within_5s(
+        start_coordinator):
+    # Without the kill landing mid-message the receive would fail the same way; with it, the
+    # peer stream ends half-way through a message, which must read as the sender lost (not a
+    # protocol error) and deliver nothing of the cut message.
+    coordinator = await start_coordinator(heartbeat_timeout=30.0)
+    procs = await spawn_ranks("recv_until_error", coordinator.address, 2, "kill-sender")
+    sender = procs[1]
+    try:
+        for _ in range(2):  # two messages through: the stream is warm, the next one is going
+            progress = await asyncio.wait_for(sender.stdout.readline(), 60)
+            assert b"progress" in progress
+        await asyncio.sleep(0.05)
+        sender.send_signal(signal.SIGKILL)
+        lost_at = time.time()
+        code, out, err = await finish(procs[0], 30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            sender.kill()
+        await sender.communicate()
+    assert code == 0, err[-2000:]
+    report = last_json(out)
+    assert report["error"] == "RankLostError", report
+    assert report["lost_rank"] == 1, report
+    assert report["failed_at"] - lost_at < 5.0, report
+
+
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
 async def test_rank_lost_mid_allreduce_fails_survivors_within_5s(start_coordinator, how):
     # A frozen (SIGSTOP) rank answers no keepalive ping: the transport is dropped within ~3 s,
