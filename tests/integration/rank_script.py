@@ -189,9 +189,10 @@ def recv_until_error(pg) -> dict:
         print(json.dumps({"progress": rounds}), flush=True)
 
 
-SCENARIOS = {"collectives": collectives, "recv_until_error": recv_until_error, "allreduce_until_error": allreduce_until_error,
+SCENARIOS = {"collectives": collectives, "allreduce_until_error": allreduce_until_error,
              "big_allreduce": big_allreduce, "uneven_all_to_all": uneven_all_to_all,
-             "any_source": any_source, "finished_sender": finished_sender}
+             "any_source": any_source, "finished_sender": finished_sender,
+             "recv_until_error": recv_until_error}
 
 
 def main() -> int:
