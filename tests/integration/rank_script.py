@@ -51,6 +51,14 @@ def collectives(pg) -> dict:
     return {"rank": r, "checks": checks}
 
 
+def _failure(pg, error: GradstarError, rounds: int, started: float) -> dict:
+    """What a rank reports when a call of its loop failed: the error, which rank it names, and
+    how long the failed call took."""
+    return {"rank": pg.rank, "rounds": rounds, "error": type(error).__name__,
+            "message": str(error), "lost_rank": getattr(error, "rank", None),
+            "seconds_in_failed_call": time.monotonic() - started, "failed_at": time.time()}
+
+
 def allreduce_until_error(pg) -> dict:
     """All-reduce 8 MB repeatedly until a collective fails; report the error and its latency."""
     x = np.ones(2 << 20, np.float32)
@@ -60,10 +68,7 @@ def allreduce_until_error(pg) -> dict:
         try:
             pg.all_reduce(x)
         except GradstarError as error:
-            return {"rank": pg.rank, "rounds": rounds, "error": type(error).__name__,
-                    "message": str(error), "lost_rank": getattr(error, "rank", None),
-                    "seconds_in_failed_call": time.monotonic() - started,
-                    "failed_at": time.time()}
+            return _failure(pg, error, rounds, started)
         rounds += 1
         print(json.dumps({"progress": rounds}), flush=True)
 
@@ -181,10 +186,7 @@ def recv_until_error(pg) -> dict:
                 if not np.array_equal(got, x + rounds):
                     return {"rank": pg.rank, "error": "wrong message", "rounds": rounds}
         except GradstarError as error:
-            return {"rank": pg.rank, "rounds": rounds, "error": type(error).__name__,
-                    "message": str(error), "lost_rank": getattr(error, "rank", None),
-                    "seconds_in_failed_call": time.monotonic() - started,
-                    "failed_at": time.time()}
+            return _failure(pg, error, rounds, started)
         rounds += 1
         print(json.dumps({"progress": rounds}), flush=True)
 
