@@ -165,8 +165,12 @@ class CollectiveServicer:
                 first = await anext(frames)
             except StopAsyncIteration:
                 return
-            async for message in self._collective(first, frames, context):
-                yield message
+            # Closed on the way out, however that is: a call cancelled while this generator
+            # waits at a yield must still fail the collective at once (its finally), not when
+            # the inner generator is collected.
+            async with contextlib.aclosing(self._collective(first, frames, context)) as one:
+                async for message in one:
+                    yield message
 
     async def _collective(self, first: bytes, frames, context):
         """One collective on the stream, from its header ``first`` to the hub's END (or an
