@@ -200,9 +200,8 @@ class Target:
 
     def close(self) -> None:
         """End the idle streams (the group is closing)."""
-        idle, self.idle[:] = list(self.idle), []
-        for stream in idle:
-            stream.close()
+        while self.idle:
+            self.idle.pop().close()
 
 
 @dataclass(frozen=True)
