@@ -17,6 +17,7 @@ The protocol is described in :mod:`gradstar.client.peer` and ``peer.proto``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -66,6 +67,8 @@ log = logging.getLogger(__name__)
 #: How long :meth:`PeerServer.stop` spends telling the senders of incoming streams that this
 #: rank finished (all streams at once), and then waits for their calls to end.
 FAREWELL_TIMEOUT = 0.5
+#: How long a refused peer stream is read before its call ends (see :func:`_drain`).
+REFUSAL_LINGER = 2.0
 
 
 class LinkLost(GradstarError):
@@ -192,6 +195,7 @@ class PeerServer:
             mailbox = await self._accept(hello)
         except GradstarError as error:
             await context.write(encode_error(error))
+            await _drain(context)
             await abort(context, error)
         me = self.identity
         await context.write(encode_message(
@@ -293,6 +297,19 @@ class PeerServer:
             async with lock:
                 await context.write(encode_message(KIND_ACCEPT, ppb.PeerAck(seq=header.seq)))
         return False
+
+
+async def _drain(context) -> None:
+    """Read what a refused client still writes, until it hangs up or for REFUSAL_LINGER
+    seconds: ending the call while it writes can make grpc-python report INTERNAL to it
+    instead of the refusal it was sent."""
+
+    async def until_eof():
+        while await context.read() is not grpc.aio.EOF:
+            pass
+
+    with contextlib.suppress(TimeoutError, grpc.RpcError, grpc.aio.AbortError):
+        await asyncio.wait_for(until_eof(), REFUSAL_LINGER)
 
 
 def _in_place(into, dtype: np.dtype, nbytes: int) -> np.ndarray | None:
