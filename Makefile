@@ -89,7 +89,7 @@ bench: need-torch $(STAMP)
 
 ## PyTorch's own distributed test suite over backend "gradstar" next to gloo, at 2 and 3 ranks:
 ## passed/run per test family, and every test gloo passes and gradstar fails with its error
-## (README, "PyTorch's own test suite"). About 10 minutes on 2 cores.
+## (docs/guides/torch-backend.md, "PyTorch's own test suite"). About 10 minutes on 2 cores.
 torch-suite: need-torch $(STAMP)
 	$(PY) scripts/torch_suite.py --world-sizes 2 3
 

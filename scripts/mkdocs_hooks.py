@@ -7,10 +7,15 @@ folders on a search path and cannot follow that remapping, so before the build t
 the package out as an installed wheel would have it, in ``build/docs-python/gradstar``, out of
 symbolic links to the sources (so the pages always show the working tree's docstrings), and
 mkdocs.yml points the handler there.
+
+The docstrings name other objects with Sphinx roles (``:class:`Work```); the Markdown they are
+rendered with has no roles, so a page would show ``:class:`` before the name. The second hook
+drops the role and, for ``~a.b.C``, shows ``C`` as Sphinx would.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import tomllib
 from pathlib import Path
@@ -19,6 +24,9 @@ from mkdocs.plugins import event_priority
 
 ROOT = Path(__file__).resolve().parents[1]
 TREE = ROOT / "build" / "docs-python"
+#: A Sphinx role as the page renders it: ``:class:<code>~gradstar.config.ClientSettings</code>``.
+ROLE = re.compile(r":(?:py:)?(?:class|func|meth|mod|attr|data|exc|obj|const):"
+                  r"<code>(~?)([^<]*)</code>")
 
 
 def lay_out_package(root: Path = ROOT, tree: Path = TREE) -> Path:
@@ -45,3 +53,12 @@ def lay_out_package(root: Path = ROOT, tree: Path = TREE) -> Path:
 def on_config(config, **_kwargs):
     lay_out_package()
     return config
+
+
+def show_name(match: re.Match) -> str:
+    short, name = match.groups()
+    return f"<code>{name.rsplit('.', 1)[-1] if short else name}</code>"
+
+
+def on_page_content(html: str, **_kwargs) -> str:
+    return ROLE.sub(show_name, html)
