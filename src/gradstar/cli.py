@@ -131,8 +131,13 @@ def _shard_args(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                   "needs a job token or --insecure; env GRADSTAR_HOST)")
     p.add_argument("--port", type=int, help="port; 0 picks a free one (default 0)")
     p.add_argument("--advertise-host",
-                   help="host ranks reach this shard at (default: the bound host, or this "
-                        "machine's hostname for a wildcard)")
+                   help="host ranks reach this shard at (default: the bound host, or for "
+                        "0.0.0.0 this host's address on its route to the coordinator)")
+    p.add_argument("--socket-ifname",
+                   help="advertise this interface's IPv4 address (env GRADSTAR_SOCKET_IFNAME)")
+    p.add_argument("--for-job",
+                   help="serve only this job (a node-local shard beside its ranks); default: "
+                        "every job")
     p.add_argument("--slot", type=int, help="slot to ask for (default: any free one)")
     p.add_argument("--tls-cert", help="PEM certificate chain to serve with; enables TLS")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
