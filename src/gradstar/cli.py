@@ -469,6 +469,9 @@ def _worker_args(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--stop-grace", type=float, help="seconds between SIGTERM and SIGKILL")
     p.add_argument("--wait-coordinator", type=float,
                    help="seconds to wait for the coordinator to be SERVING (default 120)")
+    p.add_argument("--no-node-shard", dest="node_shard", action="store_false", default=None,
+                   help="run no node-local hub shard on this host (default: one when the "
+                        "job's ranks span hosts; env GRADSTAR_NODE_SHARD=0)")
     p.add_argument("rank_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                    help="what each rank runs, e.g. -- python -m gradstar.worker.train")
     return p
