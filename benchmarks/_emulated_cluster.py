@@ -5,7 +5,8 @@ link rate-limited in both directions.
 ``eth0``, the inside end of a veth pair whose other end (``pI``) is a port of the bridge ``br0``
 in a namespace of its own (so nothing touches the machine's own network); an address on a
 private /24 (``SUBNET.1`` upwards); and an ``/etc/netns/NS/hosts`` that resolves every host's
-name (``ip netns exec`` mounts it over ``/etc/hosts``), as a cluster's DNS would. With a
+name (``ip netns exec`` mounts it over ``/etc/hosts``), as a cluster's DNS would. (Processes
+keep the machine's host name, ``gethostname()``: the hosts share its UTS namespace.) With a
 ``rate``, each link is limited in BOTH directions by a token bucket::
 
     tc qdisc add dev eth0 root tbf rate RATE burst BURST latency LATENCY   # in NS: upload
@@ -213,7 +214,6 @@ class EmulatedCluster:
             folder.mkdir(parents=True, exist_ok=True)
             self._etc.append(folder)
             (folder / "hosts").write_text(hosts_file, encoding="ascii")
-            (folder / "hostname").write_text(f"{host.name}\n", encoding="ascii")
 
     def _add_namespace(self, ns: str) -> None:
         _run(["ip", "netns", "add", ns])
@@ -256,10 +256,13 @@ class EmulatedCluster:
     def popen(self, host: str, command: Sequence[str], *,
               env: Mapping[str, str] | None = None, **kwargs: object) -> subprocess.Popen:
         """Start ``command`` in ``host``; it is stopped when the cluster closes. ``kwargs`` go
-        to :class:`subprocess.Popen` (stdin defaults to /dev/null)."""
+        to :class:`subprocess.Popen` (stdin defaults to /dev/null, start_new_session to
+        True)."""
         if self._closed:
             raise RuntimeError("the cluster is closed")
         kwargs.setdefault("stdin", subprocess.DEVNULL)
+        # Its own session: a Ctrl-C reaches only the caller, which stops it in order.
+        kwargs.setdefault("start_new_session", True)
         proc = subprocess.Popen(self.argv(host, command),
                                 env=None if env is None else dict(env), **kwargs)
         self._processes.append(proc)

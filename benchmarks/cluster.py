@@ -83,6 +83,7 @@ import os
 import platform
 import queue
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -554,18 +555,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--hosts must be at least 2, --ranks-per-host and --iters at least 1")
     rate_bytes_per_second(args.rate)
 
-    # SIGTERM and SIGHUP end the run like Ctrl-C: through the finally blocks that clean up.
+    # Ctrl-C (even where a shell started this with SIGINT ignored), SIGTERM and SIGHUP end the
+    # run through the finally blocks that clean up.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda s, _: sys.exit(128 + s))
     layout = Layout(args.hosts, args.ranks_per_host)
     names = layout.nodes + extra_hosts(args.topologies, layout)
     rows: list[dict] = []
     failures: list[tuple[str, str]] = []
+    logs = Path(tempfile.mkdtemp(prefix="gradstar-cluster-"))
     try:
-        with tempfile.TemporaryDirectory(prefix="gradstar-cluster-") as logs, \
-                EmulatedCluster(names, rate=args.rate) as cluster:
+        with EmulatedCluster(names, rate=args.rate) as cluster:
             print(cluster.describe(), file=sys.stderr, flush=True)
-            run = Run(cluster, layout, args, Path(logs))
+            run = Run(cluster, layout, args, logs)
             for name in args.topologies:
                 got, failed = run_topology(run, name)
                 rows += got
@@ -573,6 +576,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ClusterUnavailable as error:
         print(f"benchmarks/cluster.py: no emulated cluster here: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("benchmarks/cluster.py: interrupted; its processes and namespaces are gone",
+              file=sys.stderr)
+        return 130
+    finally:
+        if not failures:
+            shutil.rmtree(logs, ignore_errors=True)
     print(f"\nall_reduce, float32, {layout.hosts} hosts x {layout.ranks_per_host} ranks, each "
           f"host link {args.rate} each way; {args.iters} timed iterations (median), "
           f"{args.warmup} warm-up; load {loadavg()}")
@@ -582,6 +592,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(tables(rows))
     for name, error in failures:
         print(f"\nFAILED {name}:\n{error}")
+    if failures:
+        print(f"\nEvery process's output: {logs}")
     if args.json:
         args.json.write_text(json.dumps({
             "benchmark": "cluster", "args": vars(args) | {"json": str(args.json)},
