@@ -14,7 +14,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 EXTRAS := $(if $(filter none,$(TORCH)),,[dev,torch,plot])
 
 .PHONY: setup demo test lint protos protos-check wheel-check bench compose-check clean \
-	need-torch FORCE chromium torch-suite test-cuda
+	need-torch FORCE chromium torch-suite test-cuda docs
 
 $(STAMP): pyproject.toml constraints.txt $(TORCH_FILE)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -73,14 +73,25 @@ protos: need-torch $(STAMP)
 wheel-check: need-torch $(STAMP)
 	$(PY) scripts/check_wheel.py
 
+## The documentation site: mkdocs.yml and docs/ into site/, strict (a broken link or anchor, a
+## missing included file or a documented name that no longer exists fails it). Installs the docs
+## extra into the venv first; torch is not needed (the API reference is read from the source).
+DOCS_STAMP := $(VENV)/.docs-stamp
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 bench: need-torch $(STAMP)
 	$(PY) benchmarks/allreduce.py
 
 ## PyTorch's own distributed test suite over backend "gradstar" next to gloo, at 2 and 3 ranks:
 ## passed/run per test family, and every test gloo passes and gradstar fails with its error
-## (README, "PyTorch's own test suite"). About 10 minutes on 2 cores.
+## (docs/guides/torch-backend.md, "PyTorch's own test suite"). About 10 minutes on 2 cores.
 torch-suite: need-torch $(STAMP)
 	$(PY) scripts/torch_suite.py --world-sizes 2 3
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist site *.egg-info

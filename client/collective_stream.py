@@ -572,7 +572,7 @@ def _offering(header: pb.CollectiveHeader, target: Target, segment: shm.Segment 
         copy.shm.CopyFrom(pb.ShmSegment(
             pid=os.getpid(), fd=segment.fd, inode=segment.inode, size=segment.size,
             output_offset=_output_offset(geometry), key=segment.key,
-            eager=segment.inode in target.shm.attached))
+            eager=segment.inode in target.shm.attached, host=shm.host_id()))
     return copy
 
 

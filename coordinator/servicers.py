@@ -18,7 +18,7 @@ from gradstar.errors import GradstarError, ProtocolError, RankFinishedError
 from gradstar.proto.v1 import collective_pb2 as cpb
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
 from gradstar.proto.v1 import rendezvous_pb2_grpc
-from gradstar.transport.shm import SegmentMapper, ShmRefused, process_gone
+from gradstar.transport.shm import SegmentMapper, ShmRefused, host_id, process_gone
 from gradstar.transport.status import abort
 from gradstar.wire import (
     COLLECTIVE_SERVICE,
@@ -240,6 +240,8 @@ class CollectiveServicer:
         try:
             if self.segments is None:
                 raise ShmRefused("shared memory is turned off on this hub (shared_memory)")
+            if s.host and s.host != host_id():
+                raise ShmRefused("the rank is on another host (or network namespace)")
             data = self.segments.attach(s.pid, s.fd, s.inode, s.size, s.key)
         except ShmRefused as refused:
             log.debug("rank %d's segment not attached: %s", header.rank, refused)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import time
 
 import grpc
@@ -41,6 +40,7 @@ from gradstar.errors import (
 from gradstar.proto.v1 import collective_pb2 as cpb
 from gradstar.proto.v1 import shard_pb2 as spb
 from gradstar.proto.v1 import shard_pb2_grpc
+from gradstar.transport.addresses import WILDCARDS, advertised_host, host_port, split_host_port
 from gradstar.transport.auth import TokenAuthInterceptor, bearer
 from gradstar.transport.channels import (
     SERVER_OPTIONS,
@@ -60,7 +60,6 @@ log = logging.getLogger(__name__)
 
 #: How long a header may wait for the coordinator's notice that its generation formed.
 FORMED_WAIT = 5.0
-_WILDCARDS = ("", "0.0.0.0", "::")
 
 
 class Shard:
@@ -146,8 +145,10 @@ class Shard:
         s = self.settings
         host = s.advertise_host
         if host is None:
-            host = socket.gethostname() if s.host in _WILDCARDS else s.host
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            host = s.host
+            if host in WILDCARDS:  # an address the ranks reach, as they reach the coordinator
+                host = advertised_host(split_host_port(s.coordinator)[0], ifname=s.socket_ifname)
+        return host_port(host, port)
 
     async def _register(self) -> None:
         s = self.settings
@@ -165,7 +166,7 @@ class Shard:
         metadata = bearer(admin.get_secret_value()) if admin is not None else ()
         stub = shard_pb2_grpc.ShardControlStub(self._channel)
         self._reports.put_nowait(spb.ShardReport(hello=spb.ShardHello(
-            address=self.address, slot=s.slot)))
+            address=self.address, slot=s.slot, job=s.for_job)))
         call = stub.Register(self._report_stream(), metadata=metadata)
         try:
             first = await asyncio.wait_for(call.read(), s.shard_wait)

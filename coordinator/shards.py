@@ -7,10 +7,12 @@ reach it at; the :class:`ShardRegistry` gives it a *slot* (the one it asks for w
 free or lost, else the lowest free one) and answers ``accepted``. From then on:
 
 - every generation that forms takes the shards that are *up* at that moment, in slot order, as
-  its stripe table (``Generation.shards``, sent to the ranks in ``Joined.shards``), and each of
-  those shards is told ``formed`` (job, generation, members, its stripe position) *before* any
-  rank hears of the generation. A rank's header reaching a shard a moment before the notice is
-  held briefly by the shard (:mod:`.shard`), never refused;
+  its stripe table (``Generation.shards``, sent to the ranks in ``Joined.shards``): the
+  node-local shards started for its job when there are any, else the shards that serve every
+  job (:meth:`ShardRegistry.stripes_for`). Each of those shards is told ``formed`` (job,
+  generation, members, its stripe position) *before* any rank hears of the generation. A
+  rank's header reaching a shard a moment before the notice is held briefly by the shard
+  (:mod:`.shard`), never refused;
 - every generation that ends (failed, superseded, or closed by its last member) is told
   ``over`` to its shards, so their pending collectives fail at once with the same error; so is
   one whose member finished while others are live (RankFinishedError): every collective of it
@@ -57,6 +59,8 @@ class ShardRecord:
 
     slot: int
     address: str
+    #: A node-local shard's job ('' serves every job): see :meth:`ShardRegistry.stripes_for`.
+    job: str = ""
     state: str = "up"
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     stats: spb.ShardStats = field(default_factory=spb.ShardStats)
@@ -115,10 +119,11 @@ class ShardRegistry:
             slot = hello.slot
         else:
             slot = next(s for s in range(len(self.slots) + 1) if s not in taken)
-        record = self.slots[slot] = ShardRecord(slot, hello.address)
+        record = self.slots[slot] = ShardRecord(slot, hello.address, hello.job[:256])
         record.send(spb.ShardCommand(accepted=spb.ShardAccepted(
             slot=slot, stats_interval_seconds=STATS_INTERVAL)))
-        log.info("shard %d registered at %s", slot, hello.address)
+        log.info("shard %d registered at %s%s", slot, hello.address,
+                 f" for job {hello.job!r}" if hello.job else "")
         self._health_changed()
         return record
 
@@ -145,8 +150,17 @@ class ShardRegistry:
 
     # -- rendezvous hooks ----------------------------------------------------------------------
 
-    def on_formed(self, gen: Generation) -> None:
+    def stripes_for(self, job: str) -> list[ShardRecord]:
+        """The shards a generation of ``job`` stripes over, in slot order: the node-local
+        shards started for it (or for the job whose subgroup it is, ``job/group...``) when
+        any is up — the shards of its own hosts, whose links carry its bytes anyway — else
+        the shards that serve every job."""
         up = self.up
+        own = [r for r in up if r.job and (job == r.job or job.startswith(r.job + "/"))]
+        return own or [r for r in up if not r.job]
+
+    def on_formed(self, gen: Generation) -> None:
+        up = self.stripes_for(gen.job.name)
         gen.shards = [r.address for r in up]
         members = [spb.GenerationMember(rank=r, member_id=m.member_id)
                    for r, m in sorted(gen.members.items())]

@@ -3,7 +3,10 @@
 What it does, in order:
 
 1. Waits (at most ``wait_coordinator`` seconds) until the coordinator's gRPC health service
-   reports SERVING, so containers started together do not race the hub.
+   reports SERVING, so containers started together do not race the hub; then, when the job's
+   ranks span hosts (or the coordinator is on another one), starts this host's node-local
+   shard for the job (:mod:`gradstar.node_shard`; ``--no-node-shard`` or
+   ``GRADSTAR_NODE_SHARD=0`` turn it off), which lives as long as the agent.
 2. Starts ``nproc`` local ranks of the command with ``GRADSTAR_*`` set. When the job's world
    size equals ``nproc`` the ranks are 0..nproc-1; with a larger world (several agents, e.g.
    docker-compose's worker replicas) ``GRADSTAR_RANK`` stays unset and the coordinator assigns
@@ -34,7 +37,9 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gradstar import node_shard
 from gradstar.errors import GradstarError
+from gradstar.transport.addresses import is_loopback, split_host_port
 
 from .admin_client import AdminClient
 from .supervisor import RankSupervisor, rank_env, run_with_signals
@@ -58,6 +63,9 @@ class AgentSettings(BaseSettings):
     tls_ca: Path | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    node_shard: bool = Field(
+        True, description="run a node-local hub shard for the job on this host when its ranks "
+                          "span hosts or the coordinator is elsewhere (gradstar.node_shard)")
 
 
 def _log(message: str) -> None:
@@ -79,6 +87,18 @@ class WorkerAgent:
         self.health_port: int | None = None
         self._explicit = explicit
         self._admin: AdminClient | None = None
+        self.shard: node_shard.NodeShard | None = None
+
+    def _wants_shard(self) -> str | None:
+        """Why this agent runs no node-local shard, or None when it runs one."""
+        s = self.settings
+        if not (s.node_shard and node_shard.wanted()):
+            return "turned off"
+        if self.world_size == s.nproc and is_loopback(split_host_port(s.coordinator)[0]):
+            return "every rank and the coordinator are on this host"
+        if s.tls_ca or s.tls_cert:
+            return "the job uses TLS, and a shard needs a server certificate for this host"
+        return None
 
     def _env_for(self, local_rank: int, restart: int) -> dict[str, str]:
         s = self.settings
@@ -123,6 +143,15 @@ class WorkerAgent:
                 _log(f"gradstar worker: {error}")
                 self.supervisor.state = "failed"
                 return 1
+            if (why_not := self._wants_shard()) is None:
+                token = s.token.get_secret_value() if s.token is not None else None
+                self.shard = await asyncio.to_thread(node_shard.start, s.coordinator, s.job,
+                                                     token)
+                if self.shard is not None:
+                    _log(f"gradstar worker: node-local shard for job {s.job!r} at "
+                         f"{self.shard.address}")
+            else:
+                _log(f"gradstar worker: no node-local shard ({why_not})")
             _log(f"gradstar worker: coordinator SERVING; starting `{shlex.join(self.command)}`")
             try:
                 outcome = await run_with_signals(self.supervisor)
@@ -133,6 +162,8 @@ class WorkerAgent:
             _log(outcome.message)
             return outcome.exit_code
         finally:
+            if self.shard is not None:
+                await asyncio.to_thread(self.shard.stop)
             if server is not None:
                 server.close()
             await self._admin.close()
@@ -146,6 +177,7 @@ class WorkerAgent:
             coordinator = f"unreachable: {error}"
         report = self.supervisor.snapshot()
         report.update(job=s.job, world_size=self.world_size, coordinator=s.coordinator,
+                      node_shard=self.shard.address if self.shard is not None else None,
                       coordinator_health=coordinator,
                       healthy=report["state"] in ("starting", "running", "succeeded"))
         return report

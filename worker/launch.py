@@ -5,7 +5,9 @@ Without ``--coordinator`` an embedded coordinator (127.0.0.1, a free port, the
 Ranks are 0..N-1, set through ``GRADSTAR_RANK``; their output is prefixed ``[rank N]``. The first
 rank that fails stops the others, and the launch exits with that rank's exit code (128 + the
 signal number if a signal killed it), naming the rank and how it ended. ``--max-restarts``
-restarts failed ranks instead, as the worker agent does.
+restarts failed ranks instead, as the worker agent does. With ``--coordinator`` on another host,
+a node-local shard for the job runs beside the ranks while they run (:mod:`gradstar.node_shard`;
+``GRADSTAR_NODE_SHARD=0`` turns it off).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import os
 import shlex
 import sys
 from dataclasses import dataclass
+
+from gradstar import node_shard
+from gradstar.transport.addresses import is_loopback, split_host_port
 
 from .supervisor import RankSupervisor, rank_env, run_with_signals
 
@@ -69,6 +74,11 @@ def run_launch(options: LaunchOptions) -> int:
             _log(f"gradstar launch: could not start the embedded coordinator: {error}")
             return 1
         address = hub.address
+    shard = None
+    if hub is None and not is_loopback(split_host_port(address)[0]) and node_shard.wanted():
+        # The coordinator is elsewhere: this host's ranks reduce through a shard beside them
+        # (shared memory), and only the shard's result crosses the link.
+        shard = node_shard.start(address, options.job)
     try:
         where = "embedded" if hub is not None else "given"
         _log(f"gradstar launch: {options.nproc} rank(s) of `{shlex.join(options.command)}`, "
@@ -91,5 +101,7 @@ def run_launch(options: LaunchOptions) -> int:
         _log(outcome.message)
         return outcome.exit_code
     finally:
+        if shard is not None:
+            shard.stop()
         if hub is not None:
             hub.stop()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 
 import numpy as np
 
@@ -32,15 +31,44 @@ from gradstar.errors import (
     RankFinishedError,
     RankLostError,
 )
+from gradstar.transport.addresses import (
+    WILDCARDS,
+    advertised_host,
+    host_port,
+    is_loopback,
+    split_host_port,
+)
 
 from .. import session
 from .link import PeerLink
-from .server import Identity, LinkLost, PeerServer, host_port
+from .server import Identity, LinkLost, PeerServer
 
-_WILDCARDS = ("", "0.0.0.0", "::")
 #: How long closing the group waits for sends still in flight (issued, not yet held by their
 #: receivers) before it says goodbye behind them.
 FLUSH_TIMEOUT = 5.0
+
+
+def peer_hosts(settings: ClientSettings) -> tuple[str, str]:
+    """(the host the peer server binds, the host it advertises).
+
+    An explicit ``peer_host`` is bound, and advertised unless it is a wildcard. By default a
+    rank whose coordinator is on this host (a loopback address) serves on 127.0.0.1 only, as
+    every rank of such a job is here; otherwise it serves on every interface and advertises
+    its address toward the coordinator (:mod:`gradstar.transport.addresses`), which the other
+    hosts reach as they reach the coordinator.
+
+    Raises:
+        ConfigurationError: ``socket_ifname`` names no interface with an IPv4 address.
+    """
+    s = settings
+    toward = split_host_port(s.coordinator)[0]
+    bind = s.peer_host
+    if bind is None:
+        local = is_loopback(toward) and not (s.advertise_host or s.socket_ifname)
+        bind = "127.0.0.1" if local else "0.0.0.0"
+    if bind not in WILDCARDS and not s.advertise_host:
+        return bind, bind
+    return bind, advertised_host(toward, advertise=s.advertise_host, ifname=s.socket_ifname)
 
 
 class PeerEndpoint:
@@ -72,10 +100,8 @@ class PeerEndpoint:
             # TLS to the hub but no certificate to serve with: no plaintext fallback. The
             # empty address makes sends to this rank fail with a ConfigurationError.
             return ""
-        port = await self.server.start()
-        host = s.peer_host
-        if host in _WILDCARDS:
-            host = socket.gethostname()
+        bind, host = peer_hosts(s)
+        port = await self.server.start(bind)
         self.address = advertise or host_port(host, port)
         return self.address
 

@@ -34,6 +34,7 @@ from gradstar.errors import (
 )
 from gradstar.proto.v1 import collective_pb2 as cpb
 from gradstar.proto.v1 import peer_pb2 as ppb
+from gradstar.transport.addresses import host_port
 from gradstar.transport.auth import TokenAuthInterceptor
 from gradstar.transport.channels import SERVER_OPTIONS, server_credentials
 from gradstar.transport.status import abort
@@ -79,10 +80,6 @@ class LinkLost(GradstarError):
         self.peer = peer
 
 
-def host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
 @dataclass(frozen=True)
 class Identity:
     """Who this rank is, known once the generation formed."""
@@ -116,8 +113,8 @@ class PeerServer:
         self._bound = asyncio.Event()
         self._server: grpc.aio.Server | None = None
 
-    async def start(self) -> int:
-        """Bind ``peer_host``:``peer_port`` and serve; return the bound port.
+    async def start(self, host: str) -> int:
+        """Bind ``host``:``peer_port`` and serve; return the bound port.
 
         Raises:
             ConfigurationError: the address could not be bound.
@@ -128,7 +125,7 @@ class PeerServer:
                                  options=SERVER_OPTIONS)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
             PEER_SERVICE, {"Stream": grpc.stream_stream_rpc_method_handler(self.Stream)}),))
-        bind = host_port(s.peer_host, s.peer_port)
+        bind = host_port(host, s.peer_port)
         try:
             if s.tls_cert is not None and s.tls_key is not None:
                 port = server.add_secure_port(bind, server_credentials(s.tls_cert, s.tls_key,

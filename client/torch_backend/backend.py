@@ -248,7 +248,7 @@ def _create_group(backend_options, pg_options) -> ProcessGroupGradstar:
                                        on_shutdown=_forget)
     with _lock:
         _live.add(torch_group)
-        if hub is not None and hub.process is not None:
+        if hub is not None and hub.owns_processes:
             _hubs[torch_group] = hub
     _install_exit_hook()
     return torch_group

@@ -23,81 +23,68 @@ machine, more under load; benchmarks/join_leave.py); a coordinator that is alrea
 (``GRADSTAR_COORDINATOR``) saves it.
 
 Where the hub listens: 127.0.0.1 when every rank is on this host (``LOCAL_WORLD_SIZE`` equals
-the world size, as under ``torchrun --standalone``), else every interface, advertised as
-``GRADSTAR_ADVERTISE_HOST`` or this host's name. ``GRADSTAR_SHARDS`` sets its shards (default 0).
+the world size, as under ``torchrun --standalone``), else every interface, advertised as an
+address the other hosts reach (:func:`gradstar.transport.addresses.advertised_host`):
+``GRADSTAR_ADVERTISE_HOST``, else the IPv4 address of ``GRADSTAR_SOCKET_IFNAME``, else this
+host's address on its route toward ``MASTER_ADDR`` (the store every rank reaches), never a bare
+host name that another host may resolve to itself. ``GRADSTAR_SHARDS`` sets its shards
+(default 0).
+
+Multi-host (``LOCAL_WORLD_SIZE`` below the world size): each host's local rank 0 also starts a
+node-local shard for the job before it joins (:mod:`gradstar.node_shard`), so the job's
+collectives stripe over one shard per host instead of crossing rank 0's link; it stops with that
+rank's default group, as the hub does. ``GRADSTAR_NODE_SHARD=0`` turns it off.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
 import secrets
-import signal
-import socket
 import subprocess
-import sys
-import threading
-import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
+from gradstar import node_shard, spawn
 from gradstar.errors import ConfigurationError
+from gradstar.transport.addresses import advertised_host
 
 log = logging.getLogger(__name__)
 
 #: How long rank 0 waits for its hub to print its address.
 START_TIMEOUT = 60.0
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
 class StoreHub:
-    """Where the default group's hub is; ``process`` is set on rank 0, which owns it."""
+    """Where the default group's hub is; ``process`` is set on rank 0, which owns it, and
+    ``shard`` on each host's local rank 0 of a multi-host job (:mod:`gradstar.node_shard`)."""
 
     address: str
     token: str
     job: str
     process: subprocess.Popen | None = None
+    shard: node_shard.NodeShard | None = None
+
+    @property
+    def owns_processes(self) -> bool:
+        return self.process is not None or self.shard is not None
 
     def stop(self, timeout: float = 10.0, *, wait: bool = True) -> None:
-        """Rank 0: stop the hub (it drains running calls first, then exits; killed if it has
-        not exited ``timeout`` seconds later). ``wait=False`` returns at once and leaves the
-        waiting to :func:`reap_stopped`. Idempotent."""
+        """Stop this rank's node shard and, on rank 0, the hub (each drains running calls
+        first, then exits; killed if it has not exited ``timeout`` seconds later).
+        ``wait=False`` returns at once and leaves the waiting to :func:`reap_stopped`.
+        Idempotent."""
+        shard, self.shard = self.shard, None
+        if shard is not None:
+            shard.stop(wait=wait)
         proc, self.process = self.process, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        if wait:
-            _reap(proc, timeout)
-        else:
-            with _stopping_lock:
-                _stopping.append(proc)
+        spawn.stop(proc, timeout, wait=wait)
 
 
-#: Hubs told to stop by ``stop(wait=False)`` and not reaped yet.
-_stopping: list[subprocess.Popen] = []
-_stopping_lock = threading.Lock()
-
-
-def _reap(proc: subprocess.Popen, timeout: float) -> None:
-    try:
-        proc.wait(max(timeout, 0.0))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def reap_stopped(timeout: float = 10.0) -> None:
-    """Wait for the hubs stopped without waiting to exit, killing those still running after
-    ``timeout`` seconds in all (the exit hook calls this)."""
-    deadline = time.monotonic() + timeout
-    with _stopping_lock:
-        procs = list(_stopping)
-        _stopping.clear()
-    for proc in procs:
-        _reap(proc, deadline - time.monotonic())
+#: Rank 0's exit hook waits for the hubs (and shards) stopped without waiting.
+reap_stopped = spawn.reap_stopped
 
 
 def _keys() -> tuple[str, str, str]:
@@ -106,30 +93,14 @@ def _keys() -> tuple[str, str, str]:
     return prefix + "address", prefix + "token", prefix + "job"
 
 
-# How the hub process starts: ``gradstar coordinator ARGS`` that first asks for SIGTERM when
-# the rank that started it dies (Linux's parent-death signal; elsewhere the hub outlives a killed
-# rank 0 until its jobs time out), and exits if that rank died before it asked. Done in the
-# child's own code rather than in a ``preexec_fn``, which makes Python fork the whole training
-# process instead of spawning the child cheaply: 50-80 ms of rank 0's join, measured.
-_BOOTSTRAP = f"""\
-import ctypes, os, signal, sys
-try:
-    ctypes.CDLL(None, use_errno=True).prctl({_PR_SET_PDEATHSIG}, signal.SIGTERM)
-except (OSError, AttributeError):
-    pass
-if os.getppid() != int(sys.argv[1]):
-    sys.exit(1)
-from gradstar.cli import main
-sys.exit(main(sys.argv[2:]))
-"""
-
-
 def _listen_host(world_size: int) -> tuple[str, str]:
-    """(bind host, advertised host) for the hub."""
+    """(bind host, advertised host) for the hub: see "Where the hub listens" above."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if local >= world_size:
         return "127.0.0.1", "127.0.0.1"
-    return "0.0.0.0", os.environ.get("GRADSTAR_ADVERTISE_HOST") or socket.gethostname()
+    return "0.0.0.0", advertised_host(
+        os.environ.get("MASTER_ADDR"), advertise=os.environ.get("GRADSTAR_ADVERTISE_HOST"),
+        ifname=os.environ.get("GRADSTAR_SOCKET_IFNAME"))
 
 
 def _start(world_size: int) -> StoreHub:
@@ -137,36 +108,19 @@ def _start(world_size: int) -> StoreHub:
     token = secrets.token_urlsafe(32)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSTAR_")}
     env.update(GRADSTAR_TOKEN=token, GRADSTAR_ADMIN_TOKEN=token)
-    command = [sys.executable, "-u", "-c", _BOOTSTRAP, str(os.getpid()), "coordinator",
-               "--host", bind, "--port", "0", "--shards", os.environ.get("GRADSTAR_SHARDS", "0"),
-               "--log-level", "WARNING"]
-    proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            text=True)
-    lines: queue.Queue = queue.Queue()
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=read, name="gradstar-hub-stdout", daemon=True).start()
-    port = None
+    args = ["coordinator", "--host", bind, "--port", "0",
+            "--shards", os.environ.get("GRADSTAR_SHARDS", "0"), "--log-level", "WARNING"]
     try:
-        while port is None:
-            line = lines.get(timeout=START_TIMEOUT)
-            if line is None:
-                raise ConfigurationError(
-                    f"rank 0 could not start a gradstar coordinator for this job (it exited "
-                    f"with {proc.wait()}); set GRADSTAR_COORDINATOR to a running one")
-            if "listening on" in line:
-                port = int(line.rsplit(":", 1)[1])
-    except queue.Empty:
-        proc.kill()
-        raise ConfigurationError(
-            f"rank 0's gradstar coordinator did not start within {START_TIMEOUT:g} s; set "
-            "GRADSTAR_COORDINATOR to a running one") from None
+        proc, line = spawn.start(args, env, "rank 0's gradstar coordinator", START_TIMEOUT)
+    except ConfigurationError as error:
+        raise ConfigurationError(f"{error}; set GRADSTAR_COORDINATOR to a running one") from None
+    port = int(line.rsplit(":", 1)[1])
     job = f"torch-{uuid.uuid4().hex[:12]}"
     return StoreHub(f"{advertise}:{port}", token, job, proc)
+
+
+def _multi_host(world_size: int) -> bool:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) < world_size
 
 
 def find_or_make(store, rank: int, world_size: int, timeout: timedelta) -> StoreHub:
@@ -176,6 +130,15 @@ def find_or_make(store, rank: int, world_size: int, timeout: timedelta) -> Store
         ConfigurationError: rank 0 could not start its hub, or this rank found no hub in the
             store within ``timeout`` (naming what to set).
     """
+    hub = _find_or_make(store, rank, world_size, timeout)
+    if (_multi_host(world_size) and os.environ.get("LOCAL_RANK") == "0"
+            and node_shard.wanted()):
+        # Before this rank joins: the generation forms with this host's shard in its table.
+        hub.shard = node_shard.start(hub.address, hub.job, hub.token)
+    return hub
+
+
+def _find_or_make(store, rank: int, world_size: int, timeout: timedelta) -> StoreHub:
     address_key, token_key, job_key = _keys()
     if rank == 0:
         hub = _start(world_size)

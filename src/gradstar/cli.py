@@ -131,8 +131,13 @@ def _shard_args(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                   "needs a job token or --insecure; env GRADSTAR_HOST)")
     p.add_argument("--port", type=int, help="port; 0 picks a free one (default 0)")
     p.add_argument("--advertise-host",
-                   help="host ranks reach this shard at (default: the bound host, or this "
-                        "machine's hostname for a wildcard)")
+                   help="host ranks reach this shard at (default: the bound host, or for "
+                        "0.0.0.0 this host's address on its route to the coordinator)")
+    p.add_argument("--socket-ifname",
+                   help="advertise this interface's IPv4 address (env GRADSTAR_SOCKET_IFNAME)")
+    p.add_argument("--for-job",
+                   help="serve only this job (a node-local shard beside its ranks); default: "
+                        "every job")
     p.add_argument("--slot", type=int, help="slot to ask for (default: any free one)")
     p.add_argument("--tls-cert", help="PEM certificate chain to serve with; enables TLS")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
@@ -464,6 +469,9 @@ def _worker_args(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--stop-grace", type=float, help="seconds between SIGTERM and SIGKILL")
     p.add_argument("--wait-coordinator", type=float,
                    help="seconds to wait for the coordinator to be SERVING (default 120)")
+    p.add_argument("--no-node-shard", dest="node_shard", action="store_false", default=None,
+                   help="run no node-local hub shard on this host (default: one when the "
+                        "job's ranks span hosts; env GRADSTAR_NODE_SHARD=0)")
     p.add_argument("rank_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                    help="what each rank runs, e.g. -- python -m gradstar.worker.train")
     return p

@@ -167,8 +167,15 @@ class ShardSettings(CoordinatorSettings):
     port: int = Field(0, ge=0, le=65535)
     slot: int = Field(-1, ge=-1, description="the slot to ask for; -1: any free one")
     advertise_host: str | None = Field(
-        None, description="host ranks reach this shard at; default: the bound host, or this "
-                          "machine's hostname for a wildcard; '' means 'the coordinator's host'")
+        None, description="host ranks reach this shard at; default: the bound host, or for a "
+                          "wildcard this host's address toward the coordinator "
+                          "(gradstar.transport.addresses); '' means 'the coordinator's host'")
+    socket_ifname: str | None = Field(
+        None, description="network interface whose IPv4 address the shard advertises")
+    for_job: str = Field(
+        "", max_length=256,
+        description="serve only this job's generations (and its subgroups'): a node-local "
+                    "shard; '' serves every job")
     coordinator_ca: Path | None = Field(
         None, description="CA bundle to verify the coordinator with (TLS to the coordinator)")
 
@@ -200,10 +207,18 @@ class ClientSettings(BaseSettings):
         True, description="offer the hub shared memory for collective payloads; used only "
                           "when the hub is on this host and may map it "
                           "(see gradstar.transport.shm)")
-    peer_host: str = Field(
-        "127.0.0.1", description="address the rank's peer server (send/recv, pipelines) binds; "
-                                 "advertised to the other ranks unless it is a wildcard, which "
-                                 "advertises this machine's hostname")
+    peer_host: str | None = Field(
+        None, description="address the rank's peer server (send/recv, pipelines) binds; "
+                          "advertised to the other ranks unless it is a wildcard. Default: "
+                          "127.0.0.1 when the coordinator is on this host (a loopback "
+                          "address), else every interface, advertised as this host's address "
+                          "toward the coordinator (gradstar.transport.addresses)")
+    advertise_host: str | None = Field(
+        None, description="host the other ranks reach this rank's peer server at (NAT, a DNS "
+                          "name); also what an env:// rank 0 advertises its hub at")
+    socket_ifname: str | None = Field(
+        None, description="network interface whose IPv4 address this rank advertises, as "
+                          "GLOO_SOCKET_IFNAME does for gloo (several networks on one host)")
     peer_port: int = Field(0, ge=0, le=65535, description="peer server port; 0 picks a free one")
     peer_buffer_messages: int = Field(
         64, gt=0, description="messages from one rank held before anybody receives them")

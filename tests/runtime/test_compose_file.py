@@ -45,7 +45,7 @@ def test_workers_wait_for_a_healthy_coordinator_they_reach_by_service_name(compo
 
 
 def test_the_published_metrics_port_reaches_the_metrics_endpoint(compose):
-    # `curl localhost:9400/metrics` (README) goes through the published port: the endpoint
+    # `curl localhost:9400/metrics` (docs/compose.md) goes through the published port: the endpoint
     # must not bind the container's loopback, its default.
     env = service_env(compose["services"]["coordinator"])
     port = env["GRADSTAR_METRICS_PORT"]

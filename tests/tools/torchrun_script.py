@@ -57,6 +57,7 @@ def main() -> None:
     if backend == "gradstar":
         report["job"] = group.options["job"]
         report["coordinator"] = group.options["coordinator"]
+        report["shards"] = list(group.gradstar_group.shards)
     (out / f"{backend}-rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 

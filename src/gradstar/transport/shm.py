@@ -56,6 +56,27 @@ def supported() -> bool:
     return sys.platform.startswith("linux") and hasattr(os, "memfd_create") and bool(_SEALS)
 
 
+_HOST_ID: str | None = None
+
+
+def host_id() -> str:
+    """What makes two processes one host for shared memory: the kernel's boot id and the
+    network namespace. Processes in different network namespaces of one kernel could map each
+    other's segments, but they stand for different hosts (containers, the emulated cluster of
+    ``benchmarks/cluster.py``), whose traffic must cross their links; so the hub attaches
+    only a segment whose owner's host id equals its own."""
+    global _HOST_ID
+    if _HOST_ID is None:
+        try:
+            with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as boot:
+                boot_id = boot.read().strip()
+            net = os.stat("/proc/self/ns/net").st_ino
+        except OSError:
+            boot_id, net = "", 0
+        _HOST_ID = f"{boot_id}/{net}"
+    return _HOST_ID
+
+
 class Segment:
     """A rank's sealed memfd segment with ``size`` data bytes, mapped into this process."""
 

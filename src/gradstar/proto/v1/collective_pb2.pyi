@@ -120,7 +120,7 @@ class CollectiveHeader(_message.Message):
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., group: _Optional[str] = ..., seq: _Optional[int] = ..., rank: _Optional[int] = ..., member_id: _Optional[str] = ..., op: _Optional[_Union[CollectiveOp, str]] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., root: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ..., stripe: _Optional[int] = ..., stripes: _Optional[int] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ...) -> None: ...
 
 class ShmSegment(_message.Message):
-    __slots__ = ("pid", "fd", "inode", "size", "output_offset", "key", "eager")
+    __slots__ = ("pid", "fd", "inode", "size", "output_offset", "key", "eager", "host")
     PID_FIELD_NUMBER: _ClassVar[int]
     FD_FIELD_NUMBER: _ClassVar[int]
     INODE_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class ShmSegment(_message.Message):
     OUTPUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     EAGER_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     pid: int
     fd: int
     inode: int
@@ -135,7 +136,8 @@ class ShmSegment(_message.Message):
     output_offset: int
     key: bytes
     eager: bool
-    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., size: _Optional[int] = ..., output_offset: _Optional[int] = ..., key: _Optional[bytes] = ..., eager: _Optional[bool] = ...) -> None: ...
+    host: str
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., size: _Optional[int] = ..., output_offset: _Optional[int] = ..., key: _Optional[bytes] = ..., eager: _Optional[bool] = ..., host: _Optional[str] = ...) -> None: ...
 
 class ShmAttach(_message.Message):
     __slots__ = ("attached", "reason")

@@ -7,12 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ShardHello(_message.Message):
-    __slots__ = ("address", "slot")
+    __slots__ = ("address", "slot", "job")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     address: str
     slot: int
-    def __init__(self, address: _Optional[str] = ..., slot: _Optional[int] = ...) -> None: ...
+    job: str
+    def __init__(self, address: _Optional[str] = ..., slot: _Optional[int] = ..., job: _Optional[str] = ...) -> None: ...
 
 class ShardJob(_message.Message):
     __slots__ = ("job", "bytes_in", "bytes_out", "completed", "failed", "active")
