@@ -58,11 +58,10 @@ What is measured
       hub: the coordinator and its shards (user + system from /proc/PID/stat); ranks: the sum
       of the ranks' ``time.process_time()`` over the loop.
 
-Shared memory: a gradstar rank reaches a hub on its own host through shared memory. The hosts
-here are namespaces of one kernel, where a rank could still map its segment into a hub on
-"another host"; until gradstar checks the host itself, this script sets
-``GRADSTAR_SHARED_MEMORY=0`` for every rank that has a hub or shard on another host (all
-ranks, except rank 0 of ``hub-on-rank0`` and ranks whose only target is on their host).
+Shared memory: a gradstar rank reaches a hub or shard on its own host through shared memory,
+and streams to the others: gradstar tells hosts apart by boot id and network namespace
+(``gradstar.transport.shm.host_id``), so each namespace here is a host of its own, and the
+ranks run with gradstar's default (no ``GRADSTAR_SHARED_MEMORY`` set).
 
 Every wait is bounded (``--timeout`` per topology and size); a row that fails is reported with
 its error and the run goes on; the exit status is 1 if any row failed.
@@ -399,16 +398,12 @@ def start_hub(run: Run, label: str, placement: Placement, deadline: float) -> li
     return hub
 
 
-def rank_env(run: Run, placement: Placement, rank: int, job: str) -> dict[str, str]:
+def rank_env(run: Run, placement: Placement, job: str) -> dict[str, str]:
     if placement.coordinator is None:
         return run.env(GLOO_SOCKET_IFNAME="eth0")
-    host = run.layout.rank_hosts[rank]
-    targets = placement.shard_hosts or (placement.coordinator,)
-    local = all(t == host for t in targets)  # see the module docstring: shared memory
     address = f"{run.cluster.address(placement.coordinator)}:{COORDINATOR_PORT}"
     return run.env(GRADSTAR_COORDINATOR=address, GRADSTAR_JOB=job, GRADSTAR_TOKEN=run.token,
-                   GRADSTAR_WORLD_SIZE=str(run.layout.world_size),
-                   GRADSTAR_SHARED_MEMORY="1" if local else "0")
+                   GRADSTAR_WORLD_SIZE=str(run.layout.world_size))
 
 
 @dataclass
@@ -441,7 +436,7 @@ def run_size(run: Run, name: str, placement: Placement, hub: list[Process], size
             ranks.append(run.start(host, f"{label}-rank{rank}",
                                    [sys.executable, "-u", __file__, "--rank-spec",
                                     json.dumps(spec)],
-                                   rank_env(run, placement, rank, label), stdin=rank == 0))
+                                   rank_env(run, placement, label), stdin=rank == 0))
         samples = []
         for phase in ("start", "end"):
             line = ranks[0].wait_for('"phase"', deadline)
