@@ -19,7 +19,8 @@
   path it is labelled with. :func:`add_paths_argument`: the ``--paths`` option.
 * :func:`add_run_arguments`, :func:`write_json`: the ``--timeout`` / ``--json`` options every
   script shares.
-* :func:`free_port`, :func:`median`, :func:`format_table`: small helpers.
+* :func:`free_port`, :func:`median`, :func:`format_table`, :func:`cpu_seconds_of`: small
+  helpers.
 
 Every wait here is bounded; nothing can hang a benchmark run.
 """
@@ -180,6 +181,13 @@ def _cpu_of(fields: list[str]) -> float:
     """utime + stime of the process (all its threads) + cutime + cstime (its children that
     exited and were reaped, e.g. a shard that was restarted), in seconds."""
     return sum(int(v) for v in fields[11:15]) / _CLK_TCK
+
+
+def cpu_seconds_of(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far, with its reaped children's (Linux
+    /proc); None once it is gone."""
+    fields = _stat_fields(pid)
+    return None if fields is None else _cpu_of(fields)
 
 
 # -- coordinator subprocess --------------------------------------------------------------------
