@@ -47,7 +47,7 @@ from .convert import (
     restore_array,
     to_numpy,
 )
-from .data_plane import DataPlane
+from .data_plane import DataPlane, striped_chunk_bytes
 from .hierarchy import HostHierarchy
 from .peer import Identity, PeerEndpoint
 from .peer.mailbox import tag_key
@@ -439,7 +439,9 @@ class AsyncProcessGroup:
             job=self.job, generation=self.generation, group="default", seq=next(self._seq),
             rank=self.rank, member_id=self._member_id, op=op, reduce_op=reduce_op,
             dtype=dtype_info(arr.dtype).wire, shape=arr.shape, root=root,
-            chunk_bytes=aligned_chunk_bytes(self.settings.chunk_bytes, arr.dtype.itemsize),
+            chunk_bytes=aligned_chunk_bytes(striped_chunk_bytes(
+                self.settings.chunk_bytes, arr.nbytes,
+                len(self._plane.targets(averaging=averaging is not None))), arr.dtype.itemsize),
             timeout_seconds=timeout, averaging=averaging,
         )
         return header, timeout
