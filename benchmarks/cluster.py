@@ -19,10 +19,10 @@ Topologies (the rows; ``--topologies``)
     ``hub-own-host``        the coordinator alone on host ``hub`` (docker-compose's shape).
     ``shards-extra-hosts``  the coordinator on ``hub`` (control plane only) and H ``gradstar
                             shard`` processes, one on each of ``shard0`` .. ``shard{H-1}``.
-    ``node-local``          the coordinator on node0 and one ``gradstar shard`` on every rank
-                            host, started here with ``--advertise-host <its address>``. Once
-                            gradstar's launchers start node-local shards by default, only
-                            :func:`node_local` changes (it then starts none itself).
+    ``node-local``          the coordinator on node0 and one ``gradstar shard --for-job`` on
+                            every rank host, as gradstar's launchers start them by default
+                            (advertised at the address gradstar picks); with several ranks on
+                            a host they combine on its shard first (the two-level all_reduce).
     Each gradstar topology is one function below returning a :class:`Placement`; the processes
     are started from it by :func:`start_hub`.
 
@@ -46,7 +46,8 @@ What is measured
           hub on rank 0's host         (n-1) * S / R         the hub's link carries the other ranks
           hub on a host of its own     n * S / R             the hub's link carries every rank's S
           K shards on extra hosts      max(S, n*S/K) / R     each rank S each way; a shard n*S/K
-          node-local shards (K = n)    2(n-1)/n * S / R      S/n to and from each other host
+          node-local shards (K = H)    2(H-1)/H * S / R      S/H to and from each other host,
+                                                             whatever the ranks per host
 
       This ignores latency and headers (TCP/IP, gRPC framing: a few per cent).
     * eff: ideal / ms.
@@ -148,6 +149,10 @@ class Placement:
 
     coordinator: str | None
     shard_hosts: tuple[str, ...] = ()
+    #: The shards are node-local ones, as gradstar's launchers start them: registered for the
+    #: row's job (``--for-job``; each size's job is a subgroup of it), advertised at the
+    #: address gradstar picks by default, and a host's ranks combine on theirs first.
+    node_local: bool = False
 
 
 def gloo(layout: Layout) -> Placement:
@@ -167,10 +172,10 @@ def shards_extra_hosts(layout: Layout) -> Placement:
 
 
 def node_local(layout: Layout) -> Placement:
-    """One shard on each rank host, started by this script. When gradstar's launchers start
-    node-local shards by default, this returns ``Placement(node0)`` and the ranks' launcher
-    starts the shards."""
-    return Placement(layout.rank_hosts[0], tuple(layout.nodes))
+    """One shard on each rank host, started as ``gradstar worker``, ``gradstar launch
+    --coordinator`` and the env:// drop-in start them (gradstar.node_shard): ``gradstar shard
+    --for-job JOB`` with the address it advertises by default."""
+    return Placement(layout.rank_hosts[0], tuple(layout.nodes), node_local=True)
 
 
 TOPOLOGIES: dict[str, Callable[[Layout], Placement]] = {
@@ -201,7 +206,13 @@ def link_model(placement: Placement, layout: Layout, nbytes: int) -> dict[str, L
     """
     n = layout.world_size
     flows: list[tuple[str, str, float]] = []
-    if placement.coordinator is None:
+    if placement.node_local:  # a host's ranks combine first: one S/K flow per host and shard
+        targets = placement.shard_hosts
+        for host in layout.nodes:
+            for target in targets:
+                flows += [(host, target, nbytes / len(targets)),
+                          (target, host, nbytes / len(targets))]
+    elif placement.coordinator is None:
         hosts = layout.rank_hosts
         flows = [(hosts[i], hosts[(i + 1) % n], 2 * (n - 1) / n * nbytes) for i in range(n)]
     else:
@@ -386,11 +397,12 @@ def start_hub(run: Run, label: str, placement: Placement, deadline: float) -> li
         if k:
             coordinator.wait_for("gradstar coordinator bound to", deadline)
         for slot, host in enumerate(placement.shard_hosts):
+            where = (["--for-job", label] if placement.node_local else
+                     ["--advertise-host", run.cluster.address(host)])
             hub.append(run.start(host, f"{label}-shard{slot}", [
                 sys.executable, "-u", "-m", "gradstar", "shard", "--coordinator", address,
-                "--host", "0.0.0.0", "--port", "0", "--advertise-host",
-                run.cluster.address(host), "--slot", str(slot), "--log-level", "WARNING"],
-                env))
+                "--host", "0.0.0.0", "--port", "0", *where, "--slot", str(slot),
+                "--log-level", "WARNING"], env))
         coordinator.wait_for("gradstar coordinator listening on", deadline)
     except BaseException:
         run.cluster.stop_processes([p.proc for p in hub])
@@ -436,7 +448,8 @@ def run_size(run: Run, name: str, placement: Placement, hub: list[Process], size
             ranks.append(run.start(host, f"{label}-rank{rank}",
                                    [sys.executable, "-u", __file__, "--rank-spec",
                                     json.dumps(spec)],
-                                   rank_env(run, placement, label), stdin=rank == 0))
+                                   rank_env(run, placement, f"{name}/{size_mb:g}MiB"),
+                                   stdin=rank == 0))
         samples = []
         for phase in ("start", "end"):
             line = ranks[0].wait_for('"phase"', deadline)
