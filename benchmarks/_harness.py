@@ -4,7 +4,8 @@ Each part is a module of its own, every name re-exported here (``from _harness i
 
 * :mod:`_processes`: the processes a benchmark starts (:class:`CoordinatorProcess`, a real
   ``gradstar coordinator`` subprocess whose CPU is read from /proc), and how none of them
-  outlives it; :class:`BenchmarkError`, :func:`free_port`, :func:`loadavg`.
+  outlives it; :class:`BenchmarkError`, :func:`free_port`, :func:`loadavg`,
+  :func:`cpu_seconds_of`.
 * :mod:`_ranks`: :func:`run_ranks` (a function in N spawned processes, one result per rank,
   with a hard deadline, :class:`RankFailure`) and :class:`DriverSync` (ranks held at chosen
   points until this process has acted, e.g. sampled the hub's CPU).
@@ -21,7 +22,14 @@ Every wait in them is bounded; nothing can hang a benchmark run.
 from __future__ import annotations
 
 from _paths import PATHS, add_paths_argument, check_path, path_env, shm_report
-from _processes import BenchmarkError, CoordinatorProcess, descendants, free_port, loadavg
+from _processes import (
+    BenchmarkError,
+    CoordinatorProcess,
+    cpu_seconds_of,
+    descendants,
+    free_port,
+    loadavg,
+)
 from _ranks import DriverSync, RankFailure, SyncPoints, run_ranks
 from _report import MiB, add_run_arguments, format_table, median, run_configs, write_json
 
@@ -36,6 +44,7 @@ __all__ = [
     "add_paths_argument",
     "add_run_arguments",
     "check_path",
+    "cpu_seconds_of",
     "descendants",
     "format_table",
     "free_port",

@@ -7,7 +7,8 @@
   SIGKILL, shards included) however the benchmark ends.
 * :func:`track`, :func:`kill_and_reap`, :func:`die_with_parent`: every process started is killed
   at interpreter exit if still alive, and on Linux dies with its parent (even by SIGKILL).
-* :func:`descendants`: the process tree below a pid, from /proc.
+* :func:`descendants`, :func:`cpu_seconds_of`: the process tree below a pid and a process's
+  CPU time, from /proc.
 * :func:`free_port`, :func:`loadavg`: small helpers.
 
 Every wait here is bounded.
@@ -160,6 +161,13 @@ def _cpu_of(fields: list[str]) -> float:
     """utime + stime of the process (all its threads) + cutime + cstime (its children that
     exited and were reaped, e.g. a shard that was restarted), in seconds."""
     return sum(int(v) for v in fields[11:15]) / _CLK_TCK
+
+
+def cpu_seconds_of(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far, with its reaped children's (Linux
+    /proc); None once it is gone."""
+    fields = _stat_fields(pid)
+    return None if fields is None else _cpu_of(fields)
 
 
 # -- coordinator subprocess --------------------------------------------------------------------
@@ -368,5 +376,5 @@ def _kill_orphans(processes: dict[int, str], grace: float) -> list[int]:
     return alive
 
 
-__all__ = ["BenchmarkError", "CoordinatorProcess", "descendants", "die_with_parent",
-           "free_port", "kill_and_reap", "loadavg", "track"]
+__all__ = ["BenchmarkError", "CoordinatorProcess", "cpu_seconds_of", "descendants",
+           "die_with_parent", "free_port", "kill_and_reap", "loadavg", "track"]

@@ -10,6 +10,7 @@ peer message carries its type across as an ``ArrayKind`` (:func:`array_kind`,
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import Callable
 
@@ -111,6 +112,16 @@ def copying_to_device(restore: Restore, copies: bool = True) -> Restore:
 def copies_to_device(restore: Restore) -> bool:
     """Whether ``restore`` was marked by :func:`copying_to_device`."""
     return getattr(restore, "copies_to_device", False)
+
+
+async def delivered(restore: Restore, value):
+    """``restore(value)``: what the caller gets. A restore that copies to a GPU blocks until
+    the copy and the caller's stream are done, so it runs on a worker thread: the event loop
+    keeps driving every other collective, peer message and heartbeat meanwhile (and a caller
+    whose stream waits for another of this rank's collectives cannot deadlock it)."""
+    if copies_to_device(restore):
+        return await asyncio.to_thread(restore, value)
+    return restore(value)
 
 
 def array_kind(x) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import threading
 from collections.abc import Awaitable
@@ -41,11 +42,13 @@ from .convert import (
     array_kind,
     copies_to_device,
     copying_to_device,
+    delivered,
     is_cpu_tensor,
     restore_array,
     to_numpy,
 )
-from .data_plane import DataPlane
+from .data_plane import DataPlane, striped_chunk_bytes
+from .hierarchy import HostHierarchy
 from .peer import Identity, PeerEndpoint
 from .peer.mailbox import tag_key
 from .session import Session
@@ -80,6 +83,9 @@ class AsyncProcessGroup:
         self._all_to_all_calls = itertools.count(1)
         self._closed = False
         self._peer_endpoint = peer_endpoint
+        #: The two-level all_reduce over this generation's hosts (inactive on one host).
+        self._hosts = HostHierarchy(self, {p.rank: p.host for p in joined.peers},
+                                    functools.partial(_subgroup, settings))
         if peer_endpoint is not None:
             peer_endpoint.bind(Identity(self.job, self.generation, self.rank, self.world_size,
                                         tuple(joined.peer_keys)), self.peers, session)
@@ -113,6 +119,10 @@ class AsyncProcessGroup:
         arr, restore = to_numpy(x)
         reduce_op = ops.reduce_op(op)
         into = np.empty_like(arr) if out is None else _output_array(out, arr)
+        if self._hosts.takes(arr, reduce_op):
+            self._check_usable()
+            return self._hosts.all_reduce(arr, reduce_op, into, restore if out is None
+                                          else (lambda _result: out), timeout)
         return self._run(ops.ALL_REDUCE, arr, arr, into, restore if out is None
                          else (lambda _result: out), timeout, reduce_op=reduce_op)
 
@@ -328,7 +338,7 @@ class AsyncProcessGroup:
                     f"{plan.name} call {call}: rank {src} sent rank {me} {got.size} elements "
                     f"of {got.dtype}; its plan said {elements} of {pieces[me].dtype}")
             received[src] = got
-        return await _delivered(deliver, received)
+        return await delivered(deliver, received)
 
     # -- point to point (peer streams, see gradstar.client.peer) --------------------------------
 
@@ -429,7 +439,9 @@ class AsyncProcessGroup:
             job=self.job, generation=self.generation, group="default", seq=next(self._seq),
             rank=self.rank, member_id=self._member_id, op=op, reduce_op=reduce_op,
             dtype=dtype_info(arr.dtype).wire, shape=arr.shape, root=root,
-            chunk_bytes=aligned_chunk_bytes(self.settings.chunk_bytes, arr.dtype.itemsize),
+            chunk_bytes=aligned_chunk_bytes(striped_chunk_bytes(
+                self.settings.chunk_bytes, arr.nbytes,
+                len(self._plane.targets(averaging=averaging is not None))), arr.dtype.itemsize),
             timeout_seconds=timeout, averaging=averaging,
         )
         return header, timeout
@@ -449,7 +461,7 @@ class AsyncProcessGroup:
         result = await run_collective(self._targets(header), header, self.world_size, send, out,
                                       session=self._session, metadata=self._metadata,
                                       timeout=timeout)
-        return await _delivered(restore, result)
+        return await delivered(restore, result)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -459,6 +471,7 @@ class AsyncProcessGroup:
             return
         self._closed = True
         try:
+            await self._hosts.close()
             if self._peer_endpoint is not None:
                 # Goodbyes first: a rank receiving from this one then has all it sent before it
                 # hears from the hub that this rank finished (gradstar.client.peer.endpoint).
@@ -502,16 +515,6 @@ def _output_array(out, like: np.ndarray) -> np.ndarray:
             f"out= must match the input: shape {like.shape} and dtype {like.dtype}, got shape "
             f"{arr.shape} and dtype {arr.dtype}")
     return arr
-
-
-async def _delivered(restore, value):
-    """``restore(value)``: what the caller gets. A restore that copies to a GPU blocks until
-    the copy and the caller's stream are done, so it runs on a worker thread: the event loop
-    keeps driving every other collective, peer message and heartbeat meanwhile (and a caller
-    whose stream waits for another of this rank's collectives cannot deadlock it)."""
-    if copies_to_device(restore):
-        return await asyncio.to_thread(restore, value)
-    return restore(value)
 
 
 def _settings(**given) -> ClientSettings:
@@ -561,10 +564,24 @@ async def init_process_group_async(
         raise ConfigurationError(f"invalid process group settings: {error}") from None
     if settings.tune_allocator:
         tune_allocator()
-    channel = open_channel(settings)
-    peer_endpoint = PeerEndpoint(settings, call_metadata(settings))
+    group = await _join(settings, peer_address)
     try:
-        peer_address = await peer_endpoint.start(peer_address)
+        await group._hosts.start()
+    except BaseException:
+        await group.close()
+        raise
+    return group
+
+
+async def _join(settings: ClientSettings, peer_address: str = "", *,
+                peers: bool = True) -> AsyncProcessGroup:
+    """Join ``settings.job`` and connect to its data plane (``peers=False``: without a peer
+    server, for the per-host groups of :mod:`.hierarchy`)."""
+    channel = open_channel(settings)
+    peer_endpoint = PeerEndpoint(settings, call_metadata(settings)) if peers else None
+    try:
+        if peer_endpoint is not None:
+            peer_address = await peer_endpoint.start(peer_address)
         await wait_connected(channel, settings.coordinator, settings.connect_timeout,
                              settings.tls_ca, settings.tls_cert, settings.tls_key)
         session = Session(channel, call_metadata(settings), settings.coordinator)
@@ -572,7 +589,8 @@ async def init_process_group_async(
                            peer_address, settings.join_timeout)
     except BaseException:
         await channel.close()
-        await peer_endpoint.close()
+        if peer_endpoint is not None:
+            await peer_endpoint.close()
         raise
     group = AsyncProcessGroup(settings, channel, session, peer_endpoint)
     try:
@@ -715,6 +733,14 @@ def init_process_group(
         runner.stop()
         raise
     return ProcessGroup(group, runner)
+
+
+async def _subgroup(settings: ClientSettings, job: str, world_size: int,
+                    rank: int) -> AsyncProcessGroup:
+    """Join ``job``, one of the groups of :mod:`.hierarchy`, as this rank's main settings
+    say (coordinator, token, TLS, timeouts), without a peer server: it runs collectives only."""
+    return await _join(settings.model_copy(update={"job": job, "world_size": world_size,
+                                                   "rank": rank}), peers=False)
 
 
 __all__ = [

@@ -18,6 +18,7 @@ from gradstar.errors import (
 )
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
 from gradstar.proto.v1 import rendezvous_pb2_grpc
+from gradstar.transport import shm
 from gradstar.transport.status import error_from_rpc
 
 _END = object()
@@ -100,7 +101,7 @@ class Session:
         """
         self._outbox.put_nowait(rpb.SessionRequest(join=rpb.JoinRequest(
             job=job, world_size=world_size, rank=-1 if rank is None else rank,
-            peer_address=peer_address, timeout_seconds=timeout,
+            peer_address=peer_address, timeout_seconds=timeout, host=shm.host_key(),
         )))
         # No deadline on the call itself: it lives as long as the rank. The join is bounded by
         # the coordinator's join timeout, and the wait below is a backstop against a dead hub.

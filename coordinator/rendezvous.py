@@ -89,6 +89,8 @@ class Member:
     requested_rank: int | None
     peer_address: str
     member_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    #: The host key the rank joined with ('' if none): which ranks share a host.
+    host: str = ""
     rank: int = -1
     generation: Generation | None = None
     last_seen: float = field(default_factory=time.monotonic)
@@ -214,7 +216,8 @@ class Rendezvous:
         self._on_rank_finished = on_rank_finished
 
     async def join(
-        self, job: str, world_size: int, rank: int | None, peer_address: str, timeout: float
+        self, job: str, world_size: int, rank: int | None, peer_address: str, timeout: float,
+        *, host: str = "",
     ) -> Member:
         """Wait until the job's next generation forms; return this caller's member record.
 
@@ -226,7 +229,7 @@ class Rendezvous:
             DuplicateRankError: a live member already holds ``rank``.
             JoinTimeoutError: not every rank joined within ``timeout`` seconds.
         """
-        member = self.offer(job, world_size, rank, peer_address)
+        member = self.offer(job, world_size, rank, peer_address, host=host)
         try:
             await asyncio.wait_for(asyncio.shield(member.joined), timeout)
         except TimeoutError:
@@ -245,7 +248,8 @@ class Rendezvous:
             raise
         return member
 
-    def offer(self, job: str, world_size: int, rank: int | None, peer_address: str) -> Member:
+    def offer(self, job: str, world_size: int, rank: int | None, peer_address: str, *,
+              host: str = "") -> Member:
         """Register a joiner; its ``joined`` future completes when the generation forms."""
         if self.draining:
             raise CoordinatorDrainingError(
@@ -285,7 +289,7 @@ class Rendezvous:
             raise DuplicateRankError(
                 f"rank {rank} of job {job!r} was already requested by another joining process"
             )
-        member = Member(job=job, requested_rank=rank, peer_address=peer_address)
+        member = Member(job=job, requested_rank=rank, peer_address=peer_address, host=host[:64])
         member.joined = asyncio.get_running_loop().create_future()
         state.forming.append(member)
         if len(state.forming) == world_size:

@@ -85,7 +85,7 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
         try:
             member = await self.rendezvous.join(
                 j.job, j.world_size, j.rank if j.rank >= 0 else None, j.peer_address,
-                min(j.timeout_seconds or self.max_join, self.max_join),
+                min(j.timeout_seconds or self.max_join, self.max_join), host=j.host,
             )
         except GradstarError as error:
             await abort(context, error)
@@ -97,7 +97,7 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
                 shards=gen.shards,
                 job=j.job, generation=gen.number, rank=member.rank, world_size=gen.world_size,
                 member_id=member.member_id,
-                peers=[rpb.Peer(rank=r, address=m.peer_address)
+                peers=[rpb.Peer(rank=r, address=m.peer_address, host=m.host)
                        for r, m in sorted(gen.members.items())],
                 heartbeat_interval_seconds=self.heartbeat_interval,
                 # This member's keys only, on its own session stream (32 bytes per rank).

@@ -48,6 +48,7 @@ from gradstar.transport.channels import (
     secure_or_insecure_channel,
     server_credentials,
 )
+from gradstar.transport.shm import host_key
 from gradstar.transport.status import error_from_rpc
 from gradstar.transport.tls_check import wait_connected
 from gradstar.wire import COLLECTIVE_SERVICE, MAX_NDIM, payload_bytes
@@ -166,7 +167,7 @@ class Shard:
         metadata = bearer(admin.get_secret_value()) if admin is not None else ()
         stub = shard_pb2_grpc.ShardControlStub(self._channel)
         self._reports.put_nowait(spb.ShardReport(hello=spb.ShardHello(
-            address=self.address, slot=s.slot, job=s.for_job)))
+            address=self.address, slot=s.slot, job=s.for_job, host=host_key())))
         call = stub.Register(self._report_stream(), metadata=metadata)
         try:
             first = await asyncio.wait_for(call.read(), s.shard_wait)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from gradstar.errors import GradstarError, ProtocolError, ShardLostError
+from gradstar.node_shard import HOST_GROUP
 from gradstar.proto.v1 import shard_pb2 as spb
 from gradstar.proto.v1 import shard_pb2_grpc
 from gradstar.transport.status import abort
@@ -50,6 +51,11 @@ log = logging.getLogger(__name__)
 
 #: How often shards report their counters.
 STATS_INTERVAL = 1.0
+#: A shard silent for this long takes no new generations: its host may be gone (a link down
+#: is noticed by keepalive only ~3 s later, and the ranks that survive it re-join sooner, so a
+#: generation formed meanwhile would stripe over a shard nobody reaches). A shard merely slow
+#: to report loses nothing but a share of that generation's traffic.
+STALE_AFTER = 1.5 * STATS_INTERVAL
 _END = object()
 
 
@@ -61,6 +67,8 @@ class ShardRecord:
     address: str
     #: A node-local shard's job ('' serves every job): see :meth:`ShardRegistry.stripes_for`.
     job: str = ""
+    #: The shard's host key (ShardHello.host): where a per-host group's stripes go.
+    host: str = ""
     state: str = "up"
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     stats: spb.ShardStats = field(default_factory=spb.ShardStats)
@@ -119,7 +127,8 @@ class ShardRegistry:
             slot = hello.slot
         else:
             slot = next(s for s in range(len(self.slots) + 1) if s not in taken)
-        record = self.slots[slot] = ShardRecord(slot, hello.address, hello.job[:256])
+        record = self.slots[slot] = ShardRecord(slot, hello.address, hello.job[:256],
+                                                hello.host[:64])
         record.send(spb.ShardCommand(accepted=spb.ShardAccepted(
             slot=slot, stats_interval_seconds=STATS_INTERVAL)))
         log.info("shard %d registered at %s%s", slot, hello.address,
@@ -154,9 +163,14 @@ class ShardRegistry:
         """The shards a generation of ``job`` stripes over, in slot order: the node-local
         shards started for it (or for the job whose subgroup it is, ``job/group...``) when
         any is up — the shards of its own hosts, whose links carry its bytes anyway — else
-        the shards that serve every job."""
-        up = self.up
+        the shards that serve every job. A per-host group (:data:`HOST_GROUP`) takes that
+        host's shard alone; a shard silent for :data:`STALE_AFTER` seconds is left out."""
+        now = time.monotonic()
+        up = [r for r in self.up if now - r.last_report <= STALE_AFTER]
         own = [r for r in up if r.job and (job == r.job or job.startswith(r.job + "/"))]
+        host = job.rpartition(HOST_GROUP)[2] if HOST_GROUP in job else ""
+        if host:  # a per-host group (gradstar.client.hierarchy): that host's shard alone
+            own = [r for r in own if r.host == host] or own
         return own or [r for r in up if not r.job]
 
     def on_formed(self, gen: Generation) -> None:

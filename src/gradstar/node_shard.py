@@ -27,6 +27,10 @@ from gradstar.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
 
+#: A job name ending in this and a host key (gradstar.transport.shm.host_key) is a per-host
+#: group of the two-level all_reduce (gradstar.client.hierarchy): its generations stripe over
+#: the job's node-local shard on that host alone.
+HOST_GROUP = "/host-"
 #: How long starting the shard and registering it may take (a Python start-up: ~1 s idle).
 START_TIMEOUT = 60.0
 #: Variables of the starter's environment the shard keeps (tokens, TLS, how to advertise).
@@ -76,4 +80,4 @@ def start(coordinator: str, job: str, token: str | None = None) -> NodeShard | N
     return NodeShard(process, address)
 
 
-__all__ = ["START_TIMEOUT", "NodeShard", "start", "wanted"]
+__all__ = ["HOST_GROUP", "START_TIMEOUT", "NodeShard", "start", "wanted"]

@@ -4,11 +4,12 @@
 
 Phases, each reported as ``OUT_DIR/PHASE-RANK.json`` (the coordinator assigns ranks):
 
-1. ``exact``: all_reduce (int64 and float32), all_gather, broadcast and reduce_scatter of
+1. ``exact``: all_reduce (int64 sum and max, float32 sum and mean, several at once),
+   all_gather, broadcast and reduce_scatter of
    random inputs every rank can recompute, against numpy: int64 bit-identical, float32 within
    float32 rounding of a float64 sum;
-2. ``bytes``: ITERS all_reduces of NBYTES of float32 between two barriers, with this host's
-   ``eth0`` counters read before and after (the host's shard's traffic included);
+2. ``bytes``: ITERS all_reduces of NBYTES of float32, with this host's ``eth0`` counters read
+   before and after, each reading between two barriers (the host's shard's traffic included);
 3. ``failure``: all_reduces until one fails (the test takes a host's link down): the error's
    class, message and the wall-clock time it was raised at;
 4. ``again``: join ``JOB/again`` with ``CLUSTER_REJOIN_WORLD`` ranks and repeat phase 1.
@@ -44,6 +45,14 @@ def exact(pg) -> dict:
     got = pg.all_reduce(floats[rank])
     want = np.sum(np.asarray(floats, np.float64), axis=0)
     assert np.allclose(got, want, rtol=1e-5, atol=1e-5 * world), "float32 all_reduce differs"
+    got = pg.all_reduce(floats[rank], op="mean")
+    assert np.allclose(got, want / world, rtol=1e-5, atol=1e-5), "float32 mean differs"
+    assert np.array_equal(pg.all_reduce(ints[rank], op="max"), np.max(ints, axis=0))
+    # Several in flight at once, of different sizes: each must pair with the same call on
+    # every rank (the two-level all_reduce issues its later stages in call order).
+    works = [pg.all_reduce(ints[rank][:n], async_op=True) for n in (N, 7, N // 2, 1, N)]
+    for work, n in zip(works, (N, 7, N // 2, 1, N), strict=True):
+        assert np.array_equal(work.wait(), np.sum(ints, axis=0)[:n]), "an async all_reduce"
     for a, b in zip(pg.all_gather(ints[rank]), ints, strict=True):
         assert np.array_equal(a, b), "all_gather differs"
     assert np.array_equal(pg.broadcast(ints[rank], src=world - 1), ints[world - 1])
@@ -59,12 +68,16 @@ def link_bytes() -> tuple[int, int]:
 
 def measure(pg, nbytes: int, iters: int) -> dict:
     x = np.ones(nbytes // 4, np.float32)
+    # A barrier on each side of each reading: no rank's traffic of the phase before or after
+    # reaches this host (its shard) between the barriers and the reading.
     pg.barrier()
     rx0, tx0 = link_bytes()
+    pg.barrier()
     for _ in range(iters):
         pg.all_reduce(x)
     pg.barrier()
     rx1, tx1 = link_bytes()
+    pg.barrier()
     return {"rank": pg.rank, "rx": rx1 - rx0, "tx": tx1 - tx0, "nbytes": nbytes, "iters": iters}
 
 

@@ -178,7 +178,7 @@ MAX_LINES = 450
 #: number.
 OVER_LIMIT: dict[str, int] = {
     # the async group, the sync facade and init_process_group[_async] in one module
-    "gradstar.client.process_group": 725,
+    "gradstar.client.process_group": 751,
     # every subcommand's parser and entry point in one module
     "gradstar.cli": 668,
     # the client's state machine of the Collective stream with its shared-memory path
@@ -186,7 +186,7 @@ OVER_LIMIT: dict[str, int] = {
     # the life of one collective on the hub, matching to reduction
     "gradstar.coordinator.engine": 527,
     # jobs, generations, ranks, heartbeats and the shard table
-    "gradstar.coordinator.rendezvous": 462,
+    "gradstar.coordinator.rendezvous": 466,
 }
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import mmap
 import os
 import secrets
@@ -75,6 +76,12 @@ def host_id() -> str:
             boot_id, net = "", 0
         _HOST_ID = f"{boot_id}/{net}"
     return _HOST_ID
+
+
+def host_key() -> str:
+    """A short name of :func:`host_id` that ranks and shards announce to the coordinator (a
+    digest: the boot id itself stays on the host)."""
+    return hashlib.sha256(host_id().encode()).hexdigest()[:16]
 
 
 class Segment:

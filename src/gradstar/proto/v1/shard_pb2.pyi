@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ShardHello(_message.Message):
-    __slots__ = ("address", "slot", "job")
+    __slots__ = ("address", "slot", "job", "host")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     address: str
     slot: int
     job: str
-    def __init__(self, address: _Optional[str] = ..., slot: _Optional[int] = ..., job: _Optional[str] = ...) -> None: ...
+    host: str
+    def __init__(self, address: _Optional[str] = ..., slot: _Optional[int] = ..., job: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
 
 class ShardJob(_message.Message):
     __slots__ = ("job", "bytes_in", "bytes_out", "completed", "failed", "active")

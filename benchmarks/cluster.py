@@ -1,0 +1,601 @@
+"""all_reduce across hosts at link speed: gloo's ring and gradstar's topologies on an emulated
+cluster, in one run.
+
+The cluster (:mod:`_emulated_cluster`)
+    Every host is a Linux network namespace with one interface on a shared bridge, its link
+    limited to ``--rate`` (tc notation, default 200mbit) in BOTH directions by a token bucket
+    (tbf on the host's eth0 and on its bridge port). The rank hosts are ``node0`` ..
+    ``node{H-1}`` (``--hosts H``, ``--ranks-per-host r``: rank i on node i // r); the extra hosts
+    ``hub`` and ``shard0`` .. ``shard{H-1}`` exist only for the topologies that use them. The run
+    needs root, ``ip`` and ``tc``, and removes every namespace and process it made however it
+    ends (errors, Ctrl-C, SIGTERM; only a SIGKILL of this script leaves them: ``ip netns list``
+    shows ``gs-<tag>-*``).
+
+Topologies (the rows; ``--topologies``)
+    ``gloo``                torch.distributed gloo all_reduce (its ring), GLOO_SOCKET_IFNAME=eth0,
+                            rendezvous on a TCP store at node0's address.
+    ``hub-on-rank0``        ``gradstar coordinator`` on node0, beside rank 0; no shards (what an
+                            embedded hub or ``gradstar launch`` gives).
+    ``hub-own-host``        the coordinator alone on host ``hub`` (docker-compose's shape).
+    ``shards-extra-hosts``  the coordinator on ``hub`` (control plane only) and H ``gradstar
+                            shard`` processes, one on each of ``shard0`` .. ``shard{H-1}``.
+    ``node-local``          the coordinator on node0 and one ``gradstar shard`` on every rank
+                            host, started here with ``--advertise-host <its address>``. Once
+                            gradstar's launchers start node-local shards by default, only
+                            :func:`node_local` changes (it then starts none itself).
+    Each gradstar topology is one function below returning a :class:`Placement`; the processes
+    are started from it by :func:`start_hub`.
+
+What is measured
+    Each rank runs in its host's namespace (``ip netns exec``), with a float32 tensor of
+    ``size`` MiB (numpy for gradstar, torch for gloo) whose elements are rank + 1. It runs
+    ``--warmup`` all_reduce(sum) calls (checking the result exactly: n(n+1)/2 everywhere), then
+    ``--iters`` timed iterations of ``barrier(); t0; all_reduce; t``. Rank 0 tells this script
+    (JSON lines on its stdout; a line on its stdin lets the ranks go on) right before and right
+    after the timed loop, while every rank waits at a barrier; there this script reads every
+    host's link counters and the hub's CPU. Columns:
+
+    * ms: rank 0's median iteration; x gloo: that over gloo's median at the same size.
+    * ideal ms: the link-bound time, from the bytes the busiest host link must carry in one
+      direction (links are full duplex, the bridge is not a bottleneck), at R bytes/s each way.
+      For an all_reduce of S bytes over n ranks, one rank per host (see :func:`link_model`,
+      which computes it from the flows for any ranks-per-host, where a host's ranks share its
+      link)::
+
+          ring (gloo)                  2(n-1)/n * S / R      every rank sends 2(n-1)/n*S to the next
+          hub on rank 0's host         (n-1) * S / R         the hub's link carries the other ranks
+          hub on a host of its own     n * S / R             the hub's link carries every rank's S
+          K shards on extra hosts      max(S, n*S/K) / R     each rank S each way; a shard n*S/K
+          node-local shards (K = n)    2(n-1)/n * S / R      S/n to and from each other host
+
+      This ignores latency and headers (TCP/IP, gRPC framing: a few per cent).
+    * eff: ideal / ms.
+    * link MB: bytes per collective over the busiest host link (the larger direction), from the
+      veth counters over the timed loop divided by ``--iters`` (the barriers' few bytes
+      included); model MB: what the flows above put there. A second table lists every host's
+      link, out/in.
+    * CPU-s/GB: CPU seconds over the timed loop per GB (1e9 bytes) of payload, S x n x iters.
+      hub: the coordinator and its shards (user + system from /proc/PID/stat); ranks: the sum
+      of the ranks' ``time.process_time()`` over the loop.
+
+Shared memory: a gradstar rank reaches a hub or shard on its own host through shared memory,
+and streams to the others: gradstar tells hosts apart by boot id and network namespace
+(``gradstar.transport.shm.host_id``), so each namespace here is a host of its own, and the
+ranks run with gradstar's default (no ``GRADSTAR_SHARED_MEMORY`` set).
+
+Every wait is bounded (``--timeout`` per topology and size); a row that fails is reported with
+its error and the run goes on; the exit status is 1 if any row failed.
+
+How to reproduce (as root)::
+
+    .venv/bin/python benchmarks/cluster.py --hosts 4 --ranks-per-host 1 --sizes-mb 16 64 \\
+        --iters 5
+    .venv/bin/python benchmarks/cluster.py --hosts 2 --ranks-per-host 2 --sizes-mb 1 \\
+        --topologies gloo node-local --rate 100mbit --json /tmp/cluster.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import queue
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _emulated_cluster import (
+    ClusterUnavailable,
+    EmulatedCluster,
+    LinkBytes,
+    rate_bytes_per_second,
+)
+from _harness import (
+    BenchmarkError,
+    MiB,
+    cpu_seconds_of,
+    format_table,
+    loadavg,
+    median,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+COORDINATOR_PORT = 29400  # each host is a fresh namespace: nothing else listens there
+STORE_PORT = 29500
+MB = 1e6
+GB = 1e9
+
+
+# -- placements: where each process of a topology runs ------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The run's rank hosts and ranks: rank i runs on ``rank_hosts[i]``."""
+
+    hosts: int
+    ranks_per_host: int
+
+    @property
+    def nodes(self) -> list[str]:
+        return [f"node{h}" for h in range(self.hosts)]
+
+    @property
+    def rank_hosts(self) -> list[str]:
+        return [f"node{r // self.ranks_per_host}"
+                for r in range(self.hosts * self.ranks_per_host)]
+
+    @property
+    def world_size(self) -> int:
+        return self.hosts * self.ranks_per_host
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a topology runs its hub: the coordinator's host (None: gloo, no hub) and one host
+    per shard (slot k on ``shard_hosts[k]``; empty: the coordinator carries the collectives)."""
+
+    coordinator: str | None
+    shard_hosts: tuple[str, ...] = ()
+
+
+def gloo(layout: Layout) -> Placement:
+    return Placement(None)
+
+
+def hub_on_rank0(layout: Layout) -> Placement:
+    return Placement(layout.rank_hosts[0])
+
+
+def hub_own_host(layout: Layout) -> Placement:
+    return Placement("hub")
+
+
+def shards_extra_hosts(layout: Layout) -> Placement:
+    return Placement("hub", tuple(f"shard{k}" for k in range(layout.hosts)))
+
+
+def node_local(layout: Layout) -> Placement:
+    """One shard on each rank host, started by this script. When gradstar's launchers start
+    node-local shards by default, this returns ``Placement(node0)`` and the ranks' launcher
+    starts the shards."""
+    return Placement(layout.rank_hosts[0], tuple(layout.nodes))
+
+
+TOPOLOGIES: dict[str, Callable[[Layout], Placement]] = {
+    "gloo": gloo, "hub-on-rank0": hub_on_rank0, "hub-own-host": hub_own_host,
+    "shards-extra-hosts": shards_extra_hosts, "node-local": node_local}
+
+
+def extra_hosts(names: Sequence[str], layout: Layout) -> list[str]:
+    """The hosts beyond the rank hosts that ``names`` need, in a stable order."""
+    needed: list[str] = []
+    for name in names:
+        placement = TOPOLOGIES[name](layout)
+        for host in (placement.coordinator, *placement.shard_hosts):
+            if host is not None and host not in layout.nodes and host not in needed:
+                needed.append(host)
+    return needed
+
+
+# -- the link model -----------------------------------------------------------------------------
+
+
+def link_model(placement: Placement, layout: Layout, nbytes: int) -> dict[str, LinkBytes]:
+    """The bytes each host's link carries per all_reduce of ``nbytes``, from the flows alone.
+
+    gloo: rank i sends 2(n-1)/n of the tensor to rank i+1 (its ring). gradstar: each rank
+    sends 1/K of the tensor to each of the K shards (the coordinator when K = 0) and gets as
+    much back. A flow between two ranks' processes on one host crosses no link.
+    """
+    n = layout.world_size
+    flows: list[tuple[str, str, float]] = []
+    if placement.coordinator is None:
+        hosts = layout.rank_hosts
+        flows = [(hosts[i], hosts[(i + 1) % n], 2 * (n - 1) / n * nbytes) for i in range(n)]
+    else:
+        targets = list(placement.shard_hosts) or [placement.coordinator]
+        for host in layout.rank_hosts:
+            for target in targets:
+                flows += [(host, target, nbytes / len(targets)),
+                          (target, host, nbytes / len(targets))]
+    tx: dict[str, float] = {}
+    rx: dict[str, float] = {}
+    for src, dst, size in flows:
+        if src != dst:
+            tx[src] = tx.get(src, 0.0) + size
+            rx[dst] = rx.get(dst, 0.0) + size
+    return {h: LinkBytes(round(rx.get(h, 0)), round(tx.get(h, 0))) for h in {*tx, *rx}}
+
+
+def busiest(links: dict[str, LinkBytes]) -> float:
+    return max((max(b.rx, b.tx) for b in links.values()), default=0.0)
+
+
+# -- the rank program ---------------------------------------------------------------------------
+
+
+def rank_main(spec: dict) -> int:
+    """One rank: join, warm up, report the timed loop. Rank 0 prints ``{"phase": ...}`` lines
+    and waits for a line on stdin at each; every rank ends with a ``{"result": ...}`` line."""
+    import numpy as np
+
+    rank, n, iters = spec["rank"], spec["world_size"], spec["iters"]
+    numel = spec["nbytes"] // 4
+    want = n * (n + 1) / 2
+    if spec["backend"] == "gloo":
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=spec["store"], rank=rank, world_size=n,
+                                timeout=datetime.timedelta(seconds=spec["timeout"]))
+        saved = torch.full((numel,), float(rank + 1), dtype=torch.float32)
+        x = saved.clone()
+
+        def all_reduce():
+            x.copy_(saved)  # gloo reduces in place
+            dist.all_reduce(x)
+            return x.numpy()
+
+        barrier, close, shards = dist.barrier, dist.destroy_process_group, None
+    else:
+        import gradstar
+
+        options = {"chunk_bytes": spec["chunk_bytes"]} if spec["chunk_bytes"] else {}
+        pg = gradstar.init_process_group(rank=rank, timeout=spec["timeout"], join_timeout=120,
+                                         **options)
+        if len(pg.shards) != spec["shards"]:
+            raise SystemExit(f"rank {rank}: striped over {pg.shards}, expected "
+                             f"{spec['shards']} shards")
+        x = np.full(numel, rank + 1, dtype=np.float32)
+
+        def all_reduce():
+            return pg.all_reduce(x)
+
+        barrier, close, shards = pg.barrier, pg.close, pg.shards
+
+    def check(result) -> None:
+        if not (result[0] == want and result[-1] == want and (result == want).all()):
+            raise SystemExit(f"rank {rank}: wrong all_reduce result (want {want})")
+
+    def phase(name: str) -> None:
+        barrier()
+        if rank == 0:
+            print(json.dumps({"phase": name}), flush=True)
+            if not sys.stdin.readline():
+                raise SystemExit("rank 0: the benchmark went away")
+        barrier()
+
+    for _ in range(spec["warmup"]):
+        check(all_reduce())
+    phase("start")
+    times = []
+    cpu = time.process_time()
+    for _ in range(iters):
+        barrier()
+        t0 = time.perf_counter()
+        result = all_reduce()
+        times.append(time.perf_counter() - t0)
+    cpu = time.process_time() - cpu
+    check(result)
+    phase("end")
+    print(json.dumps({"result": {"rank": rank, "times": times, "cpu_s": cpu,
+                                 "shards": shards}}), flush=True)
+    close()
+    return 0
+
+
+# -- running a topology -------------------------------------------------------------------------
+
+
+@dataclass
+class Process:
+    """A process in a host, its output in a log file; :meth:`wait_for` a line of it."""
+
+    name: str
+    proc: subprocess.Popen
+    log: Path
+    lines: queue.Queue = field(default_factory=queue.Queue)
+
+    def start_reader(self) -> None:
+        def pump() -> None:
+            with self.log.open("a") as out:
+                for line in self.proc.stdout:
+                    out.write(line)
+                    out.flush()
+                    self.lines.put(line)
+            self.lines.put(None)
+
+        threading.Thread(target=pump, daemon=True, name=f"{self.name}-out").start()
+
+    def next_line(self, deadline: float, what: str) -> str:
+        """The next line of output; raises BenchmarkError on exit or at ``deadline``."""
+        try:
+            line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise BenchmarkError(f"{self.name}: no {what} in time\n{self.tail()}") from None
+        if line is None:
+            self.lines.put(None)
+            raise BenchmarkError(f"{self.name} exited ({self.proc.wait()}) before {what}\n"
+                                 f"{self.tail()}")
+        return line
+
+    def wait_for(self, text: str, deadline: float) -> str:
+        while True:
+            line = self.next_line(deadline, repr(text))
+            if text in line:
+                return line
+
+    def tail(self, chars: int = 2500) -> str:
+        return f"--- {self.name} ({self.log}) ---\n" + \
+            self.log.read_text(errors="replace")[-chars:]
+
+
+@dataclass
+class Run:
+    """What every row shares: the cluster, the layout, tokens, options, and a log folder."""
+
+    cluster: EmulatedCluster
+    layout: Layout
+    args: argparse.Namespace
+    logs: Path
+    token: str = field(default_factory=secrets.token_urlsafe)
+    admin_token: str = field(default_factory=secrets.token_urlsafe)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("GRADSTAR_", "GLOO_"))}
+        return env | {"PYTHONUNBUFFERED": "1", **extra}
+
+    def start(self, host: str, name: str, argv: Sequence[str], env: dict[str, str], *,
+              stdin: bool = False) -> Process:
+        log = self.logs / f"{name}.log"
+        with log.open("w") as err:
+            proc = self.cluster.popen(host, argv, env=env, cwd=REPO, text=True, bufsize=1,
+                                      stdout=subprocess.PIPE, stderr=err,
+                                      stdin=subprocess.PIPE if stdin else subprocess.DEVNULL)
+        started = Process(name, proc, log)
+        started.start_reader()
+        return started
+
+
+def start_hub(run: Run, label: str, placement: Placement, deadline: float) -> list[Process]:
+    """Start ``placement``'s coordinator and shards and wait until the coordinator serves with
+    all its shards; returns them, coordinator first."""
+    env = run.env(GRADSTAR_TOKEN=run.token, GRADSTAR_ADMIN_TOKEN=run.admin_token)
+    k = len(placement.shard_hosts)
+    coordinator = run.start(placement.coordinator, f"{label}-coordinator", [
+        sys.executable, "-u", "-m", "gradstar", "coordinator", "--host", "0.0.0.0",
+        "--port", str(COORDINATOR_PORT), "--shards", "0", "--expected-shards", str(k),
+        "--log-level", "WARNING"], env)
+    hub = [coordinator]
+    try:
+        address = f"{run.cluster.address(placement.coordinator)}:{COORDINATOR_PORT}"
+        if k:
+            coordinator.wait_for("gradstar coordinator bound to", deadline)
+        for slot, host in enumerate(placement.shard_hosts):
+            hub.append(run.start(host, f"{label}-shard{slot}", [
+                sys.executable, "-u", "-m", "gradstar", "shard", "--coordinator", address,
+                "--host", "0.0.0.0", "--port", "0", "--advertise-host",
+                run.cluster.address(host), "--slot", str(slot), "--log-level", "WARNING"],
+                env))
+        coordinator.wait_for("gradstar coordinator listening on", deadline)
+    except BaseException:
+        run.cluster.stop_processes([p.proc for p in hub])
+        raise
+    return hub
+
+
+def rank_env(run: Run, placement: Placement, job: str) -> dict[str, str]:
+    if placement.coordinator is None:
+        return run.env(GLOO_SOCKET_IFNAME="eth0")
+    address = f"{run.cluster.address(placement.coordinator)}:{COORDINATOR_PORT}"
+    return run.env(GRADSTAR_COORDINATOR=address, GRADSTAR_JOB=job, GRADSTAR_TOKEN=run.token,
+                   GRADSTAR_WORLD_SIZE=str(run.layout.world_size))
+
+
+@dataclass
+class Sample:
+    links: dict[str, LinkBytes]
+    hub_cpu: float
+    at: float
+
+
+def sample(run: Run, hub: list[Process]) -> Sample:
+    cpu = sum(cpu_seconds_of(p.proc.pid) or 0.0 for p in hub)
+    return Sample(run.cluster.link_bytes(), cpu, time.monotonic())
+
+
+def run_size(run: Run, name: str, placement: Placement, hub: list[Process], size_mb: float,
+             deadline: float) -> dict:
+    """The ranks of one row at one size; returns the row's measurements."""
+    layout, args = run.layout, run.args
+    nbytes = int(size_mb * MiB) // 4 * 4
+    label = f"{name}-{size_mb:g}MiB"
+    store = f"tcp://{run.cluster.address(layout.rank_hosts[0])}:{STORE_PORT}"
+    ranks = []
+    try:
+        for rank, host in enumerate(layout.rank_hosts):
+            spec = {"backend": "gloo" if placement.coordinator is None else "gradstar",
+                    "rank": rank, "world_size": layout.world_size, "nbytes": nbytes,
+                    "iters": args.iters, "warmup": args.warmup, "store": store,
+                    "timeout": args.timeout, "shards": len(placement.shard_hosts),
+                    "chunk_bytes": int(args.chunk_mb * MiB) if args.chunk_mb else None}
+            ranks.append(run.start(host, f"{label}-rank{rank}",
+                                   [sys.executable, "-u", __file__, "--rank-spec",
+                                    json.dumps(spec)],
+                                   rank_env(run, placement, label), stdin=rank == 0))
+        samples = []
+        for phase in ("start", "end"):
+            line = ranks[0].wait_for('"phase"', deadline)
+            if json.loads(line)["phase"] != phase:
+                raise BenchmarkError(f"{label}: rank 0 said {line.strip()}, expected {phase}")
+            samples.append(sample(run, hub))
+            ranks[0].proc.stdin.write("go\n")
+            ranks[0].proc.stdin.flush()
+        results = [json.loads(r.wait_for('"result"', deadline))["result"] for r in ranks]
+        for r in ranks:
+            r.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except (BenchmarkError, subprocess.TimeoutExpired, OSError, ValueError) as error:
+        raise BenchmarkError(f"{label}: {error}\n" + "\n".join(r.tail() for r in ranks)) \
+            from None
+    finally:
+        run.cluster.stop_processes([r.proc for r in ranks])
+    before, after = samples
+    links = {h: LinkBytes(round((after.links[h] - before.links[h]).rx / args.iters),
+                          round((after.links[h] - before.links[h]).tx / args.iters))
+             for h in after.links}
+    gb = nbytes * layout.world_size * args.iters / GB
+    model = link_model(placement, layout, nbytes)
+    rate = rate_bytes_per_second(args.rate)
+    return {"topology": name, "size_mb": size_mb, "nbytes": nbytes,
+            "median_s": median(results[0]["times"]), "times": results[0]["times"],
+            "ideal_s": busiest(model) / rate, "links": {h: vars(b) for h, b in links.items()},
+            "model": {h: vars(b) for h, b in model.items()},
+            "hub_cpu_s_per_gb": (after.hub_cpu - before.hub_cpu) / gb if hub else None,
+            "ranks_cpu_s_per_gb": sum(r["cpu_s"] for r in results) / gb,
+            "shards": results[0]["shards"]}
+
+
+def run_topology(run: Run, name: str) -> tuple[list[dict], list[tuple[str, str]]]:
+    """Every size of one row: its hub started once, fresh ranks (and job) per size."""
+    placement = TOPOLOGIES[name](run.layout)
+    rows, failures = [], []
+    hub: list[Process] = []
+    try:
+        if placement.coordinator is not None:
+            hub = start_hub(run, name, placement, time.monotonic() + 60)
+        for size_mb in run.args.sizes_mb:
+            t0 = time.monotonic()
+            try:
+                row = run_size(run, name, placement, hub, size_mb, t0 + run.args.timeout)
+            except BenchmarkError as error:
+                failures.append((f"{name} {size_mb:g} MiB", str(error)))
+                print(f"  {name:20s} {size_mb:6g} MiB FAILED", file=sys.stderr, flush=True)
+                continue
+            rows.append(row)
+            print(f"  {name:20s} {size_mb:6g} MiB median {row['median_s'] * 1e3:9.1f} ms "
+                  f"({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
+    except BenchmarkError as error:
+        failures.append((name, str(error)))
+        print(f"  {name:20s} FAILED to start", file=sys.stderr, flush=True)
+    finally:
+        run.cluster.stop_processes([p.proc for p in hub])
+    return rows, failures
+
+
+# -- report -------------------------------------------------------------------------------------
+
+
+def tables(rows: list[dict]) -> str:
+    gloo_s = {r["size_mb"]: r["median_s"] for r in rows if r["topology"] == "gloo"}
+
+    def mb(x: float) -> str:
+        return f"{x / MB:.1f}"
+
+    def cpu(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    main = [[r["topology"], f"{r['size_mb']:g}", f"{r['median_s'] * 1e3:.0f}",
+             f"{r['median_s'] / gloo_s[r['size_mb']]:.2f}" if r["size_mb"] in gloo_s else "-",
+             f"{r['ideal_s'] * 1e3:.0f}", f"{r['ideal_s'] / r['median_s']:.0%}",
+             mb(busiest({h: LinkBytes(**b) for h, b in r["links"].items()})),
+             mb(busiest({h: LinkBytes(**b) for h, b in r["model"].items()})),
+             cpu(r["hub_cpu_s_per_gb"]), cpu(r["ranks_cpu_s_per_gb"])] for r in rows]
+    out = format_table(["topology", "MiB", "ms", "x gloo", "ideal ms", "eff", "link MB",
+                        "model MB", "hub CPU-s/GB", "ranks CPU-s/GB"], main)
+    hosts = sorted({h for r in rows for h, b in r["links"].items() if b["rx"] + b["tx"] > 1e5},
+                   key=lambda h: (not h.startswith("node"), h))
+    per_host = [[r["topology"], f"{r['size_mb']:g}",
+                 *(f"{mb(r['links'][h]['tx'])}/{mb(r['links'][h]['rx'])}" for h in hosts)]
+                for r in rows]
+    out += "\n\nMB per collective over each host's link, out/in (veth counters):\n"
+    return out + format_table(["topology", "MiB", *hosts], per_host)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hosts", type=int, default=4, help="rank hosts (default 4)")
+    parser.add_argument("--ranks-per-host", type=int, default=1)
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 16, 64],
+                        help="float32 payload per rank in MiB (default 1 16 64)")
+    parser.add_argument("--rate", default="200mbit",
+                        help="each host link's rate each way, tc notation (default 200mbit)")
+    parser.add_argument("--iters", type=int, default=5, help="timed iterations (default 5)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed iterations (default 1)")
+    parser.add_argument("--chunk-mb", type=float,
+                        help="gradstar ranks' chunk size in MiB (default: the client's)")
+    parser.add_argument("--topologies", nargs="+", choices=list(TOPOLOGIES),
+                        default=list(TOPOLOGIES))
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds allowed per topology and size (default 300)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--rank-spec", help=argparse.SUPPRESS)  # a rank process of this script
+    args = parser.parse_args(argv)
+    if args.rank_spec:
+        return rank_main(json.loads(args.rank_spec))
+    if args.hosts < 2 or args.ranks_per_host < 1 or args.iters < 1:
+        parser.error("--hosts must be at least 2, --ranks-per-host and --iters at least 1")
+    rate_bytes_per_second(args.rate)
+
+    # Ctrl-C (even where a shell started this with SIGINT ignored), SIGTERM and SIGHUP end the
+    # run through the finally blocks that clean up.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda s, _: sys.exit(128 + s))
+    layout = Layout(args.hosts, args.ranks_per_host)
+    names = layout.nodes + extra_hosts(args.topologies, layout)
+    rows: list[dict] = []
+    failures: list[tuple[str, str]] = []
+    logs = Path(tempfile.mkdtemp(prefix="gradstar-cluster-"))
+    try:
+        with EmulatedCluster(names, rate=args.rate) as cluster:
+            print(cluster.describe(), file=sys.stderr, flush=True)
+            run = Run(cluster, layout, args, logs)
+            for name in args.topologies:
+                got, failed = run_topology(run, name)
+                rows += got
+                failures += failed
+    except ClusterUnavailable as error:
+        print(f"benchmarks/cluster.py: no emulated cluster here: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("benchmarks/cluster.py: interrupted; its processes and namespaces are gone",
+              file=sys.stderr)
+        return 130
+    finally:
+        if not failures:
+            shutil.rmtree(logs, ignore_errors=True)
+    print(f"\nall_reduce, float32, {layout.hosts} hosts x {layout.ranks_per_host} ranks, each "
+          f"host link {args.rate} each way; {args.iters} timed iterations (median), "
+          f"{args.warmup} warm-up; load {loadavg()}")
+    print("ideal = busiest host link's bytes in one direction / rate: ring 2(n-1)/n*S, hub on "
+          "rank 0's host (n-1)*S, hub on its own host n*S, K extra-host shards max(S, n*S/K), "
+          "node-local shards 2(n-1)/n*S (one rank per host)\n")
+    print(tables(rows))
+    for name, error in failures:
+        print(f"\nFAILED {name}:\n{error}")
+    if failures:
+        print(f"\nEvery process's output: {logs}")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "benchmark": "cluster", "args": vars(args) | {"json": str(args.json)},
+            "machine": platform.platform(), "cpus": os.cpu_count(), "rows": rows,
+            "failures": failures}, indent=2) + "\n")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

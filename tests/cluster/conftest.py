@@ -1,0 +1,39 @@
+"""The ``cluster`` fixture: emulated clusters (:mod:`benchmarks._emulated_cluster`) for tests.
+
+``cluster(["node0", "node1"], rate="200mbit")`` builds hosts as network namespaces on a bridge,
+each host link shaped both ways, and returns the :class:`EmulatedCluster`; every cluster the
+test built is closed after it (its processes stopped, its namespaces removed), whether the
+test passed, failed or was interrupted. Where this machine cannot build one (not root, no
+``ip`` or ``tc``, namespaces forbidden) the test is skipped with the reason: CI runs as root,
+so these tests run there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import pytest
+
+from benchmarks._emulated_cluster import ClusterUnavailable, EmulatedCluster
+
+MakeCluster = Callable[..., EmulatedCluster]
+
+
+@pytest.fixture
+def cluster() -> Iterator[MakeCluster]:
+    built: list[EmulatedCluster] = []
+
+    def make(hosts: Sequence[str], **options: object) -> EmulatedCluster:
+        made = EmulatedCluster(hosts, **options)
+        try:
+            made.build()
+        except ClusterUnavailable as error:
+            pytest.skip(f"no emulated cluster here: {error}")
+        built.append(made)
+        return made
+
+    try:
+        yield make
+    finally:
+        for made in reversed(built):
+            made.close()

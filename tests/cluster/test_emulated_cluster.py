@@ -1,0 +1,85 @@
+"""The emulated cluster itself: hosts reach each other by name, each link is shaped both ways
+by a token bucket at the configured rate, and the link counters account for what crossed.
+
+Nothing here is timed: the shaping is proved by the qdiscs installed on both ends of a link,
+and the counters by the bytes of a real TCP transfer between two hosts.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from benchmarks._emulated_cluster import rate_bytes_per_second
+
+PAYLOAD = 4 << 20
+#: TCP/IP and Ethernet headers on ~64 KiB GSO segments of 1448-byte MSS: under 5 %.
+OVERHEAD = 0.05
+
+# Receives PAYLOAD bytes on a port it prints, then prints how many it got.
+RECEIVER = """
+import socket
+with socket.create_server(("0.0.0.0", 0)) as server:
+    print(server.getsockname()[1], flush=True)
+    conn, _ = server.accept()
+    got = 0
+    while chunk := conn.recv(1 << 20):
+        got += len(chunk)
+    print(got, flush=True)
+"""
+SENDER = f"""
+import socket, sys
+with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60) as conn:
+    conn.sendall(bytes({PAYLOAD}))
+"""
+
+
+def test_rate_notation():
+    assert rate_bytes_per_second("200mbit") == 25e6
+    assert rate_bytes_per_second("1gbit") == 125e6
+    assert rate_bytes_per_second("25mbps") == 25e6
+
+
+def test_a_transfer_between_two_hosts_is_counted_on_both_shaped_links(cluster):
+    net = cluster(["node0", "node1"], rate="200mbit")
+    for host in ("node0", "node1"):
+        shown = net.qdiscs(host)
+        for side in ("upload", "download"):
+            assert "tbf" in shown[side] and "rate 200Mbit" in shown[side], (host, side, shown)
+    receiver = net.popen("node1", [sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE,
+                         text=True)
+    port = int(receiver.stdout.readline())
+    before = net.link_bytes()
+    # By name: the host's /etc/hosts resolves the other host.
+    sent = net.run("node0", [sys.executable, "-c", SENDER, "node1", str(port)], timeout=60)
+    assert sent.returncode == 0, sent.stderr
+    assert int(receiver.stdout.readline()) == PAYLOAD
+    assert receiver.wait(timeout=10) == 0
+    after = net.link_bytes()
+    grew = {host: after[host] - before[host] for host in after}
+    assert PAYLOAD <= grew["node0"].tx <= PAYLOAD * (1 + OVERHEAD), grew
+    assert PAYLOAD <= grew["node1"].rx <= PAYLOAD * (1 + OVERHEAD), grew
+    # The other direction carried only acknowledgements.
+    assert grew["node1"].tx < PAYLOAD * OVERHEAD and grew["node0"].rx < PAYLOAD * OVERHEAD, grew
+
+
+def test_a_host_whose_link_is_down_cannot_be_reached(cluster):
+    net = cluster(["node0", "node1"], rate="200mbit")
+    ping = [sys.executable, "-c", "import socket, sys; socket.create_connection("
+            "(sys.argv[1], 9), timeout=2)", "node1"]
+    # Up: node1 answers (a refusal: nothing listens on port 9), fast.
+    assert "ConnectionRefusedError" in net.run("node0", ping).stderr
+    net.link_down("node1")
+    assert "timed out" in net.run("node0", ping).stderr
+    net.link_up("node1")
+    assert "ConnectionRefusedError" in net.run("node0", ping).stderr
+
+
+def test_closing_removes_namespaces_and_processes(cluster):
+    net = cluster(["node0"], rate=None)
+    sleeper = net.popen("node0", ["sleep", "600"])
+    namespaces = [h.namespace for h in net.hosts.values()] + [net.bridge]
+    net.close()
+    assert sleeper.poll() is not None
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(ns in listed for ns in namespaces), listed

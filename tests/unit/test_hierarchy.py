@@ -1,0 +1,48 @@
+"""Who is on which host, without sockets: the two-level all_reduce's plan
+(:func:`gradstar.client.hierarchy.plan`) and the stripes each group gets
+(:meth:`ShardRegistry.stripes_for`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gradstar.client.hierarchy import HostPlan, plan
+from gradstar.coordinator.rendezvous import Rendezvous
+from gradstar.coordinator.shards import ShardRegistry
+from gradstar.node_shard import HOST_GROUP
+from gradstar.proto.v1 import shard_pb2 as spb
+
+
+def test_ranks_are_grouped_by_host_and_hosts_ordered_by_their_lowest_rank():
+    hosts = {0: "b", 1: "a", 2: "b", 3: "a", 4: "c"}
+    assert plan(0, hosts) == HostPlan("b", 0, 2, True, 0, 3)
+    assert plan(2, hosts) == HostPlan("b", 1, 2, False, 0, 3)
+    assert plan(1, hosts) == HostPlan("a", 0, 2, True, 1, 3)
+    assert plan(3, hosts) == HostPlan("a", 1, 2, False, 1, 3)
+    assert plan(4, hosts) == HostPlan("c", 0, 1, True, 2, 3)
+
+
+def test_no_two_levels_where_they_cannot_help():
+    assert plan(0, {0: "a", 1: "a"}) is None  # one host
+    assert plan(0, {0: "a", 1: "b"}) is None  # one rank per host
+    assert plan(0, {0: "a", 1: "", 2: "a"}) is None  # a rank that announced no host
+
+
+def _registry_with(shards: list[tuple[str, str]]) -> ShardRegistry:
+    registry = ShardRegistry(Rendezvous(heartbeat_timeout=10.0))
+    for index, (job, host) in enumerate(shards):
+        registry.register(spb.ShardHello(address=f"10.0.0.{index}:1", job=job, host=host))
+    return registry
+
+
+def test_a_job_stripes_over_its_node_shards_and_a_host_group_over_its_hosts_alone():
+    async def main():
+        registry = _registry_with([("", ""), ("j", "h1"), ("j", "h2"), ("other", "h1")])
+        addresses = lambda job: [r.address for r in registry.stripes_for(job)]  # noqa: E731
+        assert addresses("j") == ["10.0.0.1:1", "10.0.0.2:1"]
+        assert addresses("j/g1/leaders") == ["10.0.0.1:1", "10.0.0.2:1"]
+        assert addresses(f"j/g1{HOST_GROUP}h2") == ["10.0.0.2:1"]
+        assert addresses("jj") == ["10.0.0.0:1"]  # not a subgroup of j: the shared shards
+        assert addresses("unrelated") == ["10.0.0.0:1"]
+
+    asyncio.run(main())
