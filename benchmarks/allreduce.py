@@ -75,10 +75,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -87,32 +84,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import (
-    BenchmarkError,
-    CoordinatorProcess,
-    DriverSync,
-    MiB,
-    add_paths_argument,
-    check_path,
-    format_table,
-    free_port,
-    loadavg,
-    median,
-    path_env,
-    run_ranks,
-    shm_report,
+from _collective_runs import (
+    COLLECTIVE_TIMEOUT,
+    DETAIL_HEADERS,
+    default_timeout,
+    detail_row,
+    hub_cpu,
+    run_sampled,
+    schedule,
+    summarize,
 )
-
-# size in MiB -> (warmup, timed iterations) when --warmup / --iters are not given
-_SCHEDULE = [(1, 5, 50), (16, 3, 20), (64, 2, 10), (float("inf"), 1, 5)]
-COLLECTIVE_TIMEOUT = 300.0  # gradstar's own per-collective timeout, as in the brief
-
-
-def schedule(size_mb: float, warmup: int | None, iters: int | None) -> tuple[int, int]:
-    for limit, w, i in _SCHEDULE:
-        if size_mb <= limit:
-            return (w if warmup is None else warmup), (i if iters is None else iters)
-    raise AssertionError
+from _paths import add_paths_argument, shm_report
+from _processes import BenchmarkError, free_port, loadavg
+from _ranks import run_ranks
+from _report import MiB, environment, format_table, git_commit
 
 
 def _expected(world_size: int) -> float:
@@ -237,116 +222,29 @@ def gloo_rank(rank: int, world_size: int, init_method: str, elements: int, warmu
 # -- driver ------------------------------------------------------------------------------------
 
 
-def _per_gb(seconds: float | None, gb_moved: float) -> float | None:
-    return None if seconds is None or not gb_moved else seconds / gb_moved
-
-
-def _summary(results: list[dict], nbytes: int, iters: int) -> dict:
-    times = results[0]["times"]
-    med = median(times) if times else float("nan")
-    gb_moved = nbytes * len(results) * iters / 1e9
-    ranks_cpu = sum(r["cpu_s"] for r in results)
-    return {
-        "median_ms": med * 1e3,
-        "min_ms": min(times) * 1e3 if times else None,
-        "max_ms": max(times) * 1e3 if times else None,
-        "rank0_times_ms": [round(t * 1e3, 3) for t in times],
-        "median_ms_by_rank": [round(median(r["times"]) * 1e3, 3) if r["times"] else None
-                              for r in results],
-        "algbw_gbps": nbytes / med / 1e9 if times else None,  # = GB/s per rank
-        "join_s_max": max(r["join_s"] for r in results),
-        "gb_moved": gb_moved,
-        "ranks_cpu_s": round(ranks_cpu, 4),
-        "ranks_cpu_s_by_rank": [round(r["cpu_s"], 4) for r in results],
-        "ranks_cpu_s_per_gb": _per_gb(ranks_cpu, gb_moved),
-        "error": None,
-    }
-
-
-def _hub_cpu(samples: dict, gb_moved: float) -> dict:
-    """Hub CPU fields from the samples taken at sync points 0 and 1 ((monotonic, cpu_sample))."""
-    if 0 not in samples or 1 not in samples or None in (samples[0][1], samples[1][1]):
-        return {"hub_cpu_s": None, "hub_cpu_s_per_gb": None, "hub_cores": None}
-    (t0, a), (t1, b) = samples[0], samples[1]
-    hub = b["total_s"] - a["total_s"]
-    window = t1 - t0
-    return {
-        "hub_cpu_s": round(hub, 4),
-        "hub_coordinator_cpu_s": round(b["coordinator_s"] - a["coordinator_s"], 4),
-        "hub_shards_cpu_s": round(b["shards_s"] - a["shards_s"], 4),
-        "hub_cpu_s_per_gb": _per_gb(hub, gb_moved),
-        "hub_window_s": round(window, 4),
-        "hub_cores": hub / window if window > 0 else None,
-        "shard_processes": len(b["shard_pids"]),
-        # a shard restarted or vanished during the timed loop: its work was partly lost
-        "shard_pids_changed": a["shard_pids"] != b["shard_pids"],
-    }
-
-
 def run_gradstar(ranks: int, elements: int, warmup: int, iters: int, timeout: float,
                  label: str, shards: int, chunk_bytes: int | None, path: str,
                  in_place: bool = False) -> dict:
-    from gradstar.transport.shm import POOL_KEEP_BYTES
-
     job = f"bench-allreduce-n{ranks}-e{elements}-k{shards}-{uuid.uuid4().hex[:8]}"
-    env = path_env(path)
-    # K shard processes each import gradstar and register before the coordinator listens.
-    coord = CoordinatorProcess(shards=shards, start_timeout=60.0 + 10.0 * shards, env=env)
-    summary = None
-    try:
-        coord.start()
-        samples: dict[int, tuple[float, dict | None]] = {}
-        mappings: list[int | None] = []
-
-        def sample(point: int) -> None:
-            samples[point] = (time.monotonic(), coord.cpu_sample())
-            if point == 1:  # every rank is alive and holds its segments
-                mappings.append(coord.shm_mappings())
-
-        with DriverSync(ranks, 2, sample, timeout=timeout) as sync:
-            results = run_ranks(gradstar_rank, ranks,
-                                (coord.address, job, elements, warmup, iters, chunk_bytes,
-                                 in_place, sync.handle),
-                                timeout=timeout, label=f"gradstar {label}", env=env)
-        if not coord.alive():
-            raise BenchmarkError(f"[gradstar {label}] the coordinator exited during the run "
-                                 f"(code {coord.proc.returncode}); log tail:\n{coord.log_tail()}")
-        used = {r["shards"] for r in results}
-        if used != {shards} and used != {None}:
-            raise BenchmarkError(f"[gradstar {label}] the coordinator was started with --shards "
-                                 f"{shards} but the ranks' groups are striped over {sorted(used)} "
-                                 "shards")
-        hub_mappings = mappings[0] if mappings else None
-        if elements * 4 > POOL_KEEP_BYTES:
-            # A rank closes a segment this large after each collective, and the hub then drops
-            # its mapping: count or not, it proves nothing; the ranks' reports still do.
-            hub_mappings = None
-        check_path(results, path, f"gradstar {label}", hub_mappings)
-        summary = _summary(results, elements * 4, iters)
-        summary["path"] = path
-        summary["hub_shm_mappings"] = hub_mappings
-        summary["shm_offered_by_rank"] = [r["shm_offered"] for r in results]
-        summary |= _hub_cpu(samples, summary["gb_moved"])
-        summary["shards"] = shards
-        summary["shards_seen_by_ranks"] = results[0]["shards"]
-        summary["chunk_bytes"] = chunk_bytes
-        summary["sync_errors"] = sync.errors
-        if sync.errors:
-            print(f"  note: [gradstar {label}] hub CPU not sampled: {'; '.join(sync.errors)}",
-                  file=sys.stderr)
-        if summary.get("shard_pids_changed"):
-            print(f"  note: [gradstar {label}] a shard process restarted during the timed loop",
-                  file=sys.stderr)
-    except BenchmarkError as error:
-        tail = coord.log_tail() if coord.proc is not None else "(not started)"
-        raise BenchmarkError(f"{error}\n--- coordinator log tail ---\n{tail}") from None
-    finally:
-        code = coord.stop()
-        if summary is not None:
-            summary["coordinator_exit_code"] = code
-        if code not in (0, None):
-            print(f"  note: the coordinator for {label} ended with exit code {code}",
-                  file=sys.stderr)
+    label = f"gradstar {label}"
+    run = run_sampled(gradstar_rank, ranks,
+                      lambda address, sync: (address, job, elements, warmup, iters, chunk_bytes,
+                                             in_place, sync),
+                      shards=shards, path=path, nbytes=elements * 4, timeout=timeout,
+                      label=label)
+    summary = summarize(run.results, elements * 4, iters)
+    summary["path"] = path
+    summary["hub_shm_mappings"] = run.hub_shm_mappings
+    summary["shm_offered_by_rank"] = [r["shm_offered"] for r in run.results]
+    summary |= hub_cpu(run.samples, summary["gb_moved"])
+    summary["shards"] = shards
+    summary["shards_seen_by_ranks"] = run.results[0]["shards"]
+    summary["chunk_bytes"] = chunk_bytes
+    summary["sync_errors"] = run.sync_errors
+    summary["coordinator_exit_code"] = run.exit_code
+    if summary.get("shard_pids_changed"):
+        print(f"  note: [{label}] a shard process restarted during the timed loop",
+              file=sys.stderr)
     return summary
 
 
@@ -355,60 +253,7 @@ def run_gloo(ranks: int, elements: int, warmup: int, iters: int, timeout: float,
     init_method = f"tcp://127.0.0.1:{free_port()}"
     results = run_ranks(gloo_rank, ranks, (init_method, elements, warmup, iters),
                         timeout=timeout, label=f"gloo {label}")
-    return _summary(results, elements * 4, iters)
-
-
-def default_timeout(ranks: int, size_mb: float, warmup: int, iters: int) -> float:
-    """Generous but bounded: start-up, plus 0.1 s per MiB per rank per collective (gradstar
-    measured ~0.01 s/MiB at 2 ranks), kept between 120 s and 600 s. gradstar's own collective
-    timeout (300 s) fires first when a rank goes missing, so its error message is reported."""
-    estimate = 60 + (warmup + iters + 3) * size_mb * ranks * 0.1
-    return max(120.0, min(600.0, estimate))
-
-
-def _environment() -> dict:
-    import numpy
-    import torch
-
-    import gradstar
-
-    root = Path(__file__).resolve().parent.parent
-    try:
-        git = ["git", "-C", str(root)]
-        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=5).stdout.strip() or None
-        # Uncommitted edits to the library itself (not to benchmarks/) make the commit inexact.
-        dirty = subprocess.run([*git, "status", "--porcelain", "--", "src", "client",
-                                "coordinator", "worker", "protos"],
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-        if commit and dirty:
-            commit += "+dirty"
-    except Exception:
-        commit = None
-    return {
-        "python": platform.python_version(), "numpy": numpy.__version__,
-        "torch": torch.__version__, "gradstar": gradstar.__version__, "git_commit": commit,
-        "cpus": os.cpu_count(), "machine": platform.machine(), "system": platform.system(),
-        "loadavg_at_start": loadavg(),
-    }
-
-
-
-
-def _client_default_chunk_bytes() -> int | None:
-    try:
-        from gradstar.wire import DEFAULT_CHUNK_BYTES
-    except ImportError:
-        return None
-    return DEFAULT_CHUNK_BYTES
-
-
-def _max_chunk_bytes() -> int:
-    try:
-        from gradstar.wire import MAX_CHUNK_BYTES
-    except ImportError:
-        return 16 * MiB
-    return MAX_CHUNK_BYTES
+    return summarize(results, elements * 4, iters)
 
 
 def gradstar_configs(shards: list[int], chunk_mb: list[float] | None,
@@ -425,10 +270,6 @@ def gradstar_configs(shards: list[int], chunk_mb: list[float] | None,
                 configs.append({"name": name, "shards": k, "chunk_bytes": c, "chunk_mb": mb,
                                 "path": path})
     return configs
-
-
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def _tables(rows: list[dict], configs: list[dict]) -> tuple[str, str]:
@@ -452,30 +293,11 @@ def _tables(rows: list[dict], configs: list[dict]) -> tuple[str, str]:
         summary_rows.append(line)
         backends = [("gloo", r["gloo"])] + [(f"gradstar {c['name']}", r["gradstar"].get(c["name"]))
                                             for c in configs]
-        for name, result in backends:
-            if result is None:
-                continue
-            if result["error"]:
-                detail_rows.append([r["ranks"], f"{r['size_mb']:g}", name, "FAILED"]
-                                   + ["-"] * 6)
-                continue
-            hub = result.get("hub_cpu_s_per_gb")
-            ranks_cpu = result.get("ranks_cpu_s_per_gb")
-            total = None if ranks_cpu is None else ranks_cpu + (hub or 0.0)
-            if name != "gloo" and hub is None:
-                total = None  # the hub's share is unknown
-            detail_rows.append([
-                r["ranks"], f"{r['size_mb']:g}", name, f"{result['median_ms']:.2f}",
-                _fmt(result.get("ratio"), ".2f"), _fmt(result["algbw_gbps"], ".3f"),
-                "-" if name == "gloo" else _fmt(hub, ".3f"), _fmt(ranks_cpu, ".3f"),
-                _fmt(total, ".3f"),
-                "-" if name == "gloo" else _fmt(result.get("hub_cores"), ".2f"),
-            ])
+        detail_rows += [detail_row(r["ranks"], r["size_mb"], name, result, name != "gloo")
+                        for name, result in backends if result is not None]
     summary = format_table(["ranks", "size MB", "gloo ms"]
                            + [f"gradstar {c['name']} ms (ratio)" for c in configs], summary_rows)
-    detail = format_table(["ranks", "size MB", "backend", "ms", "ratio", "GB/s/rank",
-                           "hub CPU s/GB", "ranks CPU s/GB", "total CPU s/GB", "hub cores"],
-                          detail_rows)
+    detail = format_table(DETAIL_HEADERS, detail_rows)
     return summary, detail
 
 
@@ -515,9 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(k < 0 for k in args.shards) or len(set(args.shards)) != len(args.shards):
         parser.error("--shards takes distinct values >= 0")
     if args.chunk_mb is not None:
-        limit = _max_chunk_bytes()
-        if any(not 0 < c * MiB <= limit for c in args.chunk_mb):
-            parser.error(f"--chunk-mb values must be in (0, {limit / MiB:g}]")
+        from gradstar.wire import MAX_CHUNK_BYTES
+
+        if any(not 0 < c * MiB <= MAX_CHUNK_BYTES for c in args.chunk_mb):
+            parser.error(f"--chunk-mb values must be in (0, {MAX_CHUNK_BYTES / MiB:g}]")
         if len(set(args.chunk_mb)) != len(args.chunk_mb):
             parser.error("--chunk-mb takes distinct values")
     if len(set(args.paths)) != len(args.paths):
@@ -530,8 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM -> SystemExit, so the finally blocks kill every child before we exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    env = _environment()
-    env["client_default_chunk_bytes"] = _client_default_chunk_bytes()
+    env = environment() | {"git_commit": git_commit()}
+    from gradstar.wire import DEFAULT_CHUNK_BYTES
+
+    env["client_default_chunk_bytes"] = DEFAULT_CHUNK_BYTES
     print(f"gradstar all_reduce benchmark: python {env['python']}, torch {env['torch']}, "
           f"numpy {env['numpy']}, gradstar {env['gradstar']} ({env['git_commit']}), "
           f"{env['cpus']} CPUs, load average {env['loadavg_at_start']}; gradstar hubs: "

@@ -50,9 +50,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _collective_runs import check_shards, coordinator
 from _harness import (
     BenchmarkError,
-    CoordinatorProcess,
     add_paths_argument,
     add_run_arguments,
     check_path,
@@ -180,13 +180,6 @@ def _check_ranks_agree(results: list[dict], label: str) -> None:
                                  f"(max abs diff {worst:g}): the replicas diverged")
 
 
-def coordinator(shards: int, env: dict[str, str]) -> CoordinatorProcess:
-    """The hub for a gradstar configuration: ``gradstar coordinator --shards K`` (K shard
-    processes each start and register before the coordinator prints its address), with
-    ``env`` added to its environment."""
-    return CoordinatorProcess(shards=shards, start_timeout=60.0 + 10.0 * shards, env=env)
-
-
 def run_on_hub(target: Callable, ranks: int, args: tuple, *, shards: int, path: str,
                timeout: float, label: str) -> list[dict]:
     """Run ``target(rank, ranks, address, job, *args)`` in ``ranks`` processes against a fresh
@@ -201,16 +194,6 @@ def run_on_hub(target: Callable, ranks: int, args: tuple, *, shards: int, path: 
     check_shards(results, shards, label)
     check_path(results, path, label)
     return results
-
-
-def check_shards(results: list[dict], shards: int, label: str) -> None:
-    """Fail if the ranks' groups are not striped over the ``shards`` the hub was started with
-    (ranks that do not report it are not checked)."""
-    seen = {r.get("shards") for r in results} - {None}
-    if seen and seen != {shards}:
-        raise BenchmarkError(f"[{label}] the coordinator was started with --shards {shards} but "
-                             f"the ranks' groups are striped over {sorted(seen)} shards")
-
 
 
 def add_step_arguments(parser: argparse.ArgumentParser) -> None:

@@ -87,324 +87,38 @@ if any configuration failed, 2 for a usage error or ``--device cuda`` without CU
 from __future__ import annotations
 
 import argparse
-import itertools
-import math
 import os
 import platform
 import shlex
 import signal
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import (
-    BenchmarkError,
-    DriverSync,
-    MiB,
-    add_paths_argument,
-    add_run_arguments,
-    check_path,
-    format_table,
-    free_port,
-    loadavg,
-    median,
-    path_env,
-    run_configs,
-    run_ranks,
-    shm_report,
-    write_json,
+from _collective_runs import (
+    DETAIL_HEADERS,
+    default_timeout,
+    detail_row,
+    hub_cpu,
+    run_sampled,
+    schedule,
+    summarize,
 )
-from allreduce import COLLECTIVE_TIMEOUT, default_timeout, schedule
-from ddp_step import check_shards, coordinator, run_on_hub
+from _gpu_ddp import ddp_table, run_part_ddp
+from _gpu_ranks import allreduce_rank, mlp_widths, parameter_count
+from _paths import add_paths_argument
+from _processes import BenchmarkError, free_port, loadavg
+from _ranks import run_ranks
+from _report import MiB, add_run_arguments, fmt, format_table, write_json
+from _report import environment as common_environment
 
 APIS = ("gloo", "torch", "sdk")  # torch.distributed gloo; backend "gradstar"; gradstar's SDK
-DDP_TIMEOUT = 600.0
-SAMPLE_EVERY = 997  # every 997th parameter goes into a rank's report, for error messages
 
 
-# -- in the rank processes -----------------------------------------------------------------------
-
-
-def rank_device(kind: str, rank: int):
-    """The torch device rank ``rank`` computes on: the CPU, or ``cuda:{rank % GPUs}`` (made the
-    current device), so ranks share a GPU when there are more ranks than GPUs."""
-    import torch
-
-    if kind == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError("this rank sees no CUDA device")
-    index = rank % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
-
-
-def synchronize(device) -> None:
-    """Wait for everything queued on ``device`` (a no-op on the CPU)."""
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class RankGroup:
-    """One rank's side of a configuration: ``api`` (gloo, torch: backend "gradstar", sdk:
-    ``gradstar.init_process_group``) joined at ``where`` (gloo: an init_method; gradstar: the
-    coordinator's address, with ``job``). ``all_reduce(x)`` returns the sum (x itself for
-    torch.distributed, which reduces in place)."""
-
-    def __init__(self, api: str, where: str, job: str | None, rank: int,
-                 world_size: int) -> None:
-        import datetime
-
-        import torch.distributed as dist
-
-        self.api = api
-        self._dist = dist
-        if api == "sdk":
-            import gradstar
-
-            self.pg = gradstar.init_process_group(coordinator=where, job=job,
-                                                  world_size=world_size, rank=rank,
-                                                  timeout=COLLECTIVE_TIMEOUT)
-            return
-        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT)
-        if api == "gloo":
-            dist.init_process_group("gloo", init_method=where, rank=rank,
-                                    world_size=world_size, timeout=timeout)
-        else:
-            import gradstar  # registers backend "gradstar"
-
-            dist.init_process_group("gradstar", init_method=f"gradstar://{where}?job={job}",
-                                    rank=rank, world_size=world_size, timeout=timeout)
-        self.pg = None
-
-    def barrier(self) -> None:
-        if self.pg is not None:
-            self.pg.barrier()
-        else:
-            self._dist.barrier()
-
-    def all_reduce(self, x):
-        if self.pg is not None:
-            return self.pg.all_reduce(x, op="sum")
-        self._dist.all_reduce(x, op=self._dist.ReduceOp.SUM)
-        return x
-
-    def path_report(self) -> dict:
-        """Which data path gradstar's collectives took (:func:`shm_report`); {} for gloo."""
-        if self.api == "gloo":
-            return {}
-        if self.pg is not None:
-            return shm_report(self.pg)
-        return shm_report(self._dist.distributed_c10d._get_default_group().gradstar_group)
-
-    def close(self) -> None:
-        if self.pg is not None:
-            self.pg.close()
-        else:
-            self._dist.destroy_process_group()
-
-
-def _check_sum(out, device, world_size: int, elements: int, what: str) -> None:
-    import torch
-
-    if out.device != device or out.dtype != torch.float32 or tuple(out.shape) != (elements,):
-        raise AssertionError(f"{what}: wrong result: {out.dtype} {tuple(out.shape)} on "
-                             f"{out.device}, expected float32 ({elements},) on {device}")
-    expected = world_size * (world_size + 1) / 2  # exact in float32
-    wrong = out != expected
-    count = int(wrong.sum().item())
-    if count:
-        i = int(wrong.nonzero()[0].item())
-        raise AssertionError(f"{what}: WRONG RESULT: {count} of {elements} elements differ "
-                             f"from {expected:g}; first at index {i}: {out[i].item()!r}")
-
-
-def allreduce_rank(rank: int, world_size: int, api: str, device_kind: str, where: str,
-                   job: str | None, elements: int, warmup: int, iters: int, sync) -> dict:
-    import time
-
-    import torch
-
-    device = rank_device(device_kind, rank)
-    t_join = time.perf_counter()
-    group = RankGroup(api, where, job, rank, world_size)
-    join_s = time.perf_counter() - t_join
-    try:
-        base = torch.full((elements,), float(rank + 1), dtype=torch.float32, device=device)
-        x = base.clone()
-        in_place = api != "sdk"
-
-        def one_call():
-            if in_place:
-                x.copy_(base)  # untimed: the last call left the sum in x
-            synchronize(device)
-            group.barrier()
-            t0 = time.perf_counter()
-            out = group.all_reduce(x)
-            synchronize(device)
-            return out, time.perf_counter() - t0
-
-        for i in range(warmup):
-            out, _ = one_call()
-            if i == 0:
-                _check_sum(out, device, world_size, elements, f"{api} rank {rank} warmup result")
-        if sync is not None:
-            sync.reach(0)  # the driver samples the hub's CPU while every rank waits here
-        times, out = [], None
-        cpu0 = time.process_time()
-        for i in range(iters):
-            out, t = one_call()
-            times.append(t)
-            if i == 0:
-                _check_sum(out, device, world_size, elements, f"{api} rank {rank} first result")
-        cpu_s = time.process_time() - cpu0
-        if sync is not None:
-            sync.reach(1)  # ... and here
-        _check_sum(out, device, world_size, elements, f"{api} rank {rank} last result")
-        report = {"times": times, "join_s": join_s, "cpu_s": cpu_s, "device": str(device),
-                  **group.path_report()}
-        if group.pg is not None:
-            report["shards"] = len(group.pg.shards)
-        group.barrier()  # nobody leaves while a peer is still in its last collective
-    finally:
-        group.close()
-    return report
-
-
-def mlp_widths(mparams: float) -> list[int]:
-    """Widths ``[h/4, h, h, h/4]`` of an MLP with about ``mparams`` million parameters
-    (1.5 h^2 weights), h a multiple of 64: 25 -> [1024, 4096, 4096, 1024] (25.2M)."""
-    hidden = max(64, round(math.sqrt(mparams * 1e6 / 1.5) / 64) * 64)
-    return [hidden // 4, hidden, hidden, hidden // 4]
-
-
-def parameter_count(widths: list[int]) -> int:
-    return sum(a * b + b for a, b in itertools.pairwise(widths))
-
-
-def _mlp(widths: list[int], seed: int):
-    import torch
-    from torch import nn
-
-    torch.manual_seed(seed)
-    layers = []
-    for a, b in itertools.pairwise(widths):
-        layers += [nn.Linear(a, b), nn.ReLU()]
-    return nn.Sequential(*layers[:-1])
-
-
-def _batch(widths: list[int], rank: int, rows: int, device):
-    import torch
-
-    g = torch.Generator().manual_seed(12345)
-    x = torch.randn(rows * 64, widths[0], generator=g)
-    y = torch.randn(rows * 64, widths[-1], generator=g)
-    part = slice(rank * rows, (rank + 1) * rows)
-    return x[part].to(device), y[part].to(device)
-
-
-def ddp_rank(rank: int, world_size: int, where: str | None, job: str | None, api: str,
-             device_kind: str, widths: list[int], rows: int, warmup: int, steps: int,
-             bucket_cap_mb: float, lr: float, save_as: str | None) -> dict:
-    """``api``: local (no communication), gloo / torch (torch's DDP over backend gloo /
-    gradstar) or sdk (gradstar.DDP). Returns the step times and a digest of the final
-    parameters; rank 0 saves them to ``save_as`` (a .npy path) when given."""
-    import hashlib
-    import time
-
-    import numpy as np
-    import torch
-
-    torch.set_num_threads(1)
-    device = rank_device(device_kind, rank)
-    group = None if api == "local" else RankGroup(api, where, job, rank, world_size)
-    try:
-        model = _mlp(widths, seed=0 if api == "local" else rank).to(device)
-        initial = (torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
-                   if rank == 0 else None)
-        if api == "local":
-            step_model = model
-        elif api == "sdk":
-            import gradstar
-
-            step_model = gradstar.DDP(model, group.pg, bucket_cap_mb=bucket_cap_mb)
-        else:
-            device_ids = [device.index] if device.type == "cuda" else None
-            step_model = torch.nn.parallel.DistributedDataParallel(
-                model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
-        x, y = _batch(widths, rank, rows, device)
-        opt = torch.optim.SGD(model.parameters(), lr=lr)
-        times = []
-        for i in range(warmup + steps):
-            synchronize(device)
-            if group is not None:
-                group.barrier()
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(step_model(x), y)
-            loss.backward()
-            opt.step()
-            synchronize(device)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        host = flat.cpu().numpy()
-        report = {"times": times, "params": int(flat.numel()), "device": str(device),
-                  "digest": hashlib.sha256(host.tobytes()).hexdigest(),
-                  "sample": host[::SAMPLE_EVERY].tolist()}
-        if rank == 0:
-            report["moved"] = float((flat - initial).abs().max().item())
-            if save_as is not None:
-                np.save(save_as, host)
-        if group is not None:
-            report |= group.path_report()
-            if group.pg is not None:
-                report["shards"] = len(group.pg.shards)
-            group.barrier()
-    finally:
-        if group is not None:
-            group.close()
-    return report
-
-
-# -- driver: part 1 ------------------------------------------------------------------------------
-
-
-def _per_gb(seconds: float | None, gb_moved: float) -> float | None:
-    return None if seconds is None or not gb_moved else seconds / gb_moved
-
-
-def _allreduce_summary(results: list[dict], nbytes: int, iters: int) -> dict:
-    times = results[0]["times"]
-    med = median(times)
-    gb_moved = nbytes * len(results) * iters / 1e9
-    ranks_cpu = sum(r["cpu_s"] for r in results)
-    return {
-        "median_ms": med * 1e3, "min_ms": min(times) * 1e3, "max_ms": max(times) * 1e3,
-        "rank0_times_ms": [round(t * 1e3, 3) for t in times],
-        "median_ms_by_rank": [round(median(r["times"]) * 1e3, 3) for r in results],
-        "algbw_gbps": nbytes / med / 1e9, "join_s_max": max(r["join_s"] for r in results),
-        "gb_moved": gb_moved, "ranks_cpu_s": round(ranks_cpu, 4),
-        "ranks_cpu_s_per_gb": _per_gb(ranks_cpu, gb_moved),
-        "devices": [r["device"] for r in results], "error": None,
-    }
-
-
-def _hub_cpu(samples: dict, gb_moved: float) -> dict:
-    """Hub CPU over the timed loop from the samples at sync points 0 and 1."""
-    if 0 not in samples or 1 not in samples or None in (samples[0][1], samples[1][1]):
-        return {"hub_cpu_s": None, "hub_cpu_s_per_gb": None, "hub_cores": None}
-    (t0, a), (t1, b) = samples[0], samples[1]
-    hub = b["total_s"] - a["total_s"]
-    return {"hub_cpu_s": round(hub, 4), "hub_cpu_s_per_gb": _per_gb(hub, gb_moved),
-            "hub_cores": hub / (t1 - t0) if t1 > t0 else None,
-            "shard_pids_changed": a["shard_pids"] != b["shard_pids"]}
+# -- part 1: all_reduce ----------------------------------------------------------------------------
 
 
 def run_allreduce_gloo(ranks: int, device: str, elements: int, warmup: int, iters: int,
@@ -413,52 +127,21 @@ def run_allreduce_gloo(ranks: int, device: str, elements: int, warmup: int, iter
                         ("gloo", device, f"tcp://127.0.0.1:{free_port()}", None, elements,
                          warmup, iters, None),
                         timeout=timeout, label=label)
-    return _allreduce_summary(results, elements * 4, iters)
+    return summarize(results, elements * 4, iters)
 
 
 def run_allreduce_gradstar(api: str, path: str, shards: int, ranks: int, device: str,
                            elements: int, warmup: int, iters: int, timeout: float,
                            label: str) -> dict:
-    from gradstar.transport.shm import POOL_KEEP_BYTES
-
-    env = path_env(path)
-    coord = coordinator(shards, env)
-    try:
-        coord.start()
-        samples: dict[int, tuple[float, dict | None]] = {}
-        mappings: list[int | None] = []
-
-        def sample(point: int) -> None:
-            samples[point] = (time.monotonic(), coord.cpu_sample())
-            if point == 1:  # every rank is alive and holds its segments
-                mappings.append(coord.shm_mappings())
-
-        job = f"bench-gpu-{api}-n{ranks}-e{elements}-{uuid.uuid4().hex[:8]}"
-        with DriverSync(ranks, 2, sample, timeout=timeout) as sync:
-            results = run_ranks(allreduce_rank, ranks,
-                                (api, device, coord.address, job, elements, warmup, iters,
-                                 sync.handle),
-                                timeout=timeout, label=label, env=env)
-        if not coord.alive():
-            raise BenchmarkError(f"[{label}] the coordinator exited during the run (code "
-                                 f"{coord.proc.returncode})")
-        check_shards(results, shards, label)
-        # A segment above the pool's keep limit is closed after each collective and the hub
-        # drops its mapping: the count then proves nothing (the ranks' reports still do).
-        hub_mappings = mappings[0] if mappings and elements * 4 <= POOL_KEEP_BYTES else None
-        check_path(results, path, label, hub_mappings)
-        summary = _allreduce_summary(results, elements * 4, iters)
-        summary |= _hub_cpu(samples, summary["gb_moved"])
-        summary |= {"path": path, "shards": shards, "sync_errors": sync.errors}
-        if sync.errors:
-            print(f"  note: [{label}] hub CPU not sampled: {'; '.join(sync.errors)}",
-                  file=sys.stderr)
-        return summary
-    except BenchmarkError as error:
-        tail = coord.log_tail() if coord.proc is not None else "(not started)"
-        raise BenchmarkError(f"{error}\n--- coordinator log tail ---\n{tail}") from None
-    finally:
-        coord.stop()
+    job = f"bench-gpu-{api}-n{ranks}-e{elements}-{uuid.uuid4().hex[:8]}"
+    run = run_sampled(allreduce_rank, ranks,
+                      lambda address, sync: (api, device, address, job, elements, warmup,
+                                             iters, sync),
+                      shards=shards, path=path, nbytes=elements * 4, timeout=timeout,
+                      label=label)
+    summary = summarize(run.results, elements * 4, iters)
+    summary |= hub_cpu(run.samples, summary["gb_moved"])
+    return summary | {"path": path, "shards": shards, "sync_errors": run.sync_errors}
 
 
 def allreduce_configs(backends: list[str], paths: list[str]) -> list[dict]:
@@ -508,9 +191,6 @@ def run_part_allreduce(args, failures: list) -> list[dict]:
     return rows
 
 
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
 
 def allreduce_tables(rows: list[dict], configs: list[dict]) -> tuple[str, str]:
     """(one line per (ranks, size): ms (ratio) per backend; one line per backend: time,
@@ -522,191 +202,26 @@ def allreduce_tables(rows: list[dict], configs: list[dict]) -> tuple[str, str]:
             r = row["results"].get(config["name"])
             cell = "FAILED" if r is None or r["error"] else f"{r['median_ms']:.2f}"
             if r is not None and not r["error"] and config["api"] != "gloo":
-                cell += f" ({_fmt(r['ratio'], '.2f')})"
+                cell += f" ({fmt(r['ratio'], '.2f')})"
             line.append(cell)
             name = config["name"] if config["api"] == "gloo" else f"gradstar {config['name']}"
-            if r is None or r["error"]:
-                detail.append([row["ranks"], f"{row['size_mb']:g}", name, "FAILED"] + ["-"] * 6)
-                continue
-            hub, ranks_cpu = r.get("hub_cpu_s_per_gb"), r.get("ranks_cpu_s_per_gb")
-            total = ranks_cpu if config["api"] == "gloo" else (
-                None if hub is None or ranks_cpu is None else hub + ranks_cpu)
-            gradstar = config["api"] != "gloo"
-            detail.append([row["ranks"], f"{row['size_mb']:g}", name, f"{r['median_ms']:.2f}",
-                           _fmt(r["ratio"], ".2f"), _fmt(r["algbw_gbps"], ".3f"),
-                           _fmt(hub, ".3f") if gradstar else "-", _fmt(ranks_cpu, ".3f"),
-                           _fmt(total, ".3f"),
-                           _fmt(r.get("hub_cores"), ".2f") if gradstar else "-"])
+            detail.append(detail_row(row["ranks"], row["size_mb"], name,
+                                     r or {"error": "not run"}, config["api"] != "gloo"))
         summary.append(line)
     headers = ["ranks", "size MB"] + [
         "gloo ms" if c["api"] == "gloo" else f"gradstar {c['name']} ms (ratio)" for c in configs]
-    return (format_table(headers, summary),
-            format_table(["ranks", "size MB", "backend", "ms", "ratio", "GB/s/rank",
-                          "hub CPU s/GB", "ranks CPU s/GB", "total CPU s/GB", "hub cores"],
-                         detail))
-
-
-# -- driver: part 2 ------------------------------------------------------------------------------
-
-
-class ParameterCheck:
-    """``run_configs``' check of a DDP configuration: its ranks end with identical parameters
-    (digests), and a gradstar configuration's equal gloo's (run first) within ``atol + rtol *
-    |gloo's|``. Keeps the figures for the table in ``found``."""
-
-    def __init__(self, atol: float, rtol: float) -> None:
-        self.atol = atol
-        self.rtol = rtol
-        self.reference = None  # gloo's rank 0 parameters
-        self.found: dict[str, dict] = {}
-
-    def __call__(self, results: list[dict], name: str) -> None:
-        first = results[0]
-        for rank, r in enumerate(results[1:], start=1):
-            if r["digest"] != first["digest"]:
-                worst = max(abs(a - b) for a, b in zip(first["sample"], r["sample"], strict=True))
-                raise BenchmarkError(f"[ddp {name}] rank {rank}'s parameters differ from rank "
-                                     f"0's (max abs diff in a sample {worst:g}): the replicas "
-                                     "diverged")
-        params = self.load(first)
-        if name == "gloo":
-            self.reference = params
-            return
-        found = self.found[name] = self.compare(params)
-        if found["over_tolerance"]:
-            j = found["worst_over_index"]
-            raise BenchmarkError(
-                f"[ddp {name}] parameters differ from gloo's beyond float32 rounding: "
-                f"{found['over_tolerance']} of {params.size} exceed atol {self.atol:g} + rtol "
-                f"{self.rtol:g} x |gloo|; worst at index {j}: {float(params[j])!r} vs gloo "
-                f"{float(self.reference[j])!r}; max abs diff {found['max_abs_diff']:.3g} "
-                f"(median step {median(first['times']) * 1e3:.1f} ms)")
-
-    @staticmethod
-    def load(rank0: dict):
-        """Rank 0's saved final parameters (the file is removed)."""
-        import numpy as np
-
-        params = np.load(rank0["saved"])
-        Path(rank0["saved"]).unlink(missing_ok=True)
-        return params
-
-    def compare(self, params) -> dict:
-        """How ``params`` differ from gloo's: max |diff|, how many exceed the tolerance."""
-        import numpy as np
-
-        if self.reference is None:
-            return {"max_abs_diff": None, "over_tolerance": None, "within_tolerance": None}
-        ref = self.reference.astype(np.float64)
-        diff = np.abs(params.astype(np.float64) - ref)
-        excess = diff - (self.atol + self.rtol * np.abs(ref))
-        i, j = int(np.argmax(diff)), int(np.argmax(excess))
-        over = int(np.count_nonzero(excess > 0))
-        return {"max_abs_diff": float(diff[i]), "worst_index": i, "over_tolerance": over,
-                "worst_over_index": j if over else None, "within_tolerance": not over}
-
-
-def run_part_ddp(args, failures: list) -> list[dict]:
-    rows = []
-    for ranks in args.ranks:
-        with tempfile.TemporaryDirectory(prefix="gradstar-bench-gpu-") as folder:
-            rows += run_ddp_configs(args, ranks, Path(folder), failures)
-    return rows
-
-
-def run_ddp_configs(args, ranks: int, folder: Path, failures: list) -> list[dict]:
-    """Part 2 for one world size: local, gloo, then the gradstar configurations; rank 0 of
-    each saves its final parameters under ``folder`` for :class:`ParameterCheck`."""
-    widths = mlp_widths(args.model_mparams)
-    timeout = args.timeout or DDP_TIMEOUT
-    common = (args.device, widths, args.batch, args.warmup_steps, args.steps,
-              args.bucket_cap_mb, args.lr)
-    check = ParameterCheck(args.atol, args.rtol)
-
-    def save_as(name: str) -> str:
-        return str(folder / (name.replace(" ", "-").replace(".", "-") + ".npy"))
-
-    def saved(results: list[dict], name: str) -> list[dict]:
-        results[0]["saved"] = save_as(name)
-        return results
-
-    def local_run():
-        return run_ranks(ddp_rank, ranks, (None, None, "local", *common, save_as("local")),
-                         timeout=timeout, label=f"ddp local ranks={ranks}")
-
-    def gloo_run():
-        return saved(run_ranks(ddp_rank, ranks, (f"tcp://127.0.0.1:{free_port()}", None,
-                                                 "gloo", *common, save_as("gloo")),
-                               timeout=timeout, label=f"ddp gloo ranks={ranks}"), "gloo")
-
-    def hub_run(api: str, path: str, name: str):
-        return lambda: saved(run_on_hub(ddp_rank, ranks, (api, *common, save_as(name)),
-                                        shards=args.shards, path=path, timeout=timeout,
-                                        label=f"ddp {name} ranks={ranks}"), name)
-
-    configs = [("local", local_run)]
-    if "gloo" in args.backends:
-        configs.append(("gloo", gloo_run))
-    for api, title in (("torch", "gradstar torch"), ("sdk", "gradstar.DDP")):
-        if api in args.backends:
-            configs += [(f"{title} {path}", hub_run(api, path, f"{title} {path}"))
-                        for path in args.paths]
-    print(f"  DDP step, {ranks} ranks:", file=sys.stderr, flush=True)
-    runs, failed = run_configs(configs, check)
-    if runs.get("local"):
-        # No communication, so local's parameters must differ from gloo's: how much says
-        # whether the tolerance could catch a gradient that was not averaged.
-        check.found["local"] = check.compare(check.load(saved(runs["local"], "local")[0]))
-    failures += [(f"ddp {name} ranks={ranks}", error) for name, error in failed]
-    gloo = runs.get("gloo")
-    gloo_ms = median(gloo[0]["times"]) * 1e3 if gloo else None
-    rows = []
-    for name, results in runs.items():
-        row = {"ranks": ranks, "backend": name, "error": dict(failed).get(name)}
-        if results is not None:
-            ms = median(results[0]["times"]) * 1e3
-            row |= {"median_ms": ms, "ratio": ms / gloo_ms if gloo_ms else None,
-                    "rank0_times_ms": [round(t * 1e3, 3) for t in results[0]["times"]],
-                    "median_ms_by_rank": [round(median(r["times"]) * 1e3, 3) for r in results],
-                    "params": results[0]["params"], "devices": [r["device"] for r in results],
-                    "moved": results[0].get("moved")}
-        rows.append(row | check.found.get(name, {}))
-    return rows
-
-
-def ddp_table(rows: list[dict]) -> str:
-    lines = []
-    for r in rows:
-        diff = _fmt(r.get("max_abs_diff"), ".1e")
-        over = r.get("over_tolerance")
-        if r["backend"] == "local":
-            verdict = "-" if over is None else f"n/a, {over} over"
-        else:
-            verdict = "-" if over is None else ("yes" if not over else f"NO, {over} over")
-        if r["error"]:
-            lines.append([r["ranks"], r["backend"], "FAILED", "-", diff, verdict])
-            continue
-        lines.append([r["ranks"], r["backend"], f"{r['median_ms']:.1f}", _fmt(r["ratio"], ".2f"),
-                      diff, verdict])
-    return format_table(["ranks", "backend", "ms/step", "ratio vs gloo", "max |p - p_gloo|",
-                         "within tolerance"], lines)
+    return format_table(headers, summary), format_table(DETAIL_HEADERS, detail)
 
 
 # -- main ----------------------------------------------------------------------------------------
 
 
 def environment(device: str) -> dict:
-    import numpy
     import torch
 
-    import gradstar
-
-    env = {"python": platform.python_version(), "numpy": numpy.__version__,
-           "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-           "gradstar": gradstar.__version__, "cpus": os.cpu_count(),
-           "machine": platform.machine(), "system": platform.system(), "device": device,
-           "command": shlex.join([sys.executable, *sys.argv]),
-           "loadavg_at_start": loadavg()}
+    env = common_environment() | {
+        "torch_cuda": torch.version.cuda, "device": device,
+        "command": shlex.join([sys.executable, *sys.argv])}
     if device == "cuda":
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         env["gpus"] = names
@@ -830,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.warmup_steps}), SGD lr {args.lr:g}; gradstar torch = torch's DDP on "
               f"backend 'gradstar'; gradstar.DDP = gradstar's own; tolerance: |p - p_gloo| <= "
               f"{args.atol:g} + {args.rtol:g} x |p_gloo| for every parameter after all steps "
-              f"(gloo moved them by up to {_fmt(moved, '.1e')}); local = the same steps "
+              f"(gloo moved them by up to {fmt(moved, '.1e')}); local = the same steps "
               f"without communication: its parameters are expected to differ from gloo's, and "
               f"by how much shows what an unaveraged gradient looks like to the check.")
     total = time.monotonic() - run_start

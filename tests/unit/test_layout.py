@@ -6,6 +6,8 @@
   and importing ``gradstar`` or any rank-side module leaves ``gradstar.coordinator`` unloaded.
 - Nothing under ``src/gradstar`` imports torch, and ``import gradstar`` loads neither torch nor
   the hub.
+- No module is over :data:`MAX_LINES` lines but those of :data:`OVER_LIMIT`, none of which may
+  grow (issue 27).
 """
 
 from __future__ import annotations
@@ -165,3 +167,43 @@ def test_a_training_rank_never_loads_the_hub():
         "gradstar.worker.agent\ngradstar.DDP, gradstar.FSDP, gradstar.Pipeline")
     assert "torch" in loaded  # the probe did reach the torch wrappers
     assert not {m for m in loaded if m.startswith("gradstar.coordinator")}
+
+
+#: A module holds one idea; past this many lines it holds more, and its reader cannot see where
+#: one ends (issue 27).
+MAX_LINES = 450
+
+#: The modules still over :data:`MAX_LINES`, each with the lines it must not grow past. The list
+#: can only shrink: split a module along its seams and take it off; never add one or raise a
+#: number.
+OVER_LIMIT: dict[str, int] = {
+    # the async group, the sync facade and init_process_group[_async] in one module
+    "gradstar.client.process_group": 751,
+    # every subcommand's parser and entry point in one module
+    "gradstar.cli": 668,
+    # the client's state machine of the Collective stream with its shared-memory path
+    "gradstar.client.collective_stream": 580,
+    # the life of one collective on the hub, matching to reduction
+    "gradstar.coordinator.engine": 527,
+    # jobs, generations, ranks, heartbeats and the shard table
+    "gradstar.coordinator.rendezvous": 466,
+}
+
+
+def _lines(name: str) -> int:
+    return len(MODULES[name].read_text(encoding="utf-8").splitlines())
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_module_is_over_the_line_limit(name):
+    limit = OVER_LIMIT.get(name, MAX_LINES)
+    why = ("may only shrink (it is on OVER_LIMIT)" if name in OVER_LIMIT else
+           f"split it along its seams (at most {MAX_LINES} lines)")
+    assert _lines(name) <= limit, (
+        f"{MODULES[name].relative_to(ROOT)} has {_lines(name)} lines, over {limit}: {why}")
+
+
+def test_the_over_limit_list_only_names_modules_still_over():
+    # A module split below the limit leaves the list, so the list only shrinks.
+    assert {name for name in OVER_LIMIT if name in MODULES and _lines(name) > MAX_LINES} == set(
+        OVER_LIMIT)

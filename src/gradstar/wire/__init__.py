@@ -1,0 +1,122 @@
+"""The frame codec of collective streams: dtypes, chunk layouts and frames.
+
+A collective stream is a sequence of raw frames (identity serializers, no protobuf around the
+payload), each starting with its kind byte; a tensor travels as chunk frames cut by a layout
+that both sides compute from the stream's header, so a chunk's index alone determines where its
+bytes belong, and a receiver can prove it got every chunk exactly once before it uses the
+result. Any frame that is short, long, out of range, repeated or fails its checksum raises
+:class:`~gradstar.errors.ProtocolError`.
+
+Three modules, every name re-exported here (``from gradstar.wire import X``):
+
+- :mod:`.dtypes`: what a tensor is on the wire (dtypes, shapes, sizes);
+- :mod:`.frames`: the frame kinds and their encoders and decoders, and the method paths;
+- :mod:`.chunks`: :class:`ChunkLayout`, :class:`ChunkTracker` and the ONE chunk send helper
+  (:func:`iter_chunk_frames`) and ONE receive helper (:func:`receive_chunk`) every stream uses.
+"""
+
+from .chunks import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_CHUNK_BYTES,
+    MAX_CHUNKS,
+    ChunkLayout,
+    ChunkTracker,
+    aligned_chunk_bytes,
+    as_byte_view,
+    check_chunk_count,
+    iter_chunk_frames,
+    place_chunk,
+    receive_chunk,
+)
+from .dtypes import (
+    MAX_NDIM,
+    SUPPORTED_DTYPES,
+    DTypeInfo,
+    check_shape,
+    dtype_from_wire,
+    dtype_info,
+    payload_bytes,
+)
+from .frames import (
+    CHUNK_HEADER_BYTES,
+    COLLECTIVE_METHOD,
+    COLLECTIVE_SERVICE,
+    KIND_ACCEPT,
+    KIND_BATCH,
+    KIND_CHUNK,
+    KIND_END,
+    KIND_ERROR,
+    KIND_HEADER,
+    KIND_SHM_ATTACH,
+    KIND_SHM_CHUNK,
+    MAX_BATCH_FRAMES,
+    MAX_HEADER_BYTES,
+    PEER_METHOD,
+    PEER_SERVICE,
+    batchable,
+    check_header_size,
+    chunk_frame_buffer,
+    decode_chunk,
+    decode_error,
+    decode_message,
+    decode_shm_chunk,
+    encode_batch,
+    encode_chunk,
+    encode_error,
+    encode_message,
+    encode_shm_chunk,
+    frame_kind,
+    frames_of,
+    seal_chunk_frame,
+)
+
+__all__ = [
+    "CHUNK_HEADER_BYTES",
+    "COLLECTIVE_METHOD",
+    "COLLECTIVE_SERVICE",
+    "DEFAULT_CHUNK_BYTES",
+    "KIND_ACCEPT",
+    "KIND_BATCH",
+    "KIND_CHUNK",
+    "KIND_END",
+    "KIND_ERROR",
+    "KIND_HEADER",
+    "KIND_SHM_ATTACH",
+    "KIND_SHM_CHUNK",
+    "MAX_BATCH_FRAMES",
+    "MAX_CHUNKS",
+    "MAX_CHUNK_BYTES",
+    "MAX_HEADER_BYTES",
+    "MAX_NDIM",
+    "PEER_METHOD",
+    "PEER_SERVICE",
+    "SUPPORTED_DTYPES",
+    "ChunkLayout",
+    "ChunkTracker",
+    "DTypeInfo",
+    "aligned_chunk_bytes",
+    "as_byte_view",
+    "batchable",
+    "check_chunk_count",
+    "check_header_size",
+    "check_shape",
+    "chunk_frame_buffer",
+    "decode_chunk",
+    "decode_error",
+    "decode_message",
+    "decode_shm_chunk",
+    "dtype_from_wire",
+    "dtype_info",
+    "encode_batch",
+    "encode_chunk",
+    "encode_error",
+    "encode_message",
+    "encode_shm_chunk",
+    "frame_kind",
+    "frames_of",
+    "iter_chunk_frames",
+    "payload_bytes",
+    "place_chunk",
+    "receive_chunk",
+    "seal_chunk_frame",
+]

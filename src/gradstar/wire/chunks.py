@@ -1,0 +1,181 @@
+"""Chunks: how a tensor is cut into chunk frames and joined back, proven complete.
+
+A tensor is cut by a :class:`ChunkLayout` into segments (one per shard or per rank) and each
+segment into chunks of at most ``chunk_bytes``. Both sides compute the layout from the header,
+so a chunk's index alone determines where its bytes belong, and a :class:`ChunkTracker` lets a
+receiver prove it got every chunk exactly once before it uses the result. Every chunk stream
+(hub, rank collectives, peer links) sends through :func:`iter_chunk_frames` and receives through
+:func:`receive_chunk` (or :func:`place_chunk` for a payload in shared memory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gradstar.errors import ConfigurationError, InvalidCollectiveError, ProtocolError
+from gradstar.proto.v1 import collective_pb2 as pb
+
+from .frames import decode_chunk, encode_chunk
+
+DEFAULT_CHUNK_BYTES = 2 << 20
+MAX_CHUNK_BYTES = 16 << 20
+#: Most chunks a layout may have (its tracker keeps a byte per chunk), however small a chunk a
+#: sender asks for; checked before anything is sized from a header.
+MAX_CHUNKS = 1 << 20
+
+
+def check_chunk_count(count: int, nbytes: int, chunk_bytes: int, who: str) -> None:
+    """Refuse a layout of over :data:`MAX_CHUNKS` chunks before anything is sized from it.
+
+    Raises:
+        InvalidCollectiveError: naming the smallest chunk size that would do.
+    """
+    if count > MAX_CHUNKS:
+        least = -(-nbytes // MAX_CHUNKS)
+        raise InvalidCollectiveError(
+            f"{who}: chunk_bytes {chunk_bytes} cuts {nbytes} bytes into {count} chunks, over "
+            f"the limit of {MAX_CHUNKS}; use chunk_bytes of at least {least}")
+
+
+def aligned_chunk_bytes(chunk_bytes: int, itemsize: int) -> int:
+    """``chunk_bytes`` rounded down to whole elements, so every chunk reduces elementwise."""
+    if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ConfigurationError(
+            f"chunk_bytes must be in 1..{MAX_CHUNK_BYTES}, got {chunk_bytes}"
+        )
+    return max(itemsize, chunk_bytes - chunk_bytes % itemsize)
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """``segments`` equal segments of ``segment_bytes``, each cut into chunks of ``chunk_bytes``.
+
+    Chunk ``i`` is chunk ``i % per_segment`` of segment ``i // per_segment``; the last chunk of
+    each segment may be shorter. A zero-byte segment has no chunks.
+    """
+
+    segments: int
+    segment_bytes: int
+    chunk_bytes: int
+
+    @property
+    def per_segment(self) -> int:
+        return -(-self.segment_bytes // self.chunk_bytes)
+
+    @property
+    def count(self) -> int:
+        return self.segments * self.per_segment
+
+    @property
+    def total_bytes(self) -> int:
+        return self.segments * self.segment_bytes
+
+    def span(self, index: int) -> tuple[int, int]:
+        """(byte offset, byte length) of chunk ``index`` within the whole buffer."""
+        if not 0 <= index < self.count:
+            raise ProtocolError(f"chunk index {index} is out of range 0..{self.count - 1}")
+        segment, i = divmod(index, self.per_segment)
+        start = i * self.chunk_bytes
+        length = min(self.chunk_bytes, self.segment_bytes - start)
+        return segment * self.segment_bytes + start, length
+
+    def segment_of(self, index: int) -> int:
+        return index // self.per_segment
+
+
+class ChunkTracker:
+    """Checks that chunks of a layout arrive once each, with the right lengths, and all of them.
+
+    ``allowed`` (a set of indices) narrows what may arrive, as when a stream carries one stripe
+    of a layout or a rank must not get its own segment back.
+    """
+
+    def __init__(self, layout: ChunkLayout, who: str = "stream",
+                 allowed: frozenset[int] | set[int] | None = None) -> None:
+        self.layout = layout
+        self.who = who
+        self.allowed = allowed
+        self._seen = bytearray(layout.count)
+        self.received = 0
+        self.bytes = 0
+
+    @property
+    def expected(self) -> int:
+        """How many chunks complete the stream."""
+        return self.layout.count if self.allowed is None else len(self.allowed)
+
+    def admit(self, index: int, payload: memoryview) -> int:
+        """Record chunk ``index``; return its byte offset. Raises ProtocolError if it is bad."""
+        offset, length = self.layout.span(index)
+        if self.allowed is not None and index not in self.allowed:
+            raise ProtocolError(f"{self.who}: chunk {index} does not belong on this stream")
+        if payload.nbytes != length:
+            raise ProtocolError(
+                f"{self.who}: chunk {index} has {payload.nbytes} bytes, expected {length}"
+            )
+        if self._seen[index]:
+            raise ProtocolError(f"{self.who}: chunk {index} arrived twice")
+        self._seen[index] = 1
+        self.received += 1
+        self.bytes += length
+        return offset
+
+    def finish(self, end: pb.CollectiveEnd, expected_chunks: int | None = None) -> None:
+        """Check the end marker against what arrived; raises ProtocolError on any gap."""
+        expected = self.expected if expected_chunks is None else expected_chunks
+        if end.chunks != expected or self.received != expected:
+            raise ProtocolError(
+                f"{self.who}: stream ended after {self.received} of {expected} chunks "
+                f"(end marker says {end.chunks})"
+            )
+        if end.bytes != self.bytes:
+            raise ProtocolError(
+                f"{self.who}: end marker says {end.bytes} bytes, received {self.bytes}"
+            )
+
+
+# The two helpers every chunk stream uses (hub, rank collectives, peer links): one cuts a buffer
+# into frames, the other checks a frame and copies it into place.
+
+def iter_chunk_frames(buffer: memoryview, layout: ChunkLayout, indices=None):
+    """Frames for the chunks ``indices`` (default all) of ``buffer`` laid out by ``layout``;
+    each costs the one copy a send needs (see :func:`encode_chunk`)."""
+    for index in range(layout.count) if indices is None else indices:
+        offset, length = layout.span(index)
+        yield encode_chunk(index, buffer[offset:offset + length])
+
+
+def receive_chunk(frame: bytes, tracker: ChunkTracker, out: memoryview) -> int:
+    """Decode a chunk frame, admit it to ``tracker`` and copy its payload to its place in
+    ``out`` (a byte view of the result laid out by ``tracker.layout``); return its index.
+
+    Raises:
+        ProtocolError: a corrupt, misplaced, repeated or wrongly sized chunk.
+    """
+    index, payload = decode_chunk(frame)
+    place_chunk(index, payload, tracker, out)
+    return index
+
+
+def place_chunk(index: int, payload: memoryview, tracker: ChunkTracker,
+                out: memoryview) -> None:
+    """Admit chunk ``index`` to ``tracker`` and copy ``payload`` to its place in ``out``
+    (from a frame, or from a shared-memory segment).
+
+    Raises:
+        ProtocolError: a misplaced, repeated or wrongly sized chunk.
+    """
+    offset = tracker.admit(index, payload)
+    out[offset:offset + payload.nbytes] = payload
+
+
+def as_byte_view(array: np.ndarray) -> memoryview:
+    """A flat byte view of a C-contiguous array (no copy)."""
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "MAX_CHUNKS", "MAX_CHUNK_BYTES", "ChunkLayout", "ChunkTracker",
+           "aligned_chunk_bytes", "as_byte_view", "check_chunk_count", "iter_chunk_frames",
+           "place_chunk", "receive_chunk"]

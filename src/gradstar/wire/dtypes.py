@@ -1,0 +1,87 @@
+"""What a tensor is on the wire: its dtype (name, wire enum, numpy dtype, the dtype the hub
+reduces in), its shape (bounded before any arithmetic on it) and its size in bytes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from gradstar.errors import ConfigurationError, InvalidCollectiveError, ProtocolError
+from gradstar.proto.v1 import collective_pb2 as pb
+
+#: Most dimensions a tensor may have (as many as torch allows), checked before any arithmetic
+#: on a shape that comes from a header.
+MAX_NDIM = 64
+
+
+@dataclass(frozen=True)
+class DTypeInfo:
+    """One supported dtype: its name, wire enum, numpy dtype and the dtype the hub reduces in."""
+
+    name: str
+    wire: int
+    numpy: np.dtype
+    accumulate: np.dtype
+
+
+_DTYPES = [
+    DTypeInfo("float32", pb.DTYPE_FLOAT32, np.dtype(np.float32), np.dtype(np.float32)),
+    DTypeInfo("float64", pb.DTYPE_FLOAT64, np.dtype(np.float64), np.dtype(np.float64)),
+    # Half precision is reduced in float32 so sums over many ranks do not lose precision.
+    DTypeInfo("float16", pb.DTYPE_FLOAT16, np.dtype(np.float16), np.dtype(np.float32)),
+    DTypeInfo("bfloat16", pb.DTYPE_BFLOAT16, np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)),
+    DTypeInfo("int32", pb.DTYPE_INT32, np.dtype(np.int32), np.dtype(np.int32)),
+    DTypeInfo("int64", pb.DTYPE_INT64, np.dtype(np.int64), np.dtype(np.int64)),
+]
+_BY_NUMPY = {d.numpy: d for d in _DTYPES}
+_BY_WIRE = {d.wire: d for d in _DTYPES}
+SUPPORTED_DTYPES = tuple(d.name for d in _DTYPES)
+
+
+def check_shape(shape, who: str) -> tuple[int, ...]:
+    """``shape`` as a tuple, refused before any arithmetic on it if it has over
+    :data:`MAX_NDIM` dimensions.
+
+    Raises:
+        InvalidCollectiveError: too many dimensions.
+    """
+    if len(shape) > MAX_NDIM:
+        raise InvalidCollectiveError(
+            f"{who} sent a shape of {len(shape)} dimensions; at most {MAX_NDIM} are supported")
+    return tuple(shape)
+
+
+def payload_bytes(shape, dtype_wire: int) -> int:
+    """Bytes of a tensor of ``shape`` in wire dtype ``dtype_wire``; check the shape with
+    :func:`check_shape` first where it comes from outside.
+
+    Raises:
+        ProtocolError: unknown dtype.
+    """
+    return math.prod(shape) * dtype_from_wire(dtype_wire).numpy.itemsize
+
+
+def dtype_info(dtype: np.dtype) -> DTypeInfo:
+    """The :class:`DTypeInfo` of a numpy dtype; raises ConfigurationError if unsupported."""
+    try:
+        return _BY_NUMPY[np.dtype(dtype)]
+    except (KeyError, TypeError):
+        raise ConfigurationError(
+            f"dtype {dtype} is not supported; use one of {', '.join(SUPPORTED_DTYPES)}"
+        ) from None
+
+
+def dtype_from_wire(wire: int) -> DTypeInfo:
+    """The :class:`DTypeInfo` of a wire enum value; raises ProtocolError if unknown."""
+    try:
+        return _BY_WIRE[wire]
+    except KeyError:
+        raise ProtocolError(f"unknown dtype {wire} in collective header") from None
+
+
+
+__all__ = ["MAX_NDIM", "SUPPORTED_DTYPES", "DTypeInfo", "check_shape", "dtype_from_wire",
+           "dtype_info", "payload_bytes"]
