@@ -1,7 +1,7 @@
 """The blocking process group: :class:`ProcessGroup` runs an
 :class:`~gradstar.client.process_group.AsyncProcessGroup` on a private event-loop thread
-(:class:`_LoopThread`) and waits for each call, or hands back a :class:`~gradstar.client.work.
-Work` with ``async_op=True``. It wraps the asyncio group and never re-implements it.
+(:class:`_LoopThread`) and waits for each call, or with ``async_op=True`` hands back a
+:class:`~gradstar.client.work.Work`. It wraps the asyncio group and never re-implements it.
 """
 
 from __future__ import annotations
