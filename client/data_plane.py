@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-import grpc
-
 from gradstar.config import ClientSettings
 from gradstar.transport.channels import open_channel
 from gradstar.transport.tls_check import wait_connected
@@ -54,15 +52,19 @@ def resolve(address: str, coordinator: str) -> str:
 class DataPlane:
     """The coordinator's :class:`Target` and one per hub shard of the generation."""
 
-    def __init__(self, settings: ClientSettings, coordinator: grpc.aio.Channel,
-                 shards: list[str]) -> None:
+    def __init__(self, settings: ClientSettings, shards: list[str]) -> None:
         self.settings = settings
-        self.coordinator = Target(coordinator.stream_stream(COLLECTIVE_METHOD),
+        # The coordinator's collectives go on a connection of their own, apart from the
+        # session's: a session's keepalive pings must not wait behind MBs of tensors
+        # (gradstar.transport.channels, BULK_KEEPALIVE_TIMEOUT_MS).
+        self._coordinator_channel = open_channel(settings, bulk=True)
+        self.coordinator = Target(self._coordinator_channel.stream_stream(COLLECTIVE_METHOD),
                                   settings.coordinator,
                                   shm=SharedMemoryOffer(settings.shared_memory))
         #: The shards' addresses, in stripe order, as this rank reaches them.
         self.addresses = [resolve(a, settings.coordinator) for a in shards]
-        self._channels = [open_channel(settings, address) for address in self.addresses]
+        self._channels = [open_channel(settings, address, bulk=True)
+                          for address in self.addresses]
         self.shards = [
             Target(channel.stream_stream(COLLECTIVE_METHOD), address,
                    f"hub shard {k} at {address}", SharedMemoryOffer(settings.shared_memory))
@@ -96,9 +98,10 @@ class DataPlane:
             await asyncio.gather(*waits, return_exceptions=True)
 
     async def close(self) -> None:
-        """End the streams kept open to the coordinator and the shards, then the shards'
-        channels (the coordinator's channel is the group's to close)."""
+        """End the streams kept open to the coordinator and the shards, then their channels
+        (the session's channel is the group's to close)."""
         for target in (self.coordinator, *self.shards):
             target.close()
         with contextlib.suppress(Exception):
-            await asyncio.gather(*(c.close() for c in self._channels))
+            await asyncio.gather(*(c.close() for c in (self._coordinator_channel,
+                                                       *self._channels)))

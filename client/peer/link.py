@@ -67,7 +67,7 @@ class PeerLink:
         tls = settings.tls_ca or settings.tls_cert
         creds = (client_credentials(settings.tls_ca, settings.tls_cert, settings.tls_key)
                  if tls else None)
-        self._channel = open_channel(address, creds)
+        self._channel = open_channel(address, creds, bulk=True)
         self._metadata = metadata
         self._call = None
         self._reader: asyncio.Task | None = None

@@ -16,23 +16,36 @@ from .auth import bearer
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + CHUNK_HEADER_BYTES + 64 * 1024
 
 KEEPALIVE_MS = 1_000
-KEEPALIVE_TIMEOUT_MS = 2_000
+KEEPALIVE_TIMEOUT_MS = 3_000
+#: A client's keepalive on a connection that carries tensors: its pings wait behind the bytes
+#: queued in both directions' socket buffers (MBs: on a 200 Mbit/s link shared by 4 streams,
+#: the ping and its ack each waited up to ~0.7 s, more on a loaded CPU), and a 2 s timeout
+#: dropped healthy connections mid-collective (benchmarks/cluster.py, 64 MiB through one hub:
+#: "Stream removed (ping timeout)"). Losses are found on the control connections instead: the
+#: rank's session (its own connection, below) and the hub's pings.
+BULK_KEEPALIVE_TIMEOUT_MS = 20_000
+
+
+def _keepalive(timeout_ms: int) -> list[tuple[str, int]]:
+    return [
+        # Ping every 1 s and drop the connection when a ping is not answered in time, so a
+        # frozen or partitioned peer is noticed in seconds rather than after TCP's minutes.
+        ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        # Without this ping timeout gRPC waits 60 s for a ping ack on a busy connection.
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+    ]
+
 
 _COMMON_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # Ping every 1 s and drop the connection when a ping is not answered within 2 s, so a frozen
-    # or partitioned peer is noticed in seconds rather than after TCP's minutes.
-    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-    # Without this ping timeout gRPC waits 60 s for a ping ack on a busy connection.
-    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     # Keepalive must also run while a rank is idle between collectives.
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
 
-CLIENT_OPTIONS = [
+_CLIENT_COMMON = [
     *_COMMON_OPTIONS,
     # Fail fast on an unreachable coordinator instead of backing off for up to two minutes.
     ("grpc.initial_reconnect_backoff_ms", 200),
@@ -43,8 +56,18 @@ CLIENT_OPTIONS = [
     ("grpc.use_local_subchannel_pool", 1),
 ]
 
+#: Control connections: a rank's session, a shard's registration. They carry small messages
+#: only, so their pings are answered within the timeout even while the host's link is full.
+CLIENT_OPTIONS = [*_CLIENT_COMMON, *_keepalive(KEEPALIVE_TIMEOUT_MS)]
+#: Connections that carry collectives and peer streams.
+BULK_CLIENT_OPTIONS = [*_CLIENT_COMMON, *_keepalive(BULK_KEEPALIVE_TIMEOUT_MS),
+                       # A distinct argument set: never the same TCP connection as a control
+                       # channel to the same address (subchannels are shared by arguments).
+                       ("gradstar.channel_role", "bulk")]
+
 SERVER_OPTIONS = [
     *_COMMON_OPTIONS,
+    *_keepalive(KEEPALIVE_TIMEOUT_MS),
     # Accept our clients' 1 s keepalive pings; the default policy answers them with GOAWAY.
     ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
     ("grpc.http2.max_ping_strikes", 0),
@@ -78,21 +101,24 @@ def server_credentials(
 
 
 def secure_or_insecure_channel(
-    target: str, credentials: grpc.ChannelCredentials | None
+    target: str, credentials: grpc.ChannelCredentials | None, *, bulk: bool = False,
 ) -> grpc.aio.Channel:
-    """An asyncio channel to ``target`` with the options above."""
+    """An asyncio channel to ``target`` with the options above (``bulk``: for tensors)."""
+    options = BULK_CLIENT_OPTIONS if bulk else CLIENT_OPTIONS
     if credentials is None:
-        return grpc.aio.insecure_channel(target, options=CLIENT_OPTIONS)
-    return grpc.aio.secure_channel(target, credentials, options=CLIENT_OPTIONS)
+        return grpc.aio.insecure_channel(target, options=options)
+    return grpc.aio.secure_channel(target, credentials, options=options)
 
 
-def open_channel(settings: ClientSettings, target: str | None = None) -> grpc.aio.Channel:
+def open_channel(settings: ClientSettings, target: str | None = None, *,
+                 bulk: bool = False) -> grpc.aio.Channel:
     """A channel to ``target`` (default: the coordinator), with TLS when a CA or client
-    certificate is configured."""
+    certificate is configured; ``bulk`` for one that carries tensors (its own TCP connection,
+    a keepalive that tolerates full queues)."""
     tls = settings.tls_ca or settings.tls_cert
     creds = (client_credentials(settings.tls_ca, settings.tls_cert, settings.tls_key)
              if tls else None)
-    return secure_or_insecure_channel(target or settings.coordinator, creds)
+    return secure_or_insecure_channel(target or settings.coordinator, creds, bulk=bulk)
 
 
 def call_metadata(settings: ClientSettings) -> tuple[tuple[str, str], ...]:
