@@ -25,9 +25,10 @@ from .stream_targets import SharedMemoryOffer, Target
 #: A collective striped over K targets is cut into at least this many chunks per target, down
 #: to MIN_STRIPED_CHUNK bytes: with the default 2 MiB chunk, 1 MiB over 4 shards was one chunk
 #: (every byte to shard 0, 13% of the link-bound ideal on the emulated cluster) and 16 MiB two
-#: per shard (pipeline fill and drain dominated); at 256 KiB the same runs took 87 and 941 ms
-#: instead of 320 and 1287 (benchmarks/cluster.py, 4 hosts at 200 Mbit/s).
-CHUNKS_PER_STRIPE = 4
+#: per shard (pipeline fill and drain dominated). Measured with 4 node-local shards at 200
+#: Mbit/s (benchmarks/cluster.py --chunk-mb): 64 MiB took 4977 ms in 2 MiB chunks, 4822 in 1 MiB,
+#: 4696 in 0.5 MiB; 1 MiB over 4 shards-extra-hosts 320 ms in one chunk, 84 in 64 KiB ones.
+CHUNKS_PER_STRIPE = 16
 MIN_STRIPED_CHUNK = 64 << 10
 
 
