@@ -71,7 +71,7 @@ async def _gather(plan: BucketPlan, pending: list, converted: list, sent: list[i
         if isinstance(result, BaseException):
             raise result
     if any(copies_to_device(restore) for _, restore in converted):
-        # Copies to a GPU block: off the event loop (see process_group._delivered).
+        # Copies to a GPU block: off the event loop (see convert.delivered).
         return await asyncio.to_thread(_outputs, plan, results, converted, sent)
     return _outputs(plan, results, converted, sent)
 

@@ -54,22 +54,23 @@ attached before is offered *eagerly*: the rank writes its chunks at once, withou
 verdict, which the hub then sends with its accept (one round trip and one message fewer for every
 collective after the first); a refusal then fails the collective on every rank.
 
-Shape of this module: :class:`StreamReceiver` is the bookkeeping of one stream's incoming side
-(a state machine with no I/O); :func:`run_stream` runs ONE stream to ONE :class:`Target` for a
-given set of chunks to send and result chunks to admit, writing into a shared result buffer;
-:func:`run_collective` runs a whole collective, today as one stream to the hub carrying every
-chunk. Striping a collective over K hub shards is K concurrent :func:`run_stream` calls, shard
-``k`` taking the chunks of :func:`gradstar.ops.in_stripe` ``(..., k, K)``.
+Shape of this module: it is the I/O that drives the bookkeeping of
+:mod:`gradstar.client.stream_receiver` (:class:`CollectivePlan`, and :class:`StreamReceiver`,
+the state machine of one stream's incoming side, with no I/O) over the streams of
+:mod:`gradstar.client.stream_targets` (:class:`Target`, :class:`OpenStream`).
+:func:`run_stream` runs ONE stream to ONE :class:`Target` for a given set of chunks to send and
+result chunks to admit, writing into a shared result buffer; :func:`run_collective` runs a whole
+collective, today as one stream to the hub carrying every chunk. Striping a collective over K
+hub shards is K concurrent :func:`run_stream` calls, shard ``k`` taking the chunks of
+:func:`gradstar.ops.in_stripe` ``(..., k, K)``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import os
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 
 import grpc
 import numpy as np
@@ -81,31 +82,19 @@ from gradstar.transport import shm
 from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
 from gradstar.wire import (
     CHUNK_HEADER_BYTES,
-    KIND_ACCEPT,
-    KIND_CHUNK,
     KIND_END,
-    KIND_ERROR,
     KIND_HEADER,
-    KIND_SHM_ATTACH,
-    KIND_SHM_CHUNK,
     ChunkLayout,
-    ChunkTracker,
     as_byte_view,
-    decode_error,
-    decode_message,
-    decode_shm_chunk,
     encode_batch,
     encode_message,
     encode_shm_chunk,
-    frame_kind,
-    frames_of,
     iter_chunk_frames,
-    payload_bytes,
-    place_chunk,
-    receive_chunk,
 )
 
 from .session import Session
+from .stream_receiver import CollectivePlan, Phase, StreamReceiver
+from .stream_targets import MAX_IDLE_STREAMS, OpenStream, SharedMemoryOffer, Target
 
 log = logging.getLogger(__name__)
 
@@ -118,187 +107,6 @@ ABANDON_TIMEOUT = 5.0
 _abandoning: set[asyncio.Task] = set()
 #: This process's shared-memory segments (one per collective in flight, reused after).
 SEGMENTS = shm.SegmentPool()
-#: Streams kept open per target between collectives: as many as run at once, up to this.
-MAX_IDLE_STREAMS = 8
-
-
-@dataclass
-class SharedMemoryOffer:
-    """Whether a rank offers a target shared memory: until the target refuses once."""
-
-    enabled: bool = True
-    refused: str = ""
-    #: Inodes of this process's segments the target attached: offering one of them again is
-    #: eager (``ShmSegment.eager``: the chunks go without waiting for the verdict).
-    attached: set[int] = field(default_factory=set)
-
-
-class OpenStream:
-    """A Collective stream kept open across collectives, which it carries one at a time.
-
-    The requests are a feed of frame sources (:func:`_frames`), one per collective, written in
-    turn; a collective that ended cleanly (its END marker checked) leaves the stream to the
-    next one, anything else ends the call (:meth:`close`).
-    """
-
-    def __init__(self, target: Target, metadata) -> None:
-        self._sources: asyncio.Queue = asyncio.Queue()
-        self.call = target.stream(self._feed(), metadata=metadata)
-
-    async def _feed(self):
-        while (source := await self._sources.get()) is not None:
-            async for frame in source:
-                yield frame
-
-    def send(self, source) -> None:
-        """Write ``source``'s frames (an async iterator) after those of earlier collectives."""
-        self._sources.put_nowait(source)
-
-    async def read(self):
-        return await self.call.read()
-
-    @property
-    def usable(self) -> bool:
-        """Whether the call is still up (a hub that went away ended it)."""
-        return not self.call.done()
-
-    def close(self) -> None:
-        self._sources.put_nowait(None)
-        self.call.cancel()
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where a Collective stream goes.
-
-    ``stream`` is ``channel.stream_stream(COLLECTIVE_METHOD)``; ``address`` is named in
-    transport errors and ``name`` in protocol errors. ``idle`` holds the streams to it that
-    no collective is using (at most :data:`MAX_IDLE_STREAMS`; :meth:`close` ends them).
-    """
-
-    stream: grpc.aio.StreamStreamMultiCallable
-    address: str
-    name: str = "coordinator"
-    shm: SharedMemoryOffer = field(default_factory=lambda: SharedMemoryOffer(False))
-    idle: list[OpenStream] = field(default_factory=list)
-
-    def open(self, metadata) -> OpenStream:
-        """A stream for one collective: an idle one still up, else a new one."""
-        while self.idle:
-            stream = self.idle.pop()
-            if stream.usable:
-                return stream
-            stream.close()
-        return OpenStream(self, metadata)
-
-    def put_back(self, stream: OpenStream) -> None:
-        """``stream``'s collective ended cleanly: keep it for the next one."""
-        if len(self.idle) < MAX_IDLE_STREAMS and stream.usable:
-            self.idle.append(stream)
-        else:
-            stream.close()
-
-    def close(self) -> None:
-        """End the idle streams (the group is closing)."""
-        while self.idle:
-            self.idle.pop().close()
-
-
-@dataclass(frozen=True)
-class CollectivePlan:
-    """One rank's part in one collective: its geometry and the buffers it reads and fills.
-
-    ``send`` is a byte view of the buffer cut by ``geometry.layout`` (the rank's input; for
-    all_gather the result buffer holding the rank's own segment); ``out`` is the result array,
-    cut by ``geometry.out_layout``.
-    """
-
-    geometry: ops.Geometry
-    send: memoryview
-    out: np.ndarray
-
-    @classmethod
-    def for_header(cls, header: pb.CollectiveHeader, world_size: int,
-                   send: np.ndarray | None, out: np.ndarray) -> CollectivePlan:
-        """The plan both sides derive from ``header`` (the hub computes the same geometry)."""
-        nbytes = payload_bytes(header.shape, header.dtype)
-        geometry = ops.geometry(header.op, world_size, header.rank, nbytes, header.chunk_bytes,
-                                header.root)
-        view = memoryview(b"") if send is None else as_byte_view(send)
-        return cls(geometry, view, out)
-
-    def out_indices(self, indices: Iterable[int]) -> frozenset[int]:
-        """The output indices (what travels from the hub) of received input ``indices``."""
-        return frozenset(self.geometry.out_index(i) for i in indices)
-
-
-class Phase(enum.Enum):
-    """Where one stream's incoming side is."""
-
-    #: The header is out; only ACCEPT (or ERROR) may come.
-    AWAITING_ACCEPT = enum.auto()
-    #: Matched: result chunks come, then END.
-    RECEIVING = enum.auto()
-    #: END arrived and agreed with what came: this stream's part of the result is valid.
-    COMPLETE = enum.auto()
-
-
-class StreamReceiver:
-    """The incoming side of one Collective stream, frame by frame (no I/O).
-
-    ``receives`` are the output indices this stream may carry; each arrives once, into
-    ``out`` (a byte view of the result laid out by ``out_layout``).
-    """
-
-    def __init__(self, what: str, who: str, out_layout: ChunkLayout,
-                 receives: frozenset[int], out: memoryview,
-                 shm_out: memoryview | None = None) -> None:
-        self.what = what
-        self.phase = Phase.AWAITING_ACCEPT
-        self.tracker = ChunkTracker(out_layout, who, allowed=receives)
-        self.out = out
-        #: The result region of the segment this stream offered (None: none offered), and
-        #: the target's answer: None until it comes, then whether it attached the segment.
-        self.shm_out = shm_out
-        self.attached: bool | None = None if shm_out is not None else False
-        self.refusal = ""
-
-    def on_frame(self, frame: bytes) -> None:
-        """Take one message from the hub: a frame, or a batch of them in order.
-
-        Raises:
-            GradstarError: the hub's verdict (an ERROR frame).
-            ProtocolError: a frame out of place, or a bad chunk or end marker.
-        """
-        for one in frames_of(frame):
-            self._on_frame(one)
-
-    def _on_frame(self, frame: bytes) -> None:
-        kind = frame_kind(frame)
-        if kind == KIND_CHUNK and self.phase is Phase.RECEIVING:
-            receive_chunk(frame, self.tracker, self.out)
-        elif kind == KIND_SHM_CHUNK and self.phase is Phase.RECEIVING and self.attached:
-            index = decode_shm_chunk(frame)
-            offset, length = self.tracker.layout.span(index)
-            place_chunk(index, self.shm_out[offset:offset + length], self.tracker, self.out)
-        elif kind == KIND_SHM_ATTACH and self.attached is None:
-            answer = decode_message(frame, KIND_SHM_ATTACH, pb.ShmAttach)
-            self.attached, self.refusal = answer.attached, answer.reason
-        elif kind == KIND_ACCEPT and self.phase is Phase.AWAITING_ACCEPT:
-            accept = decode_message(frame, KIND_ACCEPT, pb.CollectiveAccept)
-            if accept.output_chunks != self.tracker.expected:
-                raise ProtocolError(
-                    f"{self.what}: the coordinator will send {accept.output_chunks} chunks, "
-                    f"this rank expects {self.tracker.expected}"
-                )
-            self.phase = Phase.RECEIVING
-        elif kind == KIND_ERROR:
-            raise decode_error(frame)
-        elif kind == KIND_END and self.phase is Phase.RECEIVING:
-            self.tracker.finish(decode_message(frame, KIND_END, pb.CollectiveEnd))
-            self.phase = Phase.COMPLETE
-        else:
-            raise ProtocolError(f"{self.what}: unexpected frame of kind {kind}")
 
 
 async def _frames(header: pb.CollectiveHeader, layout: ChunkLayout, send: memoryview,
@@ -576,5 +384,7 @@ def _offering(header: pb.CollectiveHeader, target: Target, segment: shm.Segment 
     return copy
 
 
-__all__ = ["CollectivePlan", "OpenStream", "Phase", "StreamReceiver", "Target",
-           "abandon_collective", "issue", "run_collective", "run_stream"]
+# The bookkeeping and the targets are re-exported: this module is where a reader looks first.
+__all__ = ["MAX_IDLE_STREAMS", "CollectivePlan", "OpenStream", "Phase", "SharedMemoryOffer",
+           "StreamReceiver", "Target", "abandon_collective", "issue", "run_collective",
+           "run_stream"]

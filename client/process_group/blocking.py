@@ -1,0 +1,153 @@
+"""The blocking process group: :class:`ProcessGroup` runs an
+:class:`~gradstar.client.process_group.AsyncProcessGroup` on a private event-loop thread
+(:class:`_LoopThread`) and waits for each call, or with ``async_op=True`` hands back a
+:class:`~gradstar.client.work.Work`. It wraps the asyncio group and never re-implements it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+
+from ..work import Work
+from .group import AsyncProcessGroup
+from .join import init_process_group_async
+
+
+class _LoopThread:
+    """An event loop on a daemon thread, for blocking callers."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="gradstar-loop",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def stop(self) -> None:
+        """Finish what is left on the loop, as ``asyncio.run`` does, then stop and close it.
+
+        Left over after a failed join, for one: grpc's task feeding the session's request
+        stream. Closing the loop under it made Python print "Task was destroyed but it is
+        pending!" and "Event loop is closed" after the error the user needs to read.
+        """
+        with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
+            self.submit(_finish_tasks()).result(timeout=5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+async def _finish_tasks() -> None:
+    """Cancel every other task of the running loop, wait for them, and close async generators."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.get_running_loop().shutdown_asyncgens()
+
+
+class ProcessGroup:
+    """Blocking process group; each method wraps the :class:`AsyncProcessGroup` method.
+
+    ``async_op=True`` returns a :class:`Work` instead of blocking, as in torch.distributed.
+    """
+
+    def __init__(self, group: AsyncProcessGroup, runner: _LoopThread) -> None:
+        self._group = group
+        self._runner = runner
+
+    rank = property(lambda self: self._group.rank)
+    world_size = property(lambda self: self._group.world_size)
+    generation = property(lambda self: self._group.generation)
+    job = property(lambda self: self._group.job)
+    peers = property(lambda self: self._group.peers)
+    shards = property(lambda self: self._group.shards)
+    shared_memory = property(lambda self: self._group.shared_memory)
+
+    def _call(self, awaitable, async_op: bool):
+        future = self._runner.submit(awaitable)
+        return Work(future) if async_op else Work(future).wait()
+
+    def all_reduce(self, x, op: str = "sum", *, async_op: bool = False, timeout=None,
+                   out=None):
+        return self._call(self._group.all_reduce(x, op, timeout=timeout, out=out), async_op)
+
+    def broadcast(self, x, src: int = 0, *, async_op: bool = False, timeout=None):
+        return self._call(self._group.broadcast(x, src, timeout=timeout), async_op)
+
+    def all_gather(self, x, *, async_op: bool = False, timeout=None):
+        return self._call(self._group.all_gather(x, timeout=timeout), async_op)
+
+    def reduce_scatter(self, x, op: str = "sum", *, async_op: bool = False, timeout=None):
+        return self._call(self._group.reduce_scatter(x, op, timeout=timeout), async_op)
+
+    def all_reduce_coalesced(self, arrays, op: str = "mean", bucket_cap_mb: float = 25, *,
+                             async_op: bool = False, timeout=None):
+        return self._call(self._group.all_reduce_coalesced(arrays, op, bucket_cap_mb,
+                                                           timeout=timeout), async_op)
+
+    def barrier(self, *, async_op: bool = False, timeout=None):
+        return self._call(self._group.barrier(timeout=timeout), async_op)
+
+    def sync_global_model(self, x, *, model: str, rule: str, outer_lr: float = 0.0,
+                          outer_momentum: float = 0.0, async_op: bool = False, timeout=None):
+        return self._call(self._group.sync_global_model(
+            x, model=model, rule=rule, outer_lr=outer_lr, outer_momentum=outer_momentum,
+            timeout=timeout), async_op)
+
+    def send(self, x, dst: int, tag=0, *, async_op: bool = False, timeout=None):
+        return self._call(self._group.send(x, dst, tag, timeout=timeout), async_op)
+
+    def recv(self, src: int | None = None, tag=0, *, async_op: bool = False, timeout=None):
+        return self._call(self._group.recv(src, tag, timeout=timeout), async_op)
+
+    def all_to_all(self, inputs, *, async_op: bool = False, timeout=None):
+        return self._call(self._group.all_to_all(inputs, timeout=timeout), async_op)
+
+    def all_to_all_single(self, x, output_split_sizes=None, input_split_sizes=None, *,
+                          async_op: bool = False, timeout=None):
+        return self._call(self._group.all_to_all_single(
+            x, output_split_sizes, input_split_sizes, timeout=timeout), async_op)
+
+    def close(self) -> None:
+        """Leave the job, close the connection and stop the loop thread. Idempotent."""
+        if self._runner is None:
+            return
+        try:
+            self._runner.submit(self._group.close()).result(timeout=15)
+        finally:
+            self._runner.stop()
+            self._runner = None
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return repr(self._group).replace("AsyncProcessGroup", "ProcessGroup", 1)
+
+
+def init_process_group(
+    coordinator: str | None = None, job: str | None = None, world_size: int | None = None,
+    rank: int | None = None, token: str | None = None, **options,
+) -> ProcessGroup:
+    """Blocking form of :func:`init_process_group_async`; same arguments, same errors."""
+    runner = _LoopThread()
+    try:
+        group = runner.submit(init_process_group_async(
+            coordinator, job, world_size, rank, token, **options)).result()
+    except BaseException:
+        runner.stop()
+        raise
+    return ProcessGroup(group, runner)
+
+
+__all__ = ["ProcessGroup", "init_process_group"]

@@ -1,0 +1,333 @@
+"""The asyncio process group: :class:`AsyncProcessGroup`, a rank's collectives over the hub
+(or its shards) and its life cycle, from :func:`open_group` (join, connect) to ``close``; its
+point-to-point calls are :mod:`~gradstar.client.process_group.point_to_point`'s.
+
+Every collective takes its sequence number when it is *called*, not when it is awaited, so
+collectives issued in the same order on every rank match on the hub even when several run
+concurrently (``async_op=True`` or ``asyncio.gather``).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Awaitable
+
+import grpc
+import numpy as np
+
+from gradstar import ops
+from gradstar.config import ClientSettings
+from gradstar.errors import ConfigurationError, InvalidCollectiveError, ProcessGroupClosedError
+from gradstar.proto.v1 import collective_pb2 as pb
+from gradstar.transport.channels import call_metadata, open_channel
+from gradstar.transport.tls_check import wait_connected
+from gradstar.wire import aligned_chunk_bytes, dtype_info
+
+from ..coalesced import all_reduce_coalesced
+from ..collective_stream import abandon_collective, issue, run_collective
+from ..convert import (
+    copies_to_device,
+    copying_to_device,
+    delivered,
+    is_cpu_tensor,
+    to_numpy,
+)
+from ..data_plane import DataPlane, striped_chunk_bytes
+from ..hierarchy import HostHierarchy
+from ..peer import Identity, PeerEndpoint
+from ..session import Session
+from .point_to_point import PointToPoint
+
+
+class AsyncProcessGroup(PointToPoint):
+    """A rank of a job. Create with ``init_process_group_async``.
+
+    Each collective is issued when it is called: it returns an ``asyncio.Task`` already
+    running on the caller's loop, so collectives go out in call order whether or not (and in
+    whatever order) they are awaited; cancelling one fails it on every rank."""
+
+    def __init__(self, settings: ClientSettings, channel: grpc.aio.Channel, session: Session,
+                 peer_endpoint: PeerEndpoint | None = None):
+        joined = session.joined
+        self.settings = settings
+        self.rank: int = joined.rank
+        self.world_size: int = joined.world_size
+        self.generation: int = joined.generation
+        self.job: str = joined.job
+        self.peers: dict[int, str] = {p.rank: p.address for p in joined.peers}
+        self._member_id = joined.member_id
+        self._channel = channel
+        self._session = session
+        self._metadata = call_metadata(settings)
+        self._plane = DataPlane(settings, list(joined.shards))
+        #: The hub shards this generation's collectives are striped over (empty: none).
+        self.shards: list[str] = self._plane.addresses
+        self._seq = itertools.count(1)
+        #: Numbers this rank's all_to_all calls (their payload's peer tag), in call order.
+        self._all_to_all_calls = itertools.count(1)
+        self._closed = False
+        self._peer_endpoint = peer_endpoint
+        #: The two-level all_reduce over this generation's hosts (inactive on one host).
+        self._hosts = HostHierarchy(self, {p.rank: p.host for p in joined.peers},
+                                    functools.partial(_subgroup, settings))
+        if peer_endpoint is not None:
+            peer_endpoint.bind(Identity(self.job, self.generation, self.rank, self.world_size,
+                                        tuple(joined.peer_keys)), self.peers, session)
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether collective payloads move through shared memory with the hub (and its
+        shards): True while every one of them still takes this rank's segments, False once one
+        refused (another host, user or container: that target gets them on the stream) or
+        when ``shared_memory=False`` was set."""
+        return all(t.shm.enabled for t in self._plane.targets())
+
+    # -- collectives ---------------------------------------------------------------------------
+
+    def all_reduce(self, x, op: str = "sum", *, timeout: float | None = None,
+                   out=None) -> Awaitable:
+        """Elementwise ``op`` over every rank's ``x``; resolves to a new array of x's type, or
+        to ``out`` holding the result.
+
+        ``out``: a C-contiguous, writable numpy array or CPU tensor of x's shape and dtype
+        that receives the result (``out=x`` reduces in place, as torch.distributed does); the
+        result then skips a fresh array and a copy. Do not touch ``out`` until the call
+        resolved.
+
+        Raises:
+            CollectiveError and subclasses: mismatch, timeout, lost rank, payload too large.
+            ConfigurationError: unsupported op or dtype, or not an array or a CPU or CUDA
+                tensor; an ``out`` that is not a writable, contiguous CPU array or tensor.
+            InvalidCollectiveError: ``out`` of another shape or dtype than ``x``.
+        """
+        arr, restore = to_numpy(x)
+        reduce_op = ops.reduce_op(op)
+        into = np.empty_like(arr) if out is None else _output_array(out, arr)
+        if self._hosts.takes(arr, reduce_op):
+            self._check_usable()
+            return self._hosts.all_reduce(arr, reduce_op, into, restore if out is None
+                                          else (lambda _result: out), timeout)
+        return self._run(ops.ALL_REDUCE, arr, arr, into, restore if out is None
+                         else (lambda _result: out), timeout, reduce_op=reduce_op)
+
+    def broadcast(self, x, src: int = 0, *, timeout: float | None = None) -> Awaitable:
+        """Rank ``src``'s ``x`` on every rank (every rank passes an ``x`` of the same shape)."""
+        arr, restore = to_numpy(x)
+        if not 0 <= src < self.world_size:
+            raise InvalidCollectiveError(
+                f"broadcast src={src} is out of range for world_size {self.world_size}"
+            )
+        out = arr.copy() if self.rank == src else np.empty_like(arr)
+        return self._run(ops.BROADCAST, arr, arr, out, restore, timeout, root=src)
+
+    def all_gather(self, x, *, timeout: float | None = None) -> Awaitable:
+        """Every rank's ``x``; resolves to a list indexed by rank."""
+        arr, restore = to_numpy(x)
+        out = np.empty((self.world_size, *arr.shape), dtype=arr.dtype)
+        out[self.rank] = arr  # this rank's segment: sent from here, never received
+
+        def split(result: np.ndarray) -> list:
+            whole = restore(result)
+            return [whole[i] for i in range(self.world_size)]
+
+        return self._run(ops.ALL_GATHER, arr, out, out,
+                         copying_to_device(split, copies_to_device(restore)), timeout)
+
+    def reduce_scatter(self, x, op: str = "sum", *, timeout: float | None = None) -> Awaitable:
+        """Reduce ``x`` over ranks and keep shard ``rank`` of dim 0 (dim 0 % world_size == 0)."""
+        arr, restore = to_numpy(x)
+        reduce_op = ops.reduce_op(op)
+        if arr.ndim == 0 or arr.shape[0] % self.world_size:
+            raise InvalidCollectiveError(
+                f"reduce_scatter needs dim 0 divisible by world_size {self.world_size}, "
+                f"got shape {arr.shape}"
+            )
+        out = np.empty((arr.shape[0] // self.world_size, *arr.shape[1:]), dtype=arr.dtype)
+        return self._run(ops.REDUCE_SCATTER, arr, arr, out, restore, timeout,
+                         reduce_op=reduce_op)
+
+    def all_reduce_coalesced(self, arrays, op: str = "mean", bucket_cap_mb: float = 25, *,
+                             timeout: float | None = None) -> Awaitable:
+        """Reduce a list of arrays as a few flat per-dtype buckets of at most ``bucket_cap_mb``
+        MB, concurrently; resolves to a list of arrays of the original shapes and types.
+
+        See :func:`gradstar.client.coalesced.all_reduce_coalesced` (raises what it raises).
+        """
+        return all_reduce_coalesced(self, arrays, op, bucket_cap_mb, timeout=timeout)
+
+    def barrier(self, *, timeout: float | None = None) -> Awaitable:
+        """Resolves once every rank has reached the barrier."""
+        arr = np.empty(0, dtype=np.float32)
+        return self._run(ops.BARRIER, arr, None, arr, lambda a: None, timeout)
+
+    def sync_global_model(self, x, *, model: str, rule: str, outer_lr: float = 0.0,
+                          outer_momentum: float = 0.0, timeout: float | None = None) -> Awaitable:
+        """An averaging round: the primitive under :class:`gradstar.LocalSGD`.
+
+        Every rank sends a flat float32 ``x`` (parameters for ``rule`` "seed" and "average",
+        pseudo-gradients for "outer_sgd" and "outer_nesterov"); the hub averages it, applies the
+        rule to the job's global model ``model`` and every rank receives the new global
+        parameters (see ``gradstar.coordinator.averaging``).
+
+        Raises:
+            ConfigurationError: an unknown rule.
+            InvalidCollectiveError: not float32, or a size unlike the stored model.
+            CollectiveError and subclasses: as for all_reduce.
+        """
+        arr, restore = to_numpy(x)
+        spec = pb.AveragingSpec(model=model, rule=ops.averaging_rule(rule), outer_lr=outer_lr,
+                                outer_momentum=outer_momentum)
+        if arr.dtype != np.float32:
+            raise InvalidCollectiveError(f"averaging rounds carry float32, got {arr.dtype}")
+        return self._run(ops.ALL_REDUCE, arr, arr, np.empty_like(arr), restore, timeout,
+                         reduce_op=ops.reduce_op("mean"), averaging=spec)
+
+    # -- machinery -----------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ProcessGroupClosedError(
+                f"rank {self.rank}'s process group for job {self.job!r} is closed"
+            )
+        if self._session.failure is not None:
+            raise self._session.failure
+
+    def _run(self, op: int, arr: np.ndarray, send: np.ndarray | None, out: np.ndarray, restore,
+             timeout: float | None, *, reduce_op: int = 0, root: int = 0,
+             averaging: pb.AveragingSpec | None = None) -> Awaitable:
+        """Take the collective's seq and issue it now (see
+        :mod:`gradstar.client.collective_stream`): ``send`` is cut by the op's input layout,
+        ``out`` receives the result and ``restore`` turns it into what the caller gets."""
+        header, timeout = self._header(op, arr, timeout, reduce_op, root, averaging)
+        return self._issue(header, lambda: self._collect(header, send, out, restore, timeout))
+
+    def _header(self, op: int, arr: np.ndarray, timeout: float | None, reduce_op: int = 0,
+                root: int = 0, averaging: pb.AveragingSpec | None = None,
+                ) -> tuple[pb.CollectiveHeader, float]:
+        """The next collective's header (its seq taken now) and its timeout."""
+        self._check_usable()
+        timeout = self.settings.timeout if timeout is None else timeout
+        header = pb.CollectiveHeader(
+            job=self.job, generation=self.generation, group="default", seq=next(self._seq),
+            rank=self.rank, member_id=self._member_id, op=op, reduce_op=reduce_op,
+            dtype=dtype_info(arr.dtype).wire, shape=arr.shape, root=root,
+            chunk_bytes=aligned_chunk_bytes(striped_chunk_bytes(
+                self.settings.chunk_bytes, arr.nbytes,
+                len(self._plane.targets(averaging=averaging is not None))), arr.dtype.itemsize),
+            timeout_seconds=timeout, averaging=averaging,
+        )
+        return header, timeout
+
+    def _targets(self, header: pb.CollectiveHeader):
+        return self._plane.targets(averaging=bool(header.averaging.rule))
+
+    def _issue(self, header: pb.CollectiveHeader, run) -> Awaitable:
+        """Start ``run()``, the call that carries collective ``header``, now
+        (:func:`~gradstar.client.collective_stream.issue`); cancelled before it ran, it tells
+        the hub so that no rank waits for it."""
+        return issue(run, lambda: abandon_collective(self._targets(header), header,
+                                                     self.world_size, self._metadata))
+
+    async def _collect(self, header: pb.CollectiveHeader, send: np.ndarray | None,
+                       out: np.ndarray, restore, timeout: float):
+        result = await run_collective(self._targets(header), header, self.world_size, send, out,
+                                      session=self._session, metadata=self._metadata,
+                                      timeout=timeout)
+        return await delivered(restore, result)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Leave the job and close the connection. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._hosts.close()
+            if self._peer_endpoint is not None:
+                # Goodbyes first: a rank receiving from this one then has all it sent before it
+                # hears from the hub that this rank finished (gradstar.client.peer.endpoint).
+                await self._peer_endpoint.close()
+        finally:
+            try:
+                await self._session.close()
+            finally:
+                await self._plane.close()
+                await self._channel.close()
+
+    async def __aenter__(self) -> AsyncProcessGroup:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return (f"AsyncProcessGroup(job={self.job!r}, rank={self.rank}, "
+                f"world_size={self.world_size}, generation={self.generation})")
+
+
+def _output_array(out, like: np.ndarray) -> np.ndarray:
+    """``out`` as a numpy array sharing its memory, checked against the input ``like``.
+
+    Raises:
+        ConfigurationError: not a writable C-contiguous numpy array or CPU tensor.
+        InvalidCollectiveError: another shape or dtype than ``like``.
+    """
+    arr = None
+    if isinstance(out, np.ndarray):
+        arr = out
+    elif is_cpu_tensor(out) and out.is_contiguous():
+        arr, _ = to_numpy(out)  # a view of the tensor's memory
+    if arr is None or not (arr.flags.c_contiguous and arr.flags.writeable):
+        raise ConfigurationError(
+            "out= takes a writable, C-contiguous numpy array or CPU tensor, got "
+            f"{type(out).__name__}" + (f" on {out.device}" if hasattr(out, "device") else ""))
+    if arr.shape != like.shape or arr.dtype != like.dtype:
+        raise InvalidCollectiveError(
+            f"out= must match the input: shape {like.shape} and dtype {like.dtype}, got shape "
+            f"{arr.shape} and dtype {arr.dtype}")
+    return arr
+
+
+async def open_group(settings: ClientSettings, peer_address: str = "", *,
+                     peers: bool = True) -> AsyncProcessGroup:
+    """Join ``settings.job``, connect to its data plane and, with ``peers``, join the groups of
+    its two-level all_reduce (``peers=False``: without a peer server, for those groups of
+    :mod:`gradstar.client.hierarchy`). What fails on the way is closed again."""
+    channel = open_channel(settings)
+    peer_endpoint = PeerEndpoint(settings, call_metadata(settings)) if peers else None
+    try:
+        if peer_endpoint is not None:
+            peer_address = await peer_endpoint.start(peer_address)
+        await wait_connected(channel, settings.coordinator, settings.connect_timeout,
+                             settings.tls_ca, settings.tls_cert, settings.tls_key)
+        session = Session(channel, call_metadata(settings), settings.coordinator)
+        await session.join(settings.job, settings.world_size, settings.rank,
+                           peer_address, settings.join_timeout)
+    except BaseException:
+        await channel.close()
+        if peer_endpoint is not None:
+            await peer_endpoint.close()
+        raise
+    group = AsyncProcessGroup(settings, channel, session, peer_endpoint)
+    try:
+        await group._plane.connect(settings.connect_timeout)
+        if peers:
+            await group._hosts.start()
+    except BaseException:
+        await group.close()
+        raise
+    return group
+
+
+async def _subgroup(settings: ClientSettings, job: str, world_size: int,
+                    rank: int) -> AsyncProcessGroup:
+    """Join ``job``, one of the groups of :mod:`gradstar.client.hierarchy`, as this rank's main
+    settings say (coordinator, token, TLS, timeouts), without a peer server: it runs collectives
+    only."""
+    return await open_group(settings.model_copy(update={"job": job, "world_size": world_size,
+                                                        "rank": rank}), peers=False)
+
+
+__all__ = ["AsyncProcessGroup", "open_group"]
