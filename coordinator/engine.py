@@ -106,6 +106,19 @@ READ_AHEAD_CHUNKS = 16
 FORWARD_AHEAD_CHUNKS = READ_AHEAD_CHUNKS // 2
 
 
+def without_frames(error: GradstarError) -> GradstarError:
+    """``error`` with its traceback and context dropped, returned.
+
+    Errors outlive the collectives they end: a failed generation's error and an ended
+    collective's error are kept for the ranks that come later. A traceback keeps every frame it
+    passed through, with their locals (the collective, views of the ranks' segments), alive as
+    long as the error is kept; the error's message and fields are all a rank ever gets.
+    """
+    error.__traceback__ = None
+    error.__context__ = None
+    return error
+
+
 @dataclass(eq=False)
 class Participant:
     """One rank's side of a collective: what it sends, and the frames queued for it."""
@@ -153,22 +166,24 @@ class ReadWindow:
 
     Deliveries wake the waits (:meth:`progressed`), and a rank's outbox drains on its own task
     while its reads wait, so a rank that both sends and receives cannot block itself.
+
+    The window is handed its collective on each call rather than keeping it: a reference back
+    would make a cycle, and a finished collective (with its views of the ranks' segments) would
+    then live until the cyclic garbage collector ran instead of going when its streams end.
     """
 
-    def __init__(self, coll: PendingCollective) -> None:
-        self.coll = coll
+    def __init__(self) -> None:
         self._progress = asyncio.Event()
 
-    def may_read(self, p: Participant) -> bool:
-        """Whether the hub should read ``p``'s next chunk now."""
-        c = self.coll
+    def may_read(self, c: PendingCollective, p: Participant) -> bool:
+        """Whether the hub should read ``p``'s next chunk of collective ``c`` now."""
         if c.finished:
             return True
         if c.reducer is None:
             if not c.matched:
                 return c.held_chunks < FORWARD_AHEAD_CHUNKS
-            return not self._backlogged(p, FORWARD_AHEAD_CHUNKS)
-        if self._backlogged(None, READ_AHEAD_CHUNKS):
+            return not self._backlogged(c, p, FORWARD_AHEAD_CHUNKS)
+        if self._backlogged(c, None, READ_AHEAD_CHUNKS):
             return False
         low = min(c.participants[r].tracker.received if r in c.participants else 0
                   for r in range(c.world))
@@ -178,14 +193,15 @@ class ReadWindow:
                 low = 0
         return p.tracker.received < low + READ_AHEAD_CHUNKS
 
-    def _backlogged(self, sender: Participant | None, window: int) -> bool:
+    @staticmethod
+    def _backlogged(c: PendingCollective, sender: Participant | None, window: int) -> bool:
         """Whether a rank other than ``sender`` has ``window`` chunks queued, undelivered."""
         return any(q.queued - q.delivered >= window
-                   for q in self.coll.participants.values() if q is not sender)
+                   for q in c.participants.values() if q is not sender)
 
-    async def wait(self, p: Participant) -> None:
+    async def wait(self, c: PendingCollective, p: Participant) -> None:
         """Hold ``p``'s stream until it may read."""
-        while not self.may_read(p):
+        while not self.may_read(c, p):
             self._progress.clear()
             await self._progress.wait()
 
@@ -210,7 +226,7 @@ class PendingCollective:
         self.ends = 0
         self._slots: dict[int, list] = {}
         self._held: list[tuple[int, int, bytes]] = []
-        self.window = ReadWindow(self)
+        self.window = ReadWindow()
         validate(header, self.world, engine.limits)
         self.dtype = dtype_from_wire(header.dtype)
         self.nbytes = payload_bytes(header.shape, header.dtype)
@@ -288,6 +304,14 @@ class PendingCollective:
         self._maybe_complete()
 
     # -- data ----------------------------------------------------------------------------------
+
+    async def wait_to_read(self, p: Participant) -> None:
+        """Hold ``p``'s stream until the read window lets the hub read its next chunk."""
+        await self.window.wait(self, p)
+
+    def progressed(self) -> None:
+        """A chunk was delivered (or something else moved): re-check the held reads."""
+        self.window.progressed()
 
     def on_chunk(self, p: Participant, frame: bytes) -> None:
         """A chunk frame from ``p``; reduce or forward it. Raises ProtocolError if it is bad."""
@@ -439,7 +463,7 @@ class PendingCollective:
         self._finish(error)
         for p in self.participants.values():
             p.outbox.put_nowait(error)
-        self.gen.ended[self.key] = (error, set(self.participants))
+        self.gen.ended[self.key] = (without_frames(error), set(self.participants))
 
     def _finish(self, error: GradstarError | None) -> None:
         self.finished = True
@@ -506,7 +530,7 @@ class CollectiveEngine:
         except GradstarError as error:
             if coll is None:
                 # The opening header itself was invalid: later ranks must see the same error.
-                gen.ended[key] = (error, {h.rank})
+                gen.ended[key] = (without_frames(error), {h.rank})
                 self.count(gen, h, failed=True)
             else:
                 coll.fail(error)

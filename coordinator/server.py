@@ -228,11 +228,13 @@ class Coordinator:
             await self._health.set(name, status)
 
     async def _sweep(self) -> None:
-        """Declare lost the members whose heartbeats stopped (frozen or partitioned ranks), and
-        drop jobs idle for longer than ``job_retention``."""
+        """Declare lost the members whose heartbeats stopped (frozen or partitioned ranks),
+        unmap the segments of ranks that let go of them, and drop jobs idle for longer than
+        ``job_retention``."""
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval / 2)
             self.status.sample()  # the status page's byte rates
+            self.collectives.sweep_segments()
             for m in self.rendezvous.expire():
                 log.warning("job %r: rank %d missed heartbeats", m.job, m.rank)
             for name in self.rendezvous.drop_idle(self.settings.job_retention):

@@ -114,9 +114,9 @@ class Shard:
         admin = s.admin_token.get_secret_value() if s.admin_token else None
         server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token, admin)],
                                  options=SERVER_OPTIONS)
-        server.add_generic_rpc_handlers(
-            (CollectiveServicer(self.engine, admit=self._admit,
-                                shared_memory=self.settings.shared_memory).handler(),))
+        self.collectives = CollectiveServicer(self.engine, admit=self._admit,
+                                              shared_memory=self.settings.shared_memory)
+        server.add_generic_rpc_handlers((self.collectives.handler(),))
         self._health = health.aio.HealthServicer()
         # grpc's servicer answers SERVING for "" until told otherwise: not before registering.
         for name in ("", COLLECTIVE_SERVICE):
@@ -216,6 +216,7 @@ class Shard:
         while True:
             await asyncio.sleep(interval)
             self._reports.put_nowait(spb.ShardReport(stats=self.stats()))
+            self.collectives.sweep_segments()
             for name in self.rendezvous.drop_idle(self.settings.job_retention):
                 self.engine.metrics.forget(name)
 
