@@ -362,11 +362,15 @@ class Rendezvous:
         if gen is None or member.left:
             return
         member.left = True
-        self.fail(gen, RankLostError(
+        error = RankLostError(
             f"rank {member.rank} of job {member.job!r} was lost ({reason}); generation "
             f"{gen.number} is over, so every collective of it fails",
             rank=member.rank, generation=gen.number,
-        ))
+        )
+        # The lost rank hears it too, if its session still reads (a rank frozen past its
+        # heartbeats, then thawed): it must learn why, not find its calls refused later.
+        member.notices.put_nowait(error)
+        self.fail(gen, error)
 
     def leave(self, member: Member) -> None:
         """An orderly goodbye: the member *finished*. The generation stays healthy (peer
