@@ -30,7 +30,7 @@ from .admin import AdminServicer
 from .averaging import AveragingStore
 from .engine import CollectiveEngine
 from .local_shards import LocalShards
-from .metrics import render
+from .metrics import render_async
 from .rendezvous import Rendezvous
 from .servicers import CollectiveServicer, RendezvousServicer
 from .shards import ShardControlServicer, ShardRegistry
@@ -243,7 +243,8 @@ class Coordinator:
                          self.settings.job_retention)
 
     async def _metrics_page(self) -> tuple[int, str, bytes]:
-        text = render(self.rendezvous, self.engine.metrics, self.averaging, shards=self.shards)
+        text = await render_async(self.rendezvous, self.engine.metrics, self.averaging,
+                                  shards=self.shards, max_bytes=self.settings.metrics_max_bytes)
         return 200, "text/plain; version=0.0.4; charset=utf-8", text.encode()
 
     async def drain(self) -> None:

@@ -69,6 +69,9 @@ def _coordinator_args(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--metrics-host",
                    help="address the metrics endpoint binds (default 127.0.0.1: this host "
                         "only; env GRADSTAR_METRICS_HOST)")
+    p.add_argument("--metrics-max-bytes", type=int,
+                   help="largest /metrics page in bytes; the series of jobs beyond it are left "
+                        "out and counted (default 1 MiB; env GRADSTAR_METRICS_MAX_BYTES)")
     p.add_argument("--reflection", action="store_true", default=None,
                    help="register gRPC server reflection, open without a token (default off; "
                         "env GRADSTAR_REFLECTION)")

@@ -91,6 +91,10 @@ class CoordinatorSettings(BaseSettings):
     metrics_host: str = Field(
         "127.0.0.1", description="address the metrics endpoint binds; 0.0.0.0 for a scraper "
                                  "on another host")
+    metrics_max_bytes: int = Field(
+        1 << 20, ge=64 << 10,
+        description="largest /metrics page; the series of jobs beyond it are left out and "
+                    "counted in gradstar_metrics_jobs_omitted")
     reflection: bool = Field(
         False, description="register gRPC server reflection (service discovery for grpcurl "
                            "and the like; open without a token)")
