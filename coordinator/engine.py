@@ -86,6 +86,7 @@ from gradstar.wire import (
 )
 
 from .averaging import AveragingRound, AveragingStore
+from .budget import CollectiveBudget, participant_charge
 from .matching import Limits, check_agrees, describe, validate
 from .metrics import CollectiveMetrics
 from .reduce import BufferPool, ChunkReducer
@@ -144,6 +145,8 @@ class Participant:
     #: chunks are read from it, and its result chunks written into it at ``shm_out``.
     shm: memoryview | None = None
     shm_out: int = 0
+    #: Bytes of the hub's budget this part holds (:mod:`.budget`), given back at the end.
+    charge: int = 0
 
     def out_region(self, index: int) -> memoryview:
         """Where output chunk ``index`` goes in the rank's segment."""
@@ -253,11 +256,6 @@ class PendingCollective:
         check_agrees(h, self.spec, self.gen.job.name)
         s = self.spec
         g = ops.geometry(self.op, self.world, h.rank, self.nbytes, s.chunk_bytes, s.root)
-        inputs = self._stripe((g.sends,))
-        outputs = self._stripe(g.receives)
-        p = Participant(h.rank, h, ChunkTracker(self.layout, f"rank {h.rank}", allowed=inputs),
-                        g.sends, len(g.sends) if inputs is None else len(inputs),
-                        g.receive_count if outputs is None else len(outputs), g.out_layout)
         if shm is not None:
             # Input region at 0, result region at output_offset: both must fit the segment,
             # apart or, for all_reduce, the same (result chunk i is written only after every
@@ -269,6 +267,24 @@ class PendingCollective:
                     f"rank {h.rank}'s segment of {len(shm)} bytes with its result at {start} "
                     f"cannot hold {self.layout.total_bytes} input and "
                     f"{g.out_layout.total_bytes} result bytes")
+        # Charged before the tracker (and a stripe's index sets) are allocated.
+        charge = participant_charge(self.layout.count, None if self.stripes <= 1 else
+                                    -(-self.layout.count // self.stripes))
+        self.engine.budget.charge((self.gen, h.rank), charge,
+                                  f"rank {h.rank}'s {describe(s)} seq {s.seq} of job "
+                                  f"{self.gen.job.name!r}")
+        try:
+            inputs = self._stripe((g.sends,))
+            outputs = self._stripe(g.receives)
+            p = Participant(h.rank, h, ChunkTracker(self.layout, f"rank {h.rank}",
+                                                    allowed=inputs),
+                            g.sends, len(g.sends) if inputs is None else len(inputs),
+                            g.receive_count if outputs is None else len(outputs), g.out_layout,
+                            charge=charge)
+        except BaseException:
+            self.engine.budget.give_back((self.gen, h.rank), charge)
+            raise
+        if shm is not None:
             p.shm, p.shm_out = shm, start
         self.participants[h.rank] = p
         self.engine.metrics.arrived(self.gen.job.name, h.rank, self.started, self.world,
@@ -474,6 +490,8 @@ class PendingCollective:
         self._slots.clear()
         self._held.clear()
         self.gen.collectives.pop(self.key, None)
+        for p in self.participants.values():
+            self.engine.budget.give_back((self.gen, p.rank), p.charge)
         self.engine.count(self.gen, self.spec, failed=error is not None)
         self.engine.metrics.finished(self.gen.job.name, ops.op_name(self.op), self.started,
                                      failed=error is not None, error=error)
@@ -492,9 +510,12 @@ class CollectiveEngine:
         pool: BufferPool | None = None,
         averaging: AveragingStore | None = None,
         metrics: CollectiveMetrics | None = None,
+        budget: CollectiveBudget | None = None,
     ) -> None:
         self.rendezvous = rendezvous
         self.limits = Limits(max_tensor_bytes, max_chunk_bytes)
+        #: What pending collectives may hold (:mod:`.budget`); unlimited unless given.
+        self.budget = budget or CollectiveBudget(1 << 62, 1 << 62, 1 << 62)
         self.max_timeout = max_timeout
         self.pool = pool or BufferPool()
         self.averaging = averaging or AveragingStore()
@@ -507,6 +528,8 @@ class CollectiveEngine:
         Raises:
             RankLostError / RendezvousError: the caller's generation failed or is not current.
             RankFinishedError: a rank of the generation finished (closed its group).
+            HubCapacityError: the hub's budget for pending collectives, or a cap on them per
+                member or per job, is reached (:mod:`.budget`); the collective fails.
             GradstarError: the collective failed (mismatch, invalid, timeout); every rank that
                 arrived or arrives later for this seq gets the same error.
         """
@@ -524,6 +547,7 @@ class CollectiveEngine:
         coll = gen.collectives.get(key)
         try:
             if coll is None:
+                self.budget.check_open(len(gen.collectives), gen.job.name)
                 coll = PendingCollective(self, gen, h)
                 gen.collectives[key] = coll
             return coll, coll.arrive(h, shm)

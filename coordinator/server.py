@@ -10,7 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gradstar.allocator import tune_allocator
+from gradstar.allocator import trim_heap, tune_allocator
 from gradstar.config import CoordinatorSettings
 from gradstar.errors import InvalidCollectiveError
 from gradstar.proto.v1 import (
@@ -28,6 +28,7 @@ from gradstar.transport.http import bound_port, serve_http
 
 from .admin import AdminServicer
 from .averaging import AveragingStore
+from .budget import CollectiveBudget
 from .engine import CollectiveEngine
 from .local_shards import LocalShards
 from .metrics import render_async
@@ -124,6 +125,8 @@ class Coordinator:
             self.rendezvous, max_tensor_bytes=s.max_tensor_bytes,
             max_chunk_bytes=s.max_chunk_bytes, max_timeout=s.max_collective_timeout,
             averaging=self.averaging, metrics=self.status.metrics,
+            budget=CollectiveBudget(s.max_collective_state_bytes, s.max_pending_per_member,
+                                    s.max_pending_per_job),
         )
         token = s.token.get_secret_value() if s.token else None
         admin = s.admin_token.get_secret_value() if s.admin_token else None
@@ -235,6 +238,9 @@ class Coordinator:
             await asyncio.sleep(self.settings.heartbeat_interval / 2)
             self.status.sample()  # the status page's byte rates
             self.collectives.sweep_segments()
+            if self.engine.budget.should_trim():
+                trim_heap()
+                self.engine.budget.trimmed()
             for m in self.rendezvous.expire():
                 log.warning("job %r: rank %d missed heartbeats", m.job, m.rank)
             for name in self.rendezvous.drop_idle(self.settings.job_retention):

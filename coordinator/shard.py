@@ -52,6 +52,7 @@ from gradstar.transport.status import error_from_rpc
 from gradstar.transport.tls_check import wait_connected
 from gradstar.wire import COLLECTIVE_SERVICE, MAX_NDIM, payload_bytes
 
+from .budget import CollectiveBudget
 from .engine import CollectiveEngine
 from .rendezvous import Rendezvous
 from .servicers import CollectiveServicer
@@ -77,7 +78,10 @@ class Shard:
         self.engine = CollectiveEngine(
             self.rendezvous, max_tensor_bytes=settings.max_tensor_bytes,
             max_chunk_bytes=settings.max_chunk_bytes,
-            max_timeout=settings.max_collective_timeout)
+            max_timeout=settings.max_collective_timeout,
+            budget=CollectiveBudget(settings.max_collective_state_bytes,
+                                    settings.max_pending_per_member,
+                                    settings.max_pending_per_job))
         #: (job, generation) -> (this shard's stripe position, shards in the generation).
         self.positions: dict[tuple[str, int], tuple[int, int]] = {}
         self.slot: int | None = None

@@ -29,6 +29,7 @@ _CODES: list[tuple[type[e.GradstarError], grpc.StatusCode]] = [
     (e.JoinTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (e.RankLostError, grpc.StatusCode.ABORTED),
     (e.PayloadTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (e.HubCapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (e.DuplicateRankError, grpc.StatusCode.ALREADY_EXISTS),
     (e.CoordinatorDrainingError, grpc.StatusCode.UNAVAILABLE),
     (e.TooManyJobsError, grpc.StatusCode.RESOURCE_EXHAUSTED),
