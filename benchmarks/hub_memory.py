@@ -16,10 +16,16 @@ What is measured
     fetched (its size), and while it is rendered a task measures how late the event loop runs a
     1 ms timer (the lag every collective would see).
 
+    ``headers``: a coordinator subprocess (default budget) and one member of a two-rank job
+    (rank 1 never comes) that sends ``--headers`` headers at the chunk limit (2^20 chunks of 2
+    bytes, ~1 MiB of chunk tracker each) and holds them pending; the hub's private memory is
+    read at the peak, how many headers were refused, and again 5 s after the streams closed.
+
 How to reproduce
     .venv/bin/python benchmarks/hub_memory.py                        # both parts
     .venv/bin/python benchmarks/hub_memory.py soak --rounds 40 --iters 25 --mb 16
     .venv/bin/python benchmarks/hub_memory.py flood --joins 10000
+    .venv/bin/python benchmarks/hub_memory.py headers --headers 1536
 """
 
 from __future__ import annotations
@@ -170,20 +176,72 @@ async def flood(args) -> dict:
         await hub.stop(grace=0)
 
 
+async def headers(args) -> dict:
+    import gradstar
+    from gradstar.proto.v1 import collective_pb2 as pb
+    from gradstar.wire import KIND_HEADER, encode_message
+
+    coord = CoordinatorProcess(shards=0)
+    address = coord.start()
+    try:
+        groups = await asyncio.gather(*(gradstar.init_process_group_async(
+            coordinator=address, job="greedy", world_size=2, rank=r, join_timeout=10)
+            for r in range(2)))
+        g = groups[0]
+        before = hub_state(coord.proc.pid)
+        hold = asyncio.Event()
+        calls = []
+        for seq in range(args.headers):
+            frame = encode_message(KIND_HEADER, pb.CollectiveHeader(
+                job=g.job, generation=g.generation, group="hostile", seq=seq, rank=0,
+                member_id=g._member_id, op=pb.COLLECTIVE_OP_ALL_REDUCE,
+                reduce_op=pb.REDUCE_OP_SUM, timeout_seconds=600, dtype=pb.DTYPE_FLOAT16,
+                shape=[1 << 20], chunk_bytes=2))
+
+            async def frames(frame=frame):
+                yield frame
+                await hold.wait()
+            calls.append(g._plane.coordinator.stream(frames(), metadata=g._metadata,
+                                                     timeout=600))
+        refused = 0
+        for call in calls:
+            try:
+                await asyncio.wait_for(call.read(), 0.05)
+                refused += 1  # the only frame the hub sends a pending header is its refusal
+            except TimeoutError:
+                pass
+        peak = hub_state(coord.proc.pid)
+        hold.set()
+        for call in calls:
+            call.cancel()
+        await asyncio.sleep(5)
+        after = hub_state(coord.proc.pid)
+        await asyncio.gather(*(x.close() for x in groups))
+    finally:
+        coord.stop()
+    return {"headers": args.headers, "refused": refused, "before_mib": before["private_mib"],
+            "peak_mib": peak["private_mib"], "after_close_5s_mib": after["private_mib"]}
+
+
 def main() -> int:
     if sys.argv[1:2] == ["_rank"]:
         return rank_main()
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", nargs="?", choices=("soak", "flood", "both"), default="both")
+    parser.add_argument("part", nargs="?", choices=("soak", "flood", "headers", "both"),
+                        default="both", help="'both': soak and flood")
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--iters", type=int, default=25)
     parser.add_argument("--mb", type=int, default=16)
     parser.add_argument("--settle", type=float, default=15.0)
     parser.add_argument("--joins", type=int, default=10_000)
     parser.add_argument("--max-jobs", type=int, default=1000)
+    parser.add_argument("--headers", type=int, default=1536)
     args = parser.parse_args()
     results = {}
+    if args.part == "headers":
+        results["headers"] = asyncio.run(headers(args))
+        print(json.dumps(results["headers"]), flush=True)
     if args.part in ("flood", "both"):
         results["flood"] = asyncio.run(flood(args))
         print(json.dumps(results["flood"]), flush=True)
