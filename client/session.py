@@ -19,7 +19,7 @@ from gradstar.errors import (
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
 from gradstar.proto.v1 import rendezvous_pb2_grpc
 from gradstar.transport import shm
-from gradstar.transport.status import error_from_rpc
+from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
 
 _END = object()
 
@@ -27,6 +27,12 @@ _END = object()
 #: before it reports the break itself; the hub usually knows within milliseconds of a process
 #: dying, because that process's session stream breaks too.
 VERDICT_GRACE = 3.0
+#: How late (seconds) a heartbeat may be before this rank counts as having been stopped: a
+#: process frozen (SIGSTOP, a debugger, swapped out) this long cannot answer the hub's keepalive
+#: pings (2 s), so the hub may have declared it lost and closed its connection meanwhile.
+STALL_S = 2.0
+#: How long after such a stall a broken session is put down to it.
+STALL_MEMORY_S = 60.0
 
 
 class Session:
@@ -47,6 +53,10 @@ class Session:
         #: Ranks of the generation that closed their group cleanly (RankFinished notices).
         self._finished: dict[int, RankFinishedError] = {}
         self._finishes = asyncio.Event()
+        #: When the heartbeat loop last woke, and its longest recent lateness (seconds, when).
+        self._beat_at = time.monotonic()
+        self._beat_interval = 1.0
+        self._stall: tuple[float, float] = (0.0, 0.0)
 
     @property
     def failure(self) -> GradstarError | None:
@@ -130,8 +140,14 @@ class Session:
             yield request
 
     async def _beat(self, interval: float) -> None:
+        self._beat_interval, self._beat_at = interval, time.monotonic()
         while True:
             await asyncio.sleep(interval)
+            now = time.monotonic()
+            late = now - self._beat_at - interval
+            if late > STALL_S:
+                self._stall = (late, now)
+            self._beat_at = now
             self._outbox.put_nowait(rpb.SessionRequest(
                 heartbeat=rpb.Heartbeat(sent_unix_ms=int(time.time() * 1000))))
 
@@ -152,11 +168,35 @@ class Session:
                                                   generation=f.generation))
         except grpc.RpcError as error:
             if not self._closing:
-                self._fail(error_from_rpc(error, "the rendezvous session", self._target))
+                # A transport failure (ping timeout, a reset, grpc-python's INTERNAL) right after
+                # this process was stopped is the hub having given up on it, not a lost hub.
+                stalled = None if is_coordinator_verdict(error) else self._stalled()
+                self._fail(stalled or error_from_rpc(error, "the rendezvous session",
+                                                     self._target))
         if not self._closing:
-            self._fail(CoordinatorUnavailableError(
+            self._fail(self._stalled() or CoordinatorUnavailableError(
                 f"the coordinator at {self._target} closed this rank's session"
             ))
+
+    def _stalled(self) -> RankLostError | None:
+        """Why the session broke, when this process was stopped long enough for the hub to give
+        up on it (the break then says nothing about the hub): this rank was lost, by the hub's
+        count as by everyone else's. None when no such stall was seen lately."""
+        now = time.monotonic()
+        # A beat still due (the loop has not run it since it woke) is late by this much.
+        pending = now - self._beat_at - self._beat_interval
+        late, when = self._stall
+        if pending > STALL_S:
+            late, when = pending, now
+        if late <= STALL_S or now - when > STALL_MEMORY_S or self.joined is None:
+            return None
+        j = self.joined
+        return RankLostError(
+            f"rank {j.rank} of job {j.job!r} (this process) was stopped or starved for "
+            f"{late:.1f} s, long enough for the coordinator at {self._target} to declare it "
+            f"lost and end its session; generation {j.generation} is over for this rank, so "
+            "every collective of it fails: join the job again", rank=j.rank,
+            generation=j.generation)
 
     async def close(self, timeout: float = 5.0) -> None:
         """Leave the job in an orderly way and end the stream."""

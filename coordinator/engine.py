@@ -86,6 +86,7 @@ from gradstar.wire import (
 )
 
 from .averaging import AveragingRound, AveragingStore
+from .budget import CollectiveBudget, participant_charge
 from .matching import Limits, check_agrees, describe, validate
 from .metrics import CollectiveMetrics
 from .reduce import BufferPool, ChunkReducer
@@ -104,6 +105,19 @@ READ_AHEAD_CHUNKS = 16
 #: 16 before the match cost 8-10 MiB more for a late rank and gained nothing: the collective
 #: ends when the late rank has every chunk, whatever the root sent before it came.
 FORWARD_AHEAD_CHUNKS = READ_AHEAD_CHUNKS // 2
+
+
+def without_frames(error: GradstarError) -> GradstarError:
+    """``error`` with its traceback and context dropped, returned.
+
+    Errors outlive the collectives they end: a failed generation's error and an ended
+    collective's error are kept for the ranks that come later. A traceback keeps every frame it
+    passed through, with their locals (the collective, views of the ranks' segments), alive as
+    long as the error is kept; the error's message and fields are all a rank ever gets.
+    """
+    error.__traceback__ = None
+    error.__context__ = None
+    return error
 
 
 @dataclass(eq=False)
@@ -131,6 +145,8 @@ class Participant:
     #: chunks are read from it, and its result chunks written into it at ``shm_out``.
     shm: memoryview | None = None
     shm_out: int = 0
+    #: Bytes of the hub's budget this part holds (:mod:`.budget`), given back at the end.
+    charge: int = 0
 
     def out_region(self, index: int) -> memoryview:
         """Where output chunk ``index`` goes in the rank's segment."""
@@ -153,22 +169,24 @@ class ReadWindow:
 
     Deliveries wake the waits (:meth:`progressed`), and a rank's outbox drains on its own task
     while its reads wait, so a rank that both sends and receives cannot block itself.
+
+    The window is handed its collective on each call rather than keeping it: a reference back
+    would make a cycle, and a finished collective (with its views of the ranks' segments) would
+    then live until the cyclic garbage collector ran instead of going when its streams end.
     """
 
-    def __init__(self, coll: PendingCollective) -> None:
-        self.coll = coll
+    def __init__(self) -> None:
         self._progress = asyncio.Event()
 
-    def may_read(self, p: Participant) -> bool:
-        """Whether the hub should read ``p``'s next chunk now."""
-        c = self.coll
+    def may_read(self, c: PendingCollective, p: Participant) -> bool:
+        """Whether the hub should read ``p``'s next chunk of collective ``c`` now."""
         if c.finished:
             return True
         if c.reducer is None:
             if not c.matched:
                 return c.held_chunks < FORWARD_AHEAD_CHUNKS
-            return not self._backlogged(p, FORWARD_AHEAD_CHUNKS)
-        if self._backlogged(None, READ_AHEAD_CHUNKS):
+            return not self._backlogged(c, p, FORWARD_AHEAD_CHUNKS)
+        if self._backlogged(c, None, READ_AHEAD_CHUNKS):
             return False
         low = min(c.participants[r].tracker.received if r in c.participants else 0
                   for r in range(c.world))
@@ -178,14 +196,15 @@ class ReadWindow:
                 low = 0
         return p.tracker.received < low + READ_AHEAD_CHUNKS
 
-    def _backlogged(self, sender: Participant | None, window: int) -> bool:
+    @staticmethod
+    def _backlogged(c: PendingCollective, sender: Participant | None, window: int) -> bool:
         """Whether a rank other than ``sender`` has ``window`` chunks queued, undelivered."""
         return any(q.queued - q.delivered >= window
-                   for q in self.coll.participants.values() if q is not sender)
+                   for q in c.participants.values() if q is not sender)
 
-    async def wait(self, p: Participant) -> None:
+    async def wait(self, c: PendingCollective, p: Participant) -> None:
         """Hold ``p``'s stream until it may read."""
-        while not self.may_read(p):
+        while not self.may_read(c, p):
             self._progress.clear()
             await self._progress.wait()
 
@@ -210,7 +229,7 @@ class PendingCollective:
         self.ends = 0
         self._slots: dict[int, list] = {}
         self._held: list[tuple[int, int, bytes]] = []
-        self.window = ReadWindow(self)
+        self.window = ReadWindow()
         validate(header, self.world, engine.limits)
         self.dtype = dtype_from_wire(header.dtype)
         self.nbytes = payload_bytes(header.shape, header.dtype)
@@ -237,11 +256,6 @@ class PendingCollective:
         check_agrees(h, self.spec, self.gen.job.name)
         s = self.spec
         g = ops.geometry(self.op, self.world, h.rank, self.nbytes, s.chunk_bytes, s.root)
-        inputs = self._stripe((g.sends,))
-        outputs = self._stripe(g.receives)
-        p = Participant(h.rank, h, ChunkTracker(self.layout, f"rank {h.rank}", allowed=inputs),
-                        g.sends, len(g.sends) if inputs is None else len(inputs),
-                        g.receive_count if outputs is None else len(outputs), g.out_layout)
         if shm is not None:
             # Input region at 0, result region at output_offset: both must fit the segment,
             # apart or, for all_reduce, the same (result chunk i is written only after every
@@ -253,6 +267,24 @@ class PendingCollective:
                     f"rank {h.rank}'s segment of {len(shm)} bytes with its result at {start} "
                     f"cannot hold {self.layout.total_bytes} input and "
                     f"{g.out_layout.total_bytes} result bytes")
+        # Charged before the tracker (and a stripe's index sets) are allocated.
+        charge = participant_charge(self.layout.count, None if self.stripes <= 1 else
+                                    -(-self.layout.count // self.stripes))
+        self.engine.budget.charge((self.gen, h.rank), charge,
+                                  f"rank {h.rank}'s {describe(s)} seq {s.seq} of job "
+                                  f"{self.gen.job.name!r}")
+        try:
+            inputs = self._stripe((g.sends,))
+            outputs = self._stripe(g.receives)
+            p = Participant(h.rank, h, ChunkTracker(self.layout, f"rank {h.rank}",
+                                                    allowed=inputs),
+                            g.sends, len(g.sends) if inputs is None else len(inputs),
+                            g.receive_count if outputs is None else len(outputs), g.out_layout,
+                            charge=charge)
+        except BaseException:
+            self.engine.budget.give_back((self.gen, h.rank), charge)
+            raise
+        if shm is not None:
             p.shm, p.shm_out = shm, start
         self.participants[h.rank] = p
         self.engine.metrics.arrived(self.gen.job.name, h.rank, self.started, self.world,
@@ -288,6 +320,14 @@ class PendingCollective:
         self._maybe_complete()
 
     # -- data ----------------------------------------------------------------------------------
+
+    async def wait_to_read(self, p: Participant) -> None:
+        """Hold ``p``'s stream until the read window lets the hub read its next chunk."""
+        await self.window.wait(self, p)
+
+    def progressed(self) -> None:
+        """A chunk was delivered (or something else moved): re-check the held reads."""
+        self.window.progressed()
 
     def on_chunk(self, p: Participant, frame: bytes) -> None:
         """A chunk frame from ``p``; reduce or forward it. Raises ProtocolError if it is bad."""
@@ -439,7 +479,7 @@ class PendingCollective:
         self._finish(error)
         for p in self.participants.values():
             p.outbox.put_nowait(error)
-        self.gen.ended[self.key] = (error, set(self.participants))
+        self.gen.ended[self.key] = (without_frames(error), set(self.participants))
 
     def _finish(self, error: GradstarError | None) -> None:
         self.finished = True
@@ -450,6 +490,8 @@ class PendingCollective:
         self._slots.clear()
         self._held.clear()
         self.gen.collectives.pop(self.key, None)
+        for p in self.participants.values():
+            self.engine.budget.give_back((self.gen, p.rank), p.charge)
         self.engine.count(self.gen, self.spec, failed=error is not None)
         self.engine.metrics.finished(self.gen.job.name, ops.op_name(self.op), self.started,
                                      failed=error is not None, error=error)
@@ -468,9 +510,12 @@ class CollectiveEngine:
         pool: BufferPool | None = None,
         averaging: AveragingStore | None = None,
         metrics: CollectiveMetrics | None = None,
+        budget: CollectiveBudget | None = None,
     ) -> None:
         self.rendezvous = rendezvous
         self.limits = Limits(max_tensor_bytes, max_chunk_bytes)
+        #: What pending collectives may hold (:mod:`.budget`); unlimited unless given.
+        self.budget = budget or CollectiveBudget(1 << 62, 1 << 62, 1 << 62)
         self.max_timeout = max_timeout
         self.pool = pool or BufferPool()
         self.averaging = averaging or AveragingStore()
@@ -483,6 +528,8 @@ class CollectiveEngine:
         Raises:
             RankLostError / RendezvousError: the caller's generation failed or is not current.
             RankFinishedError: a rank of the generation finished (closed its group).
+            HubCapacityError: the hub's budget for pending collectives, or a cap on them per
+                member or per job, is reached (:mod:`.budget`); the collective fails.
             GradstarError: the collective failed (mismatch, invalid, timeout); every rank that
                 arrived or arrives later for this seq gets the same error.
         """
@@ -500,13 +547,14 @@ class CollectiveEngine:
         coll = gen.collectives.get(key)
         try:
             if coll is None:
+                self.budget.check_open(len(gen.collectives), gen.job.name)
                 coll = PendingCollective(self, gen, h)
                 gen.collectives[key] = coll
             return coll, coll.arrive(h, shm)
         except GradstarError as error:
             if coll is None:
                 # The opening header itself was invalid: later ranks must see the same error.
-                gen.ended[key] = (error, {h.rank})
+                gen.ended[key] = (without_frames(error), {h.rank})
                 self.count(gen, h, failed=True)
             else:
                 coll.fail(error)

@@ -14,13 +14,20 @@ format (version 0.0.4). Two kinds of numbers:
 
 Why no prometheus_client: everything here runs on the coordinator's event loop, so the state is
 read without locks, and the server is a few lines of asyncio rather than a second thread and a
-runtime dependency. The format is checked against prometheus_client's own parser in the tests.
+runtime dependency. For the same reason the page is rendered on the loop, in slices, rather
+than in a thread that would read the state while the loop changes it. The format is checked
+against prometheus_client's own parser in the tests.
 
-Label cardinality: series are per job and per (job, rank), kept while the coordinator runs.
+Label cardinality: series are per job and per (job, rank), kept while the job is (see
+``--job-retention``); only jobs that formed a generation have them. The page is bounded: at most
+``--metrics-max-bytes`` (1 MiB by default; jobs whose series would not fit are left out and
+counted in ``gradstar_metrics_jobs_omitted``), and it is rendered in slices between which the
+event loop runs, so a scrape never holds collectives up for long.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import logging
 import math
@@ -109,106 +116,189 @@ class CollectiveMetrics:
         hist.observe(max(self.clock() - started, 0.0))
 
 
+#: Largest /metrics page, bytes (``--metrics-max-bytes``): jobs' series beyond it are left out,
+#: and counted in ``gradstar_metrics_jobs_omitted``.
+METRICS_MAX_BYTES = 1 << 20
+#: Room kept for what is not a job's own series: the HELP and TYPE lines, the jobs-by-state and
+#: omitted-jobs gauges, and the shards' families (a few hundred bytes per shard, 64 at most).
+_FIXED_RESERVE = 48 << 10
+#: Jobs rendered between two yields to the event loop (:func:`render_async`): each costs a few
+#: tens of microseconds per series, so a slice keeps the loop waiting for a millisecond or so.
+JOBS_PER_SLICE = 32
+#: Order of the state gauge; and which jobs get their series first when not all fit.
+_STATES = ("running", "forming", "failed", "completed", "idle")
+
+# The per-job families, in page order: (name, type, help).
+_JOB_FAMILIES = (
+    ("gradstar_job_generation", "gauge", "Number of the job's current generation."),
+    ("gradstar_job_generations_formed_total", "counter",
+     "Generations formed by the job (re-joins after failures add one each)."),
+    ("gradstar_job_world_size", "gauge", "Ranks the job needs."),
+    ("gradstar_job_members", "gauge",
+     "Live members of the current generation (or joiners while forming)."),
+    ("gradstar_collectives_in_flight", "gauge", "Collectives matched or waiting for ranks."),
+    ("gradstar_member_heartbeat_age_seconds", "gauge",
+     "Seconds since each live member was last heard from."),
+    ("gradstar_bytes_received_total", "counter",
+     "Tensor payload bytes the hub received from the job's ranks."),
+    ("gradstar_bytes_sent_total", "counter", "Chunk frame bytes the hub sent to the job's ranks."),
+    ("gradstar_collectives_completed_total", "counter", "Collectives completed, by op."),
+    ("gradstar_collectives_failed_total", "counter", "Collectives failed, by op."),
+    ("gradstar_collective_duration_seconds", "histogram",
+     "Seconds from a collective's first header to its completion or failure."),
+    ("gradstar_rank_arrival_lag_seconds", "histogram",
+     "Seconds between the first rank's header of a collective and this rank's."),
+    ("gradstar_rank_last_arrival_lag_seconds", "gauge",
+     "This rank's arrival lag in its latest collective."),
+    ("gradstar_rank_last_arrivals_total", "counter",
+     "Collectives in which this rank arrived last (the one the others waited for)."),
+    ("gradstar_global_model_rounds", "gauge",
+     "Averaging rounds completed on each global model (LocalSGD, DiLoCo)."),
+)
+
+
 def render(rendezvous, collectives: CollectiveMetrics, averaging=None, *,
-           serving: bool = True, now: float | None = None, shards=None) -> str:
-    """The coordinator's metrics in the Prometheus text format; with ``shards`` (a
-    :class:`~.shards.ShardRegistry`) job totals include what the shards carried, and each shard
-    has its own series."""
+           serving: bool = True, now: float | None = None, shards=None,
+           max_bytes: int = METRICS_MAX_BYTES) -> str:
+    """The coordinator's metrics in the Prometheus text format (see :func:`render_async`)."""
+    parts = _render(rendezvous, collectives, averaging, serving, now, shards, max_bytes)
+    try:
+        while True:
+            next(parts)
+    except StopIteration as done:
+        return done.value
+
+
+async def render_async(rendezvous, collectives: CollectiveMetrics, averaging=None, *,
+                       serving: bool = True, shards=None,
+                       max_bytes: int = METRICS_MAX_BYTES) -> str:
+    """The coordinator's metrics in the Prometheus text format, yielding to the event loop
+    every :data:`JOBS_PER_SLICE` jobs, so that collectives never wait long behind a scrape.
+
+    With ``shards`` (a :class:`~.shards.ShardRegistry`) job totals include what the shards
+    carried, and each shard has its own series. Only jobs that formed a generation have series
+    (joins that never form leave none); the page is at most ``max_bytes`` long: the jobs whose
+    series would not fit (running ones go first, then by name) are left out, and counted in
+    ``gradstar_metrics_jobs_omitted``.
+    """
+    parts = _render(rendezvous, collectives, averaging, serving, None, shards, max_bytes)
+    try:
+        while True:
+            next(parts)
+            await asyncio.sleep(0)
+    except StopIteration as done:
+        return done.value
+
+
+def _render(rendezvous, collectives: CollectiveMetrics, averaging, serving: bool,
+            now: float | None, shards, max_bytes: int):
+    """The page, as a generator that yields between slices of jobs and returns the text.
+
+    Jobs may come and go between slices: the table and the collective metrics are copied
+    first, and a job dropped meanwhile is rendered as it was.
+    """
     now = time.monotonic() if now is None else now
-    out: list[str] = []
-
-    def family(name: str, kind: str, help_text: str, samples: list[str]) -> None:
-        out.append(f"# HELP {name} {help_text}")
-        out.append(f"# TYPE {name} {kind}")
-        out.extend(samples)
-
-    jobs = sorted(rendezvous.jobs.items())
-    family("gradstar_serving", "gauge", "1 while the coordinator takes new joins, 0 once draining.",
-           [f"gradstar_serving {1 if serving and not rendezvous.draining else 0}"])
-    states: dict[str, int] = {"running": 0, "forming": 0, "completed": 0, "failed": 0, "idle": 0}
-    for _, job in jobs:
+    jobs = list(rendezvous.jobs.values())
+    states = dict.fromkeys(_STATES, 0)
+    for job in jobs:
         states[job.state] = states.get(job.state, 0) + 1
-    family("gradstar_jobs", "gauge", "Jobs known to the coordinator, by state.",
-           [f"gradstar_jobs{_labels({'state': s})} {n}" for s, n in sorted(states.items())])
-    gens, world, members, inflight, ages = [], [], [], [], []
-    b_in, b_out, done, failed, generations = [], [], [], [], []
-    for name, job in jobs:
-        labels = {"job": name}
-        gen = job.generation
-        gens.append(f"gradstar_job_generation{_labels(labels)} {gen.number if gen else 0}")
-        generations.append(
-            f"gradstar_job_generations_formed_total{_labels(labels)} {job.generations_formed}")
-        world.append(f"gradstar_job_world_size{_labels(labels)} {job.world_size}")
-        live = gen.live_members if gen is not None else []
-        members.append(f"gradstar_job_members{_labels(labels)} {len(live) or len(job.forming)}")
-        inflight.append(f"gradstar_collectives_in_flight{_labels(labels)} "
-                        f"{len(gen.collectives) if gen is not None else 0}")
-        for m in sorted(live, key=lambda m: m.rank):
-            ages.append(f"gradstar_member_heartbeat_age_seconds"
-                        f"{_labels({**labels, 'rank': str(m.rank)})} "
-                        f"{_number(max(now - m.last_seen, 0.0))}")
-        c = job.counters
-        s_in, s_out, s_done, s_failed = (shards.job_totals(name) if shards is not None
-                                         else (0, 0, {}, {}))
-        b_in.append(f"gradstar_bytes_received_total{_labels(labels)} {c.bytes_in + s_in}")
-        b_out.append(f"gradstar_bytes_sent_total{_labels(labels)} {c.bytes_out + s_out}")
-        for metric, counts, target in (
-                ("gradstar_collectives_completed_total", _added(c.completed, s_done), done),
-                ("gradstar_collectives_failed_total", _added(c.failed, s_failed), failed)):
-            for op, n in sorted(counts.items()):
-                target.append(f"{metric}{_labels({**labels, 'op': op_name(op)})} {n}")
-    family("gradstar_job_generation", "gauge", "Number of the job's current generation.", gens)
-    family("gradstar_job_generations_formed_total", "counter",
-           "Generations formed by the job (re-joins after failures add one each).", generations)
-    family("gradstar_job_world_size", "gauge", "Ranks the job needs.", world)
-    family("gradstar_job_members", "gauge", "Live members of the current generation (or joiners "
-           "while forming).", members)
-    family("gradstar_collectives_in_flight", "gauge", "Collectives matched or waiting for ranks.",
-           inflight)
-    family("gradstar_member_heartbeat_age_seconds", "gauge",
-           "Seconds since each live member was last heard from.", ages)
-    family("gradstar_bytes_received_total", "counter",
-           "Tensor payload bytes the hub received from the job's ranks.", b_in)
-    family("gradstar_bytes_sent_total", "counter",
-           "Chunk frame bytes the hub sent to the job's ranks.", b_out)
-    family("gradstar_collectives_completed_total", "counter", "Collectives completed, by op.",
-           done)
-    family("gradstar_collectives_failed_total", "counter", "Collectives failed, by op.", failed)
-
-    durations: list[str] = []
+    # Series by job, copied now: the engine adds to these tables while the page is rendered.
+    durations: dict[str, list] = {}
     for (job, op, outcome), hist in sorted(collectives.durations.items()):
-        durations += hist.lines("gradstar_collective_duration_seconds",
-                                {"job": job, "op": op, "outcome": outcome})
-    family("gradstar_collective_duration_seconds", "histogram",
-           "Seconds from a collective's first header to its completion or failure.", durations)
-    lags: list[str] = []
-    last: list[str] = []
-    stragglers: list[str] = []
+        durations.setdefault(job, []).append((op, outcome, hist))
+    lags: dict[str, list] = {}
     for (job, rank), hist in sorted(collectives.lags.items()):
-        labels = {"job": job, "rank": str(rank)}
-        lags += hist.lines("gradstar_rank_arrival_lag_seconds", labels)
-        last.append(f"gradstar_rank_last_arrival_lag_seconds{_labels(labels)} "
-                    f"{_number(collectives.last_lag[(job, rank)])}")
-        stragglers.append(f"gradstar_rank_last_arrivals_total{_labels(labels)} "
-                          f"{collectives.last_arrivals.get((job, rank), 0)}")
-    family("gradstar_rank_arrival_lag_seconds", "histogram",
-           "Seconds between the first rank's header of a collective and this rank's.", lags)
-    family("gradstar_rank_last_arrival_lag_seconds", "gauge",
-           "This rank's arrival lag in its latest collective.", last)
-    family("gradstar_rank_last_arrivals_total", "counter",
-           "Collectives in which this rank arrived last (the one the others waited for).",
-           stragglers)
-    rounds: list[str] = []
-    if averaging is not None:
-        for name, _ in jobs:
-            for model, state in sorted(averaging.models(name).items()):
-                labels = _labels({"job": name, "model": model})
-                rounds.append(f"gradstar_global_model_rounds{labels} {state.rounds}")
-    family("gradstar_global_model_rounds", "gauge",
-           "Averaging rounds completed on each global model (LocalSGD, DiLoCo).", rounds)
+        lags.setdefault(job, []).append((rank, hist, collectives.last_lag.get((job, rank), 0.0),
+                                         collectives.last_arrivals.get((job, rank), 0)))
+    formed = sorted((j for j in jobs if j.formed),
+                    key=lambda j: (_STATES.index(j.state) if j.state in _STATES else 9, j.name))
+    shard_lines: list[str] = []
     if shards is not None:
-        _shard_families(family, shards, now)
+        _shard_families(lambda *f: shard_lines.extend(_family(*f)), shards, now)
+    budget = max_bytes - _FIXED_RESERVE - sum(len(line) + 1 for line in shard_lines)
+    samples: dict[str, list[str]] = {name: [] for name, _, _ in _JOB_FAMILIES}
+    omitted = 0
+    for i, job in enumerate(formed):
+        if i and i % JOBS_PER_SLICE == 0:
+            yield
+        lines = _job_samples(job, durations.get(job.name, ()), lags.get(job.name, ()),
+                             averaging, shards, now)
+        size = sum(len(line) + 1 for family in lines.values() for line in family)
+        if size > budget:
+            omitted += 1
+            continue
+        budget -= size
+        for name, family in lines.items():
+            samples[name].extend(family)
+    out = _family("gradstar_serving", "gauge",
+                  "1 while the coordinator takes new joins, 0 once draining.",
+                  [f"gradstar_serving {1 if serving and not rendezvous.draining else 0}"])
+    out += _family("gradstar_jobs", "gauge", "Jobs known to the coordinator, by state.",
+                   [f"gradstar_jobs{_labels({'state': s})} {n}"
+                    for s, n in sorted(states.items())])
+    out += _family("gradstar_metrics_jobs_omitted", "gauge",
+                   f"Jobs whose series this page leaves out to stay under {max_bytes} bytes.",
+                   [f"gradstar_metrics_jobs_omitted {omitted}"])
+    for name, kind, help_text in _JOB_FAMILIES:
+        out += _family(name, kind, help_text, samples[name])
+    out += shard_lines
     return "\n".join(out) + "\n"
+
+
+def _family(name: str, kind: str, help_text: str, samples: list[str]) -> list[str]:
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples]
+
+
+def _job_samples(job, durations, lags, averaging, shards, now: float) -> dict[str, list[str]]:
+    """One job's series, by family."""
+    out: dict[str, list[str]] = {name: [] for name, _, _ in _JOB_FAMILIES}
+    name = job.name
+    labels = {"job": name}
+    gen = job.generation
+    out["gradstar_job_generation"].append(
+        f"gradstar_job_generation{_labels(labels)} {gen.number if gen else 0}")
+    out["gradstar_job_generations_formed_total"].append(
+        f"gradstar_job_generations_formed_total{_labels(labels)} {job.generations_formed}")
+    out["gradstar_job_world_size"].append(
+        f"gradstar_job_world_size{_labels(labels)} {job.world_size}")
+    live = gen.live_members if gen is not None else []
+    out["gradstar_job_members"].append(
+        f"gradstar_job_members{_labels(labels)} {len(live) or len(job.forming)}")
+    out["gradstar_collectives_in_flight"].append(
+        f"gradstar_collectives_in_flight{_labels(labels)} "
+        f"{len(gen.collectives) if gen is not None else 0}")
+    for m in sorted(live, key=lambda m: m.rank):
+        out["gradstar_member_heartbeat_age_seconds"].append(
+            f"gradstar_member_heartbeat_age_seconds{_labels({**labels, 'rank': str(m.rank)})} "
+            f"{_number(max(now - m.last_seen, 0.0))}")
+    c = job.counters
+    s_in, s_out, s_done, s_failed = (shards.job_totals(name) if shards is not None
+                                     else (0, 0, {}, {}))
+    out["gradstar_bytes_received_total"].append(
+        f"gradstar_bytes_received_total{_labels(labels)} {c.bytes_in + s_in}")
+    out["gradstar_bytes_sent_total"].append(
+        f"gradstar_bytes_sent_total{_labels(labels)} {c.bytes_out + s_out}")
+    for metric, counts in (("gradstar_collectives_completed_total", _added(c.completed, s_done)),
+                           ("gradstar_collectives_failed_total", _added(c.failed, s_failed))):
+        for op, n in sorted(counts.items()):
+            out[metric].append(f"{metric}{_labels({**labels, 'op': op_name(op)})} {n}")
+    for op, outcome, hist in durations:
+        out["gradstar_collective_duration_seconds"] += hist.lines(
+            "gradstar_collective_duration_seconds", {"job": name, "op": op, "outcome": outcome})
+    for rank, hist, last_lag, last_arrivals in lags:
+        rank_labels = {"job": name, "rank": str(rank)}
+        out["gradstar_rank_arrival_lag_seconds"] += hist.lines(
+            "gradstar_rank_arrival_lag_seconds", rank_labels)
+        out["gradstar_rank_last_arrival_lag_seconds"].append(
+            f"gradstar_rank_last_arrival_lag_seconds{_labels(rank_labels)} {_number(last_lag)}")
+        out["gradstar_rank_last_arrivals_total"].append(
+            f"gradstar_rank_last_arrivals_total{_labels(rank_labels)} {last_arrivals}")
+    if averaging is not None:
+        for model, state in sorted(averaging.models(name).items()):
+            out["gradstar_global_model_rounds"].append(
+                f"gradstar_global_model_rounds{_labels({'job': name, 'model': model})} "
+                f"{state.rounds}")
+    return out
 
 
 def _shard_families(family, shards, now: float) -> None:

@@ -174,6 +174,13 @@ class Job:
     idle_since: float | None = None
 
     @property
+    def formed(self) -> bool:
+        """Whether a generation of the job ever formed. A job that never formed holds nothing
+        worth keeping (no counters, no metric series): it is only its joiners, and it leaves
+        the table with the last of them (:meth:`Rendezvous.withdraw`)."""
+        return self.generations_formed > 0
+
+    @property
     def state(self) -> str:
         if self.generation is not None and self.generation.healthy and self.generation.live_members:
             return "running"
@@ -233,9 +240,10 @@ class Rendezvous:
         try:
             await asyncio.wait_for(asyncio.shield(member.joined), timeout)
         except TimeoutError:
+            state = self.jobs.get(job)
             present = sorted(
                 m.requested_rank if m.requested_rank is not None else -1
-                for m in self.jobs[job].forming
+                for m in (state.forming if state is not None else ())
             )
             self.withdraw(member)
             named = ", ".join("any" if r < 0 else str(r) for r in present)
@@ -262,11 +270,7 @@ class Rendezvous:
             raise ConfigurationError(f"rank {rank} is out of range for world_size {world_size}")
         state = self.jobs.get(job)
         if state is None:
-            if len(self.jobs) >= self.max_jobs:
-                raise TooManyJobsError(
-                    f"the coordinator holds {len(self.jobs)} jobs, its limit (coordinator "
-                    f"setting max_jobs); job {job!r} cannot join until finished jobs are "
-                    "dropped (after job_retention seconds)")
+            self._make_room(job)
             state = self.jobs[job] = Job(job, world_size)
         busy = state.forming or (state.generation is not None and state.generation.healthy
                                  and state.generation.live_members)
@@ -296,6 +300,32 @@ class Rendezvous:
             self._form(state)
         return member
 
+    def _make_room(self, job: str) -> None:
+        """Make room in the table for new job ``job``: at the limit, the oldest job that never
+        formed is evicted first (its joiners get :class:`TooManyJobsError`), so joins that never
+        form cannot lock real jobs out.
+
+        Raises:
+            TooManyJobsError: the table holds ``max_jobs`` jobs that all formed.
+        """
+        if len(self.jobs) < self.max_jobs:
+            return
+        # Insertion order: the first unformed job found is the one waiting longest.
+        victim = next((j for j in self.jobs.values() if not j.formed), None)
+        if victim is None:
+            raise TooManyJobsError(
+                f"the coordinator holds {len(self.jobs)} jobs, its limit (coordinator "
+                f"setting max_jobs); job {job!r} cannot join until finished jobs are "
+                "dropped (after job_retention seconds)")
+        del self.jobs[victim.name]
+        error = TooManyJobsError(
+            f"job {victim.name!r} was evicted before it formed: the coordinator holds "
+            f"{self.max_jobs} jobs, its limit (coordinator setting max_jobs), and a new job "
+            "needed the room; jobs that never formed go first")
+        for waiting in victim.forming:
+            if not waiting.joined.done():
+                waiting.joined.set_exception(error)
+
     @staticmethod
     def _dispute_world_size(state: Job, asked: int) -> None:
         """Tell the ranks waiting for ``state`` to form that another rank disputes its world
@@ -309,10 +339,13 @@ class Rendezvous:
                     f"another rank asked for {asked}; every rank must pass the same world_size"))
 
     def withdraw(self, member: Member) -> None:
-        """Take a joiner that gave up out of its job's forming set."""
+        """Take a joiner that gave up out of its job's forming set; a job that never formed
+        leaves the table with its last joiner."""
         state = self.jobs.get(member.job)
         if state is not None and member in state.forming:
             state.forming.remove(member)
+            if not state.forming and not state.formed:
+                del self.jobs[state.name]
 
     def _form(self, job: Job) -> None:
         taken = {m.requested_rank for m in job.forming if m.requested_rank is not None}
@@ -366,11 +399,15 @@ class Rendezvous:
         if gen is None or member.left:
             return
         member.left = True
-        self.fail(gen, RankLostError(
+        error = RankLostError(
             f"rank {member.rank} of job {member.job!r} was lost ({reason}); generation "
             f"{gen.number} is over, so every collective of it fails",
             rank=member.rank, generation=gen.number,
-        ))
+        )
+        # The lost rank hears it too, if its session still reads (a rank frozen past its
+        # heartbeats, then thawed): it must learn why, not find its calls refused later.
+        member.notices.put_nowait(error)
+        self.fail(gen, error)
 
     def leave(self, member: Member) -> None:
         """An orderly goodbye: the member *finished*. The generation stays healthy (peer
@@ -455,6 +492,9 @@ class Rendezvous:
             gen = job.generation
             if job.forming or (gen is not None and gen.live_members and gen.healthy):
                 job.idle_since = None
+            elif not job.formed:
+                del self.jobs[name]  # nothing to keep (withdraw drops these already)
+                dropped.append(name)
             elif job.idle_since is None:
                 job.idle_since = now
             elif now - job.idle_since >= retention:

@@ -10,7 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gradstar.allocator import tune_allocator
+from gradstar.allocator import trim_heap, tune_allocator
 from gradstar.config import CoordinatorSettings
 from gradstar.errors import InvalidCollectiveError
 from gradstar.proto.v1 import (
@@ -28,9 +28,10 @@ from gradstar.transport.http import bound_port, serve_http
 
 from .admin import AdminServicer
 from .averaging import AveragingStore
+from .budget import CollectiveBudget
 from .engine import CollectiveEngine
 from .local_shards import LocalShards
-from .metrics import render
+from .metrics import render_async
 from .rendezvous import Rendezvous
 from .servicers import CollectiveServicer, RendezvousServicer
 from .shards import ShardControlServicer, ShardRegistry
@@ -124,6 +125,8 @@ class Coordinator:
             self.rendezvous, max_tensor_bytes=s.max_tensor_bytes,
             max_chunk_bytes=s.max_chunk_bytes, max_timeout=s.max_collective_timeout,
             averaging=self.averaging, metrics=self.status.metrics,
+            budget=CollectiveBudget(s.max_collective_state_bytes, s.max_pending_per_member,
+                                    s.max_pending_per_job),
         )
         token = s.token.get_secret_value() if s.token else None
         admin = s.admin_token.get_secret_value() if s.admin_token else None
@@ -228,11 +231,16 @@ class Coordinator:
             await self._health.set(name, status)
 
     async def _sweep(self) -> None:
-        """Declare lost the members whose heartbeats stopped (frozen or partitioned ranks), and
-        drop jobs idle for longer than ``job_retention``."""
+        """Declare lost the members whose heartbeats stopped (frozen or partitioned ranks),
+        unmap the segments of ranks that let go of them, and drop jobs idle for longer than
+        ``job_retention``."""
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval / 2)
             self.status.sample()  # the status page's byte rates
+            self.collectives.sweep_segments()
+            if self.engine.budget.should_trim():
+                trim_heap()
+                self.engine.budget.trimmed()
             for m in self.rendezvous.expire():
                 log.warning("job %r: rank %d missed heartbeats", m.job, m.rank)
             for name in self.rendezvous.drop_idle(self.settings.job_retention):
@@ -241,7 +249,8 @@ class Coordinator:
                          self.settings.job_retention)
 
     async def _metrics_page(self) -> tuple[int, str, bytes]:
-        text = render(self.rendezvous, self.engine.metrics, self.averaging, shards=self.shards)
+        text = await render_async(self.rendezvous, self.engine.metrics, self.averaging,
+                                  shards=self.shards, max_bytes=self.settings.metrics_max_bytes)
         return 200, "text/plain; version=0.0.4; charset=utf-8", text.encode()
 
     async def drain(self) -> None:

@@ -38,7 +38,7 @@ from gradstar.wire import (
     frames_of,
 )
 
-from .engine import CLOSE, CollectiveEngine, Participant, PendingCollective
+from .engine import CLOSE, CollectiveEngine, Participant, PendingCollective, without_frames
 from .rendezvous import Member, Rendezvous, check_job_name
 
 log = logging.getLogger(__name__)
@@ -160,21 +160,35 @@ class CollectiveServicer:
         next header may follow only a collective that ended cleanly (both END markers); a
         failed collective ends the call."""
         frames = request_iterator.__aiter__()
-        while True:
-            try:
-                first = await anext(frames)
-            except StopAsyncIteration:
-                return
-            # Closed on the way out, however that is: a call cancelled while this generator
-            # waits at a yield must still fail the collective at once (its finally), not when
-            # the inner generator is collected.
-            async with contextlib.aclosing(self._collective(first, frames, context)) as one:
-                async for message in one:
-                    yield message
+        offered: set[int] = set()  # processes whose segments this stream offered
+        try:
+            while True:
+                try:
+                    first = await anext(frames)
+                except StopAsyncIteration:
+                    return
+                # Closed on the way out, however that is: a call cancelled while this generator
+                # waits at a yield must still fail the collective at once (its finally), not
+                # when the inner generator is collected.
+                async with contextlib.aclosing(
+                        self._collective(first, frames, context, offered)) as one:
+                    async for message in one:
+                        yield message
+        finally:
+            # A rank's stream ends when it exits (or closes its group): let go of its segments
+            # now if it let go of them, rather than at the next sweep.
+            for pid in offered:
+                self.segments.release(pid)
 
-    async def _collective(self, first: bytes, frames, context):
+    def sweep_segments(self) -> None:
+        """Unmap the segments whose ranks let go of them (the hub runs this on a timer)."""
+        if self.segments is not None:
+            self.segments.sweep()
+
+    async def _collective(self, first: bytes, frames, context, offered: set[int]):
         """One collective on the stream, from its header ``first`` to the hub's END (or an
-        abort of the call with the collective's error)."""
+        abort of the call with the collective's error); adds the pid of a segment it attaches
+        to ``offered``."""
         attach = None
         try:
             check_header_size(first, "a collective stream")
@@ -184,6 +198,8 @@ class CollectiveServicer:
             if self.admit is not None:
                 await self.admit(header)
             shm, attach = self._attach(header)
+            if shm is not None:
+                offered.add(header.shm.pid)
             coll, me = self.engine.arrive(header, shm)
             if shm is None and attach is not None and header.shm.eager and (
                     process_gone(header.shm.pid)):
@@ -193,6 +209,10 @@ class CollectiveServicer:
                 coll.on_stream_closed(me, "exited before the hub could attach the shared-memory "
                                           "segment holding its chunks")
         except GradstarError as error:
+            # Kept errors (a failed generation's, an ended collective's) are raised again for
+            # every header that comes for them: each time, drop the frames they went through.
+            without_frames(error)
+            shm = None  # nor may the abort's traceback keep the segment (see below)
             if attach is not None:
                 yield attach  # the rank learns a refusal even from a failed collective
             yield encode_error(error)
@@ -224,12 +244,16 @@ class CollectiveServicer:
                 for frame in batch:
                     if frame[0] == KIND_CHUNK or frame[0] == KIND_SHM_CHUNK:
                         me.delivered += 1
-                        coll.window.progressed()
+                        coll.progressed()
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
             coll.on_stream_closed(me, "disconnected")
+            # An exception passing through here (the call cancelled or aborted) keeps this frame
+            # in its traceback, and gRPC may keep that exception a while: the frame must not keep
+            # the collective, or the rank's segment, alive with it.
+            del coll, me, shm, reader
 
     def _attach(self, header: cpb.CollectiveHeader) -> tuple[memoryview | None, bytes | None]:
         """Map the segment ``header`` offers, if any: (its data or None, the attach verdict
@@ -276,10 +300,10 @@ class CollectiveServicer:
                     kind = frame_kind(frame)
                     if kind == KIND_CHUNK:
                         coll.on_chunk(me, frame)
-                        await coll.window.wait(me)
+                        await coll.wait_to_read(me)
                     elif kind == KIND_SHM_CHUNK:
                         coll.on_shm_chunk(me, frame)
-                        await coll.window.wait(me)
+                        await coll.wait_to_read(me)
                     elif kind == KIND_END:
                         coll.on_end(me, frame)
                         return

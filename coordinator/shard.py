@@ -53,6 +53,7 @@ from gradstar.transport.status import error_from_rpc
 from gradstar.transport.tls_check import wait_connected
 from gradstar.wire import COLLECTIVE_SERVICE, MAX_NDIM, payload_bytes
 
+from .budget import CollectiveBudget
 from .engine import CollectiveEngine
 from .rendezvous import Rendezvous
 from .servicers import CollectiveServicer
@@ -77,7 +78,10 @@ class Shard:
         self.engine = CollectiveEngine(
             self.rendezvous, max_tensor_bytes=settings.max_tensor_bytes,
             max_chunk_bytes=settings.max_chunk_bytes,
-            max_timeout=settings.max_collective_timeout)
+            max_timeout=settings.max_collective_timeout,
+            budget=CollectiveBudget(settings.max_collective_state_bytes,
+                                    settings.max_pending_per_member,
+                                    settings.max_pending_per_job))
         #: (job, generation) -> (this shard's stripe position, shards in the generation).
         self.positions: dict[tuple[str, int], tuple[int, int]] = {}
         self.slot: int | None = None
@@ -114,9 +118,9 @@ class Shard:
         admin = s.admin_token.get_secret_value() if s.admin_token else None
         server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token, admin)],
                                  options=SERVER_OPTIONS)
-        server.add_generic_rpc_handlers(
-            (CollectiveServicer(self.engine, admit=self._admit,
-                                shared_memory=self.settings.shared_memory).handler(),))
+        self.collectives = CollectiveServicer(self.engine, admit=self._admit,
+                                              shared_memory=self.settings.shared_memory)
+        server.add_generic_rpc_handlers((self.collectives.handler(),))
         self._health = health.aio.HealthServicer()
         # grpc's servicer answers SERVING for "" until told otherwise: not before registering.
         for name in ("", COLLECTIVE_SERVICE):
@@ -218,6 +222,7 @@ class Shard:
         while True:
             await asyncio.sleep(interval)
             self._reports.put_nowait(spb.ShardReport(stats=self.stats()))
+            self.collectives.sweep_segments()
             for name in self.rendezvous.drop_idle(self.settings.job_retention):
                 self.engine.metrics.forget(name)
 

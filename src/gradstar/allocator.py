@@ -71,3 +71,16 @@ def share_malloc_arena() -> bool:
     except (OSError, AttributeError):  # musl and other libcs have no mallopt
         return False
     return mallopt(_M_ARENA_MAX, 1) == 1
+
+
+def trim_heap() -> bool:
+    """Hand the heap's free memory back to the system (glibc ``malloc_trim``); return whether
+    it could be done. The thresholds above keep freed memory for reuse; after a burst that will
+    not come again soon (the hub's pending collectives given back), that memory is trimmed."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -58,6 +58,7 @@ def _coordinator_args(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="CA that client certificates must chain to (mTLS)")
     p.add_argument("--max-tensor-bytes", type=int, help="largest payload a rank may send")
+    _capacity_args(p)
     p.add_argument("--state-dir", help="directory for the jobs' global models (LocalSGD/DiLoCo)")
     p.add_argument("--heartbeat-timeout", type=float, help="seconds without heartbeat = lost")
     p.add_argument("--job-retention", type=float,
@@ -69,6 +70,9 @@ def _coordinator_args(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--metrics-host",
                    help="address the metrics endpoint binds (default 127.0.0.1: this host "
                         "only; env GRADSTAR_METRICS_HOST)")
+    p.add_argument("--metrics-max-bytes", type=int,
+                   help="largest /metrics page in bytes; the series of jobs beyond it are left "
+                        "out and counted (default 1 MiB; env GRADSTAR_METRICS_MAX_BYTES)")
     p.add_argument("--reflection", action="store_true", default=None,
                    help="register gRPC server reflection, open without a token (default off; "
                         "env GRADSTAR_REFLECTION)")
@@ -81,6 +85,16 @@ def _coordinator_args(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="shards, local and remote, that must be up to report SERVING "
                         "(default: --shards)")
     return p
+
+
+def _capacity_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-collective-state-bytes", type=int,
+                   help="budget for the bookkeeping of all pending collectives (256 MiB); a "
+                        "header beyond it is refused with HubCapacityError")
+    p.add_argument("--max-pending-per-member", type=int,
+                   help="collectives one rank may have pending at once (1024)")
+    p.add_argument("--max-pending-per-job", type=int,
+                   help="collectives one job may have pending at once (8192)")
 
 
 def _log_level_arg(p: argparse.ArgumentParser) -> None:
@@ -146,6 +160,7 @@ def _shard_args(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     _token_args(p, on_command_line=False)
     _insecure_arg(p)
     p.add_argument("--max-tensor-bytes", type=int, help="largest payload a rank may send")
+    _capacity_args(p)
     p.add_argument("--max-chunk-bytes", type=int, help="largest chunk a rank may send")
     p.add_argument("--max-collective-timeout", type=float, help="longest collective timeout")
     _log_level_arg(p)

@@ -70,6 +70,14 @@ class CoordinatorSettings(BaseSettings):
         None, description="CA bundle that client certificates must chain to (mutual TLS)"
     )
     max_tensor_bytes: int = Field(8 << 30, gt=0, description="largest payload one rank may send")
+    max_collective_state_bytes: int = Field(
+        256 << 20, gt=0,
+        description="budget for the bookkeeping of all pending collectives (chunk trackers, "
+                    "participant records); a header beyond it is refused (HubCapacityError)")
+    max_pending_per_member: int = Field(
+        1024, gt=0, description="collectives one rank may have pending on the hub at once")
+    max_pending_per_job: int = Field(
+        8192, gt=0, description="collectives one job may have pending on the hub at once")
     shared_memory: bool = Field(
         True, description="attach the shared-memory segments ranks on this host offer, so "
                           "their payloads skip the network stack (see gradstar.transport.shm)")
@@ -91,6 +99,10 @@ class CoordinatorSettings(BaseSettings):
     metrics_host: str = Field(
         "127.0.0.1", description="address the metrics endpoint binds; 0.0.0.0 for a scraper "
                                  "on another host")
+    metrics_max_bytes: int = Field(
+        1 << 20, ge=64 << 10,
+        description="largest /metrics page; the series of jobs beyond it are left out and "
+                    "counted in gradstar_metrics_jobs_omitted")
     reflection: bool = Field(
         False, description="register gRPC server reflection (service discovery for grpcurl "
                            "and the like; open without a token)")

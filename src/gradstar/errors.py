@@ -21,6 +21,7 @@ Every error a rank can see derives from :class:`GradstarError`::
         ├── RankLostError             a rank died or disconnected; its generation is over
         │   └── RankFinishedError     a rank this call needs closed its group cleanly
         ├── PayloadTooLargeError      the payload is over the coordinator's limit
+        ├── HubCapacityError          the hub holds as many pending collectives as it may
         └── InvalidCollectiveError    the request is invalid on its own (also a ValueError)
 
 The coordinator sends an error to a client as a gRPC status whose trailing metadata names the
@@ -43,6 +44,7 @@ __all__ = [
     "CoordinatorUnavailableError",
     "DuplicateRankError",
     "GradstarError",
+    "HubCapacityError",
     "InvalidCollectiveError",
     "JoinTimeoutError",
     "PayloadTooLargeError",
@@ -173,6 +175,11 @@ class RankFinishedError(RankLostError):
 
 class PayloadTooLargeError(CollectiveError):
     """The payload is larger than the coordinator's configured limit."""
+
+
+class HubCapacityError(CollectiveError):
+    """The hub's budget for pending collectives, or a cap on them per member or per job, is
+    reached; the collective was refused (try again once others finish)."""
 
 
 class InvalidCollectiveError(CollectiveError, ValueError):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 import threading
 
 import numpy as np
@@ -74,26 +73,6 @@ class RssSampler:
         self._stop.set()
         self._thread.join(timeout=5)
         self.peak = max(self.peak, rss(self.pid))
-
-
-@pytest.fixture
-async def hub():
-    """``gradstar coordinator`` in a subprocess on 127.0.0.1:0: (process, address)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gradstar", "coordinator", "--host", "127.0.0.1", "--port", "0",
-        "--log-level", "WARNING", stdout=asyncio.subprocess.PIPE)
-    try:
-        line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
-        assert "listening on" in line, f"the coordinator printed {line!r}"
-        yield proc, line.split()[-1]
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
-        try:
-            await asyncio.wait_for(proc.wait(), 10)
-        except TimeoutError:
-            proc.kill()
-            await asyncio.wait_for(proc.wait(), 10)
 
 
 @contextlib.asynccontextmanager

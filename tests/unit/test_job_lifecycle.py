@@ -67,6 +67,43 @@ async def test_new_jobs_beyond_the_cap_are_refused_and_fit_again_once_dropped():
     await run_job(rv, "c")
 
 
+async def test_a_job_that_never_formed_leaves_the_table_with_its_last_joiner():
+    rv = Rendezvous(heartbeat_timeout=15)
+    joiners = [rv.offer("never", 3, r, "") for r in range(2)]
+    rv.withdraw(joiners[0])
+    assert rv.jobs["never"].state == "forming"
+    rv.withdraw(joiners[1])
+    assert "never" not in rv.jobs
+    # A job that formed once keeps its state (counters, series) for the retention.
+    (m,) = await run_job(rv, "formed")
+    rv.leave(m)
+    rv.withdraw(rv.offer("formed", 2, 0, ""))
+    assert rv.jobs["formed"].state == "completed"
+
+
+async def test_abandoned_joins_at_the_cap_never_lock_a_new_job_out():
+    rv = Rendezvous(heartbeat_timeout=15)
+    rv.max_jobs = 3
+    await run_job(rv, "real")
+    # Joins of distinct jobs that never form, the last two still waiting.
+    for i in range(500):
+        rv.withdraw(rv.offer(f"abandoned-{i}", 2, 0, ""))
+    waiting = [rv.offer(f"waiting-{i}", 2, 0, "") for i in range(2)]
+    assert set(rv.jobs) == {"real", "waiting-0", "waiting-1"}
+    # The table is full: the job waiting longest is evicted, and its joiner told why.
+    await run_job(rv, "new")
+    assert set(rv.jobs) == {"real", "waiting-1", "new"}
+    with pytest.raises(errors.TooManyJobsError, match=(
+            r"job 'waiting-0' was evicted before it formed: the coordinator holds 3 jobs, its "
+            r"limit \(coordinator setting max_jobs\)")):
+        await waiting[0].joined
+    rv.withdraw(waiting[1])
+    # Jobs that formed are never evicted for a new one.
+    await run_job(rv, "third")
+    with pytest.raises(errors.TooManyJobsError, match=r"holds 3 jobs, its limit"):
+        rv.offer("fourth", 1, 0, "")
+
+
 def test_forget_drops_every_series_of_the_job():
     metrics = CollectiveMetrics(clock=lambda: 1.0)
     for job in ("gone", "kept"):

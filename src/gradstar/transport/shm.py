@@ -46,7 +46,8 @@ NAME = "gradstar-collective"
 #: Free segments a process keeps for reuse, at most, and their bytes at most.
 POOL_KEEP = 4
 POOL_KEEP_BYTES = 1 << 30
-#: How often (seconds) the hub looks for mappings whose owner let go (see SegmentMapper).
+#: How often (seconds) an attach also looks for mappings whose owner let go; the hub sweeps on
+#: its own timer as well, every half heartbeat interval (see SegmentMapper).
 SWEEP_INTERVAL = 10.0
 
 _SEALS = getattr(fcntl, "F_SEAL_SHRINK", 0) | getattr(fcntl, "F_SEAL_GROW", 0)
@@ -167,9 +168,12 @@ def process_gone(pid: int) -> bool:
 class SegmentMapper:
     """The hub's side: attaches ranks' segments, keeping mappings for reuse by (pid, fd, inode).
 
-    A mapping stays while its owner keeps the memfd open at that fd; :meth:`sweep` (and every
-    attach from the same process) drops mappings whose fd is gone or now names another file, so
-    the hub never pins memory a rank has let go.
+    A mapping stays while its owner keeps the memfd open at that fd; :meth:`sweep` (which the
+    hub runs on a timer, whatever the traffic), :meth:`release` (when a rank's stream ends) and
+    every attach from the same process drop mappings whose fd is gone or now names another
+    file, so the hub never pins memory a rank has let go. A dropped mapping is unmapped, and
+    the descriptor ``mmap`` keeps for it closed, as soon as no collective holds a view of it
+    (at once when none does: collectives are freed by reference counting as they end).
     """
 
     def __init__(self) -> None:
@@ -189,7 +193,7 @@ class SegmentMapper:
         path = f"/proc/{pid}/fd/{fd}"
         cached = self._maps.get((pid, fd))
         if cached is None or self._inode(path) != cached[0]:
-            self._drop(pid)
+            self.release(pid)
             cached = self._maps[(pid, fd)] = self._open(path, inode, size)
         if cached[0] != inode:
             raise ShmRefused(f"{path} is not the segment the header names")
@@ -230,8 +234,9 @@ class SegmentMapper:
             os.close(fd)
         return info.st_ino, mapping, memoryview(mapping)[DATA_OFFSET:]
 
-    def _drop(self, pid: int) -> None:
-        """Forget ``pid``'s mappings whose fd no longer names the file mapped."""
+    def release(self, pid: int) -> None:
+        """Forget ``pid``'s mappings whose fd no longer names the file mapped (all of them once
+        the process has exited)."""
         for key in [k for k in self._maps if k[0] == pid]:
             if self._inode(f"/proc/{key[0]}/fd/{key[1]}") != self._maps[key][0]:
                 self._forget(key)
@@ -240,10 +245,11 @@ class SegmentMapper:
         """Drop every mapping whose owner closed it (or exited)."""
         self._swept = time.monotonic()
         for pid in {k[0] for k in self._maps}:
-            self._drop(pid)
+            self.release(pid)
 
     def _forget(self, key: tuple[int, int]) -> None:
-        # Views handed out keep the mapping alive until they go; it is unmapped after.
+        # Views still out (a collective not yet over) keep the mapping alive until they go; the
+        # mmap object is freed, unmapped and its descriptor closed, with the last of them.
         _, mapping, data = self._maps.pop(key)
         with contextlib.suppress(BufferError):
             data.release()
@@ -252,6 +258,11 @@ class SegmentMapper:
     @property
     def mapped_bytes(self) -> int:
         return sum(len(m) for _, m, _ in self._maps.values())
+
+    @property
+    def mapped(self) -> int:
+        """Segments mapped for reuse."""
+        return len(self._maps)
 
 
 __all__ = ["DATA_OFFSET", "Segment", "SegmentMapper", "SegmentPool", "ShmRefused", "process_gone",

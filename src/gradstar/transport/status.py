@@ -29,6 +29,7 @@ _CODES: list[tuple[type[e.GradstarError], grpc.StatusCode]] = [
     (e.JoinTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (e.RankLostError, grpc.StatusCode.ABORTED),
     (e.PayloadTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (e.HubCapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (e.DuplicateRankError, grpc.StatusCode.ALREADY_EXISTS),
     (e.CoordinatorDrainingError, grpc.StatusCode.UNAVAILABLE),
     (e.TooManyJobsError, grpc.StatusCode.RESOURCE_EXHAUSTED),
@@ -81,4 +82,11 @@ def error_from_rpc(error: grpc.RpcError, what: str, target: str) -> GradstarErro
             f"Timed out: {what} got no answer from {target} before its deadline")
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return PayloadTooLargeError(f"{what} was refused by {target}: {details}")
+    if code == grpc.StatusCode.INTERNAL:
+        # Never the coordinator's own verdict (each of those names its error): grpc-python
+        # reports INTERNAL ("Internal error from Core") when a call it was still writing to was
+        # ended under it, the status that ended it lost (grpc/grpc#36066).
+        return CoordinatorUnavailableError(
+            f"the call to the coordinator at {target} for {what} broke while this side was "
+            f"still writing, and the coordinator's answer was lost (INTERNAL: {details})")
     return GradstarError(f"{what} failed at {target}: {code.name}: {details}")

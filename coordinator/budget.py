@@ -1,0 +1,109 @@
+"""What the hub lets pending collectives hold, hub-wide: a byte budget for their bookkeeping
+and caps on how many are pending per member and per job.
+
+Why: each header is checked on its own (a chunk count of at most 2^20, a payload of at most
+``max_tensor_bytes``), but a header at the chunk limit costs the hub about a MiB of chunk
+tracker until its collective ends, and nothing else bounded how many such headers a member
+could have pending. A member of one job could so grow the hub by gigabytes, for every job.
+
+What is charged, when a rank's header is admitted and before anything is allocated for it:
+its chunk tracker (one byte per chunk of the layout, plus the index set of its stripe behind a
+sharded hub) and a fixed allowance for its participant record, frames and queue. What is not:
+chunk payloads in flight, which each collective's read window bounds already (``engine``
+module docstring), so that the hub's memory is at most the budget plus, per pending collective,
+a few windows of chunks. Everything charged is given back when the collective ends (completed,
+failed, or its streams closed).
+
+Beyond a limit, the header is refused with :class:`~gradstar.errors.HubCapacityError`
+(RESOURCE_EXHAUSTED), naming the limit; the collective it belongs to fails on its ranks, and
+other jobs' collectives go on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from gradstar.errors import HubCapacityError
+
+#: Bookkeeping of one rank's part in a collective besides its tracker: the participant record,
+#: its header, its outbox queue and the servicer's frames. Measured (tracemalloc, 2 ranks):
+#: about 2.5 KiB; rounded up.
+PARTICIPANT_BYTES = 4 << 10
+#: One entry of a stripe's index set (a frozenset of ints): a small int and its hash slot.
+STRIPE_INDEX_BYTES = 64
+#: Freed bookkeeping after which a busy hub hands free heap memory back to the system.
+TRIM_AFTER_BYTES = 64 << 20
+
+
+def participant_charge(chunks: int, stripe_chunks: int | None) -> int:
+    """Bytes charged for a rank's part in a collective of ``chunks`` chunks, of which its stripe
+    carries ``stripe_chunks`` (None: unstriped)."""
+    indices = 0 if stripe_chunks is None else 2 * stripe_chunks * STRIPE_INDEX_BYTES
+    return PARTICIPANT_BYTES + chunks + indices
+
+
+class CollectiveBudget:
+    """Charges and gives back the bookkeeping of pending collectives (one per hub process)."""
+
+    def __init__(self, max_bytes: int, max_per_member: int, max_per_job: int) -> None:
+        self.max_bytes = max_bytes
+        self.max_per_member = max_per_member
+        self.max_per_job = max_per_job
+        self.used = 0
+        #: Bytes given back since the heap was last trimmed (see TRIM_AFTER_BYTES).
+        self.freed = 0
+        self._pending: dict[Hashable, int] = {}
+
+    def check_open(self, pending: int, job: str) -> None:
+        """May a collective open in a job that has ``pending`` collectives already?
+
+        Raises:
+            HubCapacityError: the job is at ``max_pending_per_job``.
+        """
+        if pending >= self.max_per_job:
+            raise HubCapacityError(
+                f"job {job!r} has {pending} collectives pending, its limit (coordinator setting "
+                "max_pending_per_job); the hub opens no more for it until some finish")
+
+    def charge(self, member: Hashable, nbytes: int, who: str) -> None:
+        """Charge ``nbytes`` for one more pending collective of ``member`` (``who`` names it
+        and the collective in an error).
+
+        Raises:
+            HubCapacityError: the member is at ``max_pending_per_member``, or the charge would
+                take the hub over ``max_collective_state_bytes``.
+        """
+        pending = self._pending.get(member, 0)
+        if pending >= self.max_per_member:
+            raise HubCapacityError(
+                f"{who} was refused: the rank has {pending} collectives pending, its limit "
+                "(coordinator setting max_pending_per_member); finish some first")
+        if self.used + nbytes > self.max_bytes:
+            raise HubCapacityError(
+                f"{who} was refused: it needs {nbytes} bytes of the hub's budget for pending "
+                f"collectives, of which {self.max_bytes - self.used} of {self.max_bytes} are "
+                "left (coordinator setting max_collective_state_bytes); try again once "
+                "collectives finish")
+        self._pending[member] = pending + 1
+        self.used += nbytes
+
+    def give_back(self, member: Hashable, nbytes: int) -> None:
+        """A collective ``member`` took part in ended: its charge of ``nbytes`` is free again."""
+        left = self._pending.get(member, 0) - 1
+        if left > 0:
+            self._pending[member] = left
+        else:
+            self._pending.pop(member, None)
+        self.used -= nbytes
+        self.freed += nbytes
+
+    def should_trim(self) -> bool:
+        """Whether to hand free heap memory back to the system now (the hub's sweep asks, then
+        trims and calls :meth:`trimmed`): once enough bookkeeping was given back since the last
+        trim, or when the hub has just gone idle (nothing pending, something ended since). The
+        allocator keeps freed chunk buffers for reuse while collectives run (see
+        ``gradstar.allocator``); an idle hub needs none of them."""
+        return self.freed >= TRIM_AFTER_BYTES or (self.used == 0 and self.freed > 0)
+
+    def trimmed(self) -> None:
+        self.freed = 0

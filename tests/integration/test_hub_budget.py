@@ -1,0 +1,131 @@
+"""The hub's budget for pending collectives, and its caps per member and per job.
+
+A member of a job can send headers that each cost the hub about a MiB (a chunk tracker for
+2^20 chunks) and keep them pending: each header passes every per-header check. Beyond the hub's
+budget, or the caps, a header is refused with HubCapacityError (RESOURCE_EXHAUSTED) naming the
+limit, to that caller only: another job's collectives still complete, exactly; and what the
+pending headers held is given back when their streams close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from gradstar import errors
+from gradstar.proto.v1 import collective_pb2 as pb
+from gradstar.transport.status import status_code
+from gradstar.wire import KIND_HEADER, decode_error, encode_message
+
+from .conftest import close_all, join_all
+
+MIB = 1 << 20
+#: A header at the chunk limit: 2^20 chunks of 2 bytes (float16), about 1 MiB of tracker.
+AT_THE_CHUNK_LIMIT = dict(dtype=pb.DTYPE_FLOAT16, shape=[1 << 20], chunk_bytes=2)
+#: An ordinary small header.
+SMALL = dict(dtype=pb.DTYPE_FLOAT32, shape=[4], chunk_bytes=1 << 20)
+
+
+def header(g, seq: int, **fields) -> bytes:
+    h = pb.CollectiveHeader(
+        job=g.job, generation=g.generation, group="hostile", seq=seq, rank=g.rank,
+        member_id=g._member_id, op=pb.COLLECTIVE_OP_ALL_REDUCE, reduce_op=pb.REDUCE_OP_SUM,
+        timeout_seconds=60, **fields)
+    return encode_message(KIND_HEADER, h)
+
+
+class PendingHeaders:
+    """Raw Collective streams of one rank, each a header and then silence: collectives the
+    hub holds pending until the streams close."""
+
+    def __init__(self, g) -> None:
+        self.g = g
+        self.calls = []
+        self._hold = asyncio.Event()
+
+    def open(self, frame: bytes):
+        async def frames():
+            yield frame
+            await self._hold.wait()
+
+        call = self.g._plane.coordinator.stream(frames(), metadata=self.g._metadata, timeout=60)
+        self.calls.append(call)
+        return call
+
+    async def close(self) -> None:
+        self._hold.set()
+        for call in self.calls:
+            call.cancel()
+
+
+async def until(predicate, what: str, seconds: float = 10.0) -> None:
+    for _ in range(int(seconds / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"not within {seconds:g} s: {what}")
+
+
+async def bystander_all_reduce(groups) -> None:
+    x = np.arange(1 << 18, dtype=np.float32)
+    results = await asyncio.wait_for(asyncio.gather(*(g.all_reduce(x) for g in groups)), 20)
+    for result in results:
+        np.testing.assert_array_equal(result, 2 * x)
+
+
+CASES = {
+    # 7 headers of ~1 MiB fit in 8 MiB; the 8th does not.
+    "budget": (dict(max_collective_state_bytes=8 * MIB), AT_THE_CHUNK_LIMIT, 7,
+               "of which", "(coordinator setting max_collective_state_bytes)"),
+    "per member": (dict(max_pending_per_member=5), SMALL, 5,
+                   "the rank has 5 collectives pending, its limit",
+                   "(coordinator setting max_pending_per_member)"),
+    "per job": (dict(max_pending_per_job=5), SMALL, 5,
+                "job 'greedy' has 5 collectives pending, its limit",
+                "(coordinator setting max_pending_per_job)"),
+}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case", CASES)
+async def test_pending_collectives_beyond_a_limit_are_refused_to_their_caller_only(
+        start_coordinator, case):
+    settings, fields, fit, message, setting = CASES[case]
+    hub = await start_coordinator(**settings)
+    budget = hub.engine.budget
+    # Rank 1 of the greedy job never comes: rank 0's collectives stay pending.
+    greedy = await join_all(hub.address, 2, job="greedy")
+    bystanders = await join_all(hub.address, 2, job="bystander")
+    pending = PendingHeaders(greedy[0])
+    try:
+        for seq in range(fit):
+            pending.open(header(greedy[0], seq, **fields))
+            await until(lambda n=seq + 1: len(greedy_collectives(hub)) == n,
+                        f"header {seq + 1} pending")
+        held = budget.used
+        refused = pending.open(header(greedy[0], fit, **fields))
+        verdict = decode_error(await asyncio.wait_for(refused.read(), 20))
+        assert isinstance(verdict, errors.HubCapacityError), verdict
+        assert message in str(verdict) and setting in str(verdict), str(verdict)
+        assert status_code(verdict).name == "RESOURCE_EXHAUSTED"
+        assert budget.used == held
+        # Another job is not refused, and its results are exact.
+        await bystander_all_reduce(bystanders)
+    finally:
+        await pending.close()
+    # Everything the pending headers held is given back once their streams close.
+    await until(lambda: budget.used == 0 and not greedy_collectives(hub),
+                "the pending collectives' budget given back")
+    try:
+        await bystander_all_reduce(bystanders)
+        await bystander_all_reduce(greedy)
+    finally:
+        await close_all([*greedy, *bystanders])
+
+
+def greedy_collectives(hub) -> dict:
+    gen = hub.rendezvous.jobs["greedy"].generation
+    return {key: c for key, c in gen.collectives.items() if key[0] == "hostile"}
+

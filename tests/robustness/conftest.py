@@ -1,0 +1,42 @@
+"""Fixtures for robustness tests: the coordinator as its own process, as in a deployment, so
+that its memory, mappings and descriptors can be read from /proc."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+
+import pytest
+
+
+@pytest.fixture
+async def start_hub():
+    """Factory: ``await start_hub(*flags)`` -> (process, address) of ``gradstar coordinator``
+    on 127.0.0.1:0 with extra command-line ``flags``; terminated after the test."""
+    procs: list[asyncio.subprocess.Process] = []
+
+    async def start(*flags: str) -> tuple[asyncio.subprocess.Process, str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gradstar", "coordinator", "--host", "127.0.0.1", "--port",
+            "0", "--log-level", "WARNING", *flags, stdout=asyncio.subprocess.PIPE)
+        procs.append(proc)
+        line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
+        assert "listening on" in line, f"the coordinator printed {line!r}"
+        return proc, line.split()[-1]
+
+    yield start
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), 10)
+        except TimeoutError:
+            proc.kill()
+            await asyncio.wait_for(proc.wait(), 10)
+
+
+@pytest.fixture
+async def hub(start_hub):
+    """``gradstar coordinator`` in a subprocess on 127.0.0.1:0: (process, address)."""
+    return await start_hub()
