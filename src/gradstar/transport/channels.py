@@ -16,7 +16,11 @@ from .auth import bearer
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + CHUNK_HEADER_BYTES + 64 * 1024
 
 KEEPALIVE_MS = 1_000
-KEEPALIVE_TIMEOUT_MS = 3_000
+#: Control connections and the coordinator: a peer that answers no ping for 2 s is gone (a host
+#: cut off: named errors on the others within 5 s, ~2.2 s measured). Only small messages share
+#: these connections, so a full link delays their pings by its queue (tbf's 50 ms here), not by
+#: MBs of socket buffers.
+KEEPALIVE_TIMEOUT_MS = 2_000
 #: A client's keepalive on a connection that carries tensors: its pings wait behind the bytes
 #: queued in both directions' socket buffers (MBs: on a 200 Mbit/s link shared by 4 streams,
 #: the ping and its ack each waited up to ~0.7 s, more on a loaded CPU), and a 2 s timeout
@@ -79,7 +83,7 @@ _SERVER_COMMON = [
 SERVER_OPTIONS = [*_SERVER_COMMON, *_keepalive(KEEPALIVE_TIMEOUT_MS)]
 #: Servers that carry only tensors (hub shards, ranks' peer servers): their pings queue behind
 #: full socket buffers like a bulk client's (8 ranks x 64 MiB into one 200 Mbit/s host lost
-#: connections to 3 s pings), and what they would notice is noticed on the control
+#: connections to 2-3 s pings), and what they would notice is noticed on the control
 #: connections first: a rank's session, a shard's registration stream.
 BULK_SERVER_OPTIONS = [*_SERVER_COMMON, *_keepalive(BULK_KEEPALIVE_TIMEOUT_MS)]
 
