@@ -181,8 +181,6 @@ OVER_LIMIT: dict[str, int] = {
     "gradstar.cli": 668,
     # the life of one collective on the hub, matching to reduction
     "gradstar.coordinator.engine": 527,
-    # jobs, generations, ranks, heartbeats and the shard table
-    "gradstar.coordinator.rendezvous": 466,
 }
 
 
