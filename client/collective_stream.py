@@ -248,9 +248,36 @@ async def run_collective(targets: Sequence[Target], header: pb.CollectiveHeader,
     running at once; the first stripe to fail ends the collective with its error and the
     others are cancelled (their shards then fail the collective on every rank too).
 
+    The collective also ends, with the session's error, as soon as the session fails: a
+    generation that is over fails every collective of it, and a stream to a hub or shard that
+    answers nothing (stopped, or its host cut off) is noticed by the coordinator on its control
+    connection, not on this bulk one, whose keepalive tolerates full links
+    (:data:`gradstar.transport.channels.BULK_KEEPALIVE_TIMEOUT_MS`).
+
     Raises:
-        What :func:`run_stream` raises.
+        What :func:`run_stream` raises; the session's failure once there is one.
     """
+    work = asyncio.ensure_future(_run_collective(
+        targets, header, world_size, send, out, session=session, metadata=metadata,
+        timeout=timeout))
+    failed = asyncio.ensure_future(session.wait_failed())
+    try:
+        await asyncio.wait((work, failed), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        work.cancel()
+        raise
+    finally:
+        failed.cancel()
+    if not work.done():
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        raise session.failure
+    return work.result()
+
+
+async def _run_collective(targets: Sequence[Target], header: pb.CollectiveHeader,
+                          world_size: int, send: np.ndarray | None, out: np.ndarray, *,
+                          session: Session, metadata, timeout: float) -> np.ndarray:
     plan = CollectivePlan.for_header(header, world_size, send, out)
     geometry = plan.geometry
     stripes = _stripe_count(targets, geometry)

@@ -79,6 +79,11 @@ class Session:
             await self._finishes.wait()
         return self._finished[rank]
 
+    async def wait_failed(self) -> GradstarError:
+        """Wait until the session fails (the generation is over); return why."""
+        await self._failed.wait()
+        return self._failure
+
     async def failure_within(self, timeout: float) -> GradstarError | None:
         """The session's failure, waiting up to ``timeout`` seconds for one to be reported."""
         with contextlib.suppress(TimeoutError):

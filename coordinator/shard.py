@@ -43,7 +43,7 @@ from gradstar.proto.v1 import shard_pb2_grpc
 from gradstar.transport.addresses import WILDCARDS, advertised_host, host_port, split_host_port
 from gradstar.transport.auth import TokenAuthInterceptor, bearer
 from gradstar.transport.channels import (
-    SERVER_OPTIONS,
+    BULK_SERVER_OPTIONS,
     client_credentials,
     secure_or_insecure_channel,
     server_credentials,
@@ -117,7 +117,7 @@ class Shard:
         token = s.token.get_secret_value() if s.token else None
         admin = s.admin_token.get_secret_value() if s.admin_token else None
         server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token, admin)],
-                                 options=SERVER_OPTIONS)
+                                 options=BULK_SERVER_OPTIONS)
         self.collectives = CollectiveServicer(self.engine, admit=self._admit,
                                               shared_memory=self.settings.shared_memory)
         server.add_generic_rpc_handlers((self.collectives.handler(),))

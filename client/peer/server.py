@@ -36,7 +36,7 @@ from gradstar.proto.v1 import collective_pb2 as cpb
 from gradstar.proto.v1 import peer_pb2 as ppb
 from gradstar.transport.addresses import host_port
 from gradstar.transport.auth import TokenAuthInterceptor
-from gradstar.transport.channels import SERVER_OPTIONS, server_credentials
+from gradstar.transport.channels import BULK_SERVER_OPTIONS, server_credentials
 from gradstar.transport.status import abort
 from gradstar.wire import (
     KIND_ACCEPT,
@@ -122,7 +122,7 @@ class PeerServer:
         s = self.settings
         token = s.token.get_secret_value() if s.token else None
         server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token, None)],
-                                 options=SERVER_OPTIONS)
+                                 options=BULK_SERVER_OPTIONS)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
             PEER_SERVICE, {"Stream": grpc.stream_stream_rpc_method_handler(self.Stream)}),))
         bind = host_port(host, s.peer_port)

@@ -65,15 +65,23 @@ BULK_CLIENT_OPTIONS = [*_CLIENT_COMMON, *_keepalive(BULK_KEEPALIVE_TIMEOUT_MS),
                        # channel to the same address (subchannels are shared by arguments).
                        ("gradstar.channel_role", "bulk")]
 
-SERVER_OPTIONS = [
+_SERVER_COMMON = [
     *_COMMON_OPTIONS,
-    *_keepalive(KEEPALIVE_TIMEOUT_MS),
     # Accept our clients' 1 s keepalive pings; the default policy answers them with GOAWAY.
     ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
     ("grpc.http2.max_ping_strikes", 0),
     # Two coordinators must never share a port silently (tests bind port 0 many times).
     ("grpc.so_reuseport", 0),
 ]
+
+#: The coordinator: it serves the ranks' sessions and the shards' registrations, whose loss it
+#: must notice within seconds (a host gone: named errors on the others within 5 s).
+SERVER_OPTIONS = [*_SERVER_COMMON, *_keepalive(KEEPALIVE_TIMEOUT_MS)]
+#: Servers that carry only tensors (hub shards, ranks' peer servers): their pings queue behind
+#: full socket buffers like a bulk client's (8 ranks x 64 MiB into one 200 Mbit/s host lost
+#: connections to 3 s pings), and what they would notice is noticed on the control
+#: connections first: a rank's session, a shard's registration stream.
+BULK_SERVER_OPTIONS = [*_SERVER_COMMON, *_keepalive(BULK_KEEPALIVE_TIMEOUT_MS)]
 
 
 def _read(path: Path | None) -> bytes | None:
