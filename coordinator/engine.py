@@ -21,25 +21,8 @@ after this one's END; see ``collective.proto`` and ``gradstar.wire``):
    ``END``: a client treats its result as valid only after that marker, so a failure at any point
    leaves no rank with a partial result.
 
-Memory: the hub never holds a whole tensor. It stops reading a stream when the collective's
-:class:`ReadWindow` says so, and HTTP/2 flow control then holds the sender back (gRPC itself
-buffers up to its flow-control window, 4 MiB or twice its bandwidth-delay estimate, per paused
-stream). Per in-flight collective, with ``C`` the chunk size (2 MiB by default), ``W`` =
-:data:`READ_AHEAD_CHUNKS` and ``F`` = :data:`FORWARD_AHEAD_CHUNKS`:
-
-* reducing ops (all_reduce, reduce_scatter): inputs at most ``W`` chunks apart, so a few windows
-  of pooled accumulators (``~W x C``), plus at most ``W`` queued result chunks per rank;
-* forwarding ops (broadcast, all_gather): at most ``F x C`` held in all before the collective is
-  matched; afterwards at most ``F x C`` queued per receiving rank (one bytes object shared by
-  all the receivers of a frame), plus one chunk per sender being read. On the shared-memory
-  path a held or forwarded chunk is a view of its sender's segment: the hub holds no copy.
-
-Measured (``tests/robustness/test_memory.py``, ``benchmarks/broadcast_memory.py``, the hub's
-VmRSS less the ranks' segments it maps): a 512 MiB broadcast to 3 ranks, one 5 s late, grows the
-hub by 39-54 MiB on the stream path (8 held chunks, then 8 queued, plus one send per receiver
-and the root's paused stream, whose window gRPC sizes by its bandwidth-delay estimate; 564 MiB
-without the window, 76-89 MiB with 16 chunks held and a malloc arena per gRPC thread, see
-``gradstar.allocator.share_malloc_arena``) and by under 1 MiB on the shared-memory path.
+Memory: the hub never holds a whole tensor; how much it holds per collective, and when it stops
+reading a rank's stream, is the read window's to say (:mod:`.window`).
 
 Striping: behind a sharded hub each engine (one per shard process) carries one stripe of a
 collective, the input chunks ``i % stripes == stripe`` (:func:`gradstar.ops.in_stripe`); its
@@ -55,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -71,7 +53,6 @@ from gradstar.wire import (
     CHUNK_HEADER_BYTES,
     KIND_ACCEPT,
     KIND_END,
-    ChunkLayout,
     ChunkTracker,
     chunk_frame_buffer,
     decode_chunk,
@@ -91,20 +72,7 @@ from .matching import Limits, check_agrees, describe, validate
 from .metrics import CollectiveMetrics
 from .reduce import BufferPool, ChunkReducer
 from .rendezvous import Generation, Rendezvous
-
-#: Placed in a participant's outbox after its END frame: the stream is complete.
-CLOSE = None
-#: How far (in chunks) a rank's input may run ahead of the slowest rank's input and, for
-#: all_reduce, of the slowest rank's output. Held first arrivals, accumulators and queued results
-#: are then bounded by a few windows of chunks, whatever the tensor size or skew.
-READ_AHEAD_CHUNKS = 16
-#: How many forwarded chunks (broadcast, all_gather) may wait in one rank's outbox before the hub
-#: stops reading their senders, and how many the hub holds, from all senders, before such a
-#: collective matches. Half a window: an all_gather receiver's backlog holds frames of every
-#: other sender, so the distinct frames in flight can reach this times the world size. Holding
-#: 16 before the match cost 8-10 MiB more for a late rank and gained nothing: the collective
-#: ends when the late rank has every chunk, whatever the root sent before it came.
-FORWARD_AHEAD_CHUNKS = READ_AHEAD_CHUNKS // 2
+from .window import CLOSE, Participant, ReadWindow
 
 
 def without_frames(error: GradstarError) -> GradstarError:
@@ -118,99 +86,6 @@ def without_frames(error: GradstarError) -> GradstarError:
     error.__traceback__ = None
     error.__context__ = None
     return error
-
-
-@dataclass(eq=False)
-class Participant:
-    """One rank's side of a collective: what it sends, and the frames queued for it."""
-
-    rank: int
-    header: pb.CollectiveHeader
-    tracker: ChunkTracker
-    #: The input chunk indices the rank may send (its geometry), and how many of them it does
-    #: send (fewer when one stripe of them comes to this engine).
-    inputs: range
-    input_count: int
-    output_count: int
-    #: The rank's result layout (where output chunk ``i`` goes).
-    out_layout: ChunkLayout
-    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
-    #: Result chunks queued for the rank, and their payload bytes.
-    queued: int = 0
-    queued_bytes: int = 0
-    #: Chunk frames handed to gRPC for this rank (the servicer counts them).
-    delivered: int = 0
-    ended: bool = False
-    #: The rank's attached shared-memory segment (:mod:`gradstar.transport.shm`): its input
-    #: chunks are read from it, and its result chunks written into it at ``shm_out``.
-    shm: memoryview | None = None
-    shm_out: int = 0
-    #: Bytes of the hub's budget this part holds (:mod:`.budget`), given back at the end.
-    charge: int = 0
-
-    def out_region(self, index: int) -> memoryview:
-        """Where output chunk ``index`` goes in the rank's segment."""
-        offset, length = self.out_layout.span(index)
-        start = self.shm_out + offset
-        return self.shm[start:start + length]
-
-
-class ReadWindow:
-    """Backpressure of one collective: when it may not read a rank's next chunk, the hub stops
-    reading that stream and HTTP/2 flow control holds the rank back.
-
-    Forwarding ops (broadcast, all_gather): before the collective is matched, chunks have no
-    outbox to go to and are held, :data:`FORWARD_AHEAD_CHUNKS` of them in all (so at most that
-    per sender); afterwards a sender is read only while no other rank has
-    :data:`FORWARD_AHEAD_CHUNKS` chunks queued but not yet delivered.
-    Reducing ops: a rank is read only while no rank has :data:`READ_AHEAD_CHUNKS` result chunks
-    queued but not yet delivered, and while it is less than :data:`READ_AHEAD_CHUNKS` ahead of
-    the slowest rank's input (and, for all_reduce, of the slowest rank's delivered output).
-
-    Deliveries wake the waits (:meth:`progressed`), and a rank's outbox drains on its own task
-    while its reads wait, so a rank that both sends and receives cannot block itself.
-
-    The window is handed its collective on each call rather than keeping it: a reference back
-    would make a cycle, and a finished collective (with its views of the ranks' segments) would
-    then live until the cyclic garbage collector ran instead of going when its streams end.
-    """
-
-    def __init__(self) -> None:
-        self._progress = asyncio.Event()
-
-    def may_read(self, c: PendingCollective, p: Participant) -> bool:
-        """Whether the hub should read ``p``'s next chunk of collective ``c`` now."""
-        if c.finished:
-            return True
-        if c.reducer is None:
-            if not c.matched:
-                return c.held_chunks < FORWARD_AHEAD_CHUNKS
-            return not self._backlogged(c, p, FORWARD_AHEAD_CHUNKS)
-        if self._backlogged(c, None, READ_AHEAD_CHUNKS):
-            return False
-        low = min(c.participants[r].tracker.received if r in c.participants else 0
-                  for r in range(c.world))
-        if c.op == ops.ALL_REDUCE:
-            low = min(low, *(q.delivered for q in c.participants.values()))
-            if not c.matched:
-                low = 0
-        return p.tracker.received < low + READ_AHEAD_CHUNKS
-
-    @staticmethod
-    def _backlogged(c: PendingCollective, sender: Participant | None, window: int) -> bool:
-        """Whether a rank other than ``sender`` has ``window`` chunks queued, undelivered."""
-        return any(q.queued - q.delivered >= window
-                   for q in c.participants.values() if q is not sender)
-
-    async def wait(self, c: PendingCollective, p: Participant) -> None:
-        """Hold ``p``'s stream until it may read."""
-        while not self.may_read(c, p):
-            self._progress.clear()
-            await self._progress.wait()
-
-    def progressed(self) -> None:
-        """Something moved (a chunk in, a chunk delivered, the end): re-check the waits."""
-        self._progress.set()
 
 
 class PendingCollective:

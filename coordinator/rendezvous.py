@@ -14,21 +14,16 @@ collectives that need the finished rank (every collective of the generation span
 ranks) fail with :class:`~gradstar.errors.RankFinishedError`. A generation whose members all
 finished is *completed*. Jobs are isolated: nothing in one job's state refers to another's.
 
-This module does no I/O; the servicers drive it and tests can drive it directly.
+The records (jobs, generations, members) are in :mod:`.jobs`. This module does no I/O; the
+servicers drive it and tests can drive it directly.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import secrets
-import struct
 import time
-import unicodedata
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from gradstar.errors import (
     ConfigurationError,
@@ -43,154 +38,20 @@ from gradstar.errors import (
     WorldSizeMismatchError,
 )
 
-#: Longest job name the rendezvous accepts: names go into logs, metrics labels and file names.
-MAX_JOB_NAME_CHARS = 256
-# Control and format characters (newlines, escapes, bidi overrides) and line separators: a
-# job name must not be able to forge log lines or hide what it is in a terminal.
-_UNPRINTABLE = frozenset(("Cc", "Cf", "Cs", "Zl", "Zp"))
-# Domain separation: a pair key can never equal another use of the generation's secret.
-_PAIR_KEY_CONTEXT = b"gradstar peer pair key v1\x00"
+# The records live in .jobs; named here too, where the servicers, the engine and tests import
+# them from.
+from .jobs import (
+    MAX_JOB_NAME_CHARS,
+    Generation,
+    Job,
+    JobCounters,
+    Member,
+    check_job_name,
+    pair_key,
+)
 
-
-def pair_key(secret: bytes, a: int, b: int) -> bytes:
-    """The peer-stream key ranks ``a`` and ``b`` share: HMAC-SHA256 under the generation's
-    ``secret`` of the unordered pair, so both ends derive the same key and no other rank can."""
-    low, high = min(a, b), max(a, b)
-    # Fixed-width big-endian ranks (uint32 on the wire): no two pairs encode alike.
-    return hmac.digest(secret, _PAIR_KEY_CONTEXT + struct.pack(">II", low, high), hashlib.sha256)
-
-
-def check_job_name(job: str) -> None:
-    """Refuse a job name that is empty, too long, or holds control characters.
-
-    Raises:
-        ConfigurationError: the name is empty, longer than :data:`MAX_JOB_NAME_CHARS`
-            characters, or holds a control, format or line separator character.
-    """
-    if not job:
-        raise ConfigurationError("a job name must not be empty")
-    if len(job) > MAX_JOB_NAME_CHARS:
-        raise ConfigurationError(
-            f"a job name is at most {MAX_JOB_NAME_CHARS} characters, got one of {len(job)} "
-            f"starting {job[:40]!r}"
-        )
-    bad = next((c for c in job if unicodedata.category(c) in _UNPRINTABLE), None)
-    if bad is not None:
-        raise ConfigurationError(
-            f"a job name must not contain control characters, got {job!r} (with {bad!r})"
-        )
-
-
-@dataclass(eq=False)
-class Member:
-    """One rank of one generation, as the coordinator sees it."""
-
-    job: str
-    requested_rank: int | None
-    peer_address: str
-    member_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    #: The host key the rank joined with ('' if none): which ranks share a host.
-    host: str = ""
-    rank: int = -1
-    generation: Generation | None = None
-    last_seen: float = field(default_factory=time.monotonic)
-    #: GenerationFailed and RankFinished notices for this member's session stream.
-    notices: asyncio.Queue = field(default_factory=asyncio.Queue)
-    joined: asyncio.Future | None = None
-    #: The member is gone: lost, or finished (left in an orderly way).
-    left: bool = False
-    finished: bool = False
-
-    def touch(self) -> None:
-        self.last_seen = time.monotonic()
-
-
-@dataclass(eq=False)
-class Generation:
-    """One numbered membership of a job; collectives are matched within it."""
-
-    job: Job
-    number: int
-    world_size: int
-    members: dict[int, Member]
-    failure: GradstarError | None = None
-    #: Pending collectives by (group, seq); owned by the collective engine.
-    collectives: dict = field(default_factory=dict)
-    #: Outcomes of ended collectives by (group, seq), kept until every rank has seen them.
-    ended: dict = field(default_factory=dict)
-    #: The hub shards this generation stripes its collectives over (addresses in stripe
-    #: order); empty when the coordinator carries them itself. Fixed when it forms.
-    shards: list[str] = field(default_factory=list)
-    #: The secret its members' peer-stream keys derive from (:meth:`peer_keys`); it never
-    #: leaves the coordinator. Random when it forms, empty on a hub shard's adopted copy, never
-    #: in a repr.
-    peer_secret: bytes = field(default=b"", repr=False)
-    #: Why collectives of this generation can no longer complete although it is healthy: the
-    #: first of its members that finished while others were still live.
-    finished_error: RankFinishedError | None = None
-
-    @property
-    def healthy(self) -> bool:
-        return self.failure is None
-
-    @property
-    def completed(self) -> bool:
-        """Every member finished (closed its group cleanly) and nothing failed."""
-        return self.healthy and all(m.finished for m in self.members.values())
-
-    @property
-    def live_members(self) -> list[Member]:
-        return [m for m in self.members.values() if not m.left]
-
-    def peer_keys(self, rank: int) -> list[bytes]:
-        """``Joined.peer_keys`` of member ``rank``: by rank, the key it shares with each other
-        member (:func:`pair_key`), empty at its own rank; no keys without a secret."""
-        if not self.peer_secret:
-            return []
-        return [b"" if other == rank else pair_key(self.peer_secret, rank, other)
-                for other in range(self.world_size)]
-
-
-@dataclass
-class JobCounters:
-    """Totals an operator reads through the Admin service."""
-
-    bytes_in: int = 0
-    bytes_out: int = 0
-    completed: dict[int, int] = field(default_factory=dict)
-    failed: dict[int, int] = field(default_factory=dict)
-    last_failure: str = ""
-
-
-@dataclass(eq=False)
-class Job:
-    name: str
-    world_size: int
-    generation: Generation | None = None
-    forming: list[Member] = field(default_factory=list)
-    generations_formed: int = 0
-    counters: JobCounters = field(default_factory=JobCounters)
-    #: When the job was first seen with no live or joining member (None while it has some).
-    idle_since: float | None = None
-
-    @property
-    def formed(self) -> bool:
-        """Whether a generation of the job ever formed. A job that never formed holds nothing
-        worth keeping (no counters, no metric series): it is only its joiners, and it leaves
-        the table with the last of them (:meth:`Rendezvous.withdraw`)."""
-        return self.generations_formed > 0
-
-    @property
-    def state(self) -> str:
-        if self.generation is not None and self.generation.healthy and self.generation.live_members:
-            return "running"
-        if self.forming:
-            return "forming"
-        if self.generation is not None and not self.generation.healthy:
-            return "failed"
-        if self.generation is not None and self.generation.completed:
-            return "completed"
-        return "idle"
+__all__ = ["MAX_JOB_NAME_CHARS", "Generation", "Job", "JobCounters", "Member", "Rendezvous",
+           "check_job_name", "pair_key"]
 
 
 class Rendezvous:

@@ -50,7 +50,7 @@ async def test_huge_all_reduce_is_exact_and_hub_memory_stays_bounded(
         assert report["shared_memory"] is (path == "shm")
     growth = sampler.growth
     # world_size copies would be world * mib MiB (2 GiB, 1 GiB here). The hub reads at most
-    # READ_AHEAD_CHUNKS chunks ahead (engine.py), so what it holds is a few windows of 2 MiB
+    # READ_AHEAD_CHUNKS chunks ahead (window.py), so what it holds is a few windows of 2 MiB
     # chunks plus gRPC's per-stream buffers and what glibc keeps after frees: one bound for both
     # tensor sizes. Measured on a quiet machine: +89 MiB for 1 GiB x 2 ranks, +140..180 MiB for
     # 256 MiB x 4 (more streams); once over 256 MiB under heavy load, hence the margin.

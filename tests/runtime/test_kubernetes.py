@@ -227,7 +227,7 @@ def test_every_variable_is_one_a_gradstar_command_reads(coordinator, shards):
     def fields(settings_class) -> set[str]:
         return {f"GRADSTAR_{name.upper()}" for name in settings_class.model_fields}
 
-    file_variables = set(SECRET_KEYS)  # read by the gradstar command itself (cli.py)
+    file_variables = set(SECRET_KEYS)  # read by the gradstar command itself (gradstar.cli)
     hub = {e["name"] for e in _container(coordinator)["env"]}
     assert hub <= fields(CoordinatorSettings) | file_variables, hub - fields(CoordinatorSettings)
     shard = {e["name"] for e in _container(shards)["env"]} - {"POD_NAME", "POD_NAMESPACE"}

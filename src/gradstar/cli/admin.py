@@ -1,0 +1,63 @@
+"""``gradstar admin``: the operator's views of a running coordinator (status, jobs, shards,
+drain, health); the calls and tables are :mod:`gradstar.worker.admin_command`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from gradstar.cli.common import USAGE_ERROR, unreadable
+from gradstar.config import DEFAULT_PORT
+
+
+def admin_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "admin", help="operator views of a coordinator: status, jobs, shards, drain, health",
+        allow_abbrev=False,
+        description="status: every job (or --job) with members, generation, in-flight "
+                    "collectives and the ranks they wait for, traffic and throughput. jobs: one "
+                    "line per job. shards: the data-plane shards with address, state, traffic "
+                    "and jobs. drain: refuse new joins (running jobs finish). health: exit 0 "
+                    "if the coordinator is SERVING (for container health checks).")
+    p.add_argument("action", choices=("status", "jobs", "shards", "drain", "health"))
+    p.add_argument("--coordinator",
+                   default=os.environ.get("GRADSTAR_COORDINATOR", f"127.0.0.1:{DEFAULT_PORT}"),
+                   help="HOST:PORT (env GRADSTAR_COORDINATOR, default 127.0.0.1:29400)")
+    token = p.add_mutually_exclusive_group()
+    token.add_argument("--admin-token", help="admin token (env GRADSTAR_ADMIN_TOKEN, else "
+                                             "GRADSTAR_TOKEN); visible in ps")
+    token.add_argument("--admin-token-file", type=Path,
+                       help="file holding the admin token (env GRADSTAR_ADMIN_TOKEN_FILE)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--job", help="status: only this job")
+    p.add_argument("--interval", type=float, default=1.0,
+                   help="status: seconds between the two samples throughput is measured over "
+                        "(default 1; 0 skips throughput)")
+    p.add_argument("--wait", type=float, default=0.0,
+                   help="health: wait up to this many seconds for SERVING (default 0)")
+    p.add_argument("--timeout", type=float, default=10.0, help="per-call deadline (default 10)")
+    p.add_argument("--tls-ca", type=Path, default=os.environ.get("GRADSTAR_TLS_CA"),
+                   help="CA certificate (PEM) to verify a TLS coordinator with; enables TLS "
+                        "(env GRADSTAR_TLS_CA)")
+    p.add_argument("--tls-cert", type=Path, help="client certificate (mutual TLS)")
+    p.add_argument("--tls-key", type=Path, help="key of --tls-cert")
+    return p
+
+
+def admin_command(args: argparse.Namespace) -> int:
+    from gradstar.errors import GradstarError
+    from gradstar.worker.admin_command import run_admin
+
+    problem = unreadable({"--tls-ca": args.tls_ca, "--tls-cert": args.tls_cert,
+                           "--tls-key": args.tls_key})
+    if problem is not None:
+        print(f"gradstar admin: {problem}", file=sys.stderr)
+        return USAGE_ERROR
+    try:
+        return asyncio.run(run_admin(args))
+    except GradstarError as error:
+        print(f"gradstar admin: {error}", file=sys.stderr)
+        return 1
