@@ -187,14 +187,12 @@ class HostHierarchy:
             finally:
                 await self._turn(0, ticket)
             self._raise_if_broken()
-            if self.leaders is not None:
-                second = self.leaders.all_reduce(out, op_name, timeout=timeout, out=out)
-                taken[0] = True
-                await self._took_turn(0, ticket)
+            second = (self.leaders.all_reduce(out, op_name, timeout=timeout, out=out)
+                      if self.leaders is not None else None)  # only a host's leader crosses
+            taken[0] = True
+            await self._took_turn(0, ticket)
+            if second is not None:
                 await second
-            else:
-                taken[0] = True
-                await self._took_turn(0, ticket)
             await self._turn(1, ticket)
             self._raise_if_broken()
             third = self.local.broadcast(out, src=0, timeout=timeout)

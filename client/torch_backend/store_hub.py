@@ -93,10 +93,14 @@ def _keys() -> tuple[str, str, str]:
     return prefix + "address", prefix + "token", prefix + "job"
 
 
+def _multi_host(world_size: int) -> bool:
+    """Whether the ranks span hosts: fewer of them on this one than in the world."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) < world_size
+
+
 def _listen_host(world_size: int) -> tuple[str, str]:
     """(bind host, advertised host) for the hub: see "Where the hub listens" above."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if local >= world_size:
+    if not _multi_host(world_size):
         return "127.0.0.1", "127.0.0.1"
     return "0.0.0.0", advertised_host(
         os.environ.get("MASTER_ADDR"), advertise=os.environ.get("GRADSTAR_ADVERTISE_HOST"),
@@ -117,10 +121,6 @@ def _start(world_size: int) -> StoreHub:
     port = int(line.rsplit(":", 1)[1])
     job = f"torch-{uuid.uuid4().hex[:12]}"
     return StoreHub(f"{advertise}:{port}", token, job, proc)
-
-
-def _multi_host(world_size: int) -> bool:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) < world_size
 
 
 def find_or_make(store, rank: int, world_size: int, timeout: timedelta) -> StoreHub:

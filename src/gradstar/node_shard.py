@@ -34,9 +34,9 @@ HOST_GROUP = "/host-"
 #: How long starting the shard and registering it may take (a Python start-up: ~1 s idle).
 START_TIMEOUT = 60.0
 #: Variables of the starter's environment the shard keeps (tokens, TLS, how to advertise).
-_KEPT = ("GRADSTAR_TOKEN", "GRADSTAR_TOKEN_FILE", "GRADSTAR_ADMIN_TOKEN",
-         "GRADSTAR_ADMIN_TOKEN_FILE", "GRADSTAR_SOCKET_IFNAME", "GRADSTAR_ADVERTISE_HOST",
-         "GRADSTAR_INSECURE")
+_TOKENS = ("GRADSTAR_TOKEN", "GRADSTAR_TOKEN_FILE", "GRADSTAR_ADMIN_TOKEN",
+           "GRADSTAR_ADMIN_TOKEN_FILE")
+_KEPT = (*_TOKENS, "GRADSTAR_SOCKET_IFNAME", "GRADSTAR_ADVERTISE_HOST", "GRADSTAR_INSECURE")
 
 
 def wanted() -> bool:
@@ -66,7 +66,7 @@ def start(coordinator: str, job: str, token: str | None = None) -> NodeShard | N
         env["GRADSTAR_TOKEN"] = token
     args = ["shard", "--coordinator", coordinator, "--host", "0.0.0.0", "--port", "0",
             "--for-job", job, "--log-level", "WARNING"]
-    if not any(env.get(k) for k in _KEPT[:4]):
+    if not any(env.get(k) for k in _TOKENS):
         args.append("--insecure")  # a job without a token: its shard is as open as its hub
     try:
         process, line = spawn.start(args, env, "this host's node-local gradstar shard",

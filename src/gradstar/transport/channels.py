@@ -63,11 +63,9 @@ _CLIENT_COMMON = [
 #: Control connections: a rank's session, a shard's registration. They carry small messages
 #: only, so their pings are answered within the timeout even while the host's link is full.
 CLIENT_OPTIONS = [*_CLIENT_COMMON, *_keepalive(KEEPALIVE_TIMEOUT_MS)]
-#: Connections that carry collectives and peer streams.
-BULK_CLIENT_OPTIONS = [*_CLIENT_COMMON, *_keepalive(BULK_KEEPALIVE_TIMEOUT_MS),
-                       # A distinct argument set: never the same TCP connection as a control
-                       # channel to the same address (subchannels are shared by arguments).
-                       ("gradstar.channel_role", "bulk")]
+#: Connections that carry collectives and peer streams (each channel has its own subchannel
+#: pool, above, so never the same TCP connection as a control channel to the same address).
+BULK_CLIENT_OPTIONS = [*_CLIENT_COMMON, *_keepalive(BULK_KEEPALIVE_TIMEOUT_MS)]
 
 _SERVER_COMMON = [
     *_COMMON_OPTIONS,
