@@ -281,7 +281,8 @@ async def _run_collective(targets: Sequence[Target], header: pb.CollectiveHeader
     plan = CollectivePlan.for_header(header, world_size, send, out)
     geometry = plan.geometry
     stripes = _stripe_count(targets, geometry)
-    segment = _offer_segment(targets[:stripes], geometry)
+    # A wire format travels in frames: the segment and the hub read payloads as the dtype's.
+    segment = None if header.wire else _offer_segment(targets[:stripes], geometry)
     clean = False
     try:
         if stripes == 1 and len(targets) == 1:

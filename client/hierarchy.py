@@ -146,8 +146,10 @@ class HostHierarchy:
         return reduce_op != pb.REDUCE_OP_MEAN or arr.dtype in _FLOATS
 
     def all_reduce(self, arr: np.ndarray, reduce_op: int, out: np.ndarray, restore,
-                   timeout: float | None) -> Awaitable:
+                   timeout: float | None, wire: str | None = None) -> Awaitable:
         """Issue stage 1 now and the later stages in call order; resolves to ``restore(out)``.
+        A ``wire`` format applies to stage 2 alone, the leaders' across hosts: the host's
+        stages stay in the tensor's dtype over shared memory, where bytes are cheap.
         Called on the loop, it returns a running task; from another thread (the blocking API),
         the coroutine to submit to the loop, as :func:`.collective_stream.issue` does.
 
@@ -159,7 +161,7 @@ class HostHierarchy:
         op_name = _NAMES[level]
         first = self.local.all_reduce(arr, op_name, timeout=timeout, out=out)
         run = self._finish(first, next(self._tickets), op_name, reduce_op, out, restore,
-                           timeout)
+                           timeout, wire)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -179,7 +181,7 @@ class HostHierarchy:
             self._turns.notify_all()
 
     async def _finish(self, first, ticket: int, op_name: str, reduce_op: int, out: np.ndarray,
-                      restore, timeout: float | None):
+                      restore, timeout: float | None, wire: str | None):
         taken = [False, False]
         try:
             try:
@@ -187,7 +189,7 @@ class HostHierarchy:
             finally:
                 await self._turn(0, ticket)
             self._raise_if_broken()
-            second = (self.leaders.all_reduce(out, op_name, timeout=timeout, out=out)
+            second = (self.leaders.all_reduce(out, op_name, timeout=timeout, out=out, wire=wire)
                       if self.leaders is not None else None)  # only a host's leader crosses
             taken[0] = True
             await self._took_turn(0, ticket)

@@ -33,7 +33,6 @@ from gradstar.wire import (
     decode_shm_chunk,
     frame_kind,
     frames_of,
-    payload_bytes,
     place_chunk,
     receive_chunk,
 )
@@ -55,10 +54,9 @@ class CollectivePlan:
     @classmethod
     def for_header(cls, header: pb.CollectiveHeader, world_size: int,
                    send: np.ndarray | None, out: np.ndarray) -> CollectivePlan:
-        """The plan both sides derive from ``header`` (the hub computes the same geometry)."""
-        nbytes = payload_bytes(header.shape, header.dtype)
-        geometry = ops.geometry(header.op, world_size, header.rank, nbytes, header.chunk_bytes,
-                                header.root)
+        """The plan both sides derive from ``header`` (the hub computes the same geometry).
+        With a wire format ``send`` and ``out`` are the encoded buffers (wire layouts)."""
+        geometry = ops.geometry_of(header, world_size)
         view = memoryview(b"") if send is None else as_byte_view(send)
         return cls(geometry, view, out)
 

@@ -75,8 +75,9 @@ class ProcessGroup:
         return Work(future) if async_op else Work(future).wait()
 
     def all_reduce(self, x, op: str = "sum", *, async_op: bool = False, timeout=None,
-                   out=None):
-        return self._call(self._group.all_reduce(x, op, timeout=timeout, out=out), async_op)
+                   out=None, wire: str | None = None):
+        return self._call(self._group.all_reduce(x, op, timeout=timeout, out=out, wire=wire),
+                          async_op)
 
     def broadcast(self, x, src: int = 0, *, async_op: bool = False, timeout=None):
         return self._call(self._group.broadcast(x, src, timeout=timeout), async_op)
@@ -84,8 +85,10 @@ class ProcessGroup:
     def all_gather(self, x, *, async_op: bool = False, timeout=None):
         return self._call(self._group.all_gather(x, timeout=timeout), async_op)
 
-    def reduce_scatter(self, x, op: str = "sum", *, async_op: bool = False, timeout=None):
-        return self._call(self._group.reduce_scatter(x, op, timeout=timeout), async_op)
+    def reduce_scatter(self, x, op: str = "sum", *, async_op: bool = False, timeout=None,
+                       wire: str | None = None):
+        return self._call(self._group.reduce_scatter(x, op, timeout=timeout, wire=wire),
+                          async_op)
 
     def all_reduce_coalesced(self, arrays, op: str = "mean", bucket_cap_mb: float = 25, *,
                              async_op: bool = False, timeout=None):

@@ -71,6 +71,7 @@ import ml_dtypes
 import numpy as np
 
 from gradstar.errors import ConfigurationError, ProtocolError
+from gradstar.proto.v1 import collective_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -119,16 +120,17 @@ class WireFormat:
 #: Every compressed format by name; ``wire`` values match collective.proto's ``WireFormat``.
 FORMATS: dict[str, WireFormat] = {
     f.name: f for f in (
-        WireFormat("bf16", 1, 16, 0, np.dtype(ml_dtypes.bfloat16), (2 - 2**-8) * 2.0**127),
-        WireFormat("fp16", 2, 16, 0, np.dtype("<f2"), 65520.0),
-        WireFormat("int8", 3, 8, 64),
-        WireFormat("int4", 4, 4, 64),
+        WireFormat("bf16", pb.WIRE_FORMAT_BF16, 16, 0, np.dtype(ml_dtypes.bfloat16),
+                   (2 - 2**-8) * 2.0**127),
+        WireFormat("fp16", pb.WIRE_FORMAT_FP16, 16, 0, np.dtype("<f2"), 65520.0),
+        WireFormat("int8", pb.WIRE_FORMAT_INT8, 8, 64),
+        WireFormat("int4", pb.WIRE_FORMAT_INT4, 4, 64),
     )
 }
 _BY_WIRE = {f.wire: f for f in FORMATS.values()}
 
 #: The value of "no wire format" in a header: the tensor travels in its own dtype.
-WIRE_NONE = 0
+WIRE_NONE = pb.WIRE_FORMAT_UNSPECIFIED
 
 
 def wire_format(name: str | WireFormat) -> WireFormat:
