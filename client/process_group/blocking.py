@@ -91,9 +91,9 @@ class ProcessGroup:
                           async_op)
 
     def all_reduce_coalesced(self, arrays, op: str = "mean", bucket_cap_mb: float = 25, *,
-                             async_op: bool = False, timeout=None):
+                             async_op: bool = False, timeout=None, wire: str | None = None):
         return self._call(self._group.all_reduce_coalesced(arrays, op, bucket_cap_mb,
-                                                           timeout=timeout), async_op)
+                                                           timeout=timeout, wire=wire), async_op)
 
     def barrier(self, *, async_op: bool = False, timeout=None):
         return self._call(self._group.barrier(timeout=timeout), async_op)

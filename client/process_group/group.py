@@ -165,13 +165,16 @@ class AsyncProcessGroup(PointToPoint):
                          reduce_op=reduce_op, wire=wire)
 
     def all_reduce_coalesced(self, arrays, op: str = "mean", bucket_cap_mb: float = 25, *,
-                             timeout: float | None = None) -> Awaitable:
+                             timeout: float | None = None,
+                             wire: str | None = None) -> Awaitable:
         """Reduce a list of arrays as a few flat per-dtype buckets of at most ``bucket_cap_mb``
-        MB, concurrently; resolves to a list of arrays of the original shapes and types.
+        MB, concurrently; resolves to a list of arrays of the original shapes and types
+        (``wire``: a format for the float buckets).
 
         See :func:`gradstar.client.coalesced.all_reduce_coalesced` (raises what it raises).
         """
-        return all_reduce_coalesced(self, arrays, op, bucket_cap_mb, timeout=timeout)
+        return all_reduce_coalesced(self, arrays, op, bucket_cap_mb, timeout=timeout,
+                                    wire=wire)
 
     def barrier(self, *, timeout: float | None = None) -> Awaitable:
         """Resolves once every rank has reached the barrier."""

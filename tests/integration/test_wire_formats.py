@@ -212,3 +212,23 @@ async def test_other_float_dtypes_travel_encoded_and_come_back_in_their_dtype(co
             assert (np.abs(results[0].astype(np.float64) - ref) <= bound).all(), dtype
     finally:
         await close_all(groups)
+
+
+async def test_coalesced_buckets_encode_their_floats_and_keep_integers_exact(coordinator):
+    groups = await join_all(coordinator.address, 2, job="coalesced", chunk_bytes=CHUNK_BYTES)
+    try:
+        xs = inputs(2, 1500, seed=11)
+        lists = [[x[:1000].reshape(10, 100), np.arange(7, dtype=np.int32) * (g.rank + 1),
+                  x[1000:]] for g, x in zip(groups, xs, strict=True)]
+        results = await asyncio.gather(*(g.all_reduce_coalesced(arrays, "sum", wire="int8")
+                                         for g, arrays in zip(groups, lists, strict=True)))
+        got = results[0]
+        np.testing.assert_array_equal(got[1], np.arange(7, dtype=np.int32) * 3)
+        assert got[1].dtype == np.int32
+        flat = np.concatenate([got[0].reshape(-1), got[2]])
+        # One float32 bucket: the two float arrays end to end, encoded as one tensor.
+        err = np.abs(flat.astype(np.float64) - reference(xs, "sum"))
+        assert (err <= result_bound("int8", xs, "sum")).all()
+        assert err.max() > 0
+    finally:
+        await close_all(groups)

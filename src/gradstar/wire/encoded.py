@@ -93,6 +93,12 @@ class Encoding:
                 flat[first:first + n] = staging[:n]
 
 
+def carries(dtype) -> bool:
+    """Whether a wire format can carry tensors of ``dtype`` (the float dtypes gradstar
+    supports: float32, float64, float16, bfloat16)."""
+    return np.dtype(dtype).kind == "f" or np.dtype(dtype).name == "bfloat16"
+
+
 def check_encoding(name: str | None, dtype, op: int, reduce_op: int,
                    chunk_elements: int | None = None, *,
                    error: type[GradstarError] = ConfigurationError) -> WireFormat | None:
@@ -115,7 +121,7 @@ def check_encoding(name: str | None, dtype, op: int, reduce_op: int,
     except ConfigurationError as e:
         raise error(str(e)) from None
     info = dtype_info(dtype)
-    if info.numpy.kind != "f" and info.name != "bfloat16":
+    if not carries(info.numpy):
         raise error(f"wire={fmt.name!r} carries float tensors; a {info.name} tensor travels "
                     "exactly in its own dtype (leave wire unset)")
     if op not in _REDUCING:
@@ -138,4 +144,4 @@ def aligned_wire_chunk_bytes(chunk_bytes: int, itemsize: int, fmt: WireFormat | 
     return max(unit, chunk_bytes - chunk_bytes % unit)
 
 
-__all__ = ["Encoding", "aligned_wire_chunk_bytes", "check_encoding"]
+__all__ = ["Encoding", "aligned_wire_chunk_bytes", "carries", "check_encoding"]
