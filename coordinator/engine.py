@@ -253,12 +253,12 @@ class PendingCollective:
             # segment, copy from there to the others; no frame at all.
             result, frame = receivers[0].out_region(out_index), None
         else:
-            frame, view = chunk_frame_buffer(payload.nbytes)
+            frame, view = chunk_frame_buffer(receivers[0].out_layout.span(out_index)[1])
             result = view[CHUNK_HEADER_BYTES:]
         self.reducer.finish_into(slot, payload, result, index)
         if self.round is not None:
             values = np.frombuffer(result, dtype=np.float32)
-            self.round.apply(self.layout.span(index)[0] // 4, values)
+            self.round.apply(receivers[0].out_layout.span(out_index)[0] // 4, values)
         if frame is not None:
             seal_chunk_frame(frame, view, out_index)
         for i, q in enumerate(receivers):

@@ -94,8 +94,8 @@ def validate(h: pb.CollectiveHeader, world_size: int, limits: Limits) -> None:
             round that is not a float32 mean all_reduce, reduce_scatter's dim 0 not divisible
             by the world size, an all_to_all plan that is not int64 of shape
             (:func:`gradstar.ops.plan_length`,), a stripe out of range, or a wire format
-            where :func:`gradstar.wire.encoded.check_encoding` refuses it, with shared memory
-            or on an averaging round.
+            where :func:`gradstar.wire.encoded.check_encoding` refuses it, or with shared
+            memory.
         PayloadTooLargeError: the payload is over ``limits.max_tensor_bytes``.
         ProtocolError: unknown dtype or wire format.
     """
@@ -150,12 +150,11 @@ def _validate_wire(h: pb.CollectiveHeader, info) -> None:
     format_from_wire(h.wire)  # an unknown value is a ProtocolError
     check_encoding(name, info.numpy, h.op, h.reduce_op, h.chunk_bytes // info.numpy.itemsize,
                    error=InvalidCollectiveError)
-    # Shared memory and the averaging store read payloads as float32 values.
-    if h.HasField("shm") or h.averaging.rule:
+    # Shared memory carries payloads in the tensor's own dtype.
+    if h.HasField("shm"):
         raise InvalidCollectiveError(
-            f"rank {h.rank} sent {describe(h)} with "
-            f"{'shared memory' if h.HasField('shm') else 'an averaging round'}; a wire format "
-            "travels in frames and is not an averaging round's format")
+            f"rank {h.rank} sent {describe(h)} with shared memory; a wire format travels in "
+            "frames")
 
 
 def check_agrees(h: pb.CollectiveHeader, first: pb.CollectiveHeader, job: str) -> None:

@@ -146,11 +146,13 @@ class EncodedChunkReducer:
     reduced in float32, the result encoded once (``op='mean'`` divided before encoding).
 
     ``values`` is the collective's layout in its own dtype: it says how many elements each
-    encoded chunk holds. Same interface as :class:`ChunkReducer`.
+    encoded chunk holds. Unless ``encode_result``, the result is written as float32 (an
+    averaging round: the hub turns it into float32 global parameters). Same interface as
+    :class:`ChunkReducer`.
     """
 
     def __init__(self, reduce_op: int, encoding: Encoding, values: ChunkLayout,
-                 world_size: int, pool: BufferPool):
+                 world_size: int, pool: BufferPool, encode_result: bool = True):
         if reduce_op not in _UFUNCS:
             raise InvalidCollectiveError(f"unknown reduce op {reduce_op}")
         self.ufunc = _UFUNCS[reduce_op]
@@ -159,6 +161,7 @@ class EncodedChunkReducer:
         self.values = values
         self.world_size = world_size
         self.pool = pool
+        self.encode_result = encode_result
 
     def _decode(self, payload: memoryview, n: int, slot: Slot | None) -> Slot:
         fmt = self.encoding.format
@@ -185,14 +188,17 @@ class EncodedChunkReducer:
     def finish_into(self, slot: Slot | None, payload: memoryview, out: memoryview,
                     index: int) -> None:
         """Decode and add the last contribution to chunk ``index``; encode the result into
-        ``out`` (the encoded size of the chunk)."""
-        if slot is None:  # world_size 1: the one contribution is the result, as it came
+        ``out`` (the encoded size of the chunk; float32 unless ``encode_result``)."""
+        if slot is None and self.encode_result:  # world_size 1: the contribution as it came
             out[:] = payload
             return
-        slot = self.fold(slot, payload, index)
+        slot = self._decode(payload, self.encoding.elements(self.values, index)[1], slot)
         if self.mean:
             np.divide(slot.acc, self.world_size, out=slot.acc)
-        encode_into(self.encoding.format, slot.acc, out)
+        if self.encode_result:
+            encode_into(self.encoding.format, slot.acc, out)
+        else:
+            np.copyto(np.frombuffer(out, dtype=np.float32), slot.acc)
         self.release(slot)
 
     def release(self, slot: Slot | None, acc: np.ndarray | None = None) -> None:
@@ -211,4 +217,5 @@ def reducer_for(h: pb.CollectiveHeader, dtype: DTypeInfo, world: int,
     if encoding is None:
         return ChunkReducer(h.reduce_op, dtype, world, pool)
     values = ops.input_layout(h.op, world, payload_bytes(h.shape, h.dtype), h.chunk_bytes)
-    return EncodedChunkReducer(h.reduce_op, encoding, values, world, pool)
+    return EncodedChunkReducer(h.reduce_op, encoding, values, world, pool,
+                               encode_result=not h.averaging.rule)

@@ -99,10 +99,11 @@ class ProcessGroup:
         return self._call(self._group.barrier(timeout=timeout), async_op)
 
     def sync_global_model(self, x, *, model: str, rule: str, outer_lr: float = 0.0,
-                          outer_momentum: float = 0.0, async_op: bool = False, timeout=None):
+                          outer_momentum: float = 0.0, async_op: bool = False, timeout=None,
+                          wire: str | None = None):
         return self._call(self._group.sync_global_model(
             x, model=model, rule=rule, outer_lr=outer_lr, outer_momentum=outer_momentum,
-            timeout=timeout), async_op)
+            timeout=timeout, wire=wire), async_op)
 
     def send(self, x, dst: int, tag=0, *, async_op: bool = False, timeout=None):
         return self._call(self._group.send(x, dst, tag, timeout=timeout), async_op)

@@ -182,7 +182,8 @@ class AsyncProcessGroup(PointToPoint):
         return self._run(ops.BARRIER, arr, None, arr, lambda a: None, timeout)
 
     def sync_global_model(self, x, *, model: str, rule: str, outer_lr: float = 0.0,
-                          outer_momentum: float = 0.0, timeout: float | None = None) -> Awaitable:
+                          outer_momentum: float = 0.0, timeout: float | None = None,
+                          wire: str | None = None) -> Awaitable:
         """An averaging round: the primitive under :class:`gradstar.LocalSGD`.
 
         Every rank sends a flat float32 ``x`` (parameters for ``rule`` "seed" and "average",
@@ -190,8 +191,12 @@ class AsyncProcessGroup(PointToPoint):
         rule to the job's global model ``model`` and every rank receives the new global
         parameters (see ``gradstar.coordinator.averaging``).
 
+        ``wire``: a compressed wire format for what the ranks send (meant for the
+        pseudo-gradients of "outer_sgd" and "outer_nesterov"); the hub decodes it, keeps the
+        global model and the outer optimizer in float32, and answers float32 parameters.
+
         Raises:
-            ConfigurationError: an unknown rule.
+            ConfigurationError: an unknown rule or wire format.
             InvalidCollectiveError: not float32, or a size unlike the stored model.
             CollectiveError and subclasses: as for all_reduce.
         """
@@ -201,7 +206,7 @@ class AsyncProcessGroup(PointToPoint):
         if arr.dtype != np.float32:
             raise InvalidCollectiveError(f"averaging rounds carry float32, got {arr.dtype}")
         return self._run(ops.ALL_REDUCE, arr, arr, np.empty_like(arr), restore, timeout,
-                         reduce_op=ops.reduce_op("mean"), averaging=spec)
+                         reduce_op=ops.reduce_op("mean"), averaging=spec, wire=wire)
 
     # -- machinery -----------------------------------------------------------------------------
 
@@ -270,11 +275,14 @@ class AsyncProcessGroup(PointToPoint):
         geometry = ops.geometry_of(header, self.world_size)
         encoding = Encoding.of_header(header)
         coded = encoding.encode(send, geometry.values, geometry.sends)
-        result = np.empty(geometry.out_layout.total_bytes, np.uint8)
+        # An averaging round's answer is float32 global parameters, not encoded.
+        encoded_out = geometry.out_layout != geometry.values_out
+        result = np.empty(geometry.out_layout.total_bytes, np.uint8) if encoded_out else out
         await run_collective(self._targets(header), header, self.world_size, coded, result,
                              session=self._session, metadata=self._metadata, timeout=timeout)
-        received = [geometry.out_index(i) for r in geometry.receives for i in r]
-        encoding.decode(result, geometry.values_out, received, out)
+        if encoded_out:
+            received = [geometry.out_index(i) for r in geometry.receives for i in r]
+            encoding.decode(result, geometry.values_out, received, out)
         return out
 
     # -- lifecycle -----------------------------------------------------------------------------

@@ -160,28 +160,32 @@ def _values_layout(op: int, world_size: int, nbytes: int, chunk_bytes: int) -> C
 
 
 def geometry(op: int, world_size: int, rank: int, nbytes: int, chunk_bytes: int,
-             root: int = 0, encoding: Encoding | None = None) -> Geometry:
+             root: int = 0, encoding: Encoding | None = None,
+             encode_out: bool = True) -> Geometry:
     """Rank ``rank``'s part in a collective ``op`` over ``nbytes`` bytes of input per rank;
     with ``encoding`` (a wire format) its layouts are the wire layouts of the encoded chunks
-    and :attr:`Geometry.values` / :attr:`Geometry.values_out` the layouts in the tensor's dtype.
+    (the result's only if ``encode_out``: an averaging round answers float32 parameters) and
+    :attr:`Geometry.values` / :attr:`Geometry.values_out` the layouts in the tensor's dtype.
     Chunk indices are the same either way."""
     g = _geometry(op, world_size, rank, nbytes, chunk_bytes, root)
     if encoding is None:
         return g
-    return Geometry(op, encoding.layout(g.layout), encoding.layout(g.out_layout), g.sends,
-                    g.receives, g.out_base, g.layout, g.out_layout)
+    out = encoding.layout(g.out_layout) if encode_out else g.out_layout
+    return Geometry(op, encoding.layout(g.layout), out, g.sends, g.receives, g.out_base,
+                    g.layout, g.out_layout)
 
 
 def geometry_of(header: pb.CollectiveHeader, world_size: int) -> Geometry:
     """The geometry of the header's rank in the collective ``header`` describes (its wire
-    format included): what the hub and the rank both compute from the same header.
+    format included; an averaging round's result is never encoded): what the hub and the rank
+    both compute from the same header.
 
     Raises:
         ProtocolError: an unknown dtype or wire format.
     """
     return geometry(header.op, world_size, header.rank,
                     payload_bytes(header.shape, header.dtype), header.chunk_bytes, header.root,
-                    Encoding.of_header(header))
+                    Encoding.of_header(header), encode_out=not header.averaging.rule)
 
 
 def _geometry(op: int, world_size: int, rank: int, nbytes: int, chunk_bytes: int,

@@ -232,3 +232,39 @@ async def test_coalesced_buckets_encode_their_floats_and_keep_integers_exact(coo
         assert err.max() > 0
     finally:
         await close_all(groups)
+
+
+@pytest.mark.parametrize("name", ["int4", "int8", "bf16"])
+async def test_outer_rounds_take_encoded_pseudo_gradients_and_keep_the_model_float32(
+        coordinator, name):
+    world, n, lr = 3, 2000, 0.7
+    groups = await join_all(coordinator.address, world, job=f"diloco-{name}",
+                            chunk_bytes=CHUNK_BYTES)
+    try:
+        start = inputs(1, n, seed=20)[0]
+        seeded = await asyncio.gather(*(g.sync_global_model(start, model="m", rule="seed")
+                                        for g in groups))
+        # The seed travels in float32 (the mean of three equal vectors, to float32 rounding).
+        np.testing.assert_allclose(seeded[2], start, rtol=2**-22)
+        start = seeded[0]
+        grads = [x / np.float32(100) for x in inputs(world, n, seed=21)]
+        new = await asyncio.gather(*(g.sync_global_model(d, model="m", rule="outer_sgd",
+                                                         outer_lr=lr, wire=name)
+                                     for g, d in zip(groups, grads, strict=True)))
+        for r in new[1:]:
+            np.testing.assert_array_equal(r, new[0])
+        assert new[0].dtype == np.float32
+        # The model the hub keeps is exactly what the ranks got back: float32, not re-encoded.
+        stored = coordinator.averaging.models(f"diloco-{name}")["m"].params
+        np.testing.assert_array_equal(stored, new[0])
+        want = start.astype(np.float64) - lr * reference(grads, "mean")
+        bound = lr * sum(error_bound(name, d) for d in grads) / world
+        bound += 2.0**-20 * (np.abs(start) + lr * np.abs(want))  # float32 arithmetic
+        err = np.abs(new[0].astype(np.float64) - want)
+        assert (err <= bound).all(), np.max(err - bound)
+        assert err.max() > 2.0**-20 * np.abs(start).max()  # the pseudo-gradients were encoded
+        # The hub read the encoded bytes: a fraction of float32's.
+        detail = coordinator.rendezvous.jobs[f"diloco-{name}"].counters
+        assert detail.bytes_in < world * n * 4 * (1 + FORMATS[name].ratio()) + 4096
+    finally:
+        await close_all(groups)

@@ -55,15 +55,31 @@ def test_the_format_reads_in_the_call_and_a_disagreement_names_it():
     ({"chunk_bytes": 1000}, errors.InvalidCollectiveError,
      "chunks of 250 elements split int8's blocks of 64"),
     ({"shm": pb.ShmSegment(pid=1)}, errors.InvalidCollectiveError, "with shared memory"),
-    ({"reduce_op": pb.REDUCE_OP_MEAN,
-      "averaging": pb.AveragingSpec(model="m", rule=pb.AVERAGING_RULE_AVERAGE)},
-     errors.InvalidCollectiveError, "with an averaging round"),
+    ({"averaging": pb.AveragingSpec(model="m", rule=pb.AVERAGING_RULE_OUTER_SGD)},
+     errors.InvalidCollectiveError, "an averaging round must be an all_reduce with op='mean'"),
 ])
 def test_the_hub_refuses_a_format_that_cannot_apply(fields, error, message):
     validate(header(), 4, LIMITS)
     with pytest.raises(error) as raised:
         validate(header(**fields), 4, LIMITS)
     assert message in str(raised.value)
+
+
+def test_an_averaging_round_sends_encoded_and_answers_float32():
+    h = header(reduce_op=pb.REDUCE_OP_MEAN, shape=[1000], chunk_bytes=512,
+               averaging=pb.AveragingSpec(model="m", rule=pb.AVERAGING_RULE_OUTER_SGD))
+    validate(h, 4, LIMITS)
+    g = ops.geometry_of(h, 4)
+    assert g.layout == Encoding(FORMATS["int8"], 4).layout(g.values)
+    assert g.out_layout == g.values_out == g.values  # float32 parameters come back
+    reducer = reducer_for(h, dtype_info(np.float32), 2, BufferPool())
+    xs = [np.linspace(-1, 1, 128, dtype=np.float32) * (r + 1) for r in range(2)]
+    out = np.empty(128, np.float32)
+    slot = reducer.fold(None, memoryview(encode("int8", xs[0])), 0)
+    reducer.finish_into(slot, memoryview(encode("int8", xs[1])), as_byte_view(out), 0)
+    np.testing.assert_array_equal(
+        out, np.divide(roundtrip("int8", xs[0]) + roundtrip("int8", xs[1]), 2,
+                       dtype=np.float32))
 
 
 def test_prod_with_a_cast_format_and_half_precision_inputs_are_valid():
