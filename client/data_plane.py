@@ -53,14 +53,17 @@ def resolve(address: str, coordinator: str) -> str:
 class DataPlane:
     """The coordinator's :class:`Target` and one per hub shard of the generation."""
 
-    def __init__(self, settings: ClientSettings, shards: list[str]) -> None:
+    def __init__(self, settings: ClientSettings, shards: list[str],
+                 collectives: str = "") -> None:
         self.settings = settings
         # The coordinator's collectives go on a connection of their own, apart from the
-        # session's: a session's keepalive pings must not wait behind MBs of tensors
+        # session's, to the port it serves them on (``collectives``; empty: its own): a
+        # session's keepalive pings must not wait behind MBs of tensors
         # (gradstar.transport.channels, BULK_KEEPALIVE_TIMEOUT_MS).
-        self._coordinator_channel = open_channel(settings, bulk=True)
+        self.collectives = resolve(collectives or settings.coordinator, settings.coordinator)
+        self._coordinator_channel = open_channel(settings, self.collectives, bulk=True)
         self.coordinator = Target(self._coordinator_channel.stream_stream(COLLECTIVE_METHOD),
-                                  settings.coordinator,
+                                  self.collectives,
                                   shm=SharedMemoryOffer(settings.shared_memory))
         #: The shards' addresses, in stripe order, as this rank reaches them.
         self.addresses = [resolve(a, settings.coordinator) for a in shards]
@@ -80,17 +83,22 @@ class DataPlane:
         return self.shards
 
     async def connect(self, timeout: float) -> None:
-        """Wait until this rank is connected to every hub shard (all at once).
+        """Wait until this rank is connected to every hub shard and to the coordinator's
+        collective port (all at once).
 
         Raises:
-            CoordinatorUnavailableError: a shard was not reached within ``timeout`` seconds,
-                or its TLS settings do not match this rank's (named at once).
+            CoordinatorUnavailableError: a shard or the collective port was not reached within
+                ``timeout`` seconds, or its TLS settings do not match this rank's (named at
+                once).
         """
         s = self.settings
+        ends = list(zip(self._channels, (t.address for t in self.shards),
+                        (t.name for t in self.shards), strict=True))
+        ends.append((self._coordinator_channel, self.collectives,
+                     f"the coordinator's collective port at {self.collectives}"))
         waits = [asyncio.ensure_future(wait_connected(
-            channel, target.address, timeout, s.tls_ca, s.tls_cert, s.tls_key,
-            name=target.name)) for channel, target in zip(self._channels, self.shards,
-                                                          strict=True)]
+            channel, address, timeout, s.tls_ca, s.tls_cert, s.tls_key, name=name))
+            for channel, address, name in ends]
         try:
             await asyncio.gather(*waits)
         finally:

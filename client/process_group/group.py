@@ -61,7 +61,7 @@ class AsyncProcessGroup(PointToPoint):
         self._channel = channel
         self._session = session
         self._metadata = call_metadata(settings)
-        self._plane = DataPlane(settings, list(joined.shards))
+        self._plane = DataPlane(settings, list(joined.shards), joined.collectives)
         #: The hub shards this generation's collectives are striped over (empty: none).
         self.shards: list[str] = self._plane.addresses
         self._seq = itertools.count(1)
