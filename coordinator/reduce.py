@@ -164,6 +164,12 @@ class EncodedChunkReducer:
         self.encode_result = encode_result
 
     def _decode(self, payload: memoryview, n: int, slot: Slot | None) -> Slot:
+        # Inf and NaN are values the wire carries (and a rank may send any scale): numpy's
+        # overflow and invalid-value warnings about them would only fill the hub's log.
+        with np.errstate(all="ignore"):
+            return self._decode_into_slot(payload, n, slot)
+
+    def _decode_into_slot(self, payload: memoryview, n: int, slot: Slot | None) -> Slot:
         fmt = self.encoding.format
         if slot is None:
             acc = self.pool.take(np.float32, n)
@@ -193,12 +199,13 @@ class EncodedChunkReducer:
             out[:] = payload
             return
         slot = self._decode(payload, self.encoding.elements(self.values, index)[1], slot)
-        if self.mean:
-            np.divide(slot.acc, self.world_size, out=slot.acc)
-        if self.encode_result:
-            encode_into(self.encoding.format, slot.acc, out)
-        else:
-            np.copyto(np.frombuffer(out, dtype=np.float32), slot.acc)
+        with np.errstate(all="ignore"):  # as in _decode
+            if self.mean:
+                np.divide(slot.acc, self.world_size, out=slot.acc)
+            if self.encode_result:
+                encode_into(self.encoding.format, slot.acc, out)
+            else:
+                np.copyto(np.frombuffer(out, dtype=np.float32), slot.acc)
         self.release(slot)
 
     def release(self, slot: Slot | None, acc: np.ndarray | None = None) -> None:

@@ -199,3 +199,21 @@ def test_two_levels_encode_the_leaders_stage_alone():
         assert hosts.leaders.calls == [("all_reduce", "sum", "int4")]
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_garbage_payloads_of_the_right_size_reduce_without_error_or_warning(name, recwarn):
+    # A rank may send any bytes of the right length (scales of NaN, Inf or 1e38 included): the
+    # hub reduces what it was sent, never crashes, and logs no numpy warnings for it.
+    fmt = FORMATS[name]
+    h = header(shape=[300], chunk_bytes=512, wire=fmt.wire)
+    reducer = reducer_for(h, dtype_info(np.float32), 3, BufferPool())
+    rng = np.random.default_rng(7)
+    for index, n in ((0, 128), (1, 128), (2, 44)):
+        parts = [rng.integers(0, 256, fmt.encoded_nbytes(n), dtype=np.uint8).tobytes()
+                 for _ in range(3)]
+        slot = reducer.fold(reducer.fold(None, memoryview(parts[0]), index),
+                            memoryview(parts[1]), index)
+        out = bytearray(fmt.encoded_nbytes(n))
+        reducer.finish_into(slot, memoryview(parts[2]), memoryview(out), index)
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
