@@ -269,16 +269,15 @@ class AsyncProcessGroup(PointToPoint):
 
     async def _collect_encoded(self, header: pb.CollectiveHeader, send: np.ndarray,
                                out: np.ndarray, timeout: float) -> np.ndarray:
-        """A collective in a wire format: ``send`` encoded chunk by chunk, the encoded result
-        chunks received end to end, then decoded into ``out`` (once the whole result is proven
-        complete, so a failure leaves ``out`` untouched)."""
+        """A collective in a wire format: ``send`` encoded chunk by chunk as it is sent, the
+        encoded result chunks received end to end, then decoded into ``out`` (once the whole
+        result is proven complete, so a failure leaves ``out`` untouched)."""
         geometry = ops.geometry_of(header, self.world_size)
         encoding = Encoding.of_header(header)
-        coded = encoding.encode(send, geometry.values, geometry.sends)
         # An averaging round's answer is float32 global parameters, not encoded.
         encoded_out = geometry.out_layout != geometry.values_out
         result = np.empty(geometry.out_layout.total_bytes, np.uint8) if encoded_out else out
-        await run_collective(self._targets(header), header, self.world_size, coded, result,
+        await run_collective(self._targets(header), header, self.world_size, send, result,
                              session=self._session, metadata=self._metadata, timeout=timeout)
         if encoded_out:
             received = [geometry.out_index(i) for r in geometry.receives for i in r]
