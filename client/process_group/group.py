@@ -56,6 +56,8 @@ class AsyncProcessGroup(PointToPoint):
         self.generation: int = joined.generation
         self.job: str = joined.job
         self.peers: dict[int, str] = {p.rank: p.address for p in joined.peers}
+        #: Whether the generation's ranks are on several hosts (by the keys they joined with).
+        self._spans_hosts = len({p.host for p in joined.peers if p.host}) > 1
         self._member_id = joined.member_id
         self._channel = channel
         self._session = session
@@ -214,7 +216,8 @@ class AsyncProcessGroup(PointToPoint):
             dtype=dtype_info(arr.dtype).wire, shape=arr.shape, root=root,
             chunk_bytes=aligned_chunk_bytes(striped_chunk_bytes(
                 self.settings.chunk_bytes, arr.nbytes,
-                len(self._plane.targets(averaging=averaging is not None))), arr.dtype.itemsize),
+                len(self._plane.targets(averaging=averaging is not None)), self._spans_hosts),
+                arr.dtype.itemsize),
             timeout_seconds=timeout, averaging=averaging,
         )
         return header, timeout
