@@ -10,9 +10,9 @@ a ring carries.
 
 Whatever starts the ranks on a host starts it: the env:// drop-in's local rank 0 (torchrun,
 Lightning), the worker agent, ``gradstar launch --coordinator``. ``GRADSTAR_NODE_SHARD=0``
-turns it off. The shard registers with the coordinator with the token the starter holds (the
-admin token when it has one, else the job token; a coordinator with an admin token of its own
-refuses the job token, and the job then runs without node-local shards, saying so once).
+turns it off. The shard registers for its job with the job token, as the job's ranks hold it
+(``ShardControl.RegisterForJob``: a shard that carries only the job's generations sees nothing
+a rank of the job cannot), so a coordinator with an admin token of its own takes it too.
 """
 
 from __future__ import annotations
