@@ -18,18 +18,16 @@ rank's host key, :func:`gradstar.transport.shm.host_key`; :mod:`.layout`):
 
 Programs. Each op is a list of stages, one collective each in one of the two groups, then a
 finish (:mod:`.programs`): a host-group stage over shared memory, the leaders' stage across
-hosts, a host-group broadcast. Per host link, with H hosts and a node-local shard on each
-(K = H stripes), for S bytes per rank and R ranks per host:
+hosts, a host-group broadcast. Per host link, each way, with H hosts of R ranks (n = HR), a
+node-local shard on each (K = H stripes) and S bytes per rank (docs/multi-host.md has the flat
+path's figures beside them, ``tests/cluster/test_host_collectives.py`` checks them):
 
-============== ================================ ===================================
-op             two-level, each way               flat (every rank striped), each way
-============== ================================ ===================================
-all_reduce     2(H-1)/H·S                        R·2(H-1)/H·S
-broadcast      src's host out: 2(H-1)/H·S;       see docs/multi-host.md
-               each other host in: S
-all_gather     (H-1)·R·S (the host's block once) R(H-1)/H·S + (n-R)(n-1)/H·S
-reduce_scatter (H-1)/H·S·(1 + 1/H)               R(H-1)/H·S + (n-R)/(nH)·S
-============== ================================ ===================================
+- all_reduce: 2(H-1)/H·S (flat: R times that);
+- broadcast: 2(H-1)/H·S out of src's host and nothing in; S into every other host and
+  (H-2)/H·S out (the leaders' stripes of it that other leaders fetch from its shard);
+- all_gather: (H-1)·R·S, the host's block once to each other host (flat: (H-1)·R²·S);
+- reduce_scatter: (H-1)/H·(1 + 1/H)·S: the host's partial to the other shards, and its share,
+  spread over every shard, back (flat: R(H-1)/H·(1 + 1/n)·S).
 
 Exactness. Integer dtypes are bit-identical to one hub; float sums differ only in the order of
 additions (a host's ranks first); ``mean`` sums at both levels and divides by the world size at
