@@ -1,18 +1,19 @@
 """A rank of the two-level collectives' cluster test (:mod:`tests.cluster.test_host_collectives`),
 started by ``gradstar worker`` on a host of the emulated cluster:
-``python -m tests.cluster.host_ops_rank OUT_DIR NBYTES ITERS HOSTS``.
+``python -m tests.cluster.host_ops_rank OUT_DIR NBYTES ITERS COUNTS``, COUNTS the ranks of each
+host (``2,2``; ``2,1``: hosts of different sizes).
 
 It joins three groups of the worker's job, each with ranks it picks so that the layout is
 known: ``JOB`` (two-level) and ``JOB/flat`` (``hierarchical=False``: every rank striped over
-the node shards) with the hosts' ranks interleaved (rank = local rank x HOSTS + host number:
-host 0 runs 0, 2, ...), and ``JOB/contiguous`` (two-level) with each host's ranks side by
-side. Then, reported as ``OUT_DIR/PHASE-RANK.json``:
+the node shards) with the hosts' ranks interleaved (local rank 0 of every host first, in host
+order, then local rank 1...: host 0 runs 0, 2, ... at 2x2), and ``JOB/contiguous`` (two-level)
+with each host's ranks side by side. Then, reported as ``OUT_DIR/PHASE-RANK.json``:
 
-1. ``exact``: broadcast (from a rank that leads no host), all_gather and reduce_scatter (sum,
-   and mean for floats) of int32 and float64 inputs every rank can recompute, in all three
-   groups: each two-level result against the flat group's (integers and copies bit-identical,
-   float sums within float64 rounding of a reordered sum) and every result against numpy;
-   failures are reported as messages, for the test to quote;
+1. ``exact``: broadcast (from the last rank: at 2x2 a rank that leads no host), all_gather and
+   reduce_scatter (sum, and mean for floats) of int32 and float64 inputs every rank can
+   recompute, in all three groups: each two-level result against the flat group's (integers
+   and copies bit-identical, float sums within float64 rounding of a reordered sum) and every
+   result against numpy; failures are reported as messages, for the test to quote;
 2. ``bytes``: per op, ITERS calls of NBYTES per rank in the two-level group, then in the flat
    group, with this host's ``eth0`` counters read before and after each, each reading between
    two barriers (the host's shard's traffic included).
@@ -100,11 +101,14 @@ def measure(pg, op: str, x: np.ndarray, iters: int) -> dict:
 
 
 def main() -> int:
-    out, nbytes, iters, hosts = Path(sys.argv[1]), *map(int, sys.argv[2:5])
+    out, nbytes, iters = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    counts = [int(c) for c in sys.argv[4].split(",")]
     host = os.environ["CLUSTER_HOST"]
     number, local = int(host.removeprefix("host")), int(os.environ["GRADSTAR_LOCAL_RANK"])
-    world, job = int(os.environ["GRADSTAR_WORLD_SIZE"]), os.environ["GRADSTAR_JOB"]
-    per_host = world // hosts
+    world, job = sum(counts), os.environ["GRADSTAR_JOB"]
+    # (local rank, host) of each interleaved rank, in rank order
+    places = sorted((lo, h) for h, c in enumerate(counts) for lo in range(c))
+    interleaved = places.index((local, number))
 
     def report(phase: str, rank: int, data: dict) -> None:
         path = out / f"{phase}-{rank}.json"
@@ -112,12 +116,11 @@ def main() -> int:
         path.with_suffix(".tmp").rename(path)  # whole files only, for the test to read
 
     options = {"timeout": 60, "join_timeout": 60}
-    interleaved = local * hosts + number
     with gradstar.init_process_group(rank=interleaved, **options) as pg, \
             gradstar.init_process_group(job=f"{job}/flat", rank=interleaved, hierarchical=False,
                                         **options) as flat, \
-            gradstar.init_process_group(job=f"{job}/contiguous", rank=number * per_host + local,
-                                        **options) as contiguous:
+            gradstar.init_process_group(job=f"{job}/contiguous",
+                                        rank=sum(counts[:number]) + local, **options) as contiguous:
         problems: list[str] = []
         check(pg, flat, problems, "interleaved")
         check(contiguous, None, problems, "contiguous")
@@ -129,8 +132,9 @@ def main() -> int:
         ops = {"broadcast": x, "all_gather": x, "reduce_scatter": rows}
         measured = {op: {"two-level": measure(pg, op, arg, iters),
                          "flat": measure(flat, op, arg, iters)} for op, arg in ops.items()}
-        report("bytes", pg.rank, {"rank": pg.rank, "ops": measured, "nbytes": nbytes,
-                                  "iters": iters, "src_host": f"host{(world - 1) % hosts}"})
+        report("bytes", pg.rank, {"rank": pg.rank, "ops": measured,
+                                  "sizes": {op: arg.nbytes for op, arg in ops.items()},
+                                  "iters": iters, "src_host": f"host{places[world - 1][1]}"})
     return 0
 
 

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -45,13 +45,15 @@ def wait_reports(out: Path, phase: str, count: int, procs: list, timeout: float,
 
 
 @contextmanager
-def job_on_hosts(network, tmp_path: Path, per_host: int, rank_argv: list[str],
+def job_on_hosts(network, tmp_path: Path, per_host: int | Sequence[int], rank_argv: list[str],
                  env_for: dict[str, dict[str, str]] | None = None,
                  ) -> Iterator[tuple[list[subprocess.Popen], subprocess.Popen]]:
     """Start the coordinator on the network's first host and a worker running ``per_host``
-    ranks of ``rank_argv`` on every host (``env_for[host]``: extra environment for its ranks);
+    ranks of ``rank_argv`` on every host (a sequence: so many on each host, in order;
+    ``env_for[host]``: extra environment for its ranks);
     yields (every process, the coordinator) and kills them all when the block ends."""
     names = list(network.addresses)
+    counts = [per_host] * len(names) if isinstance(per_host, int) else list(per_host)
     token = tmp_path / "token"
     token.write_text(secrets.token_urlsafe() + "\n")
     procs: list[subprocess.Popen] = []
@@ -74,10 +76,10 @@ def job_on_hosts(network, tmp_path: Path, per_host: int, rank_argv: list[str],
             assert line, "the coordinator exited before it listened"
         coordinator = f"{network.addresses[names[0]]}:{int(line.rsplit(b':', 1)[1])}"
         job = f"cluster-{secrets.token_hex(3)}"
-        for host in names:
+        for host, count in zip(names, counts, strict=True):
             start(host, [sys.executable, "-m", "gradstar", "worker", "--coordinator",
-                         coordinator, "--job", job, "--nproc", str(per_host),
-                         "--world-size", str(per_host * len(names)), "--", *rank_argv],
+                         coordinator, "--job", job, "--nproc", str(count),
+                         "--world-size", str(sum(counts)), "--", *rank_argv],
                   CLUSTER_HOST=host, **(env_for or {}).get(host, {}))
         yield procs, hub
     finally:
