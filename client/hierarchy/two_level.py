@@ -16,10 +16,11 @@ from gradstar.errors import GradstarError
 from gradstar.node_shard import HOST_GROUP
 from gradstar.proto.v1 import collective_pb2 as pb
 
+from ..collective_stream import issue
 from ..convert import delivered
 from . import programs
 from .layout import plan
-from .programs import LEADERS, LOCAL, Program
+from .programs import LOCAL, Program
 
 log = logging.getLogger(__name__)
 
@@ -135,21 +136,23 @@ class HostHierarchy:
         refused: GradstarError | None = None
         try:
             for stage in program.stages:
-                reserved.append(self._groups[stage.level].reserve(
+                reserved.append(self._member(stage.level).reserve(
                     stage.op, stage.like, reduce_op=stage.reduce_op, root=stage.root,
                     timeout=timeout))
         except GradstarError as error:  # a subgroup closed or failed: raised from the run
             refused = error
-        run = self._run(program, reserved, restore, refused)
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return run
-        return asyncio.ensure_future(run)
+        return issue(lambda: self._run(program, reserved, restore, refused),
+                     lambda: self._give_up(program, reserved, 0))
 
-    @property
-    def _groups(self) -> dict:
-        return {LOCAL: self.local, LEADERS: self.leaders}
+    def _member(self, level: str):
+        """This rank's group of ``level``."""
+        return self.local if level == LOCAL else self.leaders
+
+    async def _give_up(self, program: Program, reserved: list, issued: int) -> None:
+        """Give up the reserved stages from ``issued`` on (a coroutine for :func:`issue`'s
+        cancelled-before-it-ran case; the telling itself runs on tasks of its own)."""
+        for stage, slot in zip(program.stages[issued:], reserved[issued:], strict=False):
+            self._member(stage.level).give_up(slot)
 
     async def _run(self, program: Program, reserved: list, restore,
                    refused: GradstarError | None):
@@ -159,13 +162,12 @@ class HostHierarchy:
                 raise refused
             for stage, slot in zip(program.stages, reserved, strict=True):
                 issued += 1
-                result = await self._groups[stage.level].run_reserved(slot, stage.send,
+                result = await self._member(stage.level).run_reserved(slot, stage.send,
                                                                       stage.out)
                 if result is not stage.out:
                     np.copyto(stage.out, result)
         except BaseException as error:
-            for stage, slot in zip(program.stages[issued:], reserved[issued:], strict=False):
-                self._groups[stage.level].give_up(slot)
+            await self._give_up(program, reserved, issued)
             if isinstance(error, GradstarError):
                 log.debug("a two-level stage failed after %d of %d: %s", issued,
                           len(program.stages), error)

@@ -32,10 +32,14 @@ class Hub:
         self.random = random.Random(seed)
         self.fail = fail
         self.pending: dict[tuple[str, int], dict[int, tuple]] = {}
+        self.ended: dict[tuple[str, int], CollectiveError] = {}
         self.sizes: dict[str, int] = {}
 
     def arrive(self, group: str, seq: int, rank: int, call: tuple) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
+        if (group, seq) in self.ended:  # given up before this rank came: the same error
+            future.set_exception(self.ended[(group, seq)])
+            return future
         arrivals = self.pending.setdefault((group, seq), {})
         arrivals[rank] = (*call, future)
         if len(arrivals) == self.sizes[group]:
@@ -45,8 +49,10 @@ class Hub:
         return future
 
     def give_up(self, group: str, seq: int, rank: int) -> None:
-        for _, *_rest, future in self.pending.pop((group, seq), {}).values():
-            future.set_exception(CollectiveError(f"rank {rank} of {group} gave up seq {seq}"))
+        error = CollectiveError(f"rank {rank} of {group} gave up seq {seq}")
+        self.ended[(group, seq)] = error
+        for *_, future in self.pending.pop((group, seq), {}).values():
+            future.set_exception(error)
 
     def _complete(self, group: str, seq: int, arrivals: dict) -> None:
         first = arrivals[min(arrivals)][:5]
@@ -259,6 +265,25 @@ def test_a_failed_leaders_stage_fails_every_rank_at_once():
         again = [h.all_gather(x, _same, None) for h, x in zip(hierarchies, xs, strict=True)]
         for got in await asyncio.wait_for(asyncio.gather(*again), 2):
             assert np.array_equal(got, np.stack(xs))
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("when", ["before it ran", "in its first stage"])
+def test_a_call_cancelled_on_one_rank_fails_on_every_rank_at_once(when):
+    layout = LAYOUTS["2x2 contiguous"]
+    xs = _inputs(4, "int64")
+
+    async def main():
+        hierarchies = await _ranks(Hub(seed=3), layout)
+        calls = [h.reduce_scatter(x, SUM, _same, None) for h, x in zip(hierarchies, xs,
+                                                                        strict=True)]
+        if when != "before it ran":
+            await asyncio.sleep(0)  # every call has issued its host all_reduce
+        calls[0].cancel()  # a leader: its leaders' stage and its host broadcast are given up
+        outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 2)
+        assert isinstance(outcomes[0], asyncio.CancelledError)
+        assert all(isinstance(o, CollectiveError) for o in outcomes[1:]), outcomes
 
     asyncio.run(main())
 
