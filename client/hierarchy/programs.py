@@ -75,6 +75,9 @@ class Program:
 
     stages: tuple[Stage, ...]
     finish: Callable[[], np.ndarray]
+    #: Where each piece's stages begin: one piece (the default) runs its stages in order; a
+    #: segmented all_reduce is several, each starting once the one before ended its first stage.
+    starts: tuple[int, ...] = (0,)
 
 
 def _level(reduce_op: int) -> int:

@@ -7,6 +7,7 @@ a failed stage fails the other ranks' later stages at once rather than at their 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 from types import SimpleNamespace
 
@@ -14,7 +15,8 @@ import numpy as np
 import pytest
 
 from gradstar import ops
-from gradstar.client.hierarchy import HostHierarchy, plan
+from gradstar.client.hierarchy import HostHierarchy, plan, two_level
+from gradstar.client.hierarchy.two_level import MAX_SEGMENTS, MIN_SEGMENT_BYTES, segments
 from gradstar.errors import CollectiveError, CollectiveMismatchError
 from gradstar.proto.v1 import collective_pb2 as pb
 
@@ -317,3 +319,65 @@ def test_host_block_order_and_places():
     assert not plan(0, LAYOUTS["uneven 2+1"]).uniform
     with pytest.raises(ValueError, match="rank 9 is on none of the 3 hosts"):
         p.place(9)
+
+
+def test_segments_cut_large_tensors_into_equal_pieces_covering_them():
+    assert segments(1000, 4) == [slice(0, 1000)]
+    numel = 2 * MIN_SEGMENT_BYTES // 4 - 1  # just under two segments' worth: one piece
+    assert segments(numel, 4) == [slice(0, numel)]
+    for numel, itemsize in [(16 << 20, 4), (3 * MIN_SEGMENT_BYTES // 8 + 5, 8), (10**8, 8)]:
+        pieces = segments(numel, itemsize)
+        assert 2 <= len(pieces) <= MAX_SEGMENTS
+        assert pieces[0].start == 0 and pieces[-1].stop == numel
+        assert all(a.stop == b.start for a, b in itertools.pairwise(pieces))
+        assert all((s.stop - s.start) * itemsize >= MIN_SEGMENT_BYTES for s in pieces)
+
+
+@pytest.mark.parametrize("layout", ["2x2 interleaved", "3x2 shuffled"])
+@pytest.mark.parametrize("dtype", ["int64", "float32"])
+def test_a_large_all_reduce_runs_as_a_pipeline_of_segments(monkeypatch, layout, dtype):
+    """Segments cut small here (so the in-memory hub sees 4): exact, means divided once, and a
+    segment's host all_reduce is issued only once the segment before it finished its own."""
+    monkeypatch.setattr(two_level, "MIN_SEGMENT_BYTES", 64)
+    hosts = LAYOUTS[layout]
+    world = len(hosts)
+    xs = _inputs(world, dtype, rows=24)
+    assert len(segments(xs[0].size, xs[0].itemsize)) == MAX_SEGMENTS
+
+    async def main():
+        hub = Hub(seed=world)
+        issued, completed = [], []
+        arrive, complete = hub.arrive, hub._complete
+
+        def arrive_logged(group, seq, rank, call):
+            issued.append((group, seq, rank, len(completed)))
+            return arrive(group, seq, rank, call)
+
+        def complete_logged(group, seq, arrivals):
+            completed.append((group, seq))
+            complete(group, seq, arrivals)
+
+        hub.arrive, hub._complete = arrive_logged, complete_logged
+        hierarchies = await _ranks(hub, hosts)
+        ops_ = [SUM, MEAN] if dtype == "float32" else [SUM, MAX]
+        results = await asyncio.gather(*(
+            asyncio.gather(*(h.all_reduce(x, op, np.empty_like(x), _same, None) for op in ops_))
+            for h, x in zip(hierarchies, xs, strict=True)))
+        stacked = np.stack(xs)
+        want = [stacked.sum(axis=0, dtype=dtype)]
+        want.append(want[0] / world if dtype == "float32" else stacked.max(axis=0))
+        for got in results:
+            for g, w in zip(got, want, strict=True):
+                assert g.dtype == w.dtype
+                assert np.allclose(g, w, rtol=1e-5) if dtype == "float32" else \
+                    np.array_equal(g, w)
+        # Each host group's host all_reduces (every other local seq of a call: reduce, then
+        # broadcast) are issued in order, each after the one before it completed.
+        for group in {g for g, *_ in issued if g != "leaders"}:
+            firsts = sorted({seq for g, seq, *_ in issued if g == group})[0:2 * MAX_SEGMENTS:2]
+            for before, after in itertools.pairwise(firsts):
+                done_at = completed.index((group, before))
+                assert all(n > done_at for g, seq, _, n in issued
+                           if g == group and seq == after), (group, before, after)
+
+    asyncio.run(main())
