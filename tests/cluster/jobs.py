@@ -47,10 +47,12 @@ def wait_reports(out: Path, phase: str, count: int, procs: list, timeout: float,
 @contextmanager
 def job_on_hosts(network, tmp_path: Path, per_host: int | Sequence[int], rank_argv: list[str],
                  env_for: dict[str, dict[str, str]] | None = None,
+                 coordinator_args: Sequence[str] = (), worker_args: Sequence[str] = (),
                  ) -> Iterator[tuple[list[subprocess.Popen], subprocess.Popen]]:
     """Start the coordinator on the network's first host and a worker running ``per_host``
     ranks of ``rank_argv`` on every host (a sequence: so many on each host, in order;
-    ``env_for[host]``: extra environment for its ranks);
+    ``env_for[host]``: extra environment for its ranks; ``coordinator_args`` and
+    ``worker_args``: more flags for those commands);
     yields (every process, the coordinator) and kills them all when the block ends."""
     names = list(network.addresses)
     counts = [per_host] * len(names) if isinstance(per_host, int) else list(per_host)
@@ -69,7 +71,8 @@ def job_on_hosts(network, tmp_path: Path, per_host: int | Sequence[int], rank_ar
 
     try:
         hub = start(names[0], [sys.executable, "-m", "gradstar", "coordinator", "--host",
-                               "0.0.0.0", "--port", "0", "--shards", "0"])
+                               "0.0.0.0", "--port", "0", "--shards", "0",
+                               *coordinator_args])
         line = b""
         while b"listening on" not in line:  # bounded by the test's timeout
             line = hub.stdout.readline()
@@ -79,7 +82,7 @@ def job_on_hosts(network, tmp_path: Path, per_host: int | Sequence[int], rank_ar
         for host, count in zip(names, counts, strict=True):
             start(host, [sys.executable, "-m", "gradstar", "worker", "--coordinator",
                          coordinator, "--job", job, "--nproc", str(count),
-                         "--world-size", str(sum(counts)), "--", *rank_argv],
+                         "--world-size", str(sum(counts)), *worker_args, "--", *rank_argv],
                   CLUSTER_HOST=host, **(env_for or {}).get(host, {}))
         yield procs, hub
     finally:
