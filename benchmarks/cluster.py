@@ -319,7 +319,9 @@ def rank_main(spec: dict) -> int:
             return x.numpy()
 
         barrier, close, shards = dist.barrier, dist.destroy_process_group, None
-        wrap = torch.nn.parallel.DistributedDataParallel
+        def wrap(model):
+            return torch.nn.parallel.DistributedDataParallel(
+                model, bucket_cap_mb=spec["bucket_cap_mb"])
     else:
         import gradstar
 
@@ -337,7 +339,7 @@ def rank_main(spec: dict) -> int:
         barrier, close, shards = pg.barrier, pg.close, pg.shards
 
         def wrap(model):
-            return gradstar.DDP(model, pg)
+            return gradstar.DDP(model, pg, bucket_cap_mb=spec["bucket_cap_mb"])
 
     if spec["workload"] == "ddp":
         all_reduce, final = ddp_step(wrap, rank)
@@ -515,7 +517,8 @@ def run_size(run: Run, name: str, placement: Placement, hub: list[Process], size
     try:
         for rank, host in enumerate(layout.rank_hosts):
             spec = {"backend": "gloo" if placement.coordinator is None else "gradstar",
-                    "workload": args.workload, "rank": rank,
+                    "workload": args.workload, "bucket_cap_mb": args.bucket_cap_mb,
+                    "rank": rank,
                     "world_size": layout.world_size, "nbytes": nbytes,
                     "iters": args.iters, "warmup": args.warmup, "store": store,
                     "timeout": args.timeout, "shards": len(placement.shard_hosts),
@@ -637,6 +640,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workload", choices=["all_reduce", "ddp"], default="all_reduce",
                         help="all_reduce: of --sizes-mb; ddp: benchmarks/ddp_step.py's DDP "
                              "training step (its 37.7 MB of gradients; --sizes-mb ignored)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                        help="--workload ddp: both DDPs' bucket size (default 25, torch's)")
     parser.add_argument("--congestion-control", default=CONGESTION_CONTROL,
                         help="each host's TCP congestion control (default cubic, Linux's "
                              "default; 'inherit' keeps the machine's)")

@@ -30,15 +30,27 @@ from .stream_targets import SharedMemoryOffer, Target
 #: 4696 in 0.5 MiB; 1 MiB over 4 shards-extra-hosts 320 ms in one chunk, 84 in 64 KiB ones.
 CHUNKS_PER_STRIPE = 16
 MIN_STRIPED_CHUNK = 64 << 10
+#: Across hosts, striped chunks are at most this big: a shard can send a chunk's result only
+#: once every rank's chunk arrived, so the last chunk's round trip is the pipeline's drain.
+#: Measured at 200 Mbit/s, 4 extra-host shards (benchmarks/cluster.py --chunk-mb, cubic):
+#: 64 MiB took 3107 ms in 1 MiB chunks and 2936 ms (91% of the link bound) in 256 KiB ones;
+#: 16 MiB 787-797 ms in 256 KiB chunks and 880 ms in 64 KiB ones (per-chunk CPU: 2x the
+#: CPU-s/GB); node-local shards the same in 1 MiB and 256 KiB chunks (4265 / 4285 ms).
+#: Within one host (local shards, shared memory) chunks stay as large as configured.
+MAX_CHUNK_ACROSS_HOSTS = 256 << 10
 
 
-def striped_chunk_bytes(configured: int, nbytes: int, stripes: int) -> int:
+def striped_chunk_bytes(configured: int, nbytes: int, stripes: int,
+                        spans_hosts: bool = False) -> int:
     """The chunk size for a collective of ``nbytes`` over ``stripes`` targets: ``configured``,
-    or smaller so that each stripe gets CHUNKS_PER_STRIPE chunks (every rank computes the same
-    from the same header fields, as the hub checks)."""
+    or smaller so that each stripe gets CHUNKS_PER_STRIPE chunks, and when the generation
+    ``spans_hosts`` at most MAX_CHUNK_ACROSS_HOSTS (every rank computes the same from the same
+    header fields and generation, as the hub checks)."""
     if stripes <= 1:
         return configured
     wanted = -(-nbytes // (stripes * CHUNKS_PER_STRIPE))
+    if spans_hosts:
+        wanted = min(wanted, MAX_CHUNK_ACROSS_HOSTS)
     return min(configured, max(MIN_STRIPED_CHUNK, wanted))
 
 

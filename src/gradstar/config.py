@@ -239,10 +239,10 @@ class ClientSettings(BaseSettings):
                           "GLOO_SOCKET_IFNAME does for gloo (several networks on one host)")
     peer_port: int = Field(0, ge=0, le=65535, description="peer server port; 0 picks a free one")
     hierarchical: bool = Field(
-        True, description="all_reduce in two levels when a generation spans hosts and some "
-                          "host runs several ranks: the host's ranks combine on its node-local "
-                          "shard first, and only the host's sum crosses its link "
-                          "(gradstar.client.hierarchy)")
+        True, description="all_reduce, broadcast, all_gather and reduce_scatter in two levels "
+                          "when a generation spans hosts and some host runs several ranks: the "
+                          "host's ranks combine on its node-local shard first, and only the "
+                          "host's part crosses its link, once (gradstar.client.hierarchy)")
     peer_buffer_messages: int = Field(
         64, gt=0, description="messages from one rank held before anybody receives them")
     peer_buffer_bytes: int = Field(

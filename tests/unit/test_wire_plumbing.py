@@ -4,14 +4,11 @@ its leaders' stage alone."""
 
 from __future__ import annotations
 
-import asyncio
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
 from gradstar import errors, ops
-from gradstar.client.hierarchy import HostHierarchy
+from gradstar.client.hierarchy import plan, programs
 from gradstar.coordinator.matching import Limits, check_agrees, describe, validate
 from gradstar.coordinator.reduce import BufferPool, EncodedChunkReducer, reducer_for
 from gradstar.proto.v1 import collective_pb2 as pb
@@ -162,43 +159,15 @@ def test_one_rank_gets_its_own_encoded_chunk_back():
     assert bytes(out) == payload
 
 
-class RecordingGroup:
-    """A stand-in subgroup: records each call's op and format, doubles all_reduce inputs."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-
-    def all_reduce(self, x, op, *, timeout=None, out=None, wire=None):
-        self.calls.append(("all_reduce", op, wire))
-
-        async def run():
-            np.multiply(x, 2, out=out)
-            return out
-        return asyncio.ensure_future(run())
-
-    def broadcast(self, x, src=0, *, timeout=None):
-        self.calls.append(("broadcast", src))
-
-        async def run():
-            return x
-        return asyncio.ensure_future(run())
-
-
-def test_two_levels_encode_the_leaders_stage_alone():
-    group = SimpleNamespace(rank=0, world_size=4, shards=["s0", "s1"],
-                            settings=SimpleNamespace(hierarchical=True))
-
-    async def main():
-        hosts = HostHierarchy(group, {0: "a", 1: "a", 2: "b", 3: "b"}, None)
-        hosts.local, hosts.leaders = RecordingGroup(), RecordingGroup()
-        out = np.empty(8, np.float32)
-        result = await hosts.all_reduce(np.ones(8, np.float32), pb.REDUCE_OP_MEAN, out,
-                                        lambda a: a, None, "int4")
-        np.testing.assert_array_equal(result, np.ones(8, np.float32))  # x4 over 2 levels, /4
-        assert hosts.local.calls == [("all_reduce", "sum", None), ("broadcast", 0)]
-        assert hosts.leaders.calls == [("all_reduce", "sum", "int4")]
-
-    asyncio.run(main())
+@pytest.mark.parametrize("rank", [0, 1])
+def test_two_levels_encode_the_leaders_stages_alone(rank):
+    hosts = plan(rank, {0: "a", 1: "a", 2: "b", 3: "b"})
+    x = np.ones((4, 64), np.float32)
+    for program in (programs.all_reduce(hosts, x, pb.REDUCE_OP_MEAN, np.empty_like(x), "int4"),
+                    programs.reduce_scatter(hosts, x, pb.REDUCE_OP_SUM, "int4")):
+        wires = [(stage.level, stage.wire) for stage in program.stages]
+        leaders = [(programs.LEADERS, "int4")] if hosts.leader else []
+        assert wires == [(programs.LOCAL, None), *leaders, (programs.LOCAL, None)]
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
