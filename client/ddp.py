@@ -40,6 +40,27 @@ walking the autograd graph after forward, so a bucket holding one launches at th
 backward (same gradients, less overlap for that bucket); the buckets are planned once (torch
 re-plans them after the first step in the order gradients arrived, and uses a 1 MB first
 bucket); a second backward of the same forward is reduced as well (torch ignores it).
+
+Compressed wire formats. ``wire="int8"`` (or ``"int4"``, ``"bf16"``, ``"fp16"``; see
+:mod:`gradstar.wire.formats`) sends every bucket in that format: the buckets are float32 on the
+rank, each rank's contribution is encoded, the hub adds in float32 and encodes the mean once.
+With error feedback (on by default with a format; ``error_feedback=False`` turns it off) each
+rank keeps, per bucket, the residual of its own contribution (what encoding lost) and adds it to
+that bucket at the next synchronising step (see :mod:`gradstar.client.error_feedback`); it
+costs one float32 buffer per bucket (the model's size in float32, once more) and one extra
+encode and decode of each bucket on the rank.
+``no_sync()`` steps send nothing, so the residual waits for the next synchronising step;
+:meth:`sync_gradients` sends like a backward pass, residual included; a parameter without a
+gradient on this rank sends zeros and keeps its residual; the ``find_unused_parameters`` flags
+travel apart, exactly (a flag must not share a block's scale with gradients). Residuals are not
+in ``state_dict()``: a restarted rank starts from zero residuals (its first step loses one
+rounding, as a step without feedback does); :meth:`reset_error_feedback` zeroes them. The
+buckets are planned once, so each residual belongs to one bucket for the wrapper's life.
+
+``gradient_compression="bf16"|"fp16"`` is the older, narrower knob: it makes the buckets
+themselves half precision (half the bucket memory on the rank, no feedback; on one host they
+ride shared memory in that dtype). ``wire="bf16", error_feedback=False`` rounds the same way on
+the wire; the two cannot be combined.
 """
 
 from __future__ import annotations
@@ -57,6 +78,7 @@ from gradstar.errors import ConfigurationError
 
 from .buckets import BucketPlan, TensorSpec, cap_bytes_of
 from .convert import is_cpu_tensor
+from .error_feedback import check_error_feedback
 from .process_group import ProcessGroup
 from .torch_common import (
     GRAD_DTYPES,
@@ -103,6 +125,7 @@ class _Step:
         self.pending = [len(b.members) for b in plan]
         self.next_launch = 0
         self.works: list = [None] * len(plan)
+        self.flags_work = None  # the used-parameter flags, when they travel apart
         self.timeline = StepTimeline(started=time.perf_counter())
 
 
@@ -122,23 +145,41 @@ class DistributedDataParallel(nn.Module):
         bucket_cap_mb: bucket size bound in MB (2**20 bytes) of parameter data.
         broadcast_buffers: re-broadcast rank 0's buffers at the start of each forward (as torch).
         find_unused_parameters: allow parameters that get no gradient on some steps.
-        gradient_compression: "bf16" or "fp16" sends gradients in that dtype (the hub sums in
-            float32, the mean is cast back to each parameter's dtype); None sends them as they are.
+        gradient_compression: "bf16" or "fp16" makes the buckets that dtype (the hub sums in
+            float32, the mean is cast back to each parameter's dtype); None keeps the
+            parameters' dtypes. Not together with ``wire``.
+        wire: a compressed wire format for every bucket ("bf16", "fp16", "int8", "int4"); the
+            buckets are then float32 on the rank. None: no format.
+        error_feedback: keep each bucket's residual and add it to the next step (default: on
+            whenever ``wire`` is given). Costs one float32 buffer per bucket.
 
     Raises:
         ConfigurationError: ``pg`` is not a blocking process group, an argument is invalid, the
             module has no trainable parameter, a parameter is not floating point, or the
-            module is not on the CPU or one CUDA device (named).
+            module is not on the CPU or one CUDA device (named); an unknown ``wire``,
+            ``wire`` with ``gradient_compression``, ``error_feedback=True`` without ``wire``.
         CollectiveError and subclasses: the initial broadcast failed.
     """
 
     def __init__(self, module: nn.Module, pg: ProcessGroup, bucket_cap_mb: float = 25,
                  broadcast_buffers: bool = True, find_unused_parameters: bool = False,
-                 gradient_compression: str | None = None) -> None:
+                 gradient_compression: str | None = None, wire: str | None = None,
+                 error_feedback: bool | None = None) -> None:
         super().__init__()
         self.device = check_wrapper_arguments("DistributedDataParallel", module, pg,
                                               ("all_reduce", "broadcast"))
         wire_dtype = wire_dtype_of("gradient_compression", gradient_compression)
+        if wire is not None and gradient_compression is not None:
+            raise ConfigurationError(
+                f"pass either wire={wire!r} or gradient_compression={gradient_compression!r}, "
+                "not both: gradient_compression makes the buckets half precision, wire encodes "
+                f"float32 buckets (wire={gradient_compression!r}, error_feedback=False rounds "
+                "as gradient_compression does)")
+        self._feedback = check_error_feedback(wire, error_feedback)
+        if wire is not None:
+            wire_dtype = torch.float32  # formats encode float32 (and residuals are float32)
+        self.wire = wire
+        self.error_feedback = self._feedback is not None
         self.module = module
         self.process_group = pg
         self.broadcast_buffers = bool(broadcast_buffers)
@@ -167,9 +208,15 @@ class DistributedDataParallel(nn.Module):
         # it carries the "has a gradient" flags of find_unused_parameters without an extra
         # round trip.
         self._flags = self.find_unused_parameters
+        # In a block format a flag would share its block's scale with gradients (a flag of 1/n
+        # next to a gradient of 100 rounds to 0), so with a format they travel apart, exactly.
+        self._flags_apart = self._flags and wire is not None
+        self._flag_flat = (torch.zeros(len(self._params), device=self.device)
+                           if self._flags_apart else None)
         last = len(self.bucket_plan) - 1
         self._flat = [
-            torch.zeros(b.numel + (len(self._params) if self._flags and b.index == last else 0),
+            torch.zeros(b.numel + (len(self._params) if self._flags and not self._flags_apart
+                                   and b.index == last else 0),
                         dtype=wire_dtype or b.dtype, device=self.device)
             for b in self.bucket_plan
         ]
@@ -243,14 +290,29 @@ class DistributedDataParallel(nn.Module):
 
     @property
     def bucket_dtypes(self) -> list[torch.dtype]:
-        """The dtype each bucket travels in (the compression dtype, if any)."""
+        """The dtype of each bucket on the rank (the compression dtype, if any; float32 with a
+        ``wire`` format, which then decides the bytes on the wire)."""
         return [flat.dtype for flat in self._flat]
+
+    @property
+    def error_feedback_residuals(self) -> list[torch.Tensor | None]:
+        """Each bucket's residual: what this rank's last contribution lost to the format
+        (None before the bucket's first compressed step, or without error feedback)."""
+        residuals = self._feedback.residuals if self._feedback is not None else {}
+        return [residuals.get(index) for index in range(len(self.bucket_plan))]
+
+    def reset_error_feedback(self) -> None:
+        """Zero every residual, e.g. after loading a checkpoint (residuals are not in
+        ``state_dict()``). Each rank may call it on its own: residuals are rank-local."""
+        if self._feedback is not None:
+            self._feedback.reset()
 
     def extra_repr(self) -> str:
         return (f"world_size={self.process_group.world_size}, buckets={len(self.bucket_plan)}, "
                 f"bucket_cap_mb={self.bucket_cap_mb}, "
                 f"find_unused_parameters={self.find_unused_parameters}, "
-                f"gradient_compression={self.gradient_compression!r}")
+                f"gradient_compression={self.gradient_compression!r}, wire={self.wire!r}, "
+                f"error_feedback={self.error_feedback}")
 
     # -- the backward protocol -----------------------------------------------------------------
 
@@ -303,31 +365,43 @@ class DistributedDataParallel(nn.Module):
                     )
                 else:
                     flat[offset:offset + numel].copy_(grad.reshape(-1))
+            if self._feedback is not None:
+                keep = [(offset, numel) for member, offset, numel
+                        in zip(bucket.members, bucket.offsets, bucket.numels, strict=True)
+                        if self._params[member].grad is None]
+                self._feedback.compensate(index, flat[:bucket.numel], keep)
             if self._flags and index == len(self.bucket_plan) - 1:
-                flat[bucket.numel:] = torch.tensor([p.grad is not None for p in self._params],
-                                                   dtype=flat.dtype, device=flat.device)
+                flags = self._flag_flat if self._flags_apart else flat[bucket.numel:]
+                flags.copy_(torch.tensor([p.grad is not None for p in self._params]))
         # The flat buffer is reused next step: it is not written again until this Work is
         # waited for in _complete. A CPU bucket takes its means in place (no fresh array to
         # fault in, no copy); a CUDA one is staged through host memory and comes back new.
         step.works[index] = self.process_group.all_reduce(
-            flat, op="mean", async_op=True, out=flat if is_cpu_tensor(flat) else None)
+            flat, op="mean", async_op=True, out=flat if is_cpu_tensor(flat) else None,
+            wire=self.wire)
+        if self._flags_apart and index == len(self.bucket_plan) - 1:
+            step.flags_work = self.process_group.all_reduce(
+                self._flag_flat, op="max", async_op=True,
+                out=self._flag_flat if is_cpu_tensor(self._flag_flat) else None)
         step.timeline.launches.append(BucketLaunch(index, time.perf_counter(), during))
         step.next_launch = index + 1
 
     def _complete(self, step: _Step, missing: list[int], when: str) -> None:
         """Wait for every bucket, write the means, then report parameters without gradients."""
         results, error = [], None
-        for work in step.works:
+        for work in [*step.works, step.flags_work]:
             try:
-                results.append(work.wait())
+                results.append(None if work is None else work.wait())
             except BaseException as exc:  # wait for the others before raising the first
                 error = error or exc
                 results.append(None)
         if error is not None:
             raise error
+        flags = results.pop()
         used = None
         if self._flags:
-            used = (results[-1][self.bucket_plan[-1].numel:] > 0).tolist()
+            flags = flags if self._flags_apart else results[-1][self.bucket_plan[-1].numel:]
+            used = (flags > 0).tolist()
         with torch.no_grad():
             for bucket, result in zip(self.bucket_plan, results, strict=True):
                 for member, offset, numel in zip(bucket.members, bucket.offsets, bucket.numels,

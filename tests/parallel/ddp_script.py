@@ -26,6 +26,8 @@ SCRIPT = Path(__file__)
 IN, HIDDEN, OUT = 6, 16, 3
 BATCH = 16  # per step, over all ranks: each of 4 ranks trains on a quarter
 STEPS = 5
+# Compressed training runs longer: rounding without error feedback builds up over the steps.
+WIRE_STEPS = 30
 # A few hundred bytes: the MLP's six tensors land in several buckets.
 SMALL_BUCKET_MB = 800 / (1 << 20)
 # Which ranks use BranchNet's branch at each step (step 2: none, so its grads stay None).
@@ -78,12 +80,13 @@ def loss_of(model, step: int, rank: int, world: int, micro: int = 0) -> torch.Te
     return nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world))
 
 
-def train_plain(model, opt, rank: int, world: int, *, micro_steps: int = 1, no_sync=None):
-    """STEPS optimizer steps; with ``world=1`` this is the single-process reference.
+def train_plain(model, opt, rank: int, world: int, *, micro_steps: int = 1, no_sync=None,
+                steps: int = STEPS):
+    """``steps`` optimizer steps; with ``world=1`` this is the single-process reference.
 
     ``micro_steps > 1`` accumulates gradients over micro-batches before each step; the
     backward passes of all but the last run inside ``no_sync()`` when it is given."""
-    for step in range(STEPS):
+    for step in range(steps):
         opt.zero_grad()
         for micro in range(micro_steps):
             last = micro == micro_steps - 1
@@ -212,6 +215,64 @@ def bf16(pg) -> dict:
             "bucket_dtypes": sorted({str(d) for d in ddp.bucket_dtypes})}
 
 
+def wire_training(pg, wire: str, error_feedback: bool) -> dict:
+    """WIRE_STEPS of SGD with every bucket in ``wire``; reports the last residuals' sizes."""
+    ddp = gradstar.DDP(make_mlp(pg.rank), pg, bucket_cap_mb=SMALL_BUCKET_MB, wire=wire,
+                       error_feedback=error_feedback)
+    train_plain(ddp, optimizer("sgd", ddp.parameters()), pg.rank, pg.world_size,
+                steps=WIRE_STEPS)
+    residuals = ddp.error_feedback_residuals
+    return {"params": params_of(ddp.module), "bucket_dtypes": sorted(
+                {str(d) for d in ddp.bucket_dtypes}),
+            "residuals": [None if r is None else [str(r.dtype), r.numel()] for r in residuals],
+            "bucket_numels": [b.numel for b in ddp.bucket_plan]}
+
+
+def int8_ef(pg) -> dict:
+    return wire_training(pg, "int8", True)
+
+
+def int8_no_ef(pg) -> dict:
+    return wire_training(pg, "int8", False)
+
+
+def int4_ef(pg) -> dict:
+    return wire_training(pg, "int4", True)
+
+
+def int4_no_ef(pg) -> dict:
+    return wire_training(pg, "int4", False)
+
+
+def int8_unused(pg) -> dict:
+    """``unused`` (flags, a branch no rank uses at step 2) with int8 buckets and feedback."""
+    ddp = gradstar.DDP(BranchNet(pg.rank), pg, find_unused_parameters=True,
+                       bucket_cap_mb=SMALL_BUCKET_MB, wire="int8")
+    opt = optimizer("adam", ddp.parameters())
+    none_when_unused_everywhere = None
+    for step in range(STEPS):
+        opt.zero_grad()
+        branch_loss(ddp, step, pg.rank, pg.world_size).backward()
+        if not BRANCH_USERS[step]:
+            none_when_unused_everywhere = all(p.grad is None
+                                              for p in ddp.module.branch.parameters())
+        opt.step()
+    return {"params": params_of(ddp.module),
+            "branch_grad_none_when_unused_everywhere": none_when_unused_everywhere}
+
+
+def wire_mismatch(pg) -> dict:
+    """Rank 0 sends int8, the others bf16: every rank gets the named mismatch, none hangs."""
+    ddp = gradstar.DDP(make_mlp(pg.rank), pg, wire="int8" if pg.rank == 0 else "bf16")
+    started = time.monotonic()
+    try:
+        loss_of(ddp, 0, pg.rank, pg.world_size).backward()
+    except GradstarError as error:
+        return {"error": type(error).__name__, "message": str(error),
+                "seconds": time.monotonic() - started}
+    return {"error": None}
+
+
 def staged(pg) -> dict:
     """``sgd`` (with the used-parameter flags) with the CPU declared a staged device: every
     bucket, broadcast and mean takes the path of a CUDA tensor (a host copy made when the
@@ -249,7 +310,9 @@ def buffers(pg) -> dict:
 
 SCENARIOS = {"sgd": sgd, "adam": adam, "no_sync": no_sync, "sync_by_hand": sync_by_hand,
              "unused": unused, "unused_error": unused_error, "bf16": bf16, "staged": staged,
-             "buffers": buffers}
+             "buffers": buffers, "int8_ef": int8_ef, "int8_no_ef": int8_no_ef,
+             "int4_ef": int4_ef, "int4_no_ef": int4_no_ef, "int8_unused": int8_unused,
+             "wire_mismatch": wire_mismatch}
 
 
 def main() -> int:

@@ -137,3 +137,76 @@ def test_buffers_are_rank_0s_after_construction_and_each_forward(runs):
 def test_state_dict_keys_are_prefixed_with_module_as_in_torch(runs):
     want = ["module." + k for k in script.make_mlp(0).state_dict()]
     assert runs["sgd"][0]["state_dict_keys"] == want
+
+
+# -- compressed wire formats with and without error feedback -----------------------------------
+
+
+def drift(reports: list[dict], reference: torch.nn.Module) -> float:
+    """The largest |parameter - float32 reference| over every rank and parameter."""
+    want = script.params_of(reference)
+    return max(float(np.max(np.abs(np.subtract(r["params"][k], v))))
+               for r in reports for k, v in want.items())
+
+
+def l2_drift(reports: list[dict], reference: torch.nn.Module) -> float:
+    """The L2 norm of (all parameters - float32 reference), of rank 0 (all ranks agree)."""
+    want = script.params_of(reference)
+    return float(np.sqrt(sum(np.sum(np.subtract(reports[0]["params"][k], v) ** 2)
+                             for k, v in want.items())))
+
+
+@pytest.fixture(scope="module")
+def wire_reference() -> torch.nn.Module:
+    model = script.make_mlp(0)
+    script.train_plain(model, script.optimizer("sgd", model.parameters()), 0, 1,
+                       steps=script.WIRE_STEPS)
+    return model
+
+
+# Documented bound (docs/wire-formats.md, "Training with a format"): 30 SGD steps (lr 0.1) of
+# this MLP, 4 ranks. One int8 rounding of a gradient is at most amax/254 of its block of 64;
+# the hub's rounding of the mean is not fed back, so the drift may grow with the steps, but
+# only as the hub's rounding does.
+INT8_EF_BOUND = 2e-3
+
+
+def test_int8_with_error_feedback_trains_within_the_bound_of_float32(runs, wire_reference):
+    reports = runs["int8_ef"]
+    assert all(r["params"] == reports[0]["params"] for r in reports)  # identical replicas
+    assert all(r["bucket_dtypes"] == ["torch.float32"] for r in reports)
+    assert drift(reports, wire_reference) < INT8_EF_BOUND
+    assert drift(reports, wire_reference) > 0  # the format was really used
+
+
+def test_without_error_feedback_the_drift_from_float32_is_larger(runs, wire_reference):
+    # Deterministic rounding of slowly changing gradients is biased and builds up; feedback
+    # bounds it; the hub's rounding of the mean is not fed back, so with 8 bits the gain is
+    # modest (measured: L2 drift 2.9e-3 with, 3.7e-3 without; 4 bits 0.048 and 0.074). The
+    # ordering on this fixed seed, in the L2 norm of the whole model (the hub adds in arrival
+    # order, so the last bits vary from run to run; the L2 norm averages that out).
+    assert all(r["residuals"] == [None] * len(r["bucket_numels"]) for r in runs["int8_no_ef"])
+    for fmt in ("int8", "int4"):
+        with_ef = l2_drift(runs[f"{fmt}_ef"], wire_reference)
+        without = l2_drift(runs[f"{fmt}_no_ef"], wire_reference)
+        assert with_ef < without, (fmt, with_ef, without)
+
+
+def test_residual_memory_is_one_float32_buffer_per_bucket(runs):
+    for r in runs["int8_ef"]:
+        assert r["residuals"] == [["torch.float32", n] for n in r["bucket_numels"]]
+
+
+def test_int8_with_unused_parameters_matches_one_process_within_the_bound(runs):
+    reports = runs["int8_unused"]
+    # The flags travel apart and exactly: no rank used the branch at step 2, it stayed None.
+    assert all(r["branch_grad_none_when_unused_everywhere"] for r in reports)
+    # Adam normalises the step, so a rounded gradient moves a parameter by up to ~lr.
+    assert_params_match(reports, script.branch_reference(), rtol=0, atol=2e-2)
+
+
+def test_ranks_disagreeing_on_the_format_get_a_named_mismatch_on_every_rank(runs):
+    for r in runs["wire_mismatch"]:
+        assert r["error"] == "CollectiveMismatchError", r
+        assert "wire='int8'" in r["message"] and "wire='bf16'" in r["message"], r["message"]
+        assert "wire differs" in r["message"]

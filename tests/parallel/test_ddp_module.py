@@ -36,6 +36,10 @@ async def test_an_async_process_group_is_refused_with_a_hint(coordinator):
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"gradient_compression": "int8"}, "gradient_compression must be None, 'bf16' or 'fp16'"),
     ({"bucket_cap_mb": 0}, "bucket_cap_mb must be a positive number"),
+    ({"wire": "int8", "gradient_compression": "bf16"},
+     r"pass either wire='int8' or gradient_compression='bf16', not both"),
+    ({"wire": "int3"}, "wire format 'int3' is not supported"),
+    ({"error_feedback": True}, "error_feedback=True needs a lossy wire format"),
 ])
 async def test_invalid_arguments_are_configuration_errors(solo, kwargs, message):
     def body(pg):
@@ -174,5 +178,23 @@ async def test_fp16_compression_sends_half_precision_and_returns_float32(solo):
         assert ddp.bucket_dtypes == [torch.float16]
         ddp(torch.randn(3, 4)).sum().backward()
         assert all(p.grad.dtype == torch.float32 for p in ddp.parameters())
+
+    await on_thread(body, solo)
+
+
+async def test_a_wire_format_makes_float32_buckets_and_residuals_reset_by_hand(solo):
+    def body(pg):
+        model = mlp().double()
+        ddp = gradstar.DDP(model, pg, wire="int8")
+        assert ddp.error_feedback and ddp.bucket_dtypes == [torch.float32]
+        assert ddp.error_feedback_residuals == [None]
+        ddp(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+        assert all(p.grad.dtype == torch.float64 for p in ddp.parameters())
+        (residual,) = ddp.error_feedback_residuals
+        assert residual.dtype == torch.float32 and residual.abs().sum() > 0
+        ddp.reset_error_feedback()
+        assert ddp.error_feedback_residuals == [None]
+        plain = gradstar.DDP(mlp(), pg, wire="bf16", error_feedback=False)
+        assert not plain.error_feedback and "wire='bf16', error_feedback=False" in repr(plain)
 
     await on_thread(body, solo)
