@@ -4,7 +4,8 @@ torch is imported; see :mod:`gradstar.client.torch_import_hook`).
 
 How a script uses it is in :mod:`.backend`; what each torch call becomes in :mod:`.group`; how
 results reach torch (threads, futures, errors) in :mod:`.work`; tensor conversion in
-:mod:`.convert`.
+:mod:`.convert`; the compressed-gradients communication hook for torch's DDP in
+:mod:`.comm_hooks`.
 """
 
 from .backend import (
@@ -13,6 +14,7 @@ from .backend import (
     register_backend,
     shutdown_all,
 )
+from .comm_hooks import WireHookState, wire_compress_hook
 from .convert import reduce_op_name
 from .group import BackendUnsupportedError, ProcessGroupGradstar
 from .work import GradstarWork
@@ -24,8 +26,10 @@ __all__ = [
     "BackendUnsupportedError",
     "GradstarWork",
     "ProcessGroupGradstar",
+    "WireHookState",
     "parse_init_method",
     "reduce_op_name",
     "register_backend",
     "shutdown_all",
+    "wire_compress_hook",
 ]

@@ -55,11 +55,13 @@ class Collectives:
     reduce_scatter and barrier (a mixin of the process group; see the module docstring)."""
 
     def _reduce(self, tensors: list[torch.Tensor], op: str, timeout: float | None,
-                write: Callable[[int, torch.Tensor], None], *, in_place: bool = False):
+                write: Callable[[int, torch.Tensor], None], *, in_place: bool = False,
+                wire: str | None = None):
         """All_reduce each of ``tensors`` and ``write(i, result)``. ``in_place``: the result
         may overwrite the tensor itself (all_reduce, not reduce), so a contiguous CPU tensor
         of a dtype the hub reduces receives it straight from the wire (``out=``): no result
-        array to allocate and fault in, no copy (and ``write``'s copy_ is then a no-op)."""
+        array to allocate and fault in, no copy (and ``write``'s copy_ is then a no-op).
+        ``wire``: a compressed wire format (float tensors, not the bitwise ops)."""
         if op in BITWISE_OPS:
             return self._gather(
                 [for_bitwise(t, op) for t in tensors], timeout,
@@ -68,7 +70,7 @@ class Collectives:
         prepared = [for_reduction(t, op) for t in tensors]
         starts = [lambda w=w, t=t: self.gradstar_group.all_reduce(
                       w, op, async_op=True, timeout=timeout,
-                      out=w if in_place and w is t and _viewable(t) else None)
+                      out=w if in_place and w is t and _viewable(t) else None, wire=wire)
                   for (w, _), t in zip(prepared, tensors, strict=True)]
 
         def finish(results):
@@ -124,6 +126,22 @@ class Collectives:
             return self._sparse_allreduce(tensors, reduce_op_name(opts), seconds_of(opts))
         return self._reduce(tensors, reduce_op_name(opts), seconds_of(opts),
                             lambda i, r: tensors[i].copy_(r), in_place=True)
+
+    def allreduce_wire(self, tensor: torch.Tensor, op: str = "mean", *, wire: str,
+                       timeout: float | None = None):
+        """gradstar's own all_reduce of one dense float ``tensor`` in place, sent in the
+        compressed format ``wire`` (the hub decodes and reduces in float32, and encodes the
+        result once); not a torch.distributed call. ``op``: gradstar's name ("sum", "mean",
+        "min", "max"). For communication hooks (:mod:`.comm_hooks`).
+
+        Raises:
+            ConfigurationError: an unknown format, an op or dtype the format does not take.
+        """
+        if op not in ("sum", "mean", "min", "max", "prod"):
+            raise ConfigurationError(
+                f"allreduce_wire reduces with sum, mean, min, max or prod, not {op!r}")
+        return self._reduce([tensor], op, timeout, lambda _i, r: tensor.copy_(r),
+                            in_place=True, wire=wire)
 
     def _sparse_allreduce(self, tensors: list[torch.Tensor], op: str, timeout: float | None):
         """Sum sparse COO tensors as gloo does: every rank gathers every rank's indices and

@@ -101,6 +101,36 @@ def ddp_bf16_hook(rank: int, world: int) -> dict:
     return {"params": params_of(model.module)}
 
 
+WIRE_STEPS = 30  # rounding without error feedback builds up over the steps
+
+
+def ddp_wire_hook(rank: int, world: int, wire: str = "int8", error_feedback: bool = True,
+                  steps: int = WIRE_STEPS) -> dict:
+    """torch's DDP with gradstar's compressed-gradients hook (buckets in ``wire``)."""
+    from gradstar.client.torch_backend import WireHookState, wire_compress_hook
+
+    model = nn.parallel.DistributedDataParallel(make_mlp(rank), bucket_cap_mb=TINY_BUCKET_MB)
+    state = WireHookState(wire, error_feedback=error_feedback)
+    model.register_comm_hook(state, wire_compress_hook)
+    train(model, rank, world, steps)
+    return {"params": params_of(model.module),
+            "residuals": sorted(r.numel() for r in (state.feedback.residuals.values()
+                                                    if state.feedback else []))}
+
+
+def ddp_wire_hook_no_ef(rank: int, world: int) -> dict:
+    return ddp_wire_hook(rank, world, error_feedback=False)
+
+
+def ddp_wire_hook_mismatch(rank: int, world: int) -> dict:
+    """Rank 0 hooks int8, the others bf16: a named mismatch on every rank, no hang."""
+    try:
+        ddp_wire_hook(rank, world, wire="int8" if rank == 0 else "bf16", steps=1)
+    except Exception as error:
+        return {"error": type(error).__name__, "message": str(error)}
+    return {"error": None}
+
+
 def fsdp2(rank: int, world: int) -> dict:
     """FSDP2: every Linear is its own shard group, then the root (same init everywhere: unlike
     DDP, fully_shard does not broadcast)."""
@@ -404,7 +434,9 @@ def all_to_all_errors(rank: int, world: int) -> dict:
 SCENARIOS = {"ddp": ddp, "ddp_bf16_hook": ddp_bf16_hook, "fsdp2": fsdp2,
              "collectives": collectives, "p2p": p2p, "errors": errors, "parity": parity,
              "parity_errors": parity_errors, "all_to_all": all_to_all, "recv_any": recv_any,
-             "all_to_all_errors": all_to_all_errors}
+             "all_to_all_errors": all_to_all_errors, "ddp_wire_hook": ddp_wire_hook,
+             "ddp_wire_hook_no_ef": ddp_wire_hook_no_ef,
+             "ddp_wire_hook_mismatch": ddp_wire_hook_mismatch}
 
 
 def run_ranks(args) -> int:
