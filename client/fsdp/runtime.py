@@ -112,10 +112,12 @@ class UnitRuntime:
     since then.
     """
 
-    def __init__(self, units: list[ShardingUnit], pg, *, prefetch: bool) -> None:
+    def __init__(self, units: list[ShardingUnit], pg, *, prefetch: bool,
+                 wire: str | None = None) -> None:
         self.units = units
         self.process_group = pg
         self.prefetch = prefetch
+        self.wire = wire  # the compressed format of the gradients' reduce-scatter
         self.last_collectives: list[UnitCollective] = []
         self.peak_gathered_numel = 0
         self._by_storage: dict[int, ShardingUnit] = {}  # gathered buffers, by storage address
@@ -295,7 +297,8 @@ class UnitRuntime:
             wire = wire.to(unit.wire_dtype)
         layout = unit.layout
         work = self.process_group.reduce_scatter(
-            wire.reshape(layout.world_size, layout.shard_numel), op="mean", async_op=True)
+            wire.reshape(layout.world_size, layout.shard_numel), op="mean", async_op=True,
+            wire=self.wire)
         self.last_collectives.append(
             UnitCollective("reduce_scatter", unit.index, "backward", _dtype_name(wire.dtype)))
         bw.in_flight.append((unit, work))

@@ -45,6 +45,7 @@ from gradstar.client.torch_common import (
     wire_dtype_of,
 )
 from gradstar.errors import ConfigurationError
+from gradstar.wire.formats import wire_format
 
 from . import state_dict as checkpoint
 from .plan import AutoWrapPolicy, UnitPlan, plan_units
@@ -76,6 +77,10 @@ class FullyShardedDataParallel(nn.Module):
             dtype; shards, optimizer and compute stay in the parameters' dtype (the gathered
             values are widened back: CPU matmuls in bf16 are slow and would need the inputs
             cast). None communicates in the parameters' dtype.
+        wire: a compressed wire format ("bf16", "fp16", "int8", "int4") for the gradients'
+            reduce-scatter (the hub or shard decodes and averages in float32 and encodes each
+            rank's mean shard once); gathers are unchanged. No error feedback: its residual
+            would be an unsharded gradient per unit, the memory FSDP exists to save.
         prefetch: gather the next unit while the current one computes, in forward and backward.
         sync_module_states: start every rank from rank 0's parameters (broadcast unit by
             unit) and buffers.
@@ -90,11 +95,13 @@ class FullyShardedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, pg: ProcessGroup, *,
                  auto_wrap_policy: AutoWrapPolicy = None, mixed_precision: str | None = None,
-                 prefetch: bool = True, sync_module_states: bool = True) -> None:
+                 prefetch: bool = True, sync_module_states: bool = True,
+                 wire: str | None = None) -> None:
         super().__init__()
         self.device = check_wrapper_arguments("FullyShardedDataParallel", module, pg,
                                               ("all_gather", "reduce_scatter", "broadcast"))
         wire_dtype = wire_dtype_of("mixed_precision", mixed_precision)
+        self.wire = None if wire is None else wire_format(wire).name
         for name, p in module.named_parameters():
             if p.dtype not in GRAD_DTYPES:
                 raise ConfigurationError(
@@ -110,7 +117,7 @@ class FullyShardedDataParallel(nn.Module):
         self.module = module
         self.process_group = pg
         self.mixed_precision = mixed_precision
-        _check_plans_agree(pg, plans, wire_dtype)
+        _check_plans_agree(pg, plans, wire_dtype, self.wire)
 
         # What module.state_dict() held, in its order, and which entries are parameters.
         self.state_dict_keys: list[str] = list(module.state_dict(keep_vars=True))
@@ -126,7 +133,7 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self.units:
             unit.detach_parameters()
         self.flat_shards = nn.ParameterList([unit.shard for unit in self.units])
-        self.runtime = UnitRuntime(self.units, pg, prefetch=bool(prefetch))
+        self.runtime = UnitRuntime(self.units, pg, prefetch=bool(prefetch), wire=self.wire)
 
     # -- the nn.Module surface -----------------------------------------------------------------
 
@@ -161,7 +168,8 @@ class FullyShardedDataParallel(nn.Module):
     def extra_repr(self) -> str:
         sizes = ", ".join(f"{u.label}:{u.layout.numel}" for u in self.units)
         return (f"world_size={self.process_group.world_size}, units=[{sizes}], "
-                f"mixed_precision={self.mixed_precision!r}, prefetch={self.prefetch}")
+                f"mixed_precision={self.mixed_precision!r}, wire={self.wire!r}, "
+                f"prefetch={self.prefetch}")
 
     # -- state dicts (see gradstar.client.fsdp.state_dict) -------------------------------------
 
@@ -212,17 +220,18 @@ class FullyShardedDataParallel(nn.Module):
         checkpoint.load_sharded_state_dict(self, state_dict)
 
 
-def _check_plans_agree(pg, plans: list[UnitPlan], wire_dtype: torch.dtype | None) -> None:
+def _check_plans_agree(pg, plans: list[UnitPlan], wire_dtype: torch.dtype | None,
+                       wire: str | None) -> None:
     """All-gather a fingerprint of the plan; raise the same error on every rank if any differs.
 
     Raises:
         ConfigurationError: some rank's plan (units, parameter names, shapes, dtypes,
-            requires_grad, mixed precision) differs from rank 0's.
+            requires_grad, mixed precision, wire format) differs from rank 0's.
     """
     text = "|".join(
         f"{plan.name}:" + ",".join(f"{p.name}{tuple(p.param.shape)}{p.param.dtype}"
                                    f"{int(p.param.requires_grad)}" for p in plan.params)
-        for plan in plans) + f"|{wire_dtype}"
+        for plan in plans) + f"|{wire_dtype}|{wire}"
     mine = torch.tensor([len(plans), sum(plan.numel for plan in plans),
                          zlib.crc32(text.encode())], dtype=torch.int64)
     everyone = pg.all_gather(mine)
@@ -235,11 +244,11 @@ def _check_plans_agree(pg, plans: list[UnitPlan], wire_dtype: torch.dtype | None
                        f"{units} units of {numel}")
             else:
                 how = ("as many units and elements, but other parameter names, shapes, dtypes, "
-                       "requires_grad or mixed_precision")
+                       "requires_grad, mixed_precision or wire")
             raise ConfigurationError(
                 f"rank {rank}'s FSDP sharding plan differs from rank 0's ({how}): every rank "
                 "must wrap the same module structure with the same auto_wrap_policy and "
-                "mixed_precision"
+                "mixed_precision, and the same wire"
             )
 
 

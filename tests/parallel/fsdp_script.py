@@ -199,6 +199,14 @@ def mixed(pg, out: Path) -> dict:
                                         for s in opt.state.values()}), **fsdp_report(fsdp)}
 
 
+def wire_int8(pg, out: Path) -> dict:
+    """``mixed`` with float32 gradients reduce-scattered as int8 (per-block scales)."""
+    fsdp = gradstar.FSDP(MLP(pg.rank), pg, wire="int8")
+    train(fsdp, optimizer("momentum", fsdp.parameters()), pg.rank, pg.world_size)
+    return {"state_dict": listed(fsdp.full_state_dict(rank0_only=False)), "wire": fsdp.wire,
+            **fsdp_report(fsdp)}
+
+
 def nested(pg, out: Path) -> dict:
     fsdp = gradstar.FSDP(NestedNet(pg.rank), pg, auto_wrap_policy=NESTED_POLICY)
     train(fsdp, optimizer("adam", fsdp.parameters()), pg.rank, pg.world_size)
@@ -295,13 +303,15 @@ def memory(pg, out: Path) -> dict:
 
 
 def plan_mismatch(pg, out: Path) -> dict:
-    """Rank 1 wraps a different model, then uses another mixed precision: both refused."""
+    """Rank 1 wraps a different model, then uses another mixed precision, then another wire
+    format: all refused."""
     errors = []
     widths = (5, 9, 14, 17, 3) if pg.rank == 1 else WIDTHS
-    for model, precision in [(MLP(pg.rank, widths), None),
-                             (MLP(pg.rank), "bf16" if pg.rank == 1 else None)]:
+    for model, precision, wire in [(MLP(pg.rank, widths), None, None),
+                                   (MLP(pg.rank), "bf16" if pg.rank == 1 else None, None),
+                                   (MLP(pg.rank), None, "int8" if pg.rank == 1 else "int4")]:
         try:
-            gradstar.FSDP(model, pg, mixed_precision=precision)
+            gradstar.FSDP(model, pg, mixed_precision=precision, wire=wire)
             errors.append(None)
         except ConfigurationError as error:
             errors.append(str(error))
@@ -351,6 +361,7 @@ def rank_death(pg, out: Path) -> dict:
 
 
 SCENARIOS = {"sgd": sgd, "adam": adam, "no_prefetch": no_prefetch, "mixed": mixed,
+             "wire_int8": wire_int8,
              "nested": nested, "checkpoint": checkpoint, "sharded": sharded, "staged": staged,
              "memory": memory,
              "plan_mismatch": plan_mismatch, "diverged": diverged, "rank_death": rank_death}
