@@ -290,6 +290,22 @@ def staged(pg) -> dict:
         device.STAGED_DEVICES = saved
 
 
+def staged_int8(pg) -> dict:
+    """``staged`` with int8 buckets and error feedback: the flags' own all_reduce and every
+    bucket take the path of CUDA tensors (host copies, results copied back)."""
+    saved = device.STAGED_DEVICES
+    device.STAGED_DEVICES = ("cuda", "cpu")
+    try:
+        ddp = gradstar.DDP(make_mlp(pg.rank), pg, bucket_cap_mb=SMALL_BUCKET_MB,
+                           find_unused_parameters=True, wire="int8")
+        train_plain(ddp, optimizer("sgd", ddp.parameters()), pg.rank, pg.world_size,
+                    steps=WIRE_STEPS)
+        return {"params": params_of(ddp.module),
+                "staged": all(device.is_staged(p) for p in ddp.parameters())}
+    finally:
+        device.STAGED_DEVICES = saved
+
+
 def buffers(pg) -> dict:
     """BatchNorm buffers: rank 0's are broadcast at construction and before each forward."""
     model = make_bn_mlp(pg.rank)
@@ -312,7 +328,7 @@ SCENARIOS = {"sgd": sgd, "adam": adam, "no_sync": no_sync, "sync_by_hand": sync_
              "unused": unused, "unused_error": unused_error, "bf16": bf16, "staged": staged,
              "buffers": buffers, "int8_ef": int8_ef, "int8_no_ef": int8_no_ef,
              "int4_ef": int4_ef, "int4_no_ef": int4_no_ef, "int8_unused": int8_unused,
-             "wire_mismatch": wire_mismatch}
+             "staged_int8": staged_int8, "wire_mismatch": wire_mismatch}
 
 
 def main() -> int:

@@ -192,6 +192,15 @@ def test_without_error_feedback_the_drift_from_float32_is_larger(runs, wire_refe
         assert with_ef < without, (fmt, with_ef, without)
 
 
+def test_int8_on_the_staged_path_of_cuda_tensors_is_within_the_bound(runs, wire_reference):
+    # CPU declared a staged device: buckets, residuals and the flags' own all_reduce take the
+    # path of a CUDA module's (host copies, results new tensors copied back).
+    reports = runs["staged_int8"]
+    assert all(r["staged"] for r in reports)
+    assert all(r["params"] == reports[0]["params"] for r in reports)
+    assert 0 < drift(reports, wire_reference) < INT8_EF_BOUND
+
+
 def test_residual_memory_is_one_float32_buffer_per_bucket(runs):
     for r in runs["int8_ef"]:
         assert r["residuals"] == [["torch.float32", n] for n in r["bucket_numels"]]
