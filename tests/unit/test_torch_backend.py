@@ -490,7 +490,7 @@ class OneReduceGroup(UnreachableGroup):
     def __init__(self, loop: FakeLoop) -> None:
         self.loop, self.futures = loop, []
 
-    def all_reduce(self, x, op, *, async_op, timeout, out=None):
+    def all_reduce(self, x, op, *, async_op, timeout, out=None, wire=None):
         work, future = self.loop.work()
         self.futures.append(future)
         return work
