@@ -135,6 +135,17 @@ def check_ddp_bf16(runs: Runs, device: torch.device) -> None:
     assert reports[0]["params"] == reports[1]["params"]  # the very same means everywhere
 
 
+def check_ddp_int8(runs: Runs, device: torch.device) -> None:
+    reports = runs["ddp_int8"]
+    want = named_lists(mlp_reference("sgd", device))
+    for report in reports:
+        assert report["residual_devices"] == [str(device)]
+        assert report["grad_devices"] == [str(device)]
+        # int8 rounds each gradient by up to amax/254 of its block: within bf16's tolerance.
+        assert_close(report["params"], want, f"rank {report['rank']}", BF16_RTOL, BF16_ATOL)
+    assert reports[0]["params"] == reports[1]["params"]
+
+
 def check_ddp_buffers(runs: Runs, device: torch.device) -> None:
     reports = runs["ddp_buffers"]
     assert all(r["after_init"] == [0.0] * ddp_script.HIDDEN for r in reports)
@@ -152,6 +163,10 @@ def test_ddp_unused_parameters_on_the_device_match_one_process(runs):
 
 def test_ddp_bf16_compression_on_the_device_is_within_bf16_tolerance(runs):
     check_ddp_bf16(runs, DEVICE)
+
+
+def test_ddp_int8_with_error_feedback_on_the_device_is_within_tolerance(runs):
+    check_ddp_int8(runs, DEVICE)
 
 
 def test_ddp_broadcasts_cuda_buffers_from_rank_0(runs):

@@ -256,6 +256,19 @@ def ddp_bf16(pg, device, out: Path) -> dict:
             "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters()})}
 
 
+def ddp_int8(pg, device, out: Path) -> dict:
+    """int8 buckets with error feedback and the unused-parameter flags (which then travel in
+    their own all_reduce): residuals live on the device, encoding runs on host copies."""
+    model = ddp_script.make_mlp(pg.rank).to(device)
+    wrapped = gradstar.DDP(model, pg, bucket_cap_mb=ddp_script.SMALL_BUCKET_MB, wire="int8",
+                           find_unused_parameters=True)
+    train_mlp(wrapped, ddp_script.optimizer("sgd", wrapped.parameters()), pg.rank,
+              pg.world_size, device)
+    return {"params": listed(model.named_parameters()),
+            "residual_devices": sorted({str(r.device) for r in wrapped.error_feedback_residuals}),
+            "grad_devices": devices(p.grad for p in model.parameters())}
+
+
 def ddp_buffers(pg, device, out: Path) -> dict:
     """BatchNorm buffers (float and int64) broadcast from rank 0, at construction and in
     forward."""
@@ -406,7 +419,8 @@ def diloco(pg, device, out: Path) -> dict:
 
 
 SCENARIOS = {
-    "ddp": ddp, "ddp_unused": ddp_unused, "ddp_bf16": ddp_bf16, "ddp_buffers": ddp_buffers,
+    "ddp": ddp, "ddp_unused": ddp_unused, "ddp_bf16": ddp_bf16, "ddp_int8": ddp_int8,
+    "ddp_buffers": ddp_buffers,
     "fsdp": fsdp, "fsdp_nested": fsdp_nested, "fsdp_mixed": fsdp_mixed,
     "fsdp_checkpoint": fsdp_checkpoint,
     "pipeline_gpipe": lambda pg, device, out: pipeline(pg, device, out, "gpipe"),

@@ -27,6 +27,7 @@ from tests.cuda.test_wrappers_cuda import (
     check_ddp_bf16,
     check_ddp_buckets_and_gradients,
     check_ddp_buffers,
+    check_ddp_int8,
     check_ddp_unused,
     check_diloco,
     check_fsdp,
@@ -71,6 +72,10 @@ def test_ddp_unused_parameters_match_one_process(runs):
 
 def test_ddp_bf16_compression_is_within_bf16_tolerance(runs):
     check_ddp_bf16(runs, CPU)
+
+
+def test_ddp_int8_with_error_feedback_is_within_tolerance(runs):
+    check_ddp_int8(runs, CPU)
 
 
 def test_ddp_broadcasts_buffers_from_rank_0(runs):
