@@ -19,6 +19,8 @@ from gradstar.proto.v1 import (
     collective_pb2,
     rendezvous_pb2,
     rendezvous_pb2_grpc,
+    rounds_pb2,
+    rounds_pb2_grpc,
     shard_pb2,
     shard_pb2_grpc,
 )
@@ -33,6 +35,8 @@ from .engine import CollectiveEngine
 from .local_shards import LocalShards
 from .metrics import render_async
 from .rendezvous import Rendezvous
+from .rounds import RoundsTable
+from .rounds_servicer import RoundsServicer
 from .servicers import CollectiveServicer, RendezvousServicer
 from .shards import ShardControlServicer, ShardRegistry
 from .status import CoordinatorStatus
@@ -45,6 +49,7 @@ SERVICE_NAMES = (
     collective_pb2.DESCRIPTOR.services_by_name["Collective"].full_name,
     admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
     shard_pb2.DESCRIPTOR.services_by_name["ShardControl"].full_name,
+    rounds_pb2.DESCRIPTOR.services_by_name["Rounds"].full_name,
 )
 
 
@@ -110,6 +115,11 @@ class Coordinator:
         s.check_protected()
         tune_allocator()
         self.averaging = AveragingStore(s.state_dir)
+        # Rounds keep fragments in a store of their own, so their names never meet the
+        # collectives' global models (and their files sit in a folder of their own).
+        self.rounds = RoundsTable(
+            AveragingStore(s.state_dir / "rounds" if s.state_dir is not None else None),
+            max_numel=s.max_tensor_bytes // 4, max_held_bytes=s.max_collective_state_bytes)
         self.rendezvous = Rendezvous(
             s.heartbeat_timeout, on_generation_failed=self._generation_failed,
             on_generation_formed=lambda g: self.shards.on_formed(g),
@@ -140,8 +150,11 @@ class Coordinator:
         self.collectives = CollectiveServicer(self.engine, admit=self._admit,
                                               shared_memory=s.shared_memory)
         server.add_generic_rpc_handlers((self.collectives.handler(),))
+        rounds_pb2_grpc.add_RoundsServicer_to_server(
+            RoundsServicer(self.rounds, s.max_chunk_bytes), server)
         admin_pb2_grpc.add_AdminServicer_to_server(
-            AdminServicer(self.rendezvous, self.averaging, self.drain, self.shards), server
+            AdminServicer(self.rendezvous, self.averaging, self.drain, self.shards,
+                          self.rounds), server
         )
         shard_pb2_grpc.add_ShardControlServicer_to_server(ShardControlServicer(self.shards),
                                                           server)
@@ -250,7 +263,8 @@ class Coordinator:
 
     async def _metrics_page(self) -> tuple[int, str, bytes]:
         text = await render_async(self.rendezvous, self.engine.metrics, self.averaging,
-                                  shards=self.shards, max_bytes=self.settings.metrics_max_bytes)
+                                  shards=self.shards, max_bytes=self.settings.metrics_max_bytes,
+                                  rounds=self.rounds)
         return 200, "text/plain; version=0.0.4; charset=utf-8", text.encode()
 
     async def drain(self) -> None:
