@@ -61,6 +61,7 @@ def options() -> dict:
 def main() -> None:
     out, index = sys.argv[1], int(os.environ["SDL_INDEX"])
     steps, pause = int(os.environ["SDL_STEPS"]), float(os.environ.get("SDL_SLEEP", "0"))
+    torch.set_num_threads(1)  # replicas share the machine's cores
     model = make_model()
     gate = os.environ.get("SDL_WAIT_FOR")
     while gate and not os.path.exists(gate):  # torch is imported: join the moment it appears
