@@ -130,7 +130,8 @@ class Coordinator:
         expected = s.shards if s.expected_shards is None else s.expected_shards
         self.shards = ShardRegistry(self.rendezvous, expected, on_health=self._shards_health)
         self.status = CoordinatorStatus(self.rendezvous, self.shards,
-                                        serving=lambda: self._serving and self.shards.healthy)
+                                        serving=lambda: self._serving and self.shards.healthy,
+                                        rounds=self.rounds)
         self.engine = CollectiveEngine(
             self.rendezvous, max_tensor_bytes=s.max_tensor_bytes,
             max_chunk_bytes=s.max_chunk_bytes, max_timeout=s.max_collective_timeout,

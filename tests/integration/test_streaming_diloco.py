@@ -14,6 +14,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from gradstar.client.rounds_client import RoundsClient
 from gradstar.client.streaming_plan import Schedule, split_fragments
 from gradstar.config import ClientSettings
 from gradstar.coordinator.admin import rounds_view
+from tests.runtime.conftest import http_get
 
 SCRIPT = Path(__file__).with_name("replica_script.py")
 _spec = importlib.util.spec_from_file_location("replica_script", SCRIPT)
@@ -163,7 +165,8 @@ async def test_streaming_rounds_equal_single_process_reference(coordinator, repl
 
 
 async def test_killed_and_stopped_replicas_leave_the_rounds_to_the_rest(
-        coordinator, replicas, tmp_path):
+        start_coordinator, replicas, tmp_path):
+    coordinator = await start_coordinator(metrics_port=0)
     sdl = dict(h=4, p=2, tau=1, alpha=0.5, min_replicas=2, round_timeout=2, steps=48,
                sleep=0.05)
     for i in range(4):
@@ -180,6 +183,20 @@ async def test_killed_and_stopped_replicas_leave_the_rounds_to_the_rest(
     assert by_name["r2"].missed >= 1 and by_name["r3"].missed >= 1
     assert by_name["r0"].missed == by_name["r1"].missed == 0
     assert all(list(f.last_participants) == ["r0", "r1"] for f in view.fragments)
+    # Operators see the same in /metrics, the status page and gradstar admin.
+    _, _, metrics = await http_get(coordinator.metrics_port, "/metrics")
+    assert re.search(rb'gradstar_replica_rounds_missed_total\{job="sdl",replica="r2"\} [1-9]',
+                     metrics), metrics
+    assert b'gradstar_round_replicas{job="sdl",model="global",fragment="0"} 2' in metrics
+    _, _, status = await http_get(coordinator.metrics_port, "/status.json")
+    rounds = json.loads(status)["rounds"][0]
+    assert rounds["job"] == "sdl" and rounds["fragments"][0]["replicas"] == ["r0", "r1"]
+    admin = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gradstar", "admin", "rounds", "--job", "sdl", "--json",
+        "--coordinator", coordinator.address, stdout=asyncio.subprocess.PIPE)
+    out, _ = await asyncio.wait_for(admin.communicate(), 60)
+    listed = {r["replica"]: r for r in json.loads(out)["replicas"]}
+    assert listed["r3"]["missed"] >= 1 and listed["r0"]["joins"] == 1
 
 
 async def test_late_replica_catches_up_and_ends_with_the_same_global_model(
