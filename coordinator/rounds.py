@@ -73,6 +73,8 @@ class ReplicaRecord:
     last_seen: float = 0.0
     #: Expected in rounds that open from now on (false once it missed one).
     active: bool = False
+    #: (model, fragment) seeded since its last join: seeding one again means a restart.
+    seeded: set = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -161,8 +163,12 @@ class RoundsTable:
                 f"{replica!r} seeds {params.shape[0]}; every replica must fragment the same "
                 "model the same way")
         record = self.replica(job, replica)
-        if not record.active:  # a newcomer, or back after missing rounds (not every fragment)
+        # A join: a newcomer, one back after missing rounds, or one seeding a fragment it
+        # seeded before (a restart, e.g. by the agent, even before its absence was noticed).
+        if not record.active or (model, fragment) in record.seeded:
             record.joins += 1
+            record.seeded.clear()
+        record.seeded.add((model, fragment))
         record.active = True
         log.info("job %r: replica %r joined %r fragment %d at round %d", job, replica, model,
                  fragment, held.rounds)

@@ -1,6 +1,6 @@
 """One Streaming DiLoCo replica for the integration tests (a real process).
 
-Usage: replica_script.py OUT_JSON  (settings in GRADSTAR_* and SDL_* environment variables)
+Usage: replica_script.py OUT_JSON (``{index}`` in it becomes the replica's index)  (settings in GRADSTAR_* and SDL_* environment variables)
 
 Waits for the file SDL_WAIT_FOR first, if set (a late start without an import's delay).
 Trains :func:`make_model` on its own stream of :func:`batch` data with plain SGD, calls
@@ -55,11 +55,13 @@ def options() -> dict:
                 delay=int(env["SDL_TAU"]), alpha=float(env["SDL_ALPHA"]),
                 min_replicas=int(env["SDL_MIN_REPLICAS"]),
                 round_timeout=float(env["SDL_ROUND_TIMEOUT"]), timeout=60.0,
-                outer_lr=0.7, outer_momentum=0.9, replica=env["SDL_REPLICA"])
+                outer_lr=0.7, outer_momentum=0.9, replica=env.get("SDL_REPLICA"))
 
 
 def main() -> None:
-    out, index = sys.argv[1], int(os.environ["SDL_INDEX"])
+    # Under the agent: the index is the rank, and the replica is named after it.
+    index = int(os.environ.get("SDL_INDEX") or os.environ["GRADSTAR_RANK"])
+    out = sys.argv[1].format(index=index)
     steps, pause = int(os.environ["SDL_STEPS"]), float(os.environ.get("SDL_SLEEP", "0"))
     torch.set_num_threads(1)  # replicas share the machine's cores
     model = make_model()
@@ -67,7 +69,7 @@ def main() -> None:
     while gate and not os.path.exists(gate):  # torch is imported: join the moment it appears
         time.sleep(0.01)
     with gradstar.StreamingDiLoCo(model, **options()) as sdl:
-        print(f"joined {sdl.joined_at_step} {sdl.rounds}", flush=True)
+        print(f"joined {sdl.joined_at_step} {sdl.rounds} pid {os.getpid()}", flush=True)
         while sdl.local_steps < steps:
             inner_step(model, index, sdl.local_steps)
             sdl.step()

@@ -243,3 +243,50 @@ async def test_global_model_survives_a_coordinator_restart(start_coordinator, re
         replicas.append(await Replica.start(tmp_path, second.address, i, **sdl))
     after = [await r.result() for r in replicas]
     assert after[0]["rounds"] == [6, 6] and after[0]["joined_at"] == 16
+
+
+async def test_agent_restarts_a_killed_replica_which_rejoins_the_rounds(coordinator, tmp_path):
+    """The worker agent restarts only the killed rank; the restarted replica (same name) joins
+    the next rounds from the hub's model, and every replica ends with the same global model."""
+    env = _env(coordinator.address, 0, h=4, p=2, tau=1, alpha=0.5, min_replicas=2,
+               round_timeout=5, steps=80, sleep=0.08)
+    del env["SDL_INDEX"], env["SDL_REPLICA"]  # the agent's ranks name the replicas
+    agent = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gradstar", "worker", "--coordinator", coordinator.address,
+        "--job", "sdl", "--nproc", "3", "--world-size", "3", "--max-restarts", "1",
+        "--no-node-shard", "--", sys.executable, str(SCRIPT), str(tmp_path / "r{index}.json"),
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    lines: list[tuple[float, str]] = []
+    loop = asyncio.get_running_loop()
+
+    async def read():
+        async for raw in agent.stdout:
+            lines.append((loop.time(), raw.decode().rstrip()))
+
+    reader = asyncio.create_task(read())
+    try:
+        async with asyncio.timeout(120):
+            while not any(t.startswith("[rank 1] step 12") for _, t in lines):
+                await asyncio.sleep(0.05)
+        joined = next(t for _, t in lines if t.startswith("[rank 1] joined"))
+        os.kill(int(joined.rsplit(" ", 1)[1]), signal.SIGKILL)
+        killed_at = loop.time()
+        async with asyncio.timeout(120):
+            while sum(t.startswith("[rank 1] joined") for _, t in lines) < 2:
+                await asyncio.sleep(0.05)
+        code = await asyncio.wait_for(agent.wait(), 180)
+        await asyncio.wait_for(reader, 10)
+    finally:
+        if agent.returncode is None:
+            agent.kill()
+            await agent.wait()
+    output = "\n".join(t for _, t in lines)
+    assert code == 0, output[-4000:]
+    rejoin = [(at, t) for at, t in lines if t.startswith("[rank 1] joined")][1]
+    assert int(rejoin[1].split()[3]) >= 12, rejoin  # resumed the schedule from the hub
+    assert rejoin[0] - killed_at < 30, output[-4000:]  # restart, torch import and join
+    results = [json.loads((tmp_path / f"r{i}.json").read_text()) for i in range(3)]
+    assert results[0]["global"] == results[1]["global"] == results[2]["global"]
+    assert results[0]["rounds"] == results[1]["rounds"] == results[2]["rounds"] == [20, 20]
+    view = {r.replica: r for r in rounds_view(coordinator.rounds, "sdl").replicas}
+    assert view["rank-1"].joins == 2 and view["rank-0"].joins == view["rank-2"].joins == 1

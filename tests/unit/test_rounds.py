@@ -98,9 +98,19 @@ def test_late_contribution_is_not_taken_and_the_replica_rejoins():
     assert t.contribute("j", "m", 0, "c", 0, POLICY, vec(5, 5, 5, 5)) == (False, 1)
     record = t.replicas["j"]["c"]
     assert record.late == 1 and record.active
-    # Its re-seed after a restart counts as a join only when it had been dropped.
+    # Seeding again is a restart: a join.
     assert t.seed("j", "m", 0, "c", np.ones(4, np.float32)) == 1
-    assert record.joins == 1
+    assert record.joins == 2
+
+
+def test_one_join_per_start_whatever_the_number_of_fragments():
+    t, _ = table()
+    for fragment in range(3):
+        t.seed("j", "m", fragment, "a", vec(1, 2))
+    assert t.replicas["j"]["a"].joins == 1
+    for fragment in range(3):  # restarted
+        t.seed("j", "m", fragment, "a", vec(1, 2))
+    assert t.replicas["j"]["a"].joins == 2
 
 
 def test_a_dropped_replica_that_seeds_again_is_counted_as_a_join():
