@@ -28,9 +28,11 @@ FRAGMENTS = 3
 DELAY, ALPHA = 1, 0.5
 
 
-def _sdl_options(sync_every: int) -> dict:
+def _sdl_options(sync_every: int, workers: int) -> dict:
+    # min_replicas=workers: a replica that starts first waits for the others instead of
+    # training alone; a replica lost later stops the rounds (after round_timeout they fail).
     return dict(sync_every=sync_every, fragments=FRAGMENTS, delay=DELAY, alpha=ALPHA,
-                outer_lr=0.7, outer_momentum=0.9, min_replicas=1, round_timeout=10.0,
+                outer_lr=0.7, outer_momentum=0.9, min_replicas=workers, round_timeout=10.0,
                 timeout=120.0)
 
 
@@ -40,6 +42,10 @@ def run_streaming_demo(options) -> int:
     from gradstar.coordinator import EmbeddedCoordinator
     from gradstar.coordinator.admin import rounds_view
 
+    if options.plot is not None or options.report is not None:
+        print("gradstar demo: --plot and --report are not available with --mode "
+              "streaming-diloco yet", file=sys.stderr)
+        return 2
     sync_every = 4 * options.sync_every
     job = "demo-streaming-diloco"
     hub_settings = CoordinatorSettings(
@@ -81,6 +87,10 @@ def run_streaming_demo(options) -> int:
           f" last round's replicas: {len(view.fragments[0].last_participants)}")
     print(f"  bytes through the hub: {exchanged:,} (DDP would move {ddp_bytes:,}: "
           f"{ddp_bytes / max(exchanged, 1):.0f}x more)")
+    if any(r["global"] != results[0]["global"] for r in results):
+        print("demo FAILED: the replicas ended with different global models", file=sys.stderr)
+        return 1
+    print(f"  replicas: all {options.workers} hold the same global model\ndemo passed")
     return 0
 
 
@@ -102,7 +112,7 @@ def _replica(out: Path, index: int) -> None:
     opt = MomentumSGD(model.parameters(), float(env["DEMO_LR"]), 0.9)
     steps_per_epoch = max(1, len(y) // batch)
     with gradstar.StreamingDiLoCo(model, replica=f"replica-{index}",
-                                  **_sdl_options(int(env["DEMO_SYNC_EVERY"]))) as sdl:
+                                  **_sdl_options(int(env["DEMO_SYNC_EVERY"]), workers)) as sdl:
         total = epochs * steps_per_epoch
         while sdl.local_steps < total:
             start = (sdl.local_steps % steps_per_epoch) * batch
