@@ -1,6 +1,7 @@
 """One Streaming DiLoCo replica for the integration tests (a real process).
 
-Usage: replica_script.py OUT_JSON (``{index}`` in it becomes the replica's index)  (settings in GRADSTAR_* and SDL_* environment variables)
+Usage: replica_script.py OUT_JSON (``{index}`` in it becomes the replica's index; settings
+in GRADSTAR_* and SDL_* environment variables)
 
 Waits for the file SDL_WAIT_FOR first, if set (a late start without an import's delay).
 Trains :func:`make_model` on its own stream of :func:`batch` data with plain SGD, calls

@@ -258,22 +258,26 @@ async def test_agent_restarts_a_killed_replica_which_rejoins_the_rounds(coordina
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     lines: list[tuple[float, str]] = []
     loop = asyncio.get_running_loop()
+    arrived = asyncio.Event()
 
     async def read():
         async for raw in agent.stdout:
             lines.append((loop.time(), raw.decode().rstrip()))
+            arrived.set()
+
+    async def until(condition) -> None:
+        async with asyncio.timeout(120):
+            while not condition():
+                arrived.clear()
+                await arrived.wait()
 
     reader = asyncio.create_task(read())
     try:
-        async with asyncio.timeout(120):
-            while not any(t.startswith("[rank 1] step 12") for _, t in lines):
-                await asyncio.sleep(0.05)
+        await until(lambda: any(t.startswith("[rank 1] step 12") for _, t in lines))
         joined = next(t for _, t in lines if t.startswith("[rank 1] joined"))
         os.kill(int(joined.rsplit(" ", 1)[1]), signal.SIGKILL)
         killed_at = loop.time()
-        async with asyncio.timeout(120):
-            while sum(t.startswith("[rank 1] joined") for _, t in lines) < 2:
-                await asyncio.sleep(0.05)
+        await until(lambda: sum(t.startswith("[rank 1] joined") for _, t in lines) >= 2)
         code = await asyncio.wait_for(agent.wait(), 180)
         await asyncio.wait_for(reader, 10)
     finally:
