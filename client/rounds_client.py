@@ -105,6 +105,39 @@ class RoundsClient:
             RoundTimeoutError: not within ``timeout`` seconds (too few replicas for a round).
             ProtocolError: the answer was malformed.
         """
+        return await self._await_round(model, fragment, min_rounds, timeout, None)
+
+    async def round(self, model: str, fragment: int, number: int, policy: RoundPolicySpec,
+                    delta: np.ndarray, timeout: float) -> tuple[bool, int, np.ndarray]:
+        """Contribute to round ``number`` and fetch the global fragment after it:
+        (accepted, rounds, params). Not accepted: the round had closed without this replica,
+        and the params are the current global fragment.
+
+        A coordinator restarted meanwhile (with ``--state-dir``) keeps the completed rounds
+        but not the open one: the contribution is sent again when the hub no longer holds it.
+
+        Raises: as :meth:`contribute` and :meth:`fetch`.
+        """
+        until = time.monotonic() + timeout
+        accepted, rounds = await self.contribute(model, fragment, number, policy, delta,
+                                                 timeout)
+        if not accepted:
+            got, params = await self.fetch(model, fragment, rounds, until - time.monotonic())
+            return False, got, params
+
+        async def resend() -> bool:
+            again, _ = await self.contribute(model, fragment, number, policy, delta,
+                                             max(until - time.monotonic(), 0.001))
+            return again
+
+        got, params = await self._await_round(model, fragment, number + 1,
+                                              until - time.monotonic(), resend)
+        return True, got, params
+
+    async def _await_round(self, model: str, fragment: int, min_rounds: int, timeout: float,
+                           resend) -> tuple[int, np.ndarray]:
+        """Poll Fetch until ``min_rounds`` completed; ``resend()`` when the hub lost this
+        replica's contribution to the open round (it returns False if the round had closed)."""
         what = f"fetching fragment {fragment} of {model!r} after round {min_rounds}"
         until = time.monotonic() + timeout
         while True:
@@ -118,8 +151,14 @@ class RoundsClient:
                                       wait_seconds=wait)
             got = await self._retrying(lambda t, r=request: self._read_fetch(r, t), what,
                                        min(left, wait + 10.0))
-            if got is not None:
+            if isinstance(got, tuple):
                 return got
+            if resend is not None and got is not None and not got.holds_contribution and (
+                    got.rounds == min_rounds - 1):
+                log.warning("the coordinator no longer holds this replica's contribution to "
+                            "round %d of fragment %d of %r (it restarted); sending it again",
+                            min_rounds - 1, fragment, model)
+                await resend()
 
     async def _read_fetch(self, request: pb.FetchRequest, timeout: float):
         call = self._stub.Fetch(request, timeout=timeout, metadata=self._metadata)
@@ -131,7 +170,7 @@ class RoundsClient:
         head = first.header
         if not head.ready:
             call.cancel()
-            return None
+            return head
         out = np.empty(head.numel, dtype="<f4")
         view = memoryview(out).cast("B")
         filled = 0

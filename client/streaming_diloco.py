@@ -154,15 +154,9 @@ class StreamingDiLoCo:
         if p in self._pending:  # cannot happen with delay < sync_every; merge it first
             self._merge(p)
         delta = self.anchors[p] - self._flat(p)
-        future = self._loop.submit(self._round(p, self.rounds[p], delta))
+        future = self._loop.submit(self.client.round(self.model_name, p, self.rounds[p],
+                                                     self.policy, delta, self.timeout))
         self._pending[p] = (future, self.local_steps + self.schedule.delay)
-
-    async def _round(self, p: int, number: int, delta: np.ndarray):
-        accepted, rounds = await self.client.contribute(
-            self.model_name, p, number, self.policy, delta, self.timeout)
-        wanted = number + 1 if accepted else rounds
-        got, glob = await self.client.fetch(self.model_name, p, wanted, self.timeout)
-        return accepted, got, glob
 
     def _merge(self, p: int) -> None:
         future, _ = self._pending.pop(p)

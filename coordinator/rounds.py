@@ -174,6 +174,11 @@ class RoundsTable:
                  fragment, held.rounds)
         return held.rounds
 
+    def holds(self, job: str, model: str, fragment: int, replica: str) -> bool:
+        """Whether the fragment's open round holds ``replica``'s contribution."""
+        frag = self.fragments.get((job, model, fragment))
+        return frag is not None and frag.open is not None and replica in frag.open.contributions
+
     def global_model(self, job: str, model: str, fragment: int) -> GlobalModel | None:
         """The fragment's global model (loaded from the state directory if need be)."""
         return self._model((job, model, fragment))

@@ -87,7 +87,9 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
             return
         ready = held.rounds >= request.min_rounds
         numel = held.params.shape[0]
-        yield pb.FetchPart(header=pb.FetchHeader(ready=ready, rounds=held.rounds, numel=numel))
+        holds = not ready and self.table.holds(k.job, k.model, k.fragment, k.replica)
+        yield pb.FetchPart(header=pb.FetchHeader(ready=ready, rounds=held.rounds, numel=numel,
+                                                 holds_contribution=holds))
         if not ready:
             return
         # The model may be replaced while this streams: send the arrays of this version only.

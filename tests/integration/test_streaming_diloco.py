@@ -294,3 +294,22 @@ async def test_agent_restarts_a_killed_replica_which_rejoins_the_rounds(coordina
     assert results[0]["rounds"] == results[1]["rounds"] == results[2]["rounds"] == [20, 20]
     view = {r.replica: r for r in rounds_view(coordinator.rounds, "sdl").replicas}
     assert view["rank-1"].joins == 2 and view["rank-0"].joins == view["rank-2"].joins == 1
+
+
+async def test_replicas_train_through_a_coordinator_restart(start_coordinator, replicas,
+                                                            tmp_path):
+    """The hub restarts mid-training on its port with its --state-dir: completed rounds are
+    kept, replicas retry until it is back and send again what the open rounds lost."""
+    state = tmp_path / "state"
+    first = await start_coordinator(state_dir=state)
+    sdl = dict(h=4, p=2, tau=1, alpha=0.5, min_replicas=2, round_timeout=20, steps=60,
+               sleep=0.05)
+    for i in range(2):
+        replicas.append(await Replica.start(tmp_path, first.address, i, **sdl))
+    await replicas[0].reach(16)
+    await first.stop(grace=0)
+    second = await start_coordinator(state_dir=state, port=first.port)
+    results = [await r.result() for r in replicas]
+    assert results[0]["rounds"] == results[1]["rounds"] == [15, 15]
+    assert results[0]["global"] == results[1]["global"]
+    assert [f.rounds for f in rounds_view(second.rounds, "sdl").fragments] == [15, 15]

@@ -74,14 +74,16 @@ class FetchRequest(_message.Message):
     def __init__(self, key: _Optional[_Union[RoundsKey, _Mapping]] = ..., min_rounds: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class FetchHeader(_message.Message):
-    __slots__ = ("ready", "rounds", "numel")
+    __slots__ = ("ready", "rounds", "numel", "holds_contribution")
     READY_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_CONTRIBUTION_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     rounds: int
     numel: int
-    def __init__(self, ready: _Optional[bool] = ..., rounds: _Optional[int] = ..., numel: _Optional[int] = ...) -> None: ...
+    holds_contribution: bool
+    def __init__(self, ready: _Optional[bool] = ..., rounds: _Optional[int] = ..., numel: _Optional[int] = ..., holds_contribution: _Optional[bool] = ...) -> None: ...
 
 class FetchPart(_message.Message):
     __slots__ = ("header", "data")
