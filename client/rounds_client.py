@@ -105,7 +105,8 @@ class RoundsClient:
             RoundTimeoutError: not within ``timeout`` seconds (too few replicas for a round).
             ProtocolError: the answer was malformed.
         """
-        return await self._await_round(model, fragment, min_rounds, timeout, None)
+        return await self._await_round(model, fragment, min_rounds, timeout,
+                                       time.monotonic() + timeout, None)
 
     async def round(self, model: str, fragment: int, number: int, policy: RoundPolicySpec,
                     delta: np.ndarray, timeout: float) -> tuple[bool, int, np.ndarray]:
@@ -122,7 +123,7 @@ class RoundsClient:
         accepted, rounds = await self.contribute(model, fragment, number, policy, delta,
                                                  timeout)
         if not accepted:
-            got, params = await self.fetch(model, fragment, rounds, until - time.monotonic())
+            got, params = await self._await_round(model, fragment, rounds, timeout, until, None)
             return False, got, params
 
         async def resend() -> bool:
@@ -130,27 +131,34 @@ class RoundsClient:
                                              max(until - time.monotonic(), 0.001))
             return again
 
-        got, params = await self._await_round(model, fragment, number + 1,
-                                              until - time.monotonic(), resend)
+        got, params = await self._await_round(model, fragment, number + 1, timeout, until,
+                                              resend)
         return True, got, params
 
     async def _await_round(self, model: str, fragment: int, min_rounds: int, timeout: float,
-                           resend) -> tuple[int, np.ndarray]:
-        """Poll Fetch until ``min_rounds`` completed; ``resend()`` when the hub lost this
-        replica's contribution to the open round (it returns False if the round had closed)."""
+                           until: float, resend) -> tuple[int, np.ndarray]:
+        """Poll Fetch until ``min_rounds`` completed (by ``until``, a monotonic time; the
+        call's ``timeout`` is named in the error); ``resend()`` when the hub lost this
+        replica's contribution to the open round."""
         what = f"fetching fragment {fragment} of {model!r} after round {min_rounds}"
-        until = time.monotonic() + timeout
         while True:
             left = until - time.monotonic()
             if left <= 0:
                 raise RoundTimeoutError(
                     f"Timed out: {what}: the round did not close within {timeout:g} s "
                     "(fewer replicas than min_replicas contributed)")
-            wait = min(FETCH_POLL_SECONDS, left)
+            # The hub answers "not yet" after ``wait``: well inside the call's deadline, so
+            # the answer (not the deadline) ends the poll.
+            wait = min(FETCH_POLL_SECONDS, max(left - 1.0, left / 2))
             request = pb.FetchRequest(key=self._key(model, fragment), min_rounds=min_rounds,
                                       wait_seconds=wait)
-            got = await self._retrying(lambda t, r=request: self._read_fetch(r, t), what,
-                                       min(left, wait + 10.0))
+            try:
+                got = await self._retrying(lambda t, r=request: self._read_fetch(r, t), what,
+                                           min(left, wait + 10.0))
+            except RoundTimeoutError:
+                if time.monotonic() < until:
+                    raise  # the hub did not answer a poll within its own deadline
+                continue  # our time is up: say so (above), not which poll it ended in
             if isinstance(got, tuple):
                 return got
             if resend is not None and got is not None and not got.holds_contribution and (
