@@ -150,6 +150,11 @@ class AveragingStore:
     def models(self, job: str) -> dict[str, GlobalModel]:
         return {name: m for (j, name), m in self._models.items() if j == job}
 
+    def forget(self, job: str) -> None:
+        """Drop ``job``'s models from memory (the state directory keeps its files)."""
+        for key in [k for k in self._models if k[0] == job]:
+            del self._models[key]
+
     def open_round(self, job: str, spec: pb.AveragingSpec, numel: int) -> AveragingRound:
         """Stage a round of ``spec.rule`` for a vector of ``numel`` float32 elements.
 

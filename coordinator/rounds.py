@@ -307,6 +307,26 @@ class RoundsTable:
                 out.append((model, fragment, frag, held))
         return out
 
+    def drop_idle(self, retention: float) -> list[str]:
+        """Forget the rounds of jobs none of whose replicas was heard from for ``retention``
+        seconds, open rounds included (their fragments stay in the state directory, if any,
+        and load again when a replica comes back; a replica still waiting sends its
+        contribution again). Returns their names."""
+        now = self.clock()
+        dropped = []
+        for job in self.jobs():
+            records = self.replicas.get(job, {})
+            if any(now - r.last_seen < retention for r in records.values()):
+                continue
+            for key in [k for k in self.fragments if k[0] == job]:
+                rnd = self.fragments.pop(key).open
+                if rnd is not None:
+                    self.held_bytes -= sum(c.nbytes for c in rnd.contributions.values())
+            self.replicas.pop(job, None)
+            self.store.forget(job)
+            dropped.append(job)
+        return dropped
+
     def jobs(self) -> list[str]:
         return sorted({k[0] for k in self.fragments} | set(self.replicas))
 

@@ -64,7 +64,7 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
     async def Fetch(self, request, context):
         k = request.key
         try:
-            check_job_name(k.job)
+            _check_key(k)
             self.table.replica(k.job, k.replica)
             loop = asyncio.get_running_loop()
             until = loop.time() + min(max(request.wait_seconds, 0.0), MAX_FETCH_WAIT)
@@ -117,9 +117,7 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
             raise ProtocolError(
                 f"this coordinator knows no wire format {header.wire_format!r} for rounds; "
                 "send raw float32 (StreamingDiLoCo(wire=None))")
-        check_job_name(header.key.job)
-        if not header.key.model or not header.key.replica:
-            raise ProtocolError("a rounds header needs a model name and a replica name")
+        _check_key(header.key)
         self.table.check_numel(header.numel)
         out = np.empty(header.numel, dtype="<f4")
         view = memoryview(out).cast("B")
@@ -170,3 +168,10 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
         elif deadline is not None:
             # Due but short of min_replicas: look again later rather than spin.
             self._timer = asyncio.get_running_loop().call_later(1.0, self._on_deadline)
+
+
+def _check_key(key: pb.RoundsKey) -> None:
+    """Raises: ConfigurationError: an empty, overlong or unprintable job, model or replica."""
+    check_job_name(key.job)
+    check_job_name(key.model, "a model name")
+    check_job_name(key.replica, "a replica name")

@@ -257,6 +257,9 @@ class Coordinator:
                 self.engine.budget.trimmed()
             for m in self.rendezvous.expire():
                 log.warning("job %r: rank %d missed heartbeats", m.job, m.rank)
+            for name in self.rounds.drop_idle(self.settings.job_retention):
+                log.info("job %r: outer rounds dropped after %g s without replicas", name,
+                         self.settings.job_retention)
             for name in self.rendezvous.drop_idle(self.settings.job_retention):
                 self.engine.metrics.forget(name)
                 log.info("job %r dropped after %g s without members", name,

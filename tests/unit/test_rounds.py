@@ -206,3 +206,23 @@ def test_schedule_staggers_fragments_and_resumes_where_the_latest_round_began():
     assert s.resume_step([2, 2, 1, 1]) == 24
     with pytest.raises(ConfigurationError, match="delay"):
         Schedule(4, 2, 4)
+
+
+def test_idle_jobs_are_forgotten_and_come_back_from_the_state_dir(tmp_path):
+    t, clock = seeded(names=("a",), tmp_path=tmp_path)
+    t.contribute("j", "m", 0, "a", 0, Policy(0.5, 0.0, True, 1, 10.0), vec(1, 1, 1, 1))
+    clock.now += 599.0
+    assert t.drop_idle(600.0) == []
+    clock.now += 2.0
+    assert t.drop_idle(600.0) == ["j"]
+    assert t.jobs() == [] and t.fragments == {}
+    assert t.global_model("j", "m", 0).rounds == 1  # loaded again on demand
+
+
+def test_an_idle_job_releases_what_its_open_round_held():
+    t, clock = seeded(names=("a", "b"))
+    t.contribute("j", "m", 0, "a", 0, POLICY, vec(1, 1, 1, 1))
+    assert t.held_bytes == 16
+    clock.now += 10_000.0
+    assert t.drop_idle(600.0) == ["j"]
+    assert t.held_bytes == 0
