@@ -34,6 +34,8 @@ from pathlib import Path
 import numpy as np
 
 METHODS = ("ddp", "diloco", "streaming")
+#: Also for the emulated cluster (streaming_diloco_cluster.py): torch's DDP over gloo.
+WORKER_METHODS = (*METHODS, "gloo")
 
 
 def make_model(features: int, classes: int, hidden: int):
@@ -61,10 +63,16 @@ def worker(method: str, index: int, out: Path, args: argparse.Namespace) -> None
     model = make_model(data.features, data.classes, args.hidden)
     steps = args.epochs * (len(y) // args.batch_size)
     upload = 0
+    sizes = None
     if method == "ddp":
         pg = gradstar.init_process_group(job="bench-ddp", world_size=args.workers, rank=index)
         trained = gradstar.DDP(model, pg)
-        sizes = None
+    elif method == "gloo":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=os.environ["BENCH_GLOO_INIT"],
+                                world_size=args.workers, rank=index)
+        trained = torch.nn.parallel.DistributedDataParallel(model)
     else:
         streaming = method == "streaming"
         sdl = gradstar.StreamingDiLoCo(
@@ -74,6 +82,18 @@ def worker(method: str, index: int, out: Path, args: argparse.Namespace) -> None
             replica=f"w{index}", round_timeout=60.0)
         trained = model
         sizes = [sum(p.numel() for p in group) * 4 for group in sdl.groups]
+    snapshots = os.environ.get("BENCH_SNAPSHOTS") if index == 0 else None
+    snap_every = int(os.environ.get("BENCH_SNAP_EVERY", "25"))
+    began = time.time()
+
+    def snapshot(step: int) -> None:
+        """Worker 0's view of the global model, with the time: the curve to an accuracy."""
+        if sizes is None:
+            flat = np.concatenate([p.detach().reshape(-1).numpy() for p in model.parameters()])
+        else:
+            flat = sdl.global_parameters
+        np.save(Path(snapshots) / f"{method}-{step:06d}-{time.time() - began:.3f}.npy", flat)
+
     opt = MomentumSGD(model.parameters(), args.lr, 0.9)
     for step in range(steps):
         start = (step % (len(y) // args.batch_size)) * args.batch_size
@@ -82,15 +102,16 @@ def worker(method: str, index: int, out: Path, args: argparse.Namespace) -> None
                                           y[start:start + args.batch_size]).backward()
         opt.step()
         if sizes is not None:
-            t0 = time.monotonic()
             upload = max(upload, sum(sizes[p] for p in sdl.step()))
-            if os.environ.get("BENCH_DEBUG") and time.monotonic() - t0 > 0.2:
-                print(f"w{index} step {step} sdl.step took {time.monotonic() - t0:.2f}s",
-                      flush=True)
+        if snapshots and (step + 1) % snap_every == 0:
+            snapshot(step + 1)
     if sizes is None:
         final = np.concatenate([p.detach().reshape(-1).numpy() for p in model.parameters()])
         moved, upload = 0, 4 * final.shape[0]
-        pg.close()
+        if method == "ddp":
+            pg.close()
+        else:
+            torch.distributed.destroy_process_group()
     else:
         sdl.finish()
         final, moved = sdl.global_parameters, sdl.bytes_exchanged
@@ -124,7 +145,7 @@ def run_method(method: str, args: argparse.Namespace, hub, tmp: Path) -> dict:
             "peak_upload": max(r["peak_upload"] for r in results), "steps": results[0]["steps"]}
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=20)
@@ -138,7 +159,11 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--worker", nargs=3, metavar=("METHOD", "INDEX", "OUT"),
                         help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
     if args.worker:
         worker(args.worker[0], int(args.worker[1]), Path(args.worker[2]), args)
         return
