@@ -3,7 +3,7 @@
 Usage: replica_script.py OUT_JSON (``{index}`` in it becomes the replica's index; settings
 in GRADSTAR_* and SDL_* environment variables)
 
-Waits for the file SDL_WAIT_FOR first, if set (a late start without an import's delay).
+SDL_DEVICE (default cpu) is where the model lives. Waits for the file SDL_WAIT_FOR first, if set (a late start without an import's delay).
 Trains :func:`make_model` on its own stream of :func:`batch` data with plain SGD, calls
 ``StreamingDiLoCo.step()`` after each step, prints ``step N`` after each one (the tests watch
 for these), and writes what it ended with to OUT_JSON. The tests' single-process reference
@@ -42,7 +42,8 @@ def batch(index: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def inner_step(model: torch.nn.Module, index: int, step: int) -> None:
-    x, y = batch(index, step)
+    device = next(model.parameters()).device
+    x, y = (t.to(device) for t in batch(index, step))
     model.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
     with torch.no_grad():
@@ -65,7 +66,7 @@ def main() -> None:
     out = sys.argv[1].format(index=index)
     steps, pause = int(os.environ["SDL_STEPS"]), float(os.environ.get("SDL_SLEEP", "0"))
     torch.set_num_threads(1)  # replicas share the machine's cores
-    model = make_model()
+    model = make_model().to(os.environ.get("SDL_DEVICE", "cpu"))
     gate = os.environ.get("SDL_WAIT_FOR")
     while gate and not os.path.exists(gate):  # torch is imported: join the moment it appears
         time.sleep(0.01)
@@ -80,8 +81,9 @@ def main() -> None:
         result = {"replica": sdl.replica, "rounds": sdl.rounds, "late": sdl.late_rounds,
                   "joined_at": sdl.joined_at_step,
                   "global": sdl.global_parameters.tolist(),
+                  "device": str(next(model.parameters()).device),
                   "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-                  .tolist()}
+                  .cpu().tolist()}
     with open(out, "w") as f:
         json.dump(result, f)
 
