@@ -3,7 +3,8 @@
 Usage: replica_script.py OUT_JSON (``{index}`` in it becomes the replica's index; settings
 in GRADSTAR_* and SDL_* environment variables)
 
-SDL_DEVICE (default cpu) is where the model lives. Waits for the file SDL_WAIT_FOR first, if set (a late start without an import's delay).
+SDL_DEVICE (default cpu) is where the model lives. Waits for the file SDL_WAIT_FOR first, if
+set (a late start without an import's delay).
 Trains :func:`make_model` on its own stream of :func:`batch` data with plain SGD, calls
 ``StreamingDiLoCo.step()`` after each step, prints ``step N`` after each one (the tests watch
 for these), and writes what it ended with to OUT_JSON. The tests' single-process reference
