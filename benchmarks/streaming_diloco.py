@@ -10,7 +10,10 @@ of the training set, the same number of inner steps, through one embedded coordi
 - ``ddp``: ``gradstar.DDP`` over a process group, gradients averaged every step;
 - ``diloco``: ``gradstar.StreamingDiLoCo`` with one fragment, no overlap and ``alpha=0`` (plain
   DiLoCo: the whole model's pseudo-gradient every H steps, outer Nesterov on the hub);
-- ``streaming``: ``StreamingDiLoCo`` with ``--fragments`` P, ``--delay`` tau, ``alpha=0.5``.
+- ``streaming``: ``StreamingDiLoCo`` with ``--fragments`` P, ``--delay`` tau, ``alpha=0.5``;
+- ``streaming-kill`` (ask for it with ``--methods``): the same, with one worker SIGKILLed half
+  way through and started again at once, as the worker agent does (rounds close without it
+  after 5 s, with ``min_replicas`` one less than all): its accuracy against ``streaming``'s.
 
 Reported per method: the global model's test accuracy, payload bytes through the hub (all
 workers, both ways), and the peak *upload* of one worker in one inner step (what a sync
@@ -33,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-METHODS = ("ddp", "diloco", "streaming")
+METHODS = ("ddp", "diloco", "streaming", "streaming-kill")
 #: Also for the emulated cluster (streaming_diloco_cluster.py): torch's DDP over gloo.
 WORKER_METHODS = (*METHODS, "gloo")
 
@@ -74,12 +77,15 @@ def worker(method: str, index: int, out: Path, args: argparse.Namespace) -> None
                                 world_size=args.workers, rank=index)
         trained = torch.nn.parallel.DistributedDataParallel(model)
     else:
-        streaming = method == "streaming"
+        streaming = method.startswith("streaming")
+        # streaming-kill: one worker is killed and restarted mid-run; the rounds close with
+        # the others (one fewer than all) after round_timeout.
+        killing = method == "streaming-kill"
         sdl = gradstar.StreamingDiLoCo(
             model, sync_every=args.sync_every, fragments=args.fragments if streaming else 1,
             delay=args.delay if streaming else 0, alpha=0.5 if streaming else 0.0,
-            outer_lr=0.7, outer_momentum=0.9, min_replicas=args.workers, job=f"bench-{method}",
-            replica=f"w{index}", round_timeout=60.0)
+            outer_lr=0.7, outer_momentum=0.9, min_replicas=args.workers - killing,
+            job=f"bench-{method}", replica=f"w{index}", round_timeout=5.0 if killing else 60.0)
         trained = model
         sizes = [sum(p.numel() for p in group) * 4 for group in sdl.groups]
     snapshots = os.environ.get("BENCH_SNAPSHOTS") if index == 0 else None
@@ -95,7 +101,8 @@ def worker(method: str, index: int, out: Path, args: argparse.Namespace) -> None
         np.save(Path(snapshots) / f"{method}-{step:06d}-{time.time() - began:.3f}.npy", flat)
 
     opt = MomentumSGD(model.parameters(), args.lr, 0.9)
-    for step in range(steps):
+    # A restarted replica takes up the schedule where the hub's latest round began.
+    for step in range(0 if sizes is None else sdl.local_steps, steps):
         start = (step % (len(y) // args.batch_size)) * args.batch_size
         opt.zero_grad()
         torch.nn.functional.cross_entropy(trained(x[start:start + args.batch_size]),
@@ -120,6 +127,24 @@ def worker(method: str, index: int, out: Path, args: argparse.Namespace) -> None
                                "params": final.tolist()}))
 
 
+def kill_and_restart(procs: list, start, hub, args: argparse.Namespace) -> None:
+    """SIGKILL the last worker once fragment 0 is half way through its rounds, and start it
+    again at once (as the worker agent does)."""
+    steps = args.epochs * ((args.samples * 4 // 5) // args.workers // args.batch_size)
+    half = steps // args.sync_every // 2
+    table = hub.coordinator.rounds
+    while True:
+        held = table.global_model("bench-streaming-kill", "global", 0)
+        if held is not None and held.rounds >= half:
+            break
+        time.sleep(0.05)
+    procs[-1].kill()
+    procs[-1].wait()
+    print(f"killed worker {len(procs) - 1} after round {held.rounds} of fragment 0; "
+          "restarting it", flush=True)
+    procs[-1] = start(len(procs) - 1)
+
+
 def run_method(method: str, args: argparse.Namespace, hub, tmp: Path) -> dict:
     from gradstar.worker.spirals import evaluate, load_flat_parameters, make_spirals
 
@@ -127,8 +152,13 @@ def run_method(method: str, args: argparse.Namespace, hub, tmp: Path) -> dict:
     env.update(GRADSTAR_COORDINATOR=hub.address, GRADSTAR_SHARED_MEMORY="0")
     outs = [tmp / f"{method}-{i}.json" for i in range(args.workers)]
     began = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", method, str(i), str(out),
-                               *sys.argv[1:]], env=env) for i, out in enumerate(outs)]
+    def start(i: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, __file__, "--worker", method, str(i),
+                                 str(outs[i]), *sys.argv[1:]], env=env)
+
+    procs = [start(i) for i in range(args.workers)]
+    if method == "streaming-kill":
+        kill_and_restart(procs, start, hub, args)
     if any(p.wait() for p in procs):
         raise SystemExit(f"a {method} worker failed")
     seconds = time.monotonic() - began
@@ -156,7 +186,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--sync-every", type=int, default=100, help="H")
     parser.add_argument("--fragments", type=int, default=4, help="P (streaming)")
     parser.add_argument("--delay", type=int, default=5, help="tau (streaming)")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS[:3]))
     parser.add_argument("--worker", nargs=3, metavar=("METHOD", "INDEX", "OUT"),
                         help=argparse.SUPPRESS)
     return parser
