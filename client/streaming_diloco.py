@@ -41,6 +41,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 
 import numpy as np
 
@@ -122,6 +123,7 @@ class StreamingDiLoCo:
 
     def _join(self) -> None:
         """Seed or find every fragment; start from the hub's global model and schedule."""
+        began = time.monotonic()
         for p in range(len(self.groups)):
             self._run(self.client.seed(self.model_name, p, self._flat(p), self.timeout))
             rounds, glob = self._run(self.client.fetch(self.model_name, p, 0, self.timeout))
@@ -131,6 +133,8 @@ class StreamingDiLoCo:
         self.local_steps = self.schedule.resume_step(self.rounds)
         #: The step at which this replica took up the schedule (0 for one there from the start).
         self.joined_at_step = self.local_steps
+        #: Seconds the join took (seeding and fetching every fragment).
+        self.join_seconds = time.monotonic() - began
         log.info("replica %r joined at step %d with rounds %s", self.replica, self.local_steps,
                  self.rounds)
 

@@ -4,6 +4,7 @@ out, gradstar errors to statuses. Fetch waits (bounded) for a round to close."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import numpy as np
@@ -74,10 +75,10 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
                 remaining = until - loop.time()
                 if remaining <= 0:
                     break
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(closed.wait(), remaining)
-                except TimeoutError:
-                    break
+                # Read again even after a timeout: the round may have closed as the wait ran
+                # out, and a stale "not ready, not held" would make the replica send again.
                 held = self.table.global_model(k.job, k.model, k.fragment)
         except GradstarError as error:
             await abort(context, error)

@@ -72,7 +72,8 @@ def main() -> None:
     while gate and not os.path.exists(gate):  # torch is imported: join the moment it appears
         time.sleep(0.01)
     with gradstar.StreamingDiLoCo(model, **options()) as sdl:
-        print(f"joined {sdl.joined_at_step} {sdl.rounds} pid {os.getpid()}", flush=True)
+        print(f"joined {sdl.joined_at_step} {sdl.rounds} pid {os.getpid()} in "
+              f"{sdl.join_seconds:.3f} s", flush=True)
         while sdl.local_steps < steps:
             inner_step(model, index, sdl.local_steps)
             sdl.step()
