@@ -37,7 +37,7 @@ USER gradstar
 
 # 29400: gRPC (rendezvous, collectives, admin, health); 9400: coordinator metrics;
 # 8080: a worker agent's /healthz.
-EXPOSE 29400 9400 8080
+EXPOSE 29400 29401 9400 8080
 # The coordinator's health over the gRPC health protocol (grpc.health.v1.Health/Check must
 # answer SERVING; NOT_SERVING while draining or short of shards). docker-compose.yml gives the
 # worker service a check of its own.

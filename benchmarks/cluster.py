@@ -97,6 +97,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _emulated_cluster import (
+    CONGESTION_CONTROL,
     ClusterUnavailable,
     EmulatedCluster,
     LinkBytes,
@@ -114,6 +115,7 @@ from _harness import (
 REPO = Path(__file__).resolve().parents[1]
 COORDINATOR_PORT = 29400  # each host is a fresh namespace: nothing else listens there
 STORE_PORT = 29500
+DDP_BATCH = 32  # rows per rank per step, as benchmarks/ddp_step.py
 MB = 1e6
 GB = 1e9
 
@@ -237,6 +239,30 @@ def busiest(links: dict[str, LinkBytes]) -> float:
 # -- the rank program ---------------------------------------------------------------------------
 
 
+def ddp_step(wrap: Callable, rank: int) -> tuple[Callable, Callable]:
+    """``benchmarks/ddp_step.py``'s model, data and SGD step, its gradients reduced by the
+    DDP wrapper ``wrap`` returns: (one training step, a sample of the parameters now)."""
+    import torch
+    from ddp_step import SAMPLE_EVERY, _data, _model
+
+    torch.set_num_threads(1)  # every rank shares the machine's cores with the others
+    model = _model(seed=rank)  # different seeds: DDP's first broadcast must align them
+    step_model = wrap(model)
+    x, y = _data(rank, DDP_BATCH)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(step_model(x), y).backward()
+        opt.step()
+
+    def sample() -> list[float]:
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        return flat[::SAMPLE_EVERY].tolist()
+
+    return step, sample
+
+
 def rank_main(spec: dict) -> int:
     """One rank: join, warm up, report the timed loop. Rank 0 prints ``{"phase": ...}`` lines
     and waits for a line on stdin at each; every rank ends with a ``{"result": ...}`` line."""
@@ -262,6 +288,9 @@ def rank_main(spec: dict) -> int:
             return x.numpy()
 
         barrier, close, shards = dist.barrier, dist.destroy_process_group, None
+        def wrap(model):
+            return torch.nn.parallel.DistributedDataParallel(
+                model, bucket_cap_mb=spec["bucket_cap_mb"])
     else:
         import gradstar
 
@@ -278,7 +307,17 @@ def rank_main(spec: dict) -> int:
 
         barrier, close, shards = pg.barrier, pg.close, pg.shards
 
+        def wrap(model):
+            return gradstar.DDP(model, pg, bucket_cap_mb=spec["bucket_cap_mb"])
+
+    if spec["workload"] == "ddp":
+        all_reduce, final = ddp_step(wrap, rank)
+    else:
+        final = None
+
     def check(result) -> None:
+        if final is not None:
+            return  # a DDP step: the ranks' final parameters are compared by the driver
         if not (result[0] == want and result[-1] == want and (result == want).all()):
             raise SystemExit(f"rank {rank}: wrong all_reduce result (want {want})")
 
@@ -304,7 +343,7 @@ def rank_main(spec: dict) -> int:
     check(result)
     phase("end")
     print(json.dumps({"result": {"rank": rank, "times": times, "cpu_s": cpu,
-                                 "shards": shards}}), flush=True)
+                                 "shards": shards, "sample": final and final()}}), flush=True)
     close()
     return 0
 
@@ -441,7 +480,9 @@ def run_size(run: Run, name: str, placement: Placement, hub: list[Process], size
     try:
         for rank, host in enumerate(layout.rank_hosts):
             spec = {"backend": "gloo" if placement.coordinator is None else "gradstar",
-                    "rank": rank, "world_size": layout.world_size, "nbytes": nbytes,
+                    "workload": args.workload, "bucket_cap_mb": args.bucket_cap_mb,
+                    "rank": rank,
+                    "world_size": layout.world_size, "nbytes": nbytes,
                     "iters": args.iters, "warmup": args.warmup, "store": store,
                     "timeout": args.timeout, "shards": len(placement.shard_hosts),
                     "chunk_bytes": int(args.chunk_mb * MiB) if args.chunk_mb else None}
@@ -466,6 +507,11 @@ def run_size(run: Run, name: str, placement: Placement, hub: list[Process], size
             from None
     finally:
         run.cluster.stop_processes([r.proc for r in ranks])
+    if args.workload == "ddp":
+        for r in results[1:]:
+            if r["sample"] != results[0]["sample"]:
+                raise BenchmarkError(f"{label}: rank {r['rank']}'s parameters differ from "
+                                     "rank 0's: the replicas diverged")
     before, after = samples
     links = {h: LinkBytes(round((after.links[h] - before.links[h]).rx / args.iters),
                           round((after.links[h] - before.links[h]).tx / args.iters))
@@ -479,7 +525,7 @@ def run_size(run: Run, name: str, placement: Placement, hub: list[Process], size
             "model": {h: vars(b) for h, b in model.items()},
             "hub_cpu_s_per_gb": (after.hub_cpu - before.hub_cpu) / gb if hub else None,
             "ranks_cpu_s_per_gb": sum(r["cpu_s"] for r in results) / gb,
-            "shards": results[0]["shards"]}
+            "shards": results[0]["shards"], "sample": results[0]["sample"]}
 
 
 def run_topology(run: Run, name: str) -> tuple[list[dict], list[tuple[str, str]]]:
@@ -546,6 +592,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="float32 payload per rank in MiB (default 1 16 64)")
     parser.add_argument("--rate", default="200mbit",
                         help="each host link's rate each way, tc notation (default 200mbit)")
+    parser.add_argument("--workload", choices=["all_reduce", "ddp"], default="all_reduce",
+                        help="all_reduce: of --sizes-mb; ddp: benchmarks/ddp_step.py's DDP "
+                             "training step (its 37.7 MB of gradients; --sizes-mb ignored)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                        help="--workload ddp: both DDPs' bucket size (default 25, torch's)")
+    parser.add_argument("--congestion-control", default=CONGESTION_CONTROL,
+                        help="each host's TCP congestion control (default cubic, Linux's "
+                             "default; 'inherit' keeps the machine's)")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed iterations (default 1)")
     parser.add_argument("--chunk-mb", type=float,
@@ -568,13 +622,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda s, _: sys.exit(128 + s))
+    if args.workload == "ddp":  # one "size": the model's gradients
+        from itertools import pairwise
+
+        from ddp_step import WIDTHS
+
+        params = sum(a * b + b for a, b in pairwise(WIDTHS))
+        args.sizes_mb = [params * 4 / MiB]
     layout = Layout(args.hosts, args.ranks_per_host)
     names = layout.nodes + extra_hosts(args.topologies, layout)
     rows: list[dict] = []
     failures: list[tuple[str, str]] = []
     logs = Path(tempfile.mkdtemp(prefix="gradstar-cluster-"))
     try:
-        with EmulatedCluster(names, rate=args.rate) as cluster:
+        congestion = None if args.congestion_control == "inherit" else args.congestion_control
+        with EmulatedCluster(names, rate=args.rate, congestion_control=congestion) as cluster:
             print(cluster.describe(), file=sys.stderr, flush=True)
             run = Run(cluster, layout, args, logs)
             for name in args.topologies:
@@ -591,7 +653,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if not failures:
             shutil.rmtree(logs, ignore_errors=True)
-    print(f"\nall_reduce, float32, {layout.hosts} hosts x {layout.ranks_per_host} ranks, each "
+    what = ("DDP step of benchmarks/ddp_step.py's MLP (MiB: its float32 gradients; ideal: "
+            "their all_reduce alone)" if args.workload == "ddp" else "all_reduce, float32")
+    print(f"\n{what}, {layout.hosts} hosts x {layout.ranks_per_host} ranks, each "
           f"host link {args.rate} each way; {args.iters} timed iterations (median), "
           f"{args.warmup} warm-up; load {loadavg()}")
     print("ideal = busiest host link's bytes in one direction / rate: ring 2(n-1)/n*S, hub on "

@@ -374,6 +374,14 @@ async def abandon_collective(targets: Sequence[Target], header: pb.CollectiveHea
     await asyncio.gather(*notices)
 
 
+def give_up(targets: Sequence[Target], header: pb.CollectiveHeader, world_size: int,
+            metadata) -> None:
+    """Tell the hub, on a task of its own, that this rank will never issue ``header`` (a
+    collective it reserved a seq for): :func:`abandon_collective`, so that no rank waits out
+    the timeout for it. Call it on the loop."""
+    _notify(abandon_collective(targets, header, world_size, metadata))
+
+
 def _output_offset(geometry: ops.Geometry) -> int:
     """Where a segment's result region starts: after the input region, cache-line aligned; for
     all_reduce on the input region itself (the hub writes result chunk i only after reading
@@ -413,5 +421,5 @@ def _offering(header: pb.CollectiveHeader, target: Target, segment: shm.Segment 
 
 # The bookkeeping and the targets are re-exported: this module is where a reader looks first.
 __all__ = ["MAX_IDLE_STREAMS", "CollectivePlan", "OpenStream", "Phase", "SharedMemoryOffer",
-           "StreamReceiver", "Target", "abandon_collective", "issue", "run_collective",
+           "StreamReceiver", "Target", "abandon_collective", "give_up", "issue", "run_collective",
            "run_stream"]

@@ -30,15 +30,27 @@ from .stream_targets import SharedMemoryOffer, Target
 #: 4696 in 0.5 MiB; 1 MiB over 4 shards-extra-hosts 320 ms in one chunk, 84 in 64 KiB ones.
 CHUNKS_PER_STRIPE = 16
 MIN_STRIPED_CHUNK = 64 << 10
+#: Across hosts, striped chunks are at most this big: a shard can send a chunk's result only
+#: once every rank's chunk arrived, so the last chunk's round trip is the pipeline's drain.
+#: Measured at 200 Mbit/s, 4 extra-host shards (benchmarks/cluster.py --chunk-mb, cubic):
+#: 64 MiB took 3107 ms in 1 MiB chunks and 2936 ms (91% of the link bound) in 256 KiB ones;
+#: 16 MiB 787-797 ms in 256 KiB chunks and 880 ms in 64 KiB ones (per-chunk CPU: 2x the
+#: CPU-s/GB); node-local shards the same in 1 MiB and 256 KiB chunks (4265 / 4285 ms).
+#: Within one host (local shards, shared memory) chunks stay as large as configured.
+MAX_CHUNK_ACROSS_HOSTS = 256 << 10
 
 
-def striped_chunk_bytes(configured: int, nbytes: int, stripes: int) -> int:
+def striped_chunk_bytes(configured: int, nbytes: int, stripes: int,
+                        spans_hosts: bool = False) -> int:
     """The chunk size for a collective of ``nbytes`` over ``stripes`` targets: ``configured``,
-    or smaller so that each stripe gets CHUNKS_PER_STRIPE chunks (every rank computes the same
-    from the same header fields, as the hub checks)."""
+    or smaller so that each stripe gets CHUNKS_PER_STRIPE chunks, and when the generation
+    ``spans_hosts`` at most MAX_CHUNK_ACROSS_HOSTS (every rank computes the same from the same
+    header fields and generation, as the hub checks)."""
     if stripes <= 1:
         return configured
     wanted = -(-nbytes // (stripes * CHUNKS_PER_STRIPE))
+    if spans_hosts:
+        wanted = min(wanted, MAX_CHUNK_ACROSS_HOSTS)
     return min(configured, max(MIN_STRIPED_CHUNK, wanted))
 
 
@@ -53,14 +65,17 @@ def resolve(address: str, coordinator: str) -> str:
 class DataPlane:
     """The coordinator's :class:`Target` and one per hub shard of the generation."""
 
-    def __init__(self, settings: ClientSettings, shards: list[str]) -> None:
+    def __init__(self, settings: ClientSettings, shards: list[str],
+                 collectives: str = "") -> None:
         self.settings = settings
         # The coordinator's collectives go on a connection of their own, apart from the
-        # session's: a session's keepalive pings must not wait behind MBs of tensors
+        # session's, to the port it serves them on (``collectives``; empty: its own): a
+        # session's keepalive pings must not wait behind MBs of tensors
         # (gradstar.transport.channels, BULK_KEEPALIVE_TIMEOUT_MS).
-        self._coordinator_channel = open_channel(settings, bulk=True)
+        self.collectives = resolve(collectives or settings.coordinator, settings.coordinator)
+        self._coordinator_channel = open_channel(settings, self.collectives, bulk=True)
         self.coordinator = Target(self._coordinator_channel.stream_stream(COLLECTIVE_METHOD),
-                                  settings.coordinator,
+                                  self.collectives,
                                   shm=SharedMemoryOffer(settings.shared_memory))
         #: The shards' addresses, in stripe order, as this rank reaches them.
         self.addresses = [resolve(a, settings.coordinator) for a in shards]
@@ -80,17 +95,22 @@ class DataPlane:
         return self.shards
 
     async def connect(self, timeout: float) -> None:
-        """Wait until this rank is connected to every hub shard (all at once).
+        """Wait until this rank is connected to every hub shard and to the coordinator's
+        collective port (all at once).
 
         Raises:
-            CoordinatorUnavailableError: a shard was not reached within ``timeout`` seconds,
-                or its TLS settings do not match this rank's (named at once).
+            CoordinatorUnavailableError: a shard or the collective port was not reached within
+                ``timeout`` seconds, or its TLS settings do not match this rank's (named at
+                once).
         """
         s = self.settings
+        ends = list(zip(self._channels, (t.address for t in self.shards),
+                        (t.name for t in self.shards), strict=True))
+        ends.append((self._coordinator_channel, self.collectives,
+                     f"the coordinator's collective port at {self.collectives}"))
         waits = [asyncio.ensure_future(wait_connected(
-            channel, target.address, timeout, s.tls_ca, s.tls_cert, s.tls_key,
-            name=target.name)) for channel, target in zip(self._channels, self.shards,
-                                                          strict=True)]
+            channel, address, timeout, s.tls_ca, s.tls_cert, s.tls_key, name=name))
+            for channel, address, name in ends]
         try:
             await asyncio.gather(*waits)
         finally:

@@ -25,7 +25,11 @@ from gradstar.proto.v1 import (
     shard_pb2_grpc,
 )
 from gradstar.transport.auth import TokenAuthInterceptor
-from gradstar.transport.channels import SERVER_OPTIONS, server_credentials
+from gradstar.transport.channels import (
+    BULK_SERVER_OPTIONS,
+    SERVER_OPTIONS,
+    server_credentials,
+)
 from gradstar.transport.http import bound_port, serve_http
 
 from .admin import AdminServicer
@@ -67,6 +71,9 @@ class Coordinator:
         self.rendezvous: Rendezvous | None = None
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
+        self._bulk_server: grpc.aio.Server | None = None
+        #: The port collectives are served on (Joined.collectives), once started.
+        self.collective_port: int | None = None
         self._health: health.aio.HealthServicer | None = None
         self._sweeper: asyncio.Task | None = None
         self._tls = s.tls_cert is not None
@@ -141,15 +148,27 @@ class Coordinator:
         )
         token = s.token.get_secret_value() if s.token else None
         admin = s.admin_token.get_secret_value() if s.admin_token else None
+        creds = (server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca) if self._tls
+                 else None)
+        self.collectives = CollectiveServicer(self.engine, admit=self._admit,
+                                              shared_memory=s.shared_memory)
+        # Collectives get a server of their own: its connections carry MBs of tensors, behind
+        # which a keepalive ping waits for seconds on a full link (8 ranks x 64 MiB through a
+        # hub's 200 Mbit/s link lost their sessions to the 2 s pings that find lost ranks).
+        bulk = grpc.aio.server(interceptors=[TokenAuthInterceptor(token, admin)],
+                               options=BULK_SERVER_OPTIONS)
+        bulk.add_generic_rpc_handlers((self.collectives.handler(),))
+        self.collective_port = _bind(bulk, f"{s.host}:{s.collective_port}", creds,
+                                     "the coordinator's collective port")
         server = grpc.aio.server(
             interceptors=[TokenAuthInterceptor(token, admin)], options=SERVER_OPTIONS
         )
         rendezvous_pb2_grpc.add_RendezvousServicer_to_server(
-            RendezvousServicer(self.rendezvous, s.heartbeat_interval, s.max_collective_timeout),
+            RendezvousServicer(self.rendezvous, s.heartbeat_interval, s.max_collective_timeout,
+                               collectives=f":{self.collective_port}"),
             server,
         )
-        self.collectives = CollectiveServicer(self.engine, admit=self._admit,
-                                              shared_memory=s.shared_memory)
+        # Still served here too: a rank of an earlier version sends its collectives here.
         server.add_generic_rpc_handlers((self.collectives.handler(),))
         rounds_pb2_grpc.add_RoundsServicer_to_server(
             RoundsServicer(self.rounds, s.max_chunk_bytes), server)
@@ -167,20 +186,14 @@ class Coordinator:
             reflection.enable_server_reflection(
                 (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
             )
-        bind = f"{s.host}:{s.port}"
-        if self._tls:
-            creds = server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca)
-            port = server.add_secure_port(bind, creds)
-        else:
-            port = server.add_insecure_port(bind)
-        if port == 0:
-            raise OSError(f"could not bind the coordinator to {bind}")
+        port = _bind(server, f"{s.host}:{s.port}", creds, "the coordinator")
         if s.metrics_port is not None:
             routes = {"/metrics": self._metrics_page, **status_routes(self.status.snapshot)}
             self._metrics_server = await serve_http(s.metrics_host, s.metrics_port, routes)
             self.metrics_port = bound_port(self._metrics_server)
+        await bulk.start()
         await server.start()
-        self._server, self.port = server, port
+        self._server, self.port, self._bulk_server = server, port, bulk
         self._sweeper = asyncio.create_task(self._sweep(), name="gradstar-heartbeat-sweep")
         if s.shards:
             self._local_shards = LocalShards(s, port, s.shards)
@@ -286,8 +299,9 @@ class Coordinator:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
-        await self._server.stop(self.settings.drain_grace if grace is None else grace)
-        self._server = None
+        grace = self.settings.drain_grace if grace is None else grace
+        await asyncio.gather(self._server.stop(grace), self._bulk_server.stop(grace))
+        self._server = self._bulk_server = None
         if self._local_shards is not None:
             await self._local_shards.stop()
             self._local_shards = None
@@ -307,3 +321,21 @@ class Coordinator:
 
     async def __aexit__(self, *exc) -> None:
         await self.stop(grace=0)
+
+
+def _bind(server: grpc.aio.Server, address: str, creds: grpc.ServerCredentials | None,
+          what: str) -> int:
+    """Bind ``server`` to ``address`` (TLS with ``creds``); returns the bound port.
+
+    Raises:
+        OSError: the address could not be bound.
+    """
+    try:
+        port = (server.add_secure_port(address, creds) if creds is not None
+                else server.add_insecure_port(address))
+    except RuntimeError:  # grpc's way of saying the bind failed (in use, no such address)
+        port = 0
+    if port == 0:
+        raise OSError(f"could not bind {what} to {address} (in use, or no such address "
+                      "here)")
+    return port

@@ -68,10 +68,13 @@ _SESSION_END = object()
 class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
     """One session stream per member: join, heartbeats, and failure notices."""
 
-    def __init__(self, rendezvous: Rendezvous, heartbeat_interval: float, max_join: float):
+    def __init__(self, rendezvous: Rendezvous, heartbeat_interval: float, max_join: float,
+                 collectives: str = "") -> None:
         self.rendezvous = rendezvous
         self.heartbeat_interval = heartbeat_interval
         self.max_join = max_join
+        #: Where members send collectives (``Joined.collectives``): ``:PORT`` or empty.
+        self.collectives = collectives
 
     async def Session(self, request_iterator, context):
         requests = request_iterator.__aiter__()
@@ -94,7 +97,7 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
         reader = asyncio.create_task(self._read(member, requests))
         try:
             yield rpb.SessionEvent(joined=rpb.Joined(
-                shards=gen.shards,
+                shards=gen.shards, collectives=self.collectives,
                 job=j.job, generation=gen.number, rank=member.rank, world_size=gen.world_size,
                 member_id=member.member_id,
                 peers=[rpb.Peer(rank=r, address=m.peer_address, host=m.host)

@@ -167,12 +167,15 @@ class Shard:
         await wait_connected(self._channel, s.coordinator, s.shard_wait, s.coordinator_ca,
                              s.tls_cert if tls else None, s.tls_key if tls else None,
                              ca_setting="coordinator_ca")
-        admin = s.admin_token or s.token
-        metadata = bearer(admin.get_secret_value()) if admin is not None else ()
         stub = shard_pb2_grpc.ShardControlStub(self._channel)
         self._reports.put_nowait(spb.ShardReport(hello=spb.ShardHello(
             address=self.address, slot=s.slot, job=s.for_job, host=host_key())))
-        call = stub.Register(self._report_stream(), metadata=metadata)
+        # A shard for one job registers with the job token, as its job's ranks hold it (a
+        # coordinator with an admin token of its own opens Register to that token only).
+        token = (s.token or s.admin_token) if s.for_job else (s.admin_token or s.token)
+        metadata = bearer(token.get_secret_value()) if token is not None else ()
+        register = stub.RegisterForJob if s.for_job else stub.Register
+        call = register(self._report_stream(), metadata=metadata)
         try:
             first = await asyncio.wait_for(call.read(), s.shard_wait)
         except grpc.RpcError as error:

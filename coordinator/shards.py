@@ -114,8 +114,9 @@ class ShardRegistry:
                 await asyncio.wait_for(self._changed.wait(), left)
         return True
 
-    def register(self, hello: spb.ShardHello) -> ShardRecord:
-        """Give a shard a slot.
+    def register(self, hello: spb.ShardHello, job_scoped: bool = False) -> ShardRecord:
+        """Give a shard a slot. A ``job_scoped`` one (registered with the job token) takes a
+        free slot, or one a shard of its own job left, never another lost shard's.
 
         Raises:
             ProtocolError: the hello names no address.
@@ -123,6 +124,8 @@ class ShardRegistry:
         if not hello.address or len(hello.address) > 1024:
             raise ProtocolError("a shard must say hello with the address ranks reach it at")
         taken = {s for s, r in self.slots.items() if r.state == "up"}
+        if job_scoped:
+            taken |= {s for s, r in self.slots.items() if r.job != hello.job[:256]}
         if hello.slot >= 0 and hello.slot not in taken:
             slot = hello.slot
         else:
@@ -229,7 +232,19 @@ class ShardControlServicer(shard_pb2_grpc.ShardControlServicer):
     def __init__(self, registry: ShardRegistry) -> None:
         self.registry = registry
 
+    # grpc.aio tells streaming handlers apart by their kind: both must be async generators.
     async def Register(self, request_iterator, context):
+        """A shard of the hub (admin token): serves every job, or the one its hello names."""
+        async for command in self._register(request_iterator, context, for_job=False):
+            yield command
+
+    async def RegisterForJob(self, request_iterator, context):
+        """A node-local shard for one job (job token): its hello must name the job; it never
+        takes a slot another job's or every job's shard left (see shard.proto)."""
+        async for command in self._register(request_iterator, context, for_job=True):
+            yield command
+
+    async def _register(self, request_iterator, context, for_job: bool):
         reports = request_iterator.__aiter__()
         try:
             first = await anext(reports)
@@ -238,7 +253,10 @@ class ShardControlServicer(shard_pb2_grpc.ShardControlServicer):
         try:
             if first.WhichOneof("kind") != "hello":
                 raise ProtocolError("a shard's control stream must start with a hello")
-            record = self.registry.register(first.hello)
+            if for_job and not first.hello.job:
+                raise ProtocolError("RegisterForJob is for a shard started for one job; its "
+                                    "hello names no job")
+            record = self.registry.register(first.hello, job_scoped=for_job)
         except GradstarError as error:
             await abort(context, error)
         reader = asyncio.create_task(self._read(record, reports))

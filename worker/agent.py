@@ -36,7 +36,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gradstar import node_shard
@@ -68,6 +68,15 @@ class AgentSettings(BaseSettings):
     node_shard: bool = Field(
         True, description="run a node-local hub shard for the job on this host when its ranks "
                           "span hosts or the coordinator is elsewhere (gradstar.node_shard)")
+    shard_tls_cert: Path | None = Field(
+        None, description="with TLS, the node-local shard's server certificate for this host")
+    shard_tls_key: Path | None = None
+
+    @model_validator(mode="after")
+    def _shard_tls_pair(self) -> AgentSettings:
+        if (self.shard_tls_cert is None) != (self.shard_tls_key is None):
+            raise ValueError("shard_tls_cert and shard_tls_key go together")
+        return self
 
 
 def _log(message: str) -> None:
@@ -98,8 +107,9 @@ class WorkerAgent:
             return "turned off"
         if self.world_size == s.nproc and is_loopback(split_host_port(s.coordinator)[0]):
             return "every rank and the coordinator are on this host"
-        if s.tls_ca or s.tls_cert:
-            return "the job uses TLS, and a shard needs a server certificate for this host"
+        if (s.tls_ca or s.tls_cert) and s.shard_tls_cert is None:
+            return ("the job uses TLS, and a shard needs a server certificate for this host "
+                    "(--shard-tls-cert, --shard-tls-key)")
         return None
 
     def _env_for(self, local_rank: int, restart: int) -> dict[str, str]:
@@ -147,8 +157,11 @@ class WorkerAgent:
                 return 1
             if (why_not := self._wants_shard()) is None:
                 token = s.token.get_secret_value() if s.token is not None else None
+                tls = (node_shard.ShardTLS(s.shard_tls_cert, s.shard_tls_key, s.tls_ca,
+                                           mutual=s.tls_cert is not None)
+                       if s.shard_tls_cert is not None else None)
                 self.shard = await asyncio.to_thread(node_shard.start, s.coordinator, s.job,
-                                                     token)
+                                                     token, tls)
                 if self.shard is not None:
                     _log(f"gradstar worker: node-local shard for job {s.job!r} at "
                          f"{self.shard.address}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Awaitable
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -25,7 +26,7 @@ from gradstar.transport.tls_check import wait_connected
 from gradstar.wire import aligned_chunk_bytes, dtype_info
 
 from ..coalesced import all_reduce_coalesced
-from ..collective_stream import abandon_collective, issue, run_collective
+from ..collective_stream import abandon_collective, give_up, issue, run_collective
 from ..convert import (
     copies_to_device,
     copying_to_device,
@@ -38,6 +39,14 @@ from ..hierarchy import HostHierarchy
 from ..peer import Identity, PeerEndpoint
 from ..session import Session
 from .point_to_point import PointToPoint
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """A collective whose seq was taken by :meth:`AsyncProcessGroup.reserve`, not yet issued."""
+
+    header: pb.CollectiveHeader
+    timeout: float
 
 
 class AsyncProcessGroup(PointToPoint):
@@ -56,11 +65,13 @@ class AsyncProcessGroup(PointToPoint):
         self.generation: int = joined.generation
         self.job: str = joined.job
         self.peers: dict[int, str] = {p.rank: p.address for p in joined.peers}
+        #: Whether the generation's ranks are on several hosts (by the keys they joined with).
+        self._spans_hosts = len({p.host for p in joined.peers if p.host}) > 1
         self._member_id = joined.member_id
         self._channel = channel
         self._session = session
         self._metadata = call_metadata(settings)
-        self._plane = DataPlane(settings, list(joined.shards))
+        self._plane = DataPlane(settings, list(joined.shards), joined.collectives)
         #: The hub shards this generation's collectives are striped over (empty: none).
         self.shards: list[str] = self._plane.addresses
         self._seq = itertools.count(1)
@@ -68,7 +79,7 @@ class AsyncProcessGroup(PointToPoint):
         self._all_to_all_calls = itertools.count(1)
         self._closed = False
         self._peer_endpoint = peer_endpoint
-        #: The two-level all_reduce over this generation's hosts (inactive on one host).
+        #: The two-level collectives over this generation's hosts (inactive on one host).
         self._hosts = HostHierarchy(self, {p.rank: p.host for p in joined.peers},
                                     functools.partial(_subgroup, settings))
         if peer_endpoint is not None:
@@ -104,7 +115,7 @@ class AsyncProcessGroup(PointToPoint):
         arr, restore = to_numpy(x)
         reduce_op = ops.reduce_op(op)
         into = np.empty_like(arr) if out is None else _output_array(out, arr)
-        if self._hosts.takes(arr, reduce_op):
+        if self._hosts.takes(ops.ALL_REDUCE, arr, reduce_op):
             self._check_usable()
             return self._hosts.all_reduce(arr, reduce_op, into, restore if out is None
                                           else (lambda _result: out), timeout)
@@ -118,21 +129,27 @@ class AsyncProcessGroup(PointToPoint):
             raise InvalidCollectiveError(
                 f"broadcast src={src} is out of range for world_size {self.world_size}"
             )
+        if self._hosts.takes(ops.BROADCAST, arr):
+            self._check_usable()
+            return self._hosts.broadcast(arr, src, restore, timeout)
         out = arr.copy() if self.rank == src else np.empty_like(arr)
         return self._run(ops.BROADCAST, arr, arr, out, restore, timeout, root=src)
 
     def all_gather(self, x, *, timeout: float | None = None) -> Awaitable:
         """Every rank's ``x``; resolves to a list indexed by rank."""
         arr, restore = to_numpy(x)
-        out = np.empty((self.world_size, *arr.shape), dtype=arr.dtype)
-        out[self.rank] = arr  # this rank's segment: sent from here, never received
 
         def split(result: np.ndarray) -> list:
             whole = restore(result)
             return [whole[i] for i in range(self.world_size)]
 
-        return self._run(ops.ALL_GATHER, arr, out, out,
-                         copying_to_device(split, copies_to_device(restore)), timeout)
+        deliver = copying_to_device(split, copies_to_device(restore))
+        if self._hosts.takes(ops.ALL_GATHER, arr):
+            self._check_usable()
+            return self._hosts.all_gather(arr, deliver, timeout)
+        out = np.empty((self.world_size, *arr.shape), dtype=arr.dtype)
+        out[self.rank] = arr  # this rank's segment: sent from here, never received
+        return self._run(ops.ALL_GATHER, arr, out, out, deliver, timeout)
 
     def reduce_scatter(self, x, op: str = "sum", *, timeout: float | None = None) -> Awaitable:
         """Reduce ``x`` over ranks and keep shard ``rank`` of dim 0 (dim 0 % world_size == 0)."""
@@ -143,6 +160,9 @@ class AsyncProcessGroup(PointToPoint):
                 f"reduce_scatter needs dim 0 divisible by world_size {self.world_size}, "
                 f"got shape {arr.shape}"
             )
+        if self._hosts.takes(ops.REDUCE_SCATTER, arr, reduce_op):
+            self._check_usable()
+            return self._hosts.reduce_scatter(arr, reduce_op, restore, timeout)
         out = np.empty((arr.shape[0] // self.world_size, *arr.shape[1:]), dtype=arr.dtype)
         return self._run(ops.REDUCE_SCATTER, arr, arr, out, restore, timeout,
                          reduce_op=reduce_op)
@@ -183,6 +203,41 @@ class AsyncProcessGroup(PointToPoint):
         return self._run(ops.ALL_REDUCE, arr, arr, np.empty_like(arr), restore, timeout,
                          reduce_op=ops.reduce_op("mean"), averaging=spec)
 
+    # -- collectives issued later, in the order they were reserved ------------------------------
+
+    def reserve(self, op: int, like: np.ndarray, *, reduce_op: int = 0, root: int = 0,
+                timeout: float | None = None) -> Reserved:
+        """Take the next seq now for collective ``op`` over arrays of ``like``'s shape and dtype
+        (this rank's input), to issue later with :meth:`run_reserved` or never, saying so
+        with :meth:`give_up`. The hub matches collectives by seq, so collectives reserved in
+        the same order on every rank pair up whatever order they are issued in: the stages of
+        :mod:`gradstar.client.hierarchy` need exactly that.
+
+        Raises:
+            ProcessGroupClosedError: the group is closed.
+            GradstarError: the group's generation failed (its failure).
+        """
+        header, timeout = self._header(op, like, timeout, reduce_op, root)
+        return Reserved(header, timeout)
+
+    def run_reserved(self, reserved: Reserved, send: np.ndarray,
+                     out: np.ndarray) -> Awaitable:
+        """Issue ``reserved`` now, sending from ``send`` (cut by the op's input layout);
+        resolves to the result array (``out``). Call it on the loop.
+
+        Raises:
+            CollectiveError and subclasses: as the collective's own method raises.
+        """
+        header = reserved.header
+        return self._issue(header, lambda: self._collect(header, send, out, _as_is,
+                                                         reserved.timeout))
+
+    def give_up(self, reserved: Reserved) -> None:
+        """Tell the hub this rank will never issue ``reserved``, so that the ranks that do fail
+        it at once rather than at its timeout. Call it on the loop."""
+        give_up(self._targets(reserved.header), reserved.header, self.world_size,
+                self._metadata)
+
     # -- machinery -----------------------------------------------------------------------------
 
     def _check_usable(self) -> None:
@@ -214,7 +269,8 @@ class AsyncProcessGroup(PointToPoint):
             dtype=dtype_info(arr.dtype).wire, shape=arr.shape, root=root,
             chunk_bytes=aligned_chunk_bytes(striped_chunk_bytes(
                 self.settings.chunk_bytes, arr.nbytes,
-                len(self._plane.targets(averaging=averaging is not None))), arr.dtype.itemsize),
+                len(self._plane.targets(averaging=averaging is not None)), self._spans_hosts),
+                arr.dtype.itemsize),
             timeout_seconds=timeout, averaging=averaging,
         )
         return header, timeout
@@ -265,6 +321,10 @@ class AsyncProcessGroup(PointToPoint):
     def __repr__(self) -> str:
         return (f"AsyncProcessGroup(job={self.job!r}, rank={self.rank}, "
                 f"world_size={self.world_size}, generation={self.generation})")
+
+
+def _as_is(result: np.ndarray) -> np.ndarray:
+    return result
 
 
 def _output_array(out, like: np.ndarray) -> np.ndarray:
@@ -330,4 +390,4 @@ async def _subgroup(settings: ClientSettings, job: str, world_size: int,
                                                         "rank": rank}), peers=False)
 
 
-__all__ = ["AsyncProcessGroup", "open_group"]
+__all__ = ["AsyncProcessGroup", "Reserved", "open_group"]

@@ -82,6 +82,12 @@ class CoordinatorSettings(BaseSettings):
         True, description="attach the shared-memory segments ranks on this host offer, so "
                           "their payloads skip the network stack (see gradstar.transport.shm)")
     max_chunk_bytes: int = Field(MAX_CHUNK_BYTES, gt=0, le=MAX_CHUNK_BYTES)
+    collective_port: int = Field(
+        0, ge=0, le=65535,
+        description="the port for collectives' tensors (0 picks a free one): a server of their "
+                    "own whose keepalive tolerates full links, apart from the sessions' port "
+                    "whose 2 s pings find lost ranks; open it where a firewall or Service "
+                    "lists ports")
     heartbeat_interval: float = Field(1.0, gt=0)
     # Frozen or partitioned ranks are found by gRPC keepalive in ~3 s; heartbeats catch a rank
     # whose process lives but whose gradstar event loop stopped.
@@ -233,10 +239,10 @@ class ClientSettings(BaseSettings):
                           "GLOO_SOCKET_IFNAME does for gloo (several networks on one host)")
     peer_port: int = Field(0, ge=0, le=65535, description="peer server port; 0 picks a free one")
     hierarchical: bool = Field(
-        True, description="all_reduce in two levels when a generation spans hosts and some "
-                          "host runs several ranks: the host's ranks combine on its node-local "
-                          "shard first, and only the host's sum crosses its link "
-                          "(gradstar.client.hierarchy)")
+        True, description="all_reduce, broadcast, all_gather and reduce_scatter in two levels "
+                          "when a generation spans hosts and some host runs several ranks: the "
+                          "host's ranks combine on its node-local shard first, and only the "
+                          "host's part crosses its link, once (gradstar.client.hierarchy)")
     peer_buffer_messages: int = Field(
         64, gt=0, description="messages from one rank held before anybody receives them")
     peer_buffer_bytes: int = Field(

@@ -10,9 +10,9 @@ a ring carries.
 
 Whatever starts the ranks on a host starts it: the env:// drop-in's local rank 0 (torchrun,
 Lightning), the worker agent, ``gradstar launch --coordinator``. ``GRADSTAR_NODE_SHARD=0``
-turns it off. The shard registers with the coordinator with the token the starter holds (the
-admin token when it has one, else the job token; a coordinator with an admin token of its own
-refuses the job token, and the job then runs without node-local shards, saying so once).
+turns it off. The shard registers for its job with the job token, as the job's ranks hold it
+(``ShardControl.RegisterForJob``: a shard that carries only the job's generations sees nothing
+a rank of the job cannot), so a coordinator with an admin token of its own takes it too.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import logging
 import os
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 from gradstar import spawn
 from gradstar.errors import ConfigurationError
@@ -56,16 +57,38 @@ class NodeShard:
         spawn.stop(self.process, wait=wait)
 
 
-def start(coordinator: str, job: str, token: str | None = None) -> NodeShard | None:
-    """Start this host's shard for ``job`` and wait until the coordinator registered it; None
-    (logged as a warning naming the cause) when it could not start or register: the job then
-    runs on the shards it has, only slower across hosts."""
+@dataclass(frozen=True)
+class ShardTLS:
+    """How a node-local shard of a TLS job serves: its server certificate for this host, the
+    CA that verifies the coordinator, and whether ranks present client certificates (mutual
+    TLS: the shard then asks for them, chained to the same CA, and presents its certificate to
+    the coordinator as a client, as a rank does)."""
+
+    cert: Path
+    key: Path
+    ca: Path | None
+    mutual: bool = False
+
+    def args(self) -> list[str]:
+        args = ["--tls-cert", str(self.cert), "--tls-key", str(self.key)]
+        if self.ca is not None:
+            args += ["--coordinator-ca", str(self.ca)]
+            if self.mutual:
+                args += ["--tls-client-ca", str(self.ca)]
+        return args
+
+
+def start(coordinator: str, job: str, token: str | None = None,
+          tls: ShardTLS | None = None) -> NodeShard | None:
+    """Start this host's shard for ``job`` (over TLS with ``tls``) and wait until the
+    coordinator registered it; None (logged as a warning naming the cause) when it could not
+    start or register: the job then runs on the shards it has, only slower across hosts."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("GRADSTAR_") or k in _KEPT}
     if token is not None:
         env["GRADSTAR_TOKEN"] = token
     args = ["shard", "--coordinator", coordinator, "--host", "0.0.0.0", "--port", "0",
-            "--for-job", job, "--log-level", "WARNING"]
+            "--for-job", job, "--log-level", "WARNING", *(tls.args() if tls else ())]
     if not any(env.get(k) for k in _TOKENS):
         args.append("--insecure")  # a job without a token: its shard is as open as its hub
     try:
@@ -80,4 +103,4 @@ def start(coordinator: str, job: str, token: str | None = None) -> NodeShard | N
     return NodeShard(process, address)
 
 
-__all__ = ["HOST_GROUP", "START_TIMEOUT", "NodeShard", "start", "wanted"]
+__all__ = ["HOST_GROUP", "START_TIMEOUT", "NodeShard", "ShardTLS", "start", "wanted"]

@@ -17,94 +17,43 @@ elsewhere it skips saying why.
 
 from __future__ import annotations
 
-import json
-import os
-import secrets
-import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.runtime.conftest import clean_env
+from tests.cluster.jobs import job_on_hosts, wait_reports
 from tests.runtime.netns import service_network
 
-REPO = Path(__file__).resolve().parents[2]
 CHUNK = 2 << 20  # the default chunk: a multiple of it per shard keeps the stripes even
 pytestmark = pytest.mark.timeout(300)
-
-
-def _wait_files(out: Path, phase: str, count: int, procs: list, timeout: float,
-                ranks: list[int] | None = None) -> list[dict]:
-    """The reports of ``phase``: ``count`` of them, or those of ``ranks`` when given."""
-    deadline = time.monotonic() + timeout
-
-    def missing(found: list[Path]) -> bool:
-        if ranks is None:
-            return len(found) < count
-        return not {out / f"{phase}-{r}.json" for r in ranks} <= set(found)
-
-    while missing(found := sorted(out.glob(f"{phase}-*.json"))):
-        if time.monotonic() > deadline:
-            logs = "\n".join(p.stdout.read1(1 << 16).decode(errors="replace")
-                             for p in procs if p.poll() is not None)
-            pytest.fail(f"{len(found)} of {count} ranks reported phase {phase!r} within "
-                        f"{timeout:g} s; exited processes said:\n{logs[-4000:]}")
-        time.sleep(0.1)
-    return [json.loads(p.read_text()) for p in found]
 
 
 @pytest.mark.parametrize(("hosts", "per_host"), [(3, 1), (2, 2)], ids=["3x1", "2x2"])
 def test_a_job_across_hosts_is_exact_within_link_bytes_and_survives_a_host(
         tmp_path, hosts, per_host):
     names = [f"host{h}" for h in range(hosts)]
-    token = tmp_path / "token"
-    token.write_text(secrets.token_urlsafe() + "\n")
     out = tmp_path / "out"
     out.mkdir()
     world, dead = hosts * per_host, names[-1]
     nbytes, iters = hosts * 3 * CHUNK, 3
-    procs: list[subprocess.Popen] = []
-
-    def start(host: str, argv: list[str], **env: str) -> subprocess.Popen:
-        proc = subprocess.Popen(network.argv(host, argv), cwd=REPO, start_new_session=True,
-                                env=clean_env(GRADSTAR_TOKEN_FILE=str(token),
-                                              PYTHONPATH=str(REPO), **env),
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT)
-        procs.append(proc)
-        return proc
+    rank_argv = [sys.executable, "-m", "tests.cluster.rank", str(out), str(nbytes), str(iters)]
+    rejoin = {h: {"CLUSTER_REJOIN_WORLD": "0" if h == dead else str(world - per_host)}
+              for h in names}
 
     with service_network(names) as network:
         if network.kind != "netns":
             pytest.skip(f"needs network namespaces as hosts: {network.reason}")
-        try:
-            hub = start("host0", [sys.executable, "-m", "gradstar", "coordinator", "--host",
-                                  "0.0.0.0", "--port", "0", "--shards", "0"])
-            line = b""
-            while b"listening on" not in line:  # bounded by the test's timeout
-                line = hub.stdout.readline()
-                assert line, "the coordinator exited before it listened"
-            coordinator = f"{network.addresses['host0']}:{int(line.rsplit(b':', 1)[1])}"
-            job = f"cluster-{secrets.token_hex(3)}"
-            for host in names:
-                start(host, [sys.executable, "-m", "gradstar", "worker", "--coordinator",
-                             coordinator, "--job", job, "--nproc", str(per_host),
-                             "--world-size", str(world), "--", sys.executable, "-m",
-                             "tests.cluster.rank", str(out), str(nbytes), str(iters)],
-                      CLUSTER_HOST=host,
-                      CLUSTER_REJOIN_WORLD="0" if host == dead else str(world - per_host))
-
-            exact = _wait_files(out, "exact", world, procs, 120)
+        with job_on_hosts(network, tmp_path, per_host, rank_argv, rejoin) as (procs, hub):
+            exact = wait_reports(out, "exact", world, procs, 120)
             shards = exact[0]["shards"]
             assert sorted(a.rsplit(":", 1)[0] for a in shards) == sorted(
                 network.addresses.values()), "not one node-local shard per host"
             assert all(r["shards"] == shards for r in exact)
 
             # Every rank reads its host's counters; the ranks of one host read the same ones.
-            measured = {r["host"]: r for r in _wait_files(out, "bytes", world, procs, 120)}
+            measured = {r["host"]: r for r in wait_reports(out, "bytes", world, procs, 120)}
             bound = 1.1 * 2 * (hosts - 1) / hosts * nbytes * iters
             for host, r in sorted(measured.items()):
                 print(f"{host}: rx {r['rx'] / bound * 1.1:.3f}, tx {r['tx'] / bound * 1.1:.3f} "
@@ -119,7 +68,7 @@ def test_a_job_across_hosts_is_exact_within_link_bytes_and_survives_a_host(
                            check=True, timeout=20)
             down_at = time.time()
             survivors = [r["rank"] for r in exact if r["host"] != dead]
-            failures = [f for f in _wait_files(out, "failure", 0, procs, 90, survivors)
+            failures = [f for f in wait_reports(out, "failure", 0, procs, 90, survivors)
                         if f["host"] != dead]
             assert sorted(f["rank"] for f in failures) == sorted(survivors)
             for f in failures:
@@ -128,12 +77,7 @@ def test_a_job_across_hosts_is_exact_within_link_bytes_and_survives_a_host(
                       f"{f['at'] - down_at:.2f} s after the link went down")
             assert hub.poll() is None, "the coordinator exited"
 
-            again = _wait_files(out, "again", world - per_host, procs, 120)
+            again = wait_reports(out, "again", world - per_host, procs, 120)
             assert {r["world"] for r in again} == {world - per_host}
             left = sorted(network.addresses[h] for h in names if h != dead)
             assert sorted(a.rsplit(":", 1)[0] for a in again[0]["shards"]) == left
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)

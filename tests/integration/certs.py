@@ -22,8 +22,9 @@ def _write_key(key, path: Path) -> None:
                                        serialization.NoEncryption()))
 
 
-def make_pki(folder: Path) -> dict[str, Path]:
-    """ca.pem, server.pem/server.key (for 127.0.0.1 and localhost), client.pem/client.key."""
+def make_pki(folder: Path, ips: tuple[str, ...] = ()) -> dict[str, Path]:
+    """ca.pem, server.pem/server.key (for 127.0.0.1, localhost and ``ips``),
+    client.pem/client.key."""
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (x509.CertificateBuilder().subject_name(_name("gradstar test CA"))
@@ -44,7 +45,8 @@ def make_pki(folder: Path) -> dict[str, Path]:
                    .not_valid_after(now + datetime.timedelta(days=1)))
         if role == "server":
             builder = builder.add_extension(x509.SubjectAlternativeName([
-                x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                x509.DNSName("localhost"),
+                *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in ("127.0.0.1", *ips))]),
                 critical=False)
         cert = builder.sign(ca_key, hashes.SHA256())
         paths[role] = folder / f"{role}.pem"

@@ -42,6 +42,10 @@ def test_workers_wait_for_a_healthy_coordinator_they_reach_by_service_name(compo
     assert service_env(worker)["GRADSTAR_COORDINATOR"] == f"coordinator:{port}"
     assert service_env(coordinator)["GRADSTAR_HOST"] == "0.0.0.0"
     assert f"{port}:{port}" in coordinator["ports"]
+    # Collectives' tensors: a port of their own, fixed and published for ranks on the host.
+    collectives = service_env(coordinator)["GRADSTAR_COLLECTIVE_PORT"]
+    assert collectives != port
+    assert f"{collectives}:{collectives}" in coordinator["ports"]
 
 
 def test_the_published_metrics_port_reaches_the_metrics_endpoint(compose):
@@ -200,7 +204,8 @@ def test_the_dockerfile_builds_the_image_every_service_runs():
     dockerfile = (ROOT / "Dockerfile").read_text(encoding="utf-8")
     assert re.search(r'pip install .*"torch==2\.13\.0"', dockerfile)
     assert re.search(r"^ARG TORCH=cpu$", dockerfile, re.M)
-    assert re.search(r"^EXPOSE .*\b29400\b.*\b9400\b.*\b8080\b", dockerfile, re.M)
+    assert re.search(r"^EXPOSE .*\b29400\b.*\b29401\b.*\b9400\b.*\b8080\b", dockerfile,
+                     re.M)
     assert re.search(r'^CMD \["gradstar", "coordinator"\]', dockerfile, re.M)
     for folder in ("src", "coordinator", "client", "worker", "protos"):
         assert re.search(rf"^COPY {folder} ", dockerfile, re.M), folder

@@ -104,6 +104,16 @@ async def test_compose_services_train_the_demo_job(tmp_path, capsys):
             (model,) = job["global_models"]
             assert model["rounds"] > 0
             if network.kind == "netns":
+                # Each worker container is a host of its own: its agent ran a shard there for
+                # the job, registered with the job token the worker holds (the admin token is
+                # the coordinator's alone).
+                assert "goes on without a shard" not in logs, logs[-3000:]
+                code, out = await _run(network.argv("coordinator", local_argv(
+                    ["gradstar", "admin", "shards", "--json", "--coordinator",
+                     f"127.0.0.1:{port}"])), coordinator_env, 30)
+                assert code == 0, out
+                shards = json.loads(out)["shards"]
+                assert len({s["address"] for s in shards}) == WORKERS, shards
                 for name in names[1:]:
                     received, sent = network.interface_bytes(name)
                     # The rank's parameters went over the bridge, not a shortcut.

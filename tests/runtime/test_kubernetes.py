@@ -140,6 +140,9 @@ def test_the_coordinator_service_carries_grpc_and_metrics_also_before_it_is_read
     container, env = _container(coordinator), _env(_container(coordinator))
     assert _service_port(service, "grpc")["port"] == 29400
     assert _port(container, "grpc") == int(env["GRADSTAR_PORT"]) == 29400
+    # Collectives' tensors have a port of their own: a free one unless fixed, so fixed here.
+    assert _service_port(service, "collectives")["port"] == 29401
+    assert _port(container, "collectives") == int(env["GRADSTAR_COLLECTIVE_PORT"]) == 29401
     assert _service_port(service, "metrics")["port"] == 9400
     assert _port(container, "metrics") == int(env["GRADSTAR_METRICS_PORT"]) == 9400
     assert env["GRADSTAR_METRICS_HOST"] == "0.0.0.0"  # not the default loopback

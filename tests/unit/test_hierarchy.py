@@ -15,11 +15,13 @@ from gradstar.proto.v1 import shard_pb2 as spb
 
 def test_ranks_are_grouped_by_host_and_hosts_ordered_by_their_lowest_rank():
     hosts = {0: "b", 1: "a", 2: "b", 3: "a", 4: "c"}
-    assert plan(0, hosts) == HostPlan("b", 0, 2, True, 0, 3)
-    assert plan(2, hosts) == HostPlan("b", 1, 2, False, 0, 3)
-    assert plan(1, hosts) == HostPlan("a", 0, 2, True, 1, 3)
-    assert plan(3, hosts) == HostPlan("a", 1, 2, False, 1, 3)
-    assert plan(4, hosts) == HostPlan("c", 0, 1, True, 2, 3)
+    layout = ((0, 2), (1, 3), (4,))
+    assert plan(0, hosts) == HostPlan("b", 0, 2, True, 0, 3, layout)
+    assert plan(2, hosts) == HostPlan("b", 1, 2, False, 0, 3, layout)
+    assert plan(1, hosts) == HostPlan("a", 0, 2, True, 1, 3, layout)
+    assert plan(3, hosts) == HostPlan("a", 1, 2, False, 1, 3, layout)
+    assert plan(4, hosts) == HostPlan("c", 0, 1, True, 2, 3, layout)
+    assert not plan(4, hosts).uniform  # all_gather and reduce_scatter stay flat here
 
 
 def test_no_two_levels_where_they_cannot_help():

@@ -93,6 +93,13 @@ def worker_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--no-node-shard", dest="node_shard", action="store_false", default=None,
                    help="run no node-local hub shard on this host (default: one when the "
                         "job's ranks span hosts; env GRADSTAR_NODE_SHARD=0)")
+    p.add_argument("--shard-tls-cert", type=Path,
+                   help="with TLS: a server certificate for this host (its address toward the "
+                        "coordinator in its SAN), so that the node-local shard serves the "
+                        "ranks over TLS (env GRADSTAR_SHARD_TLS_CERT); without it a TLS job "
+                        "runs no node-local shard")
+    p.add_argument("--shard-tls-key", type=Path,
+                   help="the private key of --shard-tls-cert (env GRADSTAR_SHARD_TLS_KEY)")
     p.add_argument("rank_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                    help="what each rank runs, e.g. -- python -m gradstar.worker.train")
     return p
@@ -117,7 +124,9 @@ def worker_command(args: argparse.Namespace) -> int:
         return USAGE_ERROR
     problem = unreadable({"GRADSTAR_TLS_CA": settings.tls_ca,
                            "GRADSTAR_TLS_CERT": settings.tls_cert,
-                           "GRADSTAR_TLS_KEY": settings.tls_key})
+                           "GRADSTAR_TLS_KEY": settings.tls_key,
+                           "--shard-tls-cert": settings.shard_tls_cert,
+                           "--shard-tls-key": settings.shard_tls_key})
     if problem is not None:
         print(f"gradstar worker: {problem}", file=sys.stderr)
         return USAGE_ERROR

@@ -49,6 +49,10 @@ def coordinator_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     p.add_argument("--job-retention", type=float,
                    help="seconds a job without members is kept before it is dropped (600)")
     p.add_argument("--max-jobs", type=int, help="jobs held at most; new ones beyond are refused")
+    p.add_argument("--collective-port", type=int,
+                   help="port for collectives' tensors, a server of its own with a keepalive "
+                        "for full links (default 0: a free one; env GRADSTAR_COLLECTIVE_PORT); "
+                        "open it where a firewall or a Service lists ports")
     p.add_argument("--metrics-port", type=int,
                    help="serve Prometheus metrics on http://HOST:PORT/metrics (0: a free port; "
                         "env GRADSTAR_METRICS_PORT)")
@@ -284,6 +288,7 @@ def _print_serving(coordinator, settings: CoordinatorSettings) -> None:
              f"{coordinator.metrics_port}/metrics")
         _say(f"gradstar coordinator status page on http://{settings.metrics_host}:"
              f"{coordinator.metrics_port}/")
+    _say(f"gradstar coordinator collectives on {settings.host}:{coordinator.collective_port}")
 
 
 
@@ -319,6 +324,8 @@ def _can_serve(settings: CoordinatorSettings, command: str) -> bool:
         print(f"gradstar {command}: {problem}", file=sys.stderr)
         return False
     ports = [(settings.host, settings.port, "--port")]
+    if getattr(settings, "collective_port", None):
+        ports.append((settings.host, settings.collective_port, "--collective-port"))
     if getattr(settings, "metrics_port", None) is not None:
         ports.append((settings.metrics_host, settings.metrics_port, "--metrics-port"))
     for host, port, flag in ports:

@@ -2,7 +2,9 @@
 
 Job calls (rendezvous, collectives) need ``Bearer <token>``; Admin calls and a hub shard's
 registration (``ShardControl``: a shard is part of the hub, so registering one is an operator's
-act, never a rank's) need the admin token (or, when none is set, the job token). Health and
+act, never a rank's) need the admin token (or, when none is set, the job token) — except a
+node-local shard's registration for one job (``RegisterForJob``), which the job token opens:
+that shard carries only the job's generations, nothing a rank of the job could not see. Health and
 reflection stay open so orchestrators can probe the coordinator. Tokens are compared in
 constant time and never logged.
 
@@ -31,6 +33,9 @@ import grpc
 
 AUTH_KEY = "authorization"
 ADMIN_PREFIXES = ("/gradstar.proto.v1.Admin/", "/gradstar.proto.v1.ShardControl/")
+#: ShardControl methods a job token opens: a node-local shard registering for one job (it
+#: serves that job's generations only, so a rank of the job gains nothing by starting one).
+JOB_SCOPED = frozenset({"/gradstar.proto.v1.ShardControl/RegisterForJob"})
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 #: How long a refused streaming call reads (and discards) the client's requests, waiting for
 #: its half-close, before it ends anyway. A collective's frames arrive at link speed, so this
@@ -68,7 +73,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if method.startswith(_OPEN_PREFIXES):
             return await continuation(handler_call_details)
-        is_admin = method.startswith(ADMIN_PREFIXES)
+        is_admin = method.startswith(ADMIN_PREFIXES) and method not in JOB_SCOPED
         expected = self._admin if is_admin else self._job
         if expected is None:
             return await continuation(handler_call_details)

@@ -49,7 +49,7 @@ class Peer(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
 
 class Joined(_message.Message):
-    __slots__ = ("job", "generation", "rank", "world_size", "member_id", "peers", "heartbeat_interval_seconds", "shards", "peer_keys")
+    __slots__ = ("job", "generation", "rank", "world_size", "member_id", "peers", "heartbeat_interval_seconds", "shards", "peer_keys", "collectives")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class Joined(_message.Message):
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     PEER_KEYS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     rank: int
@@ -68,7 +69,8 @@ class Joined(_message.Message):
     heartbeat_interval_seconds: float
     shards: _containers.RepeatedScalarFieldContainer[str]
     peer_keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., member_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., heartbeat_interval_seconds: _Optional[float] = ..., shards: _Optional[_Iterable[str]] = ..., peer_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    collectives: str
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., member_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., heartbeat_interval_seconds: _Optional[float] = ..., shards: _Optional[_Iterable[str]] = ..., peer_keys: _Optional[_Iterable[bytes]] = ..., collectives: _Optional[str] = ...) -> None: ...
 
 class GenerationFailed(_message.Message):
     __slots__ = ("generation", "lost_rank", "reason", "error", "fields_json")

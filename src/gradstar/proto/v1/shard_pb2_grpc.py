@@ -39,6 +39,11 @@ class ShardControlStub:
                 request_serializer=gradstar_dot_proto_dot_v1_dot_shard__pb2.ShardReport.SerializeToString,
                 response_deserializer=gradstar_dot_proto_dot_v1_dot_shard__pb2.ShardCommand.FromString,
                 _registered_method=True)
+        self.RegisterForJob = channel.stream_stream(
+                '/gradstar.proto.v1.ShardControl/RegisterForJob',
+                request_serializer=gradstar_dot_proto_dot_v1_dot_shard__pb2.ShardReport.SerializeToString,
+                response_deserializer=gradstar_dot_proto_dot_v1_dot_shard__pb2.ShardCommand.FromString,
+                _registered_method=True)
 
 
 class ShardControlServicer:
@@ -50,11 +55,26 @@ class ShardControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterForJob(self, request_iterator, context):
+        """A node-local shard's registration (its hello names a job): with the job token, as the
+        job's ranks hold it. Such a shard carries only that job's generations, so it can do nothing
+        a rank of the job cannot; it never takes a slot that a shard of another job, or of every
+        job, left.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Register': grpc.stream_stream_rpc_method_handler(
                     servicer.Register,
+                    request_deserializer=gradstar_dot_proto_dot_v1_dot_shard__pb2.ShardReport.FromString,
+                    response_serializer=gradstar_dot_proto_dot_v1_dot_shard__pb2.ShardCommand.SerializeToString,
+            ),
+            'RegisterForJob': grpc.stream_stream_rpc_method_handler(
+                    servicer.RegisterForJob,
                     request_deserializer=gradstar_dot_proto_dot_v1_dot_shard__pb2.ShardReport.FromString,
                     response_serializer=gradstar_dot_proto_dot_v1_dot_shard__pb2.ShardCommand.SerializeToString,
             ),
@@ -84,6 +104,33 @@ class ShardControl:
             request_iterator,
             target,
             '/gradstar.proto.v1.ShardControl/Register',
+            gradstar_dot_proto_dot_v1_dot_shard__pb2.ShardReport.SerializeToString,
+            gradstar_dot_proto_dot_v1_dot_shard__pb2.ShardCommand.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterForJob(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gradstar.proto.v1.ShardControl/RegisterForJob',
             gradstar_dot_proto_dot_v1_dot_shard__pb2.ShardReport.SerializeToString,
             gradstar_dot_proto_dot_v1_dot_shard__pb2.ShardCommand.FromString,
             options,

@@ -1,0 +1,92 @@
+"""A job across the hosts of a namespaced network (:func:`tests.runtime.netns.service_network`),
+started as a user starts one: a coordinator on the first host and ``gradstar worker`` on every
+host (each runs its ranks and, by default, its node-local shard). The rank programs report
+each phase as ``OUT/PHASE-RANK.json``; :func:`wait_reports` reads them."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.runtime.conftest import clean_env
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def wait_reports(out: Path, phase: str, count: int, procs: list, timeout: float,
+                 ranks: list[int] | None = None) -> list[dict]:
+    """The reports of ``phase``: ``count`` of them, or those of ``ranks`` when given; the test
+    fails, quoting what exited processes printed, if they are not all there in ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+
+    def missing(found: list[Path]) -> bool:
+        if ranks is None:
+            return len(found) < count
+        return not {out / f"{phase}-{r}.json" for r in ranks} <= set(found)
+
+    while missing(found := sorted(out.glob(f"{phase}-*.json"))):
+        if time.monotonic() > deadline:
+            logs = "\n".join(p.stdout.read1(1 << 16).decode(errors="replace")
+                             for p in procs if p.poll() is not None)
+            pytest.fail(f"{len(found)} of {count} ranks reported phase {phase!r} within "
+                        f"{timeout:g} s; exited processes said:\n{logs[-4000:]}")
+        time.sleep(0.1)
+    return [json.loads(p.read_text()) for p in found]
+
+
+@contextmanager
+def job_on_hosts(network, tmp_path: Path, per_host: int | Sequence[int], rank_argv: list[str],
+                 env_for: dict[str, dict[str, str]] | None = None,
+                 coordinator_args: Sequence[str] = (), worker_args: Sequence[str] = (),
+                 ) -> Iterator[tuple[list[subprocess.Popen], subprocess.Popen]]:
+    """Start the coordinator on the network's first host and a worker running ``per_host``
+    ranks of ``rank_argv`` on every host (a sequence: so many on each host, in order;
+    ``env_for[host]``: extra environment for its ranks; ``coordinator_args`` and
+    ``worker_args``: more flags for those commands);
+    yields (every process, the coordinator) and kills them all when the block ends."""
+    names = list(network.addresses)
+    counts = [per_host] * len(names) if isinstance(per_host, int) else list(per_host)
+    token = tmp_path / "token"
+    token.write_text(secrets.token_urlsafe() + "\n")
+    procs: list[subprocess.Popen] = []
+
+    def start(host: str, argv: list[str], **env: str) -> subprocess.Popen:
+        proc = subprocess.Popen(network.argv(host, argv), cwd=REPO, start_new_session=True,
+                                env=clean_env(GRADSTAR_TOKEN_FILE=str(token),
+                                              PYTHONPATH=str(REPO), **env),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+        procs.append(proc)
+        return proc
+
+    try:
+        hub = start(names[0], [sys.executable, "-m", "gradstar", "coordinator", "--host",
+                               "0.0.0.0", "--port", "0", "--shards", "0",
+                               *coordinator_args])
+        line = b""
+        while b"listening on" not in line:  # bounded by the test's timeout
+            line = hub.stdout.readline()
+            assert line, "the coordinator exited before it listened"
+        coordinator = f"{network.addresses[names[0]]}:{int(line.rsplit(b':', 1)[1])}"
+        job = f"cluster-{secrets.token_hex(3)}"
+        for host, count in zip(names, counts, strict=True):
+            start(host, [sys.executable, "-m", "gradstar", "worker", "--coordinator",
+                         coordinator, "--job", job, "--nproc", str(count),
+                         "--world-size", str(sum(counts)), *worker_args, "--", *rank_argv],
+                  CLUSTER_HOST=host, **(env_for or {}).get(host, {}))
+        yield procs, hub
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
