@@ -28,6 +28,8 @@ from gradstar.proto.v1 import rounds_pb2_grpc
 from gradstar.transport.channels import call_metadata, open_channel
 from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
 
+from .data_plane import resolve
+
 log = logging.getLogger(__name__)
 
 #: Bytes of float32 data per stream message.
@@ -69,6 +71,11 @@ class RoundsClient:
         self.replica = replica
         self._channel = open_channel(settings, bulk=True)
         self._stub = rounds_pb2_grpc.RoundsStub(self._channel)
+        # Contribute and Fetch go to the coordinator's collective port once a Seed reply names
+        # it (connections there tolerate full links); back to this one if it goes away (a
+        # restarted coordinator may have another).
+        self._bulk_channel: grpc.aio.Channel | None = None
+        self._data = self._stub
         self._metadata = call_metadata(settings)
         #: Payload bytes sent and received (for benchmarks and the demo's report).
         self.bytes_sent = 0
@@ -84,6 +91,10 @@ class RoundsClient:
             _parts(header, params), timeout=t, metadata=self._metadata),
             f"seeding fragment {fragment} of {model!r}", timeout)
         self.bytes_sent += params.nbytes
+        if reply.bulk_address and self._bulk_channel is None:
+            target = resolve(reply.bulk_address, self.settings.coordinator)
+            self._bulk_channel = open_channel(self.settings, target, bulk=True)
+            self._data = rounds_pb2_grpc.RoundsStub(self._bulk_channel)
         return reply.rounds
 
     async def contribute(self, model: str, fragment: int, number: int, policy: RoundPolicySpec,
@@ -91,7 +102,7 @@ class RoundsClient:
         """Send the pseudo-gradient for round ``number``: (accepted, rounds completed)."""
         header = pb.TensorHeader(key=self._key(model, fragment), numel=delta.shape[0],
                                  round=number, policy=policy.message())
-        reply = await self._retrying(lambda t: self._stub.Contribute(
+        reply = await self._retrying(lambda t: self._data.Contribute(
             _parts(header, delta), timeout=t, metadata=self._metadata),
             f"round {number} of fragment {fragment} of {model!r}", timeout)
         self.bytes_sent += delta.nbytes
@@ -169,7 +180,7 @@ class RoundsClient:
                 await resend()
 
     async def _read_fetch(self, request: pb.FetchRequest, timeout: float):
-        call = self._stub.Fetch(request, timeout=timeout, metadata=self._metadata)
+        call = self._data.Fetch(request, timeout=timeout, metadata=self._metadata)
         parts = call.__aiter__()
         try:
             first = await anext(parts)
@@ -211,9 +222,12 @@ class RoundsClient:
                 if not isinstance(error, CoordinatorUnavailableError) or left <= RETRY_PAUSE:
                     raise error from None
                 log.warning("%s; retrying", error)
+                self._data = self._stub  # the collective port may be gone with its coordinator
             await asyncio.sleep(RETRY_PAUSE)
 
     async def close(self) -> None:
+        if self._bulk_channel is not None:
+            await self._bulk_channel.close()
         await self._channel.close()
 
 

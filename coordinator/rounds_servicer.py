@@ -31,6 +31,9 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
 
     def __init__(self, table: RoundsTable, max_chunk_bytes: int) -> None:
         self.table = table
+        #: Named in Seed replies (``RoundStatus.bulk_address``): ":PORT" of the coordinator's
+        #: collective server, which serves this servicer too; empty: none.
+        self.bulk_address = ""
         self.max_chunk_bytes = max_chunk_bytes
         self._closed = asyncio.Event()
         table.on_closed = self._round_closed
@@ -41,7 +44,8 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
             header, params = await self._read_tensor(request_iterator)
             k = header.key
             rounds = self.table.seed(k.job, k.model, k.fragment, k.replica, params)
-            return pb.RoundStatus(rounds=rounds, accepted=True, numel=params.shape[0])
+            return pb.RoundStatus(rounds=rounds, accepted=True, numel=params.shape[0],
+                                  bulk_address=self.bulk_address)
         except GradstarError as error:
             await abort(context, error)
 

@@ -158,8 +158,12 @@ class Coordinator:
         bulk = grpc.aio.server(interceptors=[TokenAuthInterceptor(token, admin)],
                                options=BULK_SERVER_OPTIONS)
         bulk.add_generic_rpc_handlers((self.collectives.handler(),))
+        # Outer rounds carry tensors too: served there (named in Seed replies) and here.
+        rounds = RoundsServicer(self.rounds, s.max_chunk_bytes)
+        rounds_pb2_grpc.add_RoundsServicer_to_server(rounds, bulk)
         self.collective_port = _bind(bulk, f"{s.host}:{s.collective_port}", creds,
                                      "the coordinator's collective port")
+        rounds.bulk_address = f":{self.collective_port}"
         server = grpc.aio.server(
             interceptors=[TokenAuthInterceptor(token, admin)], options=SERVER_OPTIONS
         )
@@ -170,8 +174,7 @@ class Coordinator:
         )
         # Still served here too: a rank of an earlier version sends its collectives here.
         server.add_generic_rpc_handlers((self.collectives.handler(),))
-        rounds_pb2_grpc.add_RoundsServicer_to_server(
-            RoundsServicer(self.rounds, s.max_chunk_bytes), server)
+        rounds_pb2_grpc.add_RoundsServicer_to_server(rounds, server)
         admin_pb2_grpc.add_AdminServicer_to_server(
             AdminServicer(self.rendezvous, self.averaging, self.drain, self.shards,
                           self.rounds), server

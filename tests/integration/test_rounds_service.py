@@ -134,3 +134,20 @@ async def test_rounds_need_the_job_token(start_coordinator):
     finally:
         await wrong.close()
         await right.close()
+
+
+async def test_rounds_carry_tensors_on_the_collective_port(coordinator, clients):
+    # The Seed reply names the port whose connections tolerate full links; Contribute and
+    # Fetch go there (the control port serves them too, for a coordinator that restarted).
+    a = clients("a")
+    await a.seed("m", 0, np.zeros(4, np.float32), 10)
+    assert a._bulk_channel is not None
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{coordinator.collective_port}") as ch:
+        stub = rounds_pb2_grpc.RoundsStub(ch)
+        first = await anext(stub.Fetch(pb.FetchRequest(
+            key=pb.RoundsKey(job="j", model="m", fragment=0, replica="x")), timeout=10)
+            .__aiter__())
+    assert first.header.ready and first.header.numel == 4
+    policy = RoundPolicySpec(outer_lr=1.0, outer_momentum=0.0, min_replicas=1)
+    accepted, rounds, params = await a.round("m", 0, 0, policy, np.ones(4, np.float32), 10)
+    assert accepted and rounds == 1 and params.tolist() == [-1, -1, -1, -1]

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1egradstar/proto/v1/rounds.proto\x12\x11gradstar.proto.v1\"J\n\tRoundsKey\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08\x66ragment\x18\x03 \x01(\r\x12\x0f\n\x07replica\x18\x04 \x01(\t\"~\n\x0bRoundPolicy\x12\x10\n\x08outer_lr\x18\x01 \x01(\x01\x12\x16\n\x0eouter_momentum\x18\x02 \x01(\x01\x12\x10\n\x08nesterov\x18\x03 \x01(\x08\x12\x14\n\x0cmin_replicas\x18\x04 \x01(\r\x12\x1d\n\x15round_timeout_seconds\x18\x05 \x01(\x01\"\x9c\x01\n\x0cTensorHeader\x12)\n\x03key\x18\x01 \x01(\x0b\x32\x1c.gradstar.proto.v1.RoundsKey\x12\r\n\x05numel\x18\x02 \x01(\x04\x12\r\n\x05round\x18\x03 \x01(\x04\x12.\n\x06policy\x18\x04 \x01(\x0b\x32\x1e.gradstar.proto.v1.RoundPolicy\x12\x13\n\x0bwire_format\x18\x05 \x01(\t\"K\n\nTensorPart\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1f.gradstar.proto.v1.TensorHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\">\n\x0bRoundStatus\x12\x0e\n\x06rounds\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\r\n\x05numel\x18\x03 \x01(\x04\"c\n\x0c\x46\x65tchRequest\x12)\n\x03key\x18\x01 \x01(\x0b\x32\x1c.gradstar.proto.v1.RoundsKey\x12\x12\n\nmin_rounds\x18\x02 \x01(\x04\x12\x14\n\x0cwait_seconds\x18\x03 \x01(\x01\"W\n\x0b\x46\x65tchHeader\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0e\n\x06rounds\x18\x02 \x01(\x04\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\x1a\n\x12holds_contribution\x18\x04 \x01(\x08\"I\n\tFetchPart\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1e.gradstar.proto.v1.FetchHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x32\xea\x01\n\x06Rounds\x12G\n\x04Seed\x12\x1d.gradstar.proto.v1.TensorPart\x1a\x1e.gradstar.proto.v1.RoundStatus(\x01\x12M\n\nContribute\x12\x1d.gradstar.proto.v1.TensorPart\x1a\x1e.gradstar.proto.v1.RoundStatus(\x01\x12H\n\x05\x46\x65tch\x12\x1f.gradstar.proto.v1.FetchRequest\x1a\x1c.gradstar.proto.v1.FetchPart0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1egradstar/proto/v1/rounds.proto\x12\x11gradstar.proto.v1\"J\n\tRoundsKey\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08\x66ragment\x18\x03 \x01(\r\x12\x0f\n\x07replica\x18\x04 \x01(\t\"~\n\x0bRoundPolicy\x12\x10\n\x08outer_lr\x18\x01 \x01(\x01\x12\x16\n\x0eouter_momentum\x18\x02 \x01(\x01\x12\x10\n\x08nesterov\x18\x03 \x01(\x08\x12\x14\n\x0cmin_replicas\x18\x04 \x01(\r\x12\x1d\n\x15round_timeout_seconds\x18\x05 \x01(\x01\"\x9c\x01\n\x0cTensorHeader\x12)\n\x03key\x18\x01 \x01(\x0b\x32\x1c.gradstar.proto.v1.RoundsKey\x12\r\n\x05numel\x18\x02 \x01(\x04\x12\r\n\x05round\x18\x03 \x01(\x04\x12.\n\x06policy\x18\x04 \x01(\x0b\x32\x1e.gradstar.proto.v1.RoundPolicy\x12\x13\n\x0bwire_format\x18\x05 \x01(\t\"K\n\nTensorPart\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1f.gradstar.proto.v1.TensorHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"T\n\x0bRoundStatus\x12\x0e\n\x06rounds\x18\x01 \x01(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\x14\n\x0c\x62ulk_address\x18\x04 \x01(\t\"c\n\x0c\x46\x65tchRequest\x12)\n\x03key\x18\x01 \x01(\x0b\x32\x1c.gradstar.proto.v1.RoundsKey\x12\x12\n\nmin_rounds\x18\x02 \x01(\x04\x12\x14\n\x0cwait_seconds\x18\x03 \x01(\x01\"W\n\x0b\x46\x65tchHeader\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x0e\n\x06rounds\x18\x02 \x01(\x04\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\x1a\n\x12holds_contribution\x18\x04 \x01(\x08\"I\n\tFetchPart\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1e.gradstar.proto.v1.FetchHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x32\xea\x01\n\x06Rounds\x12G\n\x04Seed\x12\x1d.gradstar.proto.v1.TensorPart\x1a\x1e.gradstar.proto.v1.RoundStatus(\x01\x12M\n\nContribute\x12\x1d.gradstar.proto.v1.TensorPart\x1a\x1e.gradstar.proto.v1.RoundStatus(\x01\x12H\n\x05\x46\x65tch\x12\x1f.gradstar.proto.v1.FetchRequest\x1a\x1c.gradstar.proto.v1.FetchPart0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,13 +40,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSORPART']._serialized_start=416
   _globals['_TENSORPART']._serialized_end=491
   _globals['_ROUNDSTATUS']._serialized_start=493
-  _globals['_ROUNDSTATUS']._serialized_end=555
-  _globals['_FETCHREQUEST']._serialized_start=557
-  _globals['_FETCHREQUEST']._serialized_end=656
-  _globals['_FETCHHEADER']._serialized_start=658
-  _globals['_FETCHHEADER']._serialized_end=745
-  _globals['_FETCHPART']._serialized_start=747
-  _globals['_FETCHPART']._serialized_end=820
-  _globals['_ROUNDS']._serialized_start=823
-  _globals['_ROUNDS']._serialized_end=1057
+  _globals['_ROUNDSTATUS']._serialized_end=577
+  _globals['_FETCHREQUEST']._serialized_start=579
+  _globals['_FETCHREQUEST']._serialized_end=678
+  _globals['_FETCHHEADER']._serialized_start=680
+  _globals['_FETCHHEADER']._serialized_end=767
+  _globals['_FETCHPART']._serialized_start=769
+  _globals['_FETCHPART']._serialized_end=842
+  _globals['_ROUNDS']._serialized_start=845
+  _globals['_ROUNDS']._serialized_end=1079
 # @@protoc_insertion_point(module_scope)

@@ -54,14 +54,16 @@ class TensorPart(_message.Message):
     def __init__(self, header: _Optional[_Union[TensorHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class RoundStatus(_message.Message):
-    __slots__ = ("rounds", "accepted", "numel")
+    __slots__ = ("rounds", "accepted", "numel", "bulk_address")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
+    BULK_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     accepted: bool
     numel: int
-    def __init__(self, rounds: _Optional[int] = ..., accepted: _Optional[bool] = ..., numel: _Optional[int] = ...) -> None: ...
+    bulk_address: str
+    def __init__(self, rounds: _Optional[int] = ..., accepted: _Optional[bool] = ..., numel: _Optional[int] = ..., bulk_address: _Optional[str] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("key", "min_rounds", "wait_seconds")
