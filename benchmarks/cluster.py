@@ -14,6 +14,9 @@ The cluster (:mod:`_emulated_cluster`)
 Topologies (the rows; ``--topologies``)
     ``gloo``                torch.distributed gloo all_reduce (its ring), GLOO_SOCKET_IFNAME=eth0,
                             rendezvous on a TCP store at node0's address.
+    ``gloo-bf16-hook``      the same with torch's ``bf16_compress_hook`` semantics: the tensor
+                            divided by n, cast to bfloat16, all_reduced (added in bfloat16 at
+                            every hop of the ring), cast back (and times n for the check).
     ``hub-on-rank0``        ``gradstar coordinator`` on node0, beside rank 0; no shards (what an
                             embedded hub or ``gradstar launch`` gives).
     ``hub-own-host``        the coordinator alone on host ``hub`` (docker-compose's shape).
@@ -24,7 +27,9 @@ Topologies (the rows; ``--topologies``)
                             (advertised at the address gradstar picks); with several ranks on
                             a host they combine on its shard first (the two-level all_reduce).
     Each gradstar topology is one function below returning a :class:`Placement`; the processes
-    are started from it by :func:`start_hub`.
+    are started from it by :func:`start_hub`. With ``--wire F ...`` each gradstar topology has
+    a row per wire format (``none``: float32), named e.g. ``node-local wire=int8``: the ranks
+    call ``all_reduce(x, wire=F)`` (compressed wire formats, ``gradstar.wire.formats``).
 
 What is measured
     Each rank runs in its host's namespace (``ip netns exec``), with a float32 tensor of
@@ -73,6 +78,9 @@ How to reproduce (as root)::
         --iters 5
     .venv/bin/python benchmarks/cluster.py --hosts 2 --ranks-per-host 2 --sizes-mb 1 \\
         --topologies gloo node-local --rate 100mbit --json /tmp/cluster.json
+    # compressed wire formats against gloo and gloo + bf16 hook (issue 25's targets)
+    .venv/bin/python benchmarks/cluster.py --hosts 4 --sizes-mb 64 --iters 3 \\
+        --topologies gloo gloo-bf16-hook node-local --wire none bf16 int8 int4
 """
 
 from __future__ import annotations
@@ -155,10 +163,16 @@ class Placement:
     #: row's job (``--for-job``; each size's job is a subgroup of it), advertised at the
     #: address gradstar picks by default, and a host's ranks combine on theirs first.
     node_local: bool = False
+    #: gloo with torch's bf16_compress_hook semantics (bfloat16 on the wire, added per hop).
+    bf16_hook: bool = False
 
 
 def gloo(layout: Layout) -> Placement:
     return Placement(None)
+
+
+def gloo_bf16_hook(layout: Layout) -> Placement:
+    return Placement(None, bf16_hook=True)
 
 
 def hub_on_rank0(layout: Layout) -> Placement:
@@ -181,8 +195,11 @@ def node_local(layout: Layout) -> Placement:
 
 
 TOPOLOGIES: dict[str, Callable[[Layout], Placement]] = {
-    "gloo": gloo, "hub-on-rank0": hub_on_rank0, "hub-own-host": hub_own_host,
-    "shards-extra-hosts": shards_extra_hosts, "node-local": node_local}
+    "gloo": gloo, "gloo-bf16-hook": gloo_bf16_hook, "hub-on-rank0": hub_on_rank0,
+    "hub-own-host": hub_own_host, "shards-extra-hosts": shards_extra_hosts,
+    "node-local": node_local}
+#: The rows of a run without --topologies (the compressed gloo row is asked for by name).
+DEFAULT_TOPOLOGIES = [name for name in TOPOLOGIES if name != "gloo-bf16-hook"]
 
 
 def extra_hosts(names: Sequence[str], layout: Layout) -> list[str]:
@@ -199,14 +216,22 @@ def extra_hosts(names: Sequence[str], layout: Layout) -> list[str]:
 # -- the link model -----------------------------------------------------------------------------
 
 
-def link_model(placement: Placement, layout: Layout, nbytes: int) -> dict[str, LinkBytes]:
+def link_model(placement: Placement, layout: Layout, nbytes: int,
+               wire: str | None = None) -> dict[str, LinkBytes]:
     """The bytes each host's link carries per all_reduce of ``nbytes``, from the flows alone.
 
     gloo: rank i sends 2(n-1)/n of the tensor to rank i+1 (its ring). gradstar: each rank
     sends 1/K of the tensor to each of the K shards (the coordinator when K = 0) and gets as
-    much back. A flow between two ranks' processes on one host crosses no link.
+    much back. A flow between two ranks' processes on one host crosses no link. A wire format
+    (or the bf16 hook) scales every flow by its bytes per float32 byte.
     """
     n = layout.world_size
+    if wire is not None:
+        from gradstar.wire.formats import wire_format
+
+        nbytes = nbytes * wire_format(wire).ratio()
+    elif placement.bf16_hook:
+        nbytes = nbytes / 2
     flows: list[tuple[str, str, float]] = []
     if placement.node_local:  # a host's ranks combine first: one S/K flow per host and shard
         targets = placement.shard_hosts
@@ -271,6 +296,8 @@ def rank_main(spec: dict) -> int:
     rank, n, iters = spec["rank"], spec["world_size"], spec["iters"]
     numel = spec["nbytes"] // 4
     want = n * (n + 1) / 2
+    # Compressed rows are exact to the format's rounding (these inputs are constant per rank).
+    lossy = spec.get("wire") is not None or spec.get("bf16_hook", False)
     if spec["backend"] == "gloo":
         import datetime
 
@@ -283,6 +310,10 @@ def rank_main(spec: dict) -> int:
         x = saved.clone()
 
         def all_reduce():
+            if spec.get("bf16_hook"):  # torch's bf16_compress_hook: divide, cast, sum, cast back
+                t = (saved / n).to(torch.bfloat16)
+                dist.all_reduce(t)
+                return t.to(torch.float32).numpy() * n
             x.copy_(saved)  # gloo reduces in place
             dist.all_reduce(x)
             return x.numpy()
@@ -303,7 +334,7 @@ def rank_main(spec: dict) -> int:
         x = np.full(numel, rank + 1, dtype=np.float32)
 
         def all_reduce():
-            return pg.all_reduce(x)
+            return pg.all_reduce(x, wire=spec.get("wire"))
 
         barrier, close, shards = pg.barrier, pg.close, pg.shards
 
@@ -318,6 +349,11 @@ def rank_main(spec: dict) -> int:
     def check(result) -> None:
         if final is not None:
             return  # a DDP step: the ranks' final parameters are compared by the driver
+        if lossy:
+            if not (np.abs(result - want) <= want * 2.0**-6).all():
+                raise SystemExit(f"rank {rank}: wrong all_reduce result (want {want} to the "
+                                 "format's rounding)")
+            return
         if not (result[0] == want and result[-1] == want and (result == want).all()):
             raise SystemExit(f"rank {rank}: wrong all_reduce result (want {want})")
 
@@ -470,11 +506,12 @@ def sample(run: Run, hub: list[Process]) -> Sample:
 
 
 def run_size(run: Run, name: str, placement: Placement, hub: list[Process], size_mb: float,
-             deadline: float) -> dict:
-    """The ranks of one row at one size; returns the row's measurements."""
+             deadline: float, wire: str | None = None) -> dict:
+    """The ranks of one row at one size (``wire``: the gradstar ranks' wire format); returns
+    the row's measurements."""
     layout, args = run.layout, run.args
     nbytes = int(size_mb * MiB) // 4 * 4
-    label = f"{name}-{size_mb:g}MiB"
+    label = f"{name}-{size_mb:g}MiB" + (f"-{wire}" if wire else "")
     store = f"tcp://{run.cluster.address(layout.rank_hosts[0])}:{STORE_PORT}"
     ranks = []
     try:
@@ -485,11 +522,13 @@ def run_size(run: Run, name: str, placement: Placement, hub: list[Process], size
                     "world_size": layout.world_size, "nbytes": nbytes,
                     "iters": args.iters, "warmup": args.warmup, "store": store,
                     "timeout": args.timeout, "shards": len(placement.shard_hosts),
-                    "chunk_bytes": int(args.chunk_mb * MiB) if args.chunk_mb else None}
+                    "chunk_bytes": int(args.chunk_mb * MiB) if args.chunk_mb else None,
+                    "wire": wire, "bf16_hook": placement.bf16_hook}
             ranks.append(run.start(host, f"{label}-rank{rank}",
                                    [sys.executable, "-u", __file__, "--rank-spec",
                                     json.dumps(spec)],
-                                   rank_env(run, placement, f"{name}/{size_mb:g}MiB"),
+                                   rank_env(run, placement, f"{name}/{size_mb:g}MiB"
+                                            + (f"/{wire}" if wire else "")),
                                    stdin=rank == 0))
         samples = []
         for phase in ("start", "end"):
@@ -517,9 +556,10 @@ def run_size(run: Run, name: str, placement: Placement, hub: list[Process], size
                           round((after.links[h] - before.links[h]).tx / args.iters))
              for h in after.links}
     gb = nbytes * layout.world_size * args.iters / GB
-    model = link_model(placement, layout, nbytes)
+    model = link_model(placement, layout, nbytes, wire)
     rate = rate_bytes_per_second(args.rate)
-    return {"topology": name, "size_mb": size_mb, "nbytes": nbytes,
+    return {"topology": name + (f" wire={wire}" if wire else ""), "size_mb": size_mb,
+            "nbytes": nbytes, "wire": wire,
             "median_s": median(results[0]["times"]), "times": results[0]["times"],
             "ideal_s": busiest(model) / rate, "links": {h: vars(b) for h, b in links.items()},
             "model": {h: vars(b) for h, b in model.items()},
@@ -536,17 +576,22 @@ def run_topology(run: Run, name: str) -> tuple[list[dict], list[tuple[str, str]]
     try:
         if placement.coordinator is not None:
             hub = start_hub(run, name, placement, time.monotonic() + 60)
+        wires = [None] if placement.coordinator is None else [
+            None if w == "none" else w for w in run.args.wire]
         for size_mb in run.args.sizes_mb:
-            t0 = time.monotonic()
-            try:
-                row = run_size(run, name, placement, hub, size_mb, t0 + run.args.timeout)
-            except BenchmarkError as error:
-                failures.append((f"{name} {size_mb:g} MiB", str(error)))
-                print(f"  {name:20s} {size_mb:6g} MiB FAILED", file=sys.stderr, flush=True)
-                continue
-            rows.append(row)
-            print(f"  {name:20s} {size_mb:6g} MiB median {row['median_s'] * 1e3:9.1f} ms "
-                  f"({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
+            for wire in wires:
+                what = name + (f" wire={wire}" if wire else "")
+                t0 = time.monotonic()
+                try:
+                    row = run_size(run, name, placement, hub, size_mb, t0 + run.args.timeout,
+                                   wire)
+                except BenchmarkError as error:
+                    failures.append((f"{what} {size_mb:g} MiB", str(error)))
+                    print(f"  {what:30s} {size_mb:6g} MiB FAILED", file=sys.stderr, flush=True)
+                    continue
+                rows.append(row)
+                print(f"  {what:30s} {size_mb:6g} MiB median {row['median_s'] * 1e3:9.1f} ms "
+                      f"({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
     except BenchmarkError as error:
         failures.append((name, str(error)))
         print(f"  {name:20s} FAILED to start", file=sys.stderr, flush=True)
@@ -605,9 +650,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--chunk-mb", type=float,
                         help="gradstar ranks' chunk size in MiB (default: the client's)")
     parser.add_argument("--topologies", nargs="+", choices=list(TOPOLOGIES),
-                        default=list(TOPOLOGIES))
+                        default=DEFAULT_TOPOLOGIES)
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds allowed per topology and size (default 300)")
+    parser.add_argument("--wire", nargs="+", default=["none"],
+                        choices=["none", "bf16", "fp16", "int8", "int4"],
+                        help="gradstar rows per wire format (default: none, float32)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--rank-spec", help=argparse.SUPPRESS)  # a rank process of this script
     args = parser.parse_args(argv)
@@ -616,6 +664,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.hosts < 2 or args.ranks_per_host < 1 or args.iters < 1:
         parser.error("--hosts must be at least 2, --ranks-per-host and --iters at least 1")
     rate_bytes_per_second(args.rate)
+    if args.workload == "ddp" and args.wire != ["none"]:
+        parser.error("--wire applies to the all_reduce workload (gradstar.DDP takes no wire "
+                     "format yet)")
 
     # Ctrl-C (even where a shell started this with SIGINT ignored), SIGTERM and SIGHUP end the
     # run through the finally blocks that clean up.

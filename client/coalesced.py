@@ -19,6 +19,8 @@ from typing import Protocol
 
 import numpy as np
 
+from gradstar.wire.encoded import carries
+
 from .buckets import BucketPlan, TensorSpec, cap_bytes_of
 from .convert import copies_to_device, to_numpy
 
@@ -27,12 +29,17 @@ class AllReducer(Protocol):
     """What the buckets are reduced with: an ``AsyncProcessGroup`` (named structurally, so this
     module does not import the process group that calls it)."""
 
-    def all_reduce(self, x, op: str = "sum", *, timeout: float | None = None) -> Awaitable: ...
+    def all_reduce(self, x, op: str = "sum", *, timeout: float | None = None,
+                   wire: str | None = None) -> Awaitable: ...
 
 
 def all_reduce_coalesced(group: AllReducer, arrays: Sequence, op: str = "mean",
-                         bucket_cap_mb: float = 25, *, timeout: float | None = None) -> Awaitable:
+                         bucket_cap_mb: float = 25, *, timeout: float | None = None,
+                         wire: str | None = None) -> Awaitable:
     """Reduce every array in ``arrays`` over the ranks; resolves to a list in the same order.
+
+    ``wire``: a compressed wire format (see ``AsyncProcessGroup.all_reduce``) for the float
+    buckets; buckets of an integer dtype travel exactly, in their own dtype.
 
     Every bucket's collective is issued (takes its sequence number) when this is *called*, so
     all ranks must call it with the same shapes, dtypes and ``bucket_cap_mb``, in the same order
@@ -41,7 +48,8 @@ def all_reduce_coalesced(group: AllReducer, arrays: Sequence, op: str = "mean",
     tensors, each of which comes back as a new tensor on its own device.
 
     Raises:
-        ConfigurationError: an unsupported op, dtype or object, or a bad ``bucket_cap_mb``.
+        ConfigurationError: an unsupported op, dtype or object, a bad ``bucket_cap_mb``, or a
+            ``wire`` format the op does not take.
         CollectiveError and subclasses (when awaited): as for ``all_reduce``; ``op="mean"`` of
             an integer dtype is an InvalidCollectiveError.
     """
@@ -57,7 +65,8 @@ def all_reduce_coalesced(group: AllReducer, arrays: Sequence, op: str = "mean",
             for member, offset, numel in zip(bucket.members, bucket.offsets, bucket.numels,
                                              strict=True):
                 flat[offset:offset + numel] = converted[sent[member]][0].reshape(-1)
-            pending.append(group.all_reduce(flat, op, timeout=timeout))
+            pending.append(group.all_reduce(flat, op, timeout=timeout,
+                                            wire=wire if carries(flat.dtype) else None))
     except BaseException:
         for call in pending:  # withdrawn: a started task tells the hub, a coroutine never ran
             call.cancel() if isinstance(call, asyncio.Future) else call.close()

@@ -84,12 +84,10 @@ from gradstar.wire import (
     CHUNK_HEADER_BYTES,
     KIND_END,
     KIND_HEADER,
-    ChunkLayout,
     as_byte_view,
     encode_batch,
     encode_message,
     encode_shm_chunk,
-    iter_chunk_frames,
 )
 
 from .session import Session
@@ -109,12 +107,12 @@ _abandoning: set[asyncio.Task] = set()
 SEGMENTS = shm.SegmentPool()
 
 
-async def _frames(header: pb.CollectiveHeader, layout: ChunkLayout, send: memoryview,
-                  sends: Sequence[int], attached: asyncio.Future | None = None,
-                  segment: shm.Segment | None = None):
-    """The rank's side of the stream: header, chunks ``sends`` of ``send``, end marker. With
+async def _frames(header: pb.CollectiveHeader, plan: CollectivePlan, sends: Sequence[int],
+                  attached: asyncio.Future | None = None, segment: shm.Segment | None = None):
+    """The rank's side of the stream: header, chunks ``sends`` of ``plan``, end marker. With
     a segment offered, the chunks wait for the target's answer (``attached``) and then go
     through the segment if it attached it."""
+    layout, send = plan.geometry.layout, plan.send
     yield encode_message(KIND_HEADER, header)
     sent = 0
     if attached is not None and await attached:
@@ -129,7 +127,7 @@ async def _frames(header: pb.CollectiveHeader, layout: ChunkLayout, send: memory
         end = encode_message(KIND_END, pb.CollectiveEnd(chunks=len(sends), bytes=sent))
         yield end if last is None else encode_batch([last, end])
         return
-    for frame in iter_chunk_frames(send, layout, sends):
+    for frame in plan.chunk_frames(sends):
         sent += len(frame) - CHUNK_HEADER_BYTES
         yield frame
     yield encode_message(KIND_END, pb.CollectiveEnd(chunks=len(sends), bytes=sent))
@@ -165,7 +163,7 @@ async def run_stream(target: Target, header: pb.CollectiveHeader, plan: Collecti
         attached.set_result(True)  # the target attached this segment before: no round trip
     verdict = not offered  # whether the target's attach verdict has been taken
     stream = target.open(metadata)
-    stream.send(_frames(header, geometry.layout, plan.send, sends, attached, segment))
+    stream.send(_frames(header, plan, sends, attached, segment))
     try:
         # The stream outlives the collective, so its deadline is this collective's own: a
         # backstop for a hub that stopped answering (the hub times the collective out itself).
@@ -281,7 +279,8 @@ async def _run_collective(targets: Sequence[Target], header: pb.CollectiveHeader
     plan = CollectivePlan.for_header(header, world_size, send, out)
     geometry = plan.geometry
     stripes = _stripe_count(targets, geometry)
-    segment = _offer_segment(targets[:stripes], geometry)
+    # A wire format travels in frames: the segment and the hub read payloads as the dtype's.
+    segment = None if header.wire else _offer_segment(targets[:stripes], geometry)
     clean = False
     try:
         if stripes == 1 and len(targets) == 1:

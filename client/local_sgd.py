@@ -8,6 +8,12 @@ Between rounds each rank runs its inner optimizer alone; every ``sync_every`` ca
   (global parameters at the last round minus its parameters now) and the hub applies the outer
   step to the global model once, keeping the outer momentum next to the model.
 
+With ``wire=`` (DiLoCo only) the pseudo-gradients travel in a compressed wire format
+(:mod:`gradstar.wire.formats`; Streaming DiLoCo ships them in 4 bits); the hub decodes them and
+keeps the global model and the outer momentum in float32, and the ranks get float32 parameters
+back (so no rank's model is ever rounded to the wire format). The seed round always travels in
+float32.
+
 Either way every rank ends the round with the identical new global parameters. At construction
 the ranks take rank 0's parameters and then the job's global model if the hub already holds one,
 so a rank that joins late or restarts after a failure resumes from the last completed round
@@ -24,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from gradstar.errors import ConfigurationError
+from gradstar.wire.formats import wire_format
 
 from .process_group import ProcessGroup
 
@@ -46,7 +53,8 @@ class LocalSGD:
 
     def __init__(self, module, pg: ProcessGroup, sync_every: int, *,
                  outer_optimizer: str | None = None, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, model_name: str = "global") -> None:
+                 outer_momentum: float = 0.9, model_name: str = "global",
+                 wire: str | None = None) -> None:
         if not isinstance(pg, ProcessGroup):
             raise ConfigurationError(
                 "LocalSGD needs the blocking ProcessGroup from gradstar.init_process_group()"
@@ -57,6 +65,13 @@ class LocalSGD:
             raise ConfigurationError(
                 f"outer_optimizer must be None, 'sgd' or 'nesterov', got {outer_optimizer!r}"
             )
+        if wire is not None:
+            if outer_optimizer is None:
+                raise ConfigurationError(
+                    "wire= compresses DiLoCo's pseudo-gradients; plain LocalSGD averages "
+                    "parameters, which travel in float32 (set outer_optimizer, or leave wire "
+                    "unset)")
+            wire_format(wire)  # an unknown name fails here, not at the first round
         # Imported here: gradstar.client imports this module, and numpy-only installs of
         # gradstar have no torch.
         from .torch_common import module_device
@@ -69,6 +84,7 @@ class LocalSGD:
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
         self.model_name = model_name
+        self.wire = wire
         self.params = [p for p in module.parameters()]
         self.local_steps = 0
         self.rounds = 0
@@ -94,7 +110,7 @@ class LocalSGD:
             sent = self._anchor - current
         new = self.pg.sync_global_model(sent, model=self.model_name, rule=rule,
                                         outer_lr=self.outer_lr,
-                                        outer_momentum=self.outer_momentum)
+                                        outer_momentum=self.outer_momentum, wire=self.wire)
         self._load(new)
         self._anchor = new
         self.rounds += 1

@@ -33,10 +33,11 @@ from gradstar.wire import (
     decode_shm_chunk,
     frame_kind,
     frames_of,
-    payload_bytes,
+    iter_chunk_frames,
     place_chunk,
     receive_chunk,
 )
+from gradstar.wire.encoded import Encoding
 
 
 @dataclass(frozen=True)
@@ -45,22 +46,33 @@ class CollectivePlan:
 
     ``send`` is a byte view of the buffer cut by ``geometry.layout`` (the rank's input; for
     all_gather the result buffer holding the rank's own segment); ``out`` is the result array,
-    cut by ``geometry.out_layout``.
+    cut by ``geometry.out_layout``. With a wire format, ``values`` is the rank's input (cut by
+    ``geometry.values``, encoded chunk by chunk as it is sent, :meth:`Encoding.frames`) and
+    ``out`` the encoded result (cut by the wire layout ``geometry.out_layout``).
     """
 
     geometry: ops.Geometry
     send: memoryview
     out: np.ndarray
+    encoding: Encoding | None = None
+    values: np.ndarray | None = None
 
     @classmethod
     def for_header(cls, header: pb.CollectiveHeader, world_size: int,
                    send: np.ndarray | None, out: np.ndarray) -> CollectivePlan:
         """The plan both sides derive from ``header`` (the hub computes the same geometry)."""
-        nbytes = payload_bytes(header.shape, header.dtype)
-        geometry = ops.geometry(header.op, world_size, header.rank, nbytes, header.chunk_bytes,
-                                header.root)
+        geometry = ops.geometry_of(header, world_size)
+        encoding = Encoding.of_header(header)
+        if encoding is not None:
+            return cls(geometry, memoryview(b""), out, encoding, send)
         view = memoryview(b"") if send is None else as_byte_view(send)
         return cls(geometry, view, out)
+
+    def chunk_frames(self, sends: Iterable[int]):
+        """The chunk frames of input chunks ``sends``, made as they are asked for."""
+        if self.encoding is not None:
+            return self.encoding.frames(self.values, self.geometry.values, sends)
+        return iter_chunk_frames(self.send, self.geometry.layout, sends)
 
     def out_indices(self, indices: Iterable[int]) -> frozenset[int]:
         """The output indices (what travels from the hub) of received input ``indices``."""

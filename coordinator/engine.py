@@ -12,10 +12,10 @@ after this one's END; see ``collective.proto`` and ``gradstar.wire``):
 2. When all ``world_size`` headers have arrived the collective is *matched*: every rank gets an
    ``ACCEPT`` frame.
 3. Ranks stream their ``CHUNK`` frames. For all_reduce and reduce_scatter, chunk ``i`` is
-   reduced into a pooled accumulator as arrivals come in and, once every rank has sent it, is
-   encoded once and the same bytes object is queued for every receiving rank, while later chunks
-   are still arriving. Broadcast and all_gather frames are forwarded unchanged (their senders
-   already use output chunk indices), so the hub copies nothing for them.
+   reduced into a pooled accumulator as arrivals come in (decoded to float32 first when the
+   header names a wire format) and, once every rank has sent it, encoded once; the same bytes
+   object is queued for every receiving rank while later chunks are still arriving. Broadcast
+   and all_gather frames are forwarded unchanged (their senders use output chunk indices).
 4. Each rank closes its input with an ``END`` frame carrying its chunk and byte counts. Only
    when every rank's input is complete and every output chunk is queued does each rank get its
    ``END``: a client treats its result as valid only after that marker, so a failure at any point
@@ -70,7 +70,7 @@ from .averaging import AveragingRound, AveragingStore
 from .budget import CollectiveBudget, participant_charge
 from .matching import Limits, check_agrees, describe, validate
 from .metrics import CollectiveMetrics
-from .reduce import BufferPool, ChunkReducer
+from .reduce import BufferPool, reducer_for
 from .rendezvous import Generation, Rendezvous
 from .window import CLOSE, Participant, ReadWindow
 
@@ -110,9 +110,8 @@ class PendingCollective:
         self.nbytes = payload_bytes(header.shape, header.dtype)
         #: Striping over hub shards: this engine carries input chunks i % stripes == stripe.
         self.stripes = max(1, header.stripes)
-        self.layout = ops.input_layout(self.op, self.world, self.nbytes, header.chunk_bytes)
-        self.reducer = (ChunkReducer(header.reduce_op, self.dtype, self.world, engine.pool)
-                        if self.op in ops.REDUCING else None)
+        self.layout = ops.geometry_of(header, self.world).layout  # of encoded chunks if wire
+        self.reducer = reducer_for(header, self.dtype, self.world, engine.pool)
         self.round: AveragingRound | None = None
         if header.averaging.rule:
             self.round = engine.averaging.open_round(gen.job.name, header.averaging,
@@ -130,7 +129,7 @@ class PendingCollective:
         validate(h, self.world, self.engine.limits)
         check_agrees(h, self.spec, self.gen.job.name)
         s = self.spec
-        g = ops.geometry(self.op, self.world, h.rank, self.nbytes, s.chunk_bytes, s.root)
+        g = ops.geometry_of(h, self.world)  # h agrees with self.spec: checked just above
         if shm is not None:
             # Input region at 0, result region at output_offset: both must fit the segment,
             # apart or, for all_reduce, the same (result chunk i is written only after every
@@ -243,7 +242,7 @@ class PendingCollective:
             return
         slot = self._slots.pop(index, None)
         if (slot.count if slot is not None else 0) + 1 < self.world:
-            self._slots[index] = self.reducer.fold(slot, payload)
+            self._slots[index] = self.reducer.fold(slot, payload, index)
             return
         routes = ops.routes(self.op, self.layout, index, p.rank, self.world, self.spec.root)
         # Every route of a reduced chunk has the same output index (one result for all ranks).
@@ -254,12 +253,12 @@ class PendingCollective:
             # segment, copy from there to the others; no frame at all.
             result, frame = receivers[0].out_region(out_index), None
         else:
-            frame, view = chunk_frame_buffer(payload.nbytes)
+            frame, view = chunk_frame_buffer(receivers[0].out_layout.span(out_index)[1])
             result = view[CHUNK_HEADER_BYTES:]
-        self.reducer.finish_into(slot, payload, result)
+        self.reducer.finish_into(slot, payload, result, index)
         if self.round is not None:
             values = np.frombuffer(result, dtype=np.float32)
-            self.round.apply(self.layout.span(index)[0] // 4, values)
+            self.round.apply(receivers[0].out_layout.span(out_index)[0] // 4, values)
         if frame is not None:
             seal_chunk_frame(frame, view, out_index)
         for i, q in enumerate(receivers):

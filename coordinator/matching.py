@@ -25,6 +25,8 @@ from gradstar.errors import (
 )
 from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.wire import check_chunk_count, check_shape, dtype_from_wire, payload_bytes
+from gradstar.wire.encoded import check_encoding
+from gradstar.wire.formats import format_from_wire
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,15 @@ def dtype_name(wire: int) -> str:
         return f"dtype {wire}"
 
 
+def wire_name(wire: int) -> str | None:
+    """A header's wire format by name (None: the tensor's own dtype)."""
+    try:
+        fmt = format_from_wire(wire)
+    except ProtocolError:
+        return f"wire format {wire}"
+    return None if fmt is None else fmt.name
+
+
 def describe(h: pb.CollectiveHeader) -> str:
     """A header as a user would have written the call, for error messages."""
     if h.op == ops.ALL_TO_ALL:
@@ -52,6 +63,8 @@ def describe(h: pb.CollectiveHeader) -> str:
         parts.insert(0, f"op={ops.REDUCE_OP_NAMES.get(h.reduce_op, h.reduce_op)!r}")
     if h.op == ops.BROADCAST:
         parts.append(f"src={h.root}")
+    if h.wire:
+        parts.append(f"wire={wire_name(h.wire)!r}")
     return f"{ops.op_name(h.op)}({', '.join(parts)})"
 
 
@@ -64,6 +77,7 @@ def field_values(h: pb.CollectiveHeader) -> list[tuple[str, object]]:
     values += [("dtype", dtype_name(h.dtype)), ("shape", tuple(h.shape))]
     if h.op == ops.BROADCAST:
         values.append(("root", h.root))
+    values.append(("wire", wire_name(h.wire)))
     values.append(("chunk_bytes", h.chunk_bytes))
     values.append(("stripe", (h.stripe, max(1, h.stripes))))
     a = h.averaging
@@ -79,9 +93,11 @@ def validate(h: pb.CollectiveHeader, world_size: int, limits: Limits) -> None:
         InvalidCollectiveError: unknown op, bad chunk size, root out of range, an averaging
             round that is not a float32 mean all_reduce, reduce_scatter's dim 0 not divisible
             by the world size, an all_to_all plan that is not int64 of shape
-            (:func:`gradstar.ops.plan_length`,), or a stripe out of range.
+            (:func:`gradstar.ops.plan_length`,), a stripe out of range, or a wire format
+            where :func:`gradstar.wire.encoded.check_encoding` refuses it, or with shared
+            memory.
         PayloadTooLargeError: the payload is over ``limits.max_tensor_bytes``.
-        ProtocolError: unknown dtype.
+        ProtocolError: unknown dtype or wire format.
     """
     if h.op not in ops.OP_NAMES:
         raise InvalidCollectiveError(f"unknown collective op {h.op}")
@@ -93,6 +109,8 @@ def validate(h: pb.CollectiveHeader, world_size: int, limits: Limits) -> None:
             f"chunk_bytes {h.chunk_bytes} must be a multiple of the element size "
             f"{info.numpy.itemsize} and at most {limits.max_chunk_bytes}"
         )
+    if h.wire:
+        _validate_wire(h, info)
     nbytes = payload_bytes(h.shape, h.dtype)
     if nbytes > limits.max_tensor_bytes:
         raise PayloadTooLargeError(
@@ -125,6 +143,18 @@ def validate(h: pb.CollectiveHeader, world_size: int, limits: Limits) -> None:
             f"reduce_scatter needs dim 0 divisible by world_size {world_size}, "
             f"got shape {tuple(h.shape)}"
         )
+
+
+def _validate_wire(h: pb.CollectiveHeader, info) -> None:
+    name = wire_name(h.wire)
+    format_from_wire(h.wire)  # an unknown value is a ProtocolError
+    check_encoding(name, info.numpy, h.op, h.reduce_op, h.chunk_bytes // info.numpy.itemsize,
+                   error=InvalidCollectiveError)
+    # Shared memory carries payloads in the tensor's own dtype.
+    if h.HasField("shm"):
+        raise InvalidCollectiveError(
+            f"rank {h.rank} sent {describe(h)} with shared memory; a wire format travels in "
+            "frames")
 
 
 def check_agrees(h: pb.CollectiveHeader, first: pb.CollectiveHeader, job: str) -> None:

@@ -3,6 +3,7 @@
 
     gradstar launch --nproc 2 examples/local_sgd.py             # parameters averaged
     gradstar launch --nproc 2 examples/local_sgd.py --diloco    # DiLoCo: outer Nesterov step
+    gradstar launch --nproc 2 examples/local_sgd.py --diloco --wire int4   # 4-bit outer grads
 
 With ``--diloco`` ranks send pseudo-gradients (global parameters of the last round minus their
 own) and the coordinator applies the outer Nesterov step to the global model. The run ends on a
@@ -21,6 +22,8 @@ parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
 parser.add_argument("--diloco", action="store_true", help="outer Nesterov step on the hub")
 parser.add_argument("--sync-every", type=int, default=8, help="local steps between rounds")
 parser.add_argument("--rounds", type=int, default=6)
+parser.add_argument("--wire", help="DiLoCo: a compressed wire format for the pseudo-gradients "
+                    "(bf16, fp16, int8, int4)")
 args = parser.parse_args()
 
 g = torch.Generator().manual_seed(0)
@@ -38,7 +41,8 @@ with gradstar.init_process_group() as pg:
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
     if args.diloco:  # DiLoCo's usual pair: AdamW inside, Nesterov momentum outside
         lsgd = gradstar.LocalSGD(model, pg, sync_every=args.sync_every,
-                                 outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)
+                                 outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9,
+                                 wire=args.wire)
         opt = torch.optim.AdamW(model.parameters(), lr=0.03)
     else:
         lsgd = gradstar.LocalSGD(model, pg, sync_every=args.sync_every)

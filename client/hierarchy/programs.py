@@ -63,6 +63,8 @@ class Stage:
     out: np.ndarray
     root: int = 0
     reduce_op: int = 0
+    #: A compressed wire format (:mod:`gradstar.wire.formats`): only on a leaders' stage.
+    wire: str | None = None
 
     def describe(self) -> str:
         return f"{ops.op_name(self.op)} in the {self.level} group"
@@ -91,12 +93,15 @@ def _finished(result: np.ndarray, reduce_op: int, world_size: int) -> np.ndarray
     return result
 
 
-def all_reduce(p: HostPlan, arr: np.ndarray, reduce_op: int, out: np.ndarray) -> Program:
-    """``out`` receives the reduction of every rank's ``arr`` (``out`` may be ``arr``)."""
+def all_reduce(p: HostPlan, arr: np.ndarray, reduce_op: int, out: np.ndarray,
+               wire: str | None = None) -> Program:
+    """``out`` receives the reduction of every rank's ``arr`` (``out`` may be ``arr``); a
+    ``wire`` format applies to the leaders' stage alone, across hosts."""
     level = _level(reduce_op)
     stages = [Stage(LOCAL, ops.ALL_REDUCE, arr, arr, out, reduce_op=level)]
     if p.leader:  # only a host's leader crosses its link, in place
-        stages.append(Stage(LEADERS, ops.ALL_REDUCE, out, out, out, reduce_op=level))
+        stages.append(Stage(LEADERS, ops.ALL_REDUCE, out, out, out, reduce_op=level,
+                            wire=wire))
     stages.append(Stage(LOCAL, ops.BROADCAST, out, out, out))
     return Program(tuple(stages), lambda: _finished(out, reduce_op, p.world_size))
 
@@ -164,9 +169,11 @@ def all_gather(p: HostPlan, arr: np.ndarray) -> Program:
     return Program(tuple(stages), finish)
 
 
-def reduce_scatter(p: HostPlan, arr: np.ndarray, reduce_op: int) -> Program:
+def reduce_scatter(p: HostPlan, arr: np.ndarray, reduce_op: int,
+                   wire: str | None = None) -> Program:
     """Rows ``[rank·m, (rank+1)·m)`` of the reduction of every rank's ``arr``, where
-    ``m = arr.shape[0] // world_size``, as the flat reduce_scatter gives.
+    ``m = arr.shape[0] // world_size``, as the flat reduce_scatter gives (``wire``: a format
+    for the leaders' stage alone).
 
     Needs a uniform layout and ``arr.shape[0]`` divisible by the world size (the caller
     checked it)."""
@@ -181,7 +188,7 @@ def reduce_scatter(p: HostPlan, arr: np.ndarray, reduce_op: int) -> Program:
     stages = [Stage(LOCAL, ops.ALL_REDUCE, rows, rows, partial, reduce_op=level)]
     if p.leader:
         stages.append(Stage(LEADERS, ops.REDUCE_SCATTER, partial, partial, block,
-                            reduce_op=level))
+                            reduce_op=level, wire=wire))
     stages.append(Stage(LOCAL, ops.BROADCAST, block, block, block))
 
     def finish() -> np.ndarray:

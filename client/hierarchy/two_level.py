@@ -111,16 +111,16 @@ class HostHierarchy:
         return op == ops.ALL_REDUCE or (op == ops.REDUCE_SCATTER and self.plan.uniform)
 
     def all_reduce(self, arr: np.ndarray, reduce_op: int, out: np.ndarray, restore,
-                   timeout: float | None) -> Awaitable:
+                   timeout: float | None, wire: str | None = None) -> Awaitable:
         """``out`` holding the reduction, through ``restore``; see :meth:`run`. A large one
         runs as a pipeline of segments (:data:`MIN_SEGMENT_BYTES`): every rank cuts alike, as
-        it depends on the size alone."""
+        it depends on the size alone. A ``wire`` format applies to the leaders' stages."""
         pieces = segments(arr.size, arr.itemsize)
         if len(pieces) == 1:
-            return self.run(programs.all_reduce(self.plan, arr, reduce_op, out), restore,
-                            timeout)
+            return self.run(programs.all_reduce(self.plan, arr, reduce_op, out, wire),
+                            restore, timeout)
         flat_in, flat_out = arr.reshape(-1), out.reshape(-1)
-        parts = [programs.all_reduce(self.plan, flat_in[s], reduce_op, flat_out[s])
+        parts = [programs.all_reduce(self.plan, flat_in[s], reduce_op, flat_out[s], wire)
                  for s in pieces]
         return self.run(programs.Program(
             tuple(st for part in parts for st in part.stages),
@@ -137,9 +137,10 @@ class HostHierarchy:
         return self.run(programs.all_gather(self.plan, arr), restore, timeout)
 
     def reduce_scatter(self, arr: np.ndarray, reduce_op: int, restore,
-                       timeout: float | None) -> Awaitable:
+                       timeout: float | None, wire: str | None = None) -> Awaitable:
         """This rank's rows of the reduction, through ``restore``; see :meth:`run`."""
-        return self.run(programs.reduce_scatter(self.plan, arr, reduce_op), restore, timeout)
+        return self.run(programs.reduce_scatter(self.plan, arr, reduce_op, wire), restore,
+                        timeout)
 
     def run(self, program: Program, restore, timeout: float | None) -> Awaitable:
         """Reserve every stage of ``program`` in its group now, then run the stages in order;
@@ -161,7 +162,7 @@ class HostHierarchy:
             for stage in program.stages:
                 reserved.append(self._member(stage.level).reserve(
                     stage.op, stage.like, reduce_op=stage.reduce_op, root=stage.root,
-                    timeout=timeout))
+                    timeout=timeout, wire=stage.wire))
         except GradstarError as error:  # a subgroup closed or failed: raised from the run
             refused = error
         return issue(lambda: self._run(program, reserved, restore, refused),

@@ -35,8 +35,9 @@ class ProcessGroup:
         return Work(future) if async_op else Work(future).wait()
 
     def all_reduce(self, x, op: str = "sum", *, async_op: bool = False, timeout=None,
-                   out=None):
-        return self._call(self._group.all_reduce(x, op, timeout=timeout, out=out), async_op)
+                   out=None, wire: str | None = None):
+        return self._call(self._group.all_reduce(x, op, timeout=timeout, out=out, wire=wire),
+                          async_op)
 
     def broadcast(self, x, src: int = 0, *, async_op: bool = False, timeout=None):
         return self._call(self._group.broadcast(x, src, timeout=timeout), async_op)
@@ -44,22 +45,25 @@ class ProcessGroup:
     def all_gather(self, x, *, async_op: bool = False, timeout=None):
         return self._call(self._group.all_gather(x, timeout=timeout), async_op)
 
-    def reduce_scatter(self, x, op: str = "sum", *, async_op: bool = False, timeout=None):
-        return self._call(self._group.reduce_scatter(x, op, timeout=timeout), async_op)
+    def reduce_scatter(self, x, op: str = "sum", *, async_op: bool = False, timeout=None,
+                       wire: str | None = None):
+        return self._call(self._group.reduce_scatter(x, op, timeout=timeout, wire=wire),
+                          async_op)
 
     def all_reduce_coalesced(self, arrays, op: str = "mean", bucket_cap_mb: float = 25, *,
-                             async_op: bool = False, timeout=None):
+                             async_op: bool = False, timeout=None, wire: str | None = None):
         return self._call(self._group.all_reduce_coalesced(arrays, op, bucket_cap_mb,
-                                                           timeout=timeout), async_op)
+                                                           timeout=timeout, wire=wire), async_op)
 
     def barrier(self, *, async_op: bool = False, timeout=None):
         return self._call(self._group.barrier(timeout=timeout), async_op)
 
     def sync_global_model(self, x, *, model: str, rule: str, outer_lr: float = 0.0,
-                          outer_momentum: float = 0.0, async_op: bool = False, timeout=None):
+                          outer_momentum: float = 0.0, async_op: bool = False, timeout=None,
+                          wire: str | None = None):
         return self._call(self._group.sync_global_model(
             x, model=model, rule=rule, outer_lr=outer_lr, outer_momentum=outer_momentum,
-            timeout=timeout), async_op)
+            timeout=timeout, wire=wire), async_op)
 
     def send(self, x, dst: int, tag=0, *, async_op: bool = False, timeout=None):
         return self._call(self._group.send(x, dst, tag, timeout=timeout), async_op)

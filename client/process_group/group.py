@@ -24,6 +24,7 @@ from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.transport.channels import call_metadata, open_channel
 from gradstar.transport.tls_check import wait_connected
 from gradstar.wire import aligned_chunk_bytes, dtype_info
+from gradstar.wire.encoded import Encoding, aligned_wire_chunk_bytes, check_encoding
 
 from ..coalesced import all_reduce_coalesced
 from ..collective_stream import abandon_collective, give_up, issue, run_collective
@@ -97,9 +98,15 @@ class AsyncProcessGroup(PointToPoint):
     # -- collectives ---------------------------------------------------------------------------
 
     def all_reduce(self, x, op: str = "sum", *, timeout: float | None = None,
-                   out=None) -> Awaitable:
+                   out=None, wire: str | None = None) -> Awaitable:
         """Elementwise ``op`` over every rank's ``x``; resolves to a new array of x's type, or
         to ``out`` holding the result.
+
+        ``wire``: a compressed wire format (``"bf16"``, ``"fp16"``, ``"int8"``, ``"int4"``; see
+        :mod:`gradstar.wire.formats`) for a float ``x``: every rank's chunks travel encoded, the
+        hub reduces them in float32 and encodes the result once; every rank gets the same
+        result, within the format's documented error. With the two-level all_reduce only the
+        leaders' stage across hosts is encoded. Every rank must pass the same ``wire``.
 
         ``out``: a C-contiguous, writable numpy array or CPU tensor of x's shape and dtype
         that receives the result (``out=x`` reduces in place, as torch.distributed does); the
@@ -109,18 +116,21 @@ class AsyncProcessGroup(PointToPoint):
         Raises:
             CollectiveError and subclasses: mismatch, timeout, lost rank, payload too large.
             ConfigurationError: unsupported op or dtype, or not an array or a CPU or CUDA
-                tensor; an ``out`` that is not a writable, contiguous CPU array or tensor.
+                tensor; an ``out`` that is not a writable, contiguous CPU array or tensor; a
+                ``wire`` format that is unknown, on a non-float dtype, or (8- and 4-bit) with
+                ``op='prod'`` — raised before anything is sent.
             InvalidCollectiveError: ``out`` of another shape or dtype than ``x``.
         """
         arr, restore = to_numpy(x)
         reduce_op = ops.reduce_op(op)
+        check_encoding(wire, arr.dtype, ops.ALL_REDUCE, reduce_op)
         into = np.empty_like(arr) if out is None else _output_array(out, arr)
         if self._hosts.takes(ops.ALL_REDUCE, arr, reduce_op):
             self._check_usable()
             return self._hosts.all_reduce(arr, reduce_op, into, restore if out is None
-                                          else (lambda _result: out), timeout)
+                                          else (lambda _result: out), timeout, wire)
         return self._run(ops.ALL_REDUCE, arr, arr, into, restore if out is None
-                         else (lambda _result: out), timeout, reduce_op=reduce_op)
+                         else (lambda _result: out), timeout, reduce_op=reduce_op, wire=wire)
 
     def broadcast(self, x, src: int = 0, *, timeout: float | None = None) -> Awaitable:
         """Rank ``src``'s ``x`` on every rank (every rank passes an ``x`` of the same shape)."""
@@ -151,10 +161,17 @@ class AsyncProcessGroup(PointToPoint):
         out[self.rank] = arr  # this rank's segment: sent from here, never received
         return self._run(ops.ALL_GATHER, arr, out, out, deliver, timeout)
 
-    def reduce_scatter(self, x, op: str = "sum", *, timeout: float | None = None) -> Awaitable:
-        """Reduce ``x`` over ranks and keep shard ``rank`` of dim 0 (dim 0 % world_size == 0)."""
+    def reduce_scatter(self, x, op: str = "sum", *, timeout: float | None = None,
+                       wire: str | None = None) -> Awaitable:
+        """Reduce ``x`` over ranks and keep shard ``rank`` of dim 0 (dim 0 % world_size == 0);
+        ``wire`` as for :meth:`all_reduce`.
+
+        Raises:
+            What :meth:`all_reduce` raises; InvalidCollectiveError: dim 0 not divisible.
+        """
         arr, restore = to_numpy(x)
         reduce_op = ops.reduce_op(op)
+        check_encoding(wire, arr.dtype, ops.REDUCE_SCATTER, reduce_op)
         if arr.ndim == 0 or arr.shape[0] % self.world_size:
             raise InvalidCollectiveError(
                 f"reduce_scatter needs dim 0 divisible by world_size {self.world_size}, "
@@ -162,19 +179,22 @@ class AsyncProcessGroup(PointToPoint):
             )
         if self._hosts.takes(ops.REDUCE_SCATTER, arr, reduce_op):
             self._check_usable()
-            return self._hosts.reduce_scatter(arr, reduce_op, restore, timeout)
+            return self._hosts.reduce_scatter(arr, reduce_op, restore, timeout, wire)
         out = np.empty((arr.shape[0] // self.world_size, *arr.shape[1:]), dtype=arr.dtype)
         return self._run(ops.REDUCE_SCATTER, arr, arr, out, restore, timeout,
-                         reduce_op=reduce_op)
+                         reduce_op=reduce_op, wire=wire)
 
     def all_reduce_coalesced(self, arrays, op: str = "mean", bucket_cap_mb: float = 25, *,
-                             timeout: float | None = None) -> Awaitable:
+                             timeout: float | None = None,
+                             wire: str | None = None) -> Awaitable:
         """Reduce a list of arrays as a few flat per-dtype buckets of at most ``bucket_cap_mb``
-        MB, concurrently; resolves to a list of arrays of the original shapes and types.
+        MB, concurrently; resolves to a list of arrays of the original shapes and types
+        (``wire``: a format for the float buckets).
 
         See :func:`gradstar.client.coalesced.all_reduce_coalesced` (raises what it raises).
         """
-        return all_reduce_coalesced(self, arrays, op, bucket_cap_mb, timeout=timeout)
+        return all_reduce_coalesced(self, arrays, op, bucket_cap_mb, timeout=timeout,
+                                    wire=wire)
 
     def barrier(self, *, timeout: float | None = None) -> Awaitable:
         """Resolves once every rank has reached the barrier."""
@@ -182,7 +202,8 @@ class AsyncProcessGroup(PointToPoint):
         return self._run(ops.BARRIER, arr, None, arr, lambda a: None, timeout)
 
     def sync_global_model(self, x, *, model: str, rule: str, outer_lr: float = 0.0,
-                          outer_momentum: float = 0.0, timeout: float | None = None) -> Awaitable:
+                          outer_momentum: float = 0.0, timeout: float | None = None,
+                          wire: str | None = None) -> Awaitable:
         """An averaging round: the primitive under :class:`gradstar.LocalSGD`.
 
         Every rank sends a flat float32 ``x`` (parameters for ``rule`` "seed" and "average",
@@ -190,8 +211,12 @@ class AsyncProcessGroup(PointToPoint):
         rule to the job's global model ``model`` and every rank receives the new global
         parameters (see ``gradstar.coordinator.averaging``).
 
+        ``wire``: a compressed wire format for what the ranks send (meant for the
+        pseudo-gradients of "outer_sgd" and "outer_nesterov"); the hub decodes it, keeps the
+        global model and the outer optimizer in float32, and answers float32 parameters.
+
         Raises:
-            ConfigurationError: an unknown rule.
+            ConfigurationError: an unknown rule or wire format.
             InvalidCollectiveError: not float32, or a size unlike the stored model.
             CollectiveError and subclasses: as for all_reduce.
         """
@@ -201,12 +226,12 @@ class AsyncProcessGroup(PointToPoint):
         if arr.dtype != np.float32:
             raise InvalidCollectiveError(f"averaging rounds carry float32, got {arr.dtype}")
         return self._run(ops.ALL_REDUCE, arr, arr, np.empty_like(arr), restore, timeout,
-                         reduce_op=ops.reduce_op("mean"), averaging=spec)
+                         reduce_op=ops.reduce_op("mean"), averaging=spec, wire=wire)
 
     # -- collectives issued later, in the order they were reserved ------------------------------
 
     def reserve(self, op: int, like: np.ndarray, *, reduce_op: int = 0, root: int = 0,
-                timeout: float | None = None) -> Reserved:
+                timeout: float | None = None, wire: str | None = None) -> Reserved:
         """Take the next seq now for collective ``op`` over arrays of ``like``'s shape and dtype
         (this rank's input), to issue later with :meth:`run_reserved` or never, saying so
         with :meth:`give_up`. The hub matches collectives by seq, so collectives reserved in
@@ -217,7 +242,7 @@ class AsyncProcessGroup(PointToPoint):
             ProcessGroupClosedError: the group is closed.
             GradstarError: the group's generation failed (its failure).
         """
-        header, timeout = self._header(op, like, timeout, reduce_op, root)
+        header, timeout = self._header(op, like, timeout, reduce_op, root, wire=wire)
         return Reserved(header, timeout)
 
     def run_reserved(self, reserved: Reserved, send: np.ndarray,
@@ -250,28 +275,30 @@ class AsyncProcessGroup(PointToPoint):
 
     def _run(self, op: int, arr: np.ndarray, send: np.ndarray | None, out: np.ndarray, restore,
              timeout: float | None, *, reduce_op: int = 0, root: int = 0,
-             averaging: pb.AveragingSpec | None = None) -> Awaitable:
+             averaging: pb.AveragingSpec | None = None, wire: str | None = None) -> Awaitable:
         """Take the collective's seq and issue it now (see
         :mod:`gradstar.client.collective_stream`): ``send`` is cut by the op's input layout,
         ``out`` receives the result and ``restore`` turns it into what the caller gets."""
-        header, timeout = self._header(op, arr, timeout, reduce_op, root, averaging)
+        header, timeout = self._header(op, arr, timeout, reduce_op, root, averaging, wire)
         return self._issue(header, lambda: self._collect(header, send, out, restore, timeout))
 
     def _header(self, op: int, arr: np.ndarray, timeout: float | None, reduce_op: int = 0,
                 root: int = 0, averaging: pb.AveragingSpec | None = None,
-                ) -> tuple[pb.CollectiveHeader, float]:
-        """The next collective's header (its seq taken now) and its timeout."""
+                wire: str | None = None) -> tuple[pb.CollectiveHeader, float]:
+        """The next collective's header (its seq taken now, after every check that can fail)
+        and its timeout."""
         self._check_usable()
+        fmt = check_encoding(wire, arr.dtype, op, reduce_op)
         timeout = self.settings.timeout if timeout is None else timeout
         header = pb.CollectiveHeader(
             job=self.job, generation=self.generation, group="default", seq=next(self._seq),
             rank=self.rank, member_id=self._member_id, op=op, reduce_op=reduce_op,
             dtype=dtype_info(arr.dtype).wire, shape=arr.shape, root=root,
-            chunk_bytes=aligned_chunk_bytes(striped_chunk_bytes(
+            chunk_bytes=aligned_wire_chunk_bytes(aligned_chunk_bytes(striped_chunk_bytes(
                 self.settings.chunk_bytes, arr.nbytes,
                 len(self._plane.targets(averaging=averaging is not None)), self._spans_hosts),
-                arr.dtype.itemsize),
-            timeout_seconds=timeout, averaging=averaging,
+                arr.dtype.itemsize), arr.dtype.itemsize, fmt),
+            timeout_seconds=timeout, averaging=averaging, wire=fmt.wire if fmt else 0,
         )
         return header, timeout
 
@@ -287,10 +314,30 @@ class AsyncProcessGroup(PointToPoint):
 
     async def _collect(self, header: pb.CollectiveHeader, send: np.ndarray | None,
                        out: np.ndarray, restore, timeout: float):
-        result = await run_collective(self._targets(header), header, self.world_size, send, out,
-                                      session=self._session, metadata=self._metadata,
-                                      timeout=timeout)
+        if header.wire:
+            result = await self._collect_encoded(header, send, out, timeout)
+        else:
+            result = await run_collective(self._targets(header), header, self.world_size, send,
+                                          out, session=self._session, metadata=self._metadata,
+                                          timeout=timeout)
         return await delivered(restore, result)
+
+    async def _collect_encoded(self, header: pb.CollectiveHeader, send: np.ndarray,
+                               out: np.ndarray, timeout: float) -> np.ndarray:
+        """A collective in a wire format: ``send`` encoded chunk by chunk as it is sent, the
+        encoded result chunks received end to end, then decoded into ``out`` (once the whole
+        result is proven complete, so a failure leaves ``out`` untouched)."""
+        geometry = ops.geometry_of(header, self.world_size)
+        encoding = Encoding.of_header(header)
+        # An averaging round's answer is float32 global parameters, not encoded.
+        encoded_out = geometry.out_layout != geometry.values_out
+        result = np.empty(geometry.out_layout.total_bytes, np.uint8) if encoded_out else out
+        await run_collective(self._targets(header), header, self.world_size, send, result,
+                             session=self._session, metadata=self._metadata, timeout=timeout)
+        if encoded_out:
+            received = [geometry.out_index(i) for r in geometry.receives for i in r]
+            encoding.decode(result, geometry.values_out, received, out)
+        return out
 
     # -- lifecycle -----------------------------------------------------------------------------
 

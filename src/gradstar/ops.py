@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 from gradstar.errors import ConfigurationError
 from gradstar.proto.v1 import collective_pb2 as pb
-from gradstar.wire import ChunkLayout
+from gradstar.wire import ChunkLayout, payload_bytes
+from gradstar.wire.encoded import Encoding
 
 ALL_REDUCE = pb.COLLECTIVE_OP_ALL_REDUCE
 BROADCAST = pb.COLLECTIVE_OP_BROADCAST
@@ -124,6 +125,10 @@ class Geometry:
     receives: tuple[range, ...]
     #: Input index of output chunk 0 (reduce_scatter: the rank's segment start; else 0).
     out_base: int = 0
+    #: With a wire format: the layouts in the tensor's own dtype (``layout`` and
+    #: ``out_layout`` are then the encoded chunks' wire layouts); else None.
+    values: ChunkLayout | None = None
+    values_out: ChunkLayout | None = None
 
     def out_index(self, index: int) -> int:
         return index - self.out_base
@@ -136,8 +141,15 @@ class Geometry:
         return sum(len(r) for r in self.receives)
 
 
-def input_layout(op: int, world_size: int, nbytes: int, chunk_bytes: int) -> ChunkLayout:
-    """The layout every rank's chunk indices refer to; ``nbytes`` is one rank's input size."""
+def input_layout(op: int, world_size: int, nbytes: int, chunk_bytes: int,
+                 encoding: Encoding | None = None) -> ChunkLayout:
+    """The layout every rank's chunk indices refer to; ``nbytes`` is one rank's input size
+    (with ``encoding``, the wire layout of the encoded chunks)."""
+    layout = _values_layout(op, world_size, nbytes, chunk_bytes)
+    return layout if encoding is None else encoding.layout(layout)
+
+
+def _values_layout(op: int, world_size: int, nbytes: int, chunk_bytes: int) -> ChunkLayout:
     if op == REDUCE_SCATTER:
         return ChunkLayout(world_size, nbytes // world_size, chunk_bytes)
     if op in (ALL_GATHER, ALL_TO_ALL):
@@ -148,8 +160,36 @@ def input_layout(op: int, world_size: int, nbytes: int, chunk_bytes: int) -> Chu
 
 
 def geometry(op: int, world_size: int, rank: int, nbytes: int, chunk_bytes: int,
-             root: int = 0) -> Geometry:
-    """Rank ``rank``'s part in a collective ``op`` over ``nbytes`` bytes of input per rank."""
+             root: int = 0, encoding: Encoding | None = None,
+             encode_out: bool = True) -> Geometry:
+    """Rank ``rank``'s part in a collective ``op`` over ``nbytes`` bytes of input per rank;
+    with ``encoding`` (a wire format) its layouts are the wire layouts of the encoded chunks
+    (the result's only if ``encode_out``: an averaging round answers float32 parameters) and
+    :attr:`Geometry.values` / :attr:`Geometry.values_out` the layouts in the tensor's dtype.
+    Chunk indices are the same either way."""
+    g = _geometry(op, world_size, rank, nbytes, chunk_bytes, root)
+    if encoding is None:
+        return g
+    out = encoding.layout(g.out_layout) if encode_out else g.out_layout
+    return Geometry(op, encoding.layout(g.layout), out, g.sends, g.receives, g.out_base,
+                    g.layout, g.out_layout)
+
+
+def geometry_of(header: pb.CollectiveHeader, world_size: int) -> Geometry:
+    """The geometry of the header's rank in the collective ``header`` describes (its wire
+    format included; an averaging round's result is never encoded): what the hub and the rank
+    both compute from the same header.
+
+    Raises:
+        ProtocolError: an unknown dtype or wire format.
+    """
+    return geometry(header.op, world_size, header.rank,
+                    payload_bytes(header.shape, header.dtype), header.chunk_bytes, header.root,
+                    Encoding.of_header(header), encode_out=not header.averaging.rule)
+
+
+def _geometry(op: int, world_size: int, rank: int, nbytes: int, chunk_bytes: int,
+              root: int) -> Geometry:
     layout = input_layout(op, world_size, nbytes, chunk_bytes)
     every = range(layout.count)
     none = range(0)

@@ -55,7 +55,8 @@ def train(args) -> None:
         model = make_model(100 + pg.rank)
         outer = None if args.outer == "none" else args.outer
         lsgd = gradstar.LocalSGD(model, pg, args.sync_every, outer_optimizer=outer,
-                                 outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
+                                 outer_lr=args.outer_lr, outer_momentum=args.outer_momentum,
+                                 wire=args.wire)
         np.save(args.out / f"start{pg.rank}.npy", flat(model))
         opt = make_optimizer(model, args.inner)
         for step in range(args.steps):
@@ -109,6 +110,7 @@ def main() -> None:
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--fresh-seed", type=int)
+    parser.add_argument("--wire", help="a wire format for the pseudo-gradients")
     args = parser.parse_args()
     {"train": train, "resilient": resilient}[args.scenario](args)
 

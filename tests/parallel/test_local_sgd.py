@@ -17,6 +17,7 @@ from torch import nn
 import gradstar
 from gradstar.errors import ConfigurationError
 from gradstar.proto.v1 import admin_pb2, admin_pb2_grpc
+from gradstar.wire.formats import roundtrip
 from tests.integration.conftest import finish, rank_env, start_coordinator  # noqa: F401
 
 from . import local_sgd_script as script
@@ -70,8 +71,10 @@ async def test_local_sgd_every_step_equals_whole_batch_sgd(start_coordinator, tm
                                    rtol=1e-5, atol=1e-6)
 
 
-def diloco_reference(world: int, sync_every: int, steps: int, lr: float, mu: float):
-    """DiLoCo by hand: inner SGD per rank, then a Nesterov step on the mean pseudo-gradient."""
+def diloco_reference(world: int, sync_every: int, steps: int, lr: float, mu: float,
+                     wire: str | None = None):
+    """DiLoCo by hand: inner SGD per rank, then a Nesterov step on the mean pseudo-gradient
+    (each rank's pseudo-gradient rounded through ``wire`` first, if given)."""
     global_params = script.flat(script.make_model(100))
     momentum = np.zeros_like(global_params)
     models = [script.make_model(100) for _ in range(world)]
@@ -80,7 +83,10 @@ def diloco_reference(world: int, sync_every: int, steps: int, lr: float, mu: flo
         for r in range(world):
             script.local_step(models[r], opts[r], step, r, world)
         if (step + 1) % sync_every == 0:
-            delta = np.mean([global_params - script.flat(m) for m in models], axis=0)
+            sent = [global_params - script.flat(m) for m in models]
+            if wire is not None:
+                sent = [roundtrip(wire, d) for d in sent]
+            delta = np.mean(sent, axis=0)
             momentum = mu * momentum + delta
             global_params = global_params - lr * (delta + mu * momentum)
             for m in models:
@@ -106,6 +112,28 @@ async def test_diloco_rounds_match_a_hand_computed_nesterov_outer_step(start_coo
     # The outer step really happened (not plain averaging, which gives other parameters).
     plain = diloco_reference(2, 3, 6, 1.0, 0.0)
     assert not np.allclose(finals[0], plain, rtol=1e-4)
+
+
+async def test_diloco_with_encoded_pseudo_gradients_matches_the_rounded_reference(
+        start_coordinator, tmp_path):  # noqa: F811
+    coordinator = await start_coordinator()
+    await run_ranks(coordinator.address, "diloco-int8", 2, "train", str(tmp_path),
+                    "--sync-every", "3", "--steps", "6", "--outer", "nesterov", "--outer-lr",
+                    "0.7", "--outer-momentum", "0.9", "--wire", "int8")
+    finals = [np.load(tmp_path / f"final{r}.npy") for r in range(2)]
+    np.testing.assert_array_equal(finals[0], finals[1])  # identical on every rank
+    want = diloco_reference(2, 3, 6, 0.7, 0.9, wire="int8")
+    np.testing.assert_allclose(finals[0], want, rtol=1e-5, atol=1e-6)
+    # The pseudo-gradients really were encoded: float32 ones give other parameters.
+    exact = diloco_reference(2, 3, 6, 0.7, 0.9)
+    assert not np.allclose(finals[0], exact, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(finals[0], exact, rtol=0, atol=1e-2)  # but not far from them
+
+
+def test_local_sgd_refuses_a_wire_format_without_an_outer_optimizer():
+    with pytest.raises(ConfigurationError, match="plain LocalSGD averages parameters"):
+        gradstar.LocalSGD(nn.Linear(2, 2), object.__new__(gradstar.ProcessGroup), 2,
+                          wire="int8")
 
 
 async def test_restarted_rank_resumes_from_the_global_model(start_coordinator, tmp_path):  # noqa: F811

@@ -105,7 +105,8 @@ class FakeGroup:
     def __init__(self, hub: Hub, name: str, rank: int) -> None:
         self.hub, self.name, self.rank, self.seq = hub, name, rank, 0
 
-    def reserve(self, op, like, *, reduce_op=0, root=0, timeout=None):
+    def reserve(self, op, like, *, reduce_op=0, root=0, timeout=None, wire=None):
+        # wire: the real group's argument (a leaders' stage's format); these stages take none.
         self.seq += 1
         return (self.seq, (op, reduce_op, root, like.shape, like.dtype.str))
 

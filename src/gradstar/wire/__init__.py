@@ -13,6 +13,10 @@ Three modules, every name re-exported here (``from gradstar.wire import X``):
 - :mod:`.frames`: the frame kinds and their encoders and decoders, and the method paths;
 - :mod:`.chunks`: :class:`ChunkLayout`, :class:`ChunkTracker` and the ONE chunk send helper
   (:func:`iter_chunk_frames`) and ONE receive helper (:func:`receive_chunk`) every stream uses.
+
+:mod:`.formats` (the compressed wire formats: bf16, fp16, int8, int4) is imported by name,
+``from gradstar.wire.formats import encode``, and not re-exported here: its function names
+(``encode``, ``decode``) would read ambiguously beside the frame codec's.
 """
 
 from .chunks import (

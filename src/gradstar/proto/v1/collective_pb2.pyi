@@ -36,6 +36,14 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_INT32: _ClassVar[DType]
     DTYPE_INT64: _ClassVar[DType]
 
+class WireFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WIRE_FORMAT_UNSPECIFIED: _ClassVar[WireFormat]
+    WIRE_FORMAT_BF16: _ClassVar[WireFormat]
+    WIRE_FORMAT_FP16: _ClassVar[WireFormat]
+    WIRE_FORMAT_INT8: _ClassVar[WireFormat]
+    WIRE_FORMAT_INT4: _ClassVar[WireFormat]
+
 class AveragingRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     AVERAGING_RULE_UNSPECIFIED: _ClassVar[AveragingRule]
@@ -63,6 +71,11 @@ DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
 DTYPE_INT32: DType
 DTYPE_INT64: DType
+WIRE_FORMAT_UNSPECIFIED: WireFormat
+WIRE_FORMAT_BF16: WireFormat
+WIRE_FORMAT_FP16: WireFormat
+WIRE_FORMAT_INT8: WireFormat
+WIRE_FORMAT_INT4: WireFormat
 AVERAGING_RULE_UNSPECIFIED: AveragingRule
 AVERAGING_RULE_SEED: AveragingRule
 AVERAGING_RULE_AVERAGE: AveragingRule
@@ -82,7 +95,7 @@ class AveragingSpec(_message.Message):
     def __init__(self, model: _Optional[str] = ..., rule: _Optional[_Union[AveragingRule, str]] = ..., outer_lr: _Optional[float] = ..., outer_momentum: _Optional[float] = ...) -> None: ...
 
 class CollectiveHeader(_message.Message):
-    __slots__ = ("job", "generation", "group", "seq", "rank", "member_id", "op", "reduce_op", "dtype", "shape", "root", "chunk_bytes", "timeout_seconds", "averaging", "stripe", "stripes", "shm")
+    __slots__ = ("job", "generation", "group", "seq", "rank", "member_id", "op", "reduce_op", "dtype", "shape", "root", "chunk_bytes", "timeout_seconds", "averaging", "stripe", "stripes", "shm", "wire")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +113,7 @@ class CollectiveHeader(_message.Message):
     STRIPE_FIELD_NUMBER: _ClassVar[int]
     STRIPES_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     group: str
@@ -117,7 +131,8 @@ class CollectiveHeader(_message.Message):
     stripe: int
     stripes: int
     shm: ShmSegment
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., group: _Optional[str] = ..., seq: _Optional[int] = ..., rank: _Optional[int] = ..., member_id: _Optional[str] = ..., op: _Optional[_Union[CollectiveOp, str]] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., root: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ..., stripe: _Optional[int] = ..., stripes: _Optional[int] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ...) -> None: ...
+    wire: WireFormat
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., group: _Optional[str] = ..., seq: _Optional[int] = ..., rank: _Optional[int] = ..., member_id: _Optional[str] = ..., op: _Optional[_Union[CollectiveOp, str]] = ..., reduce_op: _Optional[_Union[ReduceOp, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., root: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., averaging: _Optional[_Union[AveragingSpec, _Mapping]] = ..., stripe: _Optional[int] = ..., stripes: _Optional[int] = ..., shm: _Optional[_Union[ShmSegment, _Mapping]] = ..., wire: _Optional[_Union[WireFormat, str]] = ...) -> None: ...
 
 class ShmSegment(_message.Message):
     __slots__ = ("pid", "fd", "inode", "size", "output_offset", "key", "eager", "host")
