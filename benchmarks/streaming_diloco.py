@@ -85,9 +85,12 @@ def worker(method: str, index: int, out: Path, args: argparse.Namespace) -> None
             model, sync_every=args.sync_every, fragments=args.fragments if streaming else 1,
             delay=args.delay if streaming else 0, alpha=0.5 if streaming else 0.0,
             outer_lr=0.7, outer_momentum=0.9, min_replicas=args.workers - killing,
-            job=f"bench-{method}", replica=f"w{index}", round_timeout=5.0 if killing else 60.0)
+            job=f"bench-{method}", replica=f"w{index}", round_timeout=5.0 if killing else 60.0,
+            wire=args.wire)
         trained = model
-        sizes = [sum(p.numel() for p in group) * 4 for group in sdl.groups]
+        # What a round uploads per fragment: float32, or the bytes its wire format encodes.
+        sizes = [sdl.wire.encoded_nbytes(n) if sdl.wire is not None else 4 * n
+                 for n in (sum(p.numel() for p in group) for group in sdl.groups)]
     snapshots = os.environ.get("BENCH_SNAPSHOTS") if index == 0 else None
     snap_every = int(os.environ.get("BENCH_SNAP_EVERY", "25"))
     began = time.time()
@@ -187,6 +190,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--fragments", type=int, default=4, help="P (streaming)")
     parser.add_argument("--delay", type=int, default=5, help="tau (streaming)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS[:3]))
+    parser.add_argument("--wire", choices=["bf16", "fp16", "int8", "int4"],
+                        help="DiLoCo and Streaming DiLoCo send their pseudo-gradients in this "
+                             "format (default raw float32)")
     parser.add_argument("--worker", nargs=3, metavar=("METHOD", "INDEX", "OUT"),
                         help=argparse.SUPPRESS)
     return parser

@@ -27,6 +27,7 @@ from gradstar.proto.v1 import rounds_pb2 as pb
 from gradstar.proto.v1 import rounds_pb2_grpc
 from gradstar.transport.channels import call_metadata, open_channel
 from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
+from gradstar.wire.formats import WireFormat, encode
 
 from .data_plane import resolve
 
@@ -98,14 +99,19 @@ class RoundsClient:
         return reply.rounds
 
     async def contribute(self, model: str, fragment: int, number: int, policy: RoundPolicySpec,
-                         delta: np.ndarray, timeout: float) -> tuple[bool, int]:
-        """Send the pseudo-gradient for round ``number``: (accepted, rounds completed)."""
+                         delta: np.ndarray, timeout: float,
+                         wire: WireFormat | None = None) -> tuple[bool, int]:
+        """Send the pseudo-gradient for round ``number``, encoded in ``wire`` if given (the hub
+        decodes it to float32): (accepted, rounds completed)."""
         header = pb.TensorHeader(key=self._key(model, fragment), numel=delta.shape[0],
-                                 round=number, policy=policy.message())
+                                 round=number, policy=policy.message(),
+                                 wire_format=wire.name if wire is not None else "")
+        data = (encode(wire, np.ascontiguousarray(delta, dtype=np.float32)) if wire is not None
+                else np.ascontiguousarray(delta, dtype="<f4").tobytes())
         reply = await self._retrying(lambda t: self._data.Contribute(
-            _parts(header, delta), timeout=t, metadata=self._metadata),
+            _parts(header, data), timeout=t, metadata=self._metadata),
             f"round {number} of fragment {fragment} of {model!r}", timeout)
-        self.bytes_sent += delta.nbytes
+        self.bytes_sent += len(data)
         return reply.accepted, reply.rounds
 
     async def fetch(self, model: str, fragment: int, min_rounds: int,
@@ -120,7 +126,8 @@ class RoundsClient:
                                        time.monotonic() + timeout, None)
 
     async def round(self, model: str, fragment: int, number: int, policy: RoundPolicySpec,
-                    delta: np.ndarray, timeout: float) -> tuple[bool, int, np.ndarray]:
+                    delta: np.ndarray, timeout: float,
+                    wire: WireFormat | None = None) -> tuple[bool, int, np.ndarray]:
         """Contribute to round ``number`` and fetch the global fragment after it:
         (accepted, rounds, params). Not accepted: the round had closed without this replica,
         and the params are the current global fragment.
@@ -132,14 +139,14 @@ class RoundsClient:
         """
         until = time.monotonic() + timeout
         accepted, rounds = await self.contribute(model, fragment, number, policy, delta,
-                                                 timeout)
+                                                 timeout, wire)
         if not accepted:
             got, params = await self._await_round(model, fragment, rounds, timeout, until, None)
             return False, got, params
 
         async def resend() -> bool:
             again, _ = await self.contribute(model, fragment, number, policy, delta,
-                                             max(until - time.monotonic(), 0.001))
+                                             max(until - time.monotonic(), 0.001), wire)
             return again
 
         got, params = await self._await_round(model, fragment, number + 1, timeout, until,
@@ -231,9 +238,11 @@ class RoundsClient:
         await self._channel.close()
 
 
-async def _parts(header: pb.TensorHeader, values: np.ndarray):
-    """The request stream: the header, then the raw float32 bytes in parts."""
-    data = np.ascontiguousarray(values, dtype="<f4").tobytes()
+async def _parts(header: pb.TensorHeader, values: np.ndarray | bytes):
+    """The request stream: the header, then the data (raw float32, or the bytes a wire format
+    encoded) in parts."""
+    data = values if isinstance(values, bytes) else \
+        np.ascontiguousarray(values, dtype="<f4").tobytes()
     yield pb.TensorPart(header=header, data=data[:PART_BYTES])
     for start in range(PART_BYTES, len(data), PART_BYTES):
         yield pb.TensorPart(data=data[start:start + PART_BYTES])

@@ -29,9 +29,12 @@ Usable from a plain torch loop::
         sdl.step()
     sdl.close()
 
-``wire=`` is the hook for compressed pseudo-gradients (the wire formats of issue 25): only
-``None`` (raw float32) is accepted today; a format will be named in each contribution's header
-(``TensorHeader.wire_format``), which the hub already refuses when it does not know it.
+``wire=`` sends the pseudo-gradients in a compressed wire format (``"bf16"``, ``"fp16"``,
+``"int8"``, ``"int4"``: :mod:`gradstar.wire.formats`), as Streaming DiLoCo sends 4-bit outer
+gradients: named in each contribution's header (``TensorHeader.wire_format``), decoded to
+float32 on the hub, whose global fragments and outer optimizer stay float32; seeds and fetched
+global fragments stay float32. No error feedback: what rounding loses of a round's
+pseudo-gradient is not carried into the next (the paper's 4-bit rounds need none).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import numpy as np
 
 from gradstar.config import ClientSettings
 from gradstar.errors import ConfigurationError
+from gradstar.wire.formats import wire_format
 
 from .loop_thread import LoopThread
 from .rounds_client import RoundPolicySpec, RoundsClient
@@ -63,7 +67,7 @@ class StreamingDiLoCo:
     ``GRADSTAR_RANK`` when set (stable across the agent's restarts), else host and pid.
 
     Raises:
-        ConfigurationError: invalid arguments, a ``wire`` format (not yet supported), or a
+        ConfigurationError: invalid arguments, an unknown ``wire`` format, or a
             module not on the CPU or one CUDA device.
         RoundMismatchError: the hub holds this model with other fragment sizes.
         RoundTimeoutError: a round did not close within ``timeout`` (fewer than
@@ -84,10 +88,9 @@ class StreamingDiLoCo:
                                      f"{min_replicas!r}")
         if round_timeout <= 0 or timeout <= 0:
             raise ConfigurationError("round_timeout and timeout must be positive")
-        if wire is not None:
-            raise ConfigurationError(
-                f"wire={wire!r}: compressed pseudo-gradients need a wire format, which this "
-                "build does not have yet; pass wire=None (raw float32)")
+        #: The pseudo-gradients' wire format (None: raw float32); raises ConfigurationError
+        #: for an unknown one, before anything is sent.
+        self.wire = wire_format(wire) if wire is not None else None
         from .torch_common import module_device  # torch only when this class is used
 
         self.device = module_device("StreamingDiLoCo", module)
@@ -159,7 +162,8 @@ class StreamingDiLoCo:
             self._merge(p)
         delta = self.anchors[p] - self._flat(p)
         future = self._loop.submit(self.client.round(self.model_name, p, self.rounds[p],
-                                                     self.policy, delta, self.timeout))
+                                                     self.policy, delta, self.timeout,
+                                                     self.wire))
         self._pending[p] = (future, self.local_steps + self.schedule.delay)
 
     def _merge(self, p: int) -> None:

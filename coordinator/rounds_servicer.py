@@ -9,10 +9,11 @@ import logging
 
 import numpy as np
 
-from gradstar.errors import GradstarError, ProtocolError
+from gradstar.errors import ConfigurationError, GradstarError, ProtocolError
 from gradstar.proto.v1 import rounds_pb2 as pb
 from gradstar.proto.v1 import rounds_pb2_grpc
 from gradstar.transport.status import abort
+from gradstar.wire.formats import FORMATS, WireFormat, decode_into, wire_format
 
 from .jobs import check_job_name
 from .rounds import Policy, RoundsTable
@@ -51,7 +52,7 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
 
     async def Contribute(self, request_iterator, context):
         try:
-            header, delta = await self._read_tensor(request_iterator)
+            header, delta = await self._read_tensor(request_iterator, contribution=True)
             k, p = header.key, header.policy
             policy = Policy(p.outer_lr, p.outer_momentum, p.nesterov, p.min_replicas,
                             p.round_timeout_seconds)
@@ -102,8 +103,11 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
         for start in range(0, len(data), PART_BYTES):
             yield pb.FetchPart(data=data[start:start + PART_BYTES])
 
-    async def _read_tensor(self, request_iterator) -> tuple[pb.TensorHeader, np.ndarray]:
-        """The header and the whole float32 vector of a Seed or Contribute stream.
+    async def _read_tensor(self, request_iterator, contribution: bool = False,
+                           ) -> tuple[pb.TensorHeader, np.ndarray]:
+        """The header and the whole float32 vector of a Seed or Contribute stream (a
+        ``contribution`` may come in a wire format: decoded here, the hub's model and outer
+        optimizer stay float32).
 
         Raises:
             ProtocolError: no header, a part too large, or data of the wrong length.
@@ -118,14 +122,13 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
         if not first.HasField("header"):
             raise ProtocolError("a rounds stream must begin with its header")
         header = first.header
-        if header.wire_format:
-            raise ProtocolError(
-                f"this coordinator knows no wire format {header.wire_format!r} for rounds; "
-                "send raw float32 (StreamingDiLoCo(wire=None))")
+        fmt = _wire(header, contribution)
         _check_key(header.key)
         self.table.check_numel(header.numel)
         out = np.empty(header.numel, dtype="<f4")
-        view = memoryview(out).cast("B")
+        # An encoded contribution is read whole, then decoded to float32 once.
+        encoded = (bytearray(fmt.encoded_nbytes(header.numel)) if fmt is not None else None)
+        view = memoryview(encoded if encoded is not None else out).cast("B")
         filled = self._take(first.data, view, 0)
         async for part in parts:
             if part.HasField("header"):
@@ -133,8 +136,11 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
             filled = self._take(part.data, view, filled)
         if filled != len(view):
             raise ProtocolError(
-                f"replica {header.key.replica!r} announced {header.numel} float32 values but "
-                f"sent {filled} bytes; the stream was cut or malformed and nothing was used")
+                f"replica {header.key.replica!r} announced {header.numel} "
+                f"{fmt.name if fmt else 'float32'} values but sent {filled} bytes; the stream "
+                "was cut or malformed and nothing was used")
+        if fmt is not None:
+            decode_into(fmt, encoded, out)
         return header, out.astype(np.float32, copy=False)
 
     def _take(self, data: bytes, view: memoryview, filled: int) -> int:
@@ -180,3 +186,22 @@ def _check_key(key: pb.RoundsKey) -> None:
     check_job_name(key.job)
     check_job_name(key.model, "a model name")
     check_job_name(key.replica, "a replica name")
+
+
+def _wire(header: pb.TensorHeader, contribution: bool) -> WireFormat | None:
+    """The wire format a stream's data parts are in (None: raw float32).
+
+    Raises:
+        ProtocolError: an unknown format, or one on a Seed (the global model is seeded from
+            exact parameters).
+    """
+    if not header.wire_format:
+        return None
+    if not contribution:
+        raise ProtocolError("a Seed carries raw float32 parameters; wire formats are for "
+                            "contributions (pseudo-gradients)")
+    try:
+        return wire_format(header.wire_format)
+    except ConfigurationError:
+        raise ProtocolError(f"this coordinator knows no wire format {header.wire_format!r} "
+                            f"for rounds; known: {', '.join(sorted(FORMATS))}") from None

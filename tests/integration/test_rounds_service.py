@@ -21,6 +21,7 @@ from gradstar.errors import (
 from gradstar.proto.v1 import rounds_pb2 as pb
 from gradstar.proto.v1 import rounds_pb2_grpc
 from gradstar.transport.status import error_from_rpc
+from gradstar.wire.formats import roundtrip, wire_format
 
 POLICY = RoundPolicySpec(outer_lr=0.5, outer_momentum=0.0, min_replicas=2, round_timeout=30)
 
@@ -67,6 +68,8 @@ def header(numel: int, **fields) -> pb.TensorHeader:
      ProtocolError, "NaN or infinite"),
     ([pb.TensorPart(header=header(4, wire_format="q4"), data=b"\0" * 16)], ProtocolError,
      "knows no wire format 'q4'"),
+    ([pb.TensorPart(header=header(4, wire_format="int8"), data=b"\0" * 4)], ProtocolError,
+     "announced 4 int8 values but sent 4 bytes"),
     ([pb.TensorPart(header=header(1 << 40))], HubCapacityError, "over this coordinator's limit"),
     ([pb.TensorPart(header=header(3), data=b"\0" * 12)], RoundMismatchError, "sent 3 values"),
     ([pb.TensorPart(header=header(4, round=7), data=b"\0" * 16)], RoundMismatchError,
@@ -151,3 +154,40 @@ async def test_rounds_carry_tensors_on_the_collective_port(coordinator, clients)
     policy = RoundPolicySpec(outer_lr=1.0, outer_momentum=0.0, min_replicas=1)
     accepted, rounds, params = await a.round("m", 0, 0, policy, np.ones(4, np.float32), 10)
     assert accepted and rounds == 1 and params.tolist() == [-1, -1, -1, -1]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+async def test_contributions_in_a_wire_format_are_decoded_and_the_model_stays_float32(
+        coordinator, clients, fmt):
+    numel = 5000  # not a multiple of the 64-value blocks: an uneven tail
+    a, b = clients("a"), clients("b")
+    for c in (a, b):
+        await c.seed("m", 0, np.zeros(numel, np.float32), 10)
+    rng = np.random.default_rng(3)
+    deltas = {c: rng.standard_normal(numel).astype(np.float32) for c in (a, b)}
+    results = await asyncio.gather(*(
+        c.round("m", 0, 0, POLICY, d, 20, wire=wire_format(fmt)) for c, d in deltas.items()))
+    # outer SGD, lr 0.5, no momentum, on the mean of what each replica's encoding kept
+    kept = [roundtrip(fmt, d) for d in deltas.values()]
+    want = np.float32(-0.5) * ((kept[0] + kept[1]) / np.float32(2))
+    for accepted, rounds, params in results:
+        assert accepted and rounds == 1 and params.dtype == np.float32
+        np.testing.assert_allclose(params, want, rtol=1e-6, atol=1e-7)
+    encoded = wire_format(fmt).encoded_nbytes(numel)
+    assert a.bytes_sent == numel * 4 + encoded  # the seed in float32, the round encoded
+    assert encoded < numel * 4
+
+
+async def test_a_seed_in_a_wire_format_is_refused(coordinator):
+    part = pb.TensorPart(header=pb.TensorHeader(
+        key=pb.RoundsKey(job="j", model="m", fragment=0, replica="x"), numel=64,
+        wire_format="int8"), data=b"\0" * 68)
+    async with grpc.aio.insecure_channel(coordinator.address) as channel:
+        async def stream():
+            yield part
+
+        with pytest.raises(grpc.RpcError) as refused:
+            await rounds_pb2_grpc.RoundsStub(channel).Seed(stream(), timeout=10)
+    error = error_from_rpc(refused.value, "seeding", coordinator.address)
+    assert isinstance(error, ProtocolError) and "raw float32" in str(error)
+    assert ("j", "m", 0) not in coordinator.rounds.fragments
