@@ -7,6 +7,7 @@ from .process_group import (
     init_process_group,
     init_process_group_async,
 )
+from .streaming_diloco import StreamingDiLoCo
 from .work import Work
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "LocalSGD",
     "Pipeline",
     "ProcessGroup",
+    "StreamingDiLoCo",
     "Work",
     "init_process_group",
     "init_process_group_async",

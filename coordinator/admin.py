@@ -12,6 +12,7 @@ from gradstar.proto.v1 import admin_pb2_grpc
 
 from .averaging import AveragingStore
 from .rendezvous import Job, Rendezvous
+from .rounds import RoundsTable
 from .shards import ShardRegistry
 
 #: Jobs per ListJobs page at most (each summary is small; a page stays far below the message
@@ -76,9 +77,30 @@ def shard_list(shards: ShardRegistry, now: float | None = None) -> apb.ListShard
     return reply
 
 
+def rounds_view(table: RoundsTable, job: str,
+                now: float | None = None) -> apb.ListRoundsResponse:
+    """A job's fault-tolerant rounds: each fragment's last round and each replica's record."""
+    now = table.clock() if now is None else now
+    reply = apb.ListRoundsResponse()
+    for model, fragment, frag, held in table.job_fragments(job):
+        last = frag.history[-1] if frag.history else None
+        reply.fragments.append(apb.RoundsFragment(
+            model=model, fragment=fragment, rounds=held.rounds, parameters=frag.numel,
+            last_participants=last.participants if last else (),
+            last_missed=last.missed if last else (),
+            open_contributions=len(frag.open.contributions) if frag.open else 0))
+    for name, r in sorted(table.replicas.get(job, {}).items()):
+        reply.replicas.append(apb.RoundsReplica(
+            replica=name, joins=r.joins, contributed=r.contributed, missed=r.missed,
+            late=r.late, last_seen_age_seconds=now - r.last_seen))
+    return reply
+
+
 class AdminServicer(admin_pb2_grpc.AdminServicer):
     def __init__(self, rendezvous: Rendezvous, averaging: AveragingStore,
-                 drain: Callable[[], Awaitable[None]], shards: ShardRegistry | None = None):
+                 drain: Callable[[], Awaitable[None]], shards: ShardRegistry | None = None,
+                 rounds: RoundsTable | None = None):
+        self.rounds = rounds
         self.rendezvous = rendezvous
         self.averaging = averaging
         self.shards = shards
@@ -103,6 +125,12 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         if self.shards is None:
             return apb.ListShardsResponse()
         return shard_list(self.shards)
+
+    async def ListRounds(self, request, context):
+        if self.rounds is None or request.job not in self.rounds.jobs():
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no job named {request.job!r} has outer rounds")
+        return rounds_view(self.rounds, request.job)
 
     async def Drain(self, request, context):
         await self._drain()

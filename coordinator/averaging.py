@@ -108,7 +108,18 @@ class AveragingRound:
         self.staged[start:stop] = values
 
     def commit(self) -> GlobalModel:
-        """Install the staged model (and persist it, when a state directory is set)."""
+        """Install the staged model (and persist it, when a state directory is set).
+
+        Raises:
+            OSError: the state directory could not be written; nothing was installed.
+        """
+        model = self.result()
+        if model is not self.model:
+            self.store.install(self.key, model)
+        return model
+
+    def result(self) -> GlobalModel:
+        """The model this round makes, not yet installed."""
         if self.answer_existing:
             return self.model
         momentum = self.staged_momentum
@@ -116,9 +127,7 @@ class AveragingRound:
                 pb.AVERAGING_RULE_SEED, pb.AVERAGING_RULE_AVERAGE):
             momentum = self.model.momentum
         rounds = 0 if self.model is None else self.model.rounds + 1
-        model = GlobalModel(self.staged, momentum, rounds)
-        self.store.install(self.key, model)
-        return model
+        return GlobalModel(self.staged, momentum, rounds)
 
 
 class AveragingStore:
@@ -140,6 +149,11 @@ class AveragingStore:
 
     def models(self, job: str) -> dict[str, GlobalModel]:
         return {name: m for (j, name), m in self._models.items() if j == job}
+
+    def forget(self, job: str) -> None:
+        """Drop ``job``'s models from memory (the state directory keeps its files)."""
+        for key in [k for k in self._models if k[0] == job]:
+            del self._models[key]
 
     def open_round(self, job: str, spec: pb.AveragingSpec, numel: int) -> AveragingRound:
         """Stage a round of ``spec.rule`` for a vector of ``numel`` float32 elements.
@@ -167,8 +181,14 @@ class AveragingStore:
             )
         return AveragingRound(self, (job, spec.model), spec, numel, model)
 
-    def install(self, key: tuple[str, str], model: GlobalModel) -> None:
-        if self.state_dir is not None:
+    def install(self, key: tuple[str, str], model: GlobalModel, *, persist: bool = True) -> None:
+        """Make ``model`` the global model of ``key``, saved first when there is a state
+        directory and ``persist``.
+
+        Raises:
+            OSError: saving failed; the previous model stays installed.
+        """
+        if persist and self.state_dir is not None:
             self._save(self._path(key), model)
         self._models[key] = model
 

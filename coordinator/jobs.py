@@ -38,24 +38,25 @@ def pair_key(secret: bytes, a: int, b: int) -> bytes:
     return hmac.digest(secret, _PAIR_KEY_CONTEXT + struct.pack(">II", low, high), hashlib.sha256)
 
 
-def check_job_name(job: str) -> None:
-    """Refuse a job name that is empty, too long, or holds control characters.
+def check_job_name(job: str, what: str = "a job name") -> None:
+    """Refuse a job name (or another name, ``what``) that is empty, too long, or holds control
+    characters.
 
     Raises:
         ConfigurationError: the name is empty, longer than :data:`MAX_JOB_NAME_CHARS`
             characters, or holds a control, format or line separator character.
     """
     if not job:
-        raise ConfigurationError("a job name must not be empty")
+        raise ConfigurationError(f"{what} must not be empty")
     if len(job) > MAX_JOB_NAME_CHARS:
         raise ConfigurationError(
-            f"a job name is at most {MAX_JOB_NAME_CHARS} characters, got one of {len(job)} "
+            f"{what} is at most {MAX_JOB_NAME_CHARS} characters, got one of {len(job)} "
             f"starting {job[:40]!r}"
         )
     bad = next((c for c in job if unicodedata.category(c) in _UNPRINTABLE), None)
     if bad is not None:
         raise ConfigurationError(
-            f"a job name must not contain control characters, got {job!r} (with {bad!r})"
+            f"{what} must not contain control characters, got {job!r} (with {bad!r})"
         )
 
 

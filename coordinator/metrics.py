@@ -159,9 +159,9 @@ _JOB_FAMILIES = (
 
 def render(rendezvous, collectives: CollectiveMetrics, averaging=None, *,
            serving: bool = True, now: float | None = None, shards=None,
-           max_bytes: int = METRICS_MAX_BYTES) -> str:
+           max_bytes: int = METRICS_MAX_BYTES, rounds=None) -> str:
     """The coordinator's metrics in the Prometheus text format (see :func:`render_async`)."""
-    parts = _render(rendezvous, collectives, averaging, serving, now, shards, max_bytes)
+    parts = _render(rendezvous, collectives, averaging, serving, now, shards, max_bytes, rounds)
     try:
         while True:
             next(parts)
@@ -171,7 +171,7 @@ def render(rendezvous, collectives: CollectiveMetrics, averaging=None, *,
 
 async def render_async(rendezvous, collectives: CollectiveMetrics, averaging=None, *,
                        serving: bool = True, shards=None,
-                       max_bytes: int = METRICS_MAX_BYTES) -> str:
+                       max_bytes: int = METRICS_MAX_BYTES, rounds=None) -> str:
     """The coordinator's metrics in the Prometheus text format, yielding to the event loop
     every :data:`JOBS_PER_SLICE` jobs, so that collectives never wait long behind a scrape.
 
@@ -179,9 +179,10 @@ async def render_async(rendezvous, collectives: CollectiveMetrics, averaging=Non
     carried, and each shard has its own series. Only jobs that formed a generation have series
     (joins that never form leave none); the page is at most ``max_bytes`` long: the jobs whose
     series would not fit (running ones go first, then by name) are left out, and counted in
-    ``gradstar_metrics_jobs_omitted``.
+    ``gradstar_metrics_jobs_omitted``. With ``rounds`` (a :class:`~.rounds.RoundsTable`) each
+    fault-tolerant fragment and replica has its series (rounds, participants, misses, joins).
     """
-    parts = _render(rendezvous, collectives, averaging, serving, None, shards, max_bytes)
+    parts = _render(rendezvous, collectives, averaging, serving, None, shards, max_bytes, rounds)
     try:
         while True:
             next(parts)
@@ -191,7 +192,7 @@ async def render_async(rendezvous, collectives: CollectiveMetrics, averaging=Non
 
 
 def _render(rendezvous, collectives: CollectiveMetrics, averaging, serving: bool,
-            now: float | None, shards, max_bytes: int):
+            now: float | None, shards, max_bytes: int, rounds=None):
     """The page, as a generator that yields between slices of jobs and returns the text.
 
     Jobs may come and go between slices: the table and the collective metrics are copied
@@ -215,6 +216,8 @@ def _render(rendezvous, collectives: CollectiveMetrics, averaging, serving: bool
     shard_lines: list[str] = []
     if shards is not None:
         _shard_families(lambda *f: shard_lines.extend(_family(*f)), shards, now)
+    if rounds is not None:
+        _rounds_families(lambda *f: shard_lines.extend(_family(*f)), rounds)
     budget = max_bytes - _FIXED_RESERVE - sum(len(line) + 1 for line in shard_lines)
     samples: dict[str, list[str]] = {name: [] for name, _, _ in _JOB_FAMILIES}
     omitted = 0
@@ -320,6 +323,41 @@ def _shard_families(family, shards, now: float) -> None:
            "Chunk frame bytes the shard sent to ranks (as of its last report).", s_out)
     family("gradstar_shard_report_age_seconds", "gauge",
            "Seconds since the shard last reported its counters.", ages)
+
+
+def _rounds_families(family, rounds) -> None:
+    """Fault-tolerant rounds (:mod:`.rounds`): per fragment and per replica."""
+    done, participants, missed_last = [], [], []
+    joins, contributed, missed, late = [], [], [], []
+    for job in rounds.jobs():
+        for model, fragment, frag, held in rounds.job_fragments(job):
+            labels = _labels({"job": job, "model": model, "fragment": str(fragment)})
+            last = frag.history[-1] if frag.history else None
+            done.append(f"gradstar_rounds_completed{labels} {held.rounds}")
+            participants.append(f"gradstar_round_replicas{labels} "
+                                f"{len(last.participants) if last else 0}")
+            missed_last.append(f"gradstar_round_replicas_missed{labels} "
+                               f"{len(last.missed) if last else 0}")
+        for name, r in sorted(rounds.replicas.get(job, {}).items()):
+            labels = _labels({"job": job, "replica": name})
+            joins.append(f"gradstar_replica_joins_total{labels} {r.joins}")
+            contributed.append(f"gradstar_replica_rounds_total{labels} {r.contributed}")
+            missed.append(f"gradstar_replica_rounds_missed_total{labels} {r.missed}")
+            late.append(f"gradstar_replica_rounds_late_total{labels} {r.late}")
+    family("gradstar_rounds_completed", "gauge",
+           "Outer rounds completed on each fragment of a global model.", done)
+    family("gradstar_round_replicas", "gauge",
+           "Replicas that took part in the fragment's last completed round.", participants)
+    family("gradstar_round_replicas_missed", "gauge",
+           "Replicas dropped from the fragment's last completed round.", missed_last)
+    family("gradstar_replica_joins_total", "counter",
+           "Times the replica joined the rounds (first start and restarts).", joins)
+    family("gradstar_replica_rounds_total", "counter",
+           "Contributions the replica's rounds took.", contributed)
+    family("gradstar_replica_rounds_missed_total", "counter",
+           "Rounds that closed without the replica while it was expected.", missed)
+    family("gradstar_replica_rounds_late_total", "counter",
+           "Contributions that came after their round had closed.", late)
 
 
 def _added(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:

@@ -19,6 +19,8 @@ from gradstar.proto.v1 import (
     collective_pb2,
     rendezvous_pb2,
     rendezvous_pb2_grpc,
+    rounds_pb2,
+    rounds_pb2_grpc,
     shard_pb2,
     shard_pb2_grpc,
 )
@@ -37,6 +39,8 @@ from .engine import CollectiveEngine
 from .local_shards import LocalShards
 from .metrics import render_async
 from .rendezvous import Rendezvous
+from .rounds import RoundsTable
+from .rounds_servicer import RoundsServicer
 from .servicers import CollectiveServicer, RendezvousServicer
 from .shards import ShardControlServicer, ShardRegistry
 from .status import CoordinatorStatus
@@ -49,6 +53,7 @@ SERVICE_NAMES = (
     collective_pb2.DESCRIPTOR.services_by_name["Collective"].full_name,
     admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
     shard_pb2.DESCRIPTOR.services_by_name["ShardControl"].full_name,
+    rounds_pb2.DESCRIPTOR.services_by_name["Rounds"].full_name,
 )
 
 
@@ -117,6 +122,11 @@ class Coordinator:
         s.check_protected()
         tune_allocator()
         self.averaging = AveragingStore(s.state_dir)
+        # Rounds keep fragments in a store of their own, so their names never meet the
+        # collectives' global models (and their files sit in a folder of their own).
+        self.rounds = RoundsTable(
+            AveragingStore(s.state_dir / "rounds" if s.state_dir is not None else None),
+            max_numel=s.max_tensor_bytes // 4, max_held_bytes=s.max_collective_state_bytes)
         self.rendezvous = Rendezvous(
             s.heartbeat_timeout, on_generation_failed=self._generation_failed,
             on_generation_formed=lambda g: self.shards.on_formed(g),
@@ -127,7 +137,8 @@ class Coordinator:
         expected = s.shards if s.expected_shards is None else s.expected_shards
         self.shards = ShardRegistry(self.rendezvous, expected, on_health=self._shards_health)
         self.status = CoordinatorStatus(self.rendezvous, self.shards,
-                                        serving=lambda: self._serving and self.shards.healthy)
+                                        serving=lambda: self._serving and self.shards.healthy,
+                                        rounds=self.rounds)
         self.engine = CollectiveEngine(
             self.rendezvous, max_tensor_bytes=s.max_tensor_bytes,
             max_chunk_bytes=s.max_chunk_bytes, max_timeout=s.max_collective_timeout,
@@ -147,8 +158,12 @@ class Coordinator:
         bulk = grpc.aio.server(interceptors=[TokenAuthInterceptor(token, admin)],
                                options=BULK_SERVER_OPTIONS)
         bulk.add_generic_rpc_handlers((self.collectives.handler(),))
+        # Outer rounds carry tensors too: served there (named in Seed replies) and here.
+        rounds = RoundsServicer(self.rounds, s.max_chunk_bytes)
+        rounds_pb2_grpc.add_RoundsServicer_to_server(rounds, bulk)
         self.collective_port = _bind(bulk, f"{s.host}:{s.collective_port}", creds,
                                      "the coordinator's collective port")
+        rounds.bulk_address = f":{self.collective_port}"
         server = grpc.aio.server(
             interceptors=[TokenAuthInterceptor(token, admin)], options=SERVER_OPTIONS
         )
@@ -159,8 +174,10 @@ class Coordinator:
         )
         # Still served here too: a rank of an earlier version sends its collectives here.
         server.add_generic_rpc_handlers((self.collectives.handler(),))
+        rounds_pb2_grpc.add_RoundsServicer_to_server(rounds, server)
         admin_pb2_grpc.add_AdminServicer_to_server(
-            AdminServicer(self.rendezvous, self.averaging, self.drain, self.shards), server
+            AdminServicer(self.rendezvous, self.averaging, self.drain, self.shards,
+                          self.rounds), server
         )
         shard_pb2_grpc.add_ShardControlServicer_to_server(ShardControlServicer(self.shards),
                                                           server)
@@ -256,6 +273,9 @@ class Coordinator:
                 self.engine.budget.trimmed()
             for m in self.rendezvous.expire():
                 log.warning("job %r: rank %d missed heartbeats", m.job, m.rank)
+            for name in self.rounds.drop_idle(self.settings.job_retention):
+                log.info("job %r: outer rounds dropped after %g s without replicas", name,
+                         self.settings.job_retention)
             for name in self.rendezvous.drop_idle(self.settings.job_retention):
                 self.engine.metrics.forget(name)
                 log.info("job %r dropped after %g s without members", name,
@@ -263,7 +283,8 @@ class Coordinator:
 
     async def _metrics_page(self) -> tuple[int, str, bytes]:
         text = await render_async(self.rendezvous, self.engine.metrics, self.averaging,
-                                  shards=self.shards, max_bytes=self.settings.metrics_max_bytes)
+                                  shards=self.shards, max_bytes=self.settings.metrics_max_bytes,
+                                  rounds=self.rounds)
         return 200, "text/plain; version=0.0.4; charset=utf-8", text.encode()
 
     async def drain(self) -> None:

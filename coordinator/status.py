@@ -165,8 +165,10 @@ class CoordinatorStatus:
     def __init__(self, rendezvous: Rendezvous, shards: ShardRegistry | None = None, *,
                  serving: Callable[[], bool] = lambda: True,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time, rounds=None) -> None:
         self.rendezvous = rendezvous
+        #: The fault-tolerant rounds (a :class:`~.rounds.RoundsTable`), if any.
+        self.rounds = rounds
         self.shards = shards
         self.serving = serving
         self.clock = clock
@@ -214,7 +216,29 @@ class CoordinatorStatus:
             "failures": [asdict(f) for f in self.failures.entries],
             "shards": {"expected": shards.expected if shards is not None else 0,
                        "slots": self._shards(now)},
+            "rounds": self._rounds(),
         }
+
+    def _rounds(self) -> list[dict]:
+        """Per job with outer rounds: fragments (last round's replicas) and replicas."""
+        table = self.rounds
+        if table is None:
+            return []
+        now = table.clock()
+        out = []
+        for job in table.jobs():
+            fragments = []
+            for model, fragment, frag, held in table.job_fragments(job):
+                last = frag.history[-1] if frag.history else None
+                fragments.append({"model": model, "fragment": fragment, "rounds": held.rounds,
+                                  "replicas": list(last.participants) if last else [],
+                                  "dropped": list(last.missed) if last else []})
+            replicas = [{"replica": name, "joins": r.joins, "rounds": r.contributed,
+                         "missed": r.missed, "late": r.late,
+                         "last_seen_seconds": now - r.last_seen}
+                        for name, r in sorted(table.replicas.get(job, {}).items())]
+            out.append({"job": job, "fragments": fragments, "replicas": replicas})
+        return out
 
     def _job(self, job: Job, now: float) -> dict:
         gen = job.generation

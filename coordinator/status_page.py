@@ -96,6 +96,7 @@ def render_html(snapshot: dict) -> str:
         *(_ranks_table(job) for job in jobs[:MAX_JOBS_SHOWN]),
         _failures(snapshot["failures"], snapshot["generated_at"]),
         _shards(snapshot["shards"]),
+        _rounds(snapshot.get("rounds", [])),
     ]
     return (f"<!doctype html><html lang=\"en\"><head>{head}</head><body>"
             f"<h1>gradstar coordinator</h1><main>{''.join(main)}</main>"
@@ -215,6 +216,33 @@ def _shards(shards: dict) -> str:
             '<th class="text">Address</th><th class="text">State</th><th>Bytes in</th>'
             '<th>Bytes out</th><th class="text">Jobs</th><th>Last report</th></tr></thead>'
             f"<tbody>{rows}</tbody></table>")
+
+
+def _rounds(jobs: list[dict]) -> str:
+    """Fault-tolerant outer rounds (StreamingDiLoCo): only when some job has them."""
+    if not jobs:
+        return ""
+    parts = ["<h2>Outer rounds</h2>"]
+    for job in jobs[:MAX_JOBS_SHOWN]:
+        frags = "".join(
+            f'<tr><td class="text">{_e(f["model"])}</td>{_cell("fragment", f["fragment"])}'
+            f'{_cell("rounds", f["rounds"])}<td class="text">{_e(", ".join(f["replicas"]))}</td>'
+            f'<td class="text failed">{_e(", ".join(f["dropped"]))}</td></tr>'
+            for f in job["fragments"])
+        reps = "".join(
+            f'<tr><td class="text">{_e(r["replica"])}</td>{_cell("joins", r["joins"])}'
+            f'{_cell("rounds", r["rounds"])}{_cell("missed", r["missed"])}'
+            f'{_cell("late", r["late"])}'
+            f'{_cell("last_seen_seconds", r["last_seen_seconds"], _seconds)}</tr>'
+            for r in job["replicas"][:MAX_RANKS_SHOWN])
+        parts.append(
+            f'<h3>{_e(job["job"])}</h3><table><thead><tr><th class="text">Model</th>'
+            '<th>Fragment</th><th>Rounds</th><th class="text">Last round</th>'
+            f'<th class="text">Dropped</th></tr></thead><tbody>{frags}</tbody></table>'
+            '<table><thead><tr><th class="text">Replica</th><th>Joins</th><th>Rounds</th>'
+            '<th>Missed</th><th>Late</th><th>Last seen</th></tr></thead>'
+            f"<tbody>{reps}</tbody></table>")
+    return "".join(parts)
 
 
 def _cell(field: str, value, show: Callable[[float], str] | None = None) -> str:

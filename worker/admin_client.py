@@ -97,6 +97,12 @@ class AdminClient:
             admin_pb2.ListShardsRequest(), timeout=self.timeout, metadata=self._metadata),
             "listing shards")
 
+    async def rounds(self, job: str) -> admin_pb2.ListRoundsResponse:
+        """Raises: GradstarError if the coordinator has no outer rounds for ``job``."""
+        return await self._call(self._admin.ListRounds(
+            admin_pb2.ListRoundsRequest(job=job), timeout=self.timeout,
+            metadata=self._metadata), f"reading the rounds of job {job!r}")
+
     async def drain(self) -> int:
         """Start draining; returns how many jobs still have live members."""
         reply = await self._call(self._admin.Drain(

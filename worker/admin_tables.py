@@ -150,3 +150,27 @@ def shards_as_dict(reply: admin_pb2.ListShardsResponse) -> dict:
         {"slot": s.slot, "address": s.address, "state": s.state, "bytes_in": s.bytes_in,
          "bytes_out": s.bytes_out, "jobs": list(s.jobs),
          "last_report_age_seconds": s.last_report_age_seconds} for s in reply.shards]}
+
+
+def rounds_table(job: str, reply: admin_pb2.ListRoundsResponse) -> str:
+    """A job's fault-tolerant rounds: fragments (last round's replicas), then replicas."""
+    frags = [(f.model, f.fragment, f.rounds, f.parameters, ", ".join(f.last_participants) or "-",
+              ", ".join(f.last_missed) or "-", f.open_contributions) for f in reply.fragments]
+    reps = [(r.replica, r.joins, r.contributed, r.missed, r.late,
+             f"{r.last_seen_age_seconds:.1f} s") for r in reply.replicas]
+    return (f"job {job}: {len(reply.fragments)} fragment(s), {len(reply.replicas)} replica(s)\n"
+            + table(("MODEL", "FRAGMENT", "ROUNDS", "PARAMS", "LAST ROUND", "DROPPED", "OPEN"),
+                    frags, indent="  ") + "\n"
+            + table(("REPLICA", "JOINS", "ROUNDS", "MISSED", "LATE", "SEEN"), reps,
+                    indent="  "))
+
+
+def rounds_as_dict(job: str, reply: admin_pb2.ListRoundsResponse) -> dict:
+    return {"job": job, "fragments": [
+        {"model": f.model, "fragment": f.fragment, "rounds": f.rounds,
+         "parameters": f.parameters, "last_participants": list(f.last_participants),
+         "last_missed": list(f.last_missed), "open_contributions": f.open_contributions}
+        for f in reply.fragments], "replicas": [
+        {"replica": r.replica, "joins": r.joins, "contributed": r.contributed,
+         "missed": r.missed, "late": r.late, "last_seen_age_seconds": r.last_seen_age_seconds}
+        for r in reply.replicas]}

@@ -16,8 +16,10 @@ What it does, in order:
    job's generation on the hub; the surviving ranks (anywhere) re-join, and the rendezvous forms
    the next generation when the restarted rank joins too. Re-joining is the training script's
    part: :mod:`gradstar.worker.train` does it, resuming from the hub's global model with
-   LocalSGD (see its docstring). When no restart is left, the agent stops its other ranks and
-   exits with the failed rank's code.
+   LocalSGD (see its docstring). Ranks that are :class:`gradstar.StreamingDiLoCo` replicas form
+   no generation: the others train on, and the restarted rank (same ``GRADSTAR_RANK``, so the
+   same replica name) rejoins the hub's rounds from its global model. When no restart is left,
+   the agent stops its other ranks and exits with the failed rank's code.
 
 Health is reported two ways: a log line on stderr for every start, exit and restart, and, with
 ``--health-port``, an HTTP endpoint ``GET /healthz`` answering JSON (the agent's state, each

@@ -37,7 +37,7 @@ from .replay import SingleProcessRun, checkpoint_steps, rank_states, replica_sta
 from .supervisor import RankSupervisor, rank_env
 from .train import TrainSettings
 
-MODES = ("ddp", "fsdp", "pipeline", "localsgd")
+MODES = ("ddp", "fsdp", "pipeline", "localsgd", "streaming-diloco")
 #: Largest parameter difference between a stretch of the distributed run and its replay in one
 #: process. Rounding differences over 25 steps measure around 1e-6 here (1e-7 to 2e-6 over the
 #: default run); a wrong gradient or a skipped update moves parameters by far more than this.
@@ -148,6 +148,10 @@ def run_demo(options: DemoOptions) -> int:
     from gradstar.config import CoordinatorSettings
     from gradstar.coordinator import EmbeddedCoordinator
 
+    if options.mode == "streaming-diloco":  # replicas, not ranks: a demo of its own
+        from .demo_streaming import run_streaming_demo
+
+        return run_streaming_demo(options)
     problem = mode_unavailable(options.mode, options.workers)
     if problem is None and options.plot is not None:
         problem = plot_unavailable()

@@ -15,6 +15,9 @@ Every error a rank can see derives from :class:`GradstarError`::
     │   ├── JoinTimeoutError          not every rank joined in time
     │   ├── CoordinatorDrainingError  the coordinator is draining and takes no new work
     │   └── TooManyJobsError          the coordinator holds as many jobs as it may
+    ├── RoundError                    an outer round (gradstar.StreamingDiLoCo) failed
+    │   ├── RoundMismatchError        a contribution disagrees with its round (size, policy)
+    │   └── RoundTimeoutError         a round did not close in time (too few replicas)
     └── CollectiveError               a collective failed on this rank
         ├── CollectiveMismatchError   ranks disagree on op, reduce op, dtype, shape or root
         ├── CollectiveTimeoutError    some ranks never reached the collective
@@ -53,6 +56,9 @@ __all__ = [
     "RankFinishedError",
     "RankLostError",
     "RendezvousError",
+    "RoundError",
+    "RoundMismatchError",
+    "RoundTimeoutError",
     "ShardLostError",
     "TooManyJobsError",
     "WorldSizeMismatchError",
@@ -127,6 +133,19 @@ class CoordinatorDrainingError(RendezvousError):
 
 class TooManyJobsError(RendezvousError):
     """The coordinator holds as many jobs as it may (``--max-jobs``); a new job cannot join."""
+
+
+class RoundError(GradstarError):
+    """An outer round of fault-tolerant training (DiLoCo, Streaming DiLoCo) failed."""
+
+
+class RoundMismatchError(RoundError, ValueError):
+    """A seed or contribution disagrees with its fragment's global model or round (its size,
+    its outer optimizer settings, or a round that has not begun)."""
+
+
+class RoundTimeoutError(RoundError):
+    """A round did not close in time: fewer than ``min_replicas`` replicas contributed."""
 
 
 class CollectiveError(GradstarError):

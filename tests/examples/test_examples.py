@@ -214,3 +214,15 @@ def test_every_example_is_tested_and_listed_in_both_readmes():
 
         assert named == scripts, path
     assert len(scripts) == 8, scripts
+
+
+def test_streaming_diloco():
+    found = results(launch(3, "examples/streaming_diloco.py"), "streaming_diloco")
+
+    assert sorted(found) == [0, 1, 2], found
+    for line in found.values():
+        before, after = losses(line)
+        assert after * 5 < before, line
+    digests = {line.rsplit("sha256 ", 1)[1] for line in found.values()}
+    assert len(digests) == 1, found  # every replica ends with the same global model
+    assert all("rounds [8, 8, 8]" in line for line in found.values()), found

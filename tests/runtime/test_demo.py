@@ -60,3 +60,15 @@ async def test_a_pipeline_needs_a_layer_per_stage():
     code, _, err = await run_gradstar("demo", "--mode", "pipeline", "--workers", "6", timeout=60)
     assert code == 2
     assert "at most 5 workers, not 6" in err
+
+
+async def test_streaming_diloco_mode_trains_replicas_through_fault_tolerant_rounds():
+    code, out, err = await run_gradstar("demo", "--mode", "streaming-diloco", "--workers", "2",
+                                        "--epochs", "2", "--samples", "3000", timeout=120)
+    assert code == 0, out[-3000:] + err[-3000:]
+    assert "gradstar demo: streaming-diloco on 2 replica processes" in out
+    accuracy = re.search(r"test accuracy ([\d.]+) ", out)
+    assert accuracy and float(accuracy[1]) > 0.4, out  # 3 classes: chance is 0.33
+    assert re.search(r"rounds: fragment 0: [1-9]\d*, fragment 1: [1-9]", out), out
+    assert "replicas: all 2 hold the same global model" in out
+    assert "demo passed" in out

@@ -39,6 +39,7 @@ EXPECTED_ALL = [
     "LocalSGD",
     "Pipeline",
     "ProcessGroup",
+    "StreamingDiLoCo",
     "Work",
     "__version__",
     "errors",

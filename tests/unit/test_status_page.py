@@ -317,3 +317,36 @@ async def test_routes_serve_a_fresh_snapshot_each_time():
     assert (status, kind) == (200, "text/html; charset=utf-8") and b'data-job="j"' in body
     status, kind, body = await routes["/status.json"]()
     assert (status, kind) == (200, "application/json") and json.loads(body)["jobs"] == []
+
+
+def test_page_shows_outer_rounds_with_dropped_replicas_escaped():
+    rounds = [{"job": "<j>", "fragments": [{"model": "global", "fragment": 0, "rounds": 7,
+                                            "replicas": ["r0", "r1"], "dropped": ["r<2>"]}],
+               "replicas": [{"replica": "r<2>", "joins": 2, "rounds": 5, "missed": 1,
+                             "late": 0, "last_seen_seconds": 3.5}]}]
+    page = render_html(snapshot(rounds=rounds))
+    assert "<h2>Outer rounds</h2>" in page and "<h3>&lt;j&gt;</h3>" in page
+    assert 'class="text failed">r&lt;2&gt;</td>' in page
+    assert "<script>" not in page.split("Outer rounds")[1].split("</main>")[0]
+    assert "Outer rounds" not in render_html(snapshot())  # no section without rounds
+
+
+async def test_snapshot_lists_rounds_of_the_rounds_table():
+    import numpy as np
+
+    from gradstar.coordinator.averaging import AveragingStore
+    from gradstar.coordinator.rounds import Policy, RoundsTable
+
+    table = RoundsTable(AveragingStore(), max_numel=100, max_held_bytes=1 << 20)
+    for name in ("a", "b"):
+        table.seed("j", "m", 0, name, np.zeros(2, np.float32))
+    for name in ("a", "b"):
+        table.contribute("j", "m", 0, name, 0, Policy(1.0, 0.0, True, 2, 5.0),
+                         np.ones(2, np.float32))
+    status = CoordinatorStatus(Rendezvous(5.0), rounds=table)
+    (job,) = status.snapshot()["rounds"]
+    assert job["job"] == "j"
+    assert job["fragments"] == [{"model": "m", "fragment": 0, "rounds": 1,
+                                 "replicas": ["a", "b"], "dropped": []}]
+    assert [(r["replica"], r["joins"], r["rounds"], r["missed"]) for r in job["replicas"]] == [
+        ("a", 1, 1, 0), ("b", 1, 1, 0)]

@@ -37,6 +37,8 @@ _CODES: list[tuple[type[e.GradstarError], grpc.StatusCode]] = [
     (e.InvalidCollectiveError, grpc.StatusCode.INVALID_ARGUMENT),
     (e.ConfigurationError, grpc.StatusCode.INVALID_ARGUMENT),
     (e.RendezvousError, grpc.StatusCode.FAILED_PRECONDITION),
+    (e.RoundMismatchError, grpc.StatusCode.INVALID_ARGUMENT),
+    (e.RoundTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
 ]
 
 

@@ -139,6 +139,54 @@ class ListShardsResponse(_message.Message):
     expected: int
     def __init__(self, shards: _Optional[_Iterable[_Union[ShardSummary, _Mapping]]] = ..., expected: _Optional[int] = ...) -> None: ...
 
+class ListRoundsRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class RoundsFragment(_message.Message):
+    __slots__ = ("model", "fragment", "rounds", "parameters", "last_participants", "last_missed", "open_contributions")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    LAST_PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_MISSED_FIELD_NUMBER: _ClassVar[int]
+    OPEN_CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    fragment: int
+    rounds: int
+    parameters: int
+    last_participants: _containers.RepeatedScalarFieldContainer[str]
+    last_missed: _containers.RepeatedScalarFieldContainer[str]
+    open_contributions: int
+    def __init__(self, model: _Optional[str] = ..., fragment: _Optional[int] = ..., rounds: _Optional[int] = ..., parameters: _Optional[int] = ..., last_participants: _Optional[_Iterable[str]] = ..., last_missed: _Optional[_Iterable[str]] = ..., open_contributions: _Optional[int] = ...) -> None: ...
+
+class RoundsReplica(_message.Message):
+    __slots__ = ("replica", "joins", "contributed", "missed", "late", "last_seen_age_seconds")
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    JOINS_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTED_FIELD_NUMBER: _ClassVar[int]
+    MISSED_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    replica: str
+    joins: int
+    contributed: int
+    missed: int
+    late: int
+    last_seen_age_seconds: float
+    def __init__(self, replica: _Optional[str] = ..., joins: _Optional[int] = ..., contributed: _Optional[int] = ..., missed: _Optional[int] = ..., late: _Optional[int] = ..., last_seen_age_seconds: _Optional[float] = ...) -> None: ...
+
+class ListRoundsResponse(_message.Message):
+    __slots__ = ("fragments", "replicas")
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    fragments: _containers.RepeatedCompositeFieldContainer[RoundsFragment]
+    replicas: _containers.RepeatedCompositeFieldContainer[RoundsReplica]
+    def __init__(self, fragments: _Optional[_Iterable[_Union[RoundsFragment, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[RoundsReplica, _Mapping]]] = ...) -> None: ...
+
 class DrainRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -54,6 +54,11 @@ class AdminStub:
                 request_serializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.ListShardsRequest.SerializeToString,
                 response_deserializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.ListShardsResponse.FromString,
                 _registered_method=True)
+        self.ListRounds = channel.unary_unary(
+                '/gradstar.proto.v1.Admin/ListRounds',
+                request_serializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.ListRoundsRequest.SerializeToString,
+                response_deserializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.ListRoundsResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -84,6 +89,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRounds(self, request, context):
+        """The job's fault-tolerant rounds: fragments, who took part, missed rounds and joins.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +118,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListShards,
                     request_deserializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.ListShardsRequest.FromString,
                     response_serializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.ListShardsResponse.SerializeToString,
+            ),
+            'ListRounds': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRounds,
+                    request_deserializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.ListRoundsRequest.FromString,
+                    response_serializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.ListRoundsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +233,33 @@ class Admin:
             '/gradstar.proto.v1.Admin/ListShards',
             gradstar_dot_proto_dot_v1_dot_admin__pb2.ListShardsRequest.SerializeToString,
             gradstar_dot_proto_dot_v1_dot_admin__pb2.ListShardsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRounds(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradstar.proto.v1.Admin/ListRounds',
+            gradstar_dot_proto_dot_v1_dot_admin__pb2.ListRoundsRequest.SerializeToString,
+            gradstar_dot_proto_dot_v1_dot_admin__pb2.ListRoundsResponse.FromString,
             options,
             channel_credentials,
             insecure,
