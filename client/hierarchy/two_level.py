@@ -122,9 +122,14 @@ class HostHierarchy:
         flat_in, flat_out = arr.reshape(-1), out.reshape(-1)
         parts = [programs.all_reduce(self.plan, flat_in[s], reduce_op, flat_out[s], wire)
                  for s in pieces]
+
+        def finish() -> np.ndarray:
+            for part in parts:  # each divides its own slice of ``out`` for a mean
+                part.finish()
+            return out
+
         return self.run(programs.Program(
-            tuple(st for part in parts for st in part.stages),
-            lambda: ([part.finish() for part in parts], out)[1],
+            tuple(st for part in parts for st in part.stages), finish,
             starts=tuple(itertools.accumulate((len(part.stages) for part in parts[:-1]),
                                               initial=0))), restore, timeout)
 

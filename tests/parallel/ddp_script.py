@@ -170,9 +170,9 @@ def sync_by_hand(pg) -> dict:
     return {"params": params_of(ddp.module)}
 
 
-def unused(pg) -> dict:
+def unused(pg, wire: str | None = None) -> dict:
     ddp = gradstar.DDP(BranchNet(pg.rank), pg, find_unused_parameters=True,
-                       bucket_cap_mb=SMALL_BUCKET_MB)
+                       bucket_cap_mb=SMALL_BUCKET_MB, wire=wire)
     opt = optimizer("adam", ddp.parameters())
     none_when_unused_everywhere = None
     for step in range(STEPS):
@@ -246,19 +246,7 @@ def int4_no_ef(pg) -> dict:
 
 def int8_unused(pg) -> dict:
     """``unused`` (flags, a branch no rank uses at step 2) with int8 buckets and feedback."""
-    ddp = gradstar.DDP(BranchNet(pg.rank), pg, find_unused_parameters=True,
-                       bucket_cap_mb=SMALL_BUCKET_MB, wire="int8")
-    opt = optimizer("adam", ddp.parameters())
-    none_when_unused_everywhere = None
-    for step in range(STEPS):
-        opt.zero_grad()
-        branch_loss(ddp, step, pg.rank, pg.world_size).backward()
-        if not BRANCH_USERS[step]:
-            none_when_unused_everywhere = all(p.grad is None
-                                              for p in ddp.module.branch.parameters())
-        opt.step()
-    return {"params": params_of(ddp.module),
-            "branch_grad_none_when_unused_everywhere": none_when_unused_everywhere}
+    return unused(pg, wire="int8")
 
 
 def wire_mismatch(pg) -> dict:
