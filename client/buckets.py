@@ -1,8 +1,9 @@
 """BucketPlan: which tensors travel together in one flat all_reduce, and where each one sits.
 
-Pure bookkeeping, no torch and no sockets: :class:`~gradstar.client.ddp.DistributedDataParallel`
-uses it for gradient buckets and :func:`~gradstar.client.coalesced.all_reduce_coalesced` for
-arbitrary arrays, and ``tests/unit/test_buckets.py`` drives it directly.
+Pure bookkeeping, no torch and no sockets (and so is a backward pass's :class:`SyncStep`):
+:class:`~gradstar.client.ddp.DistributedDataParallel` uses it for gradient buckets and
+:func:`~gradstar.client.coalesced.all_reduce_coalesced` for arbitrary arrays, and
+``tests/unit/test_buckets.py`` drives it directly.
 
 The assignment follows torch's ``compute_bucket_assignment_by_size``:
 
@@ -22,8 +23,9 @@ The assignment follows torch's ``compute_bucket_assignment_by_size``:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from gradstar.errors import ConfigurationError
@@ -135,4 +137,47 @@ def cap_bytes_of(bucket_cap_mb: float) -> int:
     return max(1, int(bucket_cap_mb * MiB))
 
 
-__all__ = ["Bucket", "BucketPlan", "TensorSpec", "cap_bytes_of"]
+@dataclass
+class BucketLaunch:
+    """One bucket's all_reduce starting: ``during`` is "backward" (from a gradient hook),
+    "end of backward" (from the engine callback) or "sync_gradients"."""
+
+    bucket: int
+    at: float
+    during: str
+
+
+@dataclass
+class StepTimeline:
+    """What happened in one gradient synchronisation, in ``time.perf_counter()`` seconds.
+
+    For inspection and tests of overlap: compare the *order* of events, not their durations.
+    """
+
+    started: float
+    hooks: list[tuple[str, float]] = field(default_factory=list)  # (param name, ready at)
+    launches: list[BucketLaunch] = field(default_factory=list)
+    backward_end: float | None = None  # the engine's end-of-backward callback began
+    finished: float | None = None  # every gradient holds the mean
+
+    @property
+    def launched_during_backward(self) -> int:
+        """How many buckets started from a gradient hook, before backward ended."""
+        return sum(launch.during == "backward" for launch in self.launches)
+
+
+class SyncStep:
+    """DDP's bookkeeping of one synchronisation: which parameters are ready, which buckets are
+    out."""
+
+    def __init__(self, n_params: int, plan: BucketPlan) -> None:
+        self.ready = [False] * n_params
+        self.pending = [len(b.members) for b in plan]
+        self.next_launch = 0
+        self.works: list = [None] * len(plan)
+        self.flags_work = None  # the used-parameter flags, when they travel apart
+        self.timeline = StepTimeline(started=time.perf_counter())
+
+
+__all__ = ["Bucket", "BucketLaunch", "BucketPlan", "StepTimeline", "SyncStep", "TensorSpec",
+           "cap_bytes_of"]

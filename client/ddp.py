@@ -57,6 +57,13 @@ in ``state_dict()``: a restarted rank starts from zero residuals (its first step
 rounding, as a step without feedback does); :meth:`reset_error_feedback` zeroes them. The
 buckets are planned once, so each residual belongs to one bucket for the wrapper's life.
 
+Sync modes. ``sync_mode=gradstar.Quorum(...)``, ``BoundedStaleness(...)`` or ``Asynchronous()``
+(with ``optimizer=``) sends each backward's whole gradient to the hub's step ledger when
+backward ends, and ``optimizer.step()`` applies the hub's aggregates in step order (see
+:mod:`gradstar.client.steps.sync` and :mod:`gradstar.sync_modes`): a slow or dead rank holds
+nobody, and replicas stay bitwise identical. Buffers are not broadcast in these modes (each
+rank keeps its own), and the gradient travels after backward, in float32, not in buckets.
+
 ``gradient_compression="bf16"|"fp16"`` is the older, narrower knob: it makes the buckets
 themselves half precision (half the bucket memory on the rank, no feedback; on one host they
 ride shared memory in that dtype). ``wire="bf16", error_feedback=False`` rounds the same way on
@@ -69,14 +76,14 @@ import contextlib
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from gradstar.errors import ConfigurationError
+from gradstar.sync_modes import Synchronous, SyncMode, check_mode
 
-from .buckets import BucketPlan, TensorSpec, cap_bytes_of
+from .buckets import BucketLaunch, BucketPlan, StepTimeline, SyncStep, TensorSpec, cap_bytes_of
 from .convert import is_cpu_tensor
 from .error_feedback import check_error_feedback
 from .process_group import ProcessGroup
@@ -86,47 +93,6 @@ from .torch_common import (
     check_wrapper_arguments,
     wire_dtype_of,
 )
-
-
-@dataclass
-class BucketLaunch:
-    """One bucket's all_reduce starting: ``during`` is "backward" (from a gradient hook),
-    "end of backward" (from the engine callback) or "sync_gradients"."""
-
-    bucket: int
-    at: float
-    during: str
-
-
-@dataclass
-class StepTimeline:
-    """What happened in one gradient synchronisation, in ``time.perf_counter()`` seconds.
-
-    For inspection and tests of overlap: compare the *order* of events, not their durations.
-    """
-
-    started: float
-    hooks: list[tuple[str, float]] = field(default_factory=list)  # (param name, ready at)
-    launches: list[BucketLaunch] = field(default_factory=list)
-    backward_end: float | None = None  # the engine's end-of-backward callback began
-    finished: float | None = None  # every gradient holds the mean
-
-    @property
-    def launched_during_backward(self) -> int:
-        """How many buckets started from a gradient hook, before backward ended."""
-        return sum(launch.during == "backward" for launch in self.launches)
-
-
-class _Step:
-    """Bookkeeping of one synchronisation: which parameters are ready, which buckets are out."""
-
-    def __init__(self, n_params: int, plan: BucketPlan) -> None:
-        self.ready = [False] * n_params
-        self.pending = [len(b.members) for b in plan]
-        self.next_launch = 0
-        self.works: list = [None] * len(plan)
-        self.flags_work = None  # the used-parameter flags, when they travel apart
-        self.timeline = StepTimeline(started=time.perf_counter())
 
 
 class DistributedDataParallel(nn.Module):
@@ -152,19 +118,24 @@ class DistributedDataParallel(nn.Module):
             buckets are then float32 on the rank. None: no format.
         error_feedback: keep each bucket's residual and add it to the next step (default: on
             whenever ``wire`` is given). Costs one float32 buffer per bucket.
+        sync_mode: when a step is complete (:mod:`gradstar.sync_modes`); default Synchronous.
+        optimizer: the torch optimizer over the module's parameters; needed by every mode but
+            Synchronous, whose ``step()`` then applies the hub's aggregates.
 
     Raises:
         ConfigurationError: ``pg`` is not a blocking process group, an argument is invalid, the
             module has no trainable parameter, a parameter is not floating point, or the
             module is not on the CPU or one CUDA device (named); an unknown ``wire``,
-            ``wire`` with ``gradient_compression``, ``error_feedback=True`` without ``wire``.
+            ``wire`` with ``gradient_compression``, ``error_feedback=True`` without ``wire``;
+            a sync mode other than Synchronous without ``optimizer`` or with a wire format.
         CollectiveError and subclasses: the initial broadcast failed.
     """
 
     def __init__(self, module: nn.Module, pg: ProcessGroup, bucket_cap_mb: float = 25,
                  broadcast_buffers: bool = True, find_unused_parameters: bool = False,
                  gradient_compression: str | None = None, wire: str | None = None,
-                 error_feedback: bool | None = None) -> None:
+                 error_feedback: bool | None = None, sync_mode: SyncMode | None = None,
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
         super().__init__()
         self.device = check_wrapper_arguments("DistributedDataParallel", module, pg,
                                               ("all_reduce", "broadcast"))
@@ -225,10 +196,14 @@ class DistributedDataParallel(nn.Module):
         self._require_backward_grad_sync = True  # False inside no_sync()
         self._require_forward_param_sync = True  # as torch: sync buffers in the next forward
         self._expect_hooks = False  # armed by a synchronising forward
-        self._step: _Step | None = None
+        self._step: SyncStep | None = None
         self.last_step_timeline: StepTimeline | None = None
 
         broadcast_from_rank0(pg, [*module.parameters(), *module.buffers()], cap)
+        self.sync_mode: SyncMode = Synchronous()
+        self._optimizer = optimizer
+        self._steps = None  # the StepSync of the ledger modes, made at the first one
+        self.set_sync_mode(sync_mode or Synchronous())
         me = weakref.ref(self)  # the hooks must not keep a discarded wrapper alive
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(_make_hook(me, i))
@@ -245,7 +220,8 @@ class DistributedDataParallel(nn.Module):
         """
         self._drop_unfinished_step()
         buffers = list(self.module.buffers())
-        if self._require_forward_param_sync and self.broadcast_buffers and buffers:
+        if (self._require_forward_param_sync and self.broadcast_buffers and buffers
+                and not self.sync_mode.on_ledger):
             broadcast_from_rank0(self.process_group, buffers, self._broadcast_cap)
         output = self.module(*inputs, **kwargs)
         sync = torch.is_grad_enabled() and self._require_backward_grad_sync
@@ -282,11 +258,68 @@ class DistributedDataParallel(nn.Module):
             CollectiveError and subclasses: a bucket's all_reduce failed.
         """
         self._drop_unfinished_step()
-        step = _Step(len(self._params), self.bucket_plan)
+        if self.sync_mode.on_ledger:
+            self._steps.contribute()
+            return
+        step = SyncStep(len(self._params), self.bucket_plan)
         for index in range(len(self.bucket_plan)):
             self._launch(step, index, "sync_gradients")
         missing = [i for i, p in enumerate(self._params) if p.grad is None]
         self._complete(step, missing, "when sync_gradients() was called")
+
+    # -- sync modes ----------------------------------------------------------------------------
+
+    def set_sync_mode(self, mode: SyncMode) -> None:
+        """Switch sync mode (every rank, between steps): after a :meth:`synchronize` when
+        leaving a ledger mode, so every rank switches at the same step.
+
+        Raises:
+            ConfigurationError: not a sync mode; a ledger mode without ``optimizer=`` or with
+                a wire format (not carried in these modes yet).
+        """
+        mode = check_mode(mode)
+        if mode.on_ledger and (self.wire or self.gradient_compression):
+            raise ConfigurationError(
+                f"sync_mode={mode} sends float32 gradients; wire formats and "
+                "gradient_compression are not carried in sync modes yet")
+        if self.sync_mode.on_ledger and mode.on_ledger:
+            self._steps.set_mode(mode)
+        elif self.sync_mode.on_ledger:
+            self._steps.synchronize()
+            self._steps.detach()
+        elif mode.on_ledger:
+            self._steps = self._steps or _step_sync(self, mode)
+            self._steps.attach(mode)
+        self.sync_mode = mode
+
+    def synchronize(self) -> None:
+        """Every rank: wait until every contribution made so far is aggregated and applied, so
+        replicas are bitwise identical (end of training, evaluation, a checkpoint). Synchronous
+        steps are always complete: nothing to do.
+
+        Raises:
+            StepTimeoutError: the other live ranks did not arrive in time.
+        """
+        if self.sync_mode.on_ledger:
+            self._steps.synchronize()
+
+    @property
+    def contribution_weight(self) -> float:
+        """Weight of this rank's gradients in their steps' weighted mean (e.g. its samples per
+        step; default 1). Ledger modes only; Synchronous means are unweighted."""
+        return 1.0 if self._steps is None else self._steps.weight
+
+    @contribution_weight.setter
+    def contribution_weight(self, weight: float) -> None:
+        if not self.sync_mode.on_ledger:
+            raise ConfigurationError("contribution weights need a sync mode other than "
+                                     "Synchronous (sync_mode=)")
+        self._steps.weight = float(weight)
+
+    def sync_stats(self):
+        """What this rank saw of its sync mode (a :class:`~gradstar.client.steps.sync.SyncStats`:
+        steps applied, contributions dropped, staleness); None before any ledger mode."""
+        return None if self._steps is None else self._steps.stats
 
     @property
     def bucket_dtypes(self) -> list[torch.dtype]:
@@ -322,8 +355,10 @@ class DistributedDataParallel(nn.Module):
             return
         step = self._step
         if step is None:
-            step = self._step = _Step(len(self._params), self.bucket_plan)
+            step = self._step = SyncStep(len(self._params), self.bucket_plan)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self.sync_mode.on_ledger:
+            return  # the whole gradient goes to the hub's ledger when backward ends
         step.timeline.hooks.append((self._param_names[index], time.perf_counter()))
         if step.ready[index]:
             return  # the same leaf twice in one pass (cannot happen with AccumulateGrad)
@@ -344,12 +379,15 @@ class DistributedDataParallel(nn.Module):
         if step is None:
             return
         step.timeline.backward_end = time.perf_counter()
+        if self.sync_mode.on_ledger:
+            self._steps.contribute()
+            return
         for index in range(step.next_launch, len(self.bucket_plan)):
             self._launch(step, index, "end of backward")
         self._complete(step, [i for i, ready in enumerate(step.ready) if not ready],
                        "in this backward pass")
 
-    def _launch(self, step: _Step, index: int, during: str) -> None:
+    def _launch(self, step: SyncStep, index: int, during: str) -> None:
         bucket = self.bucket_plan[index]
         flat = self._flat[index]
         with torch.no_grad():
@@ -386,7 +424,7 @@ class DistributedDataParallel(nn.Module):
         step.timeline.launches.append(BucketLaunch(index, time.perf_counter(), during))
         step.next_launch = index + 1
 
-    def _complete(self, step: _Step, missing: list[int], when: str) -> None:
+    def _complete(self, step: SyncStep, missing: list[int], when: str) -> None:
         """Wait for every bucket, write the means, then report parameters without gradients."""
         results, error = [], None
         for work in [*step.works, step.flags_work]:
@@ -434,6 +472,15 @@ class DistributedDataParallel(nn.Module):
             warnings.warn("DistributedDataParallel: the previous backward pass did not finish; "
                           "its gradients were not synchronised", RuntimeWarning, stacklevel=3)
             self._step = None
+
+
+def _step_sync(ddp: DistributedDataParallel, mode: SyncMode):
+    """The ledger driver of ``ddp`` (made at its first ledger mode)."""
+    from .steps.sync import StepSync
+
+    pg = ddp.process_group
+    return StepSync(ddp._params, ddp._optimizer, pg.settings, pg.collective_address, pg.rank,
+                    pg.world_size, mode, "ddp", pg.settings.timeout)
 
 
 def _make_hook(ddp_ref: weakref.ref, index: int):

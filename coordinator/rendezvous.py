@@ -62,7 +62,8 @@ class Rendezvous:
     it fails, so the collective engine can fail its pending collectives; and
     ``on_generation_closed`` when its last member leaves in an orderly way; and
     ``on_rank_finished(generation, error)`` when a member finishes while others are still live,
-    so the collectives that need it fail with ``error``.
+    so the collectives that need it fail with ``error``; ``on_member_gone(member)`` whenever a
+    member of a formed generation is lost or finishes (the step ledgers' live sets).
     """
 
     def __init__(
@@ -72,6 +73,7 @@ class Rendezvous:
         on_generation_formed: Callable[[Generation], None] = lambda g: None,
         on_generation_closed: Callable[[Generation], None] = lambda g: None,
         on_rank_finished: Callable[[Generation, RankFinishedError], None] = lambda g, e: None,
+        on_member_gone: Callable[[Member], None] = lambda m: None,
     ) -> None:
         self.heartbeat_timeout = heartbeat_timeout
         self.jobs: dict[str, Job] = {}
@@ -82,6 +84,7 @@ class Rendezvous:
         self._on_generation_formed = on_generation_formed
         self._on_generation_closed = on_generation_closed
         self._on_rank_finished = on_rank_finished
+        self._on_member_gone = on_member_gone
 
     async def join(
         self, job: str, world_size: int, rank: int | None, peer_address: str, timeout: float,
@@ -260,6 +263,7 @@ class Rendezvous:
         if gen is None or member.left:
             return
         member.left = True
+        self._on_member_gone(member)
         error = RankLostError(
             f"rank {member.rank} of job {member.job!r} was lost ({reason}); generation "
             f"{gen.number} is over, so every collective of it fails",
@@ -279,6 +283,7 @@ class Rendezvous:
         if gen is None or member.left:
             return
         member.left = member.finished = True
+        self._on_member_gone(member)
         if gen.failure is not None:
             return
         if gen.live_members:

@@ -23,6 +23,8 @@ from gradstar.proto.v1 import (
     rounds_pb2_grpc,
     shard_pb2,
     shard_pb2_grpc,
+    steps_pb2,
+    steps_pb2_grpc,
 )
 from gradstar.transport.auth import TokenAuthInterceptor
 from gradstar.transport.channels import (
@@ -45,6 +47,7 @@ from .servicers import CollectiveServicer, RendezvousServicer
 from .shards import ShardControlServicer, ShardRegistry
 from .status import CoordinatorStatus
 from .status_page import status_routes
+from .steps import StepsServicer, StepsTable
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ SERVICE_NAMES = (
     admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
     shard_pb2.DESCRIPTOR.services_by_name["ShardControl"].full_name,
     rounds_pb2.DESCRIPTOR.services_by_name["Rounds"].full_name,
+    steps_pb2.DESCRIPTOR.services_by_name["Steps"].full_name,
 )
 
 
@@ -127,11 +131,18 @@ class Coordinator:
         self.rounds = RoundsTable(
             AveragingStore(s.state_dir / "rounds" if s.state_dir is not None else None),
             max_numel=s.max_tensor_bytes // 4, max_held_bytes=s.max_collective_state_bytes)
+        # DDP steps in sync modes (Quorum, BoundedStaleness, Asynchronous): a rank silent for
+        # the heartbeat timeout leaves the live set, as its session would.
+        self.steps = StepsTable(max_numel=s.max_tensor_bytes // 4,
+                                max_held_bytes=s.max_collective_state_bytes,
+                                lease=s.heartbeat_timeout)
         self.rendezvous = Rendezvous(
             s.heartbeat_timeout, on_generation_failed=self._generation_failed,
             on_generation_formed=lambda g: self.shards.on_formed(g),
             on_generation_closed=lambda g: self.shards.on_over(g),
             on_rank_finished=self._rank_finished,
+            on_member_gone=lambda m: self.steps.rank_gone(
+                m.job, m.rank, "finished" if m.finished else "lost"),
         )
         self.rendezvous.max_jobs = s.max_jobs
         expected = s.shards if s.expected_shards is None else s.expected_shards
@@ -164,6 +175,9 @@ class Coordinator:
         self.collective_port = _bind(bulk, f"{s.host}:{s.collective_port}", creds,
                                      "the coordinator's collective port")
         rounds.bulk_address = f":{self.collective_port}"
+        # DDP's sync-mode steps carry whole gradients: on the collective port only.
+        self._steps = StepsServicer(self.steps, s.max_chunk_bytes)
+        steps_pb2_grpc.add_StepsServicer_to_server(self._steps, bulk)
         server = grpc.aio.server(
             interceptors=[TokenAuthInterceptor(token, admin)], options=SERVER_OPTIONS
         )
@@ -273,6 +287,8 @@ class Coordinator:
                 self.engine.budget.trimmed()
             for m in self.rendezvous.expire():
                 log.warning("job %r: rank %d missed heartbeats", m.job, m.rank)
+            self._steps.sweep()
+            self.steps.drop_idle(self.settings.job_retention)
             for name in self.rounds.drop_idle(self.settings.job_retention):
                 log.info("job %r: outer rounds dropped after %g s without replicas", name,
                          self.settings.job_retention)

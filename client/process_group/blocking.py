@@ -29,6 +29,8 @@ class ProcessGroup:
     peers = property(lambda self: self._group.peers)
     shards = property(lambda self: self._group.shards)
     shared_memory = property(lambda self: self._group.shared_memory)
+    settings = property(lambda self: self._group.settings)
+    collective_address = property(lambda self: self._group.collective_address)
 
     def _call(self, awaitable, async_op: bool):
         future = self._runner.submit(awaitable)

@@ -88,6 +88,11 @@ class AsyncProcessGroup(PointToPoint):
                                         tuple(joined.peer_keys)), self.peers, session)
 
     @property
+    def collective_address(self) -> str:
+        """Where this rank reaches the coordinator's collective port (tensors ride there)."""
+        return self._plane.collectives
+
+    @property
     def shared_memory(self) -> bool:
         """Whether collective payloads move through shared memory with the hub (and its
         shards): True while every one of them still takes this rank's segments, False once one

@@ -23,6 +23,7 @@ from gradstar.client import (
     init_process_group_async,
 )
 from gradstar.errors import GradstarError
+from gradstar.sync_modes import Asynchronous, BoundedStaleness, Quorum, Synchronous
 
 __version__ = "0.1.0"
 
@@ -30,13 +31,17 @@ __all__ = [
     "DDP",
     "FSDP",
     "AsyncProcessGroup",
+    "Asynchronous",
+    "BoundedStaleness",
     "DistributedDataParallel",
     "FullyShardedDataParallel",
     "GradstarError",
     "LocalSGD",
     "Pipeline",
     "ProcessGroup",
+    "Quorum",
     "StreamingDiLoCo",
+    "Synchronous",
     "Work",
     "__version__",
     "errors",

@@ -18,6 +18,10 @@ Every error a rank can see derives from :class:`GradstarError`::
     ├── RoundError                    an outer round (gradstar.StreamingDiLoCo) failed
     │   ├── RoundMismatchError        a contribution disagrees with its round (size, policy)
     │   └── RoundTimeoutError         a round did not close in time (too few replicas)
+    ├── StepError                     a DDP step in a sync mode (Quorum, BoundedStaleness...) failed
+    │   ├── StepMismatchError         a contribution disagrees with its ledger (mode, size, weight)
+    │   ├── StepsBehindError          a rank fell behind the aggregates the hub still holds
+    │   └── StepTimeoutError          a step or barrier did not complete in time
     └── CollectiveError               a collective failed on this rank
         ├── CollectiveMismatchError   ranks disagree on op, reduce op, dtype, shape or root
         ├── CollectiveTimeoutError    some ranks never reached the collective
@@ -60,6 +64,10 @@ __all__ = [
     "RoundMismatchError",
     "RoundTimeoutError",
     "ShardLostError",
+    "StepError",
+    "StepMismatchError",
+    "StepTimeoutError",
+    "StepsBehindError",
     "TooManyJobsError",
     "WorldSizeMismatchError",
 ]
@@ -146,6 +154,23 @@ class RoundMismatchError(RoundError, ValueError):
 
 class RoundTimeoutError(RoundError):
     """A round did not close in time: fewer than ``min_replicas`` replicas contributed."""
+
+
+class StepError(GradstarError):
+    """A data-parallel step in a sync mode other than Synchronous (gradstar.sync_modes) failed."""
+
+
+class StepMismatchError(StepError, ValueError):
+    """A contribution disagrees with its step ledger (sync mode, size, a duplicate, a base from
+    the future) or carries a bad weight; it was refused and the other ranks' steps go on."""
+
+
+class StepsBehindError(StepError):
+    """A rank needs aggregates the hub no longer holds (its history and memory bound)."""
+
+
+class StepTimeoutError(StepError):
+    """A step or a synchronize() barrier did not complete before the timeout."""
 
 
 class CollectiveError(GradstarError):

@@ -1,0 +1,161 @@
+"""The rank's half of the Steps service (the hub's half is ``gradstar.coordinator.steps``):
+contribute a gradient, fetch the aggregates after the ones applied, heartbeat, synchronize;
+each call under a deadline. An asyncio object; :class:`~.sync.StepSync` drives it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from gradstar.config import ClientSettings
+from gradstar.errors import ProtocolError, StepTimeoutError
+from gradstar.proto.v1 import steps_pb2 as pb
+from gradstar.proto.v1 import steps_pb2_grpc
+from gradstar.sync_modes import SyncMode
+from gradstar.transport.channels import call_metadata, open_channel
+from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
+
+#: Bytes of float32 data per stream message.
+PART_BYTES = 1 << 20
+#: Longest one Fetch or Synchronize waits on the hub; the client asks again until its deadline.
+POLL_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class Aggregates:
+    """Closed steps after the ones a rank applied: who made each, and the aggregates
+    (``values[i]`` is step ``records[i].step``)."""
+
+    steps: int
+    records: list[pb.StepRecord]
+    values: np.ndarray  # (len(records), numel) float32
+
+
+class StepsClient:
+    """Contribute, Fetch, Heartbeat and Synchronize for one rank of one model's ledger.
+
+    Raises (from every method):
+        StepMismatchError: the hub refused the call (mode, size, weight, duplicate).
+        StepTimeoutError: no answer before the deadline.
+        CoordinatorUnavailableError, AuthenticationError: as any call to the coordinator.
+    """
+
+    def __init__(self, settings: ClientSettings, address: str, model: str, rank: int,
+                 world_size: int) -> None:
+        self.settings = settings
+        self.address = address
+        self._channel = open_channel(settings, address, bulk=True)
+        self._stub = steps_pb2_grpc.StepsStub(self._channel)
+        self._metadata = call_metadata(settings)
+        self.key = pb.StepsKey(job=settings.job, model=model, rank=rank, world_size=world_size)
+        #: Payload bytes sent and received.
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    async def contribute(self, mode: SyncMode, mode_epoch: int, base: int, weight: float,
+                         grad: np.ndarray, timeout: float) -> pb.Contributed:
+        """Send one gradient (flat float32) computed after ``base`` aggregates."""
+        header = pb.ContributionHeader(key=self.key, mode=mode.message(), mode_epoch=mode_epoch,
+                                       numel=grad.shape[0], base=base, weight=weight)
+        data = np.ascontiguousarray(grad, dtype="<f4").tobytes()
+        reply = await self._call(self._stub.Contribute(_parts(header, data), timeout=timeout,
+                                                       metadata=self._metadata),
+                                 "contributing a gradient", timeout)
+        self.bytes_sent += len(data)
+        return reply
+
+    async def fetch(self, have: int, min_steps: int, timeout: float) -> Aggregates:
+        """The aggregates after ``have`` once at least ``min_steps`` steps closed.
+
+        Raises:
+            StepTimeoutError: not within ``timeout`` seconds.
+            StepsBehindError: the hub no longer holds what this rank needs.
+        """
+        until = time.monotonic() + timeout
+        while True:
+            left = until - time.monotonic()
+            if left <= 0:
+                raise StepTimeoutError(
+                    f"Timed out: step {min_steps} of model {self.key.model!r} did not close "
+                    f"within {timeout:g} s")
+            wait = min(POLL_SECONDS, max(left - 1.0, left / 2))
+            request = pb.FetchStepsRequest(key=self.key, have=have, min_steps=min_steps,
+                                           wait_seconds=wait)
+            got = await self._call(self._read_fetch(request, wait + 10.0), "fetching steps",
+                                   wait + 10.0)
+            if got is not None:
+                return got
+
+    async def heartbeat(self, have: int, leave: bool = False, timeout: float = 5.0,
+                        ) -> pb.StepsState:
+        request = pb.StepsHeartbeat(key=self.key, have=have, leave=leave)
+        return await self._call(self._stub.Heartbeat(request, timeout=timeout,
+                                                     metadata=self._metadata),
+                                "a steps heartbeat", timeout)
+
+    async def synchronize(self, barrier: int, timeout: float) -> int:
+        """Wait until every live rank reached barrier ``barrier``: the step count to apply."""
+        until = time.monotonic() + timeout
+        while True:
+            left = until - time.monotonic()
+            if left <= 0:
+                raise StepTimeoutError(
+                    f"Timed out: synchronize() of model {self.key.model!r} waited {timeout:g} s "
+                    "for the other live ranks")
+            wait = min(POLL_SECONDS, max(left - 1.0, left / 2))
+            request = pb.SynchronizeRequest(key=self.key, barrier=barrier, wait_seconds=wait)
+            reply = await self._call(self._stub.Synchronize(
+                request, timeout=wait + 10.0, metadata=self._metadata), "synchronize()",
+                wait + 10.0)
+            if reply.ready:
+                return reply.steps
+
+    async def _read_fetch(self, request: pb.FetchStepsRequest, timeout: float,
+                          ) -> Aggregates | None:
+        call = self._stub.Fetch(request, timeout=timeout, metadata=self._metadata)
+        parts = call.__aiter__()
+        try:
+            first = await anext(parts)
+        except StopAsyncIteration:
+            raise ProtocolError("a steps Fetch answer ended before its header") from None
+        head = first.header
+        if not head.ready:
+            call.cancel()
+            return None
+        values = np.empty((len(head.records), head.numel), dtype="<f4")
+        view = memoryview(values).cast("B")
+        filled = 0
+        async for part in parts:
+            n = len(part.data)
+            if filled + n > len(view):
+                raise ProtocolError("a steps Fetch answer carried more data than it announced")
+            view[filled:filled + n] = part.data
+            filled += n
+        if filled != len(view):
+            raise ProtocolError(f"a steps Fetch answer announced {len(head.records)} aggregates "
+                                f"of {head.numel} values and carried {filled} bytes")
+        self.bytes_received += filled
+        return Aggregates(head.steps, list(head.records), values.astype(np.float32, copy=False))
+
+    async def _call(self, awaitable, what: str, timeout: float):
+        try:
+            return await awaitable
+        except grpc.RpcError as rpc:
+            if rpc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not (
+                    is_coordinator_verdict(rpc)):
+                raise StepTimeoutError(f"Timed out: {what} got no answer from {self.address} "
+                                       f"within {timeout:g} s") from None
+            raise error_from_rpc(rpc, what, self.address) from None
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+async def _parts(header: pb.ContributionHeader, data: bytes):
+    """The request stream: the header, then the data in parts."""
+    yield pb.ContributionPart(header=header, data=data[:PART_BYTES])
+    for start in range(PART_BYTES, len(data), PART_BYTES):
+        yield pb.ContributionPart(data=data[start:start + PART_BYTES])

@@ -1,0 +1,282 @@
+"""A DDP rank's steps in a sync mode other than Synchronous: contribute each gradient to the
+hub's step ledger, and apply the hub's aggregates, in step order, with the user's optimizer.
+
+How one training step runs (the loop stays ``zero_grad / forward / backward / opt.step()``):
+
+1. ``loss.backward()`` ends: DDP calls :meth:`StepSync.contribute`; the rank's gradients (one
+   flat float32 vector, weighted by :attr:`StepSync.weight`) go to the hub, computed on the
+   parameters after ``have`` aggregates. The hub answers which step they joined (or that they
+   were dropped: computed on parameters the group has moved past).
+2. ``optimizer.step()`` is :meth:`StepSync.catch_up`: it waits until the step its gradient
+   joined has closed (how long is the mode's business, decided on the hub), fetches every
+   aggregate after ``have`` and applies each one in order: its values into ``.grad``, then the
+   optimizer's own ``step()``. Every rank applies the same aggregates in the same order with the
+   same optimizer, so replicas stay bitwise identical whatever the mode.
+3. :meth:`StepSync.synchronize` (every rank): a barrier on the hub; afterwards every rank has
+   applied every aggregate of every contribution made before it.
+
+A heartbeat every second keeps the rank in the hub's live set while it computes; a rank that
+dies or stalls leaves it and holds nobody. The calls run on a loop thread of their own, apart
+from the process group's, so a failed generation never reaches them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import types
+import weakref
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from gradstar.errors import ConfigurationError, StepError
+from gradstar.sync_modes import SyncMode
+
+from ..loop_thread import LoopThread
+from .client import StepsClient
+
+log = logging.getLogger(__name__)
+
+#: Seconds between heartbeats (the hub's lease is its heartbeat timeout, 15 s by default).
+HEARTBEAT_SECONDS = 1.0
+#: Entries of SyncStats.recent_steps and recent_contributions.
+RECENT = 1024
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    """One applied step: who made its aggregate (rank order), their weights and staleness."""
+
+    step: int
+    ranks: tuple[int, ...]
+    weights: tuple[float, ...]
+    staleness: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ContributionEntry:
+    """One of this rank's contributions: its base, and the step it joined (None: dropped)."""
+
+    base: int
+    step: int | None
+    staleness: int
+
+
+@dataclass
+class SyncStats:
+    """What this rank saw of its sync mode (``ddp.sync_stats()``).
+
+    ``staleness`` counts this rank's accepted contributions by staleness; ``step_staleness``
+    every contribution of every applied step (all ranks'), by staleness.
+    """
+
+    mode: str
+    steps_applied: int = 0
+    contributions: int = 0
+    accepted: int = 0
+    dropped: int = 0
+    staleness: Counter = field(default_factory=Counter)
+    step_staleness: Counter = field(default_factory=Counter)
+    step_sizes: Counter = field(default_factory=Counter)
+    waited_seconds: float = 0.0
+    #: The last applied steps and this rank's last contributions (up to RECENT each).
+    recent_steps: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+    recent_contributions: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+
+
+class StepSync:
+    """Contributions and aggregates of one DDP model on one rank (see the module docstring).
+
+    Args:
+        params: the trainable parameters, in DDP's order (all ranks the same).
+        optimizer: the user's torch optimizer over them; its ``step`` becomes :meth:`catch_up`.
+        settings, address: the process group's client settings and the hub's collective port.
+        rank, world_size: this rank and the job's world.
+        mode: the sync mode; ``model``: the ledger's name within the job.
+        timeout: seconds a step or a barrier may take before :class:`StepTimeoutError`.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+                 settings, address: str, rank: int, world_size: int, mode: SyncMode,
+                 model: str, timeout: float) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigurationError(
+                f"sync_mode={mode} needs optimizer=: the torch optimizer that trains the "
+                "module (catching up means optimizer steps), not "
+                f"{type(optimizer).__name__}")
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.mode = mode
+        self.mode_epoch = 0
+        self.timeout = timeout
+        #: Weight of this rank's next contributions in their steps' mean (e.g. samples).
+        self.weight = 1.0
+        #: Aggregates applied to this rank's parameters.
+        self.have = 0
+        self.stats = SyncStats(str(mode))
+        self._joined: int | None = None  # step the pending contribution joined
+        self._pending = False
+        self._barriers = 0
+        self._thread = LoopThread()
+        # grpc.aio binds a channel to the loop it is made on: make it on the thread's loop.
+        self._client = self._run(_make_client(settings, address, model, rank, world_size))
+        self._beating = self._thread.submit(self._beat())
+        self._optimizer = optimizer
+        self._optimizer_step = None  # the optimizer's own step while attached
+        self._attached_before = False
+
+    def attach(self, mode: SyncMode) -> None:
+        """Take over ``optimizer.step`` (it applies the hub's aggregates) in ``mode``; the
+        first ledger mode, or one after Synchronous steps (switched at a barrier)."""
+        if self._optimizer_step is None:
+            self._optimizer_step = self._optimizer.step
+            self._optimizer.step = types.MethodType(_catch_up_step(weakref.ref(self)),
+                                                    self._optimizer)
+        if self._attached_before:
+            self.set_mode(mode)  # every rank does: the same barrier on every rank
+        self._attached_before = True
+
+    def detach(self) -> None:
+        """Give ``optimizer.step`` back (Synchronous steps from now on)."""
+        if self._optimizer_step is not None:
+            self._optimizer.step = self._optimizer_step
+            self._optimizer_step = None
+
+    # -- the training step -------------------------------------------------------------------
+
+    def contribute(self) -> None:
+        """Send the parameters' ``.grad`` (None: zeros) as this rank's contribution.
+
+        Raises:
+            ConfigurationError: the previous contribution was not applied yet (call
+                ``optimizer.step()`` between backward passes, or use ``no_sync()``).
+            StepError and subclasses: the hub refused it or did not answer.
+        """
+        if self._pending:
+            raise ConfigurationError(
+                "this rank contributed a gradient that was not applied yet: call "
+                "optimizer.step() after every synchronising backward pass (accumulate "
+                "with ddp.no_sync())")
+        flat = torch.cat([
+            (p.grad.detach().reshape(-1) if p.grad is not None
+             else torch.zeros(p.numel(), device=p.device)).to(torch.float32)
+            for p in self.params]).cpu().numpy()
+        reply = self._run(self._client.contribute(self.mode, self.mode_epoch, self.have,
+                                                  float(self.weight), flat, self.timeout))
+        self.stats.contributions += 1
+        self.stats.recent_contributions.append(ContributionEntry(
+            self.have, reply.step if reply.accepted else None, reply.staleness))
+        self._pending = True
+        if reply.accepted:
+            self.stats.accepted += 1
+            self.stats.staleness[reply.staleness] += 1
+            self._joined = reply.step
+        else:
+            self.stats.dropped += 1
+            self._joined = None
+            log.info("rank %d's gradient was dropped: %s", self._client.key.rank, reply.reason)
+
+    def catch_up(self) -> None:
+        """Wait for the step this rank's gradient joined, then apply every closed aggregate.
+
+        Raises:
+            StepTimeoutError: the step did not close within the timeout.
+            StepsBehindError: the hub no longer holds aggregates this rank needs.
+        """
+        started = time.perf_counter()
+        got = self._run(self._client.fetch(self.have, self._joined or 0, self.timeout))
+        self.stats.waited_seconds += time.perf_counter() - started
+        self._apply(got)
+        self._pending, self._joined = False, None
+
+    def synchronize(self) -> None:
+        """Every live rank's contributions aggregated and applied (every rank calls it)."""
+        self._barriers += 1
+        steps = self._run(self._client.synchronize(self._barriers, self.timeout))
+        if steps > self.have:
+            self._apply(self._run(self._client.fetch(self.have, steps, self.timeout)))
+        self._pending, self._joined = False, None
+
+    def set_mode(self, mode: SyncMode) -> None:
+        """Switch at a barrier: every rank switches at the same step."""
+        self.synchronize()
+        self.mode = mode
+        self.mode_epoch += 1
+        self.stats.mode = str(mode)
+
+    def _apply(self, got) -> None:
+        for record, values in zip(got.records, got.values, strict=True):
+            if record.step != self.have + 1:
+                raise StepError(f"the hub sent step {record.step} to a rank at step "
+                                f"{self.have}; aggregates must be applied in order")
+            self._write_grads(values)
+            self._optimizer_step()
+            self.have = record.step
+            self.stats.steps_applied += 1
+            self.stats.step_sizes[len(record.ranks)] += 1
+            self.stats.step_staleness.update(record.staleness)
+            self.stats.recent_steps.append(StepEntry(
+                record.step, tuple(record.ranks), tuple(record.weights),
+                tuple(record.staleness)))
+
+    def _write_grads(self, values: np.ndarray) -> None:
+        flat = torch.from_numpy(values)
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                part = flat[offset:offset + n].view(p.shape)
+                if p.grad is None:
+                    p.grad = part.to(device=p.device, dtype=p.dtype, copy=True)
+                else:
+                    p.grad.copy_(part)
+                offset += n
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _run(self, coro):
+        return self._thread.submit(coro).result()
+
+    async def _beat(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):  # a missed beat: the next one says it again
+                await self._client.heartbeat(self.have)
+            await asyncio.sleep(HEARTBEAT_SECONDS)
+
+    def close(self) -> None:
+        """Leave the live set and stop the loop thread (the optimizer gets its step back)."""
+        if self._thread is None:
+            return
+        self._beating.cancel()
+        with contextlib.suppress(Exception):
+            self._run(self._client.heartbeat(self.have, leave=True))
+        with contextlib.suppress(Exception):
+            self._run(self._client.close())
+        self._thread.stop()
+        self._thread = None
+        self.detach()
+
+
+async def _make_client(*args) -> StepsClient:
+    return StepsClient(*args)
+
+
+def _catch_up_step(sync_ref: weakref.ref):
+    """``optimizer.step`` while a :class:`StepSync` owns the optimizer: a bound method (torch's
+    LR schedulers wrap ``step.__func__``)."""
+
+    def step(optimizer, closure=None):
+        if closure is not None:
+            raise ConfigurationError(
+                "optimizer.step(closure) re-evaluates the loss, which a sync mode cannot "
+                "replay on other ranks; call optimizer.step() without a closure")
+        sync = sync_ref()
+        if sync is not None:
+            sync.catch_up()
+
+    return step

@@ -1,0 +1,7 @@
+"""The hub's side of DDP sync modes: the step ledger and its Steps servicer (the rank's side is
+``gradstar.client.steps``)."""
+
+from .ledger import StepLedger, StepsTable
+from .servicer import StepsServicer
+
+__all__ = ["StepLedger", "StepsServicer", "StepsTable"]

@@ -1,0 +1,201 @@
+"""gRPC servicer of the Steps service: streams in, :class:`.ledger.StepsTable` calls, streams
+out, gradstar errors to statuses. Fetch and Synchronize wait (bounded) for a step or a barrier.
+The rank's half is ``gradstar.client.steps.client``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import numpy as np
+
+from gradstar.errors import GradstarError, ProtocolError
+from gradstar.proto.v1 import steps_pb2 as pb
+from gradstar.proto.v1 import steps_pb2_grpc
+from gradstar.sync_modes import from_message
+from gradstar.transport.status import abort
+
+from ..jobs import check_job_name
+from .ledger import ClosedStep, StepLedger, StepsTable
+
+log = logging.getLogger(__name__)
+
+#: Longest a Fetch or Synchronize waits before answering "not ready" (the client asks again, so
+#: a dead hub or a lost answer is noticed within this).
+MAX_WAIT = 10.0
+#: Bytes of aggregates per Fetch answer message (below gRPC's message limit).
+PART_BYTES = 1 << 20
+
+
+class StepsServicer(steps_pb2_grpc.StepsServicer):
+    """Contribute, Fetch, Heartbeat and Synchronize over :class:`StepsTable`; closes Quorum
+    steps at their deadlines."""
+
+    def __init__(self, table: StepsTable, max_chunk_bytes: int) -> None:
+        self.table = table
+        self.max_chunk_bytes = max_chunk_bytes
+        self._changed = asyncio.Event()
+        table.on_change = self._on_change
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def Contribute(self, request_iterator: AsyncIterator[pb.ContributionPart],
+                         context: grpc.aio.ServicerContext) -> pb.Contributed:
+        upload = None
+        try:
+            parts = request_iterator.__aiter__()
+            first = await _first(parts)
+            h = first.header
+            ledger = self._ledger(h.key)
+            mode = from_message(h.mode)
+            # Refused before any memory is taken for it.
+            self.table.check_header(ledger, h.key.rank, mode, h.mode_epoch, h.numel, h.base,
+                                    h.weight)
+            upload = self.table.upload_started(ledger.job, ledger.model)
+            data = await self._read(first, parts, h.numel, f"rank {h.key.rank}")
+            accepted, step, staleness, reason = self.table.contribute(
+                ledger, h.key.rank, mode, h.mode_epoch, h.base, h.weight, data)
+            self._arm_timer()
+            return pb.Contributed(accepted=accepted, step=step, staleness=staleness,
+                                  steps=ledger.steps, reason=reason)
+        except GradstarError as error:
+            await abort(context, error)
+        finally:
+            if upload is not None:
+                self.table.upload_ended(upload)
+
+    async def Fetch(self, request: pb.FetchStepsRequest,
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepsPart]:
+        try:
+            ledger = self._ledger(request.key)
+            await self._wait(lambda: ledger.steps >= request.min_steps, request.wait_seconds)
+            if ledger.steps < request.min_steps:
+                self.table.seen(ledger, request.key.rank)
+                yield pb.StepsPart(header=pb.StepsHeader(ready=False, steps=ledger.steps))
+                return
+            closed = self.table.fetch(ledger, request.key.rank, request.have)
+        except GradstarError as error:
+            await abort(context, error)
+            return
+        yield pb.StepsPart(header=pb.StepsHeader(
+            ready=True, steps=ledger.steps, numel=ledger.numel or 0,
+            records=[_record(s) for s in closed]))
+        # The aggregates are never changed once closed: stream them as they are.
+        for step in closed:
+            data = memoryview(step.aggregate).cast("B")
+            for start in range(0, len(data), PART_BYTES):
+                yield pb.StepsPart(data=bytes(data[start:start + PART_BYTES]))
+
+    async def Heartbeat(self, request: pb.StepsHeartbeat,
+                        context: grpc.aio.ServicerContext) -> pb.StepsState:
+        try:
+            ledger = self._ledger(request.key)
+            self.table.heartbeat(ledger, request.key.rank, request.have, request.leave)
+            self._arm_timer()
+            return pb.StepsState(steps=ledger.steps, live=sorted(ledger.live()))
+        except GradstarError as error:
+            await abort(context, error)
+
+    async def Synchronize(self, request: pb.SynchronizeRequest,
+                          context: grpc.aio.ServicerContext) -> pb.SynchronizeReply:
+        try:
+            ledger = self._ledger(request.key)
+            rank, barrier = request.key.rank, request.barrier
+            steps = self.table.synchronize(ledger, rank, barrier)
+            if steps is None:
+                await self._wait(lambda: barrier in ledger.barrier_steps, request.wait_seconds)
+                steps = self.table.synchronize(ledger, rank, barrier)
+            return pb.SynchronizeReply(ready=steps is not None, steps=steps or 0)
+        except GradstarError as error:
+            await abort(context, error)
+
+    def sweep(self) -> None:
+        """Take silent ranks out of the live sets (the coordinator's sweep calls this)."""
+        self.table.expire()
+        self.table.close_due()
+
+    def _ledger(self, key: pb.StepsKey) -> StepLedger:
+        check_job_name(key.job)
+        check_job_name(key.model, "a model name")
+        return self.table.ledger(key.job, key.model, key.world_size)
+
+    async def _read(self, first: pb.ContributionPart, parts, numel: int,
+                    who: str) -> np.ndarray:
+        """The whole float32 gradient of a Contribute stream.
+
+        Raises:
+            ProtocolError: a part too large, a second header, or data of the wrong length.
+        """
+        out = np.empty(numel, dtype="<f4")
+        view = memoryview(out).cast("B")
+        filled = self._take(first.data, view, 0)
+        async for part in parts:
+            if part.HasField("header"):
+                raise ProtocolError("a Contribute stream carries one header, at its start")
+            filled = self._take(part.data, view, filled)
+        if filled != len(view):
+            raise ProtocolError(f"{who} announced {numel} float32 values but sent {filled} "
+                                "bytes; the stream was cut or malformed and nothing was used")
+        return out.astype(np.float32, copy=False)
+
+    def _take(self, data: bytes, view: memoryview, filled: int) -> int:
+        n = len(data)
+        if n > self.max_chunk_bytes:
+            raise ProtocolError(f"a Contribute data part of {n} bytes is over the "
+                                f"{self.max_chunk_bytes}-byte chunk limit")
+        if filled + n > len(view):
+            raise ProtocolError("a Contribute stream sent more data than its header announced")
+        view[filled:filled + n] = data
+        return filled + n
+
+    async def _wait(self, ready: Callable[[], bool], seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        until = loop.time() + min(max(seconds, 0.0), MAX_WAIT)
+        while not ready():
+            remaining = until - loop.time()
+            if remaining <= 0:
+                return
+            changed = self._changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), remaining)
+
+    def _on_change(self) -> None:
+        # Wake every waiting call; each rechecks its own ledger.
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _arm_timer(self) -> None:
+        """Run :meth:`StepsTable.close_due` at the earliest Quorum deadline."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        deadline = self.table.next_deadline()
+        if deadline is None:
+            return
+        delay = max(0.0, deadline - self.table.clock())
+        self._timer = asyncio.get_running_loop().call_later(delay + 0.001, self._on_deadline)
+
+    def _on_deadline(self) -> None:
+        self._timer = None
+        self.table.close_due()
+        deadline = self.table.next_deadline()
+        if deadline is not None and deadline > self.table.clock():
+            self._arm_timer()
+        # A due step still open lacks min_ranks: a contribution or a departure settles it.
+
+
+async def _first(parts) -> pb.ContributionPart:
+    try:
+        first = await anext(parts)
+    except StopAsyncIteration:
+        raise ProtocolError("a Contribute stream ended before its header") from None
+    if not first.HasField("header"):
+        raise ProtocolError("a Contribute stream must begin with its header")
+    return first
+
+
+def _record(step: ClosedStep) -> pb.StepRecord:
+    return pb.StepRecord(step=step.number, ranks=step.ranks, weights=step.weights,
+                         staleness=step.staleness)

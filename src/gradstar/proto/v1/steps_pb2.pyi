@@ -1,0 +1,163 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SyncModeKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SYNC_MODE_UNSPECIFIED: _ClassVar[SyncModeKind]
+    SYNC_MODE_SYNCHRONOUS: _ClassVar[SyncModeKind]
+    SYNC_MODE_QUORUM: _ClassVar[SyncModeKind]
+    SYNC_MODE_BOUNDED_STALENESS: _ClassVar[SyncModeKind]
+    SYNC_MODE_ASYNCHRONOUS: _ClassVar[SyncModeKind]
+SYNC_MODE_UNSPECIFIED: SyncModeKind
+SYNC_MODE_SYNCHRONOUS: SyncModeKind
+SYNC_MODE_QUORUM: SyncModeKind
+SYNC_MODE_BOUNDED_STALENESS: SyncModeKind
+SYNC_MODE_ASYNCHRONOUS: SyncModeKind
+
+class SyncMode(_message.Message):
+    __slots__ = ("kind", "min_ranks", "timeout_seconds", "max_staleness")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MIN_RANKS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    kind: SyncModeKind
+    min_ranks: int
+    timeout_seconds: float
+    max_staleness: int
+    def __init__(self, kind: _Optional[_Union[SyncModeKind, str]] = ..., min_ranks: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+
+class StepsKey(_message.Message):
+    __slots__ = ("job", "model", "rank", "world_size")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    model: str
+    rank: int
+    world_size: int
+    def __init__(self, job: _Optional[str] = ..., model: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+
+class ContributionHeader(_message.Message):
+    __slots__ = ("key", "mode", "mode_epoch", "numel", "base", "weight")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MODE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    key: StepsKey
+    mode: SyncMode
+    mode_epoch: int
+    numel: int
+    base: int
+    weight: float
+    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., mode: _Optional[_Union[SyncMode, _Mapping]] = ..., mode_epoch: _Optional[int] = ..., numel: _Optional[int] = ..., base: _Optional[int] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class ContributionPart(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: ContributionHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[ContributionHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Contributed(_message.Message):
+    __slots__ = ("accepted", "step", "staleness", "steps", "reason")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    step: int
+    staleness: int
+    steps: int
+    reason: str
+    def __init__(self, accepted: _Optional[bool] = ..., step: _Optional[int] = ..., staleness: _Optional[int] = ..., steps: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class FetchStepsRequest(_message.Message):
+    __slots__ = ("key", "have", "min_steps", "wait_seconds")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    HAVE_FIELD_NUMBER: _ClassVar[int]
+    MIN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    key: StepsKey
+    have: int
+    min_steps: int
+    wait_seconds: float
+    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., have: _Optional[int] = ..., min_steps: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class StepRecord(_message.Message):
+    __slots__ = ("step", "ranks", "weights", "staleness")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    weights: _containers.RepeatedScalarFieldContainer[float]
+    staleness: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., staleness: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StepsHeader(_message.Message):
+    __slots__ = ("ready", "steps", "numel", "records")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    steps: int
+    numel: int
+    records: _containers.RepeatedCompositeFieldContainer[StepRecord]
+    def __init__(self, ready: _Optional[bool] = ..., steps: _Optional[int] = ..., numel: _Optional[int] = ..., records: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ...) -> None: ...
+
+class StepsPart(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: StepsHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[StepsHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class StepsHeartbeat(_message.Message):
+    __slots__ = ("key", "have", "leave")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    HAVE_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
+    key: StepsKey
+    have: int
+    leave: bool
+    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., have: _Optional[int] = ..., leave: _Optional[bool] = ...) -> None: ...
+
+class StepsState(_message.Message):
+    __slots__ = ("steps", "live")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    live: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, steps: _Optional[int] = ..., live: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SynchronizeRequest(_message.Message):
+    __slots__ = ("key", "barrier", "wait_seconds")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    BARRIER_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    key: StepsKey
+    barrier: int
+    wait_seconds: float
+    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., barrier: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class SynchronizeReply(_message.Message):
+    __slots__ = ("ready", "steps")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    steps: int
+    def __init__(self, ready: _Optional[bool] = ..., steps: _Optional[int] = ...) -> None: ...

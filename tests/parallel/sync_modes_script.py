@@ -1,0 +1,151 @@
+"""A DDP rank in a sync mode, for tests: ``python sync_modes_script.py MODE [options]``
+(settings from GRADSTAR_* env vars).
+
+Trains a small MLP for ``--steps`` iterations with ``gradstar.DDP(sync_mode=...)`` and SGD with
+momentum; before each backward the rank sleeps its entry of ``--delays`` (seconds, per rank), and
+``--stop-at`` makes a rank stop itself (``kill``: os._exit mid-training; ``stall``: SIGSTOP)
+at that iteration. At the end it synchronizes and prints one JSON line: its parameters, its
+contributions (base, step joined), the steps it applied (who made each) and its stats.
+
+:func:`replay` (used by the tests) trains the same model in one process from the hub's record
+of which contribution joined which step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SCRIPT = Path(__file__)
+IN, HIDDEN, OUT = 6, 16, 3
+BATCH = 8  # per rank and iteration
+LR, MOMENTUM = 0.05, 0.9
+
+
+def make_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+def batch(rank: int, iteration: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + iteration)
+    x = torch.randn(BATCH, IN, generator=g)
+    return x, torch.sin(x[:, :OUT]) + 0.1 * x[:, OUT:]
+
+
+def loss_of(model: nn.Module, rank: int, iteration: int) -> torch.Tensor:
+    x, y = batch(rank, iteration)
+    return nn.functional.mse_loss(model(x), y)
+
+
+def params_of(model: nn.Module) -> dict[str, list[float]]:
+    return {k: v.detach().reshape(-1).tolist() for k, v in model.state_dict().items()}
+
+
+def mode_of(args):
+    import gradstar
+
+    if args.mode == "quorum":
+        return gradstar.Quorum(min_ranks=args.min_ranks, timeout=args.timeout)
+    if args.mode == "bounded":
+        return gradstar.BoundedStaleness(max_staleness=args.max_staleness)
+    if args.mode == "async":
+        return gradstar.Asynchronous()
+    return gradstar.Synchronous()
+
+
+def replay(contributions: dict[int, list[dict]], steps: list[dict]) -> nn.Module:
+    """One process, the hub's order: step t's aggregate is the weighted mean (rank order) of
+    the gradients that joined it, each computed on the parameters after its base aggregates
+    with its rank's batch of that iteration; applied with the same optimizer."""
+    model = make_mlp()
+    opt = make_optimizer(model)
+    snapshots = {0: {k: v.clone() for k, v in model.state_dict().items()}}
+    # (rank, step) -> (iteration, base): which of a rank's iterations joined which step.
+    joined = {(rank, c["step"]): (i, c["base"]) for rank, cs in contributions.items()
+              for i, c in enumerate(cs) if c["step"] is not None}
+    for entry in steps:
+        grads = []
+        for rank, weight in zip(entry["ranks"], entry["weights"], strict=True):
+            iteration, base = joined[(rank, entry["step"])]
+            probe = make_mlp()
+            probe.load_state_dict(snapshots[base])
+            loss_of(probe, rank, iteration).backward()
+            grads.append((weight, torch.cat([p.grad.reshape(-1) for p in probe.parameters()])))
+        total = sum(w for w, _ in grads)
+        aggregate = torch.zeros_like(grads[0][1])
+        for w, g in grads:
+            aggregate += g * torch.tensor(w, dtype=torch.float32)
+        aggregate /= torch.tensor(total, dtype=torch.float32)
+        offset = 0
+        for p in model.parameters():
+            p.grad = aggregate[offset:offset + p.numel()].view(p.shape).clone()
+            offset += p.numel()
+        opt.step()
+        snapshots[entry["step"]] = {k: v.clone() for k, v in model.state_dict().items()}
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["quorum", "bounded", "async", "sync"])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--min-ranks", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=0.0)
+    parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--delays", default="", help="seconds per rank before each backward")
+    parser.add_argument("--weights", default="", help="contribution weight per rank")
+    parser.add_argument("--stop-rank", type=int, default=-1)
+    parser.add_argument("--stop-at", type=int, default=-1)
+    parser.add_argument("--stop-how", choices=["kill", "stall"], default="kill")
+    args = parser.parse_args()
+
+    import gradstar
+
+    pg = gradstar.init_process_group(timeout=60)
+    rank = pg.rank
+    delays = [float(d) for d in args.delays.split(",")] if args.delays else []
+    weights = [float(w) for w in args.weights.split(",")] if args.weights else []
+    model = make_mlp()
+    opt = make_optimizer(model)
+    ddp = gradstar.DDP(model, pg, sync_mode=mode_of(args), optimizer=opt)
+    if weights:
+        ddp.contribution_weight = weights[rank]
+    for i in range(args.steps):
+        if rank == args.stop_rank and i == args.stop_at:
+            if args.stop_how == "kill":
+                os._exit(3)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        opt.zero_grad()
+        if delays:
+            time.sleep(delays[rank])
+        loss_of(ddp, rank, i).backward()
+        opt.step()
+    ddp.synchronize()
+    stats = ddp.sync_stats()
+    print(json.dumps({
+        "rank": rank,
+        "params": params_of(model),
+        "contributions": [{"base": c.base, "step": c.step, "staleness": c.staleness}
+                          for c in stats.recent_contributions],
+        "steps": [{"step": s.step, "ranks": list(s.ranks), "weights": list(s.weights),
+                   "staleness": list(s.staleness)} for s in stats.recent_steps],
+        "applied": stats.steps_applied, "dropped": stats.dropped, "accepted": stats.accepted,
+    }), flush=True)
+    pg.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
