@@ -4,8 +4,9 @@
 Trains a small MLP for ``--steps`` iterations with ``gradstar.DDP(sync_mode=...)`` and SGD with
 momentum; before each backward the rank sleeps its entry of ``--delays`` (seconds, per rank), and
 ``--stop-at`` makes a rank stop itself (``kill``: os._exit mid-training; ``stall``: SIGSTOP)
-at that iteration. At the end it synchronizes and prints one JSON line: its parameters, its
-contributions (base, step joined), the steps it applied (who made each) and its stats.
+at that iteration. After each backward it prints its contribution (base, step joined) as a JSON
+line; at the end it synchronizes and prints its parameters, the steps it applied (who made each)
+and its stats.
 
 :func:`replay` (used by the tests) trains the same model in one process from the hub's record
 of which contribution joined which step.
@@ -132,14 +133,16 @@ def main() -> None:
         if delays:
             time.sleep(delays[rank])
         loss_of(ddp, rank, i).backward()
+        c = ddp.sync_stats().recent_contributions[-1]
+        # At once: a rank killed later still leaves the record of what it contributed.
+        print(json.dumps({"rank": rank, "contribution": {
+            "base": c.base, "step": c.step, "staleness": c.staleness}}), flush=True)
         opt.step()
     ddp.synchronize()
     stats = ddp.sync_stats()
     print(json.dumps({
         "rank": rank,
         "params": params_of(model),
-        "contributions": [{"base": c.base, "step": c.step, "staleness": c.staleness}
-                          for c in stats.recent_contributions],
         "steps": [{"step": s.step, "ranks": list(s.ranks), "weights": list(s.weights),
                    "staleness": list(s.staleness)} for s in stats.recent_steps],
         "applied": stats.steps_applied, "dropped": stats.dropped, "accepted": stats.accepted,

@@ -1,0 +1,135 @@
+"""gradstar.DDP in sync modes with 4 real rank processes and a real coordinator: replicas end
+bitwise identical, they equal a one-process replay of the hub's record of which contribution
+joined which step, staleness stays within each mode's bound, weights weigh, and a rank that
+dies or stalls holds nobody. Delays are injected per rank (``sync_modes_script.py --delays``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+
+import numpy as np
+import pytest
+
+from gradstar.config import CoordinatorSettings
+from gradstar.coordinator import Coordinator
+
+from . import sync_modes_script as script
+from .conftest import finish, kill_all, rank_env, rank_lines
+
+WORLD = 4
+
+
+async def run_modes(*args: str, stopped: int = -1, timeout: float = 90) -> dict[int, dict]:
+    """A coordinator (3 s heartbeat timeout: a stalled rank leaves the live sets quickly) and
+    WORLD ranks of the script; each rank's report by rank, with its ``contributions`` (the
+    lines it printed after each backward). Rank ``stopped`` kills or stops itself (the script's
+    --stop-rank): it is killed at the end and reports its contributions only."""
+    hub = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0, heartbeat_timeout=3.0))
+    await hub.start()
+    procs = []
+    try:
+        for rank in range(WORLD):
+            procs.append(await asyncio.create_subprocess_exec(
+                sys.executable, str(script.SCRIPT), *args,
+                env=rank_env(hub.address, "modes", WORLD, rank),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE))
+        survivors = [p for r, p in enumerate(procs) if r != stopped]
+        results = await asyncio.gather(*(finish(p, timeout) for p in survivors),
+                                       return_exceptions=True)
+        leftover = ""
+        if stopped >= 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(procs[stopped].pid, signal.SIGKILL)
+            out, _ = await asyncio.wait_for(procs[stopped].communicate(), 20)
+            leftover = out.decode()
+    finally:
+        await kill_all(procs)
+        await hub.stop(grace=0)
+    ranks = [r for r in range(WORLD) if r != stopped]
+    lines = {r: rank_lines(r, res) for r, res in zip(ranks, results, strict=True)}
+    if stopped >= 0:
+        lines[stopped] = [json.loads(line) for line in leftover.splitlines()
+                          if line.startswith("{")]
+    reports = {}
+    for rank, printed in sorted(lines.items()):
+        final = [line for line in printed if "params" in line]
+        reports[rank] = final[-1] if final else {"rank": rank, "stopped": True}
+        reports[rank]["contributions"] = [line["contribution"] for line in printed
+                                          if "contribution" in line]
+    return reports
+
+
+def assert_identical_and_replayed(reports: dict[int, dict]) -> None:
+    """Every rank the same parameters, bit for bit, after synchronize(); the same steps; and
+    those parameters are what one process gets by replaying the hub's record."""
+    finished = {rank: r for rank, r in reports.items() if "params" in r}
+    first = next(iter(finished.values()))
+    for rank, report in finished.items():
+        assert report["params"] == first["params"], f"rank {rank} differs"
+        assert report["steps"] == first["steps"], f"rank {rank} applied other steps"
+    assert [s["step"] for s in first["steps"]] == list(range(1, len(first["steps"]) + 1))
+    contributions = {rank: r["contributions"] for rank, r in reports.items()}
+    replayed = script.params_of(script.replay(contributions, first["steps"]))
+    for name, values in replayed.items():
+        np.testing.assert_allclose(first["params"][name], values, rtol=1e-6, atol=1e-7,
+                                   err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def quorum_run() -> dict[int, dict]:
+    # Rank 3 is slow: its gradients arrive after the other three closed their steps.
+    return asyncio.run(run_modes("quorum", "--min-ranks", "3", "--timeout", "0.02",
+                                 "--delays", "0,0,0,0.3", "--steps", "10"))
+
+
+def test_quorum_replicas_identical_and_equal_the_replay(quorum_run):
+    assert_identical_and_replayed(quorum_run)
+
+
+def test_quorum_drops_the_slow_ranks_late_gradients_and_takes_current_ones_only(quorum_run):
+    first = quorum_run[0]
+    assert quorum_run[3]["dropped"] >= 1  # its gradients came after the others' steps closed
+    assert all(s == 0 for step in first["steps"] for s in step["staleness"])
+    # Before the fast ranks finished, every step closed with at least min_ranks gradients.
+    fast_steps = [s for s in first["steps"] if s["step"] <= 10]
+    assert all(len(s["ranks"]) >= 3 for s in fast_steps)
+    assert all(c["step"] is None or c["staleness"] == 0
+               for r in quorum_run.values() for c in r["contributions"])
+
+
+def test_bounded_staleness_stays_within_its_bound_and_replicas_agree():
+    reports = asyncio.run(run_modes("bounded", "--max-staleness", "2",
+                                    "--delays", "0.01,0.03,0.02,0.2", "--steps", "10"))
+    assert_identical_and_replayed(reports)
+    every = [s for step in reports[0]["steps"] for s in step["staleness"]]
+    assert max(every) <= 2
+    assert max(every) >= 1  # the slow rank's gradients were stale: the bound was exercised
+
+
+def test_asynchronous_weighted_contributions_equal_the_weighted_replay():
+    reports = asyncio.run(run_modes("async", "--delays", "0,0.01,0.02,0.05",
+                                    "--weights", "1,2,3,0.5", "--steps", "8"))
+    assert_identical_and_replayed(reports)
+    weights = {r: w for s in reports[0]["steps"]
+               for r, w in zip(s["ranks"], s["weights"], strict=True)}
+    assert weights == {0: 1.0, 1: 2.0, 2: 3.0, 3: 0.5}
+    assert sum(len(s["ranks"]) for s in reports[0]["steps"]) == WORLD * 8  # none dropped
+
+
+@pytest.mark.parametrize("mode,how", [("quorum", "kill"), ("bounded", "kill"),
+                                      ("async", "kill"), ("quorum", "stall")])
+def test_a_rank_that_dies_or_stalls_holds_nobody(mode, how):
+    reports = asyncio.run(run_modes(mode, "--min-ranks", "4", "--max-staleness", "1",
+                                    "--delays", "0.02,0.02,0.02,0.02", "--steps", "8",
+                                    "--stop-rank", "3", "--stop-at", "3", "--stop-how", how,
+                                    stopped=3))
+    assert [r for r in reports if "params" in reports[r]] == [0, 1, 2]  # no survivor raised
+    assert_identical_and_replayed(reports)
+    steps = reports[0]["steps"]
+    assert 3 not in steps[-1]["ranks"]  # the last steps closed without the dead rank

@@ -1,0 +1,272 @@
+"""The hub's step ledger (gradstar.coordinator.steps.ledger), without sockets: when steps close
+in each sync mode, what their aggregates are, staleness, liveness, barriers and memory."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from gradstar.coordinator.steps.ledger import StepsTable
+from gradstar.errors import (
+    ConfigurationError,
+    HubCapacityError,
+    StepMismatchError,
+    StepsBehindError,
+)
+from gradstar.sync_modes import (
+    Asynchronous,
+    BoundedStaleness,
+    Quorum,
+    Synchronous,
+    check_mode,
+    from_message,
+)
+
+N = 4  # elements per gradient
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def table(clock=None, **kw) -> StepsTable:
+    kw.setdefault("max_numel", 1 << 20)
+    kw.setdefault("max_held_bytes", 1 << 24)
+    kw.setdefault("lease", 5.0)
+    return StepsTable(clock=clock or Clock(), **kw)
+
+
+def grad(value: float) -> np.ndarray:
+    return np.full(N, value, dtype=np.float32)
+
+
+def give(t: StepsTable, ledger, rank: int, mode, value: float, base: int | None = None,
+         weight: float = 1.0):
+    base = ledger.ranks[rank].base if base is None else base
+    return t.contribute(ledger, rank, mode, 0, base, weight, grad(value))
+
+
+def catch_up(t: StepsTable, ledger, rank: int) -> None:
+    t.fetch(ledger, rank, ledger.ranks[rank].base)
+
+
+def test_quorum_closes_with_all_live_ranks_at_once():
+    t = table()
+    ledger = t.ledger("j", "m", 3)
+    mode = Quorum(min_ranks=2, timeout=10.0)
+    for rank in range(3):
+        accepted, step, staleness, _ = give(t, ledger, rank, mode, rank)
+        assert (accepted, step, staleness) == (True, 1, 0)
+    assert ledger.steps == 1
+    np.testing.assert_array_equal(ledger.log[-1].aggregate, grad(1.0))
+
+
+def test_quorum_closes_with_min_ranks_after_the_timeout_and_drops_the_late_one():
+    clock = Clock()
+    t = table(clock)
+    ledger = t.ledger("j", "m", 3)
+    mode = Quorum(min_ranks=2, timeout=0.5)
+    give(t, ledger, 0, mode, 1.0)
+    give(t, ledger, 1, mode, 3.0)
+    assert ledger.steps == 0  # two of three, before the timeout
+    clock.now = 0.6
+    t.close_due()
+    assert ledger.steps == 1 and ledger.log[-1].ranks == (0, 1)
+    np.testing.assert_array_equal(ledger.log[-1].aggregate, grad(2.0))
+    accepted, _, staleness, reason = give(t, ledger, 2, mode, 100.0)  # computed on base 0
+    assert not accepted and staleness == 1 and "Quorum" in reason
+    assert ledger.ranks[2].dropped == 1 and ledger.open.contributions == {}
+
+
+def test_quorum_needs_only_the_live_ranks_when_fewer_than_min_ranks_are_left():
+    t = table()
+    ledger = t.ledger("j", "m", 3)
+    mode = Quorum(min_ranks=3, timeout=0.0)
+    t.rank_gone("j", 2, "lost")
+    give(t, ledger, 0, mode, 1.0)
+    assert ledger.steps == 0
+    give(t, ledger, 1, mode, 1.0)
+    assert ledger.steps == 1  # every live rank contributed
+
+
+def test_weighted_mean_in_rank_order_whatever_the_arrival_order():
+    aggregates = []
+    for order in ([0, 1, 2], [2, 0, 1]):
+        t = table()
+        ledger = t.ledger("j", "m", 3)
+        mode = Quorum(min_ranks=3)
+        values = {0: np.float32(0.1), 1: np.float32(1e7), 2: np.float32(-1e7)}
+        weights = {0: 1.0, 1: 2.0, 2: 2.0}
+        for rank in order:
+            t.contribute(ledger, rank, mode, 0, 0, weights[rank], grad(values[rank]))
+        aggregates.append(ledger.log[-1].aggregate)
+    np.testing.assert_array_equal(aggregates[0], aggregates[1])
+    want = (grad(0.1) * np.float32(1.0) + grad(1e7) * np.float32(2.0)
+            + grad(-1e7) * np.float32(2.0)) / np.float32(5.0)
+    np.testing.assert_array_equal(aggregates[0], want)
+
+
+def test_zero_weights_make_a_zero_aggregate():
+    t = table()
+    ledger = t.ledger("j", "m", 2)
+    mode = Quorum(min_ranks=2)
+    give(t, ledger, 0, mode, 5.0, weight=0.0)
+    give(t, ledger, 1, mode, 7.0, weight=0.0)
+    np.testing.assert_array_equal(ledger.log[-1].aggregate, grad(0.0))
+
+
+def test_asynchronous_closes_each_contribution_but_waits_for_uploads_in_flight():
+    t = table()
+    ledger = t.ledger("j", "m", 3)
+    mode = Asynchronous()
+    give(t, ledger, 0, mode, 1.0)
+    assert ledger.steps == 1
+    upload = t.upload_started("j", "m")  # rank 2's gradient is arriving
+    give(t, ledger, 1, mode, 2.0)
+    assert ledger.steps == 1  # waits for the upload that was in flight
+    later = t.upload_started("j", "m")  # began after: not waited for
+    give(t, ledger, 2, mode, 3.0, base=0)
+    t.upload_ended(upload)
+    assert ledger.steps == 2 and ledger.log[-1].ranks == (1, 2)
+    assert ledger.log[-1].staleness == (1, 1)
+    t.upload_ended(later)
+
+
+def test_bounded_staleness_waits_for_a_rank_that_would_fall_too_far_behind():
+    t = table()
+    ledger = t.ledger("j", "m", 2)
+    mode = BoundedStaleness(max_staleness=2)
+    for expected in (1, 2):  # rank 0 runs ahead twice; rank 1 computes on base 0
+        give(t, ledger, 0, mode, 1.0)
+        assert ledger.steps == expected
+        catch_up(t, ledger, 0)
+    give(t, ledger, 0, mode, 1.0)
+    assert ledger.steps == 2  # a third step would leave rank 1's gradient 3 stale
+    accepted, step, staleness, _ = give(t, ledger, 1, mode, 5.0, base=0)
+    assert (accepted, step, staleness) == (True, 3, 2)
+    assert ledger.steps == 3 and ledger.log[-1].ranks == (0, 1)
+
+
+def test_bounded_staleness_never_exceeds_its_bound_under_a_random_schedule():
+    rng = random.Random(7)
+    for bound in (0, 1, 3):
+        t = table()
+        ledger = t.ledger("j", "m", 4)
+        mode = BoundedStaleness(max_staleness=bound)
+        joined: dict[int, int] = {}  # rank -> step its gradient joined, until it catches up
+        for _ in range(400):
+            rank = rng.randrange(4)  # the next rank to act, at random
+            if rank in joined:
+                if ledger.steps >= joined[rank]:  # its step closed: apply, compute again
+                    catch_up(t, ledger, rank)
+                    del joined[rank]
+                continue
+            accepted, step, staleness, _ = give(t, ledger, rank, mode, 1.0)
+            assert accepted and staleness <= bound
+            joined[rank] = step
+        assert max(ledger.staleness) <= bound
+        assert ledger.steps > 20
+
+
+def test_a_rank_that_left_the_live_set_holds_nobody_and_comes_back_by_calling():
+    clock = Clock()
+    t = table(clock, lease=2.0)
+    ledger = t.ledger("j", "m", 3)
+    mode = Quorum(min_ranks=3, timeout=0.0)
+    give(t, ledger, 0, mode, 1.0)
+    give(t, ledger, 1, mode, 1.0)
+    clock.now = 1.0
+    t.heartbeat(ledger, 0, 0)
+    t.heartbeat(ledger, 1, 0)
+    clock.now = 2.5
+    t.expire()  # rank 2 silent for 2.5 s
+    assert not ledger.ranks[2].live and ledger.steps == 1
+    t.heartbeat(ledger, 2, 0)
+    assert ledger.ranks[2].live
+
+
+def test_synchronize_closes_the_open_step_once_every_live_rank_arrived():
+    t = table()
+    ledger = t.ledger("j", "m", 3)
+    mode = Quorum(min_ranks=3, timeout=100.0)
+    give(t, ledger, 0, mode, 1.0)
+    assert t.synchronize(ledger, 0, 1) is None
+    assert t.synchronize(ledger, 1, 1) is None
+    assert ledger.steps == 0
+    t.rank_gone("j", 2, "lost")  # the last one dies: the barrier completes without it
+    assert ledger.steps == 1 and ledger.barrier_steps[1] == 1
+    assert t.synchronize(ledger, 0, 1) == 1
+
+
+def test_bad_contributions_are_named_and_leave_the_open_step_alone():
+    t = table()
+    ledger = t.ledger("j", "m", 2)
+    mode = Quorum(min_ranks=2)
+    give(t, ledger, 0, mode, 1.0)
+    bad = [
+        (lambda: give(t, ledger, 0, mode, 2.0), "twice"),
+        (lambda: give(t, ledger, 1, mode, 2.0, weight=-1.0), "weight"),
+        (lambda: give(t, ledger, 1, mode, 2.0, weight=float("nan")), "weight"),
+        (lambda: give(t, ledger, 1, mode, 2.0, base=5), "only 0 steps"),
+        (lambda: t.contribute(ledger, 1, mode, 0, 0, 1.0, np.zeros(N + 1, np.float32)),
+         "values"),
+        (lambda: give(t, ledger, 1, Quorum(min_ranks=1), 2.0), "same mode"),
+        (lambda: give(t, ledger, 1, Asynchronous(), 2.0), "same mode"),
+        (lambda: t.ledger("j", "m", 3), "2 ranks"),
+        (lambda: t.fetch(ledger, 1, 3), "only 0 steps"),
+        (lambda: t.seen(ledger, 7), "not in"),
+    ]
+    for call, words in bad:
+        with pytest.raises(StepMismatchError, match=words):
+            call()
+    assert list(ledger.open.contributions) == [0] and ledger.steps == 0
+    give(t, ledger, 1, mode, 3.0)
+    np.testing.assert_array_equal(ledger.log[-1].aggregate, grad(2.0))
+
+
+def test_a_mode_switch_takes_effect_only_at_an_empty_step():
+    t = table()
+    ledger = t.ledger("j", "m", 2)
+    give(t, ledger, 0, Quorum(min_ranks=2), 1.0)
+    with pytest.raises(StepMismatchError, match="switch"):
+        t.contribute(ledger, 1, Asynchronous(), 1, 0, 1.0, grad(1.0))
+    give(t, ledger, 1, Quorum(min_ranks=2), 1.0)
+    catch_up(t, ledger, 0)
+    t.contribute(ledger, 0, Asynchronous(), 1, 1, 1.0, grad(1.0))
+    assert ledger.mode == Asynchronous() and ledger.steps == 2
+
+
+def test_history_and_memory_are_bounded():
+    t = table(history=3, max_held_bytes=10 * N * 4)
+    ledger = t.ledger("j", "m", 2)
+    mode = Asynchronous()
+    t.rank_gone("j", 1, "lost")
+    for _ in range(20):
+        give(t, ledger, 0, mode, 1.0)
+        catch_up(t, ledger, 0)
+    assert len(ledger.log) == 3 and t.held_bytes == 3 * N * 4
+    with pytest.raises(StepsBehindError, match="from step 18"):
+        t.fetch(ledger, 1, 0)
+    big = table(max_held_bytes=N * 4)
+    ledger = big.ledger("j", "m", 2)
+    give(big, ledger, 0, Quorum(min_ranks=2), 1.0)
+    with pytest.raises(HubCapacityError, match="refused"):
+        give(big, ledger, 1, Quorum(min_ranks=2), 1.0)
+    assert big.drop_idle(0.0) == ["j"] and big.held_bytes == 0
+
+
+def test_modes_are_values_that_travel_and_are_checked():
+    for mode in (Synchronous(), Quorum(3, 0.5), BoundedStaleness(2), Asynchronous()):
+        assert from_message(mode.message()) == mode
+        assert check_mode(mode) is mode
+    for bad in (lambda: Quorum(0), lambda: Quorum(2, -1.0), lambda: Quorum(2, float("inf")),
+                lambda: BoundedStaleness(-1), lambda: BoundedStaleness(1.5),
+                lambda: check_mode("quorum")):
+        with pytest.raises(ConfigurationError):
+            bad()
