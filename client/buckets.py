@@ -176,6 +176,7 @@ class SyncStep:
         self.next_launch = 0
         self.works: list = [None] * len(plan)
         self.flags_work = None  # the used-parameter flags, when they travel apart
+        self.weight_work = None  # the sum of the ranks' weights, when weighted
         self.timeline = StepTimeline(started=time.perf_counter())
 
 

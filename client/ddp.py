@@ -81,12 +81,13 @@ import torch
 from torch import nn
 
 from gradstar.errors import ConfigurationError
-from gradstar.sync_modes import Synchronous, SyncMode, check_mode
+from gradstar.sync_modes import Synchronous, SyncMode
 
 from .buckets import BucketLaunch, BucketPlan, StepTimeline, SyncStep, TensorSpec, cap_bytes_of
 from .convert import is_cpu_tensor
 from .error_feedback import check_error_feedback
 from .process_group import ProcessGroup
+from .steps.modes import SyncModes
 from .torch_common import (
     GRAD_DTYPES,
     broadcast_from_rank0,
@@ -95,7 +96,7 @@ from .torch_common import (
 )
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(SyncModes, nn.Module):
     """Wraps ``module`` so that every backward leaves the mean gradient over ranks in ``.grad``.
 
     A drop-in for ``torch.nn.parallel.DistributedDataParallel`` with one device per process:
@@ -203,6 +204,7 @@ class DistributedDataParallel(nn.Module):
         self.sync_mode: SyncMode = Synchronous()
         self._optimizer = optimizer
         self._steps = None  # the StepSync of the ledger modes, made at the first one
+        self._weight: float | None = None  # contribution_weight; None: plain means
         self.set_sync_mode(sync_mode or Synchronous())
         me = weakref.ref(self)  # the hooks must not keep a discarded wrapper alive
         self._hook_handles = [
@@ -259,67 +261,13 @@ class DistributedDataParallel(nn.Module):
         """
         self._drop_unfinished_step()
         if self.sync_mode.on_ledger:
-            self._steps.contribute()
+            self._steps.contribute(self.contribution_weight)
             return
         step = SyncStep(len(self._params), self.bucket_plan)
         for index in range(len(self.bucket_plan)):
             self._launch(step, index, "sync_gradients")
         missing = [i for i, p in enumerate(self._params) if p.grad is None]
         self._complete(step, missing, "when sync_gradients() was called")
-
-    # -- sync modes ----------------------------------------------------------------------------
-
-    def set_sync_mode(self, mode: SyncMode) -> None:
-        """Switch sync mode (every rank, between steps): after a :meth:`synchronize` when
-        leaving a ledger mode, so every rank switches at the same step.
-
-        Raises:
-            ConfigurationError: not a sync mode; a ledger mode without ``optimizer=`` or with
-                a wire format (not carried in these modes yet).
-        """
-        mode = check_mode(mode)
-        if mode.on_ledger and (self.wire or self.gradient_compression):
-            raise ConfigurationError(
-                f"sync_mode={mode} sends float32 gradients; wire formats and "
-                "gradient_compression are not carried in sync modes yet")
-        if self.sync_mode.on_ledger and mode.on_ledger:
-            self._steps.set_mode(mode)
-        elif self.sync_mode.on_ledger:
-            self._steps.synchronize()
-            self._steps.detach()
-        elif mode.on_ledger:
-            self._steps = self._steps or _step_sync(self, mode)
-            self._steps.attach(mode)
-        self.sync_mode = mode
-
-    def synchronize(self) -> None:
-        """Every rank: wait until every contribution made so far is aggregated and applied, so
-        replicas are bitwise identical (end of training, evaluation, a checkpoint). Synchronous
-        steps are always complete: nothing to do.
-
-        Raises:
-            StepTimeoutError: the other live ranks did not arrive in time.
-        """
-        if self.sync_mode.on_ledger:
-            self._steps.synchronize()
-
-    @property
-    def contribution_weight(self) -> float:
-        """Weight of this rank's gradients in their steps' weighted mean (e.g. its samples per
-        step; default 1). Ledger modes only; Synchronous means are unweighted."""
-        return 1.0 if self._steps is None else self._steps.weight
-
-    @contribution_weight.setter
-    def contribution_weight(self, weight: float) -> None:
-        if not self.sync_mode.on_ledger:
-            raise ConfigurationError("contribution weights need a sync mode other than "
-                                     "Synchronous (sync_mode=)")
-        self._steps.weight = float(weight)
-
-    def sync_stats(self):
-        """What this rank saw of its sync mode (a :class:`~gradstar.client.steps.sync.SyncStats`:
-        steps applied, contributions dropped, staleness); None before any ledger mode."""
-        return None if self._steps is None else self._steps.stats
 
     @property
     def bucket_dtypes(self) -> list[torch.dtype]:
@@ -380,7 +328,7 @@ class DistributedDataParallel(nn.Module):
             return
         step.timeline.backward_end = time.perf_counter()
         if self.sync_mode.on_ledger:
-            self._steps.contribute()
+            self._steps.contribute(self.contribution_weight)
             return
         for index in range(step.next_launch, len(self.bucket_plan)):
             self._launch(step, index, "end of backward")
@@ -411,12 +359,17 @@ class DistributedDataParallel(nn.Module):
             if self._flags and index == len(self.bucket_plan) - 1:
                 flags = self._flag_flat if self._flags_apart else flat[bucket.numel:]
                 flags.copy_(torch.tensor([p.grad is not None for p in self._params]))
+            if self._weight is not None:  # weighted: sums of w*g, divided by the sum of w
+                flat[:bucket.numel].mul_(self._weight)
         # The flat buffer is reused next step: it is not written again until this Work is
         # waited for in _complete. A CPU bucket takes its means in place (no fresh array to
         # fault in, no copy); a CUDA one is staged through host memory and comes back new.
         step.works[index] = self.process_group.all_reduce(
-            flat, op="mean", async_op=True, out=flat if is_cpu_tensor(flat) else None,
-            wire=self.wire)
+            flat, op="mean" if self._weight is None else "sum", async_op=True,
+            out=flat if is_cpu_tensor(flat) else None, wire=self.wire)
+        if self._weight is not None and index == len(self.bucket_plan) - 1:
+            step.weight_work = self.process_group.all_reduce(
+                torch.tensor([self._weight], dtype=torch.float64), op="sum", async_op=True)
         if self._flags_apart and index == len(self.bucket_plan) - 1:
             step.flags_work = self.process_group.all_reduce(
                 self._flag_flat, op="max", async_op=True,
@@ -427,7 +380,7 @@ class DistributedDataParallel(nn.Module):
     def _complete(self, step: SyncStep, missing: list[int], when: str) -> None:
         """Wait for every bucket, write the means, then report parameters without gradients."""
         results, error = [], None
-        for work in [*step.works, step.flags_work]:
+        for work in [*step.works, step.flags_work, step.weight_work]:
             try:
                 results.append(None if work is None else work.wait())
             except BaseException as exc:  # wait for the others before raising the first
@@ -435,6 +388,7 @@ class DistributedDataParallel(nn.Module):
                 results.append(None)
         if error is not None:
             raise error
+        total = results.pop()
         flags = results.pop()
         used = None
         if self._flags:
@@ -442,6 +396,9 @@ class DistributedDataParallel(nn.Module):
             used = (flags > 0).tolist()
         with torch.no_grad():
             for bucket, result in zip(self.bucket_plan, results, strict=True):
+                if total is not None:  # the weighted mean: sum(w*g) / sum(w), or 0 for no weight
+                    weights = float(total[0])
+                    result[:bucket.numel].mul_(1.0 / weights if weights > 0 else 0.0)
                 for member, offset, numel in zip(bucket.members, bucket.offsets, bucket.numels,
                                                  strict=True):
                     if used is not None and not used[member]:
@@ -472,15 +429,6 @@ class DistributedDataParallel(nn.Module):
             warnings.warn("DistributedDataParallel: the previous backward pass did not finish; "
                           "its gradients were not synchronised", RuntimeWarning, stacklevel=3)
             self._step = None
-
-
-def _step_sync(ddp: DistributedDataParallel, mode: SyncMode):
-    """The ledger driver of ``ddp`` (made at its first ledger mode)."""
-    from .steps.sync import StepSync
-
-    pg = ddp.process_group
-    return StepSync(ddp._params, ddp._optimizer, pg.settings, pg.collective_address, pg.rank,
-                    pg.world_size, mode, "ddp", pg.settings.timeout)
 
 
 def _make_hook(ddp_ref: weakref.ref, index: int):

@@ -67,8 +67,10 @@ class StepsClient:
         self.bytes_sent += len(data)
         return reply
 
-    async def fetch(self, have: int, min_steps: int, timeout: float) -> Aggregates:
-        """The aggregates after ``have`` once at least ``min_steps`` steps closed.
+    async def fetch(self, have: int, min_steps: int, timeout: float, limit: int = 0,
+                    ) -> Aggregates:
+        """The aggregates after ``have`` (at most ``limit``, if not 0) once at least
+        ``min_steps`` steps closed.
 
         Raises:
             StepTimeoutError: not within ``timeout`` seconds.
@@ -83,7 +85,7 @@ class StepsClient:
                     f"within {timeout:g} s")
             wait = min(POLL_SECONDS, max(left - 1.0, left / 2))
             request = pb.FetchStepsRequest(key=self.key, have=have, min_steps=min_steps,
-                                           wait_seconds=wait)
+                                           wait_seconds=wait, limit=limit)
             got = await self._call(self._read_fetch(request, wait + 10.0), "fetching steps",
                                    wait + 10.0)
             if got is not None:

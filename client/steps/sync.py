@@ -4,7 +4,7 @@ hub's step ledger, and apply the hub's aggregates, in step order, with the user'
 How one training step runs (the loop stays ``zero_grad / forward / backward / opt.step()``):
 
 1. ``loss.backward()`` ends: DDP calls :meth:`StepSync.contribute`; the rank's gradients (one
-   flat float32 vector, weighted by :attr:`StepSync.weight`) go to the hub, computed on the
+   flat float32 vector, with a weight) go to the hub, computed on the
    parameters after ``have`` aggregates. The hub answers which step they joined (or that they
    were dropped: computed on parameters the group has moved past).
 2. ``optimizer.step()`` is :meth:`StepSync.catch_up`: it waits until the step its gradient
@@ -114,8 +114,6 @@ class StepSync:
         self.mode = mode
         self.mode_epoch = 0
         self.timeout = timeout
-        #: Weight of this rank's next contributions in their steps' mean (e.g. samples).
-        self.weight = 1.0
         #: Aggregates applied to this rank's parameters.
         self.have = 0
         self.stats = SyncStats(str(mode))
@@ -149,8 +147,9 @@ class StepSync:
 
     # -- the training step -------------------------------------------------------------------
 
-    def contribute(self) -> None:
-        """Send the parameters' ``.grad`` (None: zeros) as this rank's contribution.
+    def contribute(self, weight: float = 1.0) -> None:
+        """Send the parameters' ``.grad`` (None: zeros) as this rank's contribution, of
+        ``weight`` in its step's weighted mean.
 
         Raises:
             ConfigurationError: the previous contribution was not applied yet (call
@@ -167,7 +166,7 @@ class StepSync:
              else torch.zeros(p.numel(), device=p.device)).to(torch.float32)
             for p in self.params]).cpu().numpy()
         reply = self._run(self._client.contribute(self.mode, self.mode_epoch, self.have,
-                                                  float(self.weight), flat, self.timeout))
+                                                  weight, flat, self.timeout))
         self.stats.contributions += 1
         self.stats.recent_contributions.append(ContributionEntry(
             self.have, reply.step if reply.accepted else None, reply.staleness))

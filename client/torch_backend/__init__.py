@@ -5,7 +5,7 @@ torch is imported; see :mod:`gradstar.client.torch_import_hook`).
 How a script uses it is in :mod:`.backend`; what each torch call becomes in :mod:`.group`; how
 results reach torch (threads, futures, errors) in :mod:`.work`; tensor conversion in
 :mod:`.convert`; the compressed-gradients communication hook for torch's DDP in
-:mod:`.comm_hooks`.
+:mod:`.comm_hooks`, and the Quorum sync mode's in :mod:`.quorum_hook`.
 """
 
 from .backend import (
@@ -17,6 +17,7 @@ from .backend import (
 from .comm_hooks import WireHookState, wire_compress_hook
 from .convert import reduce_op_name
 from .group import BackendUnsupportedError, ProcessGroupGradstar
+from .quorum_hook import QuorumHookState, quorum_hook
 from .work import GradstarWork
 
 register_backend()
@@ -26,8 +27,10 @@ __all__ = [
     "BackendUnsupportedError",
     "GradstarWork",
     "ProcessGroupGradstar",
+    "QuorumHookState",
     "WireHookState",
     "parse_init_method",
+    "quorum_hook",
     "reduce_op_name",
     "register_backend",
     "shutdown_all",

@@ -19,7 +19,8 @@ from gradstar.sync_modes import from_message
 from gradstar.transport.status import abort
 
 from ..jobs import check_job_name
-from .ledger import ClosedStep, StepLedger, StepsTable
+from .ledger import ClosedStep, StepLedger
+from .table import StepsTable
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
                 self.table.seen(ledger, request.key.rank)
                 yield pb.StepsPart(header=pb.StepsHeader(ready=False, steps=ledger.steps))
                 return
-            closed = self.table.fetch(ledger, request.key.rank, request.have)
+            closed = self.table.fetch(ledger, request.key.rank, request.have, request.limit)
         except GradstarError as error:
             await abort(context, error)
             return

@@ -133,19 +133,25 @@ def main() -> None:
         if delays:
             time.sleep(delays[rank])
         loss_of(ddp, rank, i).backward()
-        c = ddp.sync_stats().recent_contributions[-1]
+        stats = ddp.sync_stats()
+        # Synchronous: every gradient joins the step of its iteration, computed on its base.
+        c = stats.recent_contributions[-1] if stats else {"base": i, "step": i + 1,
+                                                          "staleness": 0}
         # At once: a rank killed later still leaves the record of what it contributed.
-        print(json.dumps({"rank": rank, "contribution": {
+        print(json.dumps({"rank": rank, "contribution": c if isinstance(c, dict) else {
             "base": c.base, "step": c.step, "staleness": c.staleness}}), flush=True)
         opt.step()
     ddp.synchronize()
     stats = ddp.sync_stats()
+    steps = ([{"step": s.step, "ranks": list(s.ranks), "weights": list(s.weights),
+               "staleness": list(s.staleness)} for s in stats.recent_steps] if stats else
+             [{"step": i + 1, "ranks": list(range(pg.world_size)),
+               "weights": weights or [1.0] * pg.world_size, "staleness": [0] * pg.world_size}
+              for i in range(args.steps)])
     print(json.dumps({
-        "rank": rank,
-        "params": params_of(model),
-        "steps": [{"step": s.step, "ranks": list(s.ranks), "weights": list(s.weights),
-                   "staleness": list(s.staleness)} for s in stats.recent_steps],
-        "applied": stats.steps_applied, "dropped": stats.dropped, "accepted": stats.accepted,
+        "rank": rank, "params": params_of(model), "steps": steps,
+        "applied": stats.steps_applied if stats else args.steps,
+        "dropped": stats.dropped if stats else 0,
     }), flush=True)
     pg.close()
 

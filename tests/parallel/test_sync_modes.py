@@ -65,7 +65,7 @@ async def run_modes(*args: str, stopped: int = -1, timeout: float = 90) -> dict[
     return reports
 
 
-def assert_identical_and_replayed(reports: dict[int, dict]) -> None:
+def assert_identical_and_replayed(reports: dict[int, dict], rtol=1e-6, atol=1e-7) -> None:
     """Every rank the same parameters, bit for bit, after synchronize(); the same steps; and
     those parameters are what one process gets by replaying the hub's record."""
     finished = {rank: r for rank, r in reports.items() if "params" in r}
@@ -77,7 +77,7 @@ def assert_identical_and_replayed(reports: dict[int, dict]) -> None:
     contributions = {rank: r["contributions"] for rank, r in reports.items()}
     replayed = script.params_of(script.replay(contributions, first["steps"]))
     for name, values in replayed.items():
-        np.testing.assert_allclose(first["params"][name], values, rtol=1e-6, atol=1e-7,
+        np.testing.assert_allclose(first["params"][name], values, rtol=rtol, atol=atol,
                                    err_msg=name)
 
 
@@ -120,6 +120,17 @@ def test_asynchronous_weighted_contributions_equal_the_weighted_replay():
                for r, w in zip(s["ranks"], s["weights"], strict=True)}
     assert weights == {0: 1.0, 1: 2.0, 2: 3.0, 3: 0.5}
     assert sum(len(s["ranks"]) for s in reports[0]["steps"]) == WORLD * 8  # none dropped
+
+
+def test_synchronous_weighted_steps_are_the_weighted_mean_of_every_rank():
+    # The hub adds the ranks' sums in arrival order: equal to the replay up to rounding.
+    reports = asyncio.run(run_modes("sync", "--weights", "1,2,3,0.5", "--steps", "5"))
+    assert_identical_and_replayed(reports, rtol=1e-5, atol=1e-6)
+    unweighted = script.params_of(script.replay(
+        {r: reports[r]["contributions"] for r in reports},
+        [{**s, "weights": [1.0] * WORLD} for s in reports[0]["steps"]]))
+    assert any(not np.allclose(reports[0]["params"][k], v, rtol=1e-4)
+               for k, v in unweighted.items())  # the weights made a difference
 
 
 @pytest.mark.parametrize("mode,how", [("quorum", "kill"), ("bounded", "kill"),

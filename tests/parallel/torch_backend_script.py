@@ -118,6 +118,29 @@ def ddp_wire_hook(rank: int, world: int, wire: str = "int8", error_feedback: boo
                                                     if state.feedback else []))}
 
 
+def ddp_quorum_hook(rank: int, world: int) -> dict:
+    """torch's DDP with gradstar's Quorum hook (min_ranks = world - 1); the last rank is slow
+    (it sleeps before each backward), so its buckets come late and are dropped."""
+    from gradstar.client.torch_backend import QuorumHookState, quorum_hook
+
+    model = nn.parallel.DistributedDataParallel(make_mlp(rank), bucket_cap_mb=TINY_BUCKET_MB)
+    state = QuorumHookState(min_ranks=world - 1, timeout=0.0)
+    model.register_comm_hook(state, quorum_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(QUORUM_STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        if rank == world - 1:
+            time.sleep(0.15)
+        nn.functional.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+        opt.step()
+    state.close()
+    return {"params": params_of(model.module), "dropped": state.dropped, "sent": state.sent}
+
+
+QUORUM_STEPS = 6
+
+
 def ddp_wire_hook_no_ef(rank: int, world: int) -> dict:
     return ddp_wire_hook(rank, world, error_feedback=False)
 
@@ -436,7 +459,8 @@ SCENARIOS = {"ddp": ddp, "ddp_bf16_hook": ddp_bf16_hook, "fsdp2": fsdp2,
              "parity_errors": parity_errors, "all_to_all": all_to_all, "recv_any": recv_any,
              "all_to_all_errors": all_to_all_errors, "ddp_wire_hook": ddp_wire_hook,
              "ddp_wire_hook_no_ef": ddp_wire_hook_no_ef,
-             "ddp_wire_hook_mismatch": ddp_wire_hook_mismatch}
+             "ddp_wire_hook_mismatch": ddp_wire_hook_mismatch,
+             "ddp_quorum_hook": ddp_quorum_hook}
 
 
 def run_ranks(args) -> int:

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from gradstar.coordinator.steps.ledger import StepsTable
+from gradstar.coordinator.steps.table import StepsTable
 from gradstar.errors import (
     ConfigurationError,
     HubCapacityError,

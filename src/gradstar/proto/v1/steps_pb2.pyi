@@ -83,16 +83,18 @@ class Contributed(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., step: _Optional[int] = ..., staleness: _Optional[int] = ..., steps: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class FetchStepsRequest(_message.Message):
-    __slots__ = ("key", "have", "min_steps", "wait_seconds")
+    __slots__ = ("key", "have", "min_steps", "wait_seconds", "limit")
     KEY_FIELD_NUMBER: _ClassVar[int]
     HAVE_FIELD_NUMBER: _ClassVar[int]
     MIN_STEPS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
     key: StepsKey
     have: int
     min_steps: int
     wait_seconds: float
-    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., have: _Optional[int] = ..., min_steps: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    limit: int
+    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., have: _Optional[int] = ..., min_steps: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class StepRecord(_message.Message):
     __slots__ = ("step", "ranks", "weights", "staleness")

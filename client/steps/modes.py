@@ -1,0 +1,80 @@
+"""The sync-mode face of :class:`~gradstar.client.ddp.DistributedDataParallel`: choosing a mode,
+synchronizing, weights and statistics. DDP inherits it; the ledger modes' work is done by
+:class:`~.sync.StepSync`, made at the first of them."""
+
+from __future__ import annotations
+
+import math
+
+from gradstar.errors import ConfigurationError
+from gradstar.sync_modes import SyncMode, check_mode
+
+
+class SyncModes:
+    """Mixed into DDP, which owns ``sync_mode``, ``_steps``, ``_weight``, ``_optimizer``,
+    ``_params``, ``process_group``, ``wire`` and ``gradient_compression``."""
+
+    def set_sync_mode(self, mode: SyncMode) -> None:
+        """Switch sync mode (every rank, between steps): leaving or changing a ledger mode
+        synchronizes first, so every rank switches at the same step.
+
+        Raises:
+            ConfigurationError: not a sync mode; a mode other than Synchronous without
+                ``optimizer=`` or with a wire format (not carried in these modes yet).
+        """
+        mode = check_mode(mode)
+        if mode.on_ledger and (self.wire or self.gradient_compression):
+            raise ConfigurationError(
+                f"sync_mode={mode} sends float32 gradients; wire formats and "
+                "gradient_compression are not carried in sync modes yet")
+        if self.sync_mode.on_ledger and mode.on_ledger:
+            self._steps.set_mode(mode)
+        elif self.sync_mode.on_ledger:
+            self._steps.synchronize()
+            self._steps.detach()
+        elif mode.on_ledger:
+            self._steps = self._steps or _step_sync(self, mode)
+            self._steps.attach(mode)
+        self.sync_mode = mode
+
+    def synchronize(self) -> None:
+        """Every rank: wait until every gradient sent so far is aggregated and applied, so the
+        replicas are bitwise identical (before evaluating, checkpointing, at the end).
+        Synchronous steps are always complete: nothing to do.
+
+        Raises:
+            StepTimeoutError: the other live ranks did not arrive in time.
+        """
+        if self.sync_mode.on_ledger:
+            self._steps.synchronize()
+
+    @property
+    def contribution_weight(self) -> float:
+        """Weight of this rank's gradients in their step's weighted mean (e.g. its samples per
+        step; default 1). In Synchronous mode, set it on every rank or none: a weighted step
+        all_reduces sums and the weights' sum instead of means."""
+        return 1.0 if self._weight is None else self._weight
+
+    @contribution_weight.setter
+    def contribution_weight(self, weight: float) -> None:
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not (
+                math.isfinite(weight)) or weight < 0:
+            raise ConfigurationError(f"contribution_weight={weight!r}: a weight is a finite "
+                                     "number >= 0 (e.g. this rank's samples in the step)")
+        if self.wire is not None:
+            raise ConfigurationError("contribution weights are not carried with a wire format")
+        self._weight = float(weight)
+
+    def sync_stats(self):
+        """What this rank saw of its sync mode (:class:`~.sync.SyncStats`: steps applied,
+        gradients dropped, staleness); None before any mode other than Synchronous."""
+        return None if self._steps is None else self._steps.stats
+
+
+def _step_sync(ddp, mode: SyncMode):
+    """The ledger driver of ``ddp`` (made at its first ledger mode)."""
+    from .sync import StepSync
+
+    pg = ddp.process_group
+    return StepSync(ddp._params, ddp._optimizer, pg.settings, pg.collective_address, pg.rank,
+                    pg.world_size, mode, "ddp", pg.settings.timeout)

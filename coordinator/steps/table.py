@@ -1,0 +1,336 @@
+"""The table of every job's step ledgers: what the Steps servicer calls. The protocol and the
+records are in :mod:`.ledger`; nothing here does I/O, and time comes from ``clock``."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from gradstar.errors import HubCapacityError, StepMismatchError, StepsBehindError
+from gradstar.sync_modes import Asynchronous, BoundedStaleness, Quorum, SyncMode
+
+from .ledger import HISTORY, ClosedStep, Contribution, OpenStep, RankState, StepLedger, drop_reason
+
+log = logging.getLogger(__name__)
+
+
+class StepsTable:
+    """Every job's ledgers; the servicer's only state.
+
+    ``on_change()`` is called whenever a step closes, a barrier completes or the live set
+    changes, so waiting calls look again.
+    """
+
+    def __init__(self, *, max_numel: int, max_held_bytes: int, lease: float,
+                 history: int = HISTORY, clock: Callable[[], float] = time.monotonic,
+                 on_change: Callable[[], None] | None = None) -> None:
+        self.max_numel = max_numel
+        self.max_held_bytes = max_held_bytes
+        self.lease = lease
+        self.history = history
+        self.clock = clock
+        self.on_change = on_change or (lambda: None)
+        self.ledgers: dict[tuple[str, str], StepLedger] = {}
+        self.held_bytes = 0
+        self._uploads: dict[int, tuple[str, str]] = {}
+        self._upload_ids = itertools.count(1)
+
+    # -- ranks ------------------------------------------------------------------------------
+
+    def ledger(self, job: str, model: str, world_size: int) -> StepLedger:
+        """The ledger of (job, model), created on first sight.
+
+        Raises:
+            StepMismatchError: the ledger was made for another world size.
+        """
+        ledger = self.ledgers.get((job, model))
+        if ledger is None:
+            ledger = self.ledgers[(job, model)] = StepLedger(job, model, world_size,
+                                                             self.clock())
+        elif ledger.world_size != world_size:
+            raise StepMismatchError(
+                f"model {model!r} of job {job!r} steps with {ledger.world_size} ranks, not "
+                f"{world_size}")
+        return ledger
+
+    def seen(self, ledger: StepLedger, rank: int) -> RankState:
+        """``rank`` called now: live again if it had left the live set.
+
+        Raises:
+            StepMismatchError: ``rank`` is outside the world.
+        """
+        if not 0 <= rank < ledger.world_size:
+            raise StepMismatchError(f"rank {rank} is not in job {ledger.job!r}'s world of "
+                                    f"{ledger.world_size}")
+        state = ledger.ranks[rank]
+        state.last_seen = self.clock()
+        if not state.live:
+            state.live = True
+            log.info("job %r: rank %d is live again in %r's steps (at %d of %d aggregates)",
+                     ledger.job, rank, ledger.model, state.base, ledger.steps)
+            self.on_change()
+        return state
+
+    def heartbeat(self, ledger: StepLedger, rank: int, have: int, leave: bool = False) -> None:
+        """``rank`` is alive with ``have`` aggregates applied (or ``leave``s: finished)."""
+        state = self.seen(ledger, rank)
+        if leave:
+            self._gone(ledger, rank, "left")
+        elif not state.pending and have <= ledger.steps:
+            state.base = have
+
+    def rank_gone(self, job: str, rank: int, why: str) -> None:
+        """The rendezvous lost ``rank`` of ``job`` (or it finished): out of every live set."""
+        for ledger in [v for (j, _), v in self.ledgers.items() if j == job]:
+            if rank in ledger.ranks and ledger.ranks[rank].live:
+                self._gone(ledger, rank, why)
+
+    def expire(self) -> None:
+        """Take out of the live sets every rank silent for longer than the lease."""
+        now = self.clock()
+        for ledger in list(self.ledgers.values()):
+            for rank, state in ledger.ranks.items():
+                if state.live and now - state.last_seen > self.lease:
+                    self._gone(ledger, rank, f"silent for {now - state.last_seen:.1f} s")
+
+    def _gone(self, ledger: StepLedger, rank: int, why: str) -> None:
+        ledger.ranks[rank].live = False
+        log.warning("job %r: rank %d left the live set of %r's steps (%s); the others go on",
+                    ledger.job, rank, ledger.model, why)
+        self._settle(ledger)
+        self.on_change()
+
+    # -- uploads ----------------------------------------------------------------------------
+
+    def upload_started(self, job: str, model: str) -> int:
+        upload = next(self._upload_ids)
+        self._uploads[upload] = (job, model)
+        return upload
+
+    def upload_ended(self, upload: int) -> None:
+        key = self._uploads.pop(upload, None)
+        ledger = self.ledgers.get(key) if key is not None else None
+        if ledger is not None:
+            self._settle(ledger)
+
+    # -- contribute and close ---------------------------------------------------------------
+
+    def check_header(self, ledger: StepLedger, rank: int, mode: SyncMode, mode_epoch: int,
+                     numel: int, base: int, weight: float) -> None:
+        """Refuse a contribution before its data is read.
+
+        Raises:
+            StepMismatchError: a bad weight, a base from the future, another size or mode than
+                the ledger's, a duplicate in the open step.
+            HubCapacityError: the gradient is over the hub's size limit.
+        """
+        who = f"rank {rank} of job {ledger.job!r}"
+        if not math.isfinite(weight) or weight < 0:
+            raise StepMismatchError(f"{who} sent a contribution of weight {weight}; a weight "
+                                    "is a finite number >= 0 (e.g. its number of samples)")
+        if numel > self.max_numel:
+            raise HubCapacityError(
+                f"{who} sent a gradient of {numel} float32 values, over this coordinator's "
+                f"limit of {self.max_numel} (--max-tensor-bytes)")
+        if ledger.numel is not None and numel != ledger.numel:
+            raise StepMismatchError(f"{who} sent {numel} gradient values to model "
+                                    f"{ledger.model!r}, whose gradients have {ledger.numel}")
+        if base > ledger.steps:
+            raise StepMismatchError(f"{who} contributed a gradient computed after {base} "
+                                    f"aggregates, but only {ledger.steps} steps closed")
+        if rank in ledger.open.contributions:
+            raise StepMismatchError(f"{who} contributed twice to step {ledger.open.number}; "
+                                    "apply the aggregates (optimizer.step()) between backward "
+                                    "passes")
+        self._check_mode(ledger, who, mode, mode_epoch)
+
+    def _check_mode(self, ledger: StepLedger, who: str, mode: SyncMode, epoch: int) -> None:
+        if ledger.mode is None or (epoch > ledger.mode_epoch and not ledger.open.contributions):
+            ledger.mode, ledger.mode_epoch = mode, epoch
+            return
+        if epoch != ledger.mode_epoch or mode != ledger.mode:
+            raise StepMismatchError(
+                f"{who} contributes in {mode} (switch {epoch}), but model {ledger.model!r} "
+                f"steps in {ledger.mode} (switch {ledger.mode_epoch}); every rank must use the "
+                "same mode, and switch (set_sync_mode) at the same step")
+
+    def contribute(self, ledger: StepLedger, rank: int, mode: SyncMode, mode_epoch: int,
+                   base: int, weight: float, data: np.ndarray) -> tuple[bool, int, int, str]:
+        """Take ``rank``'s gradient: (accepted, step joined, staleness, reason if dropped).
+
+        Raises: as :meth:`check_header` (checked again: the ledger may have moved while the
+        data arrived); HubCapacityError: holding it would pass the hub's memory bound.
+        """
+        state = self.seen(ledger, rank)
+        self.check_header(ledger, rank, mode, mode_epoch, data.shape[0], base, weight)
+        ledger.numel = data.shape[0]
+        staleness = ledger.steps - base
+        reason = drop_reason(ledger.mode, staleness)
+        if reason:
+            state.dropped += 1
+            ledger.dropped += 1
+            state.pending = False
+            state.base = base
+            return False, 0, staleness, reason
+        self._make_room(ledger, data.nbytes)
+        open_ = ledger.open
+        open_.contributions[rank] = Contribution(rank, float(weight), staleness, data)
+        if open_.first_at is None:
+            open_.first_at = self.clock()
+        self.held_bytes += data.nbytes
+        state.base, state.pending = base, True
+        state.contributed += 1
+        state.staleness[staleness] += 1
+        ledger.staleness[staleness] += 1
+        number = open_.number
+        self._settle(ledger)
+        return True, number, staleness, ""
+
+    def close_due(self) -> None:
+        """Close the Quorum steps whose timeout passed."""
+        for ledger in list(self.ledgers.values()):
+            self._settle(ledger)
+
+    def next_deadline(self) -> float | None:
+        deadlines = [ledger.open.first_at + ledger.mode.timeout
+                     for ledger in self.ledgers.values()
+                     if isinstance(ledger.mode, Quorum) and ledger.open.first_at is not None]
+        return min(deadlines) if deadlines else None
+
+    def _settle(self, ledger: StepLedger) -> None:
+        """Close the open step if it may close, then complete a barrier everyone reached."""
+        if self._closable(ledger):
+            self._close(ledger)
+        self._finish_barrier(ledger)
+
+    def _closable(self, ledger: StepLedger) -> bool:
+        open_ = ledger.open
+        got = set(open_.contributions)
+        if not got:
+            return False
+        live = ledger.live()
+        at_barrier = {r for r in live if ledger.ranks[r].barrier > ledger.barrier_done}
+        if live <= got | at_barrier:
+            return True
+        mode = ledger.mode
+        if isinstance(mode, Quorum):
+            need = min(mode.min_ranks, len(live | got))
+            return len(got) >= need and self.clock() >= open_.first_at + mode.timeout
+        if open_.awaiting is None:
+            open_.awaiting = set(self._uploads)
+        if open_.awaiting & set(self._uploads):
+            return False  # contributions arriving together share the step
+        if isinstance(mode, BoundedStaleness):
+            after = ledger.steps + 1
+            return all(after - ledger.ranks[r].base <= mode.max_staleness
+                       for r in live - got - at_barrier if not ledger.ranks[r].pending)
+        return isinstance(mode, Asynchronous)
+
+    def _close(self, ledger: StepLedger) -> None:
+        open_ = ledger.open
+        ranks = sorted(open_.contributions)
+        parts = [open_.contributions[r] for r in ranks]
+        # Summed in rank order: the same aggregate whichever rank arrived first.
+        total = sum(c.weight for c in parts)
+        aggregate = np.zeros(ledger.numel, dtype=np.float32)
+        if total > 0:
+            scratch = np.empty_like(aggregate)
+            for c in parts:
+                np.multiply(c.data, np.float32(c.weight), out=scratch)
+                np.add(aggregate, scratch, out=aggregate)
+            np.divide(aggregate, np.float32(total), out=aggregate)
+        self.held_bytes -= sum(c.data.nbytes for c in parts)
+        ledger.steps = open_.number
+        ledger.log.append(ClosedStep(open_.number, tuple(ranks), tuple(c.weight for c in parts),
+                                     tuple(c.staleness for c in parts), aggregate, self.clock()))
+        self.held_bytes += aggregate.nbytes
+        ledger.open = OpenStep(open_.number + 1)
+        while len(ledger.log) > self.history:
+            self._evict(ledger)
+        self.on_change()
+
+    def _evict(self, ledger: StepLedger) -> None:
+        self.held_bytes -= ledger.log.popleft().aggregate.nbytes
+
+    def _make_room(self, ledger: StepLedger, nbytes: int) -> None:
+        """Drop old aggregates no live rank still needs until ``nbytes`` more fit.
+
+        Raises:
+            HubCapacityError: it does not fit even then.
+        """
+        for other in self.ledgers.values():
+            needed = min((s.base for s in other.ranks.values() if s.live), default=other.steps)
+            while (self.held_bytes + nbytes > self.max_held_bytes and other.log
+                   and other.log[0].number <= needed):
+                self._evict(other)
+        if self.held_bytes + nbytes > self.max_held_bytes:
+            raise HubCapacityError(
+                f"the coordinator holds {self.held_bytes} bytes of steps and may hold "
+                f"{self.max_held_bytes}; a gradient of {nbytes} bytes from job "
+                f"{ledger.job!r} was refused")
+
+    # -- fetch and synchronize --------------------------------------------------------------
+
+    def fetch(self, ledger: StepLedger, rank: int, have: int, limit: int = 0,
+              ) -> list[ClosedStep]:
+        """The closed steps after ``have`` (the first ``limit`` of them, if not 0); the rank's
+        parameters are at ``have`` plus their number once it applied them.
+
+        Raises:
+            StepMismatchError: ``have`` is from the future.
+            StepsBehindError: aggregates it needs were dropped from the log.
+        """
+        state = self.seen(ledger, rank)
+        if have > ledger.steps:
+            raise StepMismatchError(f"rank {rank} of job {ledger.job!r} has applied {have} "
+                                    f"aggregates, but only {ledger.steps} steps closed")
+        if have + 1 < ledger.first_logged():
+            raise StepsBehindError(
+                f"rank {rank} of job {ledger.job!r} has applied {have} aggregates; the hub "
+                f"keeps them from step {ledger.first_logged()} on (its history and memory "
+                "bound), so it cannot catch up from the log: restart it from a checkpoint "
+                "taken after ddp.synchronize()")
+        closed = [s for s in ledger.log if s.number > have]
+        closed = closed[:limit] if limit else closed
+        state.base, state.pending = have + len(closed), False
+        return closed
+
+    def synchronize(self, ledger: StepLedger, rank: int, barrier: int) -> int | None:
+        """``rank`` reached barrier ``barrier``: the step count every rank applies up to once
+        every live rank reached it, else None (ask again)."""
+        state = self.seen(ledger, rank)
+        state.barrier = max(state.barrier, barrier)
+        self._settle(ledger)
+        return ledger.barrier_steps.get(barrier)
+
+    def _finish_barrier(self, ledger: StepLedger) -> None:
+        target = ledger.barrier_done + 1
+        live = ledger.live()
+        if not live or any(ledger.ranks[r].barrier < target for r in live):
+            return
+        if ledger.open.contributions:
+            self._close(ledger)  # whatever the mode: nobody else will contribute to it
+        ledger.barrier_done = target
+        ledger.barrier_steps[target] = ledger.steps
+        for old in [b for b in ledger.barrier_steps if b < target - 8]:
+            del ledger.barrier_steps[old]
+        self.on_change()
+
+    # -- views ------------------------------------------------------------------------------
+
+    def drop_idle(self, retention: float) -> list[str]:
+        """Forget the ledgers none of whose ranks called for ``retention`` seconds."""
+        now = self.clock()
+        dropped = []
+        for key, ledger in list(self.ledgers.items()):
+            if all(now - s.last_seen >= retention for s in ledger.ranks.values()):
+                self.held_bytes -= sum(c.data.nbytes for c in ledger.open.contributions.values())
+                self.held_bytes -= sum(s.aggregate.nbytes for s in ledger.log)
+                del self.ledgers[key]
+                dropped.append(key[0])
+        return dropped
