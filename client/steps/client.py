@@ -115,6 +115,50 @@ class StepsClient:
             if reply.ready:
                 return reply.steps
 
+    async def put_snapshot(self, steps: int, layout: str, data: bytes, timeout: float) -> None:
+        """Send this rank's state after ``steps`` aggregates."""
+        header = pb.SnapshotHeader(key=self.key, steps=steps, layout=layout, nbytes=len(data))
+
+        async def parts():
+            yield pb.SnapshotPart(header=header, data=data[:PART_BYTES])
+            for start in range(PART_BYTES, len(data), PART_BYTES):
+                yield pb.SnapshotPart(data=data[start:start + PART_BYTES])
+
+        await self._call(self._stub.PutSnapshot(parts(), timeout=timeout,
+                                                metadata=self._metadata),
+                         "sending a snapshot", timeout)
+        self.bytes_sent += len(data)
+
+    async def get_snapshot(self, timeout: float) -> tuple[int, str, bytes]:
+        """The hub's latest snapshot (steps, layout, data), waiting for one up to ``timeout``.
+
+        Raises:
+            StepTimeoutError: the hub held none within ``timeout`` seconds.
+        """
+        until = time.monotonic() + timeout
+        while time.monotonic() < until:
+            wait = min(POLL_SECONDS, max(until - time.monotonic(), 0.0))
+            got = await self._call(self._read_snapshot(wait), "fetching a snapshot", wait + 10)
+            if got is not None:
+                return got
+        raise StepTimeoutError(f"Timed out: the hub held no snapshot of model "
+                               f"{self.key.model!r} within {timeout:g} s (no live rank sent one)")
+
+    async def _read_snapshot(self, wait: float) -> tuple[int, str, bytes] | None:
+        call = self._stub.GetSnapshot(pb.SnapshotRequest(key=self.key, wait_seconds=wait),
+                                      timeout=wait + 10, metadata=self._metadata)
+        head, data = None, bytearray()
+        async for part in call:
+            if head is None:
+                head = part.header
+                if not head.layout:
+                    return None
+            data += part.data
+        if head is None or len(data) != head.nbytes:
+            raise ProtocolError("a snapshot answer was cut or malformed")
+        self.bytes_received += len(data)
+        return head.steps, head.layout, bytes(data)
+
     async def _read_fetch(self, request: pb.FetchStepsRequest, timeout: float,
                           ) -> Aggregates | None:
         call = self._stub.Fetch(request, timeout=timeout, metadata=self._metadata)

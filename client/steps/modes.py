@@ -76,5 +76,6 @@ def _step_sync(ddp, mode: SyncMode):
     from .sync import StepSync
 
     pg = ddp.process_group
-    return StepSync(ddp._params, ddp._optimizer, pg.settings, pg.collective_address, pg.rank,
-                    pg.world_size, mode, "ddp", pg.settings.timeout)
+    return StepSync(ddp.module, ddp._params, ddp._optimizer, pg.settings,
+                    pg.collective_address, pg.rank, pg.world_size, mode, "ddp",
+                    pg.settings.timeout)

@@ -39,6 +39,7 @@ from gradstar.sync_modes import SyncMode
 
 from ..loop_thread import LoopThread
 from .client import StepsClient
+from .snapshot import pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -101,14 +102,15 @@ class StepSync:
         timeout: seconds a step or a barrier may take before :class:`StepTimeoutError`.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
-                 settings, address: str, rank: int, world_size: int, mode: SyncMode,
-                 model: str, timeout: float) -> None:
+    def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter],
+                 optimizer: torch.optim.Optimizer, settings, address: str, rank: int,
+                 world_size: int, mode: SyncMode, model: str, timeout: float) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigurationError(
                 f"sync_mode={mode} needs optimizer=: the torch optimizer that trains the "
                 "module (catching up means optimizer steps), not "
                 f"{type(optimizer).__name__}")
+        self.module = module
         self.params = params
         self.numel = sum(p.numel() for p in params)
         self.mode = mode
@@ -127,6 +129,8 @@ class StepSync:
         self._optimizer = optimizer
         self._optimizer_step = None  # the optimizer's own step while attached
         self._attached_before = False
+        self._snapshot_due = False  # the hub asked for this rank's state
+        self._uploads: set = set()  # snapshot uploads in flight (kept until done)
 
     def attach(self, mode: SyncMode) -> None:
         """Take over ``optimizer.step`` (it applies the hub's aggregates) in ``mode``; the
@@ -171,6 +175,7 @@ class StepSync:
         self.stats.recent_contributions.append(ContributionEntry(
             self.have, reply.step if reply.accepted else None, reply.staleness))
         self._pending = True
+        self._snapshot_due |= reply.want_snapshot
         if reply.accepted:
             self.stats.accepted += 1
             self.stats.staleness[reply.staleness] += 1
@@ -192,6 +197,40 @@ class StepSync:
         self.stats.waited_seconds += time.perf_counter() - started
         self._apply(got)
         self._pending, self._joined = False, None
+        if self._snapshot_due:
+            self._send_snapshot()
+
+    def join(self) -> None:
+        """Start from the hub's state instead of rank 0's broadcast (a rank that joins
+        mid-training, e.g. restarted by the agent): load the latest snapshot, then apply the
+        aggregates closed after it. Nobody else waits for this.
+
+        Raises:
+            StepTimeoutError: the hub held no snapshot within the timeout.
+            ProtocolError: the snapshot was malformed.
+        """
+        steps, layout, data = self._run(self._client.get_snapshot(self.timeout))
+        unpack(layout, data, self.module, self._optimizer)
+        self.have = steps
+        self._apply(self._run(self._client.fetch(self.have, 0, self.timeout)))
+        log.info("rank %d joined at step %d (snapshot of step %d)", self._client.key.rank,
+                 self.have, steps)
+
+    def _send_snapshot(self) -> None:
+        """Copy this rank's state now (at ``have`` aggregates) and send it in the background:
+        training goes on meanwhile; a failed upload is logged, and the hub asks again."""
+        self._snapshot_due = False
+        layout, data = pack(self.module, self._optimizer)
+        upload = self._thread.submit(self._client.put_snapshot(self.have, layout, data,
+                                                               self.timeout))
+        self._uploads.add(upload)
+
+        def done(future) -> None:
+            self._uploads.discard(future)
+            if not future.cancelled() and future.exception() is not None:
+                log.warning("a snapshot upload failed: %s", future.exception())
+
+        upload.add_done_callback(done)
 
     def synchronize(self) -> None:
         """Every live rank's contributions aggregated and applied (every rank calls it)."""

@@ -26,7 +26,11 @@ One ledger per (job, model). Protocol, per rank:
    leaves the live set holds nobody; it is live again at its next call, and catches up from the
    log (the last ``history`` aggregates, fewer under the hub's memory bound:
    :class:`StepsBehindError` past it).
-5. **Synchronize** (a barrier, ``barrier`` = the rank's count of calls): once every live rank
+5. **Snapshots**: the hub asks the lowest live rank (in a Contribute answer) for its whole
+   state once no snapshot is ``SNAPSHOT_EVERY`` steps fresh; the rank sends it after applying
+   the aggregates up to its step. A rank that joins mid-training (a restarted process) takes
+   the latest snapshot and replays the aggregates after it from the log: no peer waits.
+6. **Synchronize** (a barrier, ``barrier`` = the rank's count of calls): once every live rank
    reached it the open step closes whatever the mode, and every rank applies up to the same
    step count: replicas bitwise identical. Mode switches happen there (``mode_epoch``).
 
@@ -49,6 +53,8 @@ log = logging.getLogger(__name__)
 
 #: Closed steps' aggregates kept per ledger for ranks that fall behind.
 HISTORY = 64
+#: Steps between the snapshots the hub asks a live rank for (a joiner replays at most these).
+SNAPSHOT_EVERY = 16
 
 
 @dataclass
@@ -87,6 +93,15 @@ class OpenStep:
 
 
 @dataclass(frozen=True)
+class Snapshot:
+    """A rank's whole state after ``steps`` aggregates: opaque bytes and their JSON layout."""
+
+    steps: int
+    layout: str
+    data: bytes
+
+
+@dataclass(frozen=True)
 class ClosedStep:
     number: int
     ranks: tuple[int, ...]
@@ -114,6 +129,9 @@ class StepLedger:
         self.barrier_steps: dict[int, int] = {}
         self.dropped = 0
         self.staleness: Counter = Counter()
+        self.snapshot: Snapshot | None = None
+        #: The rank asked for a snapshot and when (None: nobody is asked).
+        self.snapshot_asked: tuple[int, float] | None = None
 
     def live(self) -> set[int]:
         return {r for r, s in self.ranks.items() if s.live}

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import numpy as np
 
-from gradstar.errors import GradstarError, ProtocolError
+from gradstar.errors import GradstarError, HubCapacityError, ProtocolError
 from gradstar.proto.v1 import steps_pb2 as pb
 from gradstar.proto.v1 import steps_pb2_grpc
 from gradstar.sync_modes import from_message
@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 MAX_WAIT = 10.0
 #: Bytes of aggregates per Fetch answer message (below gRPC's message limit).
 PART_BYTES = 1 << 20
+#: A snapshot (parameters, buffers, optimizer state) may be this many times the largest
+#: gradient the hub takes; its layout this many characters.
+MAX_SNAPSHOT_SCALE = 4
+MAX_LAYOUT_CHARS = 1 << 20
 
 
 class StepsServicer(steps_pb2_grpc.StepsServicer):
@@ -60,7 +64,8 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
                 ledger, h.key.rank, mode, h.mode_epoch, h.base, h.weight, data)
             self._arm_timer()
             return pb.Contributed(accepted=accepted, step=step, staleness=staleness,
-                                  steps=ledger.steps, reason=reason)
+                                  steps=ledger.steps, reason=reason,
+                                  want_snapshot=self.table.wants_snapshot(ledger, h.key.rank))
         except GradstarError as error:
             await abort(context, error)
         finally:
@@ -112,6 +117,50 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
         except GradstarError as error:
             await abort(context, error)
 
+    async def PutSnapshot(self, request_iterator: AsyncIterator[pb.SnapshotPart],
+                          context: grpc.aio.ServicerContext) -> pb.StepsState:
+        try:
+            parts = request_iterator.__aiter__()
+            first = await _first(parts, "PutSnapshot")
+            h = first.header
+            ledger = self._ledger(h.key)
+            if h.nbytes > MAX_SNAPSHOT_SCALE * self.table.max_numel * 4 or (
+                    len(h.layout) > MAX_LAYOUT_CHARS):
+                raise HubCapacityError(
+                    f"rank {h.key.rank}'s snapshot of {h.nbytes} bytes (layout "
+                    f"{len(h.layout)} characters) is over this coordinator's limits")
+            data = bytearray(h.nbytes)
+            view = memoryview(data)
+            filled = self._take(first.data, view, 0)
+            async for part in parts:
+                filled = self._take(part.data, view, filled)
+            if filled != h.nbytes:
+                raise ProtocolError(f"rank {h.key.rank} announced a snapshot of {h.nbytes} "
+                                    f"bytes but sent {filled}; nothing was kept")
+            self.table.put_snapshot(ledger, h.key.rank, h.steps, h.layout, bytes(data))
+            return pb.StepsState(steps=ledger.steps, live=sorted(ledger.live()))
+        except GradstarError as error:
+            await abort(context, error)
+
+    async def GetSnapshot(self, request: pb.SnapshotRequest,
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SnapshotPart]:
+        try:
+            ledger = self._ledger(request.key)
+            self.table.seen(ledger, request.key.rank)
+            await self._wait(lambda: ledger.snapshot is not None, request.wait_seconds)
+        except GradstarError as error:
+            await abort(context, error)
+            return
+        snapshot = ledger.snapshot
+        if snapshot is None:
+            yield pb.SnapshotPart(header=pb.SnapshotHeader(key=request.key))
+            return
+        yield pb.SnapshotPart(header=pb.SnapshotHeader(
+            key=request.key, steps=snapshot.steps, layout=snapshot.layout,
+            nbytes=len(snapshot.data)))
+        for start in range(0, len(snapshot.data), PART_BYTES):
+            yield pb.SnapshotPart(data=snapshot.data[start:start + PART_BYTES])
+
     def sweep(self) -> None:
         """Take silent ranks out of the live sets (the coordinator's sweep calls this)."""
         self.table.expire()
@@ -147,7 +196,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             raise ProtocolError(f"a Contribute data part of {n} bytes is over the "
                                 f"{self.max_chunk_bytes}-byte chunk limit")
         if filled + n > len(view):
-            raise ProtocolError("a Contribute stream sent more data than its header announced")
+            raise ProtocolError("a Steps stream sent more data than its header announced")
         view[filled:filled + n] = data
         return filled + n
 
@@ -187,13 +236,13 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
         # A due step still open lacks min_ranks: a contribution or a departure settles it.
 
 
-async def _first(parts) -> pb.ContributionPart:
+async def _first(parts, what: str = "Contribute"):
     try:
         first = await anext(parts)
     except StopAsyncIteration:
-        raise ProtocolError("a Contribute stream ended before its header") from None
+        raise ProtocolError(f"a {what} stream ended before its header") from None
     if not first.HasField("header"):
-        raise ProtocolError("a Contribute stream must begin with its header")
+        raise ProtocolError(f"a {what} stream must begin with its header")
     return first
 
 

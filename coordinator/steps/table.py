@@ -14,7 +14,20 @@ import numpy as np
 from gradstar.errors import HubCapacityError, StepMismatchError, StepsBehindError
 from gradstar.sync_modes import Asynchronous, BoundedStaleness, Quorum, SyncMode
 
-from .ledger import HISTORY, ClosedStep, Contribution, OpenStep, RankState, StepLedger, drop_reason
+from .ledger import (
+    HISTORY,
+    SNAPSHOT_EVERY,
+    ClosedStep,
+    Contribution,
+    OpenStep,
+    RankState,
+    Snapshot,
+    StepLedger,
+    drop_reason,
+)
+
+#: Seconds a rank asked for a snapshot has to send it before another may be asked.
+SNAPSHOT_PATIENCE = 30.0
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +172,42 @@ class StepsTable:
                 f"steps in {ledger.mode} (switch {ledger.mode_epoch}); every rank must use the "
                 "same mode, and switch (set_sync_mode) at the same step")
 
+    def wants_snapshot(self, ledger: StepLedger, rank: int) -> bool:
+        """Whether to ask ``rank`` for its state now (and mark it asked): it is the lowest live
+        rank, and the latest snapshot is ``SNAPSHOT_EVERY`` steps old or missing."""
+        now = self.clock()
+        if ledger.snapshot_asked is not None and (
+                now - ledger.snapshot_asked[1] < SNAPSHOT_PATIENCE):
+            return False
+        fresh = ledger.snapshot is not None and (
+            ledger.steps - ledger.snapshot.steps < SNAPSHOT_EVERY)
+        if fresh or rank != min(ledger.live(), default=None):
+            return False
+        ledger.snapshot_asked = (rank, now)
+        return True
+
+    def put_snapshot(self, ledger: StepLedger, rank: int, steps: int, layout: str,
+                     data: bytes) -> None:
+        """Keep ``rank``'s state after ``steps`` aggregates as the ledger's snapshot.
+
+        Raises:
+            StepMismatchError: a step count from the future.
+            HubCapacityError: it does not fit the hub's memory bound.
+        """
+        self.seen(ledger, rank)
+        if steps > ledger.steps:
+            raise StepMismatchError(f"rank {rank} of job {ledger.job!r} sent its state after "
+                                    f"{steps} aggregates, but only {ledger.steps} steps closed")
+        old = ledger.snapshot
+        if old is not None and old.steps >= steps:
+            return  # as fresh already
+        grows = len(data) + len(layout) - (len(old.data) + len(old.layout) if old else 0)
+        self._make_room(ledger, grows)
+        ledger.snapshot = Snapshot(steps, layout, data)
+        self.held_bytes += grows
+        ledger.snapshot_asked = None
+        self.on_change()
+
     def contribute(self, ledger: StepLedger, rank: int, mode: SyncMode, mode_epoch: int,
                    base: int, weight: float, data: np.ndarray) -> tuple[bool, int, int, str]:
         """Take ``rank``'s gradient: (accepted, step joined, staleness, reason if dropped).
@@ -265,6 +314,8 @@ class StepsTable:
         """
         for other in self.ledgers.values():
             needed = min((s.base for s in other.ranks.values() if s.live), default=other.steps)
+            if other.snapshot is not None:  # a joiner replays from there
+                needed = min(needed, other.snapshot.steps)
             while (self.held_bytes + nbytes > self.max_held_bytes and other.log
                    and other.log[0].number <= needed):
                 self._evict(other)
@@ -331,6 +382,8 @@ class StepsTable:
             if all(now - s.last_seen >= retention for s in ledger.ranks.values()):
                 self.held_bytes -= sum(c.data.nbytes for c in ledger.open.contributions.values())
                 self.held_bytes -= sum(s.aggregate.nbytes for s in ledger.log)
+                if ledger.snapshot is not None:
+                    self.held_bytes -= len(ledger.snapshot.data) + len(ledger.snapshot.layout)
                 del self.ledgers[key]
                 dropped.append(key[0])
         return dropped

@@ -69,18 +69,20 @@ class ContributionPart(_message.Message):
     def __init__(self, header: _Optional[_Union[ContributionHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Contributed(_message.Message):
-    __slots__ = ("accepted", "step", "staleness", "steps", "reason")
+    __slots__ = ("accepted", "step", "staleness", "steps", "reason", "want_snapshot")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    WANT_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     step: int
     staleness: int
     steps: int
     reason: str
-    def __init__(self, accepted: _Optional[bool] = ..., step: _Optional[int] = ..., staleness: _Optional[int] = ..., steps: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    want_snapshot: bool
+    def __init__(self, accepted: _Optional[bool] = ..., step: _Optional[int] = ..., staleness: _Optional[int] = ..., steps: _Optional[int] = ..., reason: _Optional[str] = ..., want_snapshot: _Optional[bool] = ...) -> None: ...
 
 class FetchStepsRequest(_message.Message):
     __slots__ = ("key", "have", "min_steps", "wait_seconds", "limit")
@@ -163,3 +165,31 @@ class SynchronizeReply(_message.Message):
     ready: bool
     steps: int
     def __init__(self, ready: _Optional[bool] = ..., steps: _Optional[int] = ...) -> None: ...
+
+class SnapshotHeader(_message.Message):
+    __slots__ = ("key", "steps", "layout", "nbytes")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    key: StepsKey
+    steps: int
+    layout: str
+    nbytes: int
+    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., steps: _Optional[int] = ..., layout: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class SnapshotPart(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: SnapshotHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[SnapshotHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SnapshotRequest(_message.Message):
+    __slots__ = ("key", "wait_seconds")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    key: StepsKey
+    wait_seconds: float
+    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., wait_seconds: _Optional[float] = ...) -> None: ...

@@ -54,6 +54,16 @@ class StepsStub:
                 request_serializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.SynchronizeRequest.SerializeToString,
                 response_deserializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.SynchronizeReply.FromString,
                 _registered_method=True)
+        self.PutSnapshot = channel.stream_unary(
+                '/gradstar.proto.v1.Steps/PutSnapshot',
+                request_serializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.SnapshotPart.SerializeToString,
+                response_deserializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.StepsState.FromString,
+                _registered_method=True)
+        self.GetSnapshot = channel.unary_stream(
+                '/gradstar.proto.v1.Steps/GetSnapshot',
+                request_serializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.SnapshotPart.FromString,
+                _registered_method=True)
 
 
 class StepsServicer:
@@ -87,6 +97,20 @@ class StepsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutSnapshot(self, request_iterator, context):
+        """The rank's state at a step count (asked for in Contributed.want_snapshot).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSnapshot(self, request, context):
+        """The latest snapshot: where a rank that joins mid-training starts from.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StepsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +133,16 @@ def add_StepsServicer_to_server(servicer, server):
                     servicer.Synchronize,
                     request_deserializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.SynchronizeRequest.FromString,
                     response_serializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.SynchronizeReply.SerializeToString,
+            ),
+            'PutSnapshot': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutSnapshot,
+                    request_deserializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.SnapshotPart.FromString,
+                    response_serializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.StepsState.SerializeToString,
+            ),
+            'GetSnapshot': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetSnapshot,
+                    request_deserializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.SnapshotRequest.FromString,
+                    response_serializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.SnapshotPart.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +253,60 @@ class Steps:
             '/gradstar.proto.v1.Steps/Synchronize',
             gradstar_dot_proto_dot_v1_dot_steps__pb2.SynchronizeRequest.SerializeToString,
             gradstar_dot_proto_dot_v1_dot_steps__pb2.SynchronizeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutSnapshot(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/gradstar.proto.v1.Steps/PutSnapshot',
+            gradstar_dot_proto_dot_v1_dot_steps__pb2.SnapshotPart.SerializeToString,
+            gradstar_dot_proto_dot_v1_dot_steps__pb2.StepsState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/gradstar.proto.v1.Steps/GetSnapshot',
+            gradstar_dot_proto_dot_v1_dot_steps__pb2.SnapshotRequest.SerializeToString,
+            gradstar_dot_proto_dot_v1_dot_steps__pb2.SnapshotPart.FromString,
             options,
             channel_credentials,
             insecure,
