@@ -11,7 +11,7 @@ from gradstar.proto.v1 import admin_pb2 as apb
 from gradstar.proto.v1 import admin_pb2_grpc
 
 from .averaging import AveragingStore
-from .rendezvous import Job, Rendezvous
+from .rendezvous.rendezvous import Job, Rendezvous
 from .rounds import RoundsTable
 from .shards import ShardRegistry
 

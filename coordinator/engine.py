@@ -71,7 +71,7 @@ from .budget import CollectiveBudget, participant_charge
 from .matching import Limits, check_agrees, describe, validate
 from .metrics import CollectiveMetrics
 from .reduce import BufferPool, reducer_for
-from .rendezvous import Generation, Rendezvous
+from .rendezvous.rendezvous import Generation, Rendezvous
 from .window import CLOSE, Participant, ReadWindow
 
 

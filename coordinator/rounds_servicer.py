@@ -15,7 +15,7 @@ from gradstar.proto.v1 import rounds_pb2_grpc
 from gradstar.transport.status import abort
 from gradstar.wire.formats import FORMATS, WireFormat, decode_into, wire_format
 
-from .jobs import check_job_name
+from .rendezvous.jobs import check_job_name
 from .rounds import Policy, RoundsTable
 
 log = logging.getLogger(__name__)

@@ -38,10 +38,10 @@ from .budget import CollectiveBudget
 from .engine import CollectiveEngine
 from .local_shards import LocalShards
 from .metrics import render_async
-from .rendezvous import Rendezvous
+from .rendezvous import Rendezvous, RendezvousServicer
 from .rounds import RoundsTable
 from .rounds_servicer import RoundsServicer
-from .servicers import CollectiveServicer, RendezvousServicer
+from .servicers import CollectiveServicer
 from .shards import ShardControlServicer, ShardRegistry
 from .status import CoordinatorStatus
 from .status_page import status_routes

@@ -55,7 +55,7 @@ from gradstar.wire import COLLECTIVE_SERVICE, MAX_NDIM, payload_bytes
 
 from .budget import CollectiveBudget
 from .engine import CollectiveEngine
-from .rendezvous import Rendezvous
+from .rendezvous.rendezvous import Rendezvous
 from .servicers import CollectiveServicer
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from gradstar.ops import op_name
 
 from .metrics import CollectiveMetrics
-from .rendezvous import Generation, Job, Rendezvous
+from .rendezvous.rendezvous import Generation, Job, Rendezvous
 from .shards import ShardRegistry
 
 log = logging.getLogger(__name__)
