@@ -10,9 +10,9 @@ import grpc
 from gradstar.proto.v1 import admin_pb2 as apb
 from gradstar.proto.v1 import admin_pb2_grpc
 
-from .averaging import AveragingStore
 from .rendezvous.rendezvous import Job, Rendezvous
-from .rounds import RoundsTable
+from .rounds.averaging import AveragingStore
+from .rounds.table import RoundsTable
 from .shards import ShardRegistry
 
 #: Jobs per ListJobs page at most (each summary is small; a page stays far below the message

@@ -33,14 +33,12 @@ from gradstar.transport.channels import (
 from gradstar.transport.http import bound_port, serve_http
 
 from .admin import AdminServicer
-from .averaging import AveragingStore
 from .budget import CollectiveBudget
 from .engine import CollectiveEngine
 from .local_shards import LocalShards
 from .metrics import render_async
 from .rendezvous import Rendezvous, RendezvousServicer
-from .rounds import RoundsTable
-from .rounds_servicer import RoundsServicer
+from .rounds import AveragingStore, RoundsServicer, RoundsTable
 from .servicers import CollectiveServicer
 from .shards import ShardControlServicer, ShardRegistry
 from .status import CoordinatorStatus

@@ -209,7 +209,7 @@ class AsyncProcessGroup(PointToPoint):
         Every rank sends a flat float32 ``x`` (parameters for ``rule`` "seed" and "average",
         pseudo-gradients for "outer_sgd" and "outer_nesterov"); the hub averages it, applies the
         rule to the job's global model ``model`` and every rank receives the new global
-        parameters (see ``gradstar.coordinator.averaging``).
+        parameters (see ``gradstar.coordinator.rounds.averaging``).
 
         ``wire``: a compressed wire format for what the ranks send (meant for the
         pseudo-gradients of "outer_sgd" and "outer_nesterov"); the hub decodes it, keeps the

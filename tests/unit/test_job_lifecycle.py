@@ -9,9 +9,9 @@ import pytest
 
 from gradstar import errors
 from gradstar.coordinator.admin import PAGE_SIZE, AdminServicer
-from gradstar.coordinator.averaging import AveragingStore
 from gradstar.coordinator.metrics import CollectiveMetrics
 from gradstar.coordinator.rendezvous import Rendezvous
+from gradstar.coordinator.rounds import AveragingStore
 from gradstar.proto.v1 import admin_pb2 as apb
 
 

@@ -334,8 +334,7 @@ def test_page_shows_outer_rounds_with_dropped_replicas_escaped():
 async def test_snapshot_lists_rounds_of_the_rounds_table():
     import numpy as np
 
-    from gradstar.coordinator.averaging import AveragingStore
-    from gradstar.coordinator.rounds import Policy, RoundsTable
+    from gradstar.coordinator.rounds import AveragingStore, Policy, RoundsTable
 
     table = RoundsTable(AveragingStore(), max_numel=100, max_held_bytes=1 << 20)
     for name in ("a", "b"):

@@ -1,4 +1,4 @@
-"""gRPC servicer of the Rounds service: streams in, :class:`.rounds.RoundsTable` calls, streams
+"""gRPC servicer of the Rounds service: streams in, :class:`.table.RoundsTable` calls, streams
 out, gradstar errors to statuses. Fetch waits (bounded) for a round to close."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from gradstar.proto.v1 import rounds_pb2_grpc
 from gradstar.transport.status import abort
 from gradstar.wire.formats import FORMATS, WireFormat, decode_into, wire_format
 
-from .rendezvous.jobs import check_job_name
-from .rounds import Policy, RoundsTable
+from ..rendezvous.jobs import check_job_name
+from .table import Policy, RoundsTable
 
 log = logging.getLogger(__name__)
 
