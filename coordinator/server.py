@@ -33,13 +33,11 @@ from gradstar.transport.channels import (
 from gradstar.transport.http import bound_port, serve_http
 
 from .admin import AdminServicer
-from .budget import CollectiveBudget
-from .engine import CollectiveEngine
+from .collective import CollectiveBudget, CollectiveEngine, CollectiveServicer
 from .local_shards import LocalShards
 from .metrics import render_async
 from .rendezvous import Rendezvous, RendezvousServicer
 from .rounds import AveragingStore, RoundsServicer, RoundsTable
-from .servicers import CollectiveServicer
 from .shards import ShardControlServicer, ShardRegistry
 from .status import CoordinatorStatus
 from .status_page import status_routes

@@ -53,10 +53,8 @@ from gradstar.transport.status import error_from_rpc
 from gradstar.transport.tls_check import wait_connected
 from gradstar.wire import COLLECTIVE_SERVICE, MAX_NDIM, payload_bytes
 
-from .budget import CollectiveBudget
-from .engine import CollectiveEngine
+from .collective import CollectiveBudget, CollectiveEngine, CollectiveServicer
 from .rendezvous.rendezvous import Rendezvous
-from .servicers import CollectiveServicer
 
 log = logging.getLogger(__name__)
 

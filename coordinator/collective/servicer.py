@@ -35,8 +35,8 @@ from gradstar.wire import (
     frames_of,
 )
 
+from ..rendezvous.jobs import check_job_name
 from .engine import CLOSE, CollectiveEngine, Participant, PendingCollective, without_frames
-from .rendezvous.jobs import check_job_name
 
 log = logging.getLogger(__name__)
 

@@ -66,12 +66,12 @@ from gradstar.wire import (
     seal_chunk_frame,
 )
 
+from ..metrics import CollectiveMetrics
+from ..rendezvous.rendezvous import Generation, Rendezvous
+from ..rounds.averaging import AveragingRound, AveragingStore
 from .budget import CollectiveBudget, participant_charge
 from .matching import Limits, check_agrees, describe, validate
-from .metrics import CollectiveMetrics
 from .reduce import BufferPool, reducer_for
-from .rendezvous.rendezvous import Generation, Rendezvous
-from .rounds.averaging import AveragingRound, AveragingStore
 from .window import CLOSE, Participant, ReadWindow
 
 
