@@ -13,7 +13,7 @@ from gradstar.proto.v1 import admin_pb2_grpc
 from .rendezvous.rendezvous import Job, Rendezvous
 from .rounds.averaging import AveragingStore
 from .rounds.table import RoundsTable
-from .shards import ShardRegistry
+from .shards.registry import ShardRegistry
 
 #: Jobs per ListJobs page at most (each summary is small; a page stays far below the message
 #: limit even with 256-character names).

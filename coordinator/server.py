@@ -34,11 +34,10 @@ from gradstar.transport.http import bound_port, serve_http
 
 from .admin import AdminServicer
 from .collective import CollectiveBudget, CollectiveEngine, CollectiveServicer
-from .local_shards import LocalShards
 from .metrics import render_async
 from .rendezvous import Rendezvous, RendezvousServicer
 from .rounds import AveragingStore, RoundsServicer, RoundsTable
-from .shards import ShardControlServicer, ShardRegistry
+from .shards import LocalShards, ShardControlServicer, ShardRegistry
 from .status import CoordinatorStatus
 from .status_page import status_routes
 

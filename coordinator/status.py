@@ -29,7 +29,7 @@ from gradstar.ops import op_name
 
 from .metrics import CollectiveMetrics
 from .rendezvous.rendezvous import Generation, Job, Rendezvous
-from .shards import ShardRegistry
+from .shards.registry import ShardRegistry
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from gradstar.config import ClientSettings, CoordinatorSettings, ShardSettings
-from gradstar.coordinator.local_shards import LocalShards
+from gradstar.coordinator.shards import LocalShards
 from gradstar.worker.agent import AgentSettings
 from gradstar.worker.train import TrainSettings
 

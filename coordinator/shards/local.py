@@ -5,7 +5,7 @@ free port, registering with the coordinator over loopback and asking for slot k.
 in the child's environment, never on its command line (where every local user would see them in
 ``ps``). A shard that exits while the coordinator runs is restarted (after a short pause,
 growing while it keeps failing) and asks for its old slot back; the generations striped over it
-have failed by then (:mod:`.shards`), and later ones use it again.
+have failed by then (:mod:`.registry`), and later ones use it again.
 
 Local shards advertise ``:PORT`` with no host: a rank reaches them at the host it reaches the
 coordinator at, whatever name or NAT address that is.

@@ -2,10 +2,10 @@
 
 A shard serves the same Collective stream as the coordinator, with the same engine, limits,
 token check and TLS, for the stripes of collectives that ranks send it. It keeps no rendezvous
-of its own: the coordinator tells it over the control stream (:mod:`.shards`) which generations
+of its own: the coordinator tells it over the control stream (:mod:`.registry`) which generations
 exist (``formed``: members, and this shard's stripe position) and when they end (``over``), and
-the shard applies both to a :class:`~.rendezvous.Rendezvous` that the engine reads exactly as
-the coordinator's engine reads its own.
+the shard applies both to a :class:`~gradstar.coordinator.rendezvous.Rendezvous` that the
+engine reads exactly as the coordinator's engine reads its own.
 
 Checks a shard adds: a stream must name a generation the coordinator formed over this shard
 (a header that arrives a moment before the ``formed`` notice waits up to
@@ -14,7 +14,7 @@ table, so a misrouted stream fails loudly instead of reducing the wrong chunks.
 
 Losing the coordinator ends the shard: its generations fail on every rank with
 :class:`~gradstar.errors.CoordinatorUnavailableError`, and the process exits non-zero so that
-whatever started it (the coordinator's :mod:`.local_shards`, a StatefulSet) starts it again.
+whatever started it (the coordinator's :mod:`.local`, a StatefulSet) starts it again.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ from gradstar.transport.status import error_from_rpc
 from gradstar.transport.tls_check import wait_connected
 from gradstar.wire import COLLECTIVE_SERVICE, MAX_NDIM, payload_bytes
 
-from .collective import CollectiveBudget, CollectiveEngine, CollectiveServicer
-from .rendezvous.rendezvous import Rendezvous
+from ..collective import CollectiveBudget, CollectiveEngine, CollectiveServicer
+from ..rendezvous.rendezvous import Rendezvous
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ from gradstar.proto.v1 import shard_pb2 as spb
 from gradstar.proto.v1 import shard_pb2_grpc
 from gradstar.transport.status import abort
 
-from .rendezvous.rendezvous import Generation, Rendezvous
+from ..rendezvous.rendezvous import Generation, Rendezvous
 
 log = logging.getLogger(__name__)
 
