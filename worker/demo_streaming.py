@@ -40,7 +40,7 @@ def run_streaming_demo(options) -> int:
     """Run the demo (``options``: a :class:`.demo.DemoOptions`); return the exit code."""
     from gradstar.config import CoordinatorSettings
     from gradstar.coordinator import EmbeddedCoordinator
-    from gradstar.coordinator.admin import rounds_view
+    from gradstar.coordinator.views import rounds_view
 
     if options.plot is not None or options.report is not None:
         print("gradstar demo: --plot and --report are not available with --mode "

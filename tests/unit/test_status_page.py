@@ -15,8 +15,14 @@ import pytest
 
 from gradstar.coordinator.rendezvous import Rendezvous
 from gradstar.coordinator.shards import ShardRegistry
-from gradstar.coordinator.status import CoordinatorStatus, FailureLog, TrafficRates
-from gradstar.coordinator.status_page import render_html, render_json, status_routes
+from gradstar.coordinator.views import (
+    CoordinatorStatus,
+    FailureLog,
+    TrafficRates,
+    render_html,
+    render_json,
+    status_routes,
+)
 from gradstar.errors import RankLostError
 from gradstar.ops import ALL_REDUCE
 from gradstar.proto.v1 import shard_pb2 as spb

@@ -12,7 +12,7 @@ that state does not keep:
   their time and message (:class:`FailureLog`). A failed generation is logged once, by the
   rendezvous hook; the collectives it takes down with it are not logged again.
 
-:meth:`CoordinatorStatus.snapshot` returns plain JSON-able data; :mod:`.status_page` renders it
+:meth:`CoordinatorStatus.snapshot` returns plain JSON-able data; :mod:`.page` renders it
 and serves it. Nothing here does I/O.
 """
 
@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass
 
 from gradstar.ops import op_name
 
-from .metrics import CollectiveMetrics
-from .rendezvous.rendezvous import Generation, Job, Rendezvous
-from .shards.registry import ShardRegistry
+from ..metrics import CollectiveMetrics
+from ..rendezvous.rendezvous import Generation, Job, Rendezvous
+from ..shards.registry import ShardRegistry
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class CoordinatorStatus:
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, rounds=None) -> None:
         self.rendezvous = rendezvous
-        #: The fault-tolerant rounds (a :class:`~.rounds.RoundsTable`), if any.
+        #: The fault-tolerant rounds (a :class:`~gradstar.coordinator.rounds.RoundsTable`), if any.
         self.rounds = rounds
         self.shards = shards
         self.serving = serving

@@ -10,10 +10,10 @@ import grpc
 from gradstar.proto.v1 import admin_pb2 as apb
 from gradstar.proto.v1 import admin_pb2_grpc
 
-from .rendezvous.rendezvous import Job, Rendezvous
-from .rounds.averaging import AveragingStore
-from .rounds.table import RoundsTable
-from .shards.registry import ShardRegistry
+from ..rendezvous.rendezvous import Job, Rendezvous
+from ..rounds.averaging import AveragingStore
+from ..rounds.table import RoundsTable
+from ..shards.registry import ShardRegistry
 
 #: Jobs per ListJobs page at most (each summary is small; a page stays far below the message
 #: limit even with 256-character names).
