@@ -1,4 +1,5 @@
-"""The collective engine: matches collective calls of a generation and moves their chunks.
+"""The collective engine: matches collective calls of a generation and moves their chunks
+(no I/O: that is :mod:`.servicer`'s; the rank's twin is :mod:`gradstar.client.collective.plan`).
 
 Protocol of one collective (one stream per rank, which may carry the rank's next collective
 after this one's END; see ``collective.proto`` and ``gradstar.wire``):

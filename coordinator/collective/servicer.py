@@ -1,7 +1,8 @@
 """gRPC servicer of the collective service: it translates, nothing more.
 
 The logic lives in :mod:`.engine`; this class turns streams into calls on it and gradstar
-errors into gRPC statuses (:mod:`gradstar.transport.status`).
+errors into gRPC statuses (:mod:`gradstar.transport.status`). Its twin on the rank is
+:mod:`gradstar.client.collective.stream` (the I/O of the rank's half of the same stream).
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ def _cycles() -> list[list[str]]:
 
 def test_the_module_list_covers_the_layout():
     for name in ("gradstar.ops", "gradstar.wire", "gradstar.transport.channels",
-                 "gradstar.coordinator.collective.matching", "gradstar.client.collective_stream",
+                 "gradstar.coordinator.collective.matching", "gradstar.client.collective.stream",
                  "gradstar.client.peer.server", "gradstar.client.fsdp.wrapper"):
         assert name in MODULES
 

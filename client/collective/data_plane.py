@@ -20,7 +20,7 @@ from gradstar.transport.channels import open_channel
 from gradstar.transport.tls_check import wait_connected
 from gradstar.wire import COLLECTIVE_METHOD
 
-from .stream_targets import SharedMemoryOffer, Target
+from .targets import SharedMemoryOffer, Target
 
 #: A collective striped over K targets is cut into at least this many chunks per target, down
 #: to MIN_STRIPED_CHUNK bytes: with the default 2 MiB chunk, 1 MiB over 4 shards was one chunk

@@ -1,4 +1,6 @@
-"""The rank's half of the Collective stream (the hub's half is ``gradstar.coordinator.engine``).
+"""The rank's half of the Collective stream: the I/O. Its twin on the hub is
+:mod:`gradstar.coordinator.collective.servicer`; the bookkeeping without sockets is
+:mod:`.plan`'s here and :mod:`gradstar.coordinator.collective.engine`'s there.
 
 A collective runs on a bidirectional stream of raw frames (:mod:`gradstar.wire`) between the
 rank and its target, which it has to itself while it runs. Seen from the rank:
@@ -55,9 +57,9 @@ verdict, which the hub then sends with its accept (one round trip and one messag
 collective after the first); a refusal then fails the collective on every rank.
 
 Shape of this module: it is the I/O that drives the bookkeeping of
-:mod:`gradstar.client.stream_receiver` (:class:`CollectivePlan`, and :class:`StreamReceiver`,
+:mod:`gradstar.client.collective.plan` (:class:`CollectivePlan`, and :class:`StreamReceiver`,
 the state machine of one stream's incoming side, with no I/O) over the streams of
-:mod:`gradstar.client.stream_targets` (:class:`Target`, :class:`OpenStream`).
+:mod:`gradstar.client.collective.targets` (:class:`Target`, :class:`OpenStream`).
 :func:`run_stream` runs ONE stream to ONE :class:`Target` for a given set of chunks to send and
 result chunks to admit, writing into a shared result buffer; :func:`run_collective` runs a whole
 collective, today as one stream to the hub carrying every chunk. Striping a collective over K
@@ -90,9 +92,9 @@ from gradstar.wire import (
     encode_shm_chunk,
 )
 
-from .session import Session
-from .stream_receiver import CollectivePlan, Phase, StreamReceiver
-from .stream_targets import MAX_IDLE_STREAMS, OpenStream, SharedMemoryOffer, Target
+from ..session import Session
+from .plan import CollectivePlan, Phase, StreamReceiver
+from .targets import MAX_IDLE_STREAMS, OpenStream, SharedMemoryOffer, Target
 
 log = logging.getLogger(__name__)
 

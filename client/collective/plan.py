@@ -4,7 +4,8 @@ of one stream as a state machine (:class:`StreamReceiver`, its :class:`Phase` in
 ``AWAITING_ACCEPT`` until the hub's accept, ``RECEIVING`` result chunks (each checked and
 copied to its place, from the stream or from a shared-memory segment), ``COMPLETE`` once the
 hub's end marker agreed with what arrived. The protocol, and the I/O that feeds frames in, is
-:mod:`gradstar.client.collective_stream`'s; tests drive this module frame by frame.
+:mod:`.stream`'s; tests drive this module frame by frame. Its twin on the hub is
+:mod:`gradstar.coordinator.collective.engine` (the life of one collective, without sockets).
 """
 
 from __future__ import annotations

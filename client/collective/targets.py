@@ -6,7 +6,7 @@ streams and the next collective's header follows on it, so a collective costs no
 new gRPC call cost the hub ~0.55 ms of CPU more per rank and collective than a message on an
 open one). Collectives issued at once each take a stream of their own, and a target keeps at
 most :data:`MAX_IDLE_STREAMS` idle. What a stream carries, and when it ends, is
-:mod:`gradstar.client.collective_stream`'s.
+:mod:`.stream`'s.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class OpenStream:
     """A Collective stream kept open across collectives, which it carries one at a time.
 
     The requests are a feed of frame sources (one per collective, from
-    :mod:`gradstar.client.collective_stream`), written in turn; a collective that ended cleanly
+    :mod:`gradstar.client.collective.stream`), written in turn; a collective that ended cleanly
     (its END marker checked) leaves the stream to the next one, anything else ends the call
     (:meth:`close`).
     """
