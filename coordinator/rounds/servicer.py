@@ -1,5 +1,6 @@
 """gRPC servicer of the Rounds service: streams in, :class:`.table.RoundsTable` calls, streams
-out, gradstar errors to statuses. Fetch waits (bounded) for a round to close."""
+out, gradstar errors to statuses. Fetch waits (bounded) for a round to close. The replica's twin
+is :mod:`gradstar.client.outer.rounds`."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradstar.client.streaming_plan import Schedule, split_fragments
+from gradstar.client.outer import Schedule, split_fragments
 from gradstar.coordinator.rounds import AveragingStore, Policy, RoundsTable
 from gradstar.errors import ConfigurationError, HubCapacityError, RoundMismatchError
 

@@ -32,7 +32,7 @@ import numpy as np
 from gradstar.errors import ConfigurationError
 from gradstar.wire.formats import wire_format
 
-from .process_group import ProcessGroup
+from ..process_group import ProcessGroup
 
 _RULES = {None: "average", "sgd": "outer_sgd", "nesterov": "outer_nesterov"}
 
@@ -74,7 +74,7 @@ class LocalSGD:
             wire_format(wire)  # an unknown name fails here, not at the first round
         # Imported here: gradstar.client imports this module, and numpy-only installs of
         # gradstar have no torch.
-        from .torch_common import module_device
+        from ..torch_common import module_device
 
         self.device = module_device("LocalSGD", module)
         self.module = module

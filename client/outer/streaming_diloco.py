@@ -3,7 +3,7 @@ fault-tolerant outer rounds on the hub (Douillard et al., 2025).
 
 Each replica trains alone. The model's parameters are cut into ``fragments`` (P) runs of
 layers (:func:`.streaming_plan.split_fragments`); fragment ``p`` starts an outer round every
-``sync_every`` (H) inner steps, at its own offset (:class:`.streaming_plan.Schedule`):
+``sync_every`` (H) inner steps, at its own offset (:class:`.plan.Schedule`):
 
 1. *start* (after inner step t): the pseudo-gradient ``anchor_p - theta_p`` (the global
    fragment this replica last merged minus its parameters now) goes to the hub in the
@@ -52,9 +52,9 @@ from gradstar.config import ClientSettings
 from gradstar.errors import ConfigurationError
 from gradstar.wire.formats import wire_format
 
-from .loop_thread import LoopThread
-from .rounds_client import RoundPolicySpec, RoundsClient
-from .streaming_plan import Schedule, split_fragments
+from ..loop_thread import LoopThread
+from .plan import Schedule, split_fragments
+from .rounds import RoundPolicySpec, RoundsClient
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class StreamingDiLoCo:
         #: The pseudo-gradients' wire format (None: raw float32); raises ConfigurationError
         #: for an unknown one, before anything is sent.
         self.wire = wire_format(wire) if wire is not None else None
-        from .torch_common import module_device  # torch only when this class is used
+        from ..torch_common import module_device  # torch only when this class is used
 
         self.device = module_device("StreamingDiLoCo", module)
         self.module = module

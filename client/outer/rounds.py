@@ -29,7 +29,7 @@ from gradstar.transport.channels import call_metadata, open_channel
 from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
 from gradstar.wire.formats import WireFormat, encode
 
-from .collective.data_plane import resolve
+from ..collective.data_plane import resolve
 
 log = logging.getLogger(__name__)
 
