@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gradstar import errors
-from gradstar.client import collective_stream
+from gradstar.client.collective import stream as collective_stream
 from gradstar.client.collective import Target
 from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.transport import shm
