@@ -163,8 +163,8 @@ def test_a_training_rank_never_loads_the_hub():
     # training entry point and the host agent that starts ranks.
     loaded = _loaded_after(
         "import gradstar, gradstar.client.torch_backend, gradstar.client.fsdp, "
-        "gradstar.client.pipeline, gradstar.client.ddp, gradstar.worker.train, "
-        "gradstar.worker.agent\ngradstar.DDP, gradstar.FSDP, gradstar.Pipeline")
+        "gradstar.client.pipeline, gradstar.client.ddp, gradstar.worker.demo.train, "
+        "gradstar.worker.host.agent\ngradstar.DDP, gradstar.FSDP, gradstar.Pipeline")
     assert "torch" in loaded  # the probe did reach the torch wrappers
     assert not {m for m in loaded if m.startswith("gradstar.coordinator")}
 

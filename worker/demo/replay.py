@@ -1,8 +1,8 @@
 """The distributed run's arithmetic in one process, and the saved rank states it starts from.
 
 ``gradstar demo`` has the ranks save their state every few steps (``--out``,
-``--checkpoint-every``; :meth:`gradstar.worker.modes.TrainingMode.save`), then replays each
-stretch between two saves here and compares: see :mod:`gradstar.worker.demo`.
+``--checkpoint-every``; :meth:`gradstar.worker.demo.modes.TrainingMode.save`), then replays each
+stretch between two saves here and compares: see :mod:`gradstar.worker.demo.command`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ What it does, in order:
    ``GRADSTAR_RESTART_COUNT`` telling it which restart it is. The rank's own loss fails the
    job's generation on the hub; the surviving ranks (anywhere) re-join, and the rendezvous forms
    the next generation when the restarted rank joins too. Re-joining is the training script's
-   part: :mod:`gradstar.worker.train` does it, resuming from the hub's global model with
+   part: :mod:`gradstar.worker.demo.train` does it, resuming from the hub's global model with
    LocalSGD (see its docstring). Ranks that are :class:`gradstar.StreamingDiLoCo` replicas form
    no generation: the others train on, and the restarted rank (same ``GRADSTAR_RANK``, so the
    same replica name) rejoins the hub's rounds from its global model. When no restart is left,
@@ -43,7 +43,7 @@ from gradstar import node_shard
 from gradstar.errors import GradstarError
 from gradstar.transport.addresses import is_loopback, split_host_port
 
-from .admin_client import AdminClient
+from ..admin.client import AdminClient
 from .supervisor import RankSupervisor, rank_env, run_with_signals
 
 

@@ -1,6 +1,6 @@
 """A client of the coordinator's Admin and health services, for operators and the agent.
 
-``gradstar admin`` renders what it returns (:mod:`gradstar.worker.admin_tables`); the worker
+``gradstar admin`` renders what it returns (:mod:`gradstar.worker.admin.tables`); the worker
 agent uses :meth:`AdminClient.wait_serving` before it starts ranks, and ``gradstar demo`` reads
 its job's byte counters with it. Every call has a deadline.
 """

@@ -1,5 +1,5 @@
 """``gradstar admin``: what each action asks the coordinator and prints (the flags are in
-:mod:`gradstar.cli`, the tables in :mod:`.admin_tables`)."""
+:mod:`gradstar.cli`, the tables in :mod:`.tables`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import json
 import os
 import sys
 
-from . import admin_tables as tables
-from .admin_client import AdminClient
+from . import tables
+from .client import AdminClient
 
 
 async def run_admin(args: argparse.Namespace) -> int:

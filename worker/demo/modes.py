@@ -1,7 +1,7 @@
 """How each training mode runs a step on one rank, and what it saves for the replay check.
 
 A mode wraps the rank's model for one generation, once the ranks agreed on the step to resume
-from (:func:`gradstar.worker.train.run_rank`). Every rank of a job runs the same mode and calls
+from (:func:`gradstar.worker.demo.train.run_rank`). Every rank of a job runs the same mode and calls
 the same methods in the same order, since most of them communicate:
 
 - ``ddp``: :class:`gradstar.DDP`; each rank takes its slice of every global batch and the
@@ -15,7 +15,7 @@ the same methods in the same order, since most of them communicate:
   whole global batch in ``world_size`` micro-batches. Not elastic: a lost stage is gone.
 
 Saved states (``save(out, step)``, one file per rank) are what
-:mod:`gradstar.worker.replay` turns back into full parameters and momentum.
+:mod:`gradstar.worker.demo.replay` turns back into full parameters and momentum.
 """
 
 from __future__ import annotations

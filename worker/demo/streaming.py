@@ -1,7 +1,7 @@
 """``gradstar demo --mode streaming-diloco``: replicas that train alone and meet in Streaming
 DiLoCo rounds on an embedded coordinator, then the global model's accuracy and the bytes.
 
-Each replica (``python -m gradstar.worker.demo_streaming OUT INDEX``, settings in
+Each replica (``python -m gradstar.worker.demo.streaming OUT INDEX``, settings in
 ``GRADSTAR_*`` and ``DEMO_*``) trains the spirals MLP on its own slice of the training set
 with SGD and momentum, calls :class:`gradstar.StreamingDiLoCo` after every step, and writes its
 bytes and rounds to OUT. The parent evaluates the hub's global model on the test set and
@@ -65,7 +65,7 @@ def run_streaming_demo(options) -> int:
                    DEMO_HIDDEN=str(options.hidden), DEMO_LR=str(options.lr),
                    DEMO_SEED=str(options.seed), DEMO_SYNC_EVERY=str(sync_every))
         outs = [Path(tmp) / f"r{i}.json" for i in range(options.workers)]
-        procs = [subprocess.Popen([sys.executable, "-m", "gradstar.worker.demo_streaming",
+        procs = [subprocess.Popen([sys.executable, "-m", "gradstar.worker.demo.streaming",
                                    str(out), str(i)], env=env) for i, out in enumerate(outs)]
         codes = [p.wait() for p in procs]
         if any(codes):

@@ -1,6 +1,6 @@
 """The built-in training job: every rank trains the spirals MLP (DDP, LocalSGD, FSDP, Pipeline).
 
-``python -m gradstar.worker.train [--mode ddp|localsgd|fsdp|pipeline] [...]`` is what
+``python -m gradstar.worker.demo.train [--mode ddp|localsgd|fsdp|pipeline] [...]`` is what
 ``gradstar demo`` starts on each rank, what the docker-compose worker service runs under
 ``gradstar worker``, and a template for your own scripts under ``gradstar launch``. The process
 group comes from the ``GRADSTAR_*`` env vars the launcher or agent sets; the job's settings from
@@ -10,8 +10,8 @@ Data. Step ``s`` of the run uses the global batch ``s`` of a per-epoch permutati
 training set; with DDP, LocalSGD and FSDP rank ``r`` of ``W`` takes the ``r``-th of its ``W``
 equal slices, a pipeline takes it whole. So every mode computes what one process computes on
 the whole global batch (LocalSGD: what ``W`` replicas averaged every few steps compute), and
-:class:`gradstar.worker.replay.SingleProcessRun` reproduces it in one process.
-How each mode trains a step is in :mod:`gradstar.worker.modes`.
+:class:`gradstar.worker.demo.replay.SingleProcessRun` reproduces it in one process.
+How each mode trains a step is in :mod:`gradstar.worker.demo.modes`.
 
 Elasticity (what lets ``gradstar worker --max-restarts`` restart a dead rank; ddp and
 localsgd, since a lost FSDP shard or pipeline stage cannot be recovered):
@@ -203,11 +203,11 @@ def run_rank(settings: TrainSettings) -> int:
                     return 0
         except GradstarError as error:
             if not _rejoinable(error, settings) or failures >= settings.max_rejoins:
-                print(f"gradstar.worker.train: {type(error).__name__}: {error}", file=sys.stderr,
-                      flush=True)
+                print(f"gradstar.worker.demo.train: {type(error).__name__}: {error}",
+                      file=sys.stderr, flush=True)
                 return EXIT_FAILED
             failures += 1
-            print(f"gradstar.worker.train: generation lost ({type(error).__name__}: {error}); "
+            print(f"gradstar.worker.demo.train: generation lost ({type(error).__name__}: {error}); "
                   f"re-joining (attempt {failures} of {settings.max_rejoins})", file=sys.stderr,
                   flush=True)
             time.sleep(min(0.2 * failures, 2.0))  # let the coordinator notice the lost rank
@@ -288,7 +288,7 @@ def _write_summary(settings: TrainSettings, pg, state: RankState, schedule: Sche
 
 def parse_settings(argv: list[str] | None = None) -> TrainSettings:
     parser = argparse.ArgumentParser(
-        prog="python -m gradstar.worker.train",
+        prog="python -m gradstar.worker.demo.train",
         description="Train the spirals MLP on this rank (settings: flags, else GRADSTAR_TRAIN_* "
                     "env vars; process group: GRADSTAR_* env vars).")
     parser.add_argument("--mode", choices=MODES)

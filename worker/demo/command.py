@@ -1,5 +1,5 @@
 """``gradstar demo``: the main job. An embedded coordinator and N local rank processes train the
-spirals MLP (:mod:`gradstar.worker.train`), with a progress bar per epoch and a report.
+spirals MLP (:mod:`gradstar.worker.demo.train`), with a progress bar per epoch and a report.
 
 The report says how well the model learned (loss, accuracy), how fast (samples per second),
 how many bytes went through the hub (the Admin service's counters of the job), and whether the
@@ -7,7 +7,7 @@ distributed run computed what one process computes:
 
 - *replay*: the ranks save their state every ``CHECK_EVERY`` steps; each stretch between two
   saves is re-run in this process from the state at its start
-  (:class:`~gradstar.worker.train.SingleProcessRun`) and must end within float32 rounding
+  (:class:`~gradstar.worker.demo.replay.SingleProcessRun`) and must end within float32 rounding
   (``REPLAY_TOLERANCE``) of the state the ranks saved at its end. Stretches are checked on
   their own because SGD on a non-convex loss amplifies rounding differences (the ranks'
   gradients are summed in another order than one process sums its batch, and the hub adds them
@@ -16,7 +16,7 @@ distributed run computed what one process computes:
   predictions are compared with the distributed model's.
 
 ``--report FILE.json`` writes all of it as data and ``--plot FILE.png`` draws loss and test
-accuracy per epoch beside the from-scratch run (:mod:`.demo_report`).
+accuracy per epoch beside the from-scratch run (:mod:`.report`).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .demo_report import SCHEMA, plot_unavailable, write_plot, write_report
+from ..host.supervisor import RankSupervisor, rank_env
 from .replay import SingleProcessRun, checkpoint_steps, rank_states, replica_states
-from .supervisor import RankSupervisor, rank_env
+from .report import SCHEMA, plot_unavailable, write_plot, write_report
 from .train import TrainSettings
 
 MODES = ("ddp", "fsdp", "pipeline", "localsgd", "streaming-diloco")
@@ -67,7 +67,7 @@ class DemoOptions:
     lr: float = 0.1
     sync_every: int = 4
     seed: int = 0
-    #: Where to write the loss/accuracy plot (PNG) and the JSON report (see .demo_report).
+    #: Where to write the loss/accuracy plot (PNG) and the JSON report (see .report).
     plot: Path | None = None
     report: Path | None = None
 
@@ -149,7 +149,7 @@ def run_demo(options: DemoOptions) -> int:
     from gradstar.coordinator import EmbeddedCoordinator
 
     if options.mode == "streaming-diloco":  # replicas, not ranks: a demo of its own
-        from .demo_streaming import run_streaming_demo
+        from .streaming import run_streaming_demo
 
         return run_streaming_demo(options)
     problem = mode_unavailable(options.mode, options.workers)
@@ -207,7 +207,7 @@ def _describe_task(settings: TrainSettings, workers: int) -> None:
 
 def _supervisor(options: DemoOptions, settings: TrainSettings, address: str, job: str,
                 out: Path, bars: EpochBars) -> RankSupervisor:
-    argv = [sys.executable, "-m", "gradstar.worker.train", "--mode", settings.mode,
+    argv = [sys.executable, "-m", "gradstar.worker.demo.train", "--mode", settings.mode,
             "--epochs", str(settings.epochs), "--samples", str(settings.samples),
             "--batch-size", str(settings.batch_size), "--hidden", str(settings.hidden),
             "--lr", repr(settings.lr), "--sync-every", str(settings.sync_every),
@@ -239,8 +239,8 @@ def job_counters(address: str, job: str) -> dict:
     """The Admin service's view of ``job``: bytes in and out of the hub and collective counts."""
     import asyncio
 
-    from .admin_client import AdminClient
-    from .admin_tables import op_name
+    from ..admin.client import AdminClient
+    from ..admin.tables import op_name
 
     async def read():
         async with AdminClient(address) as admin:
@@ -398,7 +398,7 @@ def _print_report(run: dict, settings: TrainSettings, world: int) -> None:
 
 def _report_data(options: DemoOptions, began: float, exit_code: int, modes: dict,
                  error: str | None = None) -> dict:
-    """The whole JSON report (see .demo_report)."""
+    """The whole JSON report (see .report)."""
     report = {"schema": SCHEMA, "passed": exit_code == 0, "exit_code": exit_code,
               "seconds": time.monotonic() - began,
               "settings": {"workers": options.workers, "mode": options.mode,
