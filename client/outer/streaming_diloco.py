@@ -2,7 +2,7 @@
 fault-tolerant outer rounds on the hub (Douillard et al., 2025).
 
 Each replica trains alone. The model's parameters are cut into ``fragments`` (P) runs of
-layers (:func:`.streaming_plan.split_fragments`); fragment ``p`` starts an outer round every
+layers (:func:`.plan.split_fragments`); fragment ``p`` starts an outer round every
 ``sync_every`` (H) inner steps, at its own offset (:class:`.plan.Schedule`):
 
 1. *start* (after inner step t): the pseudo-gradient ``anchor_p - theta_p`` (the global

@@ -202,7 +202,7 @@ class CoordinatorStatus:
             self.rates.sample(name, now, *self.job_bytes(job))
 
     def snapshot(self) -> dict:
-        """Everything the page shows, as JSON-able data (see :mod:`.status_page`)."""
+        """Everything the page shows, as JSON-able data (see :mod:`.page`)."""
         now = self.clock()
         self.sample(now)
         shards = self.shards

@@ -37,7 +37,7 @@ def _sdl_options(sync_every: int, workers: int) -> dict:
 
 
 def run_streaming_demo(options) -> int:
-    """Run the demo (``options``: a :class:`.demo.DemoOptions`); return the exit code."""
+    """Run the demo (``options``: a :class:`.command.DemoOptions`); return the exit code."""
     from gradstar.config import CoordinatorSettings
     from gradstar.coordinator import EmbeddedCoordinator
     from gradstar.coordinator.views import rounds_view
