@@ -112,6 +112,18 @@ def test_the_module_list_covers_the_layout():
         assert name in MODULES
 
 
+#: Top-level entries (modules and folders) the hub may have: past this, its rooms stop telling
+#: its architecture (issue 34). A new subsystem gets a folder.
+MAX_HUB_ENTRIES = 10
+
+
+def test_the_hub_top_level_stays_small():
+    hub = ROOT / PACKAGE_DIR["gradstar.coordinator"]
+    entries = sorted(p.name for p in hub.iterdir()
+                     if p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").is_file()))
+    assert len(entries) <= MAX_HUB_ENTRIES, entries
+
+
 def test_no_import_circles():
     assert _cycles() == []
 
