@@ -51,7 +51,8 @@ async def test_agent_restarts_a_killed_rank_and_the_job_completes(start_coordina
     assert re.search(r"gradstar worker: started rank 1 \(pid \d+\), restart 1", stderr)
     assert "gradstar worker: all 2 ranks succeeded" in stderr
     # The survivor saw the loss, re-joined, and both resumed where the hub's model was.
-    assert re.search(r"\[rank 0\] gradstar\.worker\.demo\.train: generation lost \(RankLostError", stderr)
+    assert re.search(r"\[rank 0\] gradstar\.worker\.demo\.train: generation lost "
+                     r"\(RankLostError", stderr)
     total = EPOCHS * steps
     resumed = re.search(r"\[rank 0\] rank 0: generation 2, 2 ranks, resuming at step (\d+) of "
                         rf"{total}", stdout)
