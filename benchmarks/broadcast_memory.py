@@ -29,10 +29,11 @@ What is measured
 
     Before the hub bounded forwarding (commit fc781b2), it read the root's whole tensor and held
     it for the late rank: growth was the tensor size and more. With the read window
-    (``coordinator/window.py``: at most FORWARD_AHEAD_CHUNKS chunks held before matching, and
-    as many queued but not delivered per receiver afterwards) it is a few windows of 2 MiB chunks
-    plus what gRPC buffers per stream, whatever the tensor size; on the shm path the hub copies
-    chunks from the root's segment straight into the receivers' and holds none itself.
+    (``coordinator/collective/window.py``: at most FORWARD_AHEAD_CHUNKS chunks held before
+    matching, and as many queued but not delivered per receiver afterwards) it is a few windows
+    of 2 MiB chunks plus what gRPC buffers per stream, whatever the tensor size; on the shm path
+    the hub copies chunks from the root's segment straight into the receivers' and holds none
+    itself.
 
 How to reproduce
     .venv/bin/python benchmarks/broadcast_memory.py                  # 512 MiB, 4 ranks, 5 s, both

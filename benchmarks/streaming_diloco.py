@@ -56,8 +56,8 @@ def worker(method: str, index: int, out: Path, args: argparse.Namespace) -> None
     import torch
 
     import gradstar
-    from gradstar.worker.modes import MomentumSGD
-    from gradstar.worker.spirals import make_spirals
+    from gradstar.worker.demo.modes import MomentumSGD
+    from gradstar.worker.demo.spirals import make_spirals
 
     torch.set_num_threads(1)  # workers share the host's cores
     data = make_spirals(args.samples, seed=0)
@@ -149,7 +149,7 @@ def kill_and_restart(procs: list, start, hub, args: argparse.Namespace) -> None:
 
 
 def run_method(method: str, args: argparse.Namespace, hub, tmp: Path) -> dict:
-    from gradstar.worker.spirals import evaluate, load_flat_parameters, make_spirals
+    from gradstar.worker.demo.spirals import evaluate, load_flat_parameters, make_spirals
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADSTAR_")}
     env.update(GRADSTAR_COORDINATOR=hub.address, GRADSTAR_SHARED_MEMORY="0")

@@ -65,7 +65,7 @@ def run_method(cluster: EmulatedCluster, method: str, args, tmp: Path) -> dict:
 
 def curve(method_row: dict, args) -> list[tuple[float, float]]:
     """(seconds since worker 0 began training, test accuracy) of each snapshot."""
-    from gradstar.worker.spirals import evaluate, load_flat_parameters, make_spirals
+    from gradstar.worker.demo.spirals import evaluate, load_flat_parameters, make_spirals
 
     data = make_spirals(args.samples, seed=0)
     model = make_model(data.features, data.classes, args.hidden)

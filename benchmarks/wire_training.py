@@ -2,7 +2,7 @@
 with and without error feedback.
 
 What is measured
-    The demo's task and model (``gradstar.worker.spirals``: 3 spiral arms, 24,000 points, a
+    The demo's task and model (``gradstar.worker.demo.spirals``: 3 spiral arms, 24,000 points, a
     3-layer SiLU MLP of 128 units) trained by ``--ranks`` spawned processes with
     ``gradstar.DDP(model, pg, wire=W, error_feedback=E)`` and SGD with momentum 0.9, each rank
     on its share of every global batch (the same schedule for every configuration: a seeded
@@ -36,7 +36,7 @@ def train_rank(rank: int, world_size: int, address: str, job: str, wire: str | N
     import torch
 
     import gradstar
-    from gradstar.worker.spirals import evaluate, flat_parameters, make_model, make_spirals
+    from gradstar.worker.demo.spirals import evaluate, flat_parameters, make_model, make_spirals
 
     torch.set_num_threads(1)  # the ranks share the machine's cores with the hub
     data = make_spirals(samples, seed=0)

@@ -1,13 +1,12 @@
 """gradstar.client: what a training process uses to talk to the coordinator."""
 
-from .local_sgd import LocalSGD
+from .outer import LocalSGD, StreamingDiLoCo
 from .process_group import (
     AsyncProcessGroup,
     ProcessGroup,
     init_process_group,
     init_process_group_async,
 )
-from .streaming_diloco import StreamingDiLoCo
 from .work import Work
 
 __all__ = [

@@ -34,20 +34,13 @@ from gradstar.transport.channels import (
 )
 from gradstar.transport.http import bound_port, serve_http
 
-from .admin import AdminServicer
-from .averaging import AveragingStore
-from .budget import CollectiveBudget
-from .engine import CollectiveEngine
-from .local_shards import LocalShards
+from .collective import CollectiveBudget, CollectiveEngine, CollectiveServicer
 from .metrics import render_async
-from .rendezvous import Rendezvous
-from .rounds import RoundsTable
-from .rounds_servicer import RoundsServicer
-from .servicers import CollectiveServicer, RendezvousServicer
-from .shards import ShardControlServicer, ShardRegistry
-from .status import CoordinatorStatus
-from .status_page import status_routes
+from .rendezvous import Rendezvous, RendezvousServicer
+from .rounds import AveragingStore, RoundsServicer, RoundsTable
+from .shards import LocalShards, ShardControlServicer, ShardRegistry
 from .steps import StepsServicer, StepsTable
+from .views import AdminServicer, CoordinatorStatus, status_routes
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +77,7 @@ class Coordinator:
         #: Bound port of the Prometheus endpoint (``settings.metrics_port``), once started.
         self.metrics_port: int | None = None
         self._metrics_server: asyncio.Server | None = None
-        #: What the status page beside /metrics shows (see gradstar.coordinator.status).
+        #: What the status page beside /metrics shows (see gradstar.coordinator.views).
         self.status: CoordinatorStatus | None = None
         #: The data-plane shards (see gradstar.coordinator.shards), once started.
         self.shards: ShardRegistry | None = None

@@ -93,8 +93,8 @@ def main() -> int:
                      for r in range(2)]
             for p in short:
                 p.wait(timeout=120)
-        train = [sys.executable, "-m", "gradstar.worker.train", "--mode", "ddp", "--epochs", "50",
-                 "--progress", "none"]
+        train = [sys.executable, "-m", "gradstar.worker.demo.train", "--mode", "ddp", "--epochs",
+                 "50", "--progress", "none"]
         # Rank 3 runs at the lowest CPU priority, as on a busy host: the straggler.
         procs += [subprocess.Popen(train, env=rank(address, "demo-ddp", 4, r),
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -17,7 +17,7 @@ from gradstar.errors import GradstarError
 from gradstar.node_shard import HOST_GROUP
 from gradstar.proto.v1 import collective_pb2 as pb
 
-from ..collective_stream import issue
+from ..collective.stream import issue
 from ..convert import delivered
 from . import programs
 from .layout import plan
@@ -151,7 +151,7 @@ class HostHierarchy:
         """Reserve every stage of ``program`` in its group now, then run the stages in order;
         resolves to ``restore(program.finish())``. Called on the loop, it returns a running
         task; from another thread (the blocking API), the coroutine to submit to the loop, as
-        :func:`~gradstar.client.collective_stream.issue` does.
+        :func:`~gradstar.client.collective.stream.issue` does.
 
         A stage that fails, or a call cancelled, gives up the stages not yet issued, so that
         the other ranks' stages fail at once instead of at their timeout.

@@ -27,7 +27,8 @@ from gradstar.wire import aligned_chunk_bytes, dtype_info
 from gradstar.wire.encoded import Encoding, aligned_wire_chunk_bytes, check_encoding
 
 from ..coalesced import all_reduce_coalesced
-from ..collective_stream import abandon_collective, give_up, issue, run_collective
+from ..collective.data_plane import DataPlane, striped_chunk_bytes
+from ..collective.stream import abandon_collective, give_up, issue, run_collective
 from ..convert import (
     copies_to_device,
     copying_to_device,
@@ -35,7 +36,6 @@ from ..convert import (
     is_cpu_tensor,
     to_numpy,
 )
-from ..data_plane import DataPlane, striped_chunk_bytes
 from ..hierarchy import HostHierarchy
 from ..peer import Identity, PeerEndpoint
 from ..session import Session
@@ -214,7 +214,7 @@ class AsyncProcessGroup(PointToPoint):
         Every rank sends a flat float32 ``x`` (parameters for ``rule`` "seed" and "average",
         pseudo-gradients for "outer_sgd" and "outer_nesterov"); the hub averages it, applies the
         rule to the job's global model ``model`` and every rank receives the new global
-        parameters (see ``gradstar.coordinator.averaging``).
+        parameters (see ``gradstar.coordinator.rounds.averaging``).
 
         ``wire``: a compressed wire format for what the ranks send (meant for the
         pseudo-gradients of "outer_sgd" and "outer_nesterov"); the hub decodes it, keeps the
@@ -282,7 +282,7 @@ class AsyncProcessGroup(PointToPoint):
              timeout: float | None, *, reduce_op: int = 0, root: int = 0,
              averaging: pb.AveragingSpec | None = None, wire: str | None = None) -> Awaitable:
         """Take the collective's seq and issue it now (see
-        :mod:`gradstar.client.collective_stream`): ``send`` is cut by the op's input layout,
+        :mod:`gradstar.client.collective.stream`): ``send`` is cut by the op's input layout,
         ``out`` receives the result and ``restore`` turns it into what the caller gets."""
         header, timeout = self._header(op, arr, timeout, reduce_op, root, averaging, wire)
         return self._issue(header, lambda: self._collect(header, send, out, restore, timeout))
@@ -312,7 +312,7 @@ class AsyncProcessGroup(PointToPoint):
 
     def _issue(self, header: pb.CollectiveHeader, run) -> Awaitable:
         """Start ``run()``, the call that carries collective ``header``, now
-        (:func:`~gradstar.client.collective_stream.issue`); cancelled before it ran, it tells
+        (:func:`~gradstar.client.collective.stream.issue`); cancelled before it ran, it tells
         the hub so that no rank waits for it."""
         return issue(run, lambda: abandon_collective(self._targets(header), header,
                                                      self.world_size, self._metadata))

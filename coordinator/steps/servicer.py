@@ -18,7 +18,7 @@ from gradstar.proto.v1 import steps_pb2_grpc
 from gradstar.sync_modes import from_message
 from gradstar.transport.status import abort
 
-from ..jobs import check_job_name
+from ..rendezvous.jobs import check_job_name
 from .ledger import ClosedStep, StepLedger
 from .table import StepsTable
 

@@ -69,7 +69,7 @@ REDUCE_OP_NAMES = {
 #: name a caller may pass -> wire enum ("avg" is torch's name for the mean).
 REDUCE_OPS = {**{name: wire for wire, name in REDUCE_OP_NAMES.items()}, "avg": pb.REDUCE_OP_MEAN}
 
-#: wire enum -> name of every parameter-averaging rule (see gradstar.coordinator.averaging).
+#: wire enum -> name of every parameter-averaging rule (see gradstar.coordinator.rounds.averaging).
 RULE_NAMES = {
     pb.AVERAGING_RULE_SEED: "seed",
     pb.AVERAGING_RULE_AVERAGE: "average",

@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
-from gradstar.client.data_plane import DataPlane
+from gradstar.client.collective import DataPlane
 from gradstar.config import ClientSettings, CoordinatorSettings
 from gradstar.coordinator import Coordinator
 

@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
-from gradstar.client.rounds_client import PART_BYTES, RoundPolicySpec, RoundsClient
+from gradstar.client.outer.rounds import PART_BYTES, RoundPolicySpec, RoundsClient
 from gradstar.config import ClientSettings
 from gradstar.errors import (
     AuthenticationError,

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from gradstar import errors
-from gradstar.client import collective_stream
-from gradstar.client.collective_stream import Target
+from gradstar.client.collective import Target
+from gradstar.client.collective import stream as collective_stream
 from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.transport import shm
 from gradstar.wire import KIND_HEADER, decode_message, frame_kind

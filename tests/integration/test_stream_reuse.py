@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gradstar import errors
-from gradstar.client import collective_stream
+from gradstar.client.collective import stream as collective_stream
 from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.wire import KIND_END, KIND_ERROR, decode_error, encode_message, frame_kind
 

@@ -22,10 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gradstar.client.rounds_client import RoundsClient
-from gradstar.client.streaming_plan import Schedule, split_fragments
+from gradstar.client.outer import RoundsClient, Schedule, split_fragments
 from gradstar.config import ClientSettings
-from gradstar.coordinator.admin import rounds_view
+from gradstar.coordinator.views import rounds_view
 from tests.runtime.conftest import http_get
 
 SCRIPT = Path(__file__).with_name("replica_script.py")

@@ -1,9 +1,10 @@
 """The hub's memory stays bounded when a rank is late to a forwarding collective.
 
 Broadcast and all_gather chunks are forwarded, not reduced, so nothing but the hub's read window
-(``coordinator/window.py``, ``ReadWindow``) stops it from reading a sender's whole tensor while
-one receiver is not there yet. The coordinator runs as its own process here, as in a deployment,
-and a thread samples its private resident memory every 50 ms while the collective runs.
+(``coordinator/collective/window.py``, ``ReadWindow``) stops it from reading a sender's whole
+tensor while one receiver is not there yet. The coordinator runs as its own process here, as in
+a deployment, and a thread samples its private resident memory every 50 ms while the collective
+runs.
 
 Both data paths are measured: chunks on the stream (ranks on other hosts) and through the ranks'
 shared-memory segments (same host). Mapped segments are the ranks' memory, which the hub only

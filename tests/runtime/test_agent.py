@@ -20,7 +20,7 @@ async def test_agent_restarts_a_killed_rank_and_the_job_completes(start_coordina
     proc = await asyncio.create_subprocess_exec(
         *GRADSTAR, "worker", "--coordinator", hub.address, "--job", "elastic", "--nproc", "2",
         "--max-restarts", "1", "--health-port", "0", "--health-host", "127.0.0.1", "--",
-        sys.executable, "-m", "gradstar.worker.train", "--mode", "localsgd", "--sync-every",
+        sys.executable, "-m", "gradstar.worker.demo.train", "--mode", "localsgd", "--sync-every",
         "1", "--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--timeout", "60",
         env=clean_env(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = Lines(proc.stdout), Lines(proc.stderr)
@@ -51,7 +51,8 @@ async def test_agent_restarts_a_killed_rank_and_the_job_completes(start_coordina
     assert re.search(r"gradstar worker: started rank 1 \(pid \d+\), restart 1", stderr)
     assert "gradstar worker: all 2 ranks succeeded" in stderr
     # The survivor saw the loss, re-joined, and both resumed where the hub's model was.
-    assert re.search(r"\[rank 0\] gradstar\.worker\.train: generation lost \(RankLostError", stderr)
+    assert re.search(r"\[rank 0\] gradstar\.worker\.demo\.train: generation lost "
+                     r"\(RankLostError", stderr)
     total = EPOCHS * steps
     resumed = re.search(r"\[rank 0\] rank 0: generation 2, 2 ranks, resuming at step (\d+) of "
                         rf"{total}", stdout)

@@ -18,7 +18,7 @@ import pytest
 
 from gradstar.config import CoordinatorSettings, ShardSettings, is_placeholder_token
 from gradstar.coordinator import Coordinator
-from gradstar.coordinator.shard import Shard
+from gradstar.coordinator.shards import Shard
 from gradstar.errors import ConfigurationError
 
 from .compose import env_file

@@ -12,9 +12,9 @@ import re
 import pytest
 
 from gradstar.config import ClientSettings, CoordinatorSettings, ShardSettings
-from gradstar.coordinator.local_shards import LocalShards
-from gradstar.worker.agent import AgentSettings
-from gradstar.worker.train import TrainSettings
+from gradstar.coordinator.shards import LocalShards
+from gradstar.worker.demo.train import TrainSettings
+from gradstar.worker.host.agent import AgentSettings
 
 from .compose import ROOT, env_file, healthcheck_argv, load_compose, local_argv, service_env
 from .conftest import run_gradstar
@@ -145,7 +145,7 @@ def test_the_worker_is_scalable_and_runs_the_demo_job_under_the_agent(compose):
     assert "container_name" not in worker
     command = worker["command"]
     assert command[:2] == ["gradstar", "worker"]
-    assert command[command.index("--") + 1:] == ["python", "-m", "gradstar.worker.train"]
+    assert command[command.index("--") + 1:] == ["python", "-m", "gradstar.worker.demo.train"]
     env = service_env(worker)
     assert env["GRADSTAR_WORLD_SIZE"] == env_file()["GRADSTAR_WORKERS"]
     assert str(worker["deploy"]["replicas"]) == env_file()["GRADSTAR_WORKERS"]

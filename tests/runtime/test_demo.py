@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from gradstar.worker.demo import mode_unavailable
+from gradstar.worker.demo.command import mode_unavailable
 
 from .conftest import run_gradstar
 from .test_demo_artefacts import check_artefacts

@@ -11,7 +11,7 @@ from pathlib import Path
 import matplotlib.image
 import numpy as np
 
-from gradstar.worker.demo_report import PLOT_NEEDS, SCHEMA, write_plot, write_report
+from gradstar.worker.demo.report import PLOT_NEEDS, SCHEMA, write_plot, write_report
 
 from .conftest import clean_env, run_gradstar
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from gradstar.errors import ConfigurationError
-from gradstar.worker.modes import MomentumSGD, pipeline_stage
-from gradstar.worker.replay import SingleProcessRun
-from gradstar.worker.spirals import flat_parameters, make_model, make_spirals
-from gradstar.worker.train import Schedule, TrainSettings
+from gradstar.worker.demo.modes import MomentumSGD, pipeline_stage
+from gradstar.worker.demo.replay import SingleProcessRun
+from gradstar.worker.demo.spirals import flat_parameters, make_model, make_spirals
+from gradstar.worker.demo.train import Schedule, TrainSettings
 
 # 240 training rows, global batch 16 on 2 ranks: 15 steps.
 SMALL = {"samples": 300, "batch_size": 8, "epochs": 1, "hidden": 16}

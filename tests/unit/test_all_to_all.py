@@ -8,7 +8,7 @@ import pytest
 
 from gradstar import ops
 from gradstar.client import all_to_all as a2a
-from gradstar.coordinator.matching import Limits, check_agrees, describe, validate
+from gradstar.coordinator.collective.matching import Limits, check_agrees, describe, validate
 from gradstar.errors import CollectiveMismatchError, InvalidCollectiveError
 from gradstar.proto.v1 import collective_pb2 as pb
 

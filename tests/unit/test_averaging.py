@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradstar.coordinator.averaging import AveragingStore
+from gradstar.coordinator.rounds import AveragingStore
 from gradstar.errors import InvalidCollectiveError
 from gradstar.proto.v1 import collective_pb2 as pb
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from gradstar import ops
-from gradstar.client.collective_stream import CollectivePlan, Phase, StreamReceiver
+from gradstar.client.collective import CollectivePlan, Phase, StreamReceiver
 from gradstar.errors import CollectiveTimeoutError, ProtocolError
 from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.wire import (

@@ -1,7 +1,8 @@
 """The documentation site, checked without building it (no network, no mkdocs): every public
 name of ``gradstar`` has its place in the API reference, every error class its entry on the
-troubleshooting page, every page is in the navigation, and every relative link of README.md
-resolves to a file (a page of the site, when it points into docs/).
+troubleshooting page, every page is in the navigation, every relative link of README.md
+resolves to a file (a page of the site, when it points into docs/), and the module map in
+docs/development.md ("Layout") names every module of the source folders and nothing else.
 
 ``make docs`` (``mkdocs build --strict``, run by CI) checks the rest: that every ``:::`` name
 resolves in the source, and every link and anchor between pages.
@@ -153,3 +154,91 @@ def test_every_relative_link_of_the_readme_resolves():
 def test_the_readme_is_a_front_page():
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= 200, len(lines)
+
+
+#: The folders whose modules docs/development.md's layout must name (generated stubs excepted).
+SOURCE_FOLDERS = ("src/gradstar/", "coordinator/", "client/", "worker/")
+GENERATED = "src/gradstar/proto/"
+#: Where an entry's description starts in the layout block; a line indented this far or more
+#: goes on describing the entry above it.
+DESCRIPTION_COLUMN = 20
+MODULE = re.compile(r"(?<![\w./])([\w/]+\.py)\b")
+
+
+def layout_block() -> str:
+    text = (DOCS / "development.md").read_text(encoding="utf-8")
+    match = re.search(r"^## Layout\n\n```\n(.*?)^```", text, re.M | re.S)
+    assert match, "docs/development.md has no '## Layout' section with a code block"
+    return match.group(1)
+
+
+def layout_names() -> tuple[set[str], set[str]]:
+    """(modules, folders) that the layout names, as paths from the repository root.
+
+    A line indented less than :data:`DESCRIPTION_COLUMN` starts an entry: a folder (``name/``),
+    nested in the folders above it by indentation, or files of the folder it sits in. A module
+    (``name.py``) named anywhere on an entry or the lines describing it belongs to that folder,
+    unless it is written from the root (``coordinator/collective/engine.py``).
+    """
+    modules: set[str] = set()
+    folders: set[str] = set()
+    stack: list[tuple[int, str]] = []  # (indent, folder path ending in "/")
+    for line in layout_block().splitlines():
+        stripped = line.lstrip()
+        if not stripped:
+            continue
+        indent = len(line) - len(stripped)
+        if indent < DESCRIPTION_COLUMN:
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            first = stripped.split()[0]
+            if first.endswith("/"):
+                stack.append((indent, (stack[-1][1] if stack else "") + first))
+                folders.add(stack[-1][1])
+        folder = stack[-1][1] if stack else ""
+        for name in MODULE.findall(line):
+            modules.add(name if name.startswith(SOURCE_FOLDERS) else folder + name)
+    return ({m for m in modules if m.startswith(SOURCE_FOLDERS)},
+            {f for f in folders if f.startswith(SOURCE_FOLDERS)})
+
+
+def modules_on_disk() -> tuple[set[str], set[str]]:
+    """(modules but __init__.py, package folders) under the source folders, stubs excepted."""
+    modules: set[str] = set()
+    folders: set[str] = set()
+    for root in SOURCE_FOLDERS:
+        for path in (ROOT / root).rglob("*.py"):
+            name = path.relative_to(ROOT).as_posix()
+            if name.startswith(GENERATED) or "__pycache__" in name:
+                continue
+            if path.name == "__init__.py":
+                folders.add(name.removesuffix("__init__.py"))
+            else:
+                modules.add(name)
+    return modules, folders - set(SOURCE_FOLDERS)
+
+
+def test_the_layout_names_every_module_and_folder():
+    named_modules, named_folders = layout_names()
+    modules, folders = modules_on_disk()
+    assert sorted(modules - named_modules) == [], (
+        "docs/development.md's layout does not name these modules: add each where it lives")
+    assert sorted(folders - named_folders) == [], (
+        "docs/development.md's layout does not name these packages as folders ('name/')")
+
+
+def test_every_module_the_layout_names_exists():
+    named_modules, named_folders = layout_names()
+    assert sorted(m for m in named_modules if not (ROOT / m).is_file()) == [], (
+        "docs/development.md's layout names modules that do not exist (moved or gone?)")
+    assert sorted(f for f in named_folders if not (ROOT / f).is_dir()) == [], (
+        "docs/development.md's layout names folders that do not exist")
+
+
+def test_the_layout_check_sees_a_missing_and_a_stale_module():
+    named_modules, _ = layout_names()
+    modules, _ = modules_on_disk()
+    assert "coordinator/collective/engine.py" in named_modules
+    assert "client/collective/plan.py" in named_modules
+    assert "src/gradstar/proto/v1/collective_pb2.py" not in modules
+    assert len(named_modules) >= 100, len(named_modules)

@@ -8,10 +8,10 @@ import asyncio
 import pytest
 
 from gradstar import errors
-from gradstar.coordinator.admin import PAGE_SIZE, AdminServicer
-from gradstar.coordinator.averaging import AveragingStore
 from gradstar.coordinator.metrics import CollectiveMetrics
 from gradstar.coordinator.rendezvous import Rendezvous
+from gradstar.coordinator.rounds import AveragingStore
+from gradstar.coordinator.views import PAGE_SIZE, AdminServicer
 from gradstar.proto.v1 import admin_pb2 as apb
 
 

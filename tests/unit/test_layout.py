@@ -107,9 +107,21 @@ def _cycles() -> list[list[str]]:
 
 def test_the_module_list_covers_the_layout():
     for name in ("gradstar.ops", "gradstar.wire", "gradstar.transport.channels",
-                 "gradstar.coordinator.matching", "gradstar.client.collective_stream",
+                 "gradstar.coordinator.collective.matching", "gradstar.client.collective.stream",
                  "gradstar.client.peer.server", "gradstar.client.fsdp.wrapper"):
         assert name in MODULES
+
+
+#: Top-level entries (modules and folders) the hub may have: past this, its rooms stop telling
+#: its architecture (issue 34). A new subsystem gets a folder.
+MAX_HUB_ENTRIES = 10
+
+
+def test_the_hub_top_level_stays_small():
+    hub = ROOT / PACKAGE_DIR["gradstar.coordinator"]
+    entries = sorted(p.name for p in hub.iterdir()
+                     if p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").is_file()))
+    assert len(entries) <= MAX_HUB_ENTRIES, entries
 
 
 def test_no_import_circles():
@@ -163,8 +175,8 @@ def test_a_training_rank_never_loads_the_hub():
     # training entry point and the host agent that starts ranks.
     loaded = _loaded_after(
         "import gradstar, gradstar.client.torch_backend, gradstar.client.fsdp, "
-        "gradstar.client.pipeline, gradstar.client.ddp, gradstar.worker.train, "
-        "gradstar.worker.agent\ngradstar.DDP, gradstar.FSDP, gradstar.Pipeline")
+        "gradstar.client.pipeline, gradstar.client.ddp, gradstar.worker.demo.train, "
+        "gradstar.worker.host.agent\ngradstar.DDP, gradstar.FSDP, gradstar.Pipeline")
     assert "torch" in loaded  # the probe did reach the torch wrappers
     assert not {m for m in loaded if m.startswith("gradstar.coordinator")}
 

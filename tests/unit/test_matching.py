@@ -1,11 +1,11 @@
-"""Header checks of the hub (coordinator/matching.py), without sockets."""
+"""Header checks of the hub (coordinator/collective/matching.py), without sockets."""
 
 from __future__ import annotations
 
 import pytest
 
 from gradstar import errors
-from gradstar.coordinator.matching import (
+from gradstar.coordinator.collective.matching import (
     Limits,
     check_agrees,
     describe,

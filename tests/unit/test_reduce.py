@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from gradstar.coordinator.reduce import BufferPool, ChunkReducer
+from gradstar.coordinator.collective.reduce import BufferPool, ChunkReducer
 from gradstar.errors import InvalidCollectiveError
 from gradstar.ops import REDUCE_OP_NAMES
 from gradstar.proto.v1 import collective_pb2 as pb

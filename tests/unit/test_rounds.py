@@ -1,13 +1,12 @@
-"""The rounds state machine (coordinator/rounds.py) and Streaming DiLoCo's plan, no sockets."""
+"""The rounds state machine (coordinator/rounds/) and Streaming DiLoCo's plan, no sockets."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from gradstar.client.streaming_plan import Schedule, split_fragments
-from gradstar.coordinator.averaging import AveragingStore
-from gradstar.coordinator.rounds import Policy, RoundsTable
+from gradstar.client.outer import Schedule, split_fragments
+from gradstar.coordinator.rounds import AveragingStore, Policy, RoundsTable
 from gradstar.errors import ConfigurationError, HubCapacityError, RoundMismatchError
 
 POLICY = Policy(outer_lr=0.5, outer_momentum=0.0, nesterov=True, min_replicas=2,

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from gradstar.coordinator.averaging import AveragingStore, state_file_stem
+from gradstar.coordinator.rounds import AveragingStore, state_file_stem
 from gradstar.proto.v1 import collective_pb2 as pb
 
 HOSTILE = ["..", ".", "", "a/b", "../../etc", "/etc/passwd", "a\\b", "x\x00y", "~", "%2E%2E",

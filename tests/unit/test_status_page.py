@@ -15,8 +15,14 @@ import pytest
 
 from gradstar.coordinator.rendezvous import Rendezvous
 from gradstar.coordinator.shards import ShardRegistry
-from gradstar.coordinator.status import CoordinatorStatus, FailureLog, TrafficRates
-from gradstar.coordinator.status_page import render_html, render_json, status_routes
+from gradstar.coordinator.views import (
+    CoordinatorStatus,
+    FailureLog,
+    TrafficRates,
+    render_html,
+    render_json,
+    status_routes,
+)
 from gradstar.errors import RankLostError
 from gradstar.ops import ALL_REDUCE
 from gradstar.proto.v1 import shard_pb2 as spb
@@ -334,8 +340,7 @@ def test_page_shows_outer_rounds_with_dropped_replicas_escaped():
 async def test_snapshot_lists_rounds_of_the_rounds_table():
     import numpy as np
 
-    from gradstar.coordinator.averaging import AveragingStore
-    from gradstar.coordinator.rounds import Policy, RoundsTable
+    from gradstar.coordinator.rounds import AveragingStore, Policy, RoundsTable
 
     table = RoundsTable(AveragingStore(), max_numel=100, max_held_bytes=1 << 20)
     for name in ("a", "b"):

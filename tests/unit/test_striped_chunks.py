@@ -1,10 +1,11 @@
-"""How a striped collective is cut into chunks (client/data_plane.py, striped_chunk_bytes)."""
+"""How a striped collective is cut into chunks (client/collective/data_plane.py,
+striped_chunk_bytes)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gradstar.client.data_plane import (
+from gradstar.client.collective.data_plane import (
     CHUNKS_PER_STRIPE,
     MAX_CHUNK_ACROSS_HOSTS,
     MIN_STRIPED_CHUNK,

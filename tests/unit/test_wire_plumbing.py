@@ -9,8 +9,8 @@ import pytest
 
 from gradstar import errors, ops
 from gradstar.client.hierarchy import plan, programs
-from gradstar.coordinator.matching import Limits, check_agrees, describe, validate
-from gradstar.coordinator.reduce import BufferPool, EncodedChunkReducer, reducer_for
+from gradstar.coordinator.collective.matching import Limits, check_agrees, describe, validate
+from gradstar.coordinator.collective.reduce import BufferPool, EncodedChunkReducer, reducer_for
 from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.wire import ChunkLayout, as_byte_view, dtype_info
 from gradstar.wire.encoded import Encoding, aligned_wire_chunk_bytes, check_encoding

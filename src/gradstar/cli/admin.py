@@ -1,5 +1,5 @@
 """``gradstar admin``: the operator's views of a running coordinator (status, jobs, shards,
-drain, health); the calls and tables are :mod:`gradstar.worker.admin_command`."""
+drain, health); the calls and tables are :mod:`gradstar.worker.admin.command`."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def admin_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def admin_command(args: argparse.Namespace) -> int:
     from gradstar.errors import GradstarError
-    from gradstar.worker.admin_command import run_admin
+    from gradstar.worker.admin.command import run_admin
 
     problem = unreadable({"--tls-ca": args.tls_ca, "--tls-cert": args.tls_cert,
                            "--tls-key": args.tls_key})

@@ -11,7 +11,7 @@ from gradstar.cli.common import USAGE_ERROR
 
 
 def demo_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    from gradstar.worker.demo import MODES, DemoOptions
+    from gradstar.worker.demo.command import MODES, DemoOptions
 
     d = DemoOptions()
     p = sub.add_parser(
@@ -43,7 +43,7 @@ def demo_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def demo_command(args: argparse.Namespace) -> int:
-    from gradstar.worker.demo import DemoOptions, run_demo
+    from gradstar.worker.demo.command import DemoOptions, run_demo
 
     if args.workers < 1:
         print("gradstar demo: --workers must be at least 1", file=sys.stderr)

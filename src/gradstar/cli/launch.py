@@ -45,7 +45,7 @@ def launch_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def launch_command(args: argparse.Namespace) -> int:
-    from gradstar.worker.launch import LaunchOptions, run_launch, script_command
+    from gradstar.worker.host.launch import LaunchOptions, run_launch, script_command
 
     if args.nproc < 1:
         print("gradstar launch: --nproc must be at least 1", file=sys.stderr)
@@ -101,19 +101,19 @@ def worker_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--shard-tls-key", type=Path,
                    help="the private key of --shard-tls-cert (env GRADSTAR_SHARD_TLS_KEY)")
     p.add_argument("rank_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
-                   help="what each rank runs, e.g. -- python -m gradstar.worker.train")
+                   help="what each rank runs, e.g. -- python -m gradstar.worker.demo.train")
     return p
 
 
 def worker_command(args: argparse.Namespace) -> int:
-    from gradstar.worker.agent import AgentSettings, run_agent
+    from gradstar.worker.host.agent import AgentSettings, run_agent
 
     command = list(args.rank_command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         print("gradstar worker: give the rank command after --, e.g. "
-              "gradstar worker ... -- python -m gradstar.worker.train", file=sys.stderr)
+              "gradstar worker ... -- python -m gradstar.worker.demo.train", file=sys.stderr)
         return USAGE_ERROR
     given = {k: v for k, v in vars(args).items()
              if k not in ("command", "rank_command") and v is not None}

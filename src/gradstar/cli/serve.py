@@ -192,7 +192,7 @@ def _default_signals() -> None:
 
 
 async def _serve_shard(settings) -> int:
-    from gradstar.coordinator.shard import Shard
+    from gradstar.coordinator.shards import Shard
 
     share_malloc_arena()  # before the shard's gRPC threads start
     shard = Shard(settings)

@@ -1,0 +1,128 @@
+"""Where a rank's collective streams go: the coordinator, or the generation's hub shards.
+
+The coordinator's ``Joined`` answer lists the shards the generation stripes over (empty: the
+coordinator carries every collective itself). The rank opens one channel per shard, with the
+coordinator channel's TLS settings and token, so each shard's stripe travels on its own TCP
+connection. A shard address with no host (``:PORT``, as local shards advertise themselves)
+means the host this rank reaches the coordinator at. Parameter-averaging rounds always go to
+the coordinator, which keeps the job's global model. Joining waits until every shard is
+connected (:meth:`DataPlane.connect`), as it waits for the coordinator, so that a shard this
+rank cannot reach fails the join with its cause named (a TLS mismatch within a second or two).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from gradstar.config import ClientSettings
+from gradstar.transport.channels import open_channel
+from gradstar.transport.tls_check import wait_connected
+from gradstar.wire import COLLECTIVE_METHOD
+
+from .targets import SharedMemoryOffer, Target
+
+#: A collective striped over K targets is cut into at least this many chunks per target, down
+#: to MIN_STRIPED_CHUNK bytes: with the default 2 MiB chunk, 1 MiB over 4 shards was one chunk
+#: (every byte to shard 0, 13% of the link-bound ideal on the emulated cluster) and 16 MiB two
+#: per shard (pipeline fill and drain dominated). Measured with 4 node-local shards at 200
+#: Mbit/s (benchmarks/cluster.py --chunk-mb): 64 MiB took 4977 ms in 2 MiB chunks, 4822 in 1 MiB,
+#: 4696 in 0.5 MiB; 1 MiB over 4 shards-extra-hosts 320 ms in one chunk, 84 in 64 KiB ones.
+CHUNKS_PER_STRIPE = 16
+MIN_STRIPED_CHUNK = 64 << 10
+#: Across hosts, striped chunks are at most this big: a shard can send a chunk's result only
+#: once every rank's chunk arrived, so the last chunk's round trip is the pipeline's drain.
+#: Measured at 200 Mbit/s, 4 extra-host shards (benchmarks/cluster.py --chunk-mb, cubic):
+#: 64 MiB took 3107 ms in 1 MiB chunks and 2936 ms (91% of the link bound) in 256 KiB ones;
+#: 16 MiB 787-797 ms in 256 KiB chunks and 880 ms in 64 KiB ones (per-chunk CPU: 2x the
+#: CPU-s/GB); node-local shards the same in 1 MiB and 256 KiB chunks (4265 / 4285 ms).
+#: Within one host (local shards, shared memory) chunks stay as large as configured.
+MAX_CHUNK_ACROSS_HOSTS = 256 << 10
+
+
+def striped_chunk_bytes(configured: int, nbytes: int, stripes: int,
+                        spans_hosts: bool = False) -> int:
+    """The chunk size for a collective of ``nbytes`` over ``stripes`` targets: ``configured``,
+    or smaller so that each stripe gets CHUNKS_PER_STRIPE chunks, and when the generation
+    ``spans_hosts`` at most MAX_CHUNK_ACROSS_HOSTS (every rank computes the same from the same
+    header fields and generation, as the hub checks)."""
+    if stripes <= 1:
+        return configured
+    wanted = -(-nbytes // (stripes * CHUNKS_PER_STRIPE))
+    if spans_hosts:
+        wanted = min(wanted, MAX_CHUNK_ACROSS_HOSTS)
+    return min(configured, max(MIN_STRIPED_CHUNK, wanted))
+
+
+def resolve(address: str, coordinator: str) -> str:
+    """``address`` with an empty host replaced by the coordinator's host."""
+    if not address.startswith(":"):
+        return address
+    host = coordinator.rsplit(":", 1)[0] if ":" in coordinator else coordinator
+    return f"{host}{address}"
+
+
+class DataPlane:
+    """The coordinator's :class:`Target` and one per hub shard of the generation."""
+
+    def __init__(self, settings: ClientSettings, shards: list[str],
+                 collectives: str = "") -> None:
+        self.settings = settings
+        # The coordinator's collectives go on a connection of their own, apart from the
+        # session's, to the port it serves them on (``collectives``; empty: its own): a
+        # session's keepalive pings must not wait behind MBs of tensors
+        # (gradstar.transport.channels, BULK_KEEPALIVE_TIMEOUT_MS).
+        self.collectives = resolve(collectives or settings.coordinator, settings.coordinator)
+        self._coordinator_channel = open_channel(settings, self.collectives, bulk=True)
+        self.coordinator = Target(self._coordinator_channel.stream_stream(COLLECTIVE_METHOD),
+                                  self.collectives,
+                                  shm=SharedMemoryOffer(settings.shared_memory))
+        #: The shards' addresses, in stripe order, as this rank reaches them.
+        self.addresses = [resolve(a, settings.coordinator) for a in shards]
+        self._channels = [open_channel(settings, address, bulk=True)
+                          for address in self.addresses]
+        self.shards = [
+            Target(channel.stream_stream(COLLECTIVE_METHOD), address,
+                   f"hub shard {k} at {address}", SharedMemoryOffer(settings.shared_memory))
+            for k, (channel, address) in enumerate(zip(self._channels, self.addresses,
+                                                       strict=True))]
+
+    def targets(self, averaging: bool = False) -> list[Target]:
+        """Where a collective's stripes go, in stripe order (averaging rounds: the coordinator,
+        which keeps the global model)."""
+        if averaging or not self.shards:
+            return [self.coordinator]
+        return self.shards
+
+    async def connect(self, timeout: float) -> None:
+        """Wait until this rank is connected to every hub shard and to the coordinator's
+        collective port (all at once).
+
+        Raises:
+            CoordinatorUnavailableError: a shard or the collective port was not reached within
+                ``timeout`` seconds, or its TLS settings do not match this rank's (named at
+                once).
+        """
+        s = self.settings
+        ends = list(zip(self._channels, (t.address for t in self.shards),
+                        (t.name for t in self.shards), strict=True))
+        ends.append((self._coordinator_channel, self.collectives,
+                     f"the coordinator's collective port at {self.collectives}"))
+        waits = [asyncio.ensure_future(wait_connected(
+            channel, address, timeout, s.tls_ca, s.tls_cert, s.tls_key, name=name))
+            for channel, address, name in ends]
+        try:
+            await asyncio.gather(*waits)
+        finally:
+            for wait in waits:
+                wait.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+
+    async def close(self) -> None:
+        """End the streams kept open to the coordinator and the shards, then their channels
+        (the session's channel is the group's to close)."""
+        for target in (self.coordinator, *self.shards):
+            target.close()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*(c.close() for c in (self._coordinator_channel,
+                                                       *self._channels)))

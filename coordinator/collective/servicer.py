@@ -1,0 +1,253 @@
+"""gRPC servicer of the collective service: it translates, nothing more.
+
+The logic lives in :mod:`.engine`; this class turns streams into calls on it and gradstar
+errors into gRPC statuses (:mod:`gradstar.transport.status`). Its twin on the rank is
+:mod:`gradstar.client.collective.stream` (the I/O of the rank's half of the same stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from gradstar.errors import GradstarError, ProtocolError
+from gradstar.proto.v1 import collective_pb2 as cpb
+from gradstar.transport.shm import SegmentMapper, ShmRefused, host_id, process_gone
+from gradstar.transport.status import abort
+from gradstar.wire import (
+    COLLECTIVE_SERVICE,
+    KIND_CHUNK,
+    KIND_END,
+    KIND_HEADER,
+    KIND_SHM_ATTACH,
+    KIND_SHM_CHUNK,
+    MAX_BATCH_FRAMES,
+    batchable,
+    check_header_size,
+    decode_message,
+    encode_batch,
+    encode_error,
+    encode_message,
+    frame_kind,
+    frames_of,
+)
+
+from ..rendezvous.jobs import check_job_name
+from .engine import CLOSE, CollectiveEngine, Participant, PendingCollective, without_frames
+
+log = logging.getLogger(__name__)
+
+# "No frame held back" in a stream's writer (CLOSE, the outbox's last item, is None).
+_NOTHING = object()
+
+
+def _take_batch(item, outbox: asyncio.Queue) -> tuple[list, object]:
+    """``item`` and the small frames already queued behind it, to go in one message, and the
+    first queued item that may not join them (``_NOTHING`` if none was taken)."""
+    batch = [item]
+    while batchable(batch[-1]) and len(batch) < MAX_BATCH_FRAMES and not outbox.empty():
+        following = outbox.get_nowait()
+        if not batchable(following):
+            return batch, following
+        batch.append(following)
+    return batch, _NOTHING
+
+# How long a failed collective's call stays open for the client to read the in-band error and
+# hang up. Ending a call while the client still writes can make grpc-python report INTERNAL to
+# that client instead of our status; a client that read the ERROR frame cancels at once.
+FAILURE_LINGER = 2.0
+
+
+class CollectiveServicer:
+    """The raw-frame collective stream (registered with identity serializers)."""
+
+    def __init__(self, engine: CollectiveEngine,
+                 admit: Callable[[cpb.CollectiveHeader], Awaitable[None]] | None = None,
+                 shared_memory: bool = True):
+        self.engine = engine
+        #: Awaited with each header before the engine sees it (a hub shard waits there for the
+        #: coordinator's word that the header's generation formed, and checks its stripe).
+        self.admit = admit
+        #: Ranks' shared-memory segments this process has mapped (same-host fast path); None
+        #: when the operator turned the fast path off.
+        self.segments = SegmentMapper() if shared_memory else None
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            COLLECTIVE_SERVICE,
+            {"Stream": grpc.stream_stream_rpc_method_handler(self.Stream)},
+        )
+
+    async def Stream(self, request_iterator, context):
+        """Serve collectives one after another on one stream: a rank keeps its stream to the
+        hub open across collectives (one call set-up per stream, not per collective). The
+        next header may follow only a collective that ended cleanly (both END markers); a
+        failed collective ends the call."""
+        frames = request_iterator.__aiter__()
+        offered: set[int] = set()  # processes whose segments this stream offered
+        try:
+            while True:
+                try:
+                    first = await anext(frames)
+                except StopAsyncIteration:
+                    return
+                # Closed on the way out, however that is: a call cancelled while this generator
+                # waits at a yield must still fail the collective at once (its finally), not
+                # when the inner generator is collected.
+                async with contextlib.aclosing(
+                        self._collective(first, frames, context, offered)) as one:
+                    async for message in one:
+                        yield message
+        finally:
+            # A rank's stream ends when it exits (or closes its group): let go of its segments
+            # now if it let go of them, rather than at the next sweep.
+            for pid in offered:
+                self.segments.release(pid)
+
+    def sweep_segments(self) -> None:
+        """Unmap the segments whose ranks let go of them (the hub runs this on a timer)."""
+        if self.segments is not None:
+            self.segments.sweep()
+
+    async def _collective(self, first: bytes, frames, context, offered: set[int]):
+        """One collective on the stream, from its header ``first`` to the hub's END (or an
+        abort of the call with the collective's error); adds the pid of a segment it attaches
+        to ``offered``."""
+        attach = None
+        try:
+            check_header_size(first, "a collective stream")
+            header = decode_message(first, KIND_HEADER, cpb.CollectiveHeader)
+            # Before anything quotes it: a header may carry a name of up to its own size.
+            check_job_name(header.job)
+            if self.admit is not None:
+                await self.admit(header)
+            shm, attach = self._attach(header)
+            if shm is not None:
+                offered.add(header.shm.pid)
+            coll, me = self.engine.arrive(header, shm)
+            if shm is None and attach is not None and header.shm.eager and (
+                    process_gone(header.shm.pid)):
+                # The rank wrote its chunks into a segment it expected this hub to hold, then
+                # died before the hub could open it: a lost rank (what every other rank must
+                # hear, to rejoin), not a protocol error (what its announced chunks would be).
+                coll.on_stream_closed(me, "exited before the hub could attach the shared-memory "
+                                          "segment holding its chunks")
+        except GradstarError as error:
+            # Kept errors (a failed generation's, an ended collective's) are raised again for
+            # every header that comes for them: each time, drop the frames they went through.
+            without_frames(error)
+            shm = None  # nor may the abort's traceback keep the segment (see below)
+            if attach is not None:
+                yield attach  # the rank learns a refusal even from a failed collective
+            yield encode_error(error)
+            await self._linger(asyncio.ensure_future(self._drain(frames)))
+            await abort(context, error)
+        reader = asyncio.create_task(self._read(coll, me, frames))
+        try:
+            # An eager rank does not wait for the verdict on a segment this hub attached: it
+            # goes with the accept. Any other verdict goes first, at once.
+            eager = shm is not None and header.shm.eager
+            held = _NOTHING if attach is None or eager else attach
+            while True:
+                item = await me.outbox.get() if held is _NOTHING else held
+                held = _NOTHING
+                if item is CLOSE:
+                    break
+                if isinstance(item, GradstarError):
+                    yield encode_error(item)
+                    await self._linger(reader)
+                    await abort(context, item)
+                batch, held = _take_batch(item, me.outbox)
+                if eager:
+                    eager = False
+                    if batchable(item):
+                        batch.insert(0, attach)
+                    else:
+                        yield attach
+                yield batch[0] if len(batch) == 1 else encode_batch(batch)
+                for frame in batch:
+                    if frame[0] == KIND_CHUNK or frame[0] == KIND_SHM_CHUNK:
+                        me.delivered += 1
+                        coll.progressed()
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            coll.on_stream_closed(me, "disconnected")
+            # An exception passing through here (the call cancelled or aborted) keeps this frame
+            # in its traceback, and gRPC may keep that exception a while: the frame must not keep
+            # the collective, or the rank's segment, alive with it.
+            del coll, me, shm, reader
+
+    def _attach(self, header: cpb.CollectiveHeader) -> tuple[memoryview | None, bytes | None]:
+        """Map the segment ``header`` offers, if any: (its data or None, the attach verdict
+        frame to send first, or None when nothing was offered)."""
+        if not header.HasField("shm"):
+            return None, None
+        s = header.shm
+        try:
+            if self.segments is None:
+                raise ShmRefused("shared memory is turned off on this hub (shared_memory)")
+            if s.host and s.host != host_id():
+                raise ShmRefused("the rank is on another host (or network namespace)")
+            data = self.segments.attach(s.pid, s.fd, s.inode, s.size, s.key)
+        except ShmRefused as refused:
+            log.debug("rank %d's segment not attached: %s", header.rank, refused)
+            return None, encode_message(KIND_SHM_ATTACH, cpb.ShmAttach(reason=str(refused)))
+        return data, encode_message(KIND_SHM_ATTACH, cpb.ShmAttach(attached=True))
+
+    @staticmethod
+    async def _linger(reader: asyncio.Future) -> None:
+        """Give the client FAILURE_LINGER seconds to read the ERROR frame and hang up."""
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(reader), FAILURE_LINGER)
+
+    @staticmethod
+    async def _drain(frames) -> None:
+        # AbortError: the call was already aborted (the refusal went out); nothing to drain.
+        with contextlib.suppress(grpc.RpcError, grpc.aio.AbortError, asyncio.CancelledError):
+            async for _ in frames:
+                pass
+
+    @staticmethod
+    async def _read(coll: PendingCollective, me: Participant, frames) -> None:
+        """Feed ``me``'s frames to the collective; after it ends, drain until the client stops."""
+        try:
+            async for message in frames:
+                if coll.finished:
+                    continue
+                try:
+                    batch = frames_of(message)
+                except ProtocolError as error:
+                    raise ProtocolError(f"rank {me.rank}: {error}") from None
+                for frame in batch:
+                    kind = frame_kind(frame)
+                    if kind == KIND_CHUNK:
+                        coll.on_chunk(me, frame)
+                        await coll.wait_to_read(me)
+                    elif kind == KIND_SHM_CHUNK:
+                        coll.on_shm_chunk(me, frame)
+                        await coll.wait_to_read(me)
+                    elif kind == KIND_END:
+                        coll.on_end(me, frame)
+                        return
+                    else:
+                        raise ProtocolError(
+                            f"rank {me.rank} sent a frame of kind {kind} mid-stream")
+            coll.on_stream_closed(me, "closed its stream before its end marker")
+        except ProtocolError as error:
+            coll.fail(error)
+        except (grpc.RpcError, grpc.aio.AbortError):
+            # AbortError: the call was aborted under the reader (the rank's stream ended or
+            # this side sent its verdict); either way the rank is gone from the collective.
+            coll.on_stream_closed(me, "disconnected")
+        except Exception as error:
+            # A bug must cost one collective, never the hub or a silent hang of the other ranks.
+            log.exception("internal error in collective seq %d", coll.spec.seq)
+            coll.fail(GradstarError(
+                f"the coordinator hit an internal error in collective seq {coll.spec.seq}: "
+                f"{type(error).__name__}: {error}"))

@@ -1,0 +1,96 @@
+"""The gRPC servicer of the rendezvous: one session stream per member (join, heartbeats, failure
+notices). It translates, nothing more: the logic lives in :mod:`.rendezvous`, and gradstar errors
+become gRPC statuses in :func:`gradstar.transport.status.abort`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import grpc
+
+from gradstar.errors import GradstarError, ProtocolError, RankFinishedError
+from gradstar.proto.v1 import rendezvous_pb2 as rpb
+from gradstar.proto.v1 import rendezvous_pb2_grpc
+from gradstar.transport.status import abort
+
+from .rendezvous import Member, Rendezvous
+
+log = logging.getLogger(__name__)
+
+# The last item of a member's notice queue: its session stream ends.
+_SESSION_END = object()
+
+
+class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
+    """One session stream per member: join, heartbeats, and failure notices."""
+
+    def __init__(self, rendezvous: Rendezvous, heartbeat_interval: float, max_join: float,
+                 collectives: str = "") -> None:
+        self.rendezvous = rendezvous
+        self.heartbeat_interval = heartbeat_interval
+        self.max_join = max_join
+        #: Where members send collectives (``Joined.collectives``): ``:PORT`` or empty.
+        self.collectives = collectives
+
+    async def Session(self, request_iterator, context):
+        requests = request_iterator.__aiter__()
+        try:
+            first = await anext(requests)
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("kind") != "join":
+            await abort(context, ProtocolError("a session must start with a join request"))
+        j = first.join
+        try:
+            member = await self.rendezvous.join(
+                j.job, j.world_size, j.rank if j.rank >= 0 else None, j.peer_address,
+                min(j.timeout_seconds or self.max_join, self.max_join), host=j.host,
+            )
+        except GradstarError as error:
+            await abort(context, error)
+        gen = member.generation
+        log.info("job %r generation %d: rank %d joined", j.job, gen.number, member.rank)
+        reader = asyncio.create_task(self._read(member, requests))
+        try:
+            yield rpb.SessionEvent(joined=rpb.Joined(
+                shards=gen.shards, collectives=self.collectives,
+                job=j.job, generation=gen.number, rank=member.rank, world_size=gen.world_size,
+                member_id=member.member_id,
+                peers=[rpb.Peer(rank=r, address=m.peer_address, host=m.host)
+                       for r, m in sorted(gen.members.items())],
+                heartbeat_interval_seconds=self.heartbeat_interval,
+                # This member's keys only, on its own session stream (32 bytes per rank).
+                peer_keys=gen.peer_keys(member.rank),
+            ))
+            while (notice := await member.notices.get()) is not _SESSION_END:
+                if isinstance(notice, RankFinishedError):
+                    yield rpb.SessionEvent(finished=rpb.RankFinished(
+                        generation=gen.number, rank=notice.rank, reason=str(notice)))
+                    continue
+                yield rpb.SessionEvent(failed=rpb.GenerationFailed(
+                    generation=gen.number, lost_rank=getattr(notice, "rank", -1),
+                    reason=str(notice), error=type(notice).__name__,
+                    fields_json=json.dumps(notice.fields()),
+                ))
+        finally:
+            reader.cancel()
+            if not member.left:
+                log.warning("job %r: rank %d's session closed", j.job, member.rank)
+                self.rendezvous.lost(member, "its session with the coordinator closed")
+
+    async def _read(self, member: Member, requests) -> None:
+        try:
+            async for request in requests:
+                kind = request.WhichOneof("kind")
+                if kind == "heartbeat":
+                    member.touch()
+                elif kind == "leave":
+                    self.rendezvous.leave(member)
+                    break
+        except (grpc.RpcError, asyncio.CancelledError):
+            pass
+        finally:
+            member.notices.put_nowait(_SESSION_END)

@@ -1,0 +1,208 @@
+"""gRPC servicer of the Rounds service: streams in, :class:`.table.RoundsTable` calls, streams
+out, gradstar errors to statuses. Fetch waits (bounded) for a round to close. The replica's twin
+is :mod:`gradstar.client.outer.rounds`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import numpy as np
+
+from gradstar.errors import ConfigurationError, GradstarError, ProtocolError
+from gradstar.proto.v1 import rounds_pb2 as pb
+from gradstar.proto.v1 import rounds_pb2_grpc
+from gradstar.transport.status import abort
+from gradstar.wire.formats import FORMATS, WireFormat, decode_into, wire_format
+
+from ..rendezvous.jobs import check_job_name
+from .table import Policy, RoundsTable
+
+log = logging.getLogger(__name__)
+
+#: Longest a Fetch waits for a round before answering "not ready" (the client asks again, so
+#: a dead hub or a lost answer is noticed within this, not after the whole round timeout).
+MAX_FETCH_WAIT = 10.0
+#: Bytes of model data per Fetch answer message (below gRPC's message limit).
+PART_BYTES = 1 << 20
+
+
+class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
+    """Seed, Contribute and Fetch over :class:`RoundsTable`; closes rounds at their deadlines."""
+
+    def __init__(self, table: RoundsTable, max_chunk_bytes: int) -> None:
+        self.table = table
+        #: Named in Seed replies (``RoundStatus.bulk_address``): ":PORT" of the coordinator's
+        #: collective server, which serves this servicer too; empty: none.
+        self.bulk_address = ""
+        self.max_chunk_bytes = max_chunk_bytes
+        self._closed = asyncio.Event()
+        table.on_closed = self._round_closed
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def Seed(self, request_iterator, context):
+        try:
+            header, params = await self._read_tensor(request_iterator)
+            k = header.key
+            rounds = self.table.seed(k.job, k.model, k.fragment, k.replica, params)
+            return pb.RoundStatus(rounds=rounds, accepted=True, numel=params.shape[0],
+                                  bulk_address=self.bulk_address)
+        except GradstarError as error:
+            await abort(context, error)
+
+    async def Contribute(self, request_iterator, context):
+        try:
+            header, delta = await self._read_tensor(request_iterator, contribution=True)
+            k, p = header.key, header.policy
+            policy = Policy(p.outer_lr, p.outer_momentum, p.nesterov, p.min_replicas,
+                            p.round_timeout_seconds)
+            if not np.isfinite(delta).all():
+                raise ProtocolError(
+                    f"replica {k.replica!r} sent a pseudo-gradient with NaN or infinite values "
+                    f"for fragment {k.fragment} of {k.model!r}; it was not used")
+            accepted, rounds = self.table.contribute(k.job, k.model, k.fragment, k.replica,
+                                                     header.round, policy, delta)
+            self._arm_timer()
+            return pb.RoundStatus(rounds=rounds, accepted=accepted, numel=delta.shape[0])
+        except GradstarError as error:
+            await abort(context, error)
+
+    async def Fetch(self, request, context):
+        k = request.key
+        try:
+            _check_key(k)
+            self.table.replica(k.job, k.replica)
+            loop = asyncio.get_running_loop()
+            until = loop.time() + min(max(request.wait_seconds, 0.0), MAX_FETCH_WAIT)
+            held = self.table.global_model(k.job, k.model, k.fragment)
+            while held is not None and held.rounds < request.min_rounds:
+                closed = self._closed
+                remaining = until - loop.time()
+                if remaining <= 0:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(closed.wait(), remaining)
+                # Read again even after a timeout: the round may have closed as the wait ran
+                # out, and a stale "not ready, not held" would make the replica send again.
+                held = self.table.global_model(k.job, k.model, k.fragment)
+        except GradstarError as error:
+            await abort(context, error)
+            return
+        if held is None:
+            yield pb.FetchPart(header=pb.FetchHeader(ready=False))
+            return
+        ready = held.rounds >= request.min_rounds
+        numel = held.params.shape[0]
+        holds = not ready and self.table.holds(k.job, k.model, k.fragment, k.replica)
+        yield pb.FetchPart(header=pb.FetchHeader(ready=ready, rounds=held.rounds, numel=numel,
+                                                 holds_contribution=holds))
+        if not ready:
+            return
+        # The model may be replaced while this streams: send the arrays of this version only.
+        data = held.params.astype("<f4", copy=False).tobytes()
+        for start in range(0, len(data), PART_BYTES):
+            yield pb.FetchPart(data=data[start:start + PART_BYTES])
+
+    async def _read_tensor(self, request_iterator, contribution: bool = False,
+                           ) -> tuple[pb.TensorHeader, np.ndarray]:
+        """The header and the whole float32 vector of a Seed or Contribute stream (a
+        ``contribution`` may come in a wire format: decoded here, the hub's model and outer
+        optimizer stay float32).
+
+        Raises:
+            ProtocolError: no header, a part too large, or data of the wrong length.
+            HubCapacityError: the vector is over the hub's size limit (refused before any
+                memory is taken for it).
+        """
+        parts = request_iterator.__aiter__()
+        try:
+            first = await anext(parts)
+        except StopAsyncIteration:
+            raise ProtocolError("a rounds stream ended before its header") from None
+        if not first.HasField("header"):
+            raise ProtocolError("a rounds stream must begin with its header")
+        header = first.header
+        fmt = _wire(header, contribution)
+        _check_key(header.key)
+        self.table.check_numel(header.numel)
+        out = np.empty(header.numel, dtype="<f4")
+        # An encoded contribution is read whole, then decoded to float32 once.
+        encoded = (bytearray(fmt.encoded_nbytes(header.numel)) if fmt is not None else None)
+        view = memoryview(encoded if encoded is not None else out).cast("B")
+        filled = self._take(first.data, view, 0)
+        async for part in parts:
+            if part.HasField("header"):
+                raise ProtocolError("a rounds stream carries one header, at its start")
+            filled = self._take(part.data, view, filled)
+        if filled != len(view):
+            raise ProtocolError(
+                f"replica {header.key.replica!r} announced {header.numel} "
+                f"{fmt.name if fmt else 'float32'} values but sent {filled} bytes; the stream "
+                "was cut or malformed and nothing was used")
+        if fmt is not None:
+            decode_into(fmt, encoded, out)
+        return header, out.astype(np.float32, copy=False)
+
+    def _take(self, data: bytes, view: memoryview, filled: int) -> int:
+        n = len(data)
+        if n > self.max_chunk_bytes:
+            raise ProtocolError(f"a rounds data part of {n} bytes is over the "
+                                f"{self.max_chunk_bytes}-byte chunk limit")
+        if filled + n > len(view):
+            raise ProtocolError("a rounds stream sent more data than its header announced")
+        view[filled:filled + n] = data
+        return filled + n
+
+    def _round_closed(self, job: str, model: str, fragment: int) -> None:
+        # Wake every waiting Fetch; each rechecks its own fragment.
+        self._closed.set()
+        self._closed = asyncio.Event()
+
+    def _arm_timer(self) -> None:
+        """Run :meth:`RoundsTable.close_due` at the earliest open deadline."""
+        deadline = self.table.next_deadline()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if deadline is None:
+            return
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, deadline - self.table.clock())
+        self._timer = loop.call_later(delay + 0.01, self._on_deadline)
+
+    def _on_deadline(self) -> None:
+        self._timer = None
+        self.table.close_due()
+        deadline = self.table.next_deadline()
+        if deadline is not None and deadline > self.table.clock():
+            self._arm_timer()
+        elif deadline is not None:
+            # Due but short of min_replicas: look again later rather than spin.
+            self._timer = asyncio.get_running_loop().call_later(1.0, self._on_deadline)
+
+
+def _check_key(key: pb.RoundsKey) -> None:
+    """Raises: ConfigurationError: an empty, overlong or unprintable job, model or replica."""
+    check_job_name(key.job)
+    check_job_name(key.model, "a model name")
+    check_job_name(key.replica, "a replica name")
+
+
+def _wire(header: pb.TensorHeader, contribution: bool) -> WireFormat | None:
+    """The wire format a stream's data parts are in (None: raw float32).
+
+    Raises:
+        ProtocolError: an unknown format, or one on a Seed (the global model is seeded from
+            exact parameters).
+    """
+    if not header.wire_format:
+        return None
+    if not contribution:
+        raise ProtocolError("a Seed carries raw float32 parameters; wire formats are for "
+                            "contributions (pseudo-gradients)")
+    try:
+        return wire_format(header.wire_format)
+    except ConfigurationError:
+        raise ProtocolError(f"this coordinator knows no wire format {header.wire_format!r} "
+                            f"for rounds; known: {', '.join(sorted(FORMATS))}") from None

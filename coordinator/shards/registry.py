@@ -1,0 +1,284 @@
+"""The coordinator's side of a sharded hub: which data-plane shards exist, which generation
+stripes over which of them, and what happens when one goes away.
+
+Protocol (``shard.proto``). A shard (:mod:`.shard`, ``gradstar shard``) opens a
+``ShardControl.Register`` stream with the admin token and says hello with the address ranks
+reach it at; the :class:`ShardRegistry` gives it a *slot* (the one it asks for when that slot is
+free or lost, else the lowest free one) and answers ``accepted``. From then on:
+
+- every generation that forms takes the shards that are *up* at that moment, in slot order, as
+  its stripe table (``Generation.shards``, sent to the ranks in ``Joined.shards``): the
+  node-local shards started for its job when there are any, else the shards that serve every
+  job (:meth:`ShardRegistry.stripes_for`). Each of those shards is told ``formed`` (job,
+  generation, members, its stripe position) *before* any rank hears of the generation. A
+  rank's header reaching a shard a moment before the notice is held briefly by the shard
+  (:mod:`.shard`), never refused;
+- every generation that ends (failed, superseded, or closed by its last member) is told
+  ``over`` to its shards, so their pending collectives fail at once with the same error; so is
+  one whose member finished while others are live (RankFinishedError): every collective of it
+  needs that rank, and the shards carry nothing else;
+- the shard reports its counters every second (``stats``).
+
+A shard whose stream breaks (process killed, host gone, or stalled: keepalive pings go
+unanswered within ~3 s) is *lost*: its slot stays in the table as ``lost``, every generation
+striped over it fails with :class:`~gradstar.errors.ShardLostError` naming it (ranks get it from
+their session within the keepalive time, well under 5 s), and the coordinator reports
+NOT_SERVING until the configured number of shards is up again. Generations formed later use the
+shards that are up. A restarted shard asks for its old slot back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from gradstar.errors import GradstarError, ProtocolError, ShardLostError
+from gradstar.node_shard import HOST_GROUP
+from gradstar.proto.v1 import shard_pb2 as spb
+from gradstar.proto.v1 import shard_pb2_grpc
+from gradstar.transport.status import abort
+
+from ..rendezvous.rendezvous import Generation, Rendezvous
+
+log = logging.getLogger(__name__)
+
+#: How often shards report their counters.
+STATS_INTERVAL = 1.0
+#: A shard silent for this long takes no new generations: its host may be gone (a link down
+#: is noticed by keepalive only ~3 s later, and the ranks that survive it re-join sooner, so a
+#: generation formed meanwhile would stripe over a shard nobody reaches). A shard merely slow
+#: to report loses nothing but a share of that generation's traffic.
+STALE_AFTER = 1.5 * STATS_INTERVAL
+_END = object()
+
+
+@dataclass(eq=False)
+class ShardRecord:
+    """One slot of the data plane and the shard that holds it."""
+
+    slot: int
+    address: str
+    #: A node-local shard's job ('' serves every job): see :meth:`ShardRegistry.stripes_for`.
+    job: str = ""
+    #: The shard's host key (ShardHello.host): where a per-host group's stripes go.
+    host: str = ""
+    state: str = "up"
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    stats: spb.ShardStats = field(default_factory=spb.ShardStats)
+    last_report: float = field(default_factory=time.monotonic)
+    #: Jobs' generations striped over this shard: (job, generation number).
+    generations: set[tuple[str, int]] = field(default_factory=set)
+
+    def send(self, command: spb.ShardCommand) -> None:
+        if self.state == "up":
+            self.outbox.put_nowait(command)
+
+
+class ShardRegistry:
+    """Slots, their shards, and the stripe table of every generation (no I/O: the servicer
+    below and the rendezvous hooks drive it)."""
+
+    def __init__(self, rendezvous: Rendezvous, expected: int = 0,
+                 on_health: Callable[[bool], None] = lambda healthy: None) -> None:
+        self.rendezvous = rendezvous
+        self.expected = expected
+        self.slots: dict[int, ShardRecord] = {}
+        self._on_health = on_health
+        self._changed = asyncio.Event()
+
+    @property
+    def up(self) -> list[ShardRecord]:
+        return [r for _, r in sorted(self.slots.items()) if r.state == "up"]
+
+    @property
+    def healthy(self) -> bool:
+        """Whether at least the configured number of shards is up."""
+        return len(self.up) >= self.expected
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Wait until :attr:`healthy`; False after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self.healthy:
+            self._changed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
+        return True
+
+    def register(self, hello: spb.ShardHello, job_scoped: bool = False) -> ShardRecord:
+        """Give a shard a slot. A ``job_scoped`` one (registered with the job token) takes a
+        free slot, or one a shard of its own job left, never another lost shard's.
+
+        Raises:
+            ProtocolError: the hello names no address.
+        """
+        if not hello.address or len(hello.address) > 1024:
+            raise ProtocolError("a shard must say hello with the address ranks reach it at")
+        taken = {s for s, r in self.slots.items() if r.state == "up"}
+        if job_scoped:
+            taken |= {s for s, r in self.slots.items() if r.job != hello.job[:256]}
+        if hello.slot >= 0 and hello.slot not in taken:
+            slot = hello.slot
+        else:
+            slot = next(s for s in range(len(self.slots) + 1) if s not in taken)
+        record = self.slots[slot] = ShardRecord(slot, hello.address, hello.job[:256],
+                                                hello.host[:64])
+        record.send(spb.ShardCommand(accepted=spb.ShardAccepted(
+            slot=slot, stats_interval_seconds=STATS_INTERVAL)))
+        log.info("shard %d registered at %s%s", slot, hello.address,
+                 f" for job {hello.job!r}" if hello.job else "")
+        self._health_changed()
+        return record
+
+    def report(self, record: ShardRecord, stats: spb.ShardStats) -> None:
+        record.stats = stats
+        record.last_report = time.monotonic()
+
+    def lost(self, record: ShardRecord, reason: str) -> None:
+        """The shard's stream ended: fail every generation striped over it."""
+        if record.state != "up":
+            return
+        record.state = "lost"
+        log.warning("shard %d at %s was lost (%s)", record.slot, record.address, reason)
+        for job_name, number in sorted(record.generations):
+            gen = self.rendezvous.generation(job_name, number)
+            if gen is not None and gen.healthy:
+                self.rendezvous.fail(gen, ShardLostError(
+                    f"hub shard {record.slot} at {record.address} was lost ({reason}) during "
+                    f"generation {number} of job {job_name!r}; its collectives fail on every "
+                    "rank; join again to continue on the shards that remain",
+                    shard=record.slot, address=record.address, generation=number))
+        record.generations.clear()
+        self._health_changed()
+
+    # -- rendezvous hooks ----------------------------------------------------------------------
+
+    def stripes_for(self, job: str) -> list[ShardRecord]:
+        """The shards a generation of ``job`` stripes over, in slot order: the node-local
+        shards started for it (or for the job whose subgroup it is, ``job/group...``) when
+        any is up — the shards of its own hosts, whose links carry its bytes anyway — else
+        the shards that serve every job. A per-host group (:data:`HOST_GROUP`) takes that
+        host's shard alone; a shard silent for :data:`STALE_AFTER` seconds is left out."""
+        now = time.monotonic()
+        up = [r for r in self.up if now - r.last_report <= STALE_AFTER]
+        own = [r for r in up if r.job and (job == r.job or job.startswith(r.job + "/"))]
+        host = job.rpartition(HOST_GROUP)[2] if HOST_GROUP in job else ""
+        if host:  # a per-host group (gradstar.client.hierarchy): that host's shard alone
+            own = [r for r in own if r.host == host] or own
+        return own or [r for r in up if not r.job]
+
+    def on_formed(self, gen: Generation) -> None:
+        up = self.stripes_for(gen.job.name)
+        gen.shards = [r.address for r in up]
+        members = [spb.GenerationMember(rank=r, member_id=m.member_id)
+                   for r, m in sorted(gen.members.items())]
+        for position, record in enumerate(up):
+            record.generations.add((gen.job.name, gen.number))
+            record.send(spb.ShardCommand(formed=spb.GenerationFormed(
+                job=gen.job.name, generation=gen.number, world_size=gen.world_size,
+                members=members, shards=len(up), position=position)))
+
+    def on_over(self, gen: Generation, error: GradstarError | None = None) -> None:
+        """Tell ``gen``'s shards it is over: their pending and later collectives of it fail
+        with ``error`` (default: the generation's failure). Also sent when a member finishes
+        while others are live — every collective needs it, and shards carry collectives only."""
+        error = error or gen.failure or GradstarError(
+            f"generation {gen.number} of job {gen.job.name!r} is over: every rank left")
+        over = spb.GenerationOver(job=gen.job.name, generation=gen.number,
+                                  error=type(error).__name__,
+                                  fields_json=json.dumps(error.fields()), message=str(error))
+        key = (gen.job.name, gen.number)
+        for record in self.slots.values():
+            if key in record.generations:
+                record.generations.discard(key)
+                record.send(spb.ShardCommand(over=over))
+
+    # -- views ---------------------------------------------------------------------------------
+
+    def job_totals(self, job: str) -> tuple[int, int, dict[int, int], dict[int, int]]:
+        """(bytes in, bytes out, completed by op, failed by op) the shards report for ``job``."""
+        b_in = b_out = 0
+        completed: dict[int, int] = {}
+        failed: dict[int, int] = {}
+        for record in self.slots.values():
+            for j in record.stats.jobs:
+                if j.job != job:
+                    continue
+                b_in += j.bytes_in
+                b_out += j.bytes_out
+                for op, n in j.completed.items():
+                    completed[op] = completed.get(op, 0) + n
+                for op, n in j.failed.items():
+                    failed[op] = failed.get(op, 0) + n
+        return b_in, b_out, completed, failed
+
+    def _health_changed(self) -> None:
+        self._changed.set()
+        self._on_health(self.healthy)
+
+
+class ShardControlServicer(shard_pb2_grpc.ShardControlServicer):
+    """The ``ShardControl.Register`` stream: hello, then commands out and reports in."""
+
+    def __init__(self, registry: ShardRegistry) -> None:
+        self.registry = registry
+
+    # grpc.aio tells streaming handlers apart by their kind: both must be async generators.
+    async def Register(self, request_iterator, context):
+        """A shard of the hub (admin token): serves every job, or the one its hello names."""
+        async for command in self._register(request_iterator, context, for_job=False):
+            yield command
+
+    async def RegisterForJob(self, request_iterator, context):
+        """A node-local shard for one job (job token): its hello must name the job; it never
+        takes a slot another job's or every job's shard left (see shard.proto)."""
+        async for command in self._register(request_iterator, context, for_job=True):
+            yield command
+
+    async def _register(self, request_iterator, context, for_job: bool):
+        reports = request_iterator.__aiter__()
+        try:
+            first = await anext(reports)
+        except StopAsyncIteration:
+            return
+        try:
+            if first.WhichOneof("kind") != "hello":
+                raise ProtocolError("a shard's control stream must start with a hello")
+            if for_job and not first.hello.job:
+                raise ProtocolError("RegisterForJob is for a shard started for one job; its "
+                                    "hello names no job")
+            record = self.registry.register(first.hello, job_scoped=for_job)
+        except GradstarError as error:
+            await abort(context, error)
+        reader = asyncio.create_task(self._read(record, reports))
+        reason = "its control stream closed"
+        try:
+            while (command := await record.outbox.get()) is not _END:
+                yield command
+        except asyncio.CancelledError:
+            reason = "its control stream broke"
+            raise
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            self.registry.lost(record, reason)
+
+    async def _read(self, record: ShardRecord, reports) -> None:
+        try:
+            async for report in reports:
+                if report.WhichOneof("kind") == "stats":
+                    self.registry.report(record, report.stats)
+        except (grpc.RpcError, asyncio.CancelledError):
+            pass
+        finally:
+            record.outbox.put_nowait(_END)

@@ -1,0 +1,137 @@
+"""Admin service: what operators see of the coordinator's jobs and shards, and draining."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from gradstar.proto.v1 import admin_pb2 as apb
+from gradstar.proto.v1 import admin_pb2_grpc
+
+from ..rendezvous.rendezvous import Job, Rendezvous
+from ..rounds.averaging import AveragingStore
+from ..rounds.table import RoundsTable
+from ..shards.registry import ShardRegistry
+
+#: Jobs per ListJobs page at most (each summary is small; a page stays far below the message
+#: limit even with 256-character names).
+PAGE_SIZE = 1000
+
+
+def job_summary(job: Job) -> apb.JobSummary:
+    gen = job.generation
+    members = len(gen.live_members) if gen is not None else 0
+    return apb.JobSummary(
+        job=job.name, generation=gen.number if gen is not None else 0,
+        world_size=job.world_size, members=members or len(job.forming), state=job.state,
+    )
+
+
+def job_detail(job: Job, models: dict | None = None, now: float | None = None,
+               shards: ShardRegistry | None = None) -> apb.GetJobResponse:
+    """A job's state and totals: the coordinator's own counters plus what its shards report."""
+    now = time.monotonic() if now is None else now
+    gen = job.generation
+    c = job.counters
+    b_in, b_out, completed, failed = (shards.job_totals(job.name) if shards is not None
+                                      else (0, 0, {}, {}))
+    reply = apb.GetJobResponse(
+        summary=job_summary(job), bytes_in=c.bytes_in + b_in, bytes_out=c.bytes_out + b_out,
+        last_failure=c.last_failure,
+    )
+    for op in sorted(set(c.completed) | set(c.failed) | set(completed) | set(failed)):
+        reply.ops.append(apb.OpCounter(
+            op=op, completed=c.completed.get(op, 0) + completed.get(op, 0),
+            failed=c.failed.get(op, 0) + failed.get(op, 0)))
+    reply.models.extend(
+        apb.GlobalModel(name=name, rounds=m.rounds, parameters=m.params.shape[0])
+        for name, m in sorted((models or {}).items())
+    )
+    if gen is None:
+        return reply
+    reply.members.extend(
+        apb.Member(rank=r, peer_address=m.peer_address,
+                   last_heartbeat_age_seconds=now - m.last_seen)
+        for r, m in sorted(gen.members.items()) if not m.left
+    )
+    for (group, seq), coll in sorted(gen.collectives.items()):
+        arrived = sorted(coll.participants)
+        reply.in_flight.append(apb.InFlightCollective(
+            seq=seq, group=group, op=coll.op, arrived_ranks=arrived,
+            missing_ranks=[r for r in range(gen.world_size) if r not in coll.participants],
+            age_seconds=now - coll.started,
+        ))
+    return reply
+
+
+def shard_list(shards: ShardRegistry, now: float | None = None) -> apb.ListShardsResponse:
+    now = time.monotonic() if now is None else now
+    reply = apb.ListShardsResponse(expected=shards.expected)
+    for slot, r in sorted(shards.slots.items()):
+        reply.shards.append(apb.ShardSummary(
+            slot=slot, address=r.address, state=r.state, bytes_in=r.stats.bytes_in,
+            bytes_out=r.stats.bytes_out, jobs=sorted(j.job for j in r.stats.jobs if j.active),
+            last_report_age_seconds=now - r.last_report))
+    return reply
+
+
+def rounds_view(table: RoundsTable, job: str,
+                now: float | None = None) -> apb.ListRoundsResponse:
+    """A job's fault-tolerant rounds: each fragment's last round and each replica's record."""
+    now = table.clock() if now is None else now
+    reply = apb.ListRoundsResponse()
+    for model, fragment, frag, held in table.job_fragments(job):
+        last = frag.history[-1] if frag.history else None
+        reply.fragments.append(apb.RoundsFragment(
+            model=model, fragment=fragment, rounds=held.rounds, parameters=frag.numel,
+            last_participants=last.participants if last else (),
+            last_missed=last.missed if last else (),
+            open_contributions=len(frag.open.contributions) if frag.open else 0))
+    for name, r in sorted(table.replicas.get(job, {}).items()):
+        reply.replicas.append(apb.RoundsReplica(
+            replica=name, joins=r.joins, contributed=r.contributed, missed=r.missed,
+            late=r.late, last_seen_age_seconds=now - r.last_seen))
+    return reply
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    def __init__(self, rendezvous: Rendezvous, averaging: AveragingStore,
+                 drain: Callable[[], Awaitable[None]], shards: ShardRegistry | None = None,
+                 rounds: RoundsTable | None = None):
+        self.rounds = rounds
+        self.rendezvous = rendezvous
+        self.averaging = averaging
+        self.shards = shards
+        self._drain = drain
+
+    async def ListJobs(self, request, context):
+        """Jobs in name order, a page at a time (jobs after ``page_token``)."""
+        size = min(request.page_size or PAGE_SIZE, PAGE_SIZE)
+        names = sorted(n for n in self.rendezvous.jobs if n > request.page_token)
+        page = names[:size]
+        return apb.ListJobsResponse(
+            jobs=[job_summary(self.rendezvous.jobs[n]) for n in page],
+            next_page_token=page[-1] if len(names) > size else "")
+
+    async def GetJob(self, request, context):
+        job = self.rendezvous.jobs.get(request.job)
+        if job is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")
+        return job_detail(job, self.averaging.models(job.name), shards=self.shards)
+
+    async def ListShards(self, request, context):
+        if self.shards is None:
+            return apb.ListShardsResponse()
+        return shard_list(self.shards)
+
+    async def ListRounds(self, request, context):
+        if self.rounds is None or request.job not in self.rounds.jobs():
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no job named {request.job!r} has outer rounds")
+        return rounds_view(self.rounds, request.job)
+
+    async def Drain(self, request, context):
+        await self._drain()
+        return apb.DrainResponse(active_jobs=self.rendezvous.active_jobs())

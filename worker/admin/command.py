@@ -1,0 +1,77 @@
+"""``gradstar admin``: what each action asks the coordinator and prints (the flags are in
+:mod:`gradstar.cli`, the tables in :mod:`.tables`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+
+from . import tables
+from .client import AdminClient
+
+
+async def run_admin(args: argparse.Namespace) -> int:
+    """``gradstar admin ACTION``: one action against one coordinator; the exit status."""
+    token = (args.admin_token or os.environ.get("GRADSTAR_ADMIN_TOKEN")
+             or os.environ.get("GRADSTAR_TOKEN"))
+    async with AdminClient(args.coordinator, token, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                           tls_key=args.tls_key, timeout=args.timeout) as admin:
+        if args.action == "health":
+            if args.wait > 0:
+                await admin.wait_serving(args.wait)
+            status = await admin.health()
+            print(json.dumps({"coordinator": args.coordinator, "status": status})
+                  if args.json else status)
+            return 0 if status == "SERVING" else 1
+        if args.action == "drain":
+            active = await admin.drain()
+            print(json.dumps({"coordinator": args.coordinator, "draining": True,
+                              "active_jobs": active}) if args.json else
+                  f"coordinator {args.coordinator} is draining: new joins are refused; "
+                  f"{active} job(s) still have live members")
+            return 0
+        if args.action == "shards":
+            reply = await admin.shards()
+            print(json.dumps(tables.shards_as_dict(reply), indent=2) if args.json
+                  else tables.shards_table(reply))
+            return 0
+        if args.action == "rounds":
+            if args.job is None:
+                print("gradstar admin rounds: name the job with --job", file=sys.stderr)
+                return 2
+            reply = await admin.rounds(args.job)
+            print(json.dumps(tables.rounds_as_dict(args.job, reply), indent=2) if args.json
+                  else tables.rounds_table(args.job, reply))
+            return 0
+        jobs = await admin.jobs()
+        if args.action == "jobs":
+            print(json.dumps([tables.summary_as_dict(j) for j in jobs], indent=2)
+                  if args.json else tables.jobs_table(jobs))
+            return 0
+        names = [j.job for j in jobs if args.job in (None, j.job)]
+        if args.job is not None and not names:
+            print(f"gradstar admin: the coordinator has no job named {args.job!r}",
+                  file=sys.stderr)
+            return 1
+        health = await admin.health()
+        before = [await admin.job(n) for n in names]
+        rates = None
+        if args.interval > 0 and names:
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            await asyncio.sleep(args.interval)
+            after = [await admin.job(n) for n in names]
+            span = loop.time() - began
+            rates = {n: tables.rates_between(b, a, span)
+                     for n, b, a in zip(names, before, after, strict=True)}
+            before = after
+        if args.json:
+            print(json.dumps({"coordinator": args.coordinator, "health": health,
+                              "jobs": [tables.job_as_dict(j, (rates or {}).get(j.summary.job))
+                                       for j in before]}, indent=2))
+        else:
+            print(tables.status_report(args.coordinator, health, before, rates))
+        return 0
