@@ -81,7 +81,7 @@ import torch
 from torch import nn
 
 from gradstar.errors import ConfigurationError
-from gradstar.sync_modes import Synchronous, SyncMode
+from gradstar.sync_modes import Synchronous, SyncMode, check_mode
 
 from .buckets import BucketLaunch, BucketPlan, StepTimeline, SyncStep, TensorSpec, cap_bytes_of
 from .convert import is_cpu_tensor
@@ -200,12 +200,17 @@ class DistributedDataParallel(SyncModes, nn.Module):
         self._step: SyncStep | None = None
         self.last_step_timeline: StepTimeline | None = None
 
-        broadcast_from_rank0(pg, [*module.parameters(), *module.buffers()], cap)
+        mode = check_mode(sync_mode or Synchronous())
+        joining = mode.on_ledger and pg.replacement  # an elastic join: state from the hub
+        if not joining:
+            broadcast_from_rank0(pg, [*module.parameters(), *module.buffers()], cap)
         self.sync_mode: SyncMode = Synchronous()
         self._optimizer = optimizer
         self._steps = None  # the StepSync of the ledger modes, made at the first one
         self._weight: float | None = None  # contribution_weight; None: plain means
-        self.set_sync_mode(sync_mode or Synchronous())
+        self.set_sync_mode(mode)
+        if joining:  # it took a lost rank's place mid-training: the others cannot broadcast
+            self._steps.join()
         me = weakref.ref(self)  # the hooks must not keep a discarded wrapper alive
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(_make_hook(me, i))

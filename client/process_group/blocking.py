@@ -30,6 +30,7 @@ class ProcessGroup:
     shards = property(lambda self: self._group.shards)
     shared_memory = property(lambda self: self._group.shared_memory)
     settings = property(lambda self: self._group.settings)
+    replacement = property(lambda self: self._group.replacement)
     collective_address = property(lambda self: self._group.collective_address)
 
     def _call(self, awaitable, async_op: bool):

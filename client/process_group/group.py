@@ -65,6 +65,8 @@ class AsyncProcessGroup(PointToPoint):
         self.world_size: int = joined.world_size
         self.generation: int = joined.generation
         self.job: str = joined.job
+        #: This rank took a lost rank's place in a running generation (an elastic join).
+        self.replacement: bool = joined.replacement
         self.peers: dict[int, str] = {p.rank: p.address for p in joined.peers}
         #: Whether the generation's ranks are on several hosts (by the keys they joined with).
         self._spans_hosts = len({p.host for p in joined.peers if p.host}) > 1
@@ -416,7 +418,7 @@ async def open_group(settings: ClientSettings, peer_address: str = "", *,
                              settings.tls_ca, settings.tls_cert, settings.tls_key)
         session = Session(channel, call_metadata(settings), settings.coordinator)
         await session.join(settings.job, settings.world_size, settings.rank,
-                           peer_address, settings.join_timeout)
+                           peer_address, settings.join_timeout, settings.elastic)
     except BaseException:
         await channel.close()
         if peer_endpoint is not None:

@@ -79,6 +79,8 @@ class Member:
     #: The member is gone: lost, or finished (left in an orderly way).
     left: bool = False
     finished: bool = False
+    #: Took the place of a lost member of a running generation (an elastic join).
+    replacement: bool = False
 
     def touch(self) -> None:
         self.last_seen = time.monotonic()

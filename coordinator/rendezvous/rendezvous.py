@@ -21,6 +21,7 @@ servicers drive it and tests can drive it directly.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections.abc import Callable
@@ -53,6 +54,8 @@ from .jobs import (
 __all__ = ["MAX_JOB_NAME_CHARS", "Generation", "Job", "JobCounters", "Member", "Rendezvous",
            "check_job_name", "pair_key"]
 
+
+log = logging.getLogger(__name__)
 
 class Rendezvous:
     """Forms generations of jobs and tracks the liveness of their members.
@@ -88,7 +91,7 @@ class Rendezvous:
 
     async def join(
         self, job: str, world_size: int, rank: int | None, peer_address: str, timeout: float,
-        *, host: str = "",
+        *, host: str = "", elastic: bool = False,
     ) -> Member:
         """Wait until the job's next generation forms; return this caller's member record.
 
@@ -100,7 +103,7 @@ class Rendezvous:
             DuplicateRankError: a live member already holds ``rank``.
             JoinTimeoutError: not every rank joined within ``timeout`` seconds.
         """
-        member = self.offer(job, world_size, rank, peer_address, host=host)
+        member = self.offer(job, world_size, rank, peer_address, host=host, elastic=elastic)
         try:
             await asyncio.wait_for(asyncio.shield(member.joined), timeout)
         except TimeoutError:
@@ -121,8 +124,9 @@ class Rendezvous:
         return member
 
     def offer(self, job: str, world_size: int, rank: int | None, peer_address: str, *,
-              host: str = "") -> Member:
-        """Register a joiner; its ``joined`` future completes when the generation forms."""
+              host: str = "", elastic: bool = False) -> Member:
+        """Register a joiner; its ``joined`` future completes when the generation forms, or at
+        once when it is ``elastic`` and takes the place of a lost member of the running one."""
         if self.draining:
             raise CoordinatorDrainingError(
                 "the coordinator is draining and accepts no new joins; use another coordinator"
@@ -153,6 +157,8 @@ class Rendezvous:
                 f"job {job!r} generation {current.number} is running and {held} is held by a "
                 "live member; a restarted rank can join once the old one is declared lost"
             )
+        if elastic and (replaced := self._replace(state, rank, peer_address, host)):
+            return replaced
         if rank is not None and any(m.requested_rank == rank for m in state.forming):
             raise DuplicateRankError(
                 f"rank {rank} of job {job!r} was already requested by another joining process"
@@ -162,6 +168,31 @@ class Rendezvous:
         state.forming.append(member)
         if len(state.forming) == world_size:
             self._form(state)
+        return member
+
+    def _replace(self, state: Job, rank: int | None, peer_address: str,
+                 host: str) -> Member | None:
+        """A member in the place of the lost ``rank`` (None: the lowest lost one) of the job's
+        running generation, while others of it are live; None when there is no such place.
+        The generation stays failed for collectives; what the newcomer does without them (a
+        sync-mode DDP's steps) goes on."""
+        gen = state.generation
+        if gen is None or not gen.live_members or state.world_size != gen.world_size:
+            return None
+        lost = sorted(r for r, m in gen.members.items() if m.left and not m.finished)
+        if rank is not None:
+            lost = [r for r in lost if r == rank]
+        if not lost:
+            return None
+        member = Member(job=state.name, requested_rank=lost[0], peer_address=peer_address,
+                        host=host[:64])
+        member.rank, member.generation, member.replacement = lost[0], gen, True
+        gen.members[member.rank] = member
+        member.touch()
+        member.joined = asyncio.get_running_loop().create_future()
+        member.joined.set_result(gen)
+        log.info("job %r: rank %d joined generation %d in the place of its lost member",
+                 state.name, member.rank, gen.number)
         return member
 
     def _make_room(self, job: str) -> None:

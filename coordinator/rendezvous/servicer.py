@@ -48,6 +48,7 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
             member = await self.rendezvous.join(
                 j.job, j.world_size, j.rank if j.rank >= 0 else None, j.peer_address,
                 min(j.timeout_seconds or self.max_join, self.max_join), host=j.host,
+                elastic=j.elastic,
             )
         except GradstarError as error:
             await abort(context, error)
@@ -63,7 +64,7 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
                        for r, m in sorted(gen.members.items())],
                 heartbeat_interval_seconds=self.heartbeat_interval,
                 # This member's keys only, on its own session stream (32 bytes per rank).
-                peer_keys=gen.peer_keys(member.rank),
+                peer_keys=gen.peer_keys(member.rank), replacement=member.replacement,
             ))
             while (notice := await member.notices.get()) is not _SESSION_END:
                 if isinstance(notice, RankFinishedError):

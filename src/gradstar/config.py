@@ -215,6 +215,11 @@ class ClientSettings(BaseSettings):
     tls_cert: Path | None = None
     tls_key: Path | None = None
     join_timeout: float = Field(300.0, gt=0)
+    elastic: bool = Field(
+        False, description="join in the place of a lost rank of the job's running generation "
+                           "when there is one, instead of waiting for a new generation: for "
+                           "restarted ranks of sync-mode DDP jobs (gradstar.sync_modes), whose "
+                           "others go on without them")
     timeout: float = Field(300.0, gt=0, description="default collective timeout in seconds")
     connect_timeout: float = Field(10.0, gt=0)
     chunk_bytes: int = Field(DEFAULT_CHUNK_BYTES, gt=0, le=MAX_CHUNK_BYTES)

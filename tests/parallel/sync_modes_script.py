@@ -75,8 +75,8 @@ def replay(contributions: dict[int, list[dict]], steps: list[dict]) -> nn.Module
     opt = make_optimizer(model)
     snapshots = {0: {k: v.clone() for k, v in model.state_dict().items()}}
     # (rank, step) -> (iteration, base): which of a rank's iterations joined which step.
-    joined = {(rank, c["step"]): (i, c["base"]) for rank, cs in contributions.items()
-              for i, c in enumerate(cs) if c["step"] is not None}
+    joined = {(rank, c["step"]): (c["iteration"], c["base"]) for rank, cs in contributions.items()
+              for c in cs if c["step"] is not None}
     for entry in steps:
         grads = []
         for rank, weight in zip(entry["ranks"], entry["weights"], strict=True):
@@ -138,8 +138,9 @@ def main() -> None:
         c = stats.recent_contributions[-1] if stats else {"base": i, "step": i + 1,
                                                           "staleness": 0}
         # At once: a rank killed later still leaves the record of what it contributed.
-        print(json.dumps({"rank": rank, "contribution": c if isinstance(c, dict) else {
-            "base": c.base, "step": c.step, "staleness": c.staleness}}), flush=True)
+        c = c if isinstance(c, dict) else {"base": c.base, "step": c.step,
+                                           "staleness": c.staleness}
+        print(json.dumps({"rank": rank, "contribution": {**c, "iteration": i}}), flush=True)
         opt.step()
     ddp.synchronize()
     stats = ddp.sync_stats()
@@ -149,7 +150,7 @@ def main() -> None:
                "weights": weights or [1.0] * pg.world_size, "staleness": [0] * pg.world_size}
               for i in range(args.steps)])
     print(json.dumps({
-        "rank": rank, "params": params_of(model), "steps": steps,
+        "rank": rank, "params": params_of(model), "steps": steps, "replacement": pg.replacement,
         "applied": stats.steps_applied if stats else args.steps,
         "dropped": stats.dropped if stats else 0,
     }), flush=True)

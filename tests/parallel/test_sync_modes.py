@@ -25,20 +25,34 @@ from .conftest import finish, kill_all, rank_env, rank_lines
 WORLD = 4
 
 
-async def run_modes(*args: str, stopped: int = -1, timeout: float = 90) -> dict[int, dict]:
+async def run_modes(*args: str, stopped: int = -1, restart: bool = False,
+                    timeout: float = 90) -> dict[int, dict]:
     """A coordinator (3 s heartbeat timeout: a stalled rank leaves the live sets quickly) and
     WORLD ranks of the script; each rank's report by rank, with its ``contributions`` (the
     lines it printed after each backward). Rank ``stopped`` kills or stops itself (the script's
-    --stop-rank): it is killed at the end and reports its contributions only."""
+    --stop-rank): it is killed at the end and reports its contributions only; with
+    ``restart`` a new process takes its place as soon as it died (an elastic join, as the agent
+    restarts it; the --stop-* arguments come last, and it runs without them) and reports as
+    that rank, with both processes' contributions."""
     hub = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0, heartbeat_timeout=3.0))
     await hub.start()
     procs = []
+
+    def start(rank: int, argv) -> asyncio.Future:
+        return asyncio.create_subprocess_exec(
+            sys.executable, str(script.SCRIPT), *argv,
+            env=rank_env(hub.address, "modes", WORLD, rank, GRADSTAR_ELASTIC="1"),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+
     try:
         for rank in range(WORLD):
-            procs.append(await asyncio.create_subprocess_exec(
-                sys.executable, str(script.SCRIPT), *args,
-                env=rank_env(hub.address, "modes", WORLD, rank),
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE))
+            procs.append(await start(rank, args))
+        first_life, restarted = "", stopped if restart else -1
+        if restart:
+            out, _ = await asyncio.wait_for(procs[stopped].communicate(), timeout)
+            first_life = out.decode()
+            procs[stopped] = await start(stopped, args[:args.index("--stop-rank")])
+            stopped = -1
         survivors = [p for r, p in enumerate(procs) if r != stopped]
         results = await asyncio.gather(*(finish(p, timeout) for p in survivors),
                                        return_exceptions=True)
@@ -53,6 +67,9 @@ async def run_modes(*args: str, stopped: int = -1, timeout: float = 90) -> dict[
         await hub.stop(grace=0)
     ranks = [r for r in range(WORLD) if r != stopped]
     lines = {r: rank_lines(r, res) for r, res in zip(ranks, results, strict=True)}
+    if first_life:
+        lines[restarted] = [json.loads(line) for line in first_life.splitlines()
+                            if line.startswith("{")] + lines[restarted]
     if stopped >= 0:
         lines[stopped] = [json.loads(line) for line in leftover.splitlines()
                           if line.startswith("{")]
@@ -69,10 +86,12 @@ def assert_identical_and_replayed(reports: dict[int, dict], rtol=1e-6, atol=1e-7
     """Every rank the same parameters, bit for bit, after synchronize(); the same steps; and
     those parameters are what one process gets by replaying the hub's record."""
     finished = {rank: r for rank, r in reports.items() if "params" in r}
-    first = next(iter(finished.values()))
+    first = next(r for r in finished.values() if not r["replacement"])
     for rank, report in finished.items():
         assert report["params"] == first["params"], f"rank {rank} differs"
-        assert report["steps"] == first["steps"], f"rank {rank} applied other steps"
+        # A rank that joined from a snapshot applied only the steps after it.
+        assert report["steps"] == first["steps"][len(first["steps"]) - len(report["steps"]):], (
+            f"rank {rank} applied other steps")
     assert [s["step"] for s in first["steps"]] == list(range(1, len(first["steps"]) + 1))
     contributions = {rank: r["contributions"] for rank, r in reports.items()}
     replayed = script.params_of(script.replay(contributions, first["steps"]))
@@ -144,3 +163,18 @@ def test_a_rank_that_dies_or_stalls_holds_nobody(mode, how):
     assert_identical_and_replayed(reports)
     steps = reports[0]["steps"]
     assert 3 not in steps[-1]["ranks"]  # the last steps closed without the dead rank
+
+
+def test_a_restarted_rank_joins_from_the_hub_and_ends_identical():
+    # Rank 3 dies at its 4th iteration; a new process takes its place (GRADSTAR_ELASTIC, as
+    # the agent restarts it), starts from the hub's snapshot while the others train on, and
+    # contributes again; at the end all four agree bit for bit.
+    reports = asyncio.run(run_modes("quorum", "--min-ranks", "3", "--timeout", "0.0",
+                                    "--delays", "0.3,0.3,0.3,0.3", "--steps", "30",
+                                    "--stop-rank", "3", "--stop-at", "3", "--stop-how", "kill",
+                                    stopped=3, restart=True, timeout=150))
+    assert reports[3]["replacement"] and not reports[0]["replacement"]
+    assert_identical_and_replayed(reports)
+    rejoined = [c for c in reports[3]["contributions"][3:] if c["step"] is not None]
+    assert rejoined, "the restarted rank never contributed"
+    assert rejoined[0]["base"] > 3  # it computed on the hub's state, not from the start
