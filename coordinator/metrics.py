@@ -159,9 +159,10 @@ _JOB_FAMILIES = (
 
 def render(rendezvous, collectives: CollectiveMetrics, averaging=None, *,
            serving: bool = True, now: float | None = None, shards=None,
-           max_bytes: int = METRICS_MAX_BYTES, rounds=None) -> str:
+           max_bytes: int = METRICS_MAX_BYTES, rounds=None, steps=None) -> str:
     """The coordinator's metrics in the Prometheus text format (see :func:`render_async`)."""
-    parts = _render(rendezvous, collectives, averaging, serving, now, shards, max_bytes, rounds)
+    parts = _render(rendezvous, collectives, averaging, serving, now, shards, max_bytes, rounds,
+                    steps)
     try:
         while True:
             next(parts)
@@ -171,7 +172,7 @@ def render(rendezvous, collectives: CollectiveMetrics, averaging=None, *,
 
 async def render_async(rendezvous, collectives: CollectiveMetrics, averaging=None, *,
                        serving: bool = True, shards=None,
-                       max_bytes: int = METRICS_MAX_BYTES, rounds=None) -> str:
+                       max_bytes: int = METRICS_MAX_BYTES, rounds=None, steps=None) -> str:
     """The coordinator's metrics in the Prometheus text format, yielding to the event loop
     every :data:`JOBS_PER_SLICE` jobs, so that collectives never wait long behind a scrape.
 
@@ -180,9 +181,12 @@ async def render_async(rendezvous, collectives: CollectiveMetrics, averaging=Non
     (joins that never form leave none); the page is at most ``max_bytes`` long: the jobs whose
     series would not fit (running ones go first, then by name) are left out, and counted in
     ``gradstar_metrics_jobs_omitted``. With ``rounds`` (a :class:`~.rounds.RoundsTable`) each
-    fault-tolerant fragment and replica has its series (rounds, participants, misses, joins).
+    fault-tolerant fragment and replica has its series (rounds, participants, misses, joins);
+    with ``steps`` (a :class:`~.steps.StepsTable`) each sync-mode DDP model and its ranks
+    (steps closed, live ranks, contributions, drops, staleness).
     """
-    parts = _render(rendezvous, collectives, averaging, serving, None, shards, max_bytes, rounds)
+    parts = _render(rendezvous, collectives, averaging, serving, None, shards, max_bytes, rounds,
+                    steps)
     try:
         while True:
             next(parts)
@@ -192,7 +196,7 @@ async def render_async(rendezvous, collectives: CollectiveMetrics, averaging=Non
 
 
 def _render(rendezvous, collectives: CollectiveMetrics, averaging, serving: bool,
-            now: float | None, shards, max_bytes: int, rounds=None):
+            now: float | None, shards, max_bytes: int, rounds=None, steps=None):
     """The page, as a generator that yields between slices of jobs and returns the text.
 
     Jobs may come and go between slices: the table and the collective metrics are copied
@@ -218,6 +222,8 @@ def _render(rendezvous, collectives: CollectiveMetrics, averaging, serving: bool
         _shard_families(lambda *f: shard_lines.extend(_family(*f)), shards, now)
     if rounds is not None:
         _rounds_families(lambda *f: shard_lines.extend(_family(*f)), rounds)
+    if steps is not None:
+        _steps_families(lambda *f: shard_lines.extend(_family(*f)), steps)
     budget = max_bytes - _FIXED_RESERVE - sum(len(line) + 1 for line in shard_lines)
     samples: dict[str, list[str]] = {name: [] for name, _, _ in _JOB_FAMILIES}
     omitted = 0
@@ -358,6 +364,44 @@ def _rounds_families(family, rounds) -> None:
            "Rounds that closed without the replica while it was expected.", missed)
     family("gradstar_replica_rounds_late_total", "counter",
            "Contributions that came after their round had closed.", late)
+
+
+def _steps_families(family, steps) -> None:
+    """DDP's sync-mode step ledgers (:mod:`.steps`): per model, per staleness and per rank."""
+    out: dict[str, list[str]] = {name: [] for name, _, _ in _STEPS_FAMILIES}
+    for view in steps.summaries():
+        model = {"job": view["job"], "model": view["model"]}
+        for name, value in (("gradstar_steps_closed", view["steps"]),
+                            ("gradstar_steps_live_ranks", len(view["live"])),
+                            ("gradstar_steps_dropped_total", view["dropped"])):
+            out[name].append(f"{name}{_labels(model)} {value}")
+        for stale, n in view["staleness"].items():
+            out["gradstar_steps_staleness_total"].append(
+                f"gradstar_steps_staleness_total{_labels({**model, 'staleness': str(stale)})} {n}")
+        for r in view["ranks"]:
+            labels = _labels({**model, "rank": str(r["rank"])})
+            out["gradstar_steps_rank_contributions_total"].append(
+                f"gradstar_steps_rank_contributions_total{labels} {r['contributed']}")
+            out["gradstar_steps_rank_dropped_total"].append(
+                f"gradstar_steps_rank_dropped_total{labels} {r['dropped']}")
+            out["gradstar_steps_rank_live"].append(
+                f"gradstar_steps_rank_live{labels} {int(r['live'])}")
+    for name, kind, help_text in _STEPS_FAMILIES:
+        family(name, kind, help_text, out[name])
+
+
+_STEPS_FAMILIES = (
+    ("gradstar_steps_closed", "gauge", "Steps closed on a sync-mode DDP model's ledger."),
+    ("gradstar_steps_live_ranks", "gauge", "Ranks in the ledger's live set."),
+    ("gradstar_steps_dropped_total", "counter",
+     "Contributions dropped as too stale (Quorum: any; BoundedStaleness: over the bound)."),
+    ("gradstar_steps_staleness_total", "counter",
+     "Contributions taken into steps, by staleness (steps closed since their parameters)."),
+    ("gradstar_steps_rank_contributions_total", "counter",
+     "Contributions of the rank taken into steps."),
+    ("gradstar_steps_rank_dropped_total", "counter", "Contributions of the rank dropped."),
+    ("gradstar_steps_rank_live", "gauge", "1 while the rank is in the ledger's live set."),
+)
 
 
 def _added(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:

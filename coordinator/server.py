@@ -142,7 +142,7 @@ class Coordinator:
         self.shards = ShardRegistry(self.rendezvous, expected, on_health=self._shards_health)
         self.status = CoordinatorStatus(self.rendezvous, self.shards,
                                         serving=lambda: self._serving and self.shards.healthy,
-                                        rounds=self.rounds)
+                                        rounds=self.rounds, steps=self.steps)
         self.engine = CollectiveEngine(
             self.rendezvous, max_tensor_bytes=s.max_tensor_bytes,
             max_chunk_bytes=s.max_chunk_bytes, max_timeout=s.max_collective_timeout,
@@ -184,7 +184,7 @@ class Coordinator:
         rounds_pb2_grpc.add_RoundsServicer_to_server(rounds, server)
         admin_pb2_grpc.add_AdminServicer_to_server(
             AdminServicer(self.rendezvous, self.averaging, self.drain, self.shards,
-                          self.rounds), server
+                          self.rounds, self.steps), server
         )
         shard_pb2_grpc.add_ShardControlServicer_to_server(ShardControlServicer(self.shards),
                                                           server)
@@ -293,7 +293,7 @@ class Coordinator:
     async def _metrics_page(self) -> tuple[int, str, bytes]:
         text = await render_async(self.rendezvous, self.engine.metrics, self.averaging,
                                   shards=self.shards, max_bytes=self.settings.metrics_max_bytes,
-                                  rounds=self.rounds)
+                                  rounds=self.rounds, steps=self.steps)
         return 200, "text/plain; version=0.0.4; charset=utf-8", text.encode()
 
     async def drain(self) -> None:

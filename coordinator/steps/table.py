@@ -374,6 +374,27 @@ class StepsTable:
 
     # -- views ------------------------------------------------------------------------------
 
+    def summaries(self, job: str | None = None) -> list[dict]:
+        """What operators see of each ledger (of ``job``, or all), in (job, model) order: mode,
+        steps closed, live ranks, contributions dropped, staleness counts, and per rank."""
+        out = []
+        for (name, model), ledger in sorted(self.ledgers.items()):
+            if job is not None and name != job:
+                continue
+            out.append({
+                "job": name, "model": model, "mode": str(ledger.mode or "-"),
+                "steps": ledger.steps, "live": sorted(ledger.live()),
+                "world_size": ledger.world_size, "dropped": ledger.dropped,
+                "open_contributions": len(ledger.open.contributions),
+                "staleness": dict(sorted(ledger.staleness.items())),
+                "snapshot_steps": ledger.snapshot.steps if ledger.snapshot else None,
+                "ranks": [{"rank": r, "live": s.live, "base": s.base,
+                           "contributed": s.contributed, "dropped": s.dropped,
+                           "staleness": dict(sorted(s.staleness.items()))}
+                          for r, s in sorted(ledger.ranks.items())],
+            })
+        return out
+
     def drop_idle(self, retention: float) -> list[str]:
         """Forget the ledgers none of whose ranks called for ``retention`` seconds."""
         now = self.clock()

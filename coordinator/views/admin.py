@@ -96,11 +96,24 @@ def rounds_view(table: RoundsTable, job: str,
     return reply
 
 
+def steps_view(view: dict) -> apb.StepsModelView:
+    """One ledger's summary (:meth:`~gradstar.coordinator.steps.StepsTable.summaries`)."""
+    return apb.StepsModelView(
+        model=view["model"], mode=view["mode"], steps=view["steps"],
+        world_size=view["world_size"], live=view["live"], dropped=view["dropped"],
+        staleness=view["staleness"],
+        snapshot_steps=-1 if view["snapshot_steps"] is None else view["snapshot_steps"],
+        ranks=[apb.StepsRankView(rank=r["rank"], live=r["live"], base=r["base"],
+                                 contributed=r["contributed"], dropped=r["dropped"])
+               for r in view["ranks"]])
+
+
 class AdminServicer(admin_pb2_grpc.AdminServicer):
     def __init__(self, rendezvous: Rendezvous, averaging: AveragingStore,
                  drain: Callable[[], Awaitable[None]], shards: ShardRegistry | None = None,
-                 rounds: RoundsTable | None = None):
+                 rounds: RoundsTable | None = None, steps=None):
         self.rounds = rounds
+        self.steps = steps
         self.rendezvous = rendezvous
         self.averaging = averaging
         self.shards = shards
@@ -131,6 +144,13 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"no job named {request.job!r} has outer rounds")
         return rounds_view(self.rounds, request.job)
+
+    async def ListSteps(self, request, context):
+        views = self.steps.summaries(request.job) if self.steps is not None else []
+        if not views:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no job named {request.job!r} has sync-mode steps")
+        return apb.ListStepsResponse(models=[steps_view(v) for v in views])
 
     async def Drain(self, request, context):
         await self._drain()

@@ -97,6 +97,7 @@ def render_html(snapshot: dict) -> str:
         _failures(snapshot["failures"], snapshot["generated_at"]),
         _shards(snapshot["shards"]),
         _rounds(snapshot.get("rounds", [])),
+        _steps(snapshot.get("steps", [])),
     ]
     return (f"<!doctype html><html lang=\"en\"><head>{head}</head><body>"
             f"<h1>gradstar coordinator</h1><main>{''.join(main)}</main>"
@@ -306,3 +307,27 @@ def status_routes(snapshot: Callable[[], dict]) -> dict[str, Handler]:
         return 200, "application/json", render_json(snapshot())
 
     return {"/": page, "/status.json": data}
+
+
+def _steps(models: list[dict]) -> str:
+    """DDP's sync-mode steps (Quorum, BoundedStaleness, Asynchronous): only when some job has
+    them; a rank out of the live set is marked."""
+    if not models:
+        return ""
+    parts = ["<h2>Sync-mode steps</h2>"]
+    for m in models[:MAX_JOBS_SHOWN]:
+        stale = ", ".join(f"{k}: {n}" for k, n in m["staleness"].items()) or "-"
+        ranks = "".join(
+            f'<tr><td class="text">{_e(r["rank"])}</td>'
+            f'<td class="text{"" if r["live"] else " failed"}">'
+            f'{"live" if r["live"] else "out"}</td>{_cell("base", r["base"])}'
+            f'{_cell("contributed", r["contributed"])}{_cell("dropped", r["dropped"])}</tr>'
+            for r in m["ranks"][:MAX_RANKS_SHOWN])
+        parts.append(
+            f'<h3>{_e(m["job"])} / {_e(m["model"])}: {_e(m["mode"])}</h3>'
+            f'<p>{_e(m["steps"])} steps closed; {len(m["live"])} of {_e(m["world_size"])} '
+            f'ranks live; {_e(m["dropped"])} contributions dropped; staleness {_e(stale)}.</p>'
+            '<table class="steps"><thead><tr><th class="text">Rank</th><th class="text">State'
+            '</th><th>At step</th><th>Contributed</th><th>Dropped</th></tr></thead>'
+            f"<tbody>{ranks}</tbody></table>")
+    return "".join(parts)

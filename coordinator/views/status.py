@@ -165,8 +165,11 @@ class CoordinatorStatus:
     def __init__(self, rendezvous: Rendezvous, shards: ShardRegistry | None = None, *,
                  serving: Callable[[], bool] = lambda: True,
                  clock: Callable[[], float] = time.monotonic,
-                 wall_clock: Callable[[], float] = time.time, rounds=None) -> None:
+                 wall_clock: Callable[[], float] = time.time, rounds=None,
+                 steps=None) -> None:
         self.rendezvous = rendezvous
+        #: DDP's sync-mode step ledgers (a :class:`~gradstar.coordinator.steps.StepsTable`).
+        self.steps = steps
         #: The fault-tolerant rounds (a :class:`~gradstar.coordinator.rounds.RoundsTable`), if any.
         self.rounds = rounds
         self.shards = shards
@@ -217,6 +220,7 @@ class CoordinatorStatus:
             "shards": {"expected": shards.expected if shards is not None else 0,
                        "slots": self._shards(now)},
             "rounds": self._rounds(),
+            "steps": self.steps.summaries() if self.steps is not None else [],
         }
 
     def _rounds(self) -> list[dict]:

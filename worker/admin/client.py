@@ -103,6 +103,12 @@ class AdminClient:
             admin_pb2.ListRoundsRequest(job=job), timeout=self.timeout,
             metadata=self._metadata), f"reading the rounds of job {job!r}")
 
+    async def steps(self, job: str) -> admin_pb2.ListStepsResponse:
+        """Raises: GradstarError if the coordinator has no sync-mode steps for ``job``."""
+        return await self._call(self._admin.ListSteps(
+            admin_pb2.ListStepsRequest(job=job), timeout=self.timeout,
+            metadata=self._metadata), f"reading the sync-mode steps of job {job!r}")
+
     async def drain(self) -> int:
         """Start draining; returns how many jobs still have live members."""
         reply = await self._call(self._admin.Drain(

@@ -38,13 +38,18 @@ async def run_admin(args: argparse.Namespace) -> int:
             print(json.dumps(tables.shards_as_dict(reply), indent=2) if args.json
                   else tables.shards_table(reply))
             return 0
-        if args.action == "rounds":
+        if args.action in ("rounds", "steps"):
             if args.job is None:
-                print("gradstar admin rounds: name the job with --job", file=sys.stderr)
+                print(f"gradstar admin {args.action}: name the job with --job", file=sys.stderr)
                 return 2
-            reply = await admin.rounds(args.job)
-            print(json.dumps(tables.rounds_as_dict(args.job, reply), indent=2) if args.json
-                  else tables.rounds_table(args.job, reply))
+            if args.action == "rounds":
+                reply = await admin.rounds(args.job)
+                print(json.dumps(tables.rounds_as_dict(args.job, reply), indent=2) if args.json
+                      else tables.rounds_table(args.job, reply))
+            else:
+                reply = await admin.steps(args.job)
+                print(json.dumps(tables.steps_as_dict(args.job, reply), indent=2) if args.json
+                      else tables.steps_table(args.job, reply))
             return 0
         jobs = await admin.jobs()
         if args.action == "jobs":

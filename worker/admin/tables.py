@@ -174,3 +174,29 @@ def rounds_as_dict(job: str, reply: admin_pb2.ListRoundsResponse) -> dict:
         {"replica": r.replica, "joins": r.joins, "contributed": r.contributed,
          "missed": r.missed, "late": r.late, "last_seen_age_seconds": r.last_seen_age_seconds}
         for r in reply.replicas]}
+
+
+def steps_table(job: str, reply: admin_pb2.ListStepsResponse) -> str:
+    """A job's sync-mode DDP steps: per model its mode and steps, then its ranks."""
+    parts = []
+    for m in reply.models:
+        stale = ", ".join(f"{k}: {n}" for k, n in sorted(m.staleness.items())) or "-"
+        rows = [(r.rank, "live" if r.live else "out", r.base, r.contributed, r.dropped)
+                for r in m.ranks]
+        parts.append(f"job {job} model {m.model}: {m.mode}, {m.steps} steps closed, "
+                     f"{len(m.live)} of {m.world_size} ranks live, {m.dropped} dropped, "
+                     f"staleness {stale}\n"
+                     + table(("RANK", "STATE", "AT STEP", "CONTRIBUTED", "DROPPED"), rows,
+                             indent="  "))
+    return "\n".join(parts)
+
+
+def steps_as_dict(job: str, reply: admin_pb2.ListStepsResponse) -> dict:
+    return {"job": job, "models": [
+        {"model": m.model, "mode": m.mode, "steps": m.steps, "world_size": m.world_size,
+         "live": list(m.live), "dropped": m.dropped,
+         "staleness": {str(k): n for k, n in sorted(m.staleness.items())},
+         "snapshot_steps": None if m.snapshot_steps < 0 else m.snapshot_steps,
+         "ranks": [{"rank": r.rank, "live": r.live, "base": r.base,
+                    "contributed": r.contributed, "dropped": r.dropped} for r in m.ranks]}
+        for m in reply.models]}

@@ -21,10 +21,12 @@ def admin_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "collectives and the ranks they wait for, traffic and throughput. jobs: one "
                     "line per job. shards: the data-plane shards with address, state, traffic "
                     "and jobs. rounds: a job's fault-tolerant outer rounds (StreamingDiLoCo): "
-                    "replicas per round, missed rounds and joins. drain: refuse new joins "
+                    "replicas per round, missed rounds and joins. steps: a job's sync-mode DDP "
+                    "steps (Quorum, BoundedStaleness, Asynchronous): steps closed, live ranks, "
+                    "drops and staleness. drain: refuse new joins "
                     "(running jobs finish). health: exit 0 if the coordinator is SERVING (for "
                     "container health checks).")
-    p.add_argument("action", choices=("status", "jobs", "shards", "rounds", "drain",
+    p.add_argument("action", choices=("status", "jobs", "shards", "rounds", "steps", "drain",
                                           "health"))
     p.add_argument("--coordinator",
                    default=os.environ.get("GRADSTAR_COORDINATOR", f"127.0.0.1:{DEFAULT_PORT}"),
@@ -35,7 +37,7 @@ def admin_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     token.add_argument("--admin-token-file", type=Path,
                        help="file holding the admin token (env GRADSTAR_ADMIN_TOKEN_FILE)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--job", help="status: only this job; rounds: the job (required)")
+    p.add_argument("--job", help="status: only this job; rounds, steps: the job (required)")
     p.add_argument("--interval", type=float, default=1.0,
                    help="status: seconds between the two samples throughput is measured over "
                         "(default 1; 0 skips throughput)")

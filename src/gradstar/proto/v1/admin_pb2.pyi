@@ -187,6 +187,61 @@ class ListRoundsResponse(_message.Message):
     replicas: _containers.RepeatedCompositeFieldContainer[RoundsReplica]
     def __init__(self, fragments: _Optional[_Iterable[_Union[RoundsFragment, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[RoundsReplica, _Mapping]]] = ...) -> None: ...
 
+class ListStepsRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class StepsRankView(_message.Message):
+    __slots__ = ("rank", "live", "base", "contributed", "dropped")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    live: bool
+    base: int
+    contributed: int
+    dropped: int
+    def __init__(self, rank: _Optional[int] = ..., live: _Optional[bool] = ..., base: _Optional[int] = ..., contributed: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
+
+class StepsModelView(_message.Message):
+    __slots__ = ("model", "mode", "steps", "world_size", "live", "dropped", "staleness", "ranks", "snapshot_steps")
+    class StalenessEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    mode: str
+    steps: int
+    world_size: int
+    live: _containers.RepeatedScalarFieldContainer[int]
+    dropped: int
+    staleness: _containers.ScalarMap[int, int]
+    ranks: _containers.RepeatedCompositeFieldContainer[StepsRankView]
+    snapshot_steps: int
+    def __init__(self, model: _Optional[str] = ..., mode: _Optional[str] = ..., steps: _Optional[int] = ..., world_size: _Optional[int] = ..., live: _Optional[_Iterable[int]] = ..., dropped: _Optional[int] = ..., staleness: _Optional[_Mapping[int, int]] = ..., ranks: _Optional[_Iterable[_Union[StepsRankView, _Mapping]]] = ..., snapshot_steps: _Optional[int] = ...) -> None: ...
+
+class ListStepsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[StepsModelView]
+    def __init__(self, models: _Optional[_Iterable[_Union[StepsModelView, _Mapping]]] = ...) -> None: ...
+
 class DrainRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
