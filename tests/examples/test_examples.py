@@ -213,7 +213,15 @@ def test_every_example_is_tested_and_listed_in_both_readmes():
         named = sorted(set(mention.findall(path.read_text(encoding="utf-8"))))
 
         assert named == scripts, path
-    assert len(scripts) == 9, scripts  # the streaming_diloco.py of issue 26 made it 9
+    assert len(scripts) == 10, scripts  # the sync_modes.py of issue 32 made it 10
+
+
+def test_sync_modes():
+    found = results(launch(4, "examples/sync_modes.py"), "sync_modes")
+
+    check_trained_identically(found, 4, by=10)
+    applied = {re.search(r"(\d+) steps applied", line).group(1) for line in found.values()}
+    assert len(applied) == 1, found  # every rank applied the same steps
 
 
 def test_streaming_diloco():

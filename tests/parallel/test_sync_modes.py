@@ -27,14 +27,15 @@ WORLD = 4
 
 async def run_modes(*args: str, stopped: int = -1, restart: bool = False,
                     timeout: float = 90) -> dict[int, dict]:
-    """A coordinator (3 s heartbeat timeout: a stalled rank leaves the live sets quickly) and
+    """A coordinator (8 s heartbeat timeout: a stalled rank leaves the live sets within the test,
+    and a rank of a loaded machine is not taken for a stalled one) and
     WORLD ranks of the script; each rank's report by rank, with its ``contributions`` (the
     lines it printed after each backward). Rank ``stopped`` kills or stops itself (the script's
     --stop-rank): it is killed at the end and reports its contributions only; with
     ``restart`` a new process takes its place as soon as it died (an elastic join, as the agent
     restarts it; the --stop-* arguments come last, and it runs without them) and reports as
     that rank, with both processes' contributions."""
-    hub = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0, heartbeat_timeout=3.0))
+    hub = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0, heartbeat_timeout=8.0))
     await hub.start()
     procs = []
 
@@ -152,8 +153,8 @@ def test_synchronous_weighted_steps_are_the_weighted_mean_of_every_rank():
                for k, v in unweighted.items())  # the weights made a difference
 
 
-@pytest.mark.parametrize("mode,how", [("quorum", "kill"), ("bounded", "kill"),
-                                      ("async", "kill"), ("quorum", "stall")])
+@pytest.mark.parametrize("mode,how", [(m, h) for m in ("quorum", "bounded", "async")
+                                      for h in ("kill", "stall")])
 def test_a_rank_that_dies_or_stalls_holds_nobody(mode, how):
     reports = asyncio.run(run_modes(mode, "--min-ranks", "4", "--max-staleness", "1",
                                     "--delays", "0.02,0.02,0.02,0.02", "--steps", "8",
