@@ -61,8 +61,8 @@ class StepsClient:
         header = pb.ContributionHeader(key=self.key, mode=mode.message(), mode_epoch=mode_epoch,
                                        numel=grad.shape[0], base=base, weight=weight)
         data = np.ascontiguousarray(grad, dtype="<f4").tobytes()
-        reply = await self._call(self._stub.Contribute(_parts(header, data), timeout=timeout,
-                                                       metadata=self._metadata),
+        reply = await self._call(self._stub.Contribute(_parts(pb.ContributionPart, header, data),
+                                                       timeout=timeout, metadata=self._metadata),
                                  "contributing a gradient", timeout)
         self.bytes_sent += len(data)
         return reply
@@ -76,20 +76,14 @@ class StepsClient:
             StepTimeoutError: not within ``timeout`` seconds.
             StepsBehindError: the hub no longer holds what this rank needs.
         """
-        until = time.monotonic() + timeout
-        while True:
-            left = until - time.monotonic()
-            if left <= 0:
-                raise StepTimeoutError(
-                    f"Timed out: step {min_steps} of model {self.key.model!r} did not close "
-                    f"within {timeout:g} s")
-            wait = min(POLL_SECONDS, max(left - 1.0, left / 2))
+        async def ask(wait: float) -> Aggregates | None:
             request = pb.FetchStepsRequest(key=self.key, have=have, min_steps=min_steps,
                                            wait_seconds=wait, limit=limit)
-            got = await self._call(self._read_fetch(request, wait + 10.0), "fetching steps",
-                                   wait + 10.0)
-            if got is not None:
-                return got
+            return await self._call(self._read_fetch(request, wait + 10.0), "fetching steps",
+                                    wait + 10.0)
+
+        return await _poll(ask, timeout, f"Timed out: step {min_steps} of model "
+                                         f"{self.key.model!r} did not close within {timeout:g} s")
 
     async def heartbeat(self, have: int, leave: bool = False, timeout: float = 5.0,
                         ) -> pb.StepsState:
@@ -100,31 +94,22 @@ class StepsClient:
 
     async def synchronize(self, barrier: int, timeout: float) -> int:
         """Wait until every live rank reached barrier ``barrier``: the step count to apply."""
-        until = time.monotonic() + timeout
-        while True:
-            left = until - time.monotonic()
-            if left <= 0:
-                raise StepTimeoutError(
-                    f"Timed out: synchronize() of model {self.key.model!r} waited {timeout:g} s "
-                    "for the other live ranks")
-            wait = min(POLL_SECONDS, max(left - 1.0, left / 2))
+        async def ask(wait: float) -> int | None:
             request = pb.SynchronizeRequest(key=self.key, barrier=barrier, wait_seconds=wait)
             reply = await self._call(self._stub.Synchronize(
                 request, timeout=wait + 10.0, metadata=self._metadata), "synchronize()",
                 wait + 10.0)
-            if reply.ready:
-                return reply.steps
+            return reply.steps if reply.ready else None
+
+        return await _poll(ask, timeout, f"Timed out: synchronize() of model "
+                                         f"{self.key.model!r} waited {timeout:g} s for the "
+                                         "other live ranks")
 
     async def put_snapshot(self, steps: int, layout: str, data: bytes, timeout: float) -> None:
         """Send this rank's state after ``steps`` aggregates."""
         header = pb.SnapshotHeader(key=self.key, steps=steps, layout=layout, nbytes=len(data))
-
-        async def parts():
-            yield pb.SnapshotPart(header=header, data=data[:PART_BYTES])
-            for start in range(PART_BYTES, len(data), PART_BYTES):
-                yield pb.SnapshotPart(data=data[start:start + PART_BYTES])
-
-        await self._call(self._stub.PutSnapshot(parts(), timeout=timeout,
+        await self._call(self._stub.PutSnapshot(_parts(pb.SnapshotPart, header, data),
+                                                timeout=timeout,
                                                 metadata=self._metadata),
                          "sending a snapshot", timeout)
         self.bytes_sent += len(data)
@@ -135,16 +120,14 @@ class StepsClient:
         Raises:
             StepTimeoutError: the hub held none within ``timeout`` seconds.
         """
-        until = time.monotonic() + timeout
-        while time.monotonic() < until:
-            wait = min(POLL_SECONDS, max(until - time.monotonic(), 0.0))
-            got = await self._call(self._read_snapshot(wait), "fetching a snapshot", wait + 10)
-            if got is not None:
-                return got
-        raise StepTimeoutError(f"Timed out: the hub held no snapshot of model "
-                               f"{self.key.model!r} within {timeout:g} s (no live rank sent one)")
+        return await _poll(self._read_snapshot, timeout, (
+            f"Timed out: the hub held no snapshot of model {self.key.model!r} within "
+            f"{timeout:g} s (no live rank sent one)"))
 
     async def _read_snapshot(self, wait: float) -> tuple[int, str, bytes] | None:
+        return await self._call(self._snapshot_answer(wait), "fetching a snapshot", wait + 10)
+
+    async def _snapshot_answer(self, wait: float) -> tuple[int, str, bytes] | None:
         call = self._stub.GetSnapshot(pb.SnapshotRequest(key=self.key, wait_seconds=wait),
                                       timeout=wait + 10, metadata=self._metadata)
         head, data = None, bytearray()
@@ -200,8 +183,25 @@ class StepsClient:
         await self._channel.close()
 
 
-async def _parts(header: pb.ContributionHeader, data: bytes):
-    """The request stream: the header, then the data in parts."""
-    yield pb.ContributionPart(header=header, data=data[:PART_BYTES])
+async def _poll(ask, timeout: float, timed_out: str):
+    """``await ask(wait)`` until it answers something other than None (the hub's "not yet"
+    after waiting up to ``wait`` seconds), for ``timeout`` seconds in all.
+
+    Raises:
+        StepTimeoutError: ``timed_out``, when the time is up.
+    """
+    until = time.monotonic() + timeout
+    while (left := until - time.monotonic()) > 0:
+        # The hub answers "not yet" well inside the call's deadline, so the answer (not the
+        # deadline) ends each poll.
+        got = await ask(min(POLL_SECONDS, max(left - 1.0, left / 2)))
+        if got is not None:
+            return got
+    raise StepTimeoutError(timed_out)
+
+
+async def _parts(part, header, data: bytes):
+    """A request stream of ``part`` messages: the header, then the data in parts."""
+    yield part(header=header, data=data[:PART_BYTES])
     for start in range(PART_BYTES, len(data), PART_BYTES):
-        yield pb.ContributionPart(data=data[start:start + PART_BYTES])
+        yield part(data=data[start:start + PART_BYTES])
