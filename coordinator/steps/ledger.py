@@ -25,7 +25,8 @@ One ledger per (job, model). Protocol, per rank:
    within ``lease`` seconds, and until the rendezvous reports it lost or finished. A rank that
    leaves the live set holds nobody; it is live again at its next call, and catches up from the
    log (the last ``history`` aggregates, fewer under the hub's memory bound:
-   :class:`StepsBehindError` past it).
+   :class:`StepsBehindError` past it). A live rank's missing aggregates are kept past the
+   history (within the memory bound), e.g. while it waits in a barrier and others step on.
 5. **Synchronize** (a barrier, ``barrier`` = the rank's count of calls): once every live rank
    reached it the open step closes whatever the mode, and every rank applies up to the same
    step count: replicas bitwise identical. Mode switches happen there (``mode_epoch``).
@@ -359,7 +360,10 @@ class StepsTable:
                                      tuple(c.staleness for c in parts), aggregate, self.clock()))
         self.held_bytes += aggregate.nbytes
         ledger.open = OpenStep(open_.number + 1)
-        while len(ledger.log) > self.history:
+        # Past the history, only what every live rank applied: one waiting in synchronize()
+        # while another steps on still fetches all it missed (the memory bound still holds).
+        needed = min((s.base for s in ledger.ranks.values() if s.live), default=ledger.steps)
+        while len(ledger.log) > self.history and ledger.log[0].number <= needed:
             self._evict(ledger)
         self.on_change()
 
