@@ -24,6 +24,20 @@ to 4 packets for 200 ms (ProbeRTT). Measured 2026-11-26, node-local 4x1 64 MiB: 
 link bound under cubic, 82% under bbr, with whole-host stalls of 0.2-0.5 s (veth counters
 sampled every 50 ms) and no retransmissions. ``congestion_control=None`` keeps the machine's.
 
+Setting it inside a namespace needs the algorithm in the machine's
+``net.ipv4.tcp_allowed_congestion_control`` (a namespace other than the first gets EPERM
+otherwise, root or not); a machine that defaults to BBR may list only ``reno bbr``. Building
+then adds the algorithm to that list for as long as it sets the hosts' default, and puts the
+list back as it found it right after, also on errors (:func:`allowing_congestion_control`). That
+is enough: a namespace keeps the default it was given, and its new sockets, connecting or
+accepted, take it without the list being consulted again (measured 2026-11-27, kernel 6.18:
+``getsockopt(TCP_CONGESTION)`` says ``cubic`` with the list back to ``reno bbr``). So the list
+is widened for milliseconds, never for a cluster's life, and two clusters alive at once, in one
+process or several, cannot restore each other's change too early: a lock file
+(``/run/lock/gradstar-emulated-cluster.lock``, flock, released by the kernel if its holder dies)
+lets one build at a time widen and restore it. An algorithm this kernel does not offer at all
+(``tcp_available_congestion_control``) fails the build with :class:`ClusterUnavailable`.
+
 What a caller does with it::
 
     with EmulatedCluster(["node0", "node1"], rate="200mbit") as cluster:
@@ -42,9 +56,10 @@ SIGKILL of the process holding the cluster leaves namespaces behind; their names
 ``gs-`` and a random tag (``ip netns list``).
 
 It needs root, ``ip`` (iproute2) and, to shape links, ``tc``: :func:`unavailable_reason` says
-which is missing (or that this system forbids namespaces), and building raises
-:class:`ClusterUnavailable` with that reason. ``tests/cluster/conftest.py`` skips on it; the
-benchmark ``benchmarks/cluster.py`` stops on it.
+which is missing (or that this system forbids namespaces, or lacks the congestion control),
+and building raises :class:`ClusterUnavailable` with that reason. ``tests/cluster`` fails on it
+(a cluster test that cannot build its cluster proves nothing, so it must not pass as a skip);
+the benchmarks stop on it.
 
 Nothing here imports gradstar: the library must never depend on it.
 """
@@ -52,6 +67,7 @@ Nothing here imports gradstar: the library must never depend on it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -60,7 +76,7 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +89,10 @@ CONGESTION_CONTROL = "cubic"
 BURST = "800kbit"
 LATENCY = "50ms"
 NETNS_ETC = Path("/etc/netns")
+_ALLOWED = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+_AVAILABLE = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
+#: One build at a time, across processes, widens and restores the allowed list.
+_ALLOWED_LOCK = Path("/run/lock/gradstar-emulated-cluster.lock")
 _RUN_TIMEOUT = 20.0
 #: Seconds a process gets between SIGTERM and SIGKILL when the cluster closes.
 STOP_GRACE = 5.0
@@ -132,6 +152,35 @@ def unavailable_reason(shaped: bool = True) -> str | None:
     return None
 
 
+def congestion_control_reason(name: str) -> str | None:
+    """Why hosts cannot run TCP congestion control ``name`` here, or None if they can."""
+    available = _AVAILABLE.read_text(encoding="ascii").split()
+    if name in available:
+        return None
+    return (f"this kernel does not offer TCP congestion control {name!r} (available: "
+            f"{' '.join(available)}); load its module (modprobe tcp_{name}) or build the "
+            f"cluster with congestion_control=None to keep the machine's")
+
+
+@contextlib.contextmanager
+def allowing_congestion_control(name: str) -> Iterator[None]:
+    """While the block runs, ``name`` is in the machine's allowed list (added if missing), so
+    a namespace may make it its default; after it, the list is what it was, also if the block
+    raised. Blocks of all processes on this machine take turns (see the module)."""
+    _ALLOWED_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with _ALLOWED_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the kernel drops it when the file closes or we die
+        original = _ALLOWED.read_text(encoding="ascii")
+        if name in original.split():
+            yield
+            return
+        _ALLOWED.write_text(f"{original.strip()} {name}\n", encoding="ascii")
+        try:
+            yield
+        finally:
+            _ALLOWED.write_text(original, encoding="ascii")
+
+
 def _run(argv: Sequence[str], timeout: float = _RUN_TIMEOUT) -> str:
     return subprocess.run(list(argv), check=True, capture_output=True, text=True,
                           timeout=timeout).stdout
@@ -145,7 +194,8 @@ class EmulatedCluster:
 
     Raises:
         ValueError: no hosts, a repeated or unusable name, a bad rate, or too many hosts.
-        ClusterUnavailable: not root, no ``ip``/``tc``, or this system refused to build it.
+        ClusterUnavailable: not root, no ``ip``/``tc``, a congestion control this kernel does
+            not offer, or this system refused to build it.
     """
 
     def __init__(self, names: Sequence[str], *, rate: str | None = "200mbit",
@@ -188,6 +238,8 @@ class EmulatedCluster:
             ClusterUnavailable: see the class.
         """
         reason = unavailable_reason(shaped=self.rate is not None)
+        if reason is None and self.congestion_control is not None:
+            reason = congestion_control_reason(self.congestion_control)
         if reason is not None:
             raise ClusterUnavailable(reason)
         try:
@@ -212,8 +264,9 @@ class EmulatedCluster:
             self._add_namespace(ns)
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
             if self.congestion_control is not None:
-                _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
-                      f"net.ipv4.tcp_congestion_control={self.congestion_control}"])
+                with allowing_congestion_control(self.congestion_control):
+                    _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                          f"net.ipv4.tcp_congestion_control={self.congestion_control}"])
             _run(["ip", "-n", self.bridge, "link", "add", host.port, "type", "veth", "peer",
                   "name", "eth0", "netns", ns])
             _run(["ip", "-n", self.bridge, "link", "set", host.port, "master", "br0"])

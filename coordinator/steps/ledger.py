@@ -25,7 +25,8 @@ One ledger per (job, model). Protocol, per rank:
    within ``lease`` seconds, and until the rendezvous reports it lost or finished. A rank that
    leaves the live set holds nobody; it is live again at its next call, and catches up from the
    log (the last ``history`` aggregates, fewer under the hub's memory bound:
-   :class:`StepsBehindError` past it).
+   :class:`StepsBehindError` past it). A live rank's missing aggregates are kept past the
+   history (within the memory bound), e.g. while it waits in a barrier and others step on.
 5. **Snapshots**: the hub asks the lowest live rank (in a Contribute answer) for its whole
    state once no snapshot is ``SNAPSHOT_EVERY`` steps fresh; the rank sends it after applying
    the aggregates up to its step. A rank that joins mid-training (a restarted process) takes

@@ -299,7 +299,10 @@ class StepsTable:
                                      tuple(c.staleness for c in parts), aggregate, self.clock()))
         self.held_bytes += aggregate.nbytes
         ledger.open = OpenStep(open_.number + 1)
-        while len(ledger.log) > self.history:
+        # Past the history, only what every live rank applied: one waiting in synchronize()
+        # while another steps on still fetches all it missed (the memory bound still holds).
+        needed = min((s.base for s in ledger.ranks.values() if s.live), default=ledger.steps)
+        while len(ledger.log) > self.history and ledger.log[0].number <= needed:
             self._evict(ledger)
         self.on_change()
 

@@ -1,7 +1,8 @@
 """A job across the hosts of a namespaced network (:func:`tests.runtime.netns.service_network`),
 started as a user starts one: a coordinator on the first host and ``gradstar worker`` on every
 host (each runs its ranks and, by default, its node-local shard). The rank programs report
-each phase as ``OUT/PHASE-RANK.json``; :func:`wait_reports` reads them."""
+each phase as ``OUT/PHASE-RANK.json``; :func:`wait_reports` reads them. :func:`hosts_network`
+gives the hosts, and fails the test where namespaces cannot be built."""
 
 from __future__ import annotations
 
@@ -19,8 +20,19 @@ from pathlib import Path
 import pytest
 
 from tests.runtime.conftest import clean_env
+from tests.runtime.netns import ServiceNetwork, service_network
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+@contextmanager
+def hosts_network(names: list[str]) -> Iterator[ServiceNetwork]:
+    """:func:`service_network` of ``names`` as network namespaces; the test fails, saying why,
+    where they cannot be built (its loopback fallback would prove nothing about hosts)."""
+    with service_network(names) as network:
+        if network.kind != "netns":
+            pytest.fail(f"no emulated cluster here: {network.reason}", pytrace=False)
+        yield network
 
 
 def wait_reports(out: Path, phase: str, count: int, procs: list, timeout: float,

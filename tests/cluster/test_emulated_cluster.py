@@ -1,5 +1,7 @@
 """The emulated cluster itself: hosts reach each other by name, each link is shaped both ways
-by a token bucket at the configured rate, and the link counters account for what crossed.
+by a token bucket at the configured rate, and the link counters account for what crossed; its
+hosts' sockets run the congestion control asked for even where the machine's allowed list lacks
+it, and the list is as it was after building (and after a failed build).
 
 Nothing here is timed: the shaping is proved by the qdiscs installed on both ends of a link,
 and the counters by the bytes of a real TCP transfer between two hosts.
@@ -10,7 +12,17 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from benchmarks._emulated_cluster import rate_bytes_per_second
+import pytest
+
+from benchmarks import _emulated_cluster as emulated
+from benchmarks._emulated_cluster import (
+    ClusterUnavailable,
+    EmulatedCluster,
+    allowing_congestion_control,
+    rate_bytes_per_second,
+)
+
+ALLOWED = "/proc/sys/net/ipv4/tcp_allowed_congestion_control"
 
 PAYLOAD = 4 << 20
 #: TCP/IP and Ethernet headers on ~64 KiB GSO segments of 1448-byte MSS: under 5 %.
@@ -26,6 +38,15 @@ with socket.create_server(("0.0.0.0", 0)) as server:
     while chunk := conn.recv(1 << 20):
         got += len(chunk)
     print(got, flush=True)
+"""
+# The congestion control of a connected socket and of the socket it was accepted on.
+SOCKET_CC = """
+import socket
+with socket.create_server(("127.0.0.1", 0)) as server:
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    print(*(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\\0").decode()
+            for s in (client, accepted)))
 """
 SENDER = f"""
 import socket, sys
@@ -83,3 +104,39 @@ def test_closing_removes_namespaces_and_processes(cluster):
     assert sleeper.poll() is not None
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(ns in listed for ns in namespaces), listed
+
+
+def _allowed() -> str:
+    with open(ALLOWED, encoding="ascii") as file:
+        return file.read()
+
+
+def test_hosts_run_cubic_and_the_allowed_list_is_left_as_found(cluster):
+    before = _allowed()
+    net = cluster(["node0"], rate=None, congestion_control="cubic")
+    assert _allowed() == before  # widened only while the hosts' default was set
+    ran = net.run("node0", [sys.executable, "-c", SOCKET_CC])
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["cubic", "cubic"]
+
+
+def test_the_allowed_list_is_widened_in_the_block_and_restored_when_it_raises(
+        tmp_path, monkeypatch):
+    allowed = tmp_path / "allowed"  # the machine's list is never widened for this test
+    allowed.write_text("reno bbr\n")
+    monkeypatch.setattr(emulated, "_ALLOWED", allowed)
+    monkeypatch.setattr(emulated, "_ALLOWED_LOCK", tmp_path / "lock")
+    with pytest.raises(RuntimeError, match="boom"), allowing_congestion_control("cubic"):
+        assert allowed.read_text() == "reno bbr cubic\n"
+        raise RuntimeError("boom")
+    assert allowed.read_text() == "reno bbr\n"
+    with allowing_congestion_control("bbr"):  # already allowed: left alone
+        assert allowed.read_text() == "reno bbr\n"
+
+
+def test_a_congestion_control_the_kernel_lacks_fails_the_build_saying_so():
+    before = _allowed()
+    with pytest.raises(ClusterUnavailable, match="does not offer TCP congestion control "
+                                                 "'nosuchcc'"):
+        EmulatedCluster(["node0"], rate=None, congestion_control="nosuchcc").build()
+    assert _allowed() == before

@@ -25,7 +25,7 @@ Each measured direction must be within [0.95 x model, 1.1 x model + 2% of S per 
 holds the barriers, headers and TCP acknowledgements that a model of payload bytes leaves out
 (a direction the model puts nothing on carries only those). The rank program is
 :mod:`tests.cluster.host_ops_rank`. Needs root and iproute2 (CI runs as root); elsewhere it
-skips saying why.
+fails saying why.
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ import sys
 
 import pytest
 
-from tests.cluster.jobs import job_on_hosts, wait_reports
-from tests.runtime.netns import service_network
+from tests.cluster.jobs import hosts_network, job_on_hosts, wait_reports
 
 pytestmark = pytest.mark.timeout(300)
 NBYTES, ITERS = 4 << 20, 2
@@ -70,9 +69,7 @@ def test_two_level_broadcast_all_gather_and_reduce_scatter_are_exact_and_carry_t
     world = sum(counts)
     rank_argv = [sys.executable, "-m", "tests.cluster.host_ops_rank", str(out), str(NBYTES),
                  str(ITERS), ",".join(map(str, counts))]
-    with service_network(names) as network:
-        if network.kind != "netns":
-            pytest.skip(f"needs network namespaces as hosts: {network.reason}")
+    with hosts_network(names) as network:
         with job_on_hosts(network, tmp_path, counts, rank_argv) as (procs, _hub):
             exact = wait_reports(out, "exact", world, procs, 150)
             assert sorted(a.rsplit(":", 1)[0] for a in exact[0]["shards"]) == sorted(

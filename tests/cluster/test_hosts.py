@@ -12,7 +12,7 @@ node-local shard). Hosts are network namespaces on a bridge (:mod:`tests.runtime
   left form the job again (``JOB/again``) on the hosts left, exactly.
 
 The rank program is :mod:`tests.cluster.rank`. Needs root and iproute2 (CI runs as root);
-elsewhere it skips saying why.
+elsewhere it fails saying why.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ import time
 
 import pytest
 
-from tests.cluster.jobs import job_on_hosts, wait_reports
-from tests.runtime.netns import service_network
+from tests.cluster.jobs import hosts_network, job_on_hosts, wait_reports
 
 CHUNK = 2 << 20  # the default chunk: a multiple of it per shard keeps the stripes even
 pytestmark = pytest.mark.timeout(300)
@@ -42,9 +41,7 @@ def test_a_job_across_hosts_is_exact_within_link_bytes_and_survives_a_host(
     rejoin = {h: {"CLUSTER_REJOIN_WORLD": "0" if h == dead else str(world - per_host)}
               for h in names}
 
-    with service_network(names) as network:
-        if network.kind != "netns":
-            pytest.skip(f"needs network namespaces as hosts: {network.reason}")
+    with hosts_network(names) as network:
         with job_on_hosts(network, tmp_path, per_host, rank_argv, rejoin) as (procs, hub):
             exact = wait_reports(out, "exact", world, procs, 120)
             shards = exact[0]["shards"]

@@ -16,9 +16,8 @@ import sys
 
 import pytest
 
-from tests.cluster.jobs import job_on_hosts, wait_reports
+from tests.cluster.jobs import hosts_network, job_on_hosts, wait_reports
 from tests.integration.certs import make_pki
-from tests.runtime.netns import service_network
 
 CHUNK = 2 << 20
 pytestmark = pytest.mark.timeout(240)
@@ -28,9 +27,7 @@ def test_a_tls_job_across_hosts_runs_on_tls_node_local_shards(tmp_path):
     names = ["host0", "host1"]
     out = tmp_path / "out"
     out.mkdir()
-    with service_network(names) as network:
-        if network.kind != "netns":
-            pytest.skip(f"needs network namespaces as hosts: {network.reason}")
+    with hosts_network(names) as network:
         pki = make_pki(tmp_path, ips=tuple(network.addresses.values()))
         rank = [sys.executable, "-m", "tests.cluster.rank", str(out),
                 str(len(names) * 3 * CHUNK), "2"]

@@ -4,7 +4,7 @@ else set. Rank 0's hub must advertise an address host 1 reaches (not a host name
 resolves to itself), each host's local rank 0 starts a node-local shard, and the trained
 parameters equal gloo's on the same two hosts (``GLOO_SOCKET_IFNAME=eth0``, as gloo needs).
 
-Needs root and iproute2 (CI runs as root); elsewhere it skips saying why.
+Needs root and iproute2 (CI runs as root); elsewhere it fails saying why.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.runtime.netns import service_network
+from tests.cluster.jobs import hosts_network
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "tools" / "torchrun_script.py"
@@ -63,9 +63,7 @@ def _run_on_hosts(network, out: Path, backend: str) -> list[subprocess.Completed
 
 
 def test_torchrun_across_two_hosts_trains_like_gloo(tmp_path):
-    with service_network(HOSTS) as network:
-        if network.kind != "netns":
-            pytest.skip(f"needs network namespaces as hosts: {network.reason}")
+    with hosts_network(HOSTS) as network:
         for backend in ("gradstar", "gloo"):
             runs = _run_on_hosts(network, tmp_path, backend)
             for node, run in enumerate(runs):
