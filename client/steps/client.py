@@ -79,8 +79,13 @@ class StepsClient:
         async def ask(wait: float) -> Aggregates | None:
             request = pb.FetchStepsRequest(key=self.key, have=have, min_steps=min_steps,
                                            wait_seconds=wait, limit=limit)
-            return await self._call(self._read_fetch(request, wait + 10.0), "fetching steps",
-                                    wait + 10.0)
+            # The hub answers "not yet" after ``wait``; an answer with aggregates may take
+            # longer on a slow link: allow what is left of the call's time for it.
+            deadline = max(wait + 10.0, until - time.monotonic())
+            return await self._call(self._read_fetch(request, deadline), "fetching steps",
+                                    deadline)
+
+        until = time.monotonic() + timeout
 
         return await _poll(ask, timeout, f"Timed out: step {min_steps} of model "
                                          f"{self.key.model!r} did not close within {timeout:g} s")

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from gradstar.errors import ConfigurationError, StepError
-from gradstar.sync_modes import SyncMode
+from gradstar.sync_modes import Quorum, SyncMode
 
 from ..loop_thread import LoopThread
 from .client import StepsClient
@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 HEARTBEAT_SECONDS = 1.0
 #: Entries of SyncStats.recent_steps and recent_contributions.
 RECENT = 1024
+#: Aggregates per Fetch answer (a rank far behind asks again for the rest).
+FETCH_LIMIT = 16
 
 
 @dataclass(frozen=True)
@@ -186,16 +188,18 @@ class StepSync:
             log.info("rank %d's gradient was dropped: %s", self._client.key.rank, reply.reason)
 
     def catch_up(self) -> None:
-        """Wait for the step this rank's gradient joined, then apply every closed aggregate.
+        """Apply every closed aggregate; with Quorum first wait for the step this rank's
+        gradient joined (BoundedStaleness and Asynchronous never wait here: a rank's next
+        gradient closes its previous step on the hub).
 
         Raises:
             StepTimeoutError: the step did not close within the timeout.
             StepsBehindError: the hub no longer holds aggregates this rank needs.
         """
         started = time.perf_counter()
-        got = self._run(self._client.fetch(self.have, self._joined or 0, self.timeout))
+        wait_for = self._joined if isinstance(self.mode, Quorum) else None
+        self._catch_up_to(wait_for or 0)
         self.stats.waited_seconds += time.perf_counter() - started
-        self._apply(got)
         self._pending, self._joined = False, None
         if self._snapshot_due:
             self._send_snapshot()
@@ -212,7 +216,7 @@ class StepSync:
         steps, layout, data = self._run(self._client.get_snapshot(self.timeout))
         unpack(layout, data, self.module, self._optimizer)
         self.have = steps
-        self._apply(self._run(self._client.fetch(self.have, 0, self.timeout)))
+        self._catch_up_to(0)
         log.info("rank %d joined at step %d (snapshot of step %d)", self._client.key.rank,
                  self.have, steps)
 
@@ -237,7 +241,7 @@ class StepSync:
         self._barriers += 1
         steps = self._run(self._client.synchronize(self._barriers, self.timeout))
         if steps > self.have:
-            self._apply(self._run(self._client.fetch(self.have, steps, self.timeout)))
+            self._catch_up_to(steps)
         self._pending, self._joined = False, None
 
     def set_mode(self, mode: SyncMode) -> None:
@@ -246,6 +250,17 @@ class StepSync:
         self.mode = mode
         self.mode_epoch += 1
         self.stats.mode = str(mode)
+
+    def _catch_up_to(self, min_steps: int) -> None:
+        """Once ``min_steps`` steps closed, apply every closed aggregate, fetched
+        ``FETCH_LIMIT`` at a time (a rank far behind gets many; each answer stays small)."""
+        while True:
+            got = self._run(self._client.fetch(self.have, min_steps, self.timeout,
+                                               limit=FETCH_LIMIT))
+            self._apply(got)
+            if got.steps <= self.have:
+                return
+            min_steps = 0
 
     def _apply(self, got) -> None:
         for record, values in zip(got.records, got.values, strict=True):

@@ -12,10 +12,12 @@ One ledger per (job, model). Protocol, per rank:
    :class:`StepMismatchError` for that rank only; the others' step is untouched.
 2. **Close**: a step closes when every live rank contributed (or waits at a barrier), or as
    the mode allows earlier: Quorum once ``min_ranks`` contributed (fewer if fewer are live)
-   and ``timeout`` passed since the step's first contribution; Asynchronous once the uploads
-   in flight when it got its first contribution have ended (contributions that arrive
-   together share a step); BoundedStaleness likewise, but not while closing would leave a live
-   rank's next gradient more than ``max_staleness`` aggregates stale. Its *aggregate* is the
+   and ``timeout`` passed since the step's first contribution. In Asynchronous and
+   BoundedStaleness a rank does not wait for its own step: its next gradient may arrive while
+   its previous one is still in the open step, and then closes that step (a step is one
+   "clock" of the fastest rank, as in SSP) — in BoundedStaleness only once closing leaves no
+   live rank's next gradient more than ``max_staleness`` aggregates stale; until then that
+   fast rank's call waits (the only time a rank waits for another). Its *aggregate* is the
    weighted mean of its contributions, summed in rank order in float32, so it does not depend
    on arrival order; the hub computes it once and every rank gets the same bytes.
 3. **Fetch** ``(have)``: the aggregates after ``have``, in step order, with who made each
@@ -88,9 +90,6 @@ class OpenStep:
     number: int
     first_at: float | None = None
     contributions: dict[int, Contribution] = field(default_factory=dict)
-    #: Uploads in flight when it got its first contribution (Asynchronous, BoundedStaleness
-    #: wait for these, not for later ones).
-    awaiting: set[int] | None = None
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,6 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
 
     async def Contribute(self, request_iterator: AsyncIterator[pb.ContributionPart],
                          context: grpc.aio.ServicerContext) -> pb.Contributed:
-        upload = None
         try:
             parts = request_iterator.__aiter__()
             first = await _first(parts)
@@ -58,8 +57,11 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             # Refused before any memory is taken for it.
             self.table.check_header(ledger, h.key.rank, mode, h.mode_epoch, h.numel, h.base,
                                     h.weight)
-            upload = self.table.upload_started(ledger.job, ledger.model)
             data = await self._read(first, parts, h.numel, f"rank {h.key.rank}")
+            # BoundedStaleness: a fast rank's next gradient waits while closing the step its
+            # previous one is in would leave a live rank too far behind.
+            while self.table.must_wait(ledger, h.key.rank):
+                await self._wait(lambda: not self.table.must_wait(ledger, h.key.rank), MAX_WAIT)
             accepted, step, staleness, reason = self.table.contribute(
                 ledger, h.key.rank, mode, h.mode_epoch, h.base, h.weight, data)
             self._arm_timer()
@@ -68,9 +70,6 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
                                   want_snapshot=self.table.wants_snapshot(ledger, h.key.rank))
         except GradstarError as error:
             await abort(context, error)
-        finally:
-            if upload is not None:
-                self.table.upload_ended(upload)
 
     async def Fetch(self, request: pb.FetchStepsRequest,
                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepsPart]:

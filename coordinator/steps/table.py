@@ -3,7 +3,6 @@ records are in :mod:`.ledger`; nothing here does I/O, and time comes from ``cloc
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import time
@@ -50,8 +49,6 @@ class StepsTable:
         self.on_change = on_change or (lambda: None)
         self.ledgers: dict[tuple[str, str], StepLedger] = {}
         self.held_bytes = 0
-        self._uploads: dict[int, tuple[str, str]] = {}
-        self._upload_ids = itertools.count(1)
 
     # -- ranks ------------------------------------------------------------------------------
 
@@ -118,19 +115,6 @@ class StepsTable:
         self._settle(ledger)
         self.on_change()
 
-    # -- uploads ----------------------------------------------------------------------------
-
-    def upload_started(self, job: str, model: str) -> int:
-        upload = next(self._upload_ids)
-        self._uploads[upload] = (job, model)
-        return upload
-
-    def upload_ended(self, upload: int) -> None:
-        key = self._uploads.pop(upload, None)
-        ledger = self.ledgers.get(key) if key is not None else None
-        if ledger is not None:
-            self._settle(ledger)
-
     # -- contribute and close ---------------------------------------------------------------
 
     def check_header(self, ledger: StepLedger, rank: int, mode: SyncMode, mode_epoch: int,
@@ -156,11 +140,11 @@ class StepsTable:
         if base > ledger.steps:
             raise StepMismatchError(f"{who} contributed a gradient computed after {base} "
                                     f"aggregates, but only {ledger.steps} steps closed")
-        if rank in ledger.open.contributions:
+        self._check_mode(ledger, who, mode, mode_epoch)
+        if rank in ledger.open.contributions and not _pushes(ledger.mode):
             raise StepMismatchError(f"{who} contributed twice to step {ledger.open.number}; "
                                     "apply the aggregates (optimizer.step()) between backward "
                                     "passes")
-        self._check_mode(ledger, who, mode, mode_epoch)
 
     def _check_mode(self, ledger: StepLedger, who: str, mode: SyncMode, epoch: int) -> None:
         if ledger.mode is None or (epoch > ledger.mode_epoch and not ledger.open.contributions):
@@ -208,15 +192,26 @@ class StepsTable:
         ledger.snapshot_asked = None
         self.on_change()
 
+    def must_wait(self, ledger: StepLedger, rank: int) -> bool:
+        """Whether ``rank``'s next gradient must wait before it can join (BoundedStaleness):
+        it is already in the open step, which cannot close yet without leaving a live rank
+        more than the bound behind. The servicer waits for a change and asks again."""
+        return (rank in ledger.open.contributions and _pushes(ledger.mode)
+                and not self._within_bound(ledger))
+
     def contribute(self, ledger: StepLedger, rank: int, mode: SyncMode, mode_epoch: int,
                    base: int, weight: float, data: np.ndarray) -> tuple[bool, int, int, str]:
         """Take ``rank``'s gradient: (accepted, step joined, staleness, reason if dropped).
+        In BoundedStaleness and Asynchronous a rank's gradient arriving while its previous one
+        is still in the open step closes that step first (see :meth:`must_wait`).
 
         Raises: as :meth:`check_header` (checked again: the ledger may have moved while the
         data arrived); HubCapacityError: holding it would pass the hub's memory bound.
         """
         state = self.seen(ledger, rank)
         self.check_header(ledger, rank, mode, mode_epoch, data.shape[0], base, weight)
+        if rank in ledger.open.contributions:  # a push (checked: this mode pushes, in bound)
+            self._close(ledger)
         ledger.numel = data.shape[0]
         staleness = ledger.steps - base
         reason = drop_reason(ledger.mode, staleness)
@@ -238,6 +233,7 @@ class StepsTable:
         ledger.staleness[staleness] += 1
         number = open_.number
         self._settle(ledger)
+        self.on_change()  # a rank waiting on the bound may go on now
         return True, number, staleness, ""
 
     def close_due(self) -> None:
@@ -270,15 +266,19 @@ class StepsTable:
         if isinstance(mode, Quorum):
             need = min(mode.min_ranks, len(live | got))
             return len(got) >= need and self.clock() >= open_.first_at + mode.timeout
-        if open_.awaiting is None:
-            open_.awaiting = set(self._uploads)
-        if open_.awaiting & set(self._uploads):
-            return False  # contributions arriving together share the step
-        if isinstance(mode, BoundedStaleness):
-            after = ledger.steps + 1
-            return all(after - ledger.ranks[r].base <= mode.max_staleness
-                       for r in live - got - at_barrier if not ledger.ranks[r].pending)
-        return isinstance(mode, Asynchronous)
+        return False  # BoundedStaleness, Asynchronous: a rank's next gradient closes it
+
+    def _within_bound(self, ledger: StepLedger) -> bool:
+        """Whether the open step may close now without leaving any live rank that has not
+        contributed to it (and is not at a barrier, nor about to fetch) more than the bound
+        behind: its next gradient, on its current parameters, joins the next step at best."""
+        mode = ledger.mode
+        if not isinstance(mode, BoundedStaleness):
+            return True
+        after = ledger.steps + 1
+        return all(after - s.base <= mode.max_staleness for r, s in ledger.ranks.items()
+                   if s.live and r not in ledger.open.contributions and not s.pending
+                   and s.barrier <= ledger.barrier_done)
 
     def _close(self, ledger: StepLedger) -> None:
         open_ = ledger.open
@@ -352,6 +352,7 @@ class StepsTable:
         closed = [s for s in ledger.log if s.number > have]
         closed = closed[:limit] if limit else closed
         state.base, state.pending = have + len(closed), False
+        self.on_change()  # its newer parameters may let a bounded step close
         return closed
 
     def synchronize(self, ledger: StepLedger, rank: int, barrier: int) -> int | None:
@@ -411,3 +412,9 @@ class StepsTable:
                 del self.ledgers[key]
                 dropped.append(key[0])
         return dropped
+
+
+def _pushes(mode: SyncMode | None) -> bool:
+    """Whether a rank's gradient may arrive while its previous one is in the open step (and
+    closes it): the modes whose ranks do not wait for their own step."""
+    return isinstance(mode, BoundedStaleness | Asynchronous)

@@ -121,35 +121,42 @@ def test_zero_weights_make_a_zero_aggregate():
     np.testing.assert_array_equal(ledger.log[-1].aggregate, grad(0.0))
 
 
-def test_asynchronous_closes_each_contribution_but_waits_for_uploads_in_flight():
+def test_asynchronous_a_ranks_next_gradient_closes_the_step_its_previous_one_is_in():
     t = table()
     ledger = t.ledger("j", "m", 3)
     mode = Asynchronous()
     give(t, ledger, 0, mode, 1.0)
+    give(t, ledger, 1, mode, 3.0)
+    assert ledger.steps == 0  # rank 2 has not contributed: nobody pushed yet
+    accepted, step, staleness, _ = give(t, ledger, 0, mode, 5.0, base=0)  # rank 0 again
+    assert (accepted, step, staleness) == (True, 2, 1)
+    assert ledger.steps == 1 and ledger.log[-1].ranks == (0, 1)
+    np.testing.assert_array_equal(ledger.log[-1].aggregate, grad(2.0))
+    give(t, ledger, 2, mode, 7.0, base=0)  # slow rank 2 joins step 2, one step stale
     assert ledger.steps == 1
-    upload = t.upload_started("j", "m")  # rank 2's gradient is arriving
-    give(t, ledger, 1, mode, 2.0)
-    assert ledger.steps == 1  # waits for the upload that was in flight
-    later = t.upload_started("j", "m")  # began after: not waited for
-    give(t, ledger, 2, mode, 3.0, base=0)
-    t.upload_ended(upload)
-    assert ledger.steps == 2 and ledger.log[-1].ranks == (1, 2)
+    give(t, ledger, 0, mode, 9.0, base=1)  # rank 0 again: closes step 2 without rank 1
+    assert ledger.steps == 2 and ledger.log[-1].ranks == (0, 2)
     assert ledger.log[-1].staleness == (1, 1)
-    t.upload_ended(later)
+    for rank in (1, 2):  # every live rank in the open step: it closes at once
+        give(t, ledger, rank, mode, 1.0, base=2)
+    assert ledger.steps == 3 and ledger.log[-1].ranks == (0, 1, 2)
 
 
 def test_bounded_staleness_waits_for_a_rank_that_would_fall_too_far_behind():
     t = table()
     ledger = t.ledger("j", "m", 2)
     mode = BoundedStaleness(max_staleness=2)
+    give(t, ledger, 0, mode, 1.0)
     for expected in (1, 2):  # rank 0 runs ahead twice; rank 1 computes on base 0
+        assert not t.must_wait(ledger, 0)
         give(t, ledger, 0, mode, 1.0)
         assert ledger.steps == expected
-        catch_up(t, ledger, 0)
-    give(t, ledger, 0, mode, 1.0)
-    assert ledger.steps == 2  # a third step would leave rank 1's gradient 3 stale
+    # A third step would leave rank 1's gradient 3 stale: rank 0's next one waits.
+    assert t.must_wait(ledger, 0)
     accepted, step, staleness, _ = give(t, ledger, 1, mode, 5.0, base=0)
     assert (accepted, step, staleness) == (True, 3, 2)
+    assert not t.must_wait(ledger, 0)
+    give(t, ledger, 0, mode, 1.0)
     assert ledger.steps == 3 and ledger.log[-1].ranks == (0, 1)
 
 
@@ -167,8 +174,12 @@ def test_bounded_staleness_never_exceeds_its_bound_under_a_random_schedule():
                     catch_up(t, ledger, rank)
                     del joined[rank]
                 continue
+            if t.must_wait(ledger, rank):
+                continue  # the hub holds its call: another rank acts meanwhile
             accepted, step, staleness, _ = give(t, ledger, rank, mode, 1.0)
             assert accepted and staleness <= bound
+            if rng.random() < 0.5:  # a rank fetches what closed, or pushes its next gradient
+                catch_up(t, ledger, rank)
             joined[rank] = step
         assert max(ledger.staleness) <= bound
         assert ledger.steps > 20
@@ -239,7 +250,7 @@ def test_a_mode_switch_takes_effect_only_at_an_empty_step():
     give(t, ledger, 1, Quorum(min_ranks=2), 1.0)
     catch_up(t, ledger, 0)
     t.contribute(ledger, 0, Asynchronous(), 1, 1, 1.0, grad(1.0))
-    assert ledger.mode == Asynchronous() and ledger.steps == 2
+    assert ledger.mode == Asynchronous() and list(ledger.open.contributions) == [0]
 
 
 def test_history_and_memory_are_bounded():
@@ -282,5 +293,6 @@ def test_a_rank_waiting_at_a_barrier_catches_up_past_the_history():
     assert table.synchronize(ledger, 1, 1) == 20
     assert [s.number for s in table.fetch(ledger, 0, 0)] == list(range(1, 21))
     # Once every live rank applied them, the log is back to its history.
-    table.contribute(ledger, 1, Asynchronous(), 0, 20, 1.0, grad(1.0))
+    for rank in (0, 1):
+        table.contribute(ledger, rank, Asynchronous(), 0, 20, 1.0, grad(1.0))
     assert len(ledger.log) == 8
