@@ -6,6 +6,12 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+from collections.abc import Awaitable, Callable
+
+from gradstar.errors import ProcessGroupClosedError
+
 from ..loop_thread import LoopThread as _LoopThread
 from ..work import Work
 from .group import AsyncProcessGroup
@@ -21,6 +27,7 @@ class ProcessGroup:
     def __init__(self, group: AsyncProcessGroup, runner: _LoopThread) -> None:
         self._group = group
         self._runner = runner
+        self._closers: list[Callable[[], Awaitable[None]]] = []
 
     rank = property(lambda self: self._group.rank)
     world_size = property(lambda self: self._group.world_size)
@@ -82,11 +89,31 @@ class ProcessGroup:
         return self._call(self._group.all_to_all_single(
             x, output_split_sizes, input_split_sizes, timeout=timeout), async_op)
 
+    def submit(self, coro) -> concurrent.futures.Future:
+        """Run ``coro`` on the group's event-loop thread: gradstar's wrappers make their own
+        calls there (grpc.aio serves one event loop per process).
+
+        Raises:
+            ProcessGroupClosedError: the group was closed.
+        """
+        if self._runner is None:
+            coro.close()
+            raise ProcessGroupClosedError("the process group was closed")
+        return self._runner.submit(coro)
+
+    def on_close(self, closer: Callable[[], Awaitable[None]]) -> None:
+        """``await closer()`` on the group's loop when the group closes, before it leaves the
+        job (a wrapper's own channels and goodbyes)."""
+        self._closers.append(closer)
+
     def close(self) -> None:
         """Leave the job, close the connection and stop the loop thread. Idempotent."""
         if self._runner is None:
             return
         try:
+            for closer in self._closers:
+                with contextlib.suppress(Exception):  # the group closes whatever they do
+                    self._runner.submit(closer()).result(timeout=15)
             self._runner.submit(self._group.close()).result(timeout=15)
         finally:
             self._runner.stop()

@@ -160,7 +160,9 @@ class StepsClient:
             call.cancel()
             return None
         values = np.empty((len(head.records), head.numel), dtype="<f4")
-        view = memoryview(values).cast("B")
+        if values.size == 0:  # nothing closed since ``have``: no data parts follow
+            return Aggregates(head.steps, list(head.records), values)
+        view = memoryview(values.reshape(-1)).cast("B")
         filled = 0
         async for part in parts:
             n = len(part.data)

@@ -75,7 +75,4 @@ def _step_sync(ddp, mode: SyncMode):
     """The ledger driver of ``ddp`` (made at its first ledger mode)."""
     from .sync import StepSync
 
-    pg = ddp.process_group
-    return StepSync(ddp.module, ddp._params, ddp._optimizer, pg.settings,
-                    pg.collective_address, pg.rank, pg.world_size, mode, "ddp",
-                    pg.settings.timeout)
+    return StepSync(ddp.module, ddp._params, ddp._optimizer, ddp.process_group, mode, "ddp")

@@ -16,8 +16,8 @@ How one training step runs (the loop stays ``zero_grad / forward / backward / op
    applied every aggregate of every contribution made before it.
 
 A heartbeat every second keeps the rank in the hub's live set while it computes; a rank that
-dies or stalls leaves it and holds nobody. The calls run on a loop thread of their own, apart
-from the process group's, so a failed generation never reaches them.
+dies or stalls leaves it and holds nobody. The calls run on the process group's loop thread but
+use none of its collectives, so a failed generation never reaches them.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import torch
 from gradstar.errors import ConfigurationError, StepError
 from gradstar.sync_modes import Quorum, SyncMode
 
-from ..loop_thread import LoopThread
 from .client import StepsClient
 from .snapshot import pack, unpack
 
@@ -98,15 +97,13 @@ class StepSync:
     Args:
         params: the trainable parameters, in DDP's order (all ranks the same).
         optimizer: the user's torch optimizer over them; its ``step`` becomes :meth:`catch_up`.
-        settings, address: the process group's client settings and the hub's collective port.
-        rank, world_size: this rank and the job's world.
+        pg: the blocking process group (settings, rank, the hub's collective port, its loop;
+            its timeout bounds a step or a barrier, then :class:`StepTimeoutError`).
         mode: the sync mode; ``model``: the ledger's name within the job.
-        timeout: seconds a step or a barrier may take before :class:`StepTimeoutError`.
     """
 
     def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter],
-                 optimizer: torch.optim.Optimizer, settings, address: str, rank: int,
-                 world_size: int, mode: SyncMode, model: str, timeout: float) -> None:
+                 optimizer: torch.optim.Optimizer, pg, mode: SyncMode, model: str) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigurationError(
                 f"sync_mode={mode} needs optimizer=: the torch optimizer that trains the "
@@ -117,17 +114,20 @@ class StepSync:
         self.numel = sum(p.numel() for p in params)
         self.mode = mode
         self.mode_epoch = 0
-        self.timeout = timeout
+        self.timeout = pg.settings.timeout
         #: Aggregates applied to this rank's parameters.
         self.have = 0
         self.stats = SyncStats(str(mode))
         self._joined: int | None = None  # step the pending contribution joined
         self._pending = False
         self._barriers = 0
-        self._thread = LoopThread()
-        # grpc.aio binds a channel to the loop it is made on: make it on the thread's loop.
-        self._client = self._run(_make_client(settings, address, model, rank, world_size))
-        self._beating = self._thread.submit(self._beat())
+        # Calls run on the process group's loop thread (grpc.aio binds a channel to the loop it
+        # is made on, and serves one loop per process); closed with the group.
+        self._submit = pg.submit
+        self._client = self._run(_make_client(pg.settings, pg.collective_address, model,
+                                              pg.rank, pg.world_size))
+        self._beating = self._submit(self._beat())
+        pg.on_close(self._close)
         self._optimizer = optimizer
         self._optimizer_step = None  # the optimizer's own step while attached
         self._attached_before = False
@@ -225,8 +225,7 @@ class StepSync:
         training goes on meanwhile; a failed upload is logged, and the hub asks again."""
         self._snapshot_due = False
         layout, data = pack(self.module, self._optimizer)
-        upload = self._thread.submit(self._client.put_snapshot(self.have, layout, data,
-                                                               self.timeout))
+        upload = self._submit(self._client.put_snapshot(self.have, layout, data, self.timeout))
         self._uploads.add(upload)
 
         def done(future) -> None:
@@ -293,7 +292,7 @@ class StepSync:
     # -- plumbing ----------------------------------------------------------------------------
 
     def _run(self, coro):
-        return self._thread.submit(coro).result()
+        return self._submit(coro).result()
 
     async def _beat(self) -> None:
         while True:
@@ -301,17 +300,12 @@ class StepSync:
                 await self._client.heartbeat(self.have)
             await asyncio.sleep(HEARTBEAT_SECONDS)
 
-    def close(self) -> None:
-        """Leave the live set and stop the loop thread (the optimizer gets its step back)."""
-        if self._thread is None:
-            return
+    async def _close(self) -> None:
+        """Leave the live set and close the channel (the group runs this as it closes)."""
         self._beating.cancel()
         with contextlib.suppress(Exception):
-            self._run(self._client.heartbeat(self.have, leave=True))
-        with contextlib.suppress(Exception):
-            self._run(self._client.close())
-        self._thread.stop()
-        self._thread = None
+            await self._client.heartbeat(self.have, leave=True)
+        await self._client.close()
         self.detach()
 
 

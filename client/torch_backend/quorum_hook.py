@@ -33,7 +33,6 @@ import torch.distributed as dist
 from gradstar.errors import ConfigurationError
 from gradstar.sync_modes import Quorum
 
-from ..loop_thread import LoopThread
 from ..steps.client import StepsClient
 from .group import ProcessGroupGradstar
 
@@ -58,7 +57,6 @@ class QuorumHookState:
         #: This rank's buckets dropped as late, and sent in all.
         self.dropped = 0
         self.sent = 0
-        self._thread: LoopThread | None = None
         self._clients: dict[tuple[int, int], StepsClient] = {}
 
     def group(self) -> ProcessGroupGradstar:
@@ -71,20 +69,23 @@ class QuorumHookState:
         return group
 
     def close(self) -> None:
-        """Close the channels and the loop thread (at the end of training)."""
-        if self._thread is not None:
-            for client in self._clients.values():
-                self._thread.submit(client.close()).result(timeout=10)
-            self._thread.stop()
-            self._thread, self._clients = None, {}
+        """Close the ledgers' channels now (else the process group does as it closes)."""
+        if self._clients:
+            self.group().gradstar_group.submit(self._close()).result(timeout=10)
+
+    async def _close(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            await client.close()
 
     def _client(self, key: tuple[int, int]) -> StepsClient:
-        if self._thread is None:
-            self._thread = LoopThread()
         client = self._clients.get(key)
         if client is None:
             pg = self.group().gradstar_group
-            client = self._clients[key] = self._thread.submit(_make_client(
+            if not self._clients:
+                pg.on_close(self._close)
+            # Made on the group's loop: grpc.aio binds a channel to the loop it is made on.
+            client = self._clients[key] = pg.submit(_make_client(
                 pg.settings, pg.collective_address, f"torch-ddp-bucket-{key[0]}-{key[1]}",
                 pg.rank, pg.world_size)).result()
         return client
@@ -113,7 +114,7 @@ def quorum_hook(state: QuorumHookState,
     client = state._client(key)
     grad = buffer.detach().to(torch.float32).reshape(-1).cpu().numpy()
     out: torch.futures.Future = torch.futures.Future()
-    work = state._thread.submit(state._round(client, key, grad))
+    work = state.group().gradstar_group.submit(state._round(client, key, grad))
 
     def done(f: concurrent.futures.Future) -> None:
         if f.exception() is not None:
