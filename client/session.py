@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 
 import grpc
@@ -117,6 +118,7 @@ class Session:
         self._outbox.put_nowait(rpb.SessionRequest(join=rpb.JoinRequest(
             job=job, world_size=world_size, rank=-1 if rank is None else rank,
             peer_address=peer_address, timeout_seconds=timeout, host=shm.host_key(),
+            hostname=socket.gethostname(),
         )))
         # No deadline on the call itself: it lives as long as the rank. The join is bounded by
         # the coordinator's join timeout, and the wait below is a backstop against a dead hub.

@@ -184,7 +184,7 @@ class Coordinator:
         rounds_pb2_grpc.add_RoundsServicer_to_server(rounds, server)
         admin_pb2_grpc.add_AdminServicer_to_server(
             AdminServicer(self.rendezvous, self.averaging, self.drain, self.shards,
-                          self.rounds), server
+                          self.rounds, self.engine.metrics), server
         )
         shard_pb2_grpc.add_ShardControlServicer_to_server(ShardControlServicer(self.shards),
                                                           server)
@@ -287,6 +287,7 @@ class Coordinator:
                          self.settings.job_retention)
             for name in self.rendezvous.drop_idle(self.settings.job_retention):
                 self.engine.metrics.forget(name)
+                self.shards.forget(name)
                 log.info("job %r dropped after %g s without members", name,
                          self.settings.job_retention)
 

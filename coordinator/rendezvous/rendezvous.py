@@ -88,7 +88,7 @@ class Rendezvous:
 
     async def join(
         self, job: str, world_size: int, rank: int | None, peer_address: str, timeout: float,
-        *, host: str = "",
+        *, host: str = "", hostname: str = "",
     ) -> Member:
         """Wait until the job's next generation forms; return this caller's member record.
 
@@ -100,7 +100,7 @@ class Rendezvous:
             DuplicateRankError: a live member already holds ``rank``.
             JoinTimeoutError: not every rank joined within ``timeout`` seconds.
         """
-        member = self.offer(job, world_size, rank, peer_address, host=host)
+        member = self.offer(job, world_size, rank, peer_address, host=host, hostname=hostname)
         try:
             await asyncio.wait_for(asyncio.shield(member.joined), timeout)
         except TimeoutError:
@@ -121,7 +121,7 @@ class Rendezvous:
         return member
 
     def offer(self, job: str, world_size: int, rank: int | None, peer_address: str, *,
-              host: str = "") -> Member:
+              host: str = "", hostname: str = "") -> Member:
         """Register a joiner; its ``joined`` future completes when the generation forms."""
         if self.draining:
             raise CoordinatorDrainingError(
@@ -157,7 +157,8 @@ class Rendezvous:
             raise DuplicateRankError(
                 f"rank {rank} of job {job!r} was already requested by another joining process"
             )
-        member = Member(job=job, requested_rank=rank, peer_address=peer_address, host=host[:64])
+        member = Member(job=job, requested_rank=rank, peer_address=peer_address, host=host[:64],
+                        hostname=hostname[:255])
         member.joined = asyncio.get_running_loop().create_future()
         state.forming.append(member)
         if len(state.forming) == world_size:

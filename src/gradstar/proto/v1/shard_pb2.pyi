@@ -49,7 +49,7 @@ class ShardJob(_message.Message):
     def __init__(self, job: _Optional[str] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., completed: _Optional[_Mapping[int, int]] = ..., failed: _Optional[_Mapping[int, int]] = ..., active: _Optional[bool] = ...) -> None: ...
 
 class RankArrivals(_message.Message):
-    __slots__ = ("job", "rank", "collectives", "last", "lag_sum_seconds", "lag_ewma_seconds", "last_lag_seconds", "max_lag_seconds", "cost_seconds", "buckets")
+    __slots__ = ("job", "rank", "collectives", "last", "lag_sum_seconds", "lag_ewma_seconds", "last_lag_seconds", "max_lag_seconds", "cost_seconds", "buckets", "min_lag_seconds")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class RankArrivals(_message.Message):
     MAX_LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COST_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    MIN_LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     collectives: int
@@ -70,7 +71,8 @@ class RankArrivals(_message.Message):
     max_lag_seconds: float
     cost_seconds: float
     buckets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., collectives: _Optional[int] = ..., last: _Optional[int] = ..., lag_sum_seconds: _Optional[float] = ..., lag_ewma_seconds: _Optional[float] = ..., last_lag_seconds: _Optional[float] = ..., max_lag_seconds: _Optional[float] = ..., cost_seconds: _Optional[float] = ..., buckets: _Optional[_Iterable[int]] = ...) -> None: ...
+    min_lag_seconds: float
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., collectives: _Optional[int] = ..., last: _Optional[int] = ..., lag_sum_seconds: _Optional[float] = ..., lag_ewma_seconds: _Optional[float] = ..., last_lag_seconds: _Optional[float] = ..., max_lag_seconds: _Optional[float] = ..., cost_seconds: _Optional[float] = ..., buckets: _Optional[_Iterable[int]] = ..., min_lag_seconds: _Optional[float] = ...) -> None: ...
 
 class ShardStats(_message.Message):
     __slots__ = ("bytes_in", "bytes_out", "jobs", "arrivals")
