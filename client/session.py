@@ -22,6 +22,8 @@ from gradstar.proto.v1 import rendezvous_pb2_grpc
 from gradstar.transport import shm
 from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
 
+from .stragglers import StragglerLog
+
 _END = object()
 
 #: How long a call whose stream broke waits for the hub to say which rank (or shard) was lost
@@ -43,6 +45,8 @@ class Session:
         self._stub = rendezvous_pb2_grpc.RendezvousStub(channel)
         self._metadata = metadata
         self._target = target
+        #: The group's straggler log line (:mod:`.stragglers`), which collectives feed.
+        self.stragglers: StragglerLog | None = None
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._call = None
         self._watcher: asyncio.Task | None = None

@@ -81,6 +81,12 @@ class ProcessGroup:
         return self._call(self._group.all_to_all_single(
             x, output_split_sizes, input_split_sizes, timeout=timeout), async_op)
 
+    def straggler_stats(self, *, limit: int = 0, timeout: float = 10.0):
+        """The job's arrival summary (see :meth:`AsyncProcessGroup.straggler_stats`): a
+        :class:`~gradstar.client.stragglers.StragglerStats`, ranks slowest first."""
+        return self._runner.submit(self._group.straggler_stats(limit=limit, timeout=timeout)
+                                   ).result(timeout + 5)
+
     def close(self) -> None:
         """Leave the job, close the connection and stop the loop thread. Idempotent."""
         if self._runner is None:
