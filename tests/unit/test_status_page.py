@@ -53,10 +53,12 @@ class Cells(HTMLParser):
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
-        # Where it sits: the data-job / data-rank / data-ranks-of of the elements around it
+        # Where it sits: the data-job / data-rank / data-ranks-of / data-straggler(s-of) of the
+        # elements around it
         # (see cells()).
         for _, outer, _ in self._open:
-            for key in ("data-job", "data-rank", "data-ranks-of"):
+            for key in ("data-job", "data-rank", "data-ranks-of", "data-straggler",
+                        "data-stragglers-of"):
                 if key in outer:
                     attrs.setdefault(f"in-{key}", outer[key])
         element = (tag, attrs, [])
