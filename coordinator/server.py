@@ -150,6 +150,7 @@ class Coordinator:
             budget=CollectiveBudget(s.max_collective_state_bytes, s.max_pending_per_member,
                                     s.max_pending_per_job),
         )
+        self.engine.metrics.arrivals.enabled = s.measure_arrivals
         token = s.token.get_secret_value() if s.token else None
         admin = s.admin_token.get_secret_value() if s.admin_token else None
         creds = (server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca) if self._tls

@@ -87,6 +87,7 @@ class Shard:
             budget=CollectiveBudget(settings.max_collective_state_bytes,
                                     settings.max_pending_per_member,
                                     settings.max_pending_per_job))
+        self.engine.metrics.arrivals.enabled = settings.measure_arrivals
         #: (job, generation) -> (this shard's stripe position, shards in the generation).
         self.positions: dict[tuple[str, int], tuple[int, int]] = {}
         self.slot: int | None = None

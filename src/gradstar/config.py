@@ -98,6 +98,9 @@ class CoordinatorSettings(BaseSettings):
     state_dir: Path | None = Field(
         None, description="where each job's global model is saved after every averaging round")
     drain_grace: float = Field(5.0, ge=0)
+    measure_arrivals: bool = Field(
+        True, description="time each rank's arrival at every collective (one timestamp per "
+                          "rank; the stragglers views); off only to measure what it costs")
     metrics_port: int | None = Field(
         None, ge=0, le=65535,
         description="serve Prometheus metrics over HTTP on this port (0 picks a free one)")
