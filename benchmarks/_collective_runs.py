@@ -72,9 +72,11 @@ class SampledRun:
 
 
 def run_sampled(target: Callable, ranks: int, args: Callable[[str, SyncPoints], tuple], *,
-                shards: int, path: str, nbytes: int, timeout: float, label: str) -> SampledRun:
+                shards: int, path: str, nbytes: int, timeout: float, label: str,
+                extra_env: dict[str, str] | None = None) -> SampledRun:
     """Run ``target(rank, ranks, *args(address, sync))`` in ``ranks`` processes against a fresh
-    :func:`coordinator` with ``shards``, hub and ranks set up for data path ``path``. Each rank
+    :func:`coordinator` with ``shards``, hub and ranks set up for data path ``path`` (and
+    ``extra_env`` added to both environments). Each rank
     calls ``sync.reach(0)`` and ``sync.reach(1)`` around its timed loop, where the hub's CPU is
     sampled; its result carries :func:`~_paths.shm_report` and ``shards``.
 
@@ -84,7 +86,7 @@ def run_sampled(target: Callable, ranks: int, args: Callable[[str, SyncPoints], 
     """
     from gradstar.transport.shm import POOL_KEEP_BYTES
 
-    env = path_env(path)
+    env = path_env(path) | (extra_env or {})
     coord = coordinator(shards, env)
     run = None
     try:

@@ -59,6 +59,9 @@ How to reproduce
     # hub scaling: one gradstar column per shard count and path, against the same gloo run
     .venv/bin/python benchmarks/allreduce.py --ranks 2 4 8 --sizes-mb 1 16 64 256 \\
         --shards 0 1 2 4 8 --json /tmp/allreduce-shards.json
+    # the overhead of the hub's arrival lags (issue 33): with and without, side by side
+    .venv/bin/python benchmarks/allreduce.py --backends gradstar --arrivals on off \\
+        --paths shm --ranks 2 4 --sizes-mb 0.004 1 16 --iters 200
     # chunk size, chosen by measurement
     .venv/bin/python benchmarks/allreduce.py --ranks 4 --sizes-mb 64 --shards 4 \\
         --chunk-mb 0.5 1 2 4 8 --backends gradstar
@@ -224,14 +227,15 @@ def gloo_rank(rank: int, world_size: int, init_method: str, elements: int, warmu
 
 def run_gradstar(ranks: int, elements: int, warmup: int, iters: int, timeout: float,
                  label: str, shards: int, chunk_bytes: int | None, path: str,
-                 in_place: bool = False) -> dict:
+                 in_place: bool = False, arrivals: str = "on") -> dict:
     job = f"bench-allreduce-n{ranks}-e{elements}-k{shards}-{uuid.uuid4().hex[:8]}"
     label = f"gradstar {label}"
     run = run_sampled(gradstar_rank, ranks,
                       lambda address, sync: (address, job, elements, warmup, iters, chunk_bytes,
                                              in_place, sync),
                       shards=shards, path=path, nbytes=elements * 4, timeout=timeout,
-                      label=label)
+                      label=label, extra_env={"GRADSTAR_MEASURE_ARRIVALS":
+                                              "1" if arrivals == "on" else "0"})
     summary = summarize(run.results, elements * 4, iters)
     summary["path"] = path
     summary["hub_shm_mappings"] = run.hub_shm_mappings
@@ -257,18 +261,20 @@ def run_gloo(ranks: int, elements: int, warmup: int, iters: int, timeout: float,
 
 
 def gradstar_configs(shards: list[int], chunk_mb: list[float] | None,
-                     paths: Sequence[str]) -> list[dict]:
-    """One gradstar configuration per (K, chunk size, data path), the paths of one hub side by
-    side; named ``K=2 shm`` (``K=2 chunk=4MiB shm`` when more than one chunk size is
-    measured)."""
+                     paths: Sequence[str], arrivals: Sequence[str] = ("on",)) -> list[dict]:
+    """One gradstar configuration per (K, chunk size, data path, arrival measurement), the
+    paths of one hub side by side; named ``K=2 shm`` (``K=2 chunk=4MiB shm`` when more than
+    one chunk size is measured, ``K=2 shm arrivals-off`` without the hub's arrival lags)."""
     chunks = [None] if not chunk_mb else [max(4, int(c * MiB)) // 4 * 4 for c in chunk_mb]
     configs = []
     for k in shards:
         for c, mb in zip(chunks, chunk_mb or [None], strict=True):
             for path in paths:
-                name = f"K={k}" + (f" chunk={mb:g}MiB" if len(chunks) > 1 else "") + f" {path}"
-                configs.append({"name": name, "shards": k, "chunk_bytes": c, "chunk_mb": mb,
-                                "path": path})
+                for measure in arrivals:
+                    name = (f"K={k}" + (f" chunk={mb:g}MiB" if len(chunks) > 1 else "")
+                            + f" {path}" + (" arrivals-off" if measure == "off" else ""))
+                    configs.append({"name": name, "shards": k, "chunk_bytes": c,
+                                    "chunk_mb": mb, "path": path, "arrivals": measure})
     return configs
 
 
@@ -325,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="gradstar reduces in place, pg.all_reduce(x, out=x), as gloo does "
                              "(x restored from a saved copy before each call, untimed, as for "
                              "gloo); default: a new result array per call")
+    parser.add_argument("--arrivals", nargs="+", choices=["on", "off"], default=["on"],
+                        help="the hub's per-rank arrival lags (GRADSTAR_MEASURE_ARRIVALS): "
+                             "gradstar runs once per value; 'on off' measures their overhead "
+                             "in the same run (default on)")
     parser.add_argument("--config-timeout", type=float,
                         help="seconds allowed per backend per configuration (default: scaled by "
                              "size, 120..600)")
@@ -345,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--chunk-mb takes distinct values")
     if len(set(args.paths)) != len(args.paths):
         parser.error("--paths takes distinct values")
-    configs = (gradstar_configs(args.shards, args.chunk_mb, args.paths)
+    configs = (gradstar_configs(args.shards, args.chunk_mb, args.paths, args.arrivals)
                if "gradstar" in args.backends else [])
     for config in configs if args.in_place else []:
         config["name"] += " in-place"
@@ -385,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
                         result = run_gradstar(ranks, elements, warmup, iters, timeout,
                                               f"{label} {config['name']}", config["shards"],
                                               config["chunk_bytes"], config["path"],
-                                              args.in_place)
+                                              args.in_place, config["arrivals"])
                 except BenchmarkError as error:
                     result = {"median_ms": None, "algbw_gbps": None, "error": str(error)}
                     failures.append((name, label, str(error)))

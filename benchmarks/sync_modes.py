@@ -28,7 +28,8 @@ CPU: every rank host gets the same budget, the slow one a third of it
     removed at the end. ``--scenarios even``: the slow host gets the others' budget.
 
 The task
-    The demo's spirals MLP (:func:`spirals`: ``gradstar.worker.demo.spirals``), ``--samples`` points,
+    The demo's spirals MLP (:func:`spirals`: ``gradstar.worker.demo.spirals``), ``--samples``
+    points,
     rank r trains on every n-th training sample from r, ``--batch`` rows per iteration, the same
     ``--iters`` iterations on every rank (equal data per rank; a time budget would instead cut
     the straggler's share, and "equal data" is what a data-parallel epoch means), torch SGD

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import time
 
 import grpc
@@ -20,6 +21,8 @@ from gradstar.proto.v1 import rendezvous_pb2 as rpb
 from gradstar.proto.v1 import rendezvous_pb2_grpc
 from gradstar.transport import shm
 from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
+
+from .stragglers import StragglerLog
 
 _END = object()
 
@@ -42,6 +45,8 @@ class Session:
         self._stub = rendezvous_pb2_grpc.RendezvousStub(channel)
         self._metadata = metadata
         self._target = target
+        #: The group's straggler log line (:mod:`.stragglers`), which collectives feed.
+        self.stragglers: StragglerLog | None = None
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._call = None
         self._watcher: asyncio.Task | None = None
@@ -118,6 +123,7 @@ class Session:
             job=job, world_size=world_size, rank=-1 if rank is None else rank,
             peer_address=peer_address, timeout_seconds=timeout, host=shm.host_key(),
             elastic=elastic,
+            hostname=socket.gethostname(),
         )))
         # No deadline on the call itself: it lives as long as the rank. The join is bounded by
         # the coordinator's join timeout, and the wait below is a backstop against a dead hub.

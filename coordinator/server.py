@@ -150,6 +150,7 @@ class Coordinator:
             budget=CollectiveBudget(s.max_collective_state_bytes, s.max_pending_per_member,
                                     s.max_pending_per_job),
         )
+        self.engine.metrics.arrivals.enabled = s.measure_arrivals
         token = s.token.get_secret_value() if s.token else None
         admin = s.admin_token.get_secret_value() if s.admin_token else None
         creds = (server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca) if self._tls
@@ -184,7 +185,7 @@ class Coordinator:
         rounds_pb2_grpc.add_RoundsServicer_to_server(rounds, server)
         admin_pb2_grpc.add_AdminServicer_to_server(
             AdminServicer(self.rendezvous, self.averaging, self.drain, self.shards,
-                          self.rounds, self.steps), server
+                          self.rounds, self.engine.metrics, self.steps), server
         )
         shard_pb2_grpc.add_ShardControlServicer_to_server(ShardControlServicer(self.shards),
                                                           server)
@@ -287,6 +288,7 @@ class Coordinator:
                          self.settings.job_retention)
             for name in self.rendezvous.drop_idle(self.settings.job_retention):
                 self.engine.metrics.forget(name)
+                self.shards.forget(name)
                 log.info("job %r dropped after %g s without members", name,
                          self.settings.job_retention)
 

@@ -3,6 +3,8 @@ job runs on it (4 ranks, ddp, one of them niced: the straggler), beside a job th
 and one that lost a rank. Needs Chromium (scripts/ensure_chromium.sh) and the dev set-up.
 
     .venv/bin/python scripts/status_page_screenshot.py [--out docs/status-page.png]
+    .venv/bin/python scripts/status_page_screenshot.py --shards 2 --size 1280,760 \
+        --out docs/status-page-stragglers.png
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "status-page.png")
     parser.add_argument("--size", default="1280,1060", help="window WIDTH,HEIGHT")
+    parser.add_argument("--shards", default="0",
+                        help="the coordinator's --shards (2 for docs/status-page-stragglers.png: "
+                             "the slowest-ranks table measured by hub shards)")
     args = parser.parse_args()
     signal.alarm(600)  # a bound on everything below, blocking reads included
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -81,7 +86,7 @@ def main() -> int:
     try:
         hub = subprocess.Popen(
             [sys.executable, "-m", "gradstar", "coordinator", "--host", "127.0.0.1", "--port",
-             "0", "--metrics-port", "0", "--shards", "0", "--log-level", "ERROR"],
+             "0", "--metrics-port", "0", "--shards", args.shards, "--log-level", "ERROR"],
             stdout=subprocess.PIPE, text=True, env=env())
         procs.append(hub)
         said = r"^gradstar coordinator (listening on |metrics on http://)[\d.]+:(\d+)"

@@ -110,6 +110,8 @@ class StreamReceiver:
         self.shm_out = shm_out
         self.attached: bool | None = None if shm_out is not None else False
         self.refusal = ""
+        #: The hub's END, once it came (it names the ranks the collective waited for).
+        self.end: pb.CollectiveEnd | None = None
 
     def on_frame(self, frame: bytes) -> None:
         """Take one message from the hub: a frame, or a batch of them in order.
@@ -143,7 +145,8 @@ class StreamReceiver:
         elif kind == KIND_ERROR:
             raise decode_error(frame)
         elif kind == KIND_END and self.phase is Phase.RECEIVING:
-            self.tracker.finish(decode_message(frame, KIND_END, pb.CollectiveEnd))
+            self.end = decode_message(frame, KIND_END, pb.CollectiveEnd)
+            self.tracker.finish(self.end)
             self.phase = Phase.COMPLETE
         else:
             raise ProtocolError(f"{self.what}: unexpected frame of kind {kind}")

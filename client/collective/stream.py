@@ -184,6 +184,8 @@ async def run_stream(target: Target, header: pb.CollectiveHeader, plan: Collecti
                         log.info("%s refused shared memory (%s); its chunks travel on the "
                                  "stream", target.name, receiver.refusal)
                 if receiver.phase is Phase.COMPLETE:
+                    if receiver.end.late and session.stragglers is not None:
+                        session.stragglers.saw(header.seq, receiver.end.late)
                     return
     except TimeoutError:
         failure = await session.verdict()  # a lost rank or hub, if that is why

@@ -105,6 +105,11 @@ class ProcessGroup:
         """``await closer()`` on the group's loop when the group closes, before it leaves the
         job (a wrapper's own channels and goodbyes)."""
         self._closers.append(closer)
+    def straggler_stats(self, *, limit: int = 0, timeout: float = 10.0):
+        """The job's arrival summary (see :meth:`AsyncProcessGroup.straggler_stats`): a
+        :class:`~gradstar.client.stragglers.StragglerStats`, ranks slowest first."""
+        return self._runner.submit(self._group.straggler_stats(limit=limit, timeout=timeout)
+                                   ).result(timeout + 5)
 
     def close(self) -> None:
         """Leave the job, close the connection and stop the loop thread. Idempotent."""

@@ -39,6 +39,7 @@ from ..convert import (
 from ..hierarchy import HostHierarchy
 from ..peer import Identity, PeerEndpoint
 from ..session import Session
+from ..stragglers import StragglerLog, StragglerQueries
 from .point_to_point import PointToPoint
 
 
@@ -50,7 +51,7 @@ class Reserved:
     timeout: float
 
 
-class AsyncProcessGroup(PointToPoint):
+class AsyncProcessGroup(PointToPoint, StragglerQueries):
     """A rank of a job. Create with ``init_process_group_async``.
 
     Each collective is issued when it is called: it returns an ``asyncio.Task`` already
@@ -73,6 +74,7 @@ class AsyncProcessGroup(PointToPoint):
         self._member_id = joined.member_id
         self._channel = channel
         self._session = session
+        session.stragglers = StragglerLog.for_group(settings, joined)
         self._metadata = call_metadata(settings)
         self._plane = DataPlane(settings, list(joined.shards), joined.collectives)
         #: The hub shards this generation's collectives are striped over (empty: none).

@@ -162,8 +162,6 @@ class PendingCollective:
         if shm is not None:
             p.shm, p.shm_out = shm, start
         self.participants[h.rank] = p
-        self.engine.metrics.arrived(self.gen.job.name, h.rank, self.started, self.world,
-                                    len(self.participants))
         if len(self.participants) == self.world:
             self._on_matched()
         return p
@@ -184,6 +182,8 @@ class PendingCollective:
         return len(self._held)
 
     def _on_matched(self) -> None:
+        self.late = self.engine.metrics.matched(self.gen.job.name, self.spec.stripe, [
+            (p.rank, p.arrived) for p in self.participants.values()])  # in arrival order
         for p in self.participants.values():
             accept = pb.CollectiveAccept(output_chunks=p.output_count)
             p.outbox.put_nowait(encode_message(KIND_ACCEPT, accept))
@@ -316,7 +316,7 @@ class PendingCollective:
         self._finish(None)
         for p in self.participants.values():
             p.outbox.put_nowait(encode_message(KIND_END, pb.CollectiveEnd(
-                chunks=p.queued, bytes=p.queued_bytes)))
+                chunks=p.queued, bytes=p.queued_bytes, late=self.late)))
             p.outbox.put_nowait(CLOSE)
 
     # -- failure -------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ without the window, 76-89 MiB with 16 chunks held and a malloc arena per gRPC th
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -76,6 +77,8 @@ class Participant:
     shm_out: int = 0
     #: Bytes of the hub's budget this part holds (:mod:`.budget`), given back at the end.
     charge: int = 0
+    #: When its header arrived (``time.monotonic()``): arrival lags are measured from these.
+    arrived: float = field(default_factory=time.monotonic)
 
     def out_region(self, index: int) -> memoryview:
         """Where output chunk ``index`` goes in the rank's segment."""

@@ -70,6 +70,8 @@ class Member:
     member_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     #: The host key the rank joined with ('' if none): which ranks share a host.
     host: str = ""
+    #: The host name the rank joined with ('' if none): what operators see.
+    hostname: str = ""
     rank: int = -1
     generation: Generation | None = None
     last_seen: float = field(default_factory=time.monotonic)

@@ -91,7 +91,7 @@ class Rendezvous:
 
     async def join(
         self, job: str, world_size: int, rank: int | None, peer_address: str, timeout: float,
-        *, host: str = "", elastic: bool = False,
+        *, host: str = "", hostname: str = "", elastic: bool = False,
     ) -> Member:
         """Wait until the job's next generation forms; return this caller's member record.
 
@@ -103,7 +103,8 @@ class Rendezvous:
             DuplicateRankError: a live member already holds ``rank``.
             JoinTimeoutError: not every rank joined within ``timeout`` seconds.
         """
-        member = self.offer(job, world_size, rank, peer_address, host=host, elastic=elastic)
+        member = self.offer(job, world_size, rank, peer_address, host=host, hostname=hostname,
+                            elastic=elastic)
         try:
             await asyncio.wait_for(asyncio.shield(member.joined), timeout)
         except TimeoutError:
@@ -124,7 +125,8 @@ class Rendezvous:
         return member
 
     def offer(self, job: str, world_size: int, rank: int | None, peer_address: str, *,
-              host: str = "", elastic: bool = False) -> Member:
+              host: str = "", hostname: str = "",
+              elastic: bool = False) -> Member:
         """Register a joiner; its ``joined`` future completes when the generation forms, or at
         once when it is ``elastic`` and takes the place of a lost member of the running one."""
         if self.draining:
@@ -157,21 +159,22 @@ class Rendezvous:
                 f"job {job!r} generation {current.number} is running and {held} is held by a "
                 "live member; a restarted rank can join once the old one is declared lost"
             )
-        if elastic and (replaced := self._replace(state, rank, peer_address, host)):
+        if elastic and (replaced := self._replace(state, rank, peer_address, host, hostname)):
             return replaced
         if rank is not None and any(m.requested_rank == rank for m in state.forming):
             raise DuplicateRankError(
                 f"rank {rank} of job {job!r} was already requested by another joining process"
             )
-        member = Member(job=job, requested_rank=rank, peer_address=peer_address, host=host[:64])
+        member = Member(job=job, requested_rank=rank, peer_address=peer_address, host=host[:64],
+                        hostname=hostname[:255])
         member.joined = asyncio.get_running_loop().create_future()
         state.forming.append(member)
         if len(state.forming) == world_size:
             self._form(state)
         return member
 
-    def _replace(self, state: Job, rank: int | None, peer_address: str,
-                 host: str) -> Member | None:
+    def _replace(self, state: Job, rank: int | None, peer_address: str, host: str,
+                 hostname: str) -> Member | None:
         """A member in the place of the lost ``rank`` (None: the lowest lost one) of the job's
         running generation, while others of it are live; None when there is no such place.
         The generation stays failed for collectives; what the newcomer does without them (a
@@ -185,7 +188,7 @@ class Rendezvous:
         if not lost:
             return None
         member = Member(job=state.name, requested_rank=lost[0], peer_address=peer_address,
-                        host=host[:64])
+                        host=host[:64], hostname=hostname[:255])
         member.rank, member.generation, member.replacement = lost[0], gen, True
         gen.members[member.rank] = member
         member.touch()

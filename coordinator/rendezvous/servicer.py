@@ -49,6 +49,7 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
                 j.job, j.world_size, j.rank if j.rank >= 0 else None, j.peer_address,
                 min(j.timeout_seconds or self.max_join, self.max_join), host=j.host,
                 elastic=j.elastic,
+                hostname=j.hostname,
             )
         except GradstarError as error:
             await abort(context, error)
@@ -60,7 +61,7 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
                 shards=gen.shards, collectives=self.collectives,
                 job=j.job, generation=gen.number, rank=member.rank, world_size=gen.world_size,
                 member_id=member.member_id,
-                peers=[rpb.Peer(rank=r, address=m.peer_address, host=m.host)
+                peers=[rpb.Peer(rank=r, address=m.peer_address, host=m.host, hostname=m.hostname)
                        for r, m in sorted(gen.members.items())],
                 heartbeat_interval_seconds=self.heartbeat_interval,
                 # This member's keys only, on its own session stream (32 bytes per rank).

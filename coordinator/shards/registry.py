@@ -17,7 +17,9 @@ free or lost, else the lowest free one) and answers ``accepted``. From then on:
   ``over`` to its shards, so their pending collectives fail at once with the same error; so is
   one whose member finished while others are live (RankFinishedError): every collective of it
   needs that rank, and the shards carry nothing else;
-- the shard reports its counters every second (``stats``).
+- the shard reports its counters every second (``stats``), with the arrival summaries
+  (:mod:`..metrics.arrivals`) of the ranks whose collectives it measured since its last report; the
+  coordinator keeps the latest per shard, job and rank, and merges them with its own.
 
 A shard whose stream breaks (process killed, host gone, or stalled: keepalive pings go
 unanswered within ~3 s) is *lost*: its slot stays in the table as ``lost``, every generation
@@ -45,6 +47,7 @@ from gradstar.proto.v1 import shard_pb2 as spb
 from gradstar.proto.v1 import shard_pb2_grpc
 from gradstar.transport.status import abort
 
+from ..metrics.arrivals import MAX_ENTRIES, RankArrivals, from_message
 from ..rendezvous.rendezvous import Generation, Rendezvous
 
 log = logging.getLogger(__name__)
@@ -56,6 +59,8 @@ STATS_INTERVAL = 1.0
 #: generation formed meanwhile would stripe over a shard nobody reaches). A shard merely slow
 #: to report loses nothing but a share of that generation's traffic.
 STALE_AFTER = 1.5 * STATS_INTERVAL
+#: Arrival summaries (job, rank) kept per shard at most.
+MAX_SHARD_ARRIVALS = MAX_ENTRIES
 _END = object()
 
 
@@ -75,6 +80,9 @@ class ShardRecord:
     last_report: float = field(default_factory=time.monotonic)
     #: Jobs' generations striped over this shard: (job, generation number).
     generations: set[tuple[str, int]] = field(default_factory=set)
+    #: job -> rank -> arrival summary, the latest the shard reported (ShardStats.arrivals).
+    arrivals: dict[str, dict[int, RankArrivals]] = field(default_factory=dict)
+    arrival_entries: int = 0
 
     def send(self, command: spb.ShardCommand) -> None:
         if self.state == "up":
@@ -140,8 +148,33 @@ class ShardRegistry:
         return record
 
     def report(self, record: ShardRecord, stats: spb.ShardStats) -> None:
+        """A shard's counters; its arrival summaries (only those that changed) are kept apart,
+        at most :data:`MAX_SHARD_ARRIVALS` per shard, for jobs the coordinator knows."""
+        for a in stats.arrivals:
+            table = record.arrivals.get(a.job)
+            if table is None:
+                if a.job not in self.rendezvous.jobs:
+                    continue  # dropped here already, or never joined: nothing shows it
+                table = record.arrivals[a.job] = {}
+            if a.rank not in table and record.arrival_entries >= MAX_SHARD_ARRIVALS:
+                continue
+            record.arrival_entries += a.rank not in table
+            table[a.rank] = from_message(a)
+        stats.ClearField("arrivals")
         record.stats = stats
         record.last_report = time.monotonic()
+
+    def job_arrivals(self, job: str) -> list[dict[int, RankArrivals]]:
+        """What every shard (lost ones too: what they measured stays true) reported of
+        ``job``'s arrivals, rank -> summary per shard."""
+        return [r.arrivals[job] for _, r in sorted(self.slots.items()) if job in r.arrivals]
+
+    def forget(self, job: str) -> None:
+        """Drop what the shards reported of ``job`` (the coordinator dropped the job)."""
+        for record in self.slots.values():
+            table = record.arrivals.pop(job, None)
+            if table is not None:
+                record.arrival_entries -= len(table)
 
     def lost(self, record: ShardRecord, reason: str) -> None:
         """The shard's stream ended: fail every generation striped over it."""

@@ -12,6 +12,10 @@ Checks a shard adds: a stream must name a generation the coordinator formed over
 :data:`FORMED_WAIT` seconds), and its stripe must be this shard's position in that generation's
 table, so a misrouted stream fails loudly instead of reducing the wrong chunks.
 
+What a shard reports (every second, ``ShardStats``): bytes and collectives per job, and the
+arrival summaries (:mod:`..metrics.arrivals`) of the ranks whose collectives it measured since
+the last report, so the coordinator names stragglers wherever the collectives ran.
+
 Losing the coordinator ends the shard: its generations fail on every rank with
 :class:`~gradstar.errors.CoordinatorUnavailableError`, and the process exits non-zero so that
 whatever started it (the coordinator's :mod:`.local`, a StatefulSet) starts it again.
@@ -54,12 +58,15 @@ from gradstar.transport.tls_check import wait_connected
 from gradstar.wire import COLLECTIVE_SERVICE, MAX_NDIM, payload_bytes
 
 from ..collective import CollectiveBudget, CollectiveEngine, CollectiveServicer
+from ..metrics.arrivals import to_fields
 from ..rendezvous.rendezvous import Rendezvous
 
 log = logging.getLogger(__name__)
 
 #: How long a header may wait for the coordinator's notice that its generation formed.
 FORMED_WAIT = 5.0
+#: Arrival summaries a report carries at most (~0.2 KB each); the others follow in the next.
+ARRIVALS_PER_REPORT = 2048
 
 
 class Shard:
@@ -80,6 +87,7 @@ class Shard:
             budget=CollectiveBudget(settings.max_collective_state_bytes,
                                     settings.max_pending_per_member,
                                     settings.max_pending_per_job))
+        self.engine.metrics.arrivals.enabled = settings.measure_arrivals
         #: (job, generation) -> (this shard's stripe position, shards in the generation).
         self.positions: dict[tuple[str, int], tuple[int, int]] = {}
         self.slot: int | None = None
@@ -237,6 +245,8 @@ class Shard:
             stats.jobs.append(spb.ShardJob(
                 job=name, bytes_in=c.bytes_in, bytes_out=c.bytes_out, completed=c.completed,
                 failed=c.failed, active=gen is not None and gen.healthy))
+        for job, rank, summary in self.engine.metrics.arrivals.changed(ARRIVALS_PER_REPORT):
+            stats.arrivals.append(spb.RankArrivals(job=job, rank=rank, **to_fields(summary)))
         return stats
 
     async def wait_closed(self) -> None:

@@ -1,4 +1,5 @@
-"""Admin service: what operators see of the coordinator's jobs and shards, and draining."""
+"""Admin service: what operators see of the coordinator's jobs, shards and stragglers, and
+draining."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import grpc
 from gradstar.proto.v1 import admin_pb2 as apb
 from gradstar.proto.v1 import admin_pb2_grpc
 
+from ..metrics import CollectiveMetrics, job_arrivals
 from ..rendezvous.rendezvous import Job, Rendezvous
 from ..rounds.averaging import AveragingStore
 from ..rounds.table import RoundsTable
 from ..shards.registry import ShardRegistry
+from .stragglers import stragglers_reply
 
 #: Jobs per ListJobs page at most (each summary is small; a page stays far below the message
 #: limit even with 256-character names).
@@ -111,9 +114,13 @@ def steps_view(view: dict) -> apb.StepsModelView:
 class AdminServicer(admin_pb2_grpc.AdminServicer):
     def __init__(self, rendezvous: Rendezvous, averaging: AveragingStore,
                  drain: Callable[[], Awaitable[None]], shards: ShardRegistry | None = None,
-                 rounds: RoundsTable | None = None, steps=None):
+                 rounds: RoundsTable | None = None,
+                 metrics: CollectiveMetrics | None = None, steps=None):
         self.rounds = rounds
+        #: DDP's sync-mode step ledgers (ListSteps).
         self.steps = steps
+        #: The collective engine's metrics: its arrival summaries (GetStragglers).
+        self.metrics = metrics or CollectiveMetrics()
         self.rendezvous = rendezvous
         self.averaging = averaging
         self.shards = shards
@@ -151,6 +158,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"no job named {request.job!r} has sync-mode steps")
         return apb.ListStepsResponse(models=[steps_view(v) for v in views])
+
+    async def GetStragglers(self, request, context):
+        """Per rank arrival lag and cost, slowest first (:mod:`.stragglers`)."""
+        job = self.rendezvous.jobs.get(request.job)
+        if job is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")
+        return stragglers_reply(job.name, job, job_arrivals(self.metrics, self.shards, job.name),
+                                request.limit)
 
     async def Drain(self, request, context):
         await self._drain()

@@ -29,6 +29,8 @@ REFRESH_SECONDS = 2
 #: Rows shown per job and jobs shown; /status.json has them all.
 MAX_RANKS_SHOWN = 64
 MAX_JOBS_SHOWN = 200
+#: Rows of a job's "slowest ranks" table.
+STRAGGLERS_SHOWN = 8
 #: A rank is marked the straggler when its mean arrival lag is at least this many seconds and
 #: twice any other rank's: a few milliseconds of jitter marks nobody.
 STRAGGLER_LAG = 0.01
@@ -157,9 +159,6 @@ def _ranks_table(job: dict) -> str:
             f'<td class="text">{"slowest" if r["rank"] == slowest else ""}</td></tr>')
     more = len(ranks) - MAX_RANKS_SHOWN
     note = f'<p class="muted">… and {more} more ranks (see /status.json).</p>' if more > 0 else ""
-    if job["shards"]:
-        note = ('<p class="muted">Its collectives are striped over hub shards, which measure '
-                "the arrival lags; they are not shown here.</p>" + note)
     return (f"{title} (generation {_e(job['generation'])})</h3>"
             f'<table class="ranks" data-ranks-of="{_e(job["name"])}"><thead><tr><th>Rank</th>'
             '<th class="text">State</th><th>Heartbeat age</th><th>Collectives</th>'
@@ -167,7 +166,41 @@ def _ranks_table(job: dict) -> str:
             'Last lag</th><th title="mean over its collectives">Mean lag</th>'
             '<th title="collectives in which every other rank waited for it">Arrived last</th>'
             '<th class="text"></th></tr></thead><tbody>' + "".join(rows) + "</tbody></table>"
-            + note)
+            + note + _stragglers_table(job))
+
+
+def _stragglers_table(job: dict) -> str:
+    """The job's :data:`STRAGGLERS_SHOWN` slowest ranks (its ``stragglers``, slowest first)."""
+    rows = job.get("stragglers") or []
+    if not rows:
+        return ""
+    body = []
+    for r in rows[:STRAGGLERS_SHOWN]:
+        mark = ' class="slowest"' if r["flagged"] else ""
+        body.append(
+            f'<tr data-straggler="{_e(r["rank"])}"{mark}>{_cell("rank", r["rank"])}'
+            f'<td class="text" data-field="host">{_e(r["host"] or "-")}</td>'
+            f'{_cell("median_lag_seconds", r["median_lag_seconds"], _seconds)}'
+            f'{_cell("p95_lag_seconds", r["p95_lag_seconds"], _seconds)}'
+            f'{_cell("last_share", r["last_share"], _percent)}'
+            f'{_cell("waited_seconds", r["waited_seconds"], _seconds)}'
+            f'{_cell("collectives", r["collectives"])}'
+            f'<td class="text" data-field="flag">{"straggler" if r["flagged"] else ""}</td>'
+            "</tr>")
+    where = (f"on the coordinator and {job['shards']} hub shard{'s' if job['shards'] != 1 else ''}"
+             if job["shards"] else "on the coordinator")
+    return (f'<h3>Slowest ranks of <code>{_e(job["name"])}</code></h3>'
+            f'<table class="stragglers" data-stragglers-of="{_e(job["name"])}"><thead><tr>'
+            '<th>Rank</th><th class="text">Host</th>'
+            '<th title="seconds after the first rank\'s header, median of its collectives">'
+            'Median lag</th><th title="95th percentile">p95 lag</th>'
+            '<th title="share of its collectives in which every other rank waited for it">'
+            'Arrived last</th>'
+            '<th title="seconds the collectives it was last in waited for it alone">'
+            'Others waited</th><th>Collectives</th><th class="text"></th></tr></thead><tbody>'
+            + "".join(body) + "</tbody></table>"
+            f'<p class="muted">Measured {_e(where)}, slowest first (by recent lag); '
+            f"{len(rows)} rank{'s' if len(rows) != 1 else ''} in all (see /status.json).</p>")
 
 
 def _slowest(ranks: list[dict]) -> int | None:
@@ -266,6 +299,10 @@ def _bytes(n: float) -> str:
         if n >= scale:
             return f"{n / scale:,.1f} {unit}"
     return f"{n:,.0f} B"
+
+
+def _percent(value: float) -> str:
+    return f"{value * 100:.0f}%"
 
 
 def _rate(n: float) -> str:

@@ -1,4 +1,5 @@
-"""What the coordinator's status page shows, as data: jobs, their ranks with straggler lag,
+"""What the coordinator's status page shows, as data: jobs, their ranks with straggler lag
+(wherever their collectives ran: the coordinator and its hub shards; :mod:`.stragglers`),
 traffic rates, recent failures and hub shards.
 
 :class:`CoordinatorStatus` reads the hub's own state (the rendezvous, the collective metrics,
@@ -27,9 +28,11 @@ from dataclasses import asdict, dataclass
 
 from gradstar.ops import op_name
 
-from ..metrics import CollectiveMetrics
+from ..metrics import CollectiveMetrics, job_arrivals
+from ..metrics.arrivals import RankArrivals
 from ..rendezvous.rendezvous import Generation, Job, Rendezvous
 from ..shards.registry import ShardRegistry
+from .stragglers import host_of, straggler_rows
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +258,7 @@ class CoordinatorStatus:
                     mine[op] = mine.get(op, 0) + n
         b_in, b_out = self.job_bytes(job)
         rate_in, rate_out = self.rates.rate(job.name)
+        arrivals = job_arrivals(self.metrics, self.shards, job.name)
         return {
             "name": job.name,
             "state": job.state,
@@ -264,7 +268,7 @@ class CoordinatorStatus:
             "members": len(gen.live_members) if gen is not None else 0,
             "joining": len(job.forming),
             "in_flight": len(gen.collectives) if gen is not None else 0,
-            # Hub shards the generation stripes over: they, not the coordinator, see arrivals.
+            # Hub shards the generation stripes over (they measure its arrivals and report).
             "shards": len(gen.shards) if gen is not None else 0,
             "bytes_in": b_in,
             "bytes_out": b_out,
@@ -273,24 +277,27 @@ class CoordinatorStatus:
             "collectives_completed": {op_name(op): n for op, n in sorted(completed.items())},
             "collectives_failed": {op_name(op): n for op, n in sorted(failed.items())},
             "last_failure": c.last_failure,
-            "ranks": self._ranks(job.name, gen, now),
+            "ranks": self._ranks(gen, arrivals, now),
+            # Every rank with measurements, slowest first (:mod:`.stragglers`).
+            "stragglers": straggler_rows(job, arrivals),
         }
 
-    def _ranks(self, name: str, gen: Generation | None, now: float) -> list[dict]:
-        m = self.metrics
+    def _ranks(self, gen: Generation | None, arrivals: dict[int, RankArrivals],
+               now: float) -> list[dict]:
         ranks = []
         for rank, member in sorted((gen.members if gen is not None else {}).items()):
-            lags = m.lags.get((name, rank))
+            lags = arrivals.get(rank)
             state = ("live" if not member.left else "finished" if member.finished else "lost")
             ranks.append({
                 "rank": rank,
                 "state": state,
+                "host": host_of(member),
                 "heartbeat_age_seconds": (max(now - member.last_seen, 0.0) if not member.left
                                           else None),
-                "collectives": lags.count if lags is not None else 0,
-                "last_lag_seconds": m.last_lag.get((name, rank)),
-                "mean_lag_seconds": lags.total / lags.count if lags and lags.count else None,
-                "last_arrivals": m.last_arrivals.get((name, rank), 0),
+                "collectives": lags.collectives if lags is not None else 0,
+                "last_lag_seconds": lags.last_lag if lags is not None else None,
+                "mean_lag_seconds": lags.mean if lags is not None else None,
+                "last_arrivals": lags.last if lags is not None else 0,
             })
         return ranks
 

@@ -98,6 +98,9 @@ class CoordinatorSettings(BaseSettings):
     state_dir: Path | None = Field(
         None, description="where each job's global model is saved after every averaging round")
     drain_grace: float = Field(5.0, ge=0)
+    measure_arrivals: bool = Field(
+        True, description="time each rank's arrival at every collective (one timestamp per "
+                          "rank; the stragglers views); off only to measure what it costs")
     metrics_port: int | None = Field(
         None, ge=0, le=65535,
         description="serve Prometheus metrics over HTTP on this port (0 picks a free one)")
@@ -248,6 +251,12 @@ class ClientSettings(BaseSettings):
                           "when a generation spans hosts and some host runs several ranks: the "
                           "host's ranks combine on its node-local shard first, and only the "
                           "host's part crosses its link, once (gradstar.client.hierarchy)")
+    straggler_log_seconds: float = Field(
+        0.5, ge=0, description="log a line naming the ranks a collective waited this long for "
+                               "(and their hosts); 0: never (gradstar.client.stragglers)")
+    straggler_log_window: float = Field(
+        60.0, ge=0, description="seconds between two such lines at least; the ones left out "
+                                "are counted in the next")
     peer_buffer_messages: int = Field(
         64, gt=0, description="messages from one rank held before anybody receives them")
     peer_buffer_bytes: int = Field(

@@ -191,8 +191,27 @@ def recv_until_error(pg) -> dict:
         print(json.dumps({"progress": rounds}), flush=True)
 
 
-SCENARIOS = {"collectives": collectives, "allreduce_until_error": allreduce_until_error,
-             "big_allreduce": big_allreduce, "uneven_all_to_all": uneven_all_to_all,
+def late_rank(pg) -> dict:
+    """``late_rank SLOW DELAY ROUNDS``: ``ROUNDS`` all_reduces, rank SLOW sleeping DELAY
+    seconds before each; then the job's straggler summary as this rank reads it (once the
+    hub shards' reports have caught up with the last collective)."""
+    slow, delay, rounds = int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+    x = np.full(1000, float(pg.rank), np.float32)
+    for _ in range(rounds):
+        if pg.rank == slow:
+            time.sleep(delay)
+        pg.all_reduce(x)
+    deadline = time.monotonic() + 10
+    while True:
+        stats = pg.straggler_stats()
+        if all(r.collectives >= rounds for r in stats.ranks) or time.monotonic() > deadline:
+            return stats.as_dict()
+        time.sleep(0.2)
+
+
+SCENARIOS = {"late_rank": late_rank, "collectives": collectives,
+             "allreduce_until_error": allreduce_until_error, "big_allreduce": big_allreduce,
+             "uneven_all_to_all": uneven_all_to_all,
              "any_source": any_source, "finished_sender": finished_sender,
              "recv_until_error": recv_until_error}
 

@@ -73,6 +73,60 @@ async def test_status_shows_members_and_the_ranks_a_collective_waits_for(start_c
         await close_all(groups)
 
 
+async def test_stragglers_table_and_json_name_the_late_rank(start_coordinator):
+    # Tokens apart: the admin command uses the admin token, a rank its job token.
+    hub = await start_coordinator(token="job-secret", admin_token="admin-secret")
+    groups = await join_all(hub.address, 3, job="late", token="job-secret")
+    late, rounds = 0.1, 6
+    try:
+        async def step(g):
+            if g.rank == 1:
+                await asyncio.sleep(late)
+            await g.all_reduce(np.ones(100, np.float32))
+
+        for _ in range(rounds):
+            await asyncio.gather(*(step(g) for g in groups))
+        # A rank reads the same with its job token.
+        seen = await groups[0].straggler_stats(limit=1)
+        assert [r.rank for r in seen.ranks] == [1] and seen.ranks_total == 3
+        assert [r.rank for r in seen.stragglers] == [1]
+    finally:
+        await close_all(groups)
+
+    admin = ("--coordinator", hub.address, "--admin-token", "admin-secret")
+    code, out, err = await run_gradstar("admin", "stragglers", "--job", "late", *admin,
+                                        timeout=30)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == "job late: 3 rank(s) measured; straggler(s): rank 1"
+    assert re.match(r"\s+RANK\s+HOST\s+MEDIAN LAG\s+P95 LAG\s+RECENT LAG\s+LAST\s+"
+                    r"OTHERS WAITED\s+COLLECTIVES", lines[1]), out
+    first = lines[2].split()
+    assert first[0] == "1" and first[-1] == "straggler" and "100%" in first, out
+    assert [line.split()[0] for line in lines[2:]] == ["1", "0", "2"] or \
+        [line.split()[0] for line in lines[2:]] == ["1", "2", "0"]
+    assert "straggler" not in "".join(lines[3:])
+
+    code, out, err = await run_gradstar("admin", "stragglers", "--job", "late", "--json",
+                                        *admin, timeout=30)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["job"] == "late" and data["ranks_total"] == 3
+    slow, *others = data["ranks"]
+    assert (slow["rank"], slow["flagged"], slow["collectives"]) == (1, True, rounds)
+    assert late * 0.7 <= slow["median_lag_seconds"] <= late + 0.15
+    assert slow["last_share"] == 1.0 and slow["host"]
+    assert all(not r["flagged"] and r["median_lag_seconds"] < late / 2 for r in others)
+    assert set(slow) >= {"rank", "host", "median_lag_seconds", "p95_lag_seconds",
+                         "ewma_lag_seconds", "last_share", "waited_seconds"}
+
+    code, _, err = await run_gradstar("admin", "stragglers", *admin, timeout=30)
+    assert code == 2 and "--job" in err
+    code, _, err = await run_gradstar("admin", "stragglers", "--job", "nope", *admin,
+                                      timeout=30)
+    assert code == 1 and "no job named 'nope'" in err
+
+
 async def test_health_and_drain(start_coordinator):
     hub = await start_coordinator()
     code, out, _ = await run_gradstar("admin", "health", "--coordinator", hub.address, timeout=30)

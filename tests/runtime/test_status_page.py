@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -132,6 +133,64 @@ async def test_the_page_shows_a_real_job_in_a_headless_browser(tmp_path):
     finally:
         if hostile:
             await close_all(hostile)
+        for p in ranks:
+            await stop_process(p)
+        await stop_process(coordinator)
+
+
+async def test_the_slowest_ranks_table_names_a_late_rank_behind_hub_shards(tmp_path):
+    """3 ranks on ``--shards 2`` (the shards measure; the coordinator merges their reports):
+    rank 1 heads the table, flagged, with its host and a lag close to LATE; it stays there as
+    the page refreshes itself."""
+    browser = chromium()
+    coordinator = await asyncio.create_subprocess_exec(
+        *GRADSTAR, "coordinator", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+        "--shards", "2", "--log-level", "WARNING", env=clean_env(),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    ranks: list[asyncio.subprocess.Process] = []
+    job = "sharded-ddp"
+    try:
+        said = Lines(coordinator.stdout)
+        Lines(coordinator.stderr)
+        port = (await said.wait_for(r"listening on 127\.0\.0\.1:(\d+)$", 30))[1]
+        page_port = (await said.wait_for(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", 30))[1]
+        for r in range(3):
+            ranks.append(await asyncio.create_subprocess_exec(
+                sys.executable, str(RANK), str(ROUNDS), "4096", str(LATE),
+                env=rank_env(f"127.0.0.1:{port}", job, 3, r, GRADSTAR_CHUNK_BYTES=1024),
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT))
+        outputs = [Lines(p.stdout) for p in ranks]
+        for lines in outputs:
+            await lines.wait_for(r"^ready$", 120)
+        await asyncio.sleep(1.5)  # the shards' next reports (every second)
+
+        page = await browse(browser, f"http://127.0.0.1:{page_port}/", tmp_path / "profile")
+        assert refreshes(page) >= 1  # the table is part of what refreshes
+        assert page.find("table", data_stragglers_of=job)
+        order = [a["data-straggler"] for a, _ in page.find("tr", in_data_stragglers_of=job)
+                 if "data-straggler" in a]
+        assert order[0] == "1" and sorted(order) == ["0", "1", "2"]
+        slow = page.cells(data_stragglers_of=job, data_straggler="1")
+        assert slow["host"][1] == socket.gethostname()
+        assert LATE * 0.7 <= float(slow["median_lag_seconds"][0]) <= LATE + 0.15
+        assert slow["last_share"][1] == "100%" and slow["collectives"][0] == str(ROUNDS)
+        assert LATE * 0.7 * ROUNDS <= float(slow["waited_seconds"][0]) <= (LATE + 0.15) * ROUNDS
+        assert slow["flag"][1] == "straggler"
+        for r in "02":
+            other = page.cells(data_stragglers_of=job, data_straggler=r)
+            assert other["flag"][1] == "" and float(other["median_lag_seconds"][0]) < LATE / 2
+        flagged = [a for a, _ in page.find("tr", in_data_stragglers_of=job)
+                   if a.get("class") == "slowest"]
+        assert [a["data-straggler"] for a in flagged] == ["1"]
+        assert any("2 hub shards" in text for _, text in page.find("p"))
+        for p in ranks:
+            p.stdin.write(b"done\n")
+            await p.stdin.drain()
+        for p, lines in zip(ranks, outputs, strict=True):
+            await lines.wait_for(r"^closed$", 60)
+            assert await asyncio.wait_for(p.wait(), 30) == 0, lines.text
+    finally:
         for p in ranks:
             await stop_process(p)
         await stop_process(coordinator)

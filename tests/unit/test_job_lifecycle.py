@@ -107,13 +107,11 @@ async def test_abandoned_joins_at_the_cap_never_lock_a_new_job_out():
 def test_forget_drops_every_series_of_the_job():
     metrics = CollectiveMetrics(clock=lambda: 1.0)
     for job in ("gone", "kept"):
-        metrics.arrived(job, 0, 0.5, 2, 1)
-        metrics.arrived(job, 1, 0.5, 2, 2)
+        metrics.matched(job, 0, [(0, 0.5), (1, 0.6)])
         metrics.finished(job, "all_reduce", 0.5, failed=False)
     metrics.forget("gone")
-    tables = (metrics.durations, metrics.lags, metrics.last_lag, metrics.last_arrivals)
-    assert all(key[0] == "kept" for table in tables for key in table)
-    assert all(table for table in tables)
+    assert all(key[0] == "kept" for key in metrics.durations) and metrics.durations
+    assert set(metrics.arrivals.jobs) == {"kept"} and metrics.arrivals.entries == 2
 
 
 async def test_list_jobs_pages_through_every_job_in_name_order():

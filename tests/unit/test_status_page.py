@@ -13,6 +13,7 @@ from html.parser import HTMLParser
 
 import pytest
 
+from gradstar.coordinator.metrics.arrivals import ArrivalBook, to_fields
 from gradstar.coordinator.rendezvous import Rendezvous
 from gradstar.coordinator.shards import ShardRegistry
 from gradstar.coordinator.views import (
@@ -52,10 +53,12 @@ class Cells(HTMLParser):
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
-        # Where it sits: the data-job / data-rank / data-ranks-of of the elements around it
+        # Where it sits: the data-job / data-rank / data-ranks-of / data-straggler(s-of) of the
+        # elements around it
         # (see cells()).
         for _, outer, _ in self._open:
-            for key in ("data-job", "data-rank", "data-ranks-of"):
+            for key in ("data-job", "data-rank", "data-ranks-of", "data-straggler",
+                        "data-stragglers-of"):
                 if key in outer:
                     attrs.setdefault(f"in-{key}", outer[key])
         element = (tag, attrs, [])
@@ -169,11 +172,15 @@ async def test_snapshot_shows_jobs_ranks_lags_bytes_and_shards():
     # Rank 2 arrives 0.5 s after rank 0 at both collectives: the straggler.
     m = status.metrics
     for _ in range(2):
-        started = clock.now
-        for rank, lag in ((0, 0.0), (1, 0.1), (2, 0.5)):
-            clock.now = started + lag
-            m.arrived("j", rank, started, 3, rank + 1)
+        m.arrivals.collective("j", [(0, 10.0), (1, 10.1), (2, 10.5)])
+    # A shard measured a third one (it reports only the ranks whose summaries changed).
+    theirs = ArrivalBook()
+    theirs.collective("j", [(0, 0.0), (1, 0.1), (2, 0.5)])
+    shards.report(record, spb.ShardStats(bytes_in=50, bytes_out=60, jobs=[
+        spb.ShardJob(job="j", bytes_in=50, bytes_out=60, active=True)], arrivals=[
+        spb.RankArrivals(job="j", rank=r, **to_fields(s)) for r, s in theirs.ranks("j").items()]))
     rendezvous.leave(members[1])
+    clock.now += 1
 
     snap = status.snapshot()
     json.dumps(snap)  # JSON-able as it is
@@ -188,7 +195,15 @@ async def test_snapshot_shows_jobs_ranks_lags_bytes_and_shards():
     assert [ranks[r]["state"] for r in range(3)] == ["live", "finished", "live"]
     assert ranks[2]["last_lag_seconds"] == pytest.approx(0.5)
     assert ranks[2]["mean_lag_seconds"] == pytest.approx(0.5)
-    assert ranks[2]["last_arrivals"] == 2 and ranks[0]["last_arrivals"] == 0
+    assert ranks[2]["collectives"] == 3  # the coordinator's two and the shard's one
+    assert ranks[2]["last_arrivals"] == 3 and ranks[0]["last_arrivals"] == 0
+    assert ranks[2]["host"] == "127.0.0.1"  # no host name given: its peer address's host
+    stragglers = job["stragglers"]
+    assert [(r["rank"], r["flagged"]) for r in stragglers] == [(2, True), (1, False),
+                                                                (0, False)]
+    assert stragglers[0]["waited_seconds"] == pytest.approx(3 * 0.4)
+    assert stragglers[0]["last_share"] == 1.0
+    assert stragglers[0]["median_lag_seconds"] == pytest.approx(0.5, rel=0.05)
     assert ranks[1]["heartbeat_age_seconds"] is None
     assert snap["shards"] == {"expected": 1, "slots": [{
         "slot": 0, "address": "10.0.0.7:1", "state": "up", "bytes_in": 50, "bytes_out": 60,
@@ -267,8 +282,36 @@ def test_only_a_rank_that_stands_out_is_the_straggler():
     assert slowest(0.005, 0.0) == []  # under STRAGGLER_LAG
     assert slowest(0.04, 0.02, 0.01) == ["0"]
     assert slowest(None, None) == []
-    assert "striped over hub shards" in render_html(
-        snapshot(jobs=[{**snapshot()["jobs"][0], "shards": 2}]))
+
+
+def straggler_row(rank: int, host: str, median: float, flagged: bool) -> dict:
+    return {"rank": rank, "host": host, "address": f"{host}:1", "collectives": 20,
+            "ewma_lag_seconds": median, "median_lag_seconds": median,
+            "p95_lag_seconds": median * 1.1, "mean_lag_seconds": median,
+            "last_lag_seconds": median, "max_lag_seconds": median * 1.2,
+            "last_arrivals": 20 if flagged else 0, "last_share": 1.0 if flagged else 0.0,
+            "waited_seconds": 20 * median if flagged else 0.0, "flagged": flagged}
+
+
+def test_the_slowest_ranks_table_names_hosts_lags_and_what_the_others_waited():
+    job = {**snapshot()["jobs"][0], "shards": 2,
+           "stragglers": [straggler_row(1, "node-b", 0.25, True),
+                          straggler_row(0, "node-a", 0.0004, False)]}
+    page = Cells(render_html(snapshot(jobs=[job])))
+    rows = page.find("tr", data_straggler="1") + page.find("tr", data_straggler="0")
+    assert [(a.get("class"), "straggler" in text) for a, text in rows] == [
+        ("slowest", True), (None, False)]
+    cells = {f: c for f, c in page.cells().items()}  # the last row's, rank 0
+    assert cells["host"] == (None, "node-a")
+    first = [a["data-straggler"] for a, _ in page.find("tr") if "data-straggler" in a]
+    assert first == ["1", "0"]  # slowest first, as the snapshot orders them
+    html = render_html(snapshot(jobs=[job]))
+    assert "on the coordinator and 2 hub shards" in html
+    row = dict(page.find("td", data_field="median_lag_seconds")[0][0])
+    assert row["data-value"] == "0.25"
+    assert page.find("td", data_field="last_share")[0][1] == "100%"
+    assert page.find("td", data_field="waited_seconds")[0][1] == "5.00 s"
+    assert "Slowest ranks" not in render_html(snapshot())  # nothing measured: no table
 
 
 def test_every_user_string_is_escaped():

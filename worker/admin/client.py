@@ -108,6 +108,12 @@ class AdminClient:
         return await self._call(self._admin.ListSteps(
             admin_pb2.ListStepsRequest(job=job), timeout=self.timeout,
             metadata=self._metadata), f"reading the sync-mode steps of job {job!r}")
+    async def stragglers(self, job: str, limit: int = 0) -> admin_pb2.GetStragglersResponse:
+        """Per rank arrival lag and cost, slowest first. Raises: GradstarError if the
+        coordinator has no job ``job``."""
+        return await self._call(self._admin.GetStragglers(
+            admin_pb2.GetStragglersRequest(job=job, limit=limit), timeout=self.timeout,
+            metadata=self._metadata), f"reading the stragglers of job {job!r}")
 
     async def drain(self) -> int:
         """Start draining; returns how many jobs still have live members."""

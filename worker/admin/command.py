@@ -51,6 +51,14 @@ async def run_admin(args: argparse.Namespace) -> int:
                 print(json.dumps(tables.steps_as_dict(args.job, reply), indent=2) if args.json
                       else tables.steps_table(args.job, reply))
             return 0
+        if args.action == "stragglers":
+            if args.job is None:
+                print("gradstar admin stragglers: name the job with --job", file=sys.stderr)
+                return 2
+            reply = await admin.stragglers(args.job, args.limit)
+            print(json.dumps(tables.stragglers_as_dict(reply), indent=2) if args.json
+                  else tables.stragglers_table(reply))
+            return 0
         jobs = await admin.jobs()
         if args.action == "jobs":
             print(json.dumps([tables.summary_as_dict(j) for j in jobs], indent=2)

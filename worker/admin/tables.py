@@ -200,3 +200,30 @@ def steps_as_dict(job: str, reply: admin_pb2.ListStepsResponse) -> dict:
          "ranks": [{"rank": r.rank, "live": r.live, "base": r.base,
                     "contributed": r.contributed, "dropped": r.dropped} for r in m.ranks]}
         for m in reply.models]}
+def _lag(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def stragglers_table(reply: admin_pb2.GetStragglersResponse) -> str:
+    """Who the job's collectives wait for: ranks slowest first, flagged ones marked."""
+    flagged = [r.rank for r in reply.ranks if r.flagged]
+    head = (f"job {reply.job}: {reply.ranks_total} rank(s) measured; "
+            + (f"straggler(s): {', '.join(f'rank {r}' for r in flagged)}" if flagged
+               else "no rank stands out"))
+    if not reply.ranks:
+        return f"job {reply.job}: no collective measured yet"
+    rows = [(r.rank, r.host or "-", _lag(r.median_lag_seconds), _lag(r.p95_lag_seconds),
+             _lag(r.ewma_lag_seconds), f"{r.last_share * 100:.0f}%", _lag(r.waited_seconds),
+             r.collectives, "straggler" if r.flagged else "") for r in reply.ranks]
+    return head + "\n" + table(("RANK", "HOST", "MEDIAN LAG", "P95 LAG", "RECENT LAG", "LAST",
+                                 "OTHERS WAITED", "COLLECTIVES", ""), rows, indent="  ")
+
+
+def stragglers_as_dict(reply: admin_pb2.GetStragglersResponse) -> dict:
+    """``--json``: the ranks slowest first, each with its rank, host and lag figures (seconds;
+    ``last_share`` a fraction)."""
+    fields = ("rank", "host", "address", "collectives", "ewma_lag_seconds",
+              "median_lag_seconds", "p95_lag_seconds", "mean_lag_seconds", "last_lag_seconds",
+              "max_lag_seconds", "last_arrivals", "last_share", "waited_seconds", "flagged")
+    return {"job": reply.job, "ranks_total": reply.ranks_total,
+            "ranks": [{f: getattr(r, f) for f in fields} for r in reply.ranks]}

@@ -1,5 +1,6 @@
 """``gradstar admin``: the operator's views of a running coordinator (status, jobs, shards,
-drain, health); the calls and tables are :mod:`gradstar.worker.admin.command`."""
+rounds, stragglers, drain, health); the calls and tables are
+:mod:`gradstar.worker.admin.command`."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from gradstar.config import DEFAULT_PORT
 
 def admin_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = sub.add_parser(
-        "admin", help="operator views of a coordinator: status, jobs, shards, drain, health",
+        "admin", help="operator views of a coordinator: status, jobs, shards, rounds, stragglers, "
+             "drain, health",
         allow_abbrev=False,
         description="status: every job (or --job) with members, generation, in-flight "
                     "collectives and the ranks they wait for, traffic and throughput. jobs: one "
@@ -23,11 +25,13 @@ def admin_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "and jobs. rounds: a job's fault-tolerant outer rounds (StreamingDiLoCo): "
                     "replicas per round, missed rounds and joins. steps: a job's sync-mode DDP "
                     "steps (Quorum, BoundedStaleness, Asynchronous): steps closed, live ranks, "
-                    "drops and staleness. drain: refuse new joins "
-                    "(running jobs finish). health: exit 0 if the coordinator is SERVING (for "
-                    "container health checks).")
-    p.add_argument("action", choices=("status", "jobs", "shards", "rounds", "steps", "drain",
-                                          "health"))
+                    "drops and staleness. stragglers: who a job's "
+                    "collectives wait for, ranks slowest first (host, median and p95 arrival "
+                    "lag, share of collectives last, seconds the others waited). drain: "
+                    "refuse new joins (running jobs finish). health: exit 0 if the "
+                    "coordinator is SERVING (for container health checks).")
+    p.add_argument("action", choices=("status", "jobs", "shards", "rounds", "steps",
+                                      "stragglers", "drain", "health"))
     p.add_argument("--coordinator",
                    default=os.environ.get("GRADSTAR_COORDINATOR", f"127.0.0.1:{DEFAULT_PORT}"),
                    help="HOST:PORT (env GRADSTAR_COORDINATOR, default 127.0.0.1:29400)")
@@ -37,7 +41,10 @@ def admin_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     token.add_argument("--admin-token-file", type=Path,
                        help="file holding the admin token (env GRADSTAR_ADMIN_TOKEN_FILE)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--job", help="status: only this job; rounds, steps: the job (required)")
+    p.add_argument("--job", help="status: only this job; rounds, steps, stragglers: the job "
+                                 "(required)")
+    p.add_argument("--limit", type=int, default=0,
+                   help="stragglers: at most this many ranks, slowest first (default 0: all)")
     p.add_argument("--interval", type=float, default=1.0,
                    help="status: seconds between the two samples throughput is measured over "
                         "(default 1; 0 skips throughput)")

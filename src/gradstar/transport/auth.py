@@ -4,7 +4,8 @@ Job calls (rendezvous, collectives) need ``Bearer <token>``; Admin calls and a h
 registration (``ShardControl``: a shard is part of the hub, so registering one is an operator's
 act, never a rank's) need the admin token (or, when none is set, the job token) — except a
 node-local shard's registration for one job (``RegisterForJob``), which the job token opens:
-that shard carries only the job's generations, nothing a rank of the job could not see. Health and
+that shard carries only the job's generations, nothing a rank of the job could not see; and
+``Admin.GetStragglers``, which ranks read, takes either token. Health and
 reflection stay open so orchestrators can probe the coordinator. Tokens are compared in
 constant time and never logged.
 
@@ -36,6 +37,9 @@ ADMIN_PREFIXES = ("/gradstar.proto.v1.Admin/", "/gradstar.proto.v1.ShardControl/
 #: ShardControl methods a job token opens: a node-local shard registering for one job (it
 #: serves that job's generations only, so a rank of the job gains nothing by starting one).
 JOB_SCOPED = frozenset({"/gradstar.proto.v1.ShardControl/RegisterForJob"})
+#: Admin methods the job token opens as well as the admin token: the stragglers view, which a
+#: rank reads (ProcessGroup.straggler_stats): the lags of ranks the job token lets anyone join as.
+RANKS_READ = frozenset({"/gradstar.proto.v1.Admin/GetStragglers"})
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 #: How long a refused streaming call reads (and discards) the client's requests, waiting for
 #: its half-close, before it ends anyway. A collective's frames arrive at link speed, so this
@@ -81,7 +85,10 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         for key, value in handler_call_details.invocation_metadata or ():
             if key == AUTH_KEY:
                 presented = value if isinstance(value, str) else value.decode("latin-1")
-        if hmac.compare_digest(presented.encode("utf-8", "replace"), expected):
+        token = presented.encode("utf-8", "replace")
+        if hmac.compare_digest(token, expected):
+            return await continuation(handler_call_details)
+        if method in RANKS_READ and (self._job is None or hmac.compare_digest(token, self._job)):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
         what = "admin token" if is_admin else "job token"

@@ -242,6 +242,56 @@ class ListStepsResponse(_message.Message):
     models: _containers.RepeatedCompositeFieldContainer[StepsModelView]
     def __init__(self, models: _Optional[_Iterable[_Union[StepsModelView, _Mapping]]] = ...) -> None: ...
 
+class GetStragglersRequest(_message.Message):
+    __slots__ = ("job", "limit")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    limit: int
+    def __init__(self, job: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class RankStragglerStats(_message.Message):
+    __slots__ = ("rank", "host", "address", "collectives", "ewma_lag_seconds", "median_lag_seconds", "p95_lag_seconds", "mean_lag_seconds", "last_lag_seconds", "max_lag_seconds", "last_arrivals", "last_share", "waited_seconds", "flagged")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
+    EWMA_LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEDIAN_LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    P95_LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ARRIVALS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SHARE_FIELD_NUMBER: _ClassVar[int]
+    WAITED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FLAGGED_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    host: str
+    address: str
+    collectives: int
+    ewma_lag_seconds: float
+    median_lag_seconds: float
+    p95_lag_seconds: float
+    mean_lag_seconds: float
+    last_lag_seconds: float
+    max_lag_seconds: float
+    last_arrivals: int
+    last_share: float
+    waited_seconds: float
+    flagged: bool
+    def __init__(self, rank: _Optional[int] = ..., host: _Optional[str] = ..., address: _Optional[str] = ..., collectives: _Optional[int] = ..., ewma_lag_seconds: _Optional[float] = ..., median_lag_seconds: _Optional[float] = ..., p95_lag_seconds: _Optional[float] = ..., mean_lag_seconds: _Optional[float] = ..., last_lag_seconds: _Optional[float] = ..., max_lag_seconds: _Optional[float] = ..., last_arrivals: _Optional[int] = ..., last_share: _Optional[float] = ..., waited_seconds: _Optional[float] = ..., flagged: _Optional[bool] = ...) -> None: ...
+
+class GetStragglersResponse(_message.Message):
+    __slots__ = ("job", "ranks", "ranks_total")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    ranks: _containers.RepeatedCompositeFieldContainer[RankStragglerStats]
+    ranks_total: int
+    def __init__(self, job: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankStragglerStats, _Mapping]]] = ..., ranks_total: _Optional[int] = ...) -> None: ...
+
 class DrainRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -64,6 +64,11 @@ class AdminStub:
                 request_serializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.ListStepsRequest.SerializeToString,
                 response_deserializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.ListStepsResponse.FromString,
                 _registered_method=True)
+        self.GetStragglers = channel.unary_unary(
+                '/gradstar.proto.v1.Admin/GetStragglers',
+                request_serializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.GetStragglersRequest.SerializeToString,
+                response_deserializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.GetStragglersResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -108,6 +113,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStragglers(self, request, context):
+        """Who the job's collectives wait for: per rank arrival lag and cost, slowest first. Open to
+        the job token too, so a rank can ask (ProcessGroup.straggler_stats).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -140,6 +153,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListSteps,
                     request_deserializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.ListStepsRequest.FromString,
                     response_serializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.ListStepsResponse.SerializeToString,
+            ),
+            'GetStragglers': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStragglers,
+                    request_deserializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.GetStragglersRequest.FromString,
+                    response_serializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.GetStragglersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -304,6 +322,33 @@ class Admin:
             '/gradstar.proto.v1.Admin/ListSteps',
             gradstar_dot_proto_dot_v1_dot_admin__pb2.ListStepsRequest.SerializeToString,
             gradstar_dot_proto_dot_v1_dot_admin__pb2.ListStepsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStragglers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradstar.proto.v1.Admin/GetStragglers',
+            gradstar_dot_proto_dot_v1_dot_admin__pb2.GetStragglersRequest.SerializeToString,
+            gradstar_dot_proto_dot_v1_dot_admin__pb2.GetStragglersResponse.FromString,
             options,
             channel_credentials,
             insecure,

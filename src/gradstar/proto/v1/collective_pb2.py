@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"gradstar/proto/v1/collective.proto\x12\x11gradstar.proto.v1\"x\n\rAveragingSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12.\n\x04rule\x18\x02 \x01(\x0e\x32 .gradstar.proto.v1.AveragingRule\x12\x10\n\x08outer_lr\x18\x03 \x01(\x01\x12\x16\n\x0eouter_momentum\x18\x04 \x01(\x01\"\xf0\x03\n\x10\x43ollectiveHeader\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\r\n\x05group\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x11\n\tmember_id\x18\x06 \x01(\t\x12+\n\x02op\x18\x07 \x01(\x0e\x32\x1f.gradstar.proto.v1.CollectiveOp\x12.\n\treduce_op\x18\x08 \x01(\x0e\x32\x1b.gradstar.proto.v1.ReduceOp\x12\'\n\x05\x64type\x18\t \x01(\x0e\x32\x18.gradstar.proto.v1.DType\x12\r\n\x05shape\x18\n \x03(\x04\x12\x0c\n\x04root\x18\x0b \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x0c \x01(\r\x12\x17\n\x0ftimeout_seconds\x18\r \x01(\x01\x12\x33\n\taveraging\x18\x0e \x01(\x0b\x32 .gradstar.proto.v1.AveragingSpec\x12\x0e\n\x06stripe\x18\x0f \x01(\r\x12\x0f\n\x07stripes\x18\x10 \x01(\r\x12*\n\x03shm\x18\x11 \x01(\x0b\x32\x1d.gradstar.proto.v1.ShmSegment\x12+\n\x04wire\x18\x12 \x01(\x0e\x32\x1d.gradstar.proto.v1.WireFormat\"\x83\x01\n\nShmSegment\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\n\n\x02\x66\x64\x18\x02 \x01(\r\x12\r\n\x05inode\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x15\n\routput_offset\x18\x05 \x01(\x04\x12\x0b\n\x03key\x18\x06 \x01(\x0c\x12\r\n\x05\x65\x61ger\x18\x07 \x01(\x08\x12\x0c\n\x04host\x18\x08 \x01(\t\"-\n\tShmAttach\x12\x10\n\x08\x61ttached\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"?\n\x10\x43ollectiveAccept\x12\x15\n\routput_chunks\x18\x01 \x01(\x04\x12\x14\n\x0coutput_bytes\x18\x02 \x01(\x04\"H\n\x11\x43ollectiveFailure\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x13\n\x0b\x66ields_json\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\".\n\rCollectiveEnd\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\" \n\x0f\x43ollectiveFrame\x12\r\n\x05\x66rame\x18\x01 \x01(\x0c*\xe1\x01\n\x0c\x43ollectiveOp\x12\x1d\n\x19\x43OLLECTIVE_OP_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x43OLLECTIVE_OP_ALL_REDUCE\x10\x01\x12\x1b\n\x17\x43OLLECTIVE_OP_BROADCAST\x10\x02\x12\x1c\n\x18\x43OLLECTIVE_OP_ALL_GATHER\x10\x03\x12 \n\x1c\x43OLLECTIVE_OP_REDUCE_SCATTER\x10\x04\x12\x19\n\x15\x43OLLECTIVE_OP_BARRIER\x10\x05\x12\x1c\n\x18\x43OLLECTIVE_OP_ALL_TO_ALL\x10\x06*\x86\x01\n\x08ReduceOp\x12\x19\n\x15REDUCE_OP_UNSPECIFIED\x10\x00\x12\x11\n\rREDUCE_OP_SUM\x10\x01\x12\x12\n\x0eREDUCE_OP_MEAN\x10\x02\x12\x11\n\rREDUCE_OP_MIN\x10\x03\x12\x11\n\rREDUCE_OP_MAX\x10\x04\x12\x12\n\x0eREDUCE_OP_PROD\x10\x05*\x8d\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT64\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05\x12\x0f\n\x0b\x44TYPE_INT64\x10\x06*\x81\x01\n\nWireFormat\x12\x1b\n\x17WIRE_FORMAT_UNSPECIFIED\x10\x00\x12\x14\n\x10WIRE_FORMAT_BF16\x10\x01\x12\x14\n\x10WIRE_FORMAT_FP16\x10\x02\x12\x14\n\x10WIRE_FORMAT_INT8\x10\x03\x12\x14\n\x10WIRE_FORMAT_INT4\x10\x04*\xa5\x01\n\rAveragingRule\x12\x1e\n\x1a\x41VERAGING_RULE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x41VERAGING_RULE_SEED\x10\x01\x12\x1a\n\x16\x41VERAGING_RULE_AVERAGE\x10\x02\x12\x1c\n\x18\x41VERAGING_RULE_OUTER_SGD\x10\x03\x12!\n\x1d\x41VERAGING_RULE_OUTER_NESTEROV\x10\x04\x32\x62\n\nCollective\x12T\n\x06Stream\x12\".gradstar.proto.v1.CollectiveFrame\x1a\".gradstar.proto.v1.CollectiveFrame(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"gradstar/proto/v1/collective.proto\x12\x11gradstar.proto.v1\"x\n\rAveragingSpec\x12\r\n\x05model\x18\x01 \x01(\t\x12.\n\x04rule\x18\x02 \x01(\x0e\x32 .gradstar.proto.v1.AveragingRule\x12\x10\n\x08outer_lr\x18\x03 \x01(\x01\x12\x16\n\x0eouter_momentum\x18\x04 \x01(\x01\"\xf0\x03\n\x10\x43ollectiveHeader\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\r\n\x05group\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x0c\n\x04rank\x18\x05 \x01(\r\x12\x11\n\tmember_id\x18\x06 \x01(\t\x12+\n\x02op\x18\x07 \x01(\x0e\x32\x1f.gradstar.proto.v1.CollectiveOp\x12.\n\treduce_op\x18\x08 \x01(\x0e\x32\x1b.gradstar.proto.v1.ReduceOp\x12\'\n\x05\x64type\x18\t \x01(\x0e\x32\x18.gradstar.proto.v1.DType\x12\r\n\x05shape\x18\n \x03(\x04\x12\x0c\n\x04root\x18\x0b \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x0c \x01(\r\x12\x17\n\x0ftimeout_seconds\x18\r \x01(\x01\x12\x33\n\taveraging\x18\x0e \x01(\x0b\x32 .gradstar.proto.v1.AveragingSpec\x12\x0e\n\x06stripe\x18\x0f \x01(\r\x12\x0f\n\x07stripes\x18\x10 \x01(\r\x12*\n\x03shm\x18\x11 \x01(\x0b\x32\x1d.gradstar.proto.v1.ShmSegment\x12+\n\x04wire\x18\x12 \x01(\x0e\x32\x1d.gradstar.proto.v1.WireFormat\"\x83\x01\n\nShmSegment\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\n\n\x02\x66\x64\x18\x02 \x01(\r\x12\r\n\x05inode\x18\x03 \x01(\x04\x12\x0c\n\x04size\x18\x04 \x01(\x04\x12\x15\n\routput_offset\x18\x05 \x01(\x04\x12\x0b\n\x03key\x18\x06 \x01(\x0c\x12\r\n\x05\x65\x61ger\x18\x07 \x01(\x08\x12\x0c\n\x04host\x18\x08 \x01(\t\"-\n\tShmAttach\x12\x10\n\x08\x61ttached\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"?\n\x10\x43ollectiveAccept\x12\x15\n\routput_chunks\x18\x01 \x01(\x04\x12\x14\n\x0coutput_bytes\x18\x02 \x01(\x04\"H\n\x11\x43ollectiveFailure\x12\r\n\x05\x65rror\x18\x01 \x01(\t\x12\x13\n\x0b\x66ields_json\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"-\n\x08LateRank\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x13\n\x0blag_seconds\x18\x02 \x01(\x01\"Y\n\rCollectiveEnd\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12)\n\x04late\x18\x03 \x03(\x0b\x32\x1b.gradstar.proto.v1.LateRank\" \n\x0f\x43ollectiveFrame\x12\r\n\x05\x66rame\x18\x01 \x01(\x0c*\xe1\x01\n\x0c\x43ollectiveOp\x12\x1d\n\x19\x43OLLECTIVE_OP_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x43OLLECTIVE_OP_ALL_REDUCE\x10\x01\x12\x1b\n\x17\x43OLLECTIVE_OP_BROADCAST\x10\x02\x12\x1c\n\x18\x43OLLECTIVE_OP_ALL_GATHER\x10\x03\x12 \n\x1c\x43OLLECTIVE_OP_REDUCE_SCATTER\x10\x04\x12\x19\n\x15\x43OLLECTIVE_OP_BARRIER\x10\x05\x12\x1c\n\x18\x43OLLECTIVE_OP_ALL_TO_ALL\x10\x06*\x86\x01\n\x08ReduceOp\x12\x19\n\x15REDUCE_OP_UNSPECIFIED\x10\x00\x12\x11\n\rREDUCE_OP_SUM\x10\x01\x12\x12\n\x0eREDUCE_OP_MEAN\x10\x02\x12\x11\n\rREDUCE_OP_MIN\x10\x03\x12\x11\n\rREDUCE_OP_MAX\x10\x04\x12\x12\n\x0eREDUCE_OP_PROD\x10\x05*\x8d\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT64\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05\x12\x0f\n\x0b\x44TYPE_INT64\x10\x06*\x81\x01\n\nWireFormat\x12\x1b\n\x17WIRE_FORMAT_UNSPECIFIED\x10\x00\x12\x14\n\x10WIRE_FORMAT_BF16\x10\x01\x12\x14\n\x10WIRE_FORMAT_FP16\x10\x02\x12\x14\n\x10WIRE_FORMAT_INT8\x10\x03\x12\x14\n\x10WIRE_FORMAT_INT4\x10\x04*\xa5\x01\n\rAveragingRule\x12\x1e\n\x1a\x41VERAGING_RULE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x41VERAGING_RULE_SEED\x10\x01\x12\x1a\n\x16\x41VERAGING_RULE_AVERAGE\x10\x02\x12\x1c\n\x18\x41VERAGING_RULE_OUTER_SGD\x10\x03\x12!\n\x1d\x41VERAGING_RULE_OUTER_NESTEROV\x10\x04\x32\x62\n\nCollective\x12T\n\x06Stream\x12\".gradstar.proto.v1.CollectiveFrame\x1a\".gradstar.proto.v1.CollectiveFrame(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gradstar.proto.v1.collective_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_COLLECTIVEOP']._serialized_start=1081
-  _globals['_COLLECTIVEOP']._serialized_end=1306
-  _globals['_REDUCEOP']._serialized_start=1309
-  _globals['_REDUCEOP']._serialized_end=1443
-  _globals['_DTYPE']._serialized_start=1446
-  _globals['_DTYPE']._serialized_end=1587
-  _globals['_WIREFORMAT']._serialized_start=1590
-  _globals['_WIREFORMAT']._serialized_end=1719
-  _globals['_AVERAGINGRULE']._serialized_start=1722
-  _globals['_AVERAGINGRULE']._serialized_end=1887
+  _globals['_COLLECTIVEOP']._serialized_start=1171
+  _globals['_COLLECTIVEOP']._serialized_end=1396
+  _globals['_REDUCEOP']._serialized_start=1399
+  _globals['_REDUCEOP']._serialized_end=1533
+  _globals['_DTYPE']._serialized_start=1536
+  _globals['_DTYPE']._serialized_end=1677
+  _globals['_WIREFORMAT']._serialized_start=1680
+  _globals['_WIREFORMAT']._serialized_end=1809
+  _globals['_AVERAGINGRULE']._serialized_start=1812
+  _globals['_AVERAGINGRULE']._serialized_end=1977
   _globals['_AVERAGINGSPEC']._serialized_start=57
   _globals['_AVERAGINGSPEC']._serialized_end=177
   _globals['_COLLECTIVEHEADER']._serialized_start=180
@@ -53,10 +53,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COLLECTIVEACCEPT']._serialized_end=922
   _globals['_COLLECTIVEFAILURE']._serialized_start=924
   _globals['_COLLECTIVEFAILURE']._serialized_end=996
-  _globals['_COLLECTIVEEND']._serialized_start=998
-  _globals['_COLLECTIVEEND']._serialized_end=1044
-  _globals['_COLLECTIVEFRAME']._serialized_start=1046
-  _globals['_COLLECTIVEFRAME']._serialized_end=1078
-  _globals['_COLLECTIVE']._serialized_start=1889
-  _globals['_COLLECTIVE']._serialized_end=1987
+  _globals['_LATERANK']._serialized_start=998
+  _globals['_LATERANK']._serialized_end=1043
+  _globals['_COLLECTIVEEND']._serialized_start=1045
+  _globals['_COLLECTIVEEND']._serialized_end=1134
+  _globals['_COLLECTIVEFRAME']._serialized_start=1136
+  _globals['_COLLECTIVEFRAME']._serialized_end=1168
+  _globals['_COLLECTIVE']._serialized_start=1979
+  _globals['_COLLECTIVE']._serialized_end=2077
 # @@protoc_insertion_point(module_scope)

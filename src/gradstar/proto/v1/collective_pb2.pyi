@@ -180,13 +180,23 @@ class CollectiveFailure(_message.Message):
     message: str
     def __init__(self, error: _Optional[str] = ..., fields_json: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
+class LateRank(_message.Message):
+    __slots__ = ("rank", "lag_seconds")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    lag_seconds: float
+    def __init__(self, rank: _Optional[int] = ..., lag_seconds: _Optional[float] = ...) -> None: ...
+
 class CollectiveEnd(_message.Message):
-    __slots__ = ("chunks", "bytes")
+    __slots__ = ("chunks", "bytes", "late")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
     chunks: int
     bytes: int
-    def __init__(self, chunks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+    late: _containers.RepeatedCompositeFieldContainer[LateRank]
+    def __init__(self, chunks: _Optional[int] = ..., bytes: _Optional[int] = ..., late: _Optional[_Iterable[_Union[LateRank, _Mapping]]] = ...) -> None: ...
 
 class CollectiveFrame(_message.Message):
     __slots__ = ("frame",)

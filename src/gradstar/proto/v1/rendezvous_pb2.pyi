@@ -7,13 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job", "world_size", "rank", "peer_address", "timeout_seconds", "host", "elastic")
+    __slots__ = ("job", "world_size", "rank", "peer_address", "timeout_seconds", "host", "hostname", "elastic")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     ELASTIC_FIELD_NUMBER: _ClassVar[int]
     job: str
     world_size: int
@@ -21,8 +22,9 @@ class JoinRequest(_message.Message):
     peer_address: str
     timeout_seconds: float
     host: str
+    hostname: str
     elastic: bool
-    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., peer_address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., host: _Optional[str] = ..., elastic: _Optional[bool] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., peer_address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., host: _Optional[str] = ..., hostname: _Optional[str] = ..., elastic: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("sent_unix_ms",)
@@ -41,14 +43,16 @@ class SessionRequest(_message.Message):
     def __init__(self, join: _Optional[_Union[JoinRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., leave: _Optional[bool] = ...) -> None: ...
 
 class Peer(_message.Message):
-    __slots__ = ("rank", "address", "host")
+    __slots__ = ("rank", "address", "host", "hostname")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     rank: int
     address: str
     host: str
-    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
+    hostname: str
+    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., hostname: _Optional[str] = ...) -> None: ...
 
 class Joined(_message.Message):
     __slots__ = ("job", "generation", "rank", "world_size", "member_id", "peers", "heartbeat_interval_seconds", "shards", "peer_keys", "collectives", "replacement")

@@ -48,15 +48,43 @@ class ShardJob(_message.Message):
     active: bool
     def __init__(self, job: _Optional[str] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., completed: _Optional[_Mapping[int, int]] = ..., failed: _Optional[_Mapping[int, int]] = ..., active: _Optional[bool] = ...) -> None: ...
 
+class RankArrivals(_message.Message):
+    __slots__ = ("job", "rank", "collectives", "last", "lag_sum_seconds", "lag_ewma_seconds", "last_lag_seconds", "max_lag_seconds", "cost_seconds", "buckets", "min_lag_seconds")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    LAG_SUM_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAG_EWMA_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COST_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    MIN_LAG_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    rank: int
+    collectives: int
+    last: int
+    lag_sum_seconds: float
+    lag_ewma_seconds: float
+    last_lag_seconds: float
+    max_lag_seconds: float
+    cost_seconds: float
+    buckets: _containers.RepeatedScalarFieldContainer[int]
+    min_lag_seconds: float
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., collectives: _Optional[int] = ..., last: _Optional[int] = ..., lag_sum_seconds: _Optional[float] = ..., lag_ewma_seconds: _Optional[float] = ..., last_lag_seconds: _Optional[float] = ..., max_lag_seconds: _Optional[float] = ..., cost_seconds: _Optional[float] = ..., buckets: _Optional[_Iterable[int]] = ..., min_lag_seconds: _Optional[float] = ...) -> None: ...
+
 class ShardStats(_message.Message):
-    __slots__ = ("bytes_in", "bytes_out", "jobs")
+    __slots__ = ("bytes_in", "bytes_out", "jobs", "arrivals")
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     JOBS_FIELD_NUMBER: _ClassVar[int]
+    ARRIVALS_FIELD_NUMBER: _ClassVar[int]
     bytes_in: int
     bytes_out: int
     jobs: _containers.RepeatedCompositeFieldContainer[ShardJob]
-    def __init__(self, bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[ShardJob, _Mapping]]] = ...) -> None: ...
+    arrivals: _containers.RepeatedCompositeFieldContainer[RankArrivals]
+    def __init__(self, bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., jobs: _Optional[_Iterable[_Union[ShardJob, _Mapping]]] = ..., arrivals: _Optional[_Iterable[_Union[RankArrivals, _Mapping]]] = ...) -> None: ...
 
 class ShardReport(_message.Message):
     __slots__ = ("hello", "stats")

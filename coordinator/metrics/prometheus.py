@@ -37,15 +37,16 @@ from dataclasses import dataclass, field
 
 from gradstar.errors import GradstarError
 from gradstar.ops import op_name
+from gradstar.proto.v1 import collective_pb2 as pb
+
+from .arrivals import LAG_BUCKETS, ArrivalBook, RankArrivals, merge, merged, slowest
+from .steps import steps_families
 
 log = logging.getLogger(__name__)
 
 #: Collective durations, seconds: from a few hundred microseconds on loopback to minutes.
 DURATION_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                     5.0, 10.0, 30.0, 60.0)
-#: Arrival lags, seconds: ranks in step arrive within milliseconds; stragglers lag by seconds.
-LAG_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-               2.5, 5.0, 10.0, 30.0)
 
 
 @dataclass
@@ -77,34 +78,31 @@ class Histogram:
 
 
 class CollectiveMetrics:
-    """What the collective engine observes; it calls :meth:`arrived` and :meth:`finished`."""
+    """What the collective engine observes: it calls :meth:`finished`, and feeds
+    :attr:`arrivals` (each rank's arrival lag, :mod:`.arrivals`) as collectives match."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         #: (job, op name, "completed" | "failed") -> duration histogram
         self.durations: dict[tuple[str, str, str], Histogram] = {}
-        #: (job, rank) -> arrival lag histogram; the last lag; how often it arrived last
-        self.lags: dict[tuple[str, int], Histogram] = {}
-        self.last_lag: dict[tuple[str, int], float] = {}
-        self.last_arrivals: dict[tuple[str, int], int] = {}
+        #: Per job and rank: arrival lags, last arrivals, seconds the others waited.
+        self.arrivals = ArrivalBook()
+
+    def matched(self, job: str, stripe: int,
+                arrivals: list[tuple[int, float]]) -> list[pb.LateRank]:
+        """Every rank of a collective of ``job`` arrived: (rank, time), in arrival order.
+        Returns the ranks it waited for, for every rank's END (see :mod:`.arrivals`). A
+        striped collective is measured once, on stripe 0."""
+        if stripe:
+            return []
+        return [pb.LateRank(rank=rank, lag_seconds=lag)
+                for rank, lag in self.arrivals.collective(job, arrivals)]
 
     def forget(self, job: str) -> None:
         """Drop ``job``'s series (its state was dropped: see Rendezvous.drop_idle)."""
-        for table in (self.durations, self.lags, self.last_lag, self.last_arrivals):
-            for key in [k for k in table if k[0] == job]:
-                del table[key]
-
-    def arrived(self, job: str, rank: int, started: float, world: int, arrived: int) -> None:
-        """Rank ``rank`` sent its header; ``started`` is when the first one arrived."""
-        lag = max(self.clock() - started, 0.0)
-        key = (job, rank)
-        hist = self.lags.get(key)
-        if hist is None:
-            hist = self.lags[key] = Histogram(LAG_BUCKETS)
-        hist.observe(lag)
-        self.last_lag[key] = lag
-        if arrived == world and world > 1:
-            self.last_arrivals[key] = self.last_arrivals.get(key, 0) + 1
+        for key in [k for k in self.durations if k[0] == job]:
+            del self.durations[key]
+        self.arrivals.forget(job)
 
     def finished(self, job: str, op: str, started: float, failed: bool,
                  error: GradstarError | None = None) -> None:
@@ -116,6 +114,9 @@ class CollectiveMetrics:
         hist.observe(max(self.clock() - started, 0.0))
 
 
+#: Ranks of a job whose arrival series are named (the slowest, by weighted mean lag); the
+#: others are summed in one series, ``rank="others"``, so a large job's page stays small.
+RANKS_NAMED = 16
 #: Largest /metrics page, bytes (``--metrics-max-bytes``): jobs' series beyond it are left out,
 #: and counted in ``gradstar_metrics_jobs_omitted``.
 METRICS_MAX_BYTES = 1 << 20
@@ -152,6 +153,9 @@ _JOB_FAMILIES = (
      "This rank's arrival lag in its latest collective."),
     ("gradstar_rank_last_arrivals_total", "counter",
      "Collectives in which this rank arrived last (the one the others waited for)."),
+    ("gradstar_rank_waited_for_seconds_total", "counter",
+     "Seconds collectives waited for this rank alone (as the last: its lag minus the second "
+     "latest rank's)."),
     ("gradstar_global_model_rounds", "gauge",
      "Averaging rounds completed on each global model (LocalSGD, DiLoCo)."),
 )
@@ -176,13 +180,13 @@ async def render_async(rendezvous, collectives: CollectiveMetrics, averaging=Non
     """The coordinator's metrics in the Prometheus text format, yielding to the event loop
     every :data:`JOBS_PER_SLICE` jobs, so that collectives never wait long behind a scrape.
 
-    With ``shards`` (a :class:`~.shards.ShardRegistry`) job totals include what the shards
+    With ``shards`` (a :class:`~..shards.ShardRegistry`) job totals include what the shards
     carried, and each shard has its own series. Only jobs that formed a generation have series
     (joins that never form leave none); the page is at most ``max_bytes`` long: the jobs whose
     series would not fit (running ones go first, then by name) are left out, and counted in
-    ``gradstar_metrics_jobs_omitted``. With ``rounds`` (a :class:`~.rounds.RoundsTable`) each
+    ``gradstar_metrics_jobs_omitted``. With ``rounds`` (a :class:`~..rounds.RoundsTable`) each
     fault-tolerant fragment and replica has its series (rounds, participants, misses, joins);
-    with ``steps`` (a :class:`~.steps.StepsTable`) each sync-mode DDP model and its ranks
+    with ``steps`` (a :class:`~..steps.StepsTable`) each sync-mode DDP model and its ranks
     (steps closed, live ranks, contributions, drops, staleness).
     """
     parts = _render(rendezvous, collectives, averaging, serving, None, shards, max_bytes, rounds,
@@ -211,10 +215,8 @@ def _render(rendezvous, collectives: CollectiveMetrics, averaging, serving: bool
     durations: dict[str, list] = {}
     for (job, op, outcome), hist in sorted(collectives.durations.items()):
         durations.setdefault(job, []).append((op, outcome, hist))
-    lags: dict[str, list] = {}
-    for (job, rank), hist in sorted(collectives.lags.items()):
-        lags.setdefault(job, []).append((rank, hist, collectives.last_lag.get((job, rank), 0.0),
-                                         collectives.last_arrivals.get((job, rank), 0)))
+    lags = {job.name: _rank_series(job_arrivals(collectives, shards, job.name))
+            for job in jobs if job.formed}
     formed = sorted((j for j in jobs if j.formed),
                     key=lambda j: (_STATES.index(j.state) if j.state in _STATES else 9, j.name))
     shard_lines: list[str] = []
@@ -223,7 +225,7 @@ def _render(rendezvous, collectives: CollectiveMetrics, averaging, serving: bool
     if rounds is not None:
         _rounds_families(lambda *f: shard_lines.extend(_family(*f)), rounds)
     if steps is not None:
-        _steps_families(lambda *f: shard_lines.extend(_family(*f)), steps)
+        steps_families(lambda *f: shard_lines.extend(_family(*f)), _labels, steps)
     budget = max_bytes - _FIXED_RESERVE - sum(len(line) + 1 for line in shard_lines)
     samples: dict[str, list[str]] = {name: [] for name, _, _ in _JOB_FAMILIES}
     omitted = 0
@@ -294,20 +296,47 @@ def _job_samples(job, durations, lags, averaging, shards, now: float) -> dict[st
     for op, outcome, hist in durations:
         out["gradstar_collective_duration_seconds"] += hist.lines(
             "gradstar_collective_duration_seconds", {"job": name, "op": op, "outcome": outcome})
-    for rank, hist, last_lag, last_arrivals in lags:
-        rank_labels = {"job": name, "rank": str(rank)}
+    for rank, summary in lags:
+        rank_labels = {"job": name, "rank": rank}
+        hist = Histogram(LAG_BUCKETS)
+        hist.counts, hist.total, hist.count = (summary.prometheus_counts(), summary.lag_sum,
+                                               summary.collectives)
         out["gradstar_rank_arrival_lag_seconds"] += hist.lines(
             "gradstar_rank_arrival_lag_seconds", rank_labels)
         out["gradstar_rank_last_arrival_lag_seconds"].append(
-            f"gradstar_rank_last_arrival_lag_seconds{_labels(rank_labels)} {_number(last_lag)}")
+            f"gradstar_rank_last_arrival_lag_seconds{_labels(rank_labels)} "
+            f"{_number(summary.last_lag)}")
         out["gradstar_rank_last_arrivals_total"].append(
-            f"gradstar_rank_last_arrivals_total{_labels(rank_labels)} {last_arrivals}")
+            f"gradstar_rank_last_arrivals_total{_labels(rank_labels)} {summary.last}")
+        out["gradstar_rank_waited_for_seconds_total"].append(
+            f"gradstar_rank_waited_for_seconds_total{_labels(rank_labels)} "
+            f"{_number(summary.cost)}")
     if averaging is not None:
         for model, state in sorted(averaging.models(name).items()):
             out["gradstar_global_model_rounds"].append(
                 f"gradstar_global_model_rounds{_labels({'job': name, 'model': model})} "
                 f"{state.rounds}")
     return out
+
+
+def job_arrivals(collectives: CollectiveMetrics, shards, job: str) -> dict[int, RankArrivals]:
+    """``job``'s per-rank arrival summaries wherever its collectives ran: the coordinator's
+    own engine and, with ``shards`` (a :class:`~..shards.ShardRegistry`), every hub shard."""
+    own = collectives.arrivals.ranks(job)
+    if shards is None:
+        return dict(own)
+    return merged([own, *shards.job_arrivals(job)])
+
+
+def _rank_series(ranks: dict[int, RankArrivals]) -> list[tuple[str, RankArrivals]]:
+    """A job's arrival series: the :data:`RANKS_NAMED` slowest ranks by name, in rank order,
+    and the others summed in one series labelled ``rank="others"``."""
+    if len(ranks) <= RANKS_NAMED:
+        return [(str(r), s) for r, s in sorted(ranks.items())]
+    order = slowest(ranks)
+    named = sorted(order[:RANKS_NAMED])
+    return [*((str(r), ranks[r]) for r in named),
+            ("others", merge(ranks[r] for r in order[RANKS_NAMED:]))]
 
 
 def _shard_families(family, shards, now: float) -> None:
@@ -332,7 +361,7 @@ def _shard_families(family, shards, now: float) -> None:
 
 
 def _rounds_families(family, rounds) -> None:
-    """Fault-tolerant rounds (:mod:`.rounds`): per fragment and per replica."""
+    """Fault-tolerant rounds (:mod:`..rounds`): per fragment and per replica."""
     done, participants, missed_last = [], [], []
     joins, contributed, missed, late = [], [], [], []
     for job in rounds.jobs():
@@ -364,44 +393,6 @@ def _rounds_families(family, rounds) -> None:
            "Rounds that closed without the replica while it was expected.", missed)
     family("gradstar_replica_rounds_late_total", "counter",
            "Contributions that came after their round had closed.", late)
-
-
-def _steps_families(family, steps) -> None:
-    """DDP's sync-mode step ledgers (:mod:`.steps`): per model, per staleness and per rank."""
-    out: dict[str, list[str]] = {name: [] for name, _, _ in _STEPS_FAMILIES}
-    for view in steps.summaries():
-        model = {"job": view["job"], "model": view["model"]}
-        for name, value in (("gradstar_steps_closed", view["steps"]),
-                            ("gradstar_steps_live_ranks", len(view["live"])),
-                            ("gradstar_steps_dropped_total", view["dropped"])):
-            out[name].append(f"{name}{_labels(model)} {value}")
-        for stale, n in view["staleness"].items():
-            out["gradstar_steps_staleness_total"].append(
-                f"gradstar_steps_staleness_total{_labels({**model, 'staleness': str(stale)})} {n}")
-        for r in view["ranks"]:
-            labels = _labels({**model, "rank": str(r["rank"])})
-            out["gradstar_steps_rank_contributions_total"].append(
-                f"gradstar_steps_rank_contributions_total{labels} {r['contributed']}")
-            out["gradstar_steps_rank_dropped_total"].append(
-                f"gradstar_steps_rank_dropped_total{labels} {r['dropped']}")
-            out["gradstar_steps_rank_live"].append(
-                f"gradstar_steps_rank_live{labels} {int(r['live'])}")
-    for name, kind, help_text in _STEPS_FAMILIES:
-        family(name, kind, help_text, out[name])
-
-
-_STEPS_FAMILIES = (
-    ("gradstar_steps_closed", "gauge", "Steps closed on a sync-mode DDP model's ledger."),
-    ("gradstar_steps_live_ranks", "gauge", "Ranks in the ledger's live set."),
-    ("gradstar_steps_dropped_total", "counter",
-     "Contributions dropped as too stale (Quorum: any; BoundedStaleness: over the bound)."),
-    ("gradstar_steps_staleness_total", "counter",
-     "Contributions taken into steps, by staleness (steps closed since their parameters)."),
-    ("gradstar_steps_rank_contributions_total", "counter",
-     "Contributions of the rank taken into steps."),
-    ("gradstar_steps_rank_dropped_total", "counter", "Contributions of the rank dropped."),
-    ("gradstar_steps_rank_live", "gauge", "1 while the rank is in the ledger's live set."),
-)
 
 
 def _added(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:
