@@ -6,7 +6,7 @@ are a hub collective, checked and ordered like any other; its payload goes rank 
 
 :class:`PointToPoint` is mixed into :class:`~gradstar.client.process_group.AsyncProcessGroup`,
 which gives it ``rank``, ``world_size``, ``peers``, ``settings``, the peer endpoint, the
-all_to_all call numbers and the collective machinery (``_header``, ``_issue``, ``_collect``,
+all_to_all call numbers and the collective machinery (``_call``, ``_issue``, ``_collect``,
 ``_check_usable``).
 """
 
@@ -133,11 +133,11 @@ class PointToPoint:
         encoded = plan.encode()
         plans = np.empty((self.world_size, encoded.size), dtype=np.int64)
         plans[self.rank] = encoded  # this rank's segment: sent from here, never received
-        header, timeout = self._header(ops.ALL_TO_ALL, encoded, timeout)
+        exchange, timeout = self._call(ops.ALL_TO_ALL, encoded, timeout)
         call = next(self._all_to_all_calls)
-        return self._issue(header, lambda: self._move(
-            self._collect(header, plans, plans, lambda r: r, timeout), call, plan, pieces, kind,
-            deliver, timeout, into))
+        return self._issue(exchange, lambda: self._move(
+            self._collect(exchange, plans, plans, lambda r: r, timeout), call, plan, pieces,
+            kind, deliver, timeout, into))
 
     async def _move(self, exchange: Awaitable, call: int, plan: a2a.Plan,
                     pieces: list[np.ndarray], kind: int, deliver, timeout: float,

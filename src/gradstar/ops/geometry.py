@@ -1,20 +1,19 @@
-"""What each collective means: names <-> wire enums, and which chunks every rank sends and
-receives. The hub (``gradstar.coordinator``) and the ranks (``gradstar.client``) both read this
-one table, so the two halves of the protocol cannot drift apart.
+"""Which chunks every rank sends and receives: the layouts and exchanges an op's record
+(:mod:`.table`) names, read by the hub and the ranks alike.
 
 Geometry. A collective's tensor is cut by a :class:`~gradstar.wire.ChunkLayout` (the *input
-layout*); a chunk index always refers to it. For each op:
+layout*, :class:`Layout`); a chunk index always refers to it. Each op names one of these
+(:class:`Exchange`):
 
-============== ============================ ===================== ===========================
-op             input layout                 rank r sends          rank r receives
-============== ============================ ===================== ===========================
-all_reduce     1 segment of the tensor      every chunk           every chunk, reduced
-broadcast      1 segment of the tensor      every chunk if root   every chunk unless root
-all_gather     world segments of r's input  segment r             every segment but r
-reduce_scatter world segments (dim 0 split) every chunk           segment r, reduced
-barrier        no chunks                    nothing               nothing
-all_to_all     world segments of r's plan   segment r             every segment but r
-============== ============================ ===================== ===========================
+================ ============================ ===================== ===========================
+exchange         ops                          rank r sends          rank r receives
+================ ============================ ===================== ===========================
+REDUCED_TO_ALL   all_reduce                   every chunk           every chunk, reduced
+FROM_ROOT        broadcast                    every chunk if root   every chunk unless root
+GATHERED         all_gather, all_to_all       segment r             every segment but r
+SCATTERED        reduce_scatter               every chunk           segment r, reduced
+NONE             barrier                      nothing               nothing
+================ ============================ ===================== ===========================
 
 all_to_all carries only the ranks' plans through the hub (the geometry of all_gather: every
 rank gets every plan and checks them alike); its payload rides the ranks' peer streams (see
@@ -32,82 +31,34 @@ small tensor costs one round trip to one shard.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
-from gradstar.errors import ConfigurationError
-from gradstar.proto.v1 import collective_pb2 as pb
-from gradstar.wire import ChunkLayout, payload_bytes
+from gradstar.wire import ChunkLayout
 from gradstar.wire.encoded import Encoding
 
-ALL_REDUCE = pb.COLLECTIVE_OP_ALL_REDUCE
-BROADCAST = pb.COLLECTIVE_OP_BROADCAST
-ALL_GATHER = pb.COLLECTIVE_OP_ALL_GATHER
-REDUCE_SCATTER = pb.COLLECTIVE_OP_REDUCE_SCATTER
-BARRIER = pb.COLLECTIVE_OP_BARRIER
-ALL_TO_ALL = pb.COLLECTIVE_OP_ALL_TO_ALL
 
-#: wire enum -> name, for every collective op.
-OP_NAMES = {
-    ALL_REDUCE: "all_reduce",
-    BROADCAST: "broadcast",
-    ALL_GATHER: "all_gather",
-    REDUCE_SCATTER: "reduce_scatter",
-    BARRIER: "barrier",
-    ALL_TO_ALL: "all_to_all",
-}
-#: Ops whose chunks the hub reduces (the others it forwards unchanged).
-REDUCING = frozenset((ALL_REDUCE, REDUCE_SCATTER))
+class Layout(enum.Enum):
+    """How one rank's input of ``nbytes`` bytes is cut into segments."""
 
-#: wire enum -> name of every reduce op.
-REDUCE_OP_NAMES = {
-    pb.REDUCE_OP_SUM: "sum",
-    pb.REDUCE_OP_MEAN: "mean",
-    pb.REDUCE_OP_MIN: "min",
-    pb.REDUCE_OP_MAX: "max",
-    pb.REDUCE_OP_PROD: "prod",
-}
-#: name a caller may pass -> wire enum ("avg" is torch's name for the mean).
-REDUCE_OPS = {**{name: wire for wire, name in REDUCE_OP_NAMES.items()}, "avg": pb.REDUCE_OP_MEAN}
-
-#: wire enum -> name of every parameter-averaging rule (see gradstar.coordinator.rounds.averaging).
-RULE_NAMES = {
-    pb.AVERAGING_RULE_SEED: "seed",
-    pb.AVERAGING_RULE_AVERAGE: "average",
-    pb.AVERAGING_RULE_OUTER_SGD: "outer_sgd",
-    pb.AVERAGING_RULE_OUTER_NESTEROV: "outer_nesterov",
-}
-AVERAGING_RULES = {name: wire for wire, name in RULE_NAMES.items()}
+    #: One segment: the whole tensor.
+    WHOLE = enum.auto()
+    #: ``world_size`` segments of ``nbytes`` each (a segment per rank: all_gather's result).
+    PER_RANK = enum.auto()
+    #: ``world_size`` segments splitting ``nbytes`` (dim 0 split: reduce_scatter's input).
+    SPLIT = enum.auto()
+    #: No bytes at all.
+    EMPTY = enum.auto()
 
 
-def op_name(op: int) -> str:
-    """A collective op's name, or ``"op N"`` for an unknown wire value."""
-    return OP_NAMES.get(op, f"op {op}")
+class Exchange(enum.Enum):
+    """Which chunks each rank sends and receives (see the module docstring's table)."""
 
-
-def reduce_op(name: str) -> int:
-    """The wire enum of a reduce op name.
-
-    Raises:
-        ConfigurationError: an unknown name.
-    """
-    return _named(REDUCE_OPS, name, "reduce op")
-
-
-def averaging_rule(name: str) -> int:
-    """The wire enum of an averaging rule name.
-
-    Raises:
-        ConfigurationError: an unknown name.
-    """
-    return _named(AVERAGING_RULES, name, "averaging rule")
-
-
-def _named(table: dict[str, int], name: str, what: str) -> int:
-    try:
-        return table[name]
-    except (KeyError, TypeError):
-        raise ConfigurationError(
-            f"unknown {what} {name!r}; use one of {', '.join(table)}") from None
+    REDUCED_TO_ALL = enum.auto()
+    FROM_ROOT = enum.auto()
+    GATHERED = enum.auto()
+    SCATTERED = enum.auto()
+    NONE = enum.auto()
 
 
 @dataclass(frozen=True)
@@ -141,86 +92,59 @@ class Geometry:
         return sum(len(r) for r in self.receives)
 
 
-def input_layout(op: int, world_size: int, nbytes: int, chunk_bytes: int,
-                 encoding: Encoding | None = None) -> ChunkLayout:
-    """The layout every rank's chunk indices refer to; ``nbytes`` is one rank's input size
-    (with ``encoding``, the wire layout of the encoded chunks)."""
-    layout = _values_layout(op, world_size, nbytes, chunk_bytes)
-    return layout if encoding is None else encoding.layout(layout)
-
-
-def _values_layout(op: int, world_size: int, nbytes: int, chunk_bytes: int) -> ChunkLayout:
-    if op == REDUCE_SCATTER:
+def values_layout(layout: Layout, world_size: int, nbytes: int,
+                  chunk_bytes: int) -> ChunkLayout:
+    """The input layout, in the tensor's own dtype, of one rank's ``nbytes`` bytes."""
+    if layout is Layout.SPLIT:
         return ChunkLayout(world_size, nbytes // world_size, chunk_bytes)
-    if op in (ALL_GATHER, ALL_TO_ALL):
+    if layout is Layout.PER_RANK:
         return ChunkLayout(world_size, nbytes, chunk_bytes)
-    if op == BARRIER:
+    if layout is Layout.EMPTY:
         return ChunkLayout(1, 0, chunk_bytes)
     return ChunkLayout(1, nbytes, chunk_bytes)
 
 
-def geometry(op: int, world_size: int, rank: int, nbytes: int, chunk_bytes: int,
-             root: int = 0, encoding: Encoding | None = None,
-             encode_out: bool = True) -> Geometry:
-    """Rank ``rank``'s part in a collective ``op`` over ``nbytes`` bytes of input per rank;
-    with ``encoding`` (a wire format) its layouts are the wire layouts of the encoded chunks
-    (the result's only if ``encode_out``: an averaging round answers float32 parameters) and
-    :attr:`Geometry.values` / :attr:`Geometry.values_out` the layouts in the tensor's dtype.
-    Chunk indices are the same either way."""
-    g = _geometry(op, world_size, rank, nbytes, chunk_bytes, root)
-    if encoding is None:
-        return g
-    out = encoding.layout(g.out_layout) if encode_out else g.out_layout
-    return Geometry(op, encoding.layout(g.layout), out, g.sends, g.receives, g.out_base,
-                    g.layout, g.out_layout)
-
-
-def geometry_of(header: pb.CollectiveHeader, world_size: int) -> Geometry:
-    """The geometry of the header's rank in the collective ``header`` describes (its wire
-    format included; an averaging round's result is never encoded): what the hub and the rank
-    both compute from the same header.
-
-    Raises:
-        ProtocolError: an unknown dtype or wire format.
-    """
-    return geometry(header.op, world_size, header.rank,
-                    payload_bytes(header.shape, header.dtype), header.chunk_bytes, header.root,
-                    Encoding.of_header(header), encode_out=not header.averaging.rule)
-
-
-def _geometry(op: int, world_size: int, rank: int, nbytes: int, chunk_bytes: int,
-              root: int) -> Geometry:
-    layout = input_layout(op, world_size, nbytes, chunk_bytes)
+def exchange_geometry(exchange: Exchange, op: int, layout: ChunkLayout, rank: int,
+                      root: int) -> Geometry:
+    """Rank ``rank``'s part in an ``exchange`` over input ``layout``."""
     every = range(layout.count)
     none = range(0)
     per = layout.per_segment
-    if op == ALL_REDUCE:
+    if exchange is Exchange.REDUCED_TO_ALL:
         return Geometry(op, layout, layout, every, (every,))
-    if op == BROADCAST:
+    if exchange is Exchange.FROM_ROOT:
         if rank == root:
             return Geometry(op, layout, layout, every, ())
         return Geometry(op, layout, layout, none, (every,))
-    if op in (ALL_GATHER, ALL_TO_ALL):
+    if exchange is Exchange.GATHERED:
         own = range(rank * per, (rank + 1) * per)
         return Geometry(op, layout, layout, own,
                         (range(0, own.start), range(own.stop, layout.count)))
-    if op == REDUCE_SCATTER:
-        out = ChunkLayout(1, layout.segment_bytes, chunk_bytes)
+    if exchange is Exchange.SCATTERED:
+        out = ChunkLayout(1, layout.segment_bytes, layout.chunk_bytes)
         own = range(rank * per, (rank + 1) * per)
         return Geometry(op, layout, out, every, (own,), out_base=own.start)
     return Geometry(op, layout, layout, none, ())
 
 
-def routes(op: int, layout: ChunkLayout, index: int, sender: int, world_size: int,
-           root: int = 0) -> list[tuple[int, int]]:
-    """Where the hub sends input chunk ``index``: ``(rank, output index)`` pairs.
+def encoded(g: Geometry, encoding: Encoding | None, encode_out: bool = True) -> Geometry:
+    """``g`` with its layouts those of ``encoding``'s encoded chunks (the result's only if
+    ``encode_out``); :attr:`Geometry.values` / :attr:`Geometry.values_out` then keep the
+    layouts in the tensor's dtype. Unchanged without an encoding."""
+    if encoding is None:
+        return g
+    out = encoding.layout(g.out_layout) if encode_out else g.out_layout
+    return Geometry(g.op, encoding.layout(g.layout), out, g.sends, g.receives, g.out_base,
+                    g.layout, g.out_layout)
 
-    For reducing ops ``sender`` is ignored (the reduced chunk goes out once all have sent it);
-    forwarded chunks go to every rank but the sender.
-    """
-    if op == ALL_REDUCE:
+
+def exchange_routes(exchange: Exchange, layout: ChunkLayout, index: int, sender: int,
+                    world_size: int) -> list[tuple[int, int]]:
+    """Where the hub sends input chunk ``index`` of an ``exchange``: ``(rank, output index)``
+    pairs (see :func:`gradstar.ops.routes`)."""
+    if exchange is Exchange.REDUCED_TO_ALL:
         return [(r, index) for r in range(world_size)]
-    if op == REDUCE_SCATTER:
+    if exchange is Exchange.SCATTERED:
         owner = layout.segment_of(index)
         return [(owner, index - owner * layout.per_segment)]
     return [(r, index) for r in range(world_size) if r != sender]
@@ -250,3 +174,7 @@ def in_stripe(indices, shard: int, shards: int) -> list[int]:
         first = r.start + (shard - r.start) % shards
         out.extend(range(first, r.stop, shards))
     return out
+
+
+__all__ = ["Exchange", "Geometry", "Layout", "active_shards", "encoded", "exchange_geometry",
+           "exchange_routes", "in_stripe", "plan_length", "stripe_of", "values_layout"]
