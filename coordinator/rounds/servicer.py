@@ -13,6 +13,7 @@ import numpy as np
 from gradstar.errors import ConfigurationError, GradstarError, ProtocolError
 from gradstar.proto.v1 import rounds_pb2 as pb
 from gradstar.proto.v1 import rounds_pb2_grpc
+from gradstar.transport.channels import PART_BYTES
 from gradstar.transport.status import abort
 from gradstar.wire.formats import FORMATS, WireFormat, decode_into, wire_format
 
@@ -24,8 +25,6 @@ log = logging.getLogger(__name__)
 #: Longest a Fetch waits for a round before answering "not ready" (the client asks again, so
 #: a dead hub or a lost answer is noticed within this, not after the whole round timeout).
 MAX_FETCH_WAIT = 10.0
-#: Bytes of model data per Fetch answer message (below gRPC's message limit).
-PART_BYTES = 1 << 20
 
 
 class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
