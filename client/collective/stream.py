@@ -73,6 +73,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -97,6 +98,8 @@ from .plan import CollectivePlan, Phase, StreamReceiver
 from .targets import MAX_IDLE_STREAMS, OpenStream, SharedMemoryOffer, Target
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # The hub answers a late collective with its own timeout error; the call's deadline is only a
 # backstop for a hub that stopped answering altogether.
@@ -331,7 +334,8 @@ def _notify(notice: Coroutine) -> None:
     task.add_done_callback(_abandoning.discard)
 
 
-def issue(run: Callable[[], Coroutine], abandon: Callable[[], Coroutine]) -> Awaitable:
+def issue(run: Callable[[], Coroutine[Any, Any, T]],
+          abandon: Callable[[], Coroutine]) -> Awaitable[T]:
     """Start ``run()`` now, as a task of the running loop, and return that task.
 
     A task cancelled before its first step never ran ``run()`` at all, so nothing told the hub:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -178,7 +179,8 @@ class PeerServer:
             except Exception:  # best effort: the stream may be ending under us
                 return
 
-    async def Stream(self, request_iterator, context) -> None:
+    async def Stream(self, request_iterator: AsyncIterator[bytes],
+                     context: grpc.aio.ServicerContext) -> None:
         first = await context.read()
         if first is grpc.aio.EOF:
             return

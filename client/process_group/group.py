@@ -13,6 +13,7 @@ import functools
 import itertools
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -108,7 +109,7 @@ class AsyncProcessGroup(PointToPoint):
     # -- collectives ---------------------------------------------------------------------------
 
     def all_reduce(self, x, op: str = "sum", *, timeout: float | None = None,
-                   out=None, wire: str | None = None) -> Awaitable:
+                   out=None, wire: str | None = None) -> Awaitable[Any]:
         """Elementwise ``op`` over every rank's ``x``; resolves to a new array of x's type, or
         to ``out`` holding the result.
 
@@ -142,7 +143,7 @@ class AsyncProcessGroup(PointToPoint):
         return self._run(ops.ALL_REDUCE, arr, arr, into, restore if out is None
                          else (lambda _result: out), timeout, reduce_op=reduce_op, fmt=fmt)
 
-    def broadcast(self, x, src: int = 0, *, timeout: float | None = None) -> Awaitable:
+    def broadcast(self, x, src: int = 0, *, timeout: float | None = None) -> Awaitable[Any]:
         """Rank ``src``'s ``x`` on every rank (every rank passes an ``x`` of the same shape)."""
         arr, restore = to_numpy(x)
         self._check(ops.BROADCAST, arr, root=src)
@@ -152,7 +153,7 @@ class AsyncProcessGroup(PointToPoint):
         out = arr.copy() if self.rank == src else np.empty_like(arr)
         return self._run(ops.BROADCAST, arr, arr, out, restore, timeout, root=src)
 
-    def all_gather(self, x, *, timeout: float | None = None) -> Awaitable:
+    def all_gather(self, x, *, timeout: float | None = None) -> Awaitable[list]:
         """Every rank's ``x``; resolves to a list indexed by rank."""
         arr, restore = to_numpy(x)
 
@@ -169,7 +170,7 @@ class AsyncProcessGroup(PointToPoint):
         return self._run(ops.ALL_GATHER, arr, out, out, deliver, timeout)
 
     def reduce_scatter(self, x, op: str = "sum", *, timeout: float | None = None,
-                       wire: str | None = None) -> Awaitable:
+                       wire: str | None = None) -> Awaitable[Any]:
         """Reduce ``x`` over ranks and keep shard ``rank`` of dim 0 (dim 0 % world_size == 0);
         ``wire`` as for :meth:`all_reduce`.
 
@@ -188,7 +189,7 @@ class AsyncProcessGroup(PointToPoint):
 
     def all_reduce_coalesced(self, arrays, op: str = "mean", bucket_cap_mb: float = 25, *,
                              timeout: float | None = None,
-                             wire: str | None = None) -> Awaitable:
+                             wire: str | None = None) -> Awaitable[list]:
         """Reduce a list of arrays as a few flat per-dtype buckets of at most ``bucket_cap_mb``
         MB, concurrently; resolves to a list of arrays of the original shapes and types
         (``wire``: a format for the float buckets).
@@ -198,14 +199,14 @@ class AsyncProcessGroup(PointToPoint):
         return all_reduce_coalesced(self, arrays, op, bucket_cap_mb, timeout=timeout,
                                     wire=wire)
 
-    def barrier(self, *, timeout: float | None = None) -> Awaitable:
+    def barrier(self, *, timeout: float | None = None) -> Awaitable[None]:
         """Resolves once every rank has reached the barrier."""
         arr = np.empty(0, dtype=np.float32)
         return self._run(ops.BARRIER, arr, None, arr, lambda a: None, timeout)
 
     def sync_global_model(self, x, *, model: str, rule: str, outer_lr: float = 0.0,
                           outer_momentum: float = 0.0, timeout: float | None = None,
-                          wire: str | None = None) -> Awaitable:
+                          wire: str | None = None) -> Awaitable[Any]:
         """An averaging round: the primitive under :class:`gradstar.LocalSGD`.
 
         Every rank sends a flat float32 ``x`` (parameters for ``rule`` "seed" and "average",
@@ -250,7 +251,7 @@ class AsyncProcessGroup(PointToPoint):
         return Reserved(*self._call(op, like, timeout, reduce_op, root, fmt=fmt))
 
     def run_reserved(self, reserved: Reserved, send: np.ndarray,
-                     out: np.ndarray) -> Awaitable:
+                     out: np.ndarray) -> Awaitable[np.ndarray]:
         """Issue ``reserved`` now, sending from ``send`` (cut by the op's input layout);
         resolves to the result array (``out``). Call it on the loop.
 
@@ -293,7 +294,7 @@ class AsyncProcessGroup(PointToPoint):
     def _run(self, op: int, arr: np.ndarray, send: np.ndarray | None, out: np.ndarray, restore,
              timeout: float | None, *, reduce_op: int = 0, root: int = 0,
              averaging: pb.AveragingSpec | None = None,
-             fmt: WireFormat | None = None) -> Awaitable:
+             fmt: WireFormat | None = None) -> Awaitable[Any]:
         """Take the collective's seq and issue it now (see
         :mod:`gradstar.client.collective.stream`): ``send`` is cut by the op's input layout,
         ``out`` receives the result and ``restore`` turns it into what the caller gets."""
@@ -322,7 +323,7 @@ class AsyncProcessGroup(PointToPoint):
     def _targets(self, call: ops.CollectiveCall):
         return self._plane.targets(averaging=bool(call.header.averaging.rule))
 
-    def _issue(self, call: ops.CollectiveCall, run) -> Awaitable:
+    def _issue(self, call: ops.CollectiveCall, run) -> Awaitable[Any]:
         """Start ``run()``, the call that carries collective ``call``, now
         (:func:`~gradstar.client.collective.stream.issue`); cancelled before it ran, it tells
         the hub so that no rank waits for it."""

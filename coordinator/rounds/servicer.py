@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator
 
+import grpc
 import numpy as np
 
 from gradstar.errors import ConfigurationError, GradstarError, ProtocolError
@@ -40,7 +42,8 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
         table.on_closed = self._round_closed
         self._timer: asyncio.TimerHandle | None = None
 
-    async def Seed(self, request_iterator, context):
+    async def Seed(self, request_iterator: AsyncIterator[pb.TensorPart],
+                   context: grpc.aio.ServicerContext) -> pb.RoundStatus:
         try:
             header, params = await self._read_tensor(request_iterator)
             k = header.key
@@ -50,7 +53,8 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
         except GradstarError as error:
             await abort(context, error)
 
-    async def Contribute(self, request_iterator, context):
+    async def Contribute(self, request_iterator: AsyncIterator[pb.TensorPart],
+                         context: grpc.aio.ServicerContext) -> pb.RoundStatus:
         try:
             header, delta = await self._read_tensor(request_iterator, contribution=True)
             k, p = header.key, header.policy
@@ -67,7 +71,8 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
         except GradstarError as error:
             await abort(context, error)
 
-    async def Fetch(self, request, context):
+    async def Fetch(self, request: pb.FetchRequest,
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchPart]:
         k = request.key
         try:
             _check_key(k)
