@@ -89,21 +89,31 @@ import argparse
 import json
 import os
 import platform
-import queue
-import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _cluster_model import (
+    DEFAULT_TOPOLOGIES,
+    GB,
+    MB,
+    STORE_PORT,
+    TOPOLOGIES,
+    Layout,
+    Placement,
+    busiest,
+    extra_hosts,
+    link_model,
+)
+from _cluster_rank import rank_main
+from _cluster_run import Process, Run, rank_env, sample, start_hub
 from _emulated_cluster import (
     CONGESTION_CONTROL,
     ClusterUnavailable,
@@ -114,395 +124,12 @@ from _emulated_cluster import (
 from _harness import (
     BenchmarkError,
     MiB,
-    cpu_seconds_of,
     format_table,
     loadavg,
     median,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-COORDINATOR_PORT = 29400  # each host is a fresh namespace: nothing else listens there
-STORE_PORT = 29500
-DDP_BATCH = 32  # rows per rank per step, as benchmarks/ddp_step.py
-MB = 1e6
-GB = 1e9
-
-
-# -- placements: where each process of a topology runs ------------------------------------------
-
-
-@dataclass(frozen=True)
-class Layout:
-    """The run's rank hosts and ranks: rank i runs on ``rank_hosts[i]``."""
-
-    hosts: int
-    ranks_per_host: int
-
-    @property
-    def nodes(self) -> list[str]:
-        return [f"node{h}" for h in range(self.hosts)]
-
-    @property
-    def rank_hosts(self) -> list[str]:
-        return [f"node{r // self.ranks_per_host}"
-                for r in range(self.hosts * self.ranks_per_host)]
-
-    @property
-    def world_size(self) -> int:
-        return self.hosts * self.ranks_per_host
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a topology runs its hub: the coordinator's host (None: gloo, no hub) and one host
-    per shard (slot k on ``shard_hosts[k]``; empty: the coordinator carries the collectives)."""
-
-    coordinator: str | None
-    shard_hosts: tuple[str, ...] = ()
-    #: The shards are node-local ones, as gradstar's launchers start them: registered for the
-    #: row's job (``--for-job``; each size's job is a subgroup of it), advertised at the
-    #: address gradstar picks by default, and a host's ranks combine on theirs first.
-    node_local: bool = False
-    #: gloo with torch's bf16_compress_hook semantics (bfloat16 on the wire, added per hop).
-    bf16_hook: bool = False
-
-
-def gloo(layout: Layout) -> Placement:
-    return Placement(None)
-
-
-def gloo_bf16_hook(layout: Layout) -> Placement:
-    return Placement(None, bf16_hook=True)
-
-
-def hub_on_rank0(layout: Layout) -> Placement:
-    return Placement(layout.rank_hosts[0])
-
-
-def hub_own_host(layout: Layout) -> Placement:
-    return Placement("hub")
-
-
-def shards_extra_hosts(layout: Layout) -> Placement:
-    return Placement("hub", tuple(f"shard{k}" for k in range(layout.hosts)))
-
-
-def node_local(layout: Layout) -> Placement:
-    """One shard on each rank host, started as ``gradstar worker``, ``gradstar launch
-    --coordinator`` and the env:// drop-in start them (gradstar.node_shard): ``gradstar shard
-    --for-job JOB`` with the address it advertises by default."""
-    return Placement(layout.rank_hosts[0], tuple(layout.nodes), node_local=True)
-
-
-TOPOLOGIES: dict[str, Callable[[Layout], Placement]] = {
-    "gloo": gloo, "gloo-bf16-hook": gloo_bf16_hook, "hub-on-rank0": hub_on_rank0,
-    "hub-own-host": hub_own_host, "shards-extra-hosts": shards_extra_hosts,
-    "node-local": node_local}
-#: The rows of a run without --topologies (the compressed gloo row is asked for by name).
-DEFAULT_TOPOLOGIES = [name for name in TOPOLOGIES if name != "gloo-bf16-hook"]
-
-
-def extra_hosts(names: Sequence[str], layout: Layout) -> list[str]:
-    """The hosts beyond the rank hosts that ``names`` need, in a stable order."""
-    needed: list[str] = []
-    for name in names:
-        placement = TOPOLOGIES[name](layout)
-        for host in (placement.coordinator, *placement.shard_hosts):
-            if host is not None and host not in layout.nodes and host not in needed:
-                needed.append(host)
-    return needed
-
-
-# -- the link model -----------------------------------------------------------------------------
-
-
-def link_model(placement: Placement, layout: Layout, nbytes: int,
-               wire: str | None = None) -> dict[str, LinkBytes]:
-    """The bytes each host's link carries per all_reduce of ``nbytes``, from the flows alone.
-
-    gloo: rank i sends 2(n-1)/n of the tensor to rank i+1 (its ring). gradstar: each rank
-    sends 1/K of the tensor to each of the K shards (the coordinator when K = 0) and gets as
-    much back. A flow between two ranks' processes on one host crosses no link. A wire format
-    (or the bf16 hook) scales every flow by its bytes per float32 byte.
-    """
-    n = layout.world_size
-    if wire is not None:
-        from gradstar.wire.formats import wire_format
-
-        nbytes = nbytes * wire_format(wire).ratio()
-    elif placement.bf16_hook:
-        nbytes = nbytes / 2
-    flows: list[tuple[str, str, float]] = []
-    if placement.node_local:  # a host's ranks combine first: one S/K flow per host and shard
-        targets = placement.shard_hosts
-        for host in layout.nodes:
-            for target in targets:
-                flows += [(host, target, nbytes / len(targets)),
-                          (target, host, nbytes / len(targets))]
-    elif placement.coordinator is None:
-        hosts = layout.rank_hosts
-        flows = [(hosts[i], hosts[(i + 1) % n], 2 * (n - 1) / n * nbytes) for i in range(n)]
-    else:
-        targets = list(placement.shard_hosts) or [placement.coordinator]
-        for host in layout.rank_hosts:
-            for target in targets:
-                flows += [(host, target, nbytes / len(targets)),
-                          (target, host, nbytes / len(targets))]
-    tx: dict[str, float] = {}
-    rx: dict[str, float] = {}
-    for src, dst, size in flows:
-        if src != dst:
-            tx[src] = tx.get(src, 0.0) + size
-            rx[dst] = rx.get(dst, 0.0) + size
-    return {h: LinkBytes(round(rx.get(h, 0)), round(tx.get(h, 0))) for h in {*tx, *rx}}
-
-
-def busiest(links: dict[str, LinkBytes]) -> float:
-    return max((max(b.rx, b.tx) for b in links.values()), default=0.0)
-
-
-# -- the rank program ---------------------------------------------------------------------------
-
-
-def ddp_step(wrap: Callable, rank: int) -> tuple[Callable, Callable]:
-    """``benchmarks/ddp_step.py``'s model, data and SGD step, its gradients reduced by the
-    DDP wrapper ``wrap`` returns: (one training step, a sample of the parameters now)."""
-    import torch
-    from ddp_step import SAMPLE_EVERY, _data, _model
-
-    torch.set_num_threads(1)  # every rank shares the machine's cores with the others
-    model = _model(seed=rank)  # different seeds: DDP's first broadcast must align them
-    step_model = wrap(model)
-    x, y = _data(rank, DDP_BATCH)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-    def step() -> None:
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(step_model(x), y).backward()
-        opt.step()
-
-    def sample() -> list[float]:
-        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        return flat[::SAMPLE_EVERY].tolist()
-
-    return step, sample
-
-
-def rank_main(spec: dict) -> int:
-    """One rank: join, warm up, report the timed loop. Rank 0 prints ``{"phase": ...}`` lines
-    and waits for a line on stdin at each; every rank ends with a ``{"result": ...}`` line."""
-    import numpy as np
-
-    rank, n, iters = spec["rank"], spec["world_size"], spec["iters"]
-    numel = spec["nbytes"] // 4
-    want = n * (n + 1) / 2
-    # Compressed rows are exact to the format's rounding (these inputs are constant per rank).
-    lossy = spec.get("wire") is not None or spec.get("bf16_hook", False)
-    if spec["backend"] == "gloo":
-        import datetime
-
-        import torch
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", init_method=spec["store"], rank=rank, world_size=n,
-                                timeout=datetime.timedelta(seconds=spec["timeout"]))
-        saved = torch.full((numel,), float(rank + 1), dtype=torch.float32)
-        x = saved.clone()
-
-        def all_reduce():
-            if spec.get("bf16_hook"):  # torch's bf16_compress_hook: divide, cast, sum, cast back
-                t = (saved / n).to(torch.bfloat16)
-                dist.all_reduce(t)
-                return t.to(torch.float32).numpy() * n
-            x.copy_(saved)  # gloo reduces in place
-            dist.all_reduce(x)
-            return x.numpy()
-
-        barrier, close, shards = dist.barrier, dist.destroy_process_group, None
-        def wrap(model):
-            return torch.nn.parallel.DistributedDataParallel(
-                model, bucket_cap_mb=spec["bucket_cap_mb"])
-    else:
-        import gradstar
-
-        options = {"chunk_bytes": spec["chunk_bytes"]} if spec["chunk_bytes"] else {}
-        pg = gradstar.init_process_group(rank=rank, timeout=spec["timeout"], join_timeout=120,
-                                         **options)
-        if len(pg.shards) != spec["shards"]:
-            raise SystemExit(f"rank {rank}: striped over {pg.shards}, expected "
-                             f"{spec['shards']} shards")
-        x = np.full(numel, rank + 1, dtype=np.float32)
-
-        def all_reduce():
-            return pg.all_reduce(x, wire=spec.get("wire"))
-
-        barrier, close, shards = pg.barrier, pg.close, pg.shards
-
-        def wrap(model):
-            return gradstar.DDP(model, pg, bucket_cap_mb=spec["bucket_cap_mb"])
-
-    if spec["workload"] == "ddp":
-        all_reduce, final = ddp_step(wrap, rank)
-    else:
-        final = None
-
-    def check(result) -> None:
-        if final is not None:
-            return  # a DDP step: the ranks' final parameters are compared by the driver
-        if lossy:
-            if not (np.abs(result - want) <= want * 2.0**-6).all():
-                raise SystemExit(f"rank {rank}: wrong all_reduce result (want {want} to the "
-                                 "format's rounding)")
-            return
-        if not (result[0] == want and result[-1] == want and (result == want).all()):
-            raise SystemExit(f"rank {rank}: wrong all_reduce result (want {want})")
-
-    def phase(name: str) -> None:
-        barrier()
-        if rank == 0:
-            print(json.dumps({"phase": name}), flush=True)
-            if not sys.stdin.readline():
-                raise SystemExit("rank 0: the benchmark went away")
-        barrier()
-
-    for _ in range(spec["warmup"]):
-        check(all_reduce())
-    phase("start")
-    times = []
-    cpu = time.process_time()
-    for _ in range(iters):
-        barrier()
-        t0 = time.perf_counter()
-        result = all_reduce()
-        times.append(time.perf_counter() - t0)
-    cpu = time.process_time() - cpu
-    check(result)
-    phase("end")
-    print(json.dumps({"result": {"rank": rank, "times": times, "cpu_s": cpu,
-                                 "shards": shards, "sample": final and final()}}), flush=True)
-    close()
-    return 0
-
-
-# -- running a topology -------------------------------------------------------------------------
-
-
-@dataclass
-class Process:
-    """A process in a host, its output in a log file; :meth:`wait_for` a line of it."""
-
-    name: str
-    proc: subprocess.Popen
-    log: Path
-    lines: queue.Queue = field(default_factory=queue.Queue)
-
-    def start_reader(self) -> None:
-        def pump() -> None:
-            with self.log.open("a") as out:
-                for line in self.proc.stdout:
-                    out.write(line)
-                    out.flush()
-                    self.lines.put(line)
-            self.lines.put(None)
-
-        threading.Thread(target=pump, daemon=True, name=f"{self.name}-out").start()
-
-    def next_line(self, deadline: float, what: str) -> str:
-        """The next line of output; raises BenchmarkError on exit or at ``deadline``."""
-        try:
-            line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            raise BenchmarkError(f"{self.name}: no {what} in time\n{self.tail()}") from None
-        if line is None:
-            self.lines.put(None)
-            raise BenchmarkError(f"{self.name} exited ({self.proc.wait()}) before {what}\n"
-                                 f"{self.tail()}")
-        return line
-
-    def wait_for(self, text: str, deadline: float) -> str:
-        while True:
-            line = self.next_line(deadline, repr(text))
-            if text in line:
-                return line
-
-    def tail(self, chars: int = 2500) -> str:
-        return f"--- {self.name} ({self.log}) ---\n" + \
-            self.log.read_text(errors="replace")[-chars:]
-
-
-@dataclass
-class Run:
-    """What every row shares: the cluster, the layout, tokens, options, and a log folder."""
-
-    cluster: EmulatedCluster
-    layout: Layout
-    args: argparse.Namespace
-    logs: Path
-    token: str = field(default_factory=secrets.token_urlsafe)
-    admin_token: str = field(default_factory=secrets.token_urlsafe)
-
-    def env(self, **extra: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("GRADSTAR_", "GLOO_"))}
-        return env | {"PYTHONUNBUFFERED": "1", **extra}
-
-    def start(self, host: str, name: str, argv: Sequence[str], env: dict[str, str], *,
-              stdin: bool = False) -> Process:
-        log = self.logs / f"{name}.log"
-        with log.open("w") as err:
-            proc = self.cluster.popen(host, argv, env=env, cwd=REPO, text=True, bufsize=1,
-                                      stdout=subprocess.PIPE, stderr=err,
-                                      stdin=subprocess.PIPE if stdin else subprocess.DEVNULL)
-        started = Process(name, proc, log)
-        started.start_reader()
-        return started
-
-
-def start_hub(run: Run, label: str, placement: Placement, deadline: float) -> list[Process]:
-    """Start ``placement``'s coordinator and shards and wait until the coordinator serves with
-    all its shards; returns them, coordinator first."""
-    env = run.env(GRADSTAR_TOKEN=run.token, GRADSTAR_ADMIN_TOKEN=run.admin_token)
-    k = len(placement.shard_hosts)
-    coordinator = run.start(placement.coordinator, f"{label}-coordinator", [
-        sys.executable, "-u", "-m", "gradstar", "coordinator", "--host", "0.0.0.0",
-        "--port", str(COORDINATOR_PORT), "--shards", "0", "--expected-shards", str(k),
-        "--log-level", "WARNING"], env)
-    hub = [coordinator]
-    try:
-        address = f"{run.cluster.address(placement.coordinator)}:{COORDINATOR_PORT}"
-        if k:
-            coordinator.wait_for("gradstar coordinator bound to", deadline)
-        for slot, host in enumerate(placement.shard_hosts):
-            where = (["--for-job", label] if placement.node_local else
-                     ["--advertise-host", run.cluster.address(host)])
-            hub.append(run.start(host, f"{label}-shard{slot}", [
-                sys.executable, "-u", "-m", "gradstar", "shard", "--coordinator", address,
-                "--host", "0.0.0.0", "--port", "0", *where, "--slot", str(slot),
-                "--log-level", "WARNING"], env))
-        coordinator.wait_for("gradstar coordinator listening on", deadline)
-    except BaseException:
-        run.cluster.stop_processes([p.proc for p in hub])
-        raise
-    return hub
-
-
-def rank_env(run: Run, placement: Placement, job: str) -> dict[str, str]:
-    if placement.coordinator is None:
-        return run.env(GLOO_SOCKET_IFNAME="eth0")
-    address = f"{run.cluster.address(placement.coordinator)}:{COORDINATOR_PORT}"
-    return run.env(GRADSTAR_COORDINATOR=address, GRADSTAR_JOB=job, GRADSTAR_TOKEN=run.token,
-                   GRADSTAR_WORLD_SIZE=str(run.layout.world_size))
-
-
-@dataclass
-class Sample:
-    links: dict[str, LinkBytes]
-    hub_cpu: float
-    at: float
-
-
-def sample(run: Run, hub: list[Process]) -> Sample:
-    cpu = sum(cpu_seconds_of(p.proc.pid) or 0.0 for p in hub)
-    return Sample(run.cluster.link_bytes(), cpu, time.monotonic())
+from gradstar.wire.formats import FORMATS
 
 
 def run_size(run: Run, name: str, placement: Placement, hub: list[Process], size_mb: float,
@@ -654,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds allowed per topology and size (default 300)")
     parser.add_argument("--wire", nargs="+", default=["none"],
-                        choices=["none", "bf16", "fp16", "int8", "int4"],
+                        choices=["none", *FORMATS],
                         help="gradstar rows per wire format (default: none, float32)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--rank-spec", help=argparse.SUPPRESS)  # a rank process of this script

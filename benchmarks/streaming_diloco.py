@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from gradstar.wire.formats import FORMATS
+
 METHODS = ("ddp", "diloco", "streaming", "streaming-kill")
 #: Also for the emulated cluster (streaming_diloco_cluster.py): torch's DDP over gloo.
 WORKER_METHODS = (*METHODS, "gloo")
@@ -190,7 +192,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--fragments", type=int, default=4, help="P (streaming)")
     parser.add_argument("--delay", type=int, default=5, help="tau (streaming)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS[:3]))
-    parser.add_argument("--wire", choices=["bf16", "fp16", "int8", "int4"],
+    parser.add_argument("--wire", choices=list(FORMATS),
                         help="DiLoCo and Streaming DiLoCo send their pseudo-gradients in this "
                              "format (default raw float32)")
     parser.add_argument("--worker", nargs=3, metavar=("METHOD", "INDEX", "OUT"),

@@ -29,15 +29,12 @@ CPU: every rank host gets the same budget, the slow one a third of it
 
 The task
     The demo's spirals MLP (:func:`spirals`: ``gradstar.worker.demo.spirals``), ``--samples``
-    points,
-    rank r trains on every n-th training sample from r, ``--batch`` rows per iteration, the same
+    points, rank r trains on every n-th training sample from r, ``--batch`` rows per iteration;
     ``--iters`` iterations on every rank (equal data per rank; a time budget would instead cut
     the straggler's share, and "equal data" is what a data-parallel epoch means), torch SGD
     with ``--lr`` and momentum 0.9, the same for every mode. Quorum closes a step with
     ``min_ranks`` = n - ranks per host (every host but one; the slow one's late gradients are
-    dropped) and ``timeout=0``; BoundedStaleness with ``--max-staleness`` (2). In the ledger
-    modes a step's aggregate is the weighted mean of the gradients that joined it, often one
-    rank's, so there are more, smaller optimizer steps at the same learning rate.
+    dropped) and ``timeout=0``; BoundedStaleness with ``--max-staleness`` (2).
 
 What is measured
     Rank 0 (node0, never slowed) saves its parameters every ``--snap-every`` iterations with the

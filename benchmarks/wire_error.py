@@ -50,7 +50,9 @@ from _processes import BenchmarkError, CoordinatorProcess, free_port
 from _ranks import run_ranks
 from _report import environment, format_table
 
-FORMATS = ("bf16", "fp16", "int8", "int4")
+from gradstar.wire.formats import FORMATS as WIRE_FORMATS
+
+FORMATS = tuple(WIRE_FORMATS)
 CHUNK_ELEMENTS = 1 << 19  # 2 MiB of float32, the client's default chunk
 
 

@@ -29,6 +29,8 @@ from _collective_runs import coordinator
 from _harness import BenchmarkError, format_table
 from _ranks import run_ranks
 
+from gradstar.wire.formats import FORMATS
+
 
 def train_rank(rank: int, world_size: int, address: str, job: str, wire: str | None,
                error_feedback: bool, epochs: int, batch: int, lr: float, samples: int) -> dict:
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64, help="rows per rank per step")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--samples", type=int, default=24_000)
-    parser.add_argument("--wires", nargs="+", default=["int8", "int4"],
+    parser.add_argument("--wires", nargs="+", default=["int8", "int4"], choices=list(FORMATS),
                         help="formats to run with and without error feedback")
     args = parser.parse_args(argv)
 

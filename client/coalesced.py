@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -30,12 +30,12 @@ class AllReducer(Protocol):
     module does not import the process group that calls it)."""
 
     def all_reduce(self, x, op: str = "sum", *, timeout: float | None = None,
-                   wire: str | None = None) -> Awaitable: ...
+                   wire: str | None = None) -> Awaitable[Any]: ...
 
 
 def all_reduce_coalesced(group: AllReducer, arrays: Sequence, op: str = "mean",
                          bucket_cap_mb: float = 25, *, timeout: float | None = None,
-                         wire: str | None = None) -> Awaitable:
+                         wire: str | None = None) -> Awaitable[list]:
     """Reduce every array in ``arrays`` over the ranks; resolves to a list in the same order.
 
     ``wire``: a compressed wire format (see ``AsyncProcessGroup.all_reduce``) for the float

@@ -32,7 +32,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from gradstar.errors import ConfigurationError
-from gradstar.wire.formats import WireFormat, roundtrip, wire_format
+from gradstar.wire.formats import FORMATS, WireFormat, roundtrip, wire_format
 
 logger = logging.getLogger(__name__)
 
@@ -106,9 +106,10 @@ def check_error_feedback(wire: str | None, error_feedback: bool | None) -> Error
     """
     if wire is None:
         if error_feedback:
+            names = [repr(name) for name in FORMATS]
             raise ConfigurationError(
-                "error_feedback=True needs a lossy wire format (wire='bf16', 'fp16', 'int8' or "
-                "'int4'); without one nothing is rounded and there is nothing to feed back")
+                f"error_feedback=True needs a lossy wire format (wire={', '.join(names[:-1])} or "
+                f"{names[-1]}); without one nothing is rounded and there is nothing to feed back")
         return None
     fmt = wire_format(wire)
     return None if error_feedback is False else ErrorFeedback(fmt)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from functools import partial
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,13 +27,9 @@ from gradstar.proto.v1 import (
     steps_pb2,
     steps_pb2_grpc,
 )
-from gradstar.transport.auth import TokenAuthInterceptor
-from gradstar.transport.channels import (
-    BULK_SERVER_OPTIONS,
-    SERVER_OPTIONS,
-    server_credentials,
-)
+from gradstar.transport.channels import server_credentials
 from gradstar.transport.http import bound_port, serve_http
+from gradstar.transport.serve import serve
 
 from .collective import CollectiveBudget, CollectiveEngine, CollectiveServicer
 from .metrics import render_async
@@ -160,44 +157,41 @@ class Coordinator:
         # Collectives get a server of their own: its connections carry MBs of tensors, behind
         # which a keepalive ping waits for seconds on a full link (8 ranks x 64 MiB through a
         # hub's 200 Mbit/s link lost their sessions to the 2 s pings that find lost ranks).
-        bulk = grpc.aio.server(interceptors=[TokenAuthInterceptor(token, admin)],
-                               options=BULK_SERVER_OPTIONS)
-        bulk.add_generic_rpc_handlers((self.collectives.handler(),))
         # Outer rounds carry tensors too: served there (named in Seed replies) and here.
         rounds = RoundsServicer(self.rounds, s.max_chunk_bytes)
-        rounds_pb2_grpc.add_RoundsServicer_to_server(rounds, bulk)
-        self.collective_port = _bind(bulk, f"{s.host}:{s.collective_port}", creds,
-                                     "the coordinator's collective port")
-        rounds.bulk_address = f":{self.collective_port}"
         # DDP's sync-mode steps carry whole gradients: on the collective port only.
         self._steps = StepsServicer(self.steps, s.max_chunk_bytes)
-        steps_pb2_grpc.add_StepsServicer_to_server(self._steps, bulk)
-        server = grpc.aio.server(
-            interceptors=[TokenAuthInterceptor(token, admin)], options=SERVER_OPTIONS
-        )
-        rendezvous_pb2_grpc.add_RendezvousServicer_to_server(
-            RendezvousServicer(self.rendezvous, s.heartbeat_interval, s.max_collective_timeout,
-                               collectives=f":{self.collective_port}"),
-            server,
-        )
-        # Still served here too: a rank of an earlier version sends its collectives here.
-        server.add_generic_rpc_handlers((self.collectives.handler(),))
-        rounds_pb2_grpc.add_RoundsServicer_to_server(rounds, server)
-        admin_pb2_grpc.add_AdminServicer_to_server(
-            AdminServicer(self.rendezvous, self.averaging, self.drain, self.shards,
-                          self.rounds, self.engine.metrics, self.steps), server
-        )
-        shard_pb2_grpc.add_ShardControlServicer_to_server(ShardControlServicer(self.shards),
-                                                          server)
+        bulk, self.collective_port = serve(
+            f"{s.host}:{s.collective_port}",
+            (self.collectives.handler(),
+             partial(rounds_pb2_grpc.add_RoundsServicer_to_server, rounds),
+             partial(steps_pb2_grpc.add_StepsServicer_to_server, self._steps)),
+            what="the coordinator's collective port", token=token, admin_token=admin,
+            credentials=creds, bulk=True)
+        rounds.bulk_address = f":{self.collective_port}"
         self._health = health.aio.HealthServicer()
         # grpc's servicer answers SERVING for "" until told otherwise: not before the shards.
         await self._set_health(False)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        services = [
+            partial(rendezvous_pb2_grpc.add_RendezvousServicer_to_server, RendezvousServicer(
+                self.rendezvous, s.heartbeat_interval, s.max_collective_timeout,
+                collectives=f":{self.collective_port}")),
+            # Still served here too: a rank of an earlier version sends its collectives here.
+            self.collectives.handler(),
+            partial(rounds_pb2_grpc.add_RoundsServicer_to_server, rounds),
+            partial(admin_pb2_grpc.add_AdminServicer_to_server, AdminServicer(
+                self.rendezvous, self.averaging, self.drain, self.shards, self.rounds,
+                self.engine.metrics, self.steps)),
+            partial(shard_pb2_grpc.add_ShardControlServicer_to_server,
+                    ShardControlServicer(self.shards)),
+            partial(health_pb2_grpc.add_HealthServicer_to_server, self._health),
+        ]
         if s.reflection:  # open without a token (see gradstar.transport.auth): opt-in
-            reflection.enable_server_reflection(
-                (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-            )
-        port = _bind(server, f"{s.host}:{s.port}", creds, "the coordinator")
+            services.append(partial(reflection.enable_server_reflection,
+                                    (*SERVICE_NAMES, health.SERVICE_NAME,
+                                     reflection.SERVICE_NAME)))
+        server, port = serve(f"{s.host}:{s.port}", services, what="the coordinator",
+                             token=token, admin_token=admin, credentials=creds)
         if s.metrics_port is not None:
             routes = {"/metrics": self._metrics_page, **status_routes(self.status.snapshot)}
             self._metrics_server = await serve_http(s.metrics_host, s.metrics_port, routes)
@@ -336,20 +330,3 @@ class Coordinator:
     async def __aexit__(self, *exc) -> None:
         await self.stop(grace=0)
 
-
-def _bind(server: grpc.aio.Server, address: str, creds: grpc.ServerCredentials | None,
-          what: str) -> int:
-    """Bind ``server`` to ``address`` (TLS with ``creds``); returns the bound port.
-
-    Raises:
-        OSError: the address could not be bound.
-    """
-    try:
-        port = (server.add_secure_port(address, creds) if creds is not None
-                else server.add_insecure_port(address))
-    except RuntimeError:  # grpc's way of saying the bind failed (in use, no such address)
-        port = 0
-    if port == 0:
-        raise OSError(f"could not bind {what} to {address} (in use, or no such address "
-                      "here)")
-    return port

@@ -43,31 +43,59 @@ from gradstar.wire.encoded import Encoding
 
 @dataclass(frozen=True)
 class CollectivePlan:
-    """One rank's part in one collective: its geometry and the buffers it reads and fills.
+    """One rank's part in one collective: what its header describes (``call``, derived once:
+    :class:`gradstar.ops.CollectiveCall`) and the buffers it reads and fills.
 
     ``send`` is a byte view of the buffer cut by ``geometry.layout`` (the rank's input; for
-    all_gather the result buffer holding the rank's own segment); ``out`` is the result array,
-    cut by ``geometry.out_layout``. With a wire format, ``values`` is the rank's input (cut by
-    ``geometry.values``, encoded chunk by chunk as it is sent, :meth:`Encoding.frames`) and
-    ``out`` the encoded result (cut by the wire layout ``geometry.out_layout``).
+    all_gather the result buffer holding the rank's own segment); ``out`` is the buffer the
+    result chunks land in, cut by ``geometry.out_layout``, and ``result`` the caller's result
+    array. Without a wire format the two are the same. With one, ``values`` is the rank's input
+    (cut by ``geometry.values``, encoded chunk by chunk as it is sent,
+    :meth:`Encoding.frames`), ``out`` the encoded result (cut by the wire layout
+    ``geometry.out_layout``) and :meth:`finish` decodes it into ``result``.
     """
 
-    geometry: ops.Geometry
+    call: ops.CollectiveCall
     send: memoryview
     out: np.ndarray
-    encoding: Encoding | None = None
+    result: np.ndarray
     values: np.ndarray | None = None
+
+    @classmethod
+    def for_call(cls, call: ops.CollectiveCall, send: np.ndarray | None,
+                 result: np.ndarray) -> CollectivePlan:
+        """The plan of ``call`` sending from ``send`` (None: nothing) into ``result``."""
+        g = call.geometry
+        if call.encoding is not None:
+            # An averaging round's answer is float32 global parameters, not encoded.
+            encoded_out = g.out_layout != g.values_out
+            out = np.empty(g.out_layout.total_bytes, np.uint8) if encoded_out else result
+            return cls(call, memoryview(b""), out, result, send)
+        view = memoryview(b"") if send is None else as_byte_view(send)
+        return cls(call, view, result, result)
 
     @classmethod
     def for_header(cls, header: pb.CollectiveHeader, world_size: int,
                    send: np.ndarray | None, out: np.ndarray) -> CollectivePlan:
-        """The plan both sides derive from ``header`` (the hub computes the same geometry)."""
-        geometry = ops.geometry_of(header, world_size)
-        encoding = Encoding.of_header(header)
-        if encoding is not None:
-            return cls(geometry, memoryview(b""), out, encoding, send)
-        view = memoryview(b"") if send is None else as_byte_view(send)
-        return cls(geometry, view, out)
+        """The plan both sides derive from ``header`` (the hub derives the same call)."""
+        return cls.for_call(ops.CollectiveCall.of(header, world_size), send, out)
+
+    @property
+    def geometry(self) -> ops.Geometry:
+        return self.call.geometry
+
+    @property
+    def encoding(self) -> Encoding | None:
+        return self.call.encoding
+
+    def finish(self) -> np.ndarray:
+        """The result, once every chunk arrived: with an encoded result, decoded into
+        ``result`` only now (so a failure leaves it untouched)."""
+        if self.out is not self.result:
+            g = self.geometry
+            received = [g.out_index(i) for r in g.receives for i in r]
+            self.encoding.decode(self.out, g.values_out, received, self.result)
+        return self.result
 
     def chunk_frames(self, sends: Iterable[int]):
         """The chunk frames of input chunks ``sends``, made as they are asked for."""

@@ -73,6 +73,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -97,6 +98,8 @@ from .plan import CollectivePlan, Phase, StreamReceiver
 from .targets import MAX_IDLE_STREAMS, OpenStream, SharedMemoryOffer, Target
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # The hub answers a late collective with its own timeout error; the call's deadline is only a
 # backstop for a hub that stopped answering altogether.
@@ -238,11 +241,12 @@ async def _abandon(target: Target, header: pb.CollectiveHeader, metadata) -> Non
         call.cancel()
 
 
-async def run_collective(targets: Sequence[Target], header: pb.CollectiveHeader,
-                         world_size: int, send: np.ndarray | None, out: np.ndarray, *,
+async def run_collective(targets: Sequence[Target], call: ops.CollectiveCall,
+                         send: np.ndarray | None, out: np.ndarray, *,
                          session: Session, metadata, timeout: float) -> np.ndarray:
-    """Run the collective ``header`` describes, sending from ``send`` (None: nothing to send);
-    return ``out`` holding the result.
+    """Run the collective ``call`` describes, sending from ``send`` (None: nothing to send);
+    return ``out`` holding the result (with a wire format, decoded only once the whole
+    encoded result arrived: :meth:`CollectivePlan.finish`).
 
     With one target, one stream carries every chunk (``header`` unchanged). With K targets
     (hub shards), the collective is striped: stripe k carries the chunks of
@@ -260,8 +264,7 @@ async def run_collective(targets: Sequence[Target], header: pb.CollectiveHeader,
         What :func:`run_stream` raises; the session's failure once there is one.
     """
     work = asyncio.ensure_future(_run_collective(
-        targets, header, world_size, send, out, session=session, metadata=metadata,
-        timeout=timeout))
+        targets, call, send, out, session=session, metadata=metadata, timeout=timeout))
     failed = asyncio.ensure_future(session.wait_failed())
     try:
         await asyncio.wait((work, failed), return_when=asyncio.FIRST_COMPLETED)
@@ -277,26 +280,26 @@ async def run_collective(targets: Sequence[Target], header: pb.CollectiveHeader,
     return work.result()
 
 
-async def _run_collective(targets: Sequence[Target], header: pb.CollectiveHeader,
-                          world_size: int, send: np.ndarray | None, out: np.ndarray, *,
+async def _run_collective(targets: Sequence[Target], call: ops.CollectiveCall,
+                          send: np.ndarray | None, out: np.ndarray, *,
                           session: Session, metadata, timeout: float) -> np.ndarray:
-    plan = CollectivePlan.for_header(header, world_size, send, out)
-    geometry = plan.geometry
+    plan = CollectivePlan.for_call(call, send, out)
+    geometry = call.geometry
     stripes = _stripe_count(targets, geometry)
     # A wire format travels in frames: the segment and the hub read payloads as the dtype's.
-    segment = None if header.wire else _offer_segment(targets[:stripes], geometry)
+    segment = None if call.encoding is not None else _offer_segment(targets[:stripes], call)
     clean = False
     try:
         if stripes == 1 and len(targets) == 1:
             receives = plan.out_indices(i for r in geometry.receives for i in r)
-            await run_stream(targets[0], _offering(header, targets[0], segment, geometry),
-                             plan, geometry.sends, receives, session=session,
-                             metadata=metadata, timeout=timeout, segment=segment)
+            await run_stream(targets[0], _offering(call, targets[0], segment), plan,
+                             geometry.sends, receives, session=session, metadata=metadata,
+                             timeout=timeout, segment=segment)
             clean = True
-            return out
+            return plan.finish()
         streams = []
         for k in range(stripes):
-            stripe = _offering(header, targets[k], segment, geometry)
+            stripe = _offering(call, targets[k], segment)
             stripe.stripe, stripe.stripes = k, stripes
             sends = ops.in_stripe((geometry.sends,), k, stripes)
             receives = plan.out_indices(ops.in_stripe(geometry.receives, k, stripes))
@@ -313,7 +316,7 @@ async def _run_collective(targets: Sequence[Target], header: pb.CollectiveHeader
                 stream.cancel()
             await asyncio.gather(*streams, return_exceptions=True)
         clean = True
-        return out
+        return plan.finish()
     finally:
         if segment is not None:
             # After a failure a hub may still be writing into the segment: never reuse it.
@@ -333,7 +336,8 @@ def _notify(notice: Coroutine) -> None:
     task.add_done_callback(_abandoning.discard)
 
 
-def issue(run: Callable[[], Coroutine], abandon: Callable[[], Coroutine]) -> Awaitable:
+def issue(run: Callable[[], Coroutine[Any, Any, T]],
+          abandon: Callable[[], Coroutine]) -> Awaitable[T]:
     """Start ``run()`` now, as a task of the running loop, and return that task.
 
     A task cancelled before its first step never ran ``run()`` at all, so nothing told the hub:
@@ -361,45 +365,36 @@ def issue(run: Callable[[], Coroutine], abandon: Callable[[], Coroutine]) -> Awa
     return task
 
 
-async def abandon_collective(targets: Sequence[Target], header: pb.CollectiveHeader,
-                             world_size: int, metadata) -> None:
+async def abandon_collective(targets: Sequence[Target], call: ops.CollectiveCall,
+                             metadata) -> None:
     """Tell the hub (each shard of the collective's stripes) that this rank gave up
-    ``header`` before sending anything: :func:`_abandon` on every stripe's target."""
-    geometry = CollectivePlan.for_header(header, world_size, None, np.empty(0)).geometry
-    stripes = _stripe_count(targets, geometry)
+    ``call`` before sending anything: :func:`_abandon` on every stripe's target."""
+    stripes = _stripe_count(targets, call.geometry)
     notices = []
     for k in range(stripes):
         stripe = pb.CollectiveHeader()
-        stripe.CopyFrom(header)
+        stripe.CopyFrom(call.header)
         if len(targets) > 1:
             stripe.stripe, stripe.stripes = k, stripes
         notices.append(_abandon(targets[k], stripe, metadata))
     await asyncio.gather(*notices)
 
 
-def give_up(targets: Sequence[Target], header: pb.CollectiveHeader, world_size: int,
-            metadata) -> None:
-    """Tell the hub, on a task of its own, that this rank will never issue ``header`` (a
+def give_up(targets: Sequence[Target], call: ops.CollectiveCall, metadata) -> None:
+    """Tell the hub, on a task of its own, that this rank will never issue ``call`` (a
     collective it reserved a seq for): :func:`abandon_collective`, so that no rank waits out
     the timeout for it. Call it on the loop."""
-    _notify(abandon_collective(targets, header, world_size, metadata))
+    _notify(abandon_collective(targets, call, metadata))
 
 
-def _output_offset(geometry: ops.Geometry) -> int:
-    """Where a segment's result region starts: after the input region, cache-line aligned; for
-    all_reduce on the input region itself (the hub writes result chunk i only after reading
-    every rank's chunk i), which halves the segment."""
-    if geometry.op == ops.ALL_REDUCE:
-        return 0
-    size = geometry.layout.total_bytes
-    return size + (-size % 64)
-
-
-def _offer_segment(targets: Sequence[Target], geometry: ops.Geometry) -> shm.Segment | None:
-    """A segment for this collective if any target still takes offers and it moves bytes."""
+def _offer_segment(targets: Sequence[Target], call: ops.CollectiveCall) -> shm.Segment | None:
+    """A segment for this collective if any target still takes offers and it moves bytes;
+    its result region starts where the op's in-place rule puts it
+    (:meth:`gradstar.ops.CollectiveCall.result_offset`)."""
+    geometry = call.geometry
     if not any(t.shm.enabled for t in targets) or not shm.supported():
         return None
-    size = _output_offset(geometry) + geometry.out_layout.total_bytes
+    size = call.result_offset() + geometry.out_layout.total_bytes
     if geometry.layout.total_bytes == 0 and geometry.out_layout.total_bytes == 0:
         return None
     try:
@@ -409,15 +404,16 @@ def _offer_segment(targets: Sequence[Target], geometry: ops.Geometry) -> shm.Seg
         return None
 
 
-def _offering(header: pb.CollectiveHeader, target: Target, segment: shm.Segment | None,
-              geometry: ops.Geometry) -> pb.CollectiveHeader:
-    """A copy of ``header`` for ``target``, offering ``segment`` if the target takes offers."""
+def _offering(call: ops.CollectiveCall, target: Target,
+              segment: shm.Segment | None) -> pb.CollectiveHeader:
+    """A copy of ``call``'s header for ``target``, offering ``segment`` if the target takes
+    offers."""
     copy = pb.CollectiveHeader()
-    copy.CopyFrom(header)
+    copy.CopyFrom(call.header)
     if segment is not None and target.shm.enabled:
         copy.shm.CopyFrom(pb.ShmSegment(
             pid=os.getpid(), fd=segment.fd, inode=segment.inode, size=segment.size,
-            output_offset=_output_offset(geometry), key=segment.key,
+            output_offset=call.result_offset(), key=segment.key,
             eager=segment.inode in target.shm.attached, host=shm.host_id()))
     return copy
 

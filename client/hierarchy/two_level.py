@@ -9,6 +9,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import numpy as np
 
@@ -111,7 +112,7 @@ class HostHierarchy:
         return op == ops.ALL_REDUCE or (op == ops.REDUCE_SCATTER and self.plan.uniform)
 
     def all_reduce(self, arr: np.ndarray, reduce_op: int, out: np.ndarray, restore,
-                   timeout: float | None, wire: str | None = None) -> Awaitable:
+                   timeout: float | None, wire: str | None = None) -> Awaitable[Any]:
         """``out`` holding the reduction, through ``restore``; see :meth:`run`. A large one
         runs as a pipeline of segments (:data:`MIN_SEGMENT_BYTES`): every rank cuts alike, as
         it depends on the size alone. A ``wire`` format applies to the leaders' stages."""
@@ -133,21 +134,22 @@ class HostHierarchy:
             starts=tuple(itertools.accumulate((len(part.stages) for part in parts[:-1]),
                                               initial=0))), restore, timeout)
 
-    def broadcast(self, arr: np.ndarray, src: int, restore, timeout: float | None) -> Awaitable:
+    def broadcast(self, arr: np.ndarray, src: int, restore,
+                  timeout: float | None) -> Awaitable[Any]:
         """Rank ``src``'s ``arr``, through ``restore``; see :meth:`run`."""
         return self.run(programs.broadcast(self.plan, arr, src), restore, timeout)
 
-    def all_gather(self, arr: np.ndarray, restore, timeout: float | None) -> Awaitable:
+    def all_gather(self, arr: np.ndarray, restore, timeout: float | None) -> Awaitable[Any]:
         """Every rank's ``arr`` stacked in rank order, through ``restore``; see :meth:`run`."""
         return self.run(programs.all_gather(self.plan, arr), restore, timeout)
 
     def reduce_scatter(self, arr: np.ndarray, reduce_op: int, restore,
-                       timeout: float | None, wire: str | None = None) -> Awaitable:
+                       timeout: float | None, wire: str | None = None) -> Awaitable[Any]:
         """This rank's rows of the reduction, through ``restore``; see :meth:`run`."""
         return self.run(programs.reduce_scatter(self.plan, arr, reduce_op, wire), restore,
                         timeout)
 
-    def run(self, program: Program, restore, timeout: float | None) -> Awaitable:
+    def run(self, program: Program, restore, timeout: float | None) -> Awaitable[Any]:
         """Reserve every stage of ``program`` in its group now, then run the stages in order;
         resolves to ``restore(program.finish())``. Called on the loop, it returns a running
         task; from another thread (the blocking API), the coroutine to submit to the loop, as

@@ -25,7 +25,7 @@ from gradstar.errors import (
 )
 from gradstar.proto.v1 import rounds_pb2 as pb
 from gradstar.proto.v1 import rounds_pb2_grpc
-from gradstar.transport.channels import call_metadata, open_channel
+from gradstar.transport.channels import PART_BYTES, call_metadata, open_channel
 from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
 from gradstar.wire.formats import WireFormat, encode
 
@@ -33,8 +33,6 @@ from ..collective.data_plane import resolve
 
 log = logging.getLogger(__name__)
 
-#: Bytes of float32 data per stream message.
-PART_BYTES = 1 << 20
 #: Longest one Fetch waits on the hub; the client asks again until its own deadline.
 FETCH_POLL_SECONDS = 5.0
 #: Pause before retrying a call that found the coordinator unreachable.

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -35,8 +36,8 @@ from gradstar.errors import (
 from gradstar.proto.v1 import collective_pb2 as cpb
 from gradstar.proto.v1 import peer_pb2 as ppb
 from gradstar.transport.addresses import host_port
-from gradstar.transport.auth import TokenAuthInterceptor
-from gradstar.transport.channels import BULK_SERVER_OPTIONS, server_credentials
+from gradstar.transport.channels import server_credentials
+from gradstar.transport.serve import serve
 from gradstar.transport.status import abort
 from gradstar.wire import (
     KIND_ACCEPT,
@@ -121,24 +122,19 @@ class PeerServer:
         """
         s = self.settings
         token = s.token.get_secret_value() if s.token else None
-        server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token, None)],
-                                 options=BULK_SERVER_OPTIONS)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            PEER_SERVICE, {"Stream": grpc.stream_stream_rpc_method_handler(self.Stream)}),))
+        handler = grpc.method_handlers_generic_handler(
+            PEER_SERVICE, {"Stream": grpc.stream_stream_rpc_method_handler(self.Stream)})
         bind = host_port(host, s.peer_port)
+        creds = (server_credentials(s.tls_cert, s.tls_key, s.tls_ca)
+                 if s.tls_cert is not None and s.tls_key is not None else None)
         try:
-            if s.tls_cert is not None and s.tls_key is not None:
-                port = server.add_secure_port(bind, server_credentials(s.tls_cert, s.tls_key,
-                                                                       s.tls_ca))
-            else:
-                port = server.add_insecure_port(bind)
-        except RuntimeError:
-            port = 0
-        if port == 0:
+            server, port = serve(bind, (handler,), what="this rank's peer server", token=token,
+                                 credentials=creds, bulk=True)
+        except OSError:
             raise ConfigurationError(
                 f"could not bind this rank's peer server to {bind}; set peer_host/peer_port "
                 "(GRADSTAR_PEER_HOST, GRADSTAR_PEER_PORT) to a free local address"
-            )
+            ) from None
         await server.start()
         self._server = server
         return port
@@ -183,7 +179,8 @@ class PeerServer:
             except Exception:  # best effort: the stream may be ending under us
                 return
 
-    async def Stream(self, request_iterator, context) -> None:
+    async def Stream(self, request_iterator: AsyncIterator[bytes],
+                     context: grpc.aio.ServicerContext) -> None:
         first = await context.read()
         if first is grpc.aio.EOF:
             return

@@ -13,6 +13,7 @@ import functools
 import itertools
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -24,7 +25,8 @@ from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.transport.channels import call_metadata, open_channel
 from gradstar.transport.tls_check import wait_connected
 from gradstar.wire import aligned_chunk_bytes, dtype_info
-from gradstar.wire.encoded import Encoding, aligned_wire_chunk_bytes, check_encoding
+from gradstar.wire.encoded import aligned_wire_chunk_bytes
+from gradstar.wire.formats import WireFormat
 
 from ..coalesced import all_reduce_coalesced
 from ..collective.data_plane import DataPlane, striped_chunk_bytes
@@ -47,8 +49,12 @@ from .point_to_point import PointToPoint
 class Reserved:
     """A collective whose seq was taken by :meth:`AsyncProcessGroup.reserve`, not yet issued."""
 
-    header: pb.CollectiveHeader
+    call: ops.CollectiveCall
     timeout: float
+
+    @property
+    def header(self) -> pb.CollectiveHeader:
+        return self.call.header
 
 
 class AsyncProcessGroup(PointToPoint, StragglerQueries):
@@ -107,7 +113,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
     # -- collectives ---------------------------------------------------------------------------
 
     def all_reduce(self, x, op: str = "sum", *, timeout: float | None = None,
-                   out=None, wire: str | None = None) -> Awaitable:
+                   out=None, wire: str | None = None) -> Awaitable[Any]:
         """Elementwise ``op`` over every rank's ``x``; resolves to a new array of x's type, or
         to ``out`` holding the result.
 
@@ -132,29 +138,26 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         """
         arr, restore = to_numpy(x)
         reduce_op = ops.reduce_op(op)
-        check_encoding(wire, arr.dtype, ops.ALL_REDUCE, reduce_op)
+        fmt = self._check(ops.ALL_REDUCE, arr, reduce_op=reduce_op, wire=wire)
         into = np.empty_like(arr) if out is None else _output_array(out, arr)
         if self._hosts.takes(ops.ALL_REDUCE, arr, reduce_op):
             self._check_usable()
             return self._hosts.all_reduce(arr, reduce_op, into, restore if out is None
                                           else (lambda _result: out), timeout, wire)
         return self._run(ops.ALL_REDUCE, arr, arr, into, restore if out is None
-                         else (lambda _result: out), timeout, reduce_op=reduce_op, wire=wire)
+                         else (lambda _result: out), timeout, reduce_op=reduce_op, fmt=fmt)
 
-    def broadcast(self, x, src: int = 0, *, timeout: float | None = None) -> Awaitable:
+    def broadcast(self, x, src: int = 0, *, timeout: float | None = None) -> Awaitable[Any]:
         """Rank ``src``'s ``x`` on every rank (every rank passes an ``x`` of the same shape)."""
         arr, restore = to_numpy(x)
-        if not 0 <= src < self.world_size:
-            raise InvalidCollectiveError(
-                f"broadcast src={src} is out of range for world_size {self.world_size}"
-            )
+        self._check(ops.BROADCAST, arr, root=src)
         if self._hosts.takes(ops.BROADCAST, arr):
             self._check_usable()
             return self._hosts.broadcast(arr, src, restore, timeout)
         out = arr.copy() if self.rank == src else np.empty_like(arr)
         return self._run(ops.BROADCAST, arr, arr, out, restore, timeout, root=src)
 
-    def all_gather(self, x, *, timeout: float | None = None) -> Awaitable:
+    def all_gather(self, x, *, timeout: float | None = None) -> Awaitable[list]:
         """Every rank's ``x``; resolves to a list indexed by rank."""
         arr, restore = to_numpy(x)
 
@@ -171,7 +174,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         return self._run(ops.ALL_GATHER, arr, out, out, deliver, timeout)
 
     def reduce_scatter(self, x, op: str = "sum", *, timeout: float | None = None,
-                       wire: str | None = None) -> Awaitable:
+                       wire: str | None = None) -> Awaitable[Any]:
         """Reduce ``x`` over ranks and keep shard ``rank`` of dim 0 (dim 0 % world_size == 0);
         ``wire`` as for :meth:`all_reduce`.
 
@@ -180,22 +183,17 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         """
         arr, restore = to_numpy(x)
         reduce_op = ops.reduce_op(op)
-        check_encoding(wire, arr.dtype, ops.REDUCE_SCATTER, reduce_op)
-        if arr.ndim == 0 or arr.shape[0] % self.world_size:
-            raise InvalidCollectiveError(
-                f"reduce_scatter needs dim 0 divisible by world_size {self.world_size}, "
-                f"got shape {arr.shape}"
-            )
+        fmt = self._check(ops.REDUCE_SCATTER, arr, reduce_op=reduce_op, wire=wire)
         if self._hosts.takes(ops.REDUCE_SCATTER, arr, reduce_op):
             self._check_usable()
             return self._hosts.reduce_scatter(arr, reduce_op, restore, timeout, wire)
         out = np.empty((arr.shape[0] // self.world_size, *arr.shape[1:]), dtype=arr.dtype)
         return self._run(ops.REDUCE_SCATTER, arr, arr, out, restore, timeout,
-                         reduce_op=reduce_op, wire=wire)
+                         reduce_op=reduce_op, fmt=fmt)
 
     def all_reduce_coalesced(self, arrays, op: str = "mean", bucket_cap_mb: float = 25, *,
                              timeout: float | None = None,
-                             wire: str | None = None) -> Awaitable:
+                             wire: str | None = None) -> Awaitable[list]:
         """Reduce a list of arrays as a few flat per-dtype buckets of at most ``bucket_cap_mb``
         MB, concurrently; resolves to a list of arrays of the original shapes and types
         (``wire``: a format for the float buckets).
@@ -205,14 +203,14 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         return all_reduce_coalesced(self, arrays, op, bucket_cap_mb, timeout=timeout,
                                     wire=wire)
 
-    def barrier(self, *, timeout: float | None = None) -> Awaitable:
+    def barrier(self, *, timeout: float | None = None) -> Awaitable[None]:
         """Resolves once every rank has reached the barrier."""
         arr = np.empty(0, dtype=np.float32)
         return self._run(ops.BARRIER, arr, None, arr, lambda a: None, timeout)
 
     def sync_global_model(self, x, *, model: str, rule: str, outer_lr: float = 0.0,
                           outer_momentum: float = 0.0, timeout: float | None = None,
-                          wire: str | None = None) -> Awaitable:
+                          wire: str | None = None) -> Awaitable[Any]:
         """An averaging round: the primitive under :class:`gradstar.LocalSGD`.
 
         Every rank sends a flat float32 ``x`` (parameters for ``rule`` "seed" and "average",
@@ -234,8 +232,10 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
                                 outer_momentum=outer_momentum)
         if arr.dtype != np.float32:
             raise InvalidCollectiveError(f"averaging rounds carry float32, got {arr.dtype}")
+        mean = ops.reduce_op("mean")
+        fmt = self._check(ops.ALL_REDUCE, arr, reduce_op=mean, wire=wire)
         return self._run(ops.ALL_REDUCE, arr, arr, np.empty_like(arr), restore, timeout,
-                         reduce_op=ops.reduce_op("mean"), averaging=spec, wire=wire)
+                         reduce_op=mean, averaging=spec, fmt=fmt)
 
     # -- collectives issued later, in the order they were reserved ------------------------------
 
@@ -251,26 +251,25 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
             ProcessGroupClosedError: the group is closed.
             GradstarError: the group's generation failed (its failure).
         """
-        header, timeout = self._header(op, like, timeout, reduce_op, root, wire=wire)
-        return Reserved(header, timeout)
+        fmt = ops.check_encoding(wire, like.dtype, op, reduce_op)
+        return Reserved(*self._call(op, like, timeout, reduce_op, root, fmt=fmt))
 
     def run_reserved(self, reserved: Reserved, send: np.ndarray,
-                     out: np.ndarray) -> Awaitable:
+                     out: np.ndarray) -> Awaitable[np.ndarray]:
         """Issue ``reserved`` now, sending from ``send`` (cut by the op's input layout);
         resolves to the result array (``out``). Call it on the loop.
 
         Raises:
             CollectiveError and subclasses: as the collective's own method raises.
         """
-        header = reserved.header
-        return self._issue(header, lambda: self._collect(header, send, out, _as_is,
-                                                         reserved.timeout))
+        call = reserved.call
+        return self._issue(call, lambda: self._collect(call, send, out, _as_is,
+                                                       reserved.timeout))
 
     def give_up(self, reserved: Reserved) -> None:
         """Tell the hub this rank will never issue ``reserved``, so that the ranks that do fail
         it at once rather than at its timeout. Call it on the loop."""
-        give_up(self._targets(reserved.header), reserved.header, self.world_size,
-                self._metadata)
+        give_up(self._targets(reserved.call), reserved.call, self._metadata)
 
     # -- machinery -----------------------------------------------------------------------------
 
@@ -282,22 +281,36 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         if self._session.failure is not None:
             raise self._session.failure
 
+    def _check(self, op: int, arr: np.ndarray, *, reduce_op: int = 0, root: int = 0,
+               wire: str | None = None) -> WireFormat | None:
+        """Check a call before anything is sent, once: the header is built from what this
+        returns. The sentences are the op records' (:mod:`gradstar.ops`), as on the hub.
+
+        Raises:
+            ConfigurationError: a ``wire`` format :func:`gradstar.ops.check_encoding` refuses.
+            InvalidCollectiveError: a precondition of the op's record does not hold.
+        """
+        fmt = ops.check_encoding(wire, arr.dtype, op, reduce_op)
+        ops.check_preconditions(op, ops.Facts(arr.shape, str(arr.dtype), self.world_size,
+                                              root, self.rank))
+        return fmt
+
     def _run(self, op: int, arr: np.ndarray, send: np.ndarray | None, out: np.ndarray, restore,
              timeout: float | None, *, reduce_op: int = 0, root: int = 0,
-             averaging: pb.AveragingSpec | None = None, wire: str | None = None) -> Awaitable:
+             averaging: pb.AveragingSpec | None = None,
+             fmt: WireFormat | None = None) -> Awaitable[Any]:
         """Take the collective's seq and issue it now (see
         :mod:`gradstar.client.collective.stream`): ``send`` is cut by the op's input layout,
         ``out`` receives the result and ``restore`` turns it into what the caller gets."""
-        header, timeout = self._header(op, arr, timeout, reduce_op, root, averaging, wire)
-        return self._issue(header, lambda: self._collect(header, send, out, restore, timeout))
+        call, timeout = self._call(op, arr, timeout, reduce_op, root, averaging, fmt)
+        return self._issue(call, lambda: self._collect(call, send, out, restore, timeout))
 
-    def _header(self, op: int, arr: np.ndarray, timeout: float | None, reduce_op: int = 0,
-                root: int = 0, averaging: pb.AveragingSpec | None = None,
-                wire: str | None = None) -> tuple[pb.CollectiveHeader, float]:
-        """The next collective's header (its seq taken now, after every check that can fail)
-        and its timeout."""
+    def _call(self, op: int, arr: np.ndarray, timeout: float | None, reduce_op: int = 0,
+              root: int = 0, averaging: pb.AveragingSpec | None = None,
+              fmt: WireFormat | None = None) -> tuple[ops.CollectiveCall, float]:
+        """The next collective (its seq taken now, after every check that can fail; ``fmt``
+        already checked), derived once from its header, and its timeout."""
         self._check_usable()
-        fmt = check_encoding(wire, arr.dtype, op, reduce_op)
         timeout = self.settings.timeout if timeout is None else timeout
         header = pb.CollectiveHeader(
             job=self.job, generation=self.generation, group="default", seq=next(self._seq),
@@ -309,44 +322,26 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
                 arr.dtype.itemsize), arr.dtype.itemsize, fmt),
             timeout_seconds=timeout, averaging=averaging, wire=fmt.wire if fmt else 0,
         )
-        return header, timeout
+        return ops.CollectiveCall.of(header, self.world_size), timeout
 
-    def _targets(self, header: pb.CollectiveHeader):
-        return self._plane.targets(averaging=bool(header.averaging.rule))
+    def _targets(self, call: ops.CollectiveCall):
+        return self._plane.targets(averaging=bool(call.header.averaging.rule))
 
-    def _issue(self, header: pb.CollectiveHeader, run) -> Awaitable:
-        """Start ``run()``, the call that carries collective ``header``, now
+    def _issue(self, call: ops.CollectiveCall, run) -> Awaitable[Any]:
+        """Start ``run()``, the call that carries collective ``call``, now
         (:func:`~gradstar.client.collective.stream.issue`); cancelled before it ran, it tells
         the hub so that no rank waits for it."""
-        return issue(run, lambda: abandon_collective(self._targets(header), header,
-                                                     self.world_size, self._metadata))
+        return issue(run, lambda: abandon_collective(self._targets(call), call, self._metadata))
 
-    async def _collect(self, header: pb.CollectiveHeader, send: np.ndarray | None,
+    async def _collect(self, call: ops.CollectiveCall, send: np.ndarray | None,
                        out: np.ndarray, restore, timeout: float):
-        if header.wire:
-            result = await self._collect_encoded(header, send, out, timeout)
-        else:
-            result = await run_collective(self._targets(header), header, self.world_size, send,
-                                          out, session=self._session, metadata=self._metadata,
-                                          timeout=timeout)
+        """Run ``call`` (in its wire format, if any: ``send`` encoded chunk by chunk as it is
+        sent, the result decoded into ``out`` once it is proven complete, so a failure leaves
+        ``out`` untouched) and hand ``restore`` the result."""
+        result = await run_collective(self._targets(call), call, send, out,
+                                      session=self._session, metadata=self._metadata,
+                                      timeout=timeout)
         return await delivered(restore, result)
-
-    async def _collect_encoded(self, header: pb.CollectiveHeader, send: np.ndarray,
-                               out: np.ndarray, timeout: float) -> np.ndarray:
-        """A collective in a wire format: ``send`` encoded chunk by chunk as it is sent, the
-        encoded result chunks received end to end, then decoded into ``out`` (once the whole
-        result is proven complete, so a failure leaves ``out`` untouched)."""
-        geometry = ops.geometry_of(header, self.world_size)
-        encoding = Encoding.of_header(header)
-        # An averaging round's answer is float32 global parameters, not encoded.
-        encoded_out = geometry.out_layout != geometry.values_out
-        result = np.empty(geometry.out_layout.total_bytes, np.uint8) if encoded_out else out
-        await run_collective(self._targets(header), header, self.world_size, send, result,
-                             session=self._session, metadata=self._metadata, timeout=timeout)
-        if encoded_out:
-            received = [geometry.out_index(i) for r in geometry.receives for i in r]
-            encoding.decode(result, geometry.values_out, received, out)
-        return out
 
     # -- lifecycle -----------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ are a hub collective, checked and ordered like any other; its payload goes rank 
 
 :class:`PointToPoint` is mixed into :class:`~gradstar.client.process_group.AsyncProcessGroup`,
 which gives it ``rank``, ``world_size``, ``peers``, ``settings``, the peer endpoint, the
-all_to_all call numbers and the collective machinery (``_header``, ``_issue``, ``_collect``,
+all_to_all call numbers and the collective machinery (``_call``, ``_issue``, ``_collect``,
 ``_check_usable``).
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +40,7 @@ class PointToPoint:
 
     # -- all_to_all (plans through the hub, payload over peer streams) ------------------------
 
-    def all_to_all(self, inputs, *, timeout: float | None = None) -> Awaitable:
+    def all_to_all(self, inputs, *, timeout: float | None = None) -> Awaitable[list]:
         """Send ``inputs[j]`` to rank ``j``; resolves to a list whose element ``i`` is what rank
         ``i`` sent this rank, with the shape it was sent with and the type of this rank's
         inputs. Every array has the same dtype; shapes are free. The hub checks and orders the
@@ -74,7 +75,7 @@ class PointToPoint:
                                 copying_to_device(deliver, copies_to_device(restore)), timeout)
 
     def all_to_all_single(self, x, output_split_sizes=None, input_split_sizes=None, *,
-                          timeout: float | None = None) -> Awaitable:
+                          timeout: float | None = None) -> Awaitable[Any]:
         """Split ``x`` along dim 0 by ``input_split_sizes`` and send split ``j`` to rank ``j``;
         resolves to one array of x's type: the splits received from ranks 0, 1, ... one after
         the other along dim 0, ``output_split_sizes[i]`` rows from rank ``i``. None (or empty)
@@ -117,7 +118,7 @@ class PointToPoint:
                                 splits)
 
     def _all_to_all(self, plan: a2a.Plan, pieces: list[np.ndarray], kind: int, deliver,
-                    timeout: float | None, into: list[np.ndarray] | None = None) -> Awaitable:
+                    timeout: float | None, into: list[np.ndarray] | None = None) -> Awaitable[Any]:
         """Take the call's seq now (its plan is a hub collective) and return the coroutine that
         checks every rank's plan and moves ``pieces[j]`` to rank ``j`` (see
         :mod:`gradstar.client.all_to_all`); ``deliver`` turns what arrived, by sender, into
@@ -133,11 +134,11 @@ class PointToPoint:
         encoded = plan.encode()
         plans = np.empty((self.world_size, encoded.size), dtype=np.int64)
         plans[self.rank] = encoded  # this rank's segment: sent from here, never received
-        header, timeout = self._header(ops.ALL_TO_ALL, encoded, timeout)
+        exchange, timeout = self._call(ops.ALL_TO_ALL, encoded, timeout)
         call = next(self._all_to_all_calls)
-        return self._issue(header, lambda: self._move(
-            self._collect(header, plans, plans, lambda r: r, timeout), call, plan, pieces, kind,
-            deliver, timeout, into))
+        return self._issue(exchange, lambda: self._move(
+            self._collect(exchange, plans, plans, lambda r: r, timeout), call, plan, pieces,
+            kind, deliver, timeout, into))
 
     async def _move(self, exchange: Awaitable, call: int, plan: a2a.Plan,
                     pieces: list[np.ndarray], kind: int, deliver, timeout: float,
@@ -183,7 +184,7 @@ class PointToPoint:
 
     # -- point to point (peer streams, see gradstar.client.peer) --------------------------------
 
-    def send(self, x, dst: int, tag=0, *, timeout: float | None = None) -> Awaitable:
+    def send(self, x, dst: int, tag=0, *, timeout: float | None = None) -> Awaitable[None]:
         """Send ``x`` to rank ``dst`` over this rank's peer stream to it; resolves to None once
         ``dst`` holds the whole message. Do not modify ``x`` until then.
 
@@ -203,7 +204,7 @@ class PointToPoint:
         return self._peer_endpoint.send(arr, array_kind(x), dst, key, timeout)
 
     def recv(self, src: int | None = None, tag=0, *,
-             timeout: float | None = None) -> Awaitable:
+             timeout: float | None = None) -> Awaitable[Any]:
         """The next message from rank ``src`` with ``tag``, as the type it was sent as (numpy
         array, or torch tensor where torch is installed), with its shape and dtype.
 

@@ -15,11 +15,9 @@ from gradstar.errors import ProtocolError, StepTimeoutError
 from gradstar.proto.v1 import steps_pb2 as pb
 from gradstar.proto.v1 import steps_pb2_grpc
 from gradstar.sync_modes import SyncMode
-from gradstar.transport.channels import call_metadata, open_channel
+from gradstar.transport.channels import PART_BYTES, call_metadata, open_channel
 from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
 
-#: Bytes of float32 data per stream message.
-PART_BYTES = 1 << 20
 #: Longest one Fetch or Synchronize waits on the hub; the client asks again until its deadline.
 POLL_SECONDS = 5.0
 

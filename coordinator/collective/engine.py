@@ -59,11 +59,9 @@ from gradstar.wire import (
     decode_chunk,
     decode_message,
     decode_shm_chunk,
-    dtype_from_wire,
     encode_chunk,
     encode_message,
     encode_shm_chunk,
-    payload_bytes,
     seal_chunk_frame,
 )
 
@@ -92,7 +90,8 @@ def without_frames(error: GradstarError) -> GradstarError:
 class PendingCollective:
     """One collective of one generation, from its first header to its last END frame."""
 
-    def __init__(self, engine: CollectiveEngine, gen: Generation, header: pb.CollectiveHeader):
+    def __init__(self, engine: CollectiveEngine, gen: Generation, call: ops.CollectiveCall):
+        header = call.header
         self.engine = engine
         self.gen = gen
         self.key = (header.group, header.seq)
@@ -106,13 +105,12 @@ class PendingCollective:
         self._slots: dict[int, list] = {}
         self._held: list[tuple[int, int, bytes]] = []
         self.window = ReadWindow()
-        validate(header, self.world, engine.limits)
-        self.dtype = dtype_from_wire(header.dtype)
-        self.nbytes = payload_bytes(header.shape, header.dtype)
+        self.dtype = call.dtype
+        self.nbytes = call.nbytes
         #: Striping over hub shards: this engine carries input chunks i % stripes == stripe.
         self.stripes = max(1, header.stripes)
-        self.layout = ops.geometry_of(header, self.world).layout  # of encoded chunks if wire
-        self.reducer = reducer_for(header, self.dtype, self.world, engine.pool)
+        self.layout = call.geometry.layout  # of encoded chunks if wire
+        self.reducer = reducer_for(call, engine.pool)
         self.round: AveragingRound | None = None
         if header.averaging.rule:
             self.round = engine.averaging.open_round(gen.job.name, header.averaging,
@@ -122,22 +120,21 @@ class PendingCollective:
 
     # -- arrival -------------------------------------------------------------------------------
 
-    def arrive(self, h: pb.CollectiveHeader, shm: memoryview | None = None) -> Participant:
-        """Admit rank ``h.rank`` (with its attached segment ``shm``, if any); raises (after
-        failing the collective) on a mismatch."""
+    def arrive(self, call: ops.CollectiveCall, shm: memoryview | None = None) -> Participant:
+        """Admit rank ``call.header.rank`` (validated, :func:`.matching.validate`; with its
+        attached segment ``shm``, if any); raises (after failing the collective) on a
+        mismatch."""
+        h = call.header
         if h.rank in self.participants:
             raise ProtocolError(f"rank {h.rank} issued collective seq {h.seq} twice")
-        validate(h, self.world, self.engine.limits)
         check_agrees(h, self.spec, self.gen.job.name)
         s = self.spec
-        g = ops.geometry_of(h, self.world)  # h agrees with self.spec: checked just above
+        g = call.geometry  # h agrees with self.spec: checked just above
         if shm is not None:
             # Input region at 0, result region at output_offset: both must fit the segment,
-            # apart or, for all_reduce, the same (result chunk i is written only after every
-            # rank's input chunk i was read).
-            start, end = h.shm.output_offset, h.shm.output_offset + g.out_layout.total_bytes
-            apart = start >= self.layout.total_bytes or (start == 0 and self.op == ops.ALL_REDUCE)
-            if not apart or end > len(shm):
+            # apart or the same where the op's record allows it (ops.CollectiveCall).
+            start = h.shm.output_offset
+            if not call.result_fits(start, len(shm)):
                 raise ProtocolError(
                     f"rank {h.rank}'s segment of {len(shm)} bytes with its result at {start} "
                     f"cannot hold {self.layout.total_bytes} input and "
@@ -421,11 +418,12 @@ class CollectiveEngine:
             raise error
         coll = gen.collectives.get(key)
         try:
+            call = validate(h, gen.world_size, self.limits)
             if coll is None:
                 self.budget.check_open(len(gen.collectives), gen.job.name)
-                coll = PendingCollective(self, gen, h)
+                coll = PendingCollective(self, gen, call)
                 gen.collectives[key] = coll
-            return coll, coll.arrive(h, shm)
+            return coll, coll.arrive(call, shm)
         except GradstarError as error:
             if coll is None:
                 # The opening header itself was invalid: later ranks must see the same error.

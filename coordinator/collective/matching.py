@@ -25,7 +25,6 @@ from gradstar.errors import (
 )
 from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.wire import check_chunk_count, check_shape, dtype_from_wire, payload_bytes
-from gradstar.wire.encoded import check_encoding
 from gradstar.wire.formats import format_from_wire
 
 
@@ -55,13 +54,15 @@ def wire_name(wire: int) -> str | None:
 
 def describe(h: pb.CollectiveHeader) -> str:
     """A header as a user would have written the call, for error messages."""
-    if h.op == ops.ALL_TO_ALL:
-        # Its header describes the plan, not the user's tensors (those the ranks check).
-        return "all_to_all (or all_to_all_single)"
+    op = ops.OPS.get(h.op)
+    if op is not None and op.shown_as is not None:
+        # Its header describes something else (all_to_all: the plan, not the user's tensors,
+        # which the ranks check).
+        return op.shown_as
     parts = [f"dtype={dtype_name(h.dtype)}", f"shape={tuple(h.shape)}"]
-    if h.op in ops.REDUCING:
+    if op is not None and op.reduces:
         parts.insert(0, f"op={ops.REDUCE_OP_NAMES.get(h.reduce_op, h.reduce_op)!r}")
-    if h.op == ops.BROADCAST:
+    if op is not None and op.rooted:
         parts.append(f"src={h.root}")
     if h.wire:
         parts.append(f"wire={wire_name(h.wire)!r}")
@@ -71,11 +72,12 @@ def describe(h: pb.CollectiveHeader) -> str:
 def field_values(h: pb.CollectiveHeader) -> list[tuple[str, object]]:
     """(field name, value) pairs every rank of a collective must agree on, in the order a
     disagreement is reported."""
+    op = ops.OPS.get(h.op)
     values: list[tuple[str, object]] = [("op", ops.OP_NAMES.get(h.op, h.op))]
-    if h.op in ops.REDUCING:
+    if op is not None and op.reduces:
         values.append(("reduce op", ops.REDUCE_OP_NAMES.get(h.reduce_op, h.reduce_op)))
     values += [("dtype", dtype_name(h.dtype)), ("shape", tuple(h.shape))]
-    if h.op == ops.BROADCAST:
+    if op is not None and op.rooted:
         values.append(("root", h.root))
     values.append(("wire", wire_name(h.wire)))
     values.append(("chunk_bytes", h.chunk_bytes))
@@ -86,21 +88,20 @@ def field_values(h: pb.CollectiveHeader) -> list[tuple[str, object]]:
     return values
 
 
-def validate(h: pb.CollectiveHeader, world_size: int, limits: Limits) -> None:
-    """Check a header on its own.
+def validate(h: pb.CollectiveHeader, world_size: int, limits: Limits) -> ops.CollectiveCall:
+    """Check a header on its own; return what it describes, derived once.
 
     Raises:
-        InvalidCollectiveError: unknown op, bad chunk size, root out of range, an averaging
-            round that is not a float32 mean all_reduce, reduce_scatter's dim 0 not divisible
-            by the world size, an all_to_all plan that is not int64 of shape
-            (:func:`gradstar.ops.plan_length`,), a stripe out of range, or a wire format
-            where :func:`gradstar.wire.encoded.check_encoding` refuses it, or with shared
-            memory.
+        InvalidCollectiveError: unknown op, bad chunk size, an averaging round that is not a
+            float32 mean all_reduce, a stripe out of range, a precondition of the op's record
+            (:func:`gradstar.ops.check_preconditions`: broadcast's root in range,
+            reduce_scatter's dim 0 divisible by the world size, an all_to_all plan of int64
+            and shape (:func:`gradstar.ops.plan_length`,)), or a wire format where
+            :func:`gradstar.ops.check_encoding` refuses it, or with shared memory.
         PayloadTooLargeError: the payload is over ``limits.max_tensor_bytes``.
         ProtocolError: unknown dtype or wire format.
     """
-    if h.op not in ops.OP_NAMES:
-        raise InvalidCollectiveError(f"unknown collective op {h.op}")
+    op = ops.op_record(h.op)
     check_shape(h.shape, f"rank {h.rank}")
     info = dtype_from_wire(h.dtype)
     cb = h.chunk_bytes
@@ -118,12 +119,8 @@ def validate(h: pb.CollectiveHeader, world_size: int, limits: Limits) -> None:
             f"coordinator's limit of {limits.max_tensor_bytes} bytes "
             "(coordinator setting max_tensor_bytes)"
         )
-    check_chunk_count(ops.input_layout(h.op, world_size, nbytes, cb).count, nbytes, cb,
-                      f"rank {h.rank}")
-    if h.op == ops.BROADCAST and h.root >= world_size:
-        raise InvalidCollectiveError(
-            f"broadcast src={h.root} is out of range for world_size {world_size}"
-        )
+    call = ops.CollectiveCall.of(h, world_size)
+    check_chunk_count(call.geometry.layout.count, nbytes, cb, f"rank {h.rank}")
     if h.averaging.rule and (h.op != ops.ALL_REDUCE or h.dtype != pb.DTYPE_FLOAT32
                              or h.reduce_op != pb.REDUCE_OP_MEAN):
         raise InvalidCollectiveError(
@@ -133,23 +130,15 @@ def validate(h: pb.CollectiveHeader, world_size: int, limits: Limits) -> None:
     if h.stripes > 1 and h.stripe >= h.stripes:
         raise InvalidCollectiveError(
             f"rank {h.rank} sent stripe {h.stripe} of a collective striped {h.stripes} ways")
-    plan = (ops.plan_length(world_size),)
-    if h.op == ops.ALL_TO_ALL and (h.dtype != pb.DTYPE_INT64 or tuple(h.shape) != plan):
-        raise InvalidCollectiveError(
-            f"rank {h.rank} sent an all_to_all plan of {dtype_name(h.dtype)} shape "
-            f"{tuple(h.shape)}; with world_size {world_size} a plan is int64 of shape {plan}")
-    if h.op == ops.REDUCE_SCATTER and (not h.shape or h.shape[0] % world_size):
-        raise InvalidCollectiveError(
-            f"reduce_scatter needs dim 0 divisible by world_size {world_size}, "
-            f"got shape {tuple(h.shape)}"
-        )
+    ops.check_preconditions(op.wire, call.facts)
+    return call
 
 
 def _validate_wire(h: pb.CollectiveHeader, info) -> None:
     name = wire_name(h.wire)
     format_from_wire(h.wire)  # an unknown value is a ProtocolError
-    check_encoding(name, info.numpy, h.op, h.reduce_op, h.chunk_bytes // info.numpy.itemsize,
-                   error=InvalidCollectiveError)
+    ops.check_encoding(name, info.numpy, h.op, h.reduce_op,
+                       h.chunk_bytes // info.numpy.itemsize, error=InvalidCollectiveError)
     # Shared memory carries payloads in the tensor's own dtype.
     if h.HasField("shm"):
         raise InvalidCollectiveError(

@@ -21,7 +21,7 @@ import numpy as np
 from gradstar import ops
 from gradstar.errors import InvalidCollectiveError
 from gradstar.proto.v1 import collective_pb2 as pb
-from gradstar.wire import ChunkLayout, DTypeInfo, payload_bytes
+from gradstar.wire import ChunkLayout, DTypeInfo
 from gradstar.wire.encoded import Encoding
 from gradstar.wire.formats import decode_into, encode_into
 
@@ -215,14 +215,13 @@ class EncodedChunkReducer:
             slot.acc = None
 
 
-def reducer_for(h: pb.CollectiveHeader, dtype: DTypeInfo, world: int,
+def reducer_for(call: ops.CollectiveCall,
                 pool: BufferPool) -> ChunkReducer | EncodedChunkReducer | None:
-    """The reducer of collective ``h`` (None: its op forwards), in its wire format if any."""
-    if h.op not in ops.REDUCING:
+    """The reducer of ``call`` (None: its op forwards), in its wire format if any."""
+    if not call.op.reduces:
         return None
-    encoding = Encoding.of_header(h)
-    if encoding is None:
-        return ChunkReducer(h.reduce_op, dtype, world, pool)
-    values = ops.input_layout(h.op, world, payload_bytes(h.shape, h.dtype), h.chunk_bytes)
-    return EncodedChunkReducer(h.reduce_op, encoding, values, world, pool,
-                               encode_result=not h.averaging.rule)
+    h = call.header
+    if call.encoding is None:
+        return ChunkReducer(h.reduce_op, call.dtype, call.world_size, pool)
+    return EncodedChunkReducer(h.reduce_op, call.encoding, call.geometry.values,
+                               call.world_size, pool, encode_result=not h.averaging.rule)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -82,7 +82,8 @@ class CollectiveServicer:
             {"Stream": grpc.stream_stream_rpc_method_handler(self.Stream)},
         )
 
-    async def Stream(self, request_iterator, context):
+    async def Stream(self, request_iterator: AsyncIterator[bytes],
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         """Serve collectives one after another on one stream: a rank keeps its stream to the
         hub open across collectives (one call set-up per stream, not per collective). The
         next header may follow only a collective that ended cleanly (both END markers); a

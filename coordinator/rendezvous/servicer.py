@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -35,7 +36,8 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
         #: Where members send collectives (``Joined.collectives``): ``:PORT`` or empty.
         self.collectives = collectives
 
-    async def Session(self, request_iterator, context):
+    async def Session(self, request_iterator: AsyncIterator[rpb.SessionRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[rpb.SessionEvent]:
         requests = request_iterator.__aiter__()
         try:
             first = await anext(requests)

@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator
 
+import grpc
 import numpy as np
 
 from gradstar.errors import ConfigurationError, GradstarError, ProtocolError
 from gradstar.proto.v1 import rounds_pb2 as pb
 from gradstar.proto.v1 import rounds_pb2_grpc
+from gradstar.transport.channels import PART_BYTES
 from gradstar.transport.status import abort
 from gradstar.wire.formats import FORMATS, WireFormat, decode_into, wire_format
 
@@ -24,8 +27,6 @@ log = logging.getLogger(__name__)
 #: Longest a Fetch waits for a round before answering "not ready" (the client asks again, so
 #: a dead hub or a lost answer is noticed within this, not after the whole round timeout).
 MAX_FETCH_WAIT = 10.0
-#: Bytes of model data per Fetch answer message (below gRPC's message limit).
-PART_BYTES = 1 << 20
 
 
 class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
@@ -41,7 +42,8 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
         table.on_closed = self._round_closed
         self._timer: asyncio.TimerHandle | None = None
 
-    async def Seed(self, request_iterator, context):
+    async def Seed(self, request_iterator: AsyncIterator[pb.TensorPart],
+                   context: grpc.aio.ServicerContext) -> pb.RoundStatus:
         try:
             header, params = await self._read_tensor(request_iterator)
             k = header.key
@@ -51,7 +53,8 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
         except GradstarError as error:
             await abort(context, error)
 
-    async def Contribute(self, request_iterator, context):
+    async def Contribute(self, request_iterator: AsyncIterator[pb.TensorPart],
+                         context: grpc.aio.ServicerContext) -> pb.RoundStatus:
         try:
             header, delta = await self._read_tensor(request_iterator, contribution=True)
             k, p = header.key, header.policy
@@ -68,7 +71,8 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
         except GradstarError as error:
             await abort(context, error)
 
-    async def Fetch(self, request, context):
+    async def Fetch(self, request: pb.FetchRequest,
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchPart]:
         k = request.key
         try:
             _check_key(k)

@@ -36,7 +36,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -266,12 +266,14 @@ class ShardControlServicer(shard_pb2_grpc.ShardControlServicer):
         self.registry = registry
 
     # grpc.aio tells streaming handlers apart by their kind: both must be async generators.
-    async def Register(self, request_iterator, context):
+    async def Register(self, request_iterator: AsyncIterator[spb.ShardReport],
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[spb.ShardCommand]:
         """A shard of the hub (admin token): serves every job, or the one its hello names."""
         async for command in self._register(request_iterator, context, for_job=False):
             yield command
 
-    async def RegisterForJob(self, request_iterator, context):
+    async def RegisterForJob(self, request_iterator: AsyncIterator[spb.ShardReport],
+                             context: grpc.aio.ServicerContext) -> AsyncIterator[spb.ShardCommand]:
         """A node-local shard for one job (job token): its hello must name the job; it never
         takes a slot another job's or every job's shard left (see shard.proto)."""
         async for command in self._register(request_iterator, context, for_job=True):

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from functools import partial
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -45,13 +46,13 @@ from gradstar.proto.v1 import collective_pb2 as cpb
 from gradstar.proto.v1 import shard_pb2 as spb
 from gradstar.proto.v1 import shard_pb2_grpc
 from gradstar.transport.addresses import WILDCARDS, advertised_host, host_port, split_host_port
-from gradstar.transport.auth import TokenAuthInterceptor, bearer
+from gradstar.transport.auth import bearer
 from gradstar.transport.channels import (
-    BULK_SERVER_OPTIONS,
     client_credentials,
     secure_or_insecure_channel,
     server_credentials,
 )
+from gradstar.transport.serve import serve
 from gradstar.transport.shm import host_key
 from gradstar.transport.status import error_from_rpc
 from gradstar.transport.tls_check import wait_connected
@@ -122,24 +123,19 @@ class Shard:
         tune_allocator()
         token = s.token.get_secret_value() if s.token else None
         admin = s.admin_token.get_secret_value() if s.admin_token else None
-        server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token, admin)],
-                                 options=BULK_SERVER_OPTIONS)
         self.collectives = CollectiveServicer(self.engine, admit=self._admit,
                                               shared_memory=self.settings.shared_memory)
-        server.add_generic_rpc_handlers((self.collectives.handler(),))
         self._health = health.aio.HealthServicer()
         # grpc's servicer answers SERVING for "" until told otherwise: not before registering.
         for name in ("", COLLECTIVE_SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        bind = f"{s.host}:{s.port}"
-        if s.tls_cert is not None:
-            port = server.add_secure_port(bind, server_credentials(s.tls_cert, s.tls_key,
-                                                                   s.tls_client_ca))
-        else:
-            port = server.add_insecure_port(bind)
-        if port == 0:
-            raise OSError(f"could not bind the shard to {bind}")
+        creds = (server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca)
+                 if s.tls_cert is not None else None)
+        server, port = serve(
+            f"{s.host}:{s.port}",
+            (self.collectives.handler(),
+             partial(health_pb2_grpc.add_HealthServicer_to_server, self._health)),
+            what="the shard", token=token, admin_token=admin, credentials=creds, bulk=True)
         await server.start()
         self._server, self.port = server, port
         self.address = self._advertised(port)

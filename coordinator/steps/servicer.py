@@ -16,6 +16,7 @@ from gradstar.errors import GradstarError, HubCapacityError, ProtocolError
 from gradstar.proto.v1 import steps_pb2 as pb
 from gradstar.proto.v1 import steps_pb2_grpc
 from gradstar.sync_modes import from_message
+from gradstar.transport.channels import PART_BYTES
 from gradstar.transport.status import abort
 
 from ..rendezvous.jobs import check_job_name
@@ -27,8 +28,6 @@ log = logging.getLogger(__name__)
 #: Longest a Fetch or Synchronize waits before answering "not ready" (the client asks again, so
 #: a dead hub or a lost answer is noticed within this).
 MAX_WAIT = 10.0
-#: Bytes of aggregates per Fetch answer message (below gRPC's message limit).
-PART_BYTES = 1 << 20
 #: A snapshot (parameters, buffers, optimizer state) may be this many times the largest
 #: gradient the hub takes; its layout this many characters.
 MAX_SNAPSHOT_SCALE = 4

@@ -126,7 +126,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.shards = shards
         self._drain = drain
 
-    async def ListJobs(self, request, context):
+    async def ListJobs(self, request: apb.ListJobsRequest,
+                       context: grpc.aio.ServicerContext) -> apb.ListJobsResponse:
         """Jobs in name order, a page at a time (jobs after ``page_token``)."""
         size = min(request.page_size or PAGE_SIZE, PAGE_SIZE)
         names = sorted(n for n in self.rendezvous.jobs if n > request.page_token)
@@ -135,18 +136,21 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             jobs=[job_summary(self.rendezvous.jobs[n]) for n in page],
             next_page_token=page[-1] if len(names) > size else "")
 
-    async def GetJob(self, request, context):
+    async def GetJob(self, request: apb.GetJobRequest,
+                     context: grpc.aio.ServicerContext) -> apb.GetJobResponse:
         job = self.rendezvous.jobs.get(request.job)
         if job is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")
         return job_detail(job, self.averaging.models(job.name), shards=self.shards)
 
-    async def ListShards(self, request, context):
+    async def ListShards(self, request: apb.ListShardsRequest,
+                         context: grpc.aio.ServicerContext) -> apb.ListShardsResponse:
         if self.shards is None:
             return apb.ListShardsResponse()
         return shard_list(self.shards)
 
-    async def ListRounds(self, request, context):
+    async def ListRounds(self, request: apb.ListRoundsRequest,
+                         context: grpc.aio.ServicerContext) -> apb.ListRoundsResponse:
         if self.rounds is None or request.job not in self.rounds.jobs():
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"no job named {request.job!r} has outer rounds")
@@ -167,6 +171,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return stragglers_reply(job.name, job, job_arrivals(self.metrics, self.shards, job.name),
                                 request.limit)
 
-    async def Drain(self, request, context):
+    async def Drain(self, request: apb.DrainRequest,
+                    context: grpc.aio.ServicerContext) -> apb.DrainResponse:
         await self._drain()
         return apb.DrainResponse(active_jobs=self.rendezvous.active_jobs())

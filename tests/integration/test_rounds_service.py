@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
-from gradstar.client.outer.rounds import PART_BYTES, RoundPolicySpec, RoundsClient
+from gradstar.client.outer.rounds import RoundPolicySpec, RoundsClient
 from gradstar.config import ClientSettings
 from gradstar.errors import (
     AuthenticationError,
@@ -20,6 +20,7 @@ from gradstar.errors import (
 )
 from gradstar.proto.v1 import rounds_pb2 as pb
 from gradstar.proto.v1 import rounds_pb2_grpc
+from gradstar.transport.channels import PART_BYTES
 from gradstar.transport.status import error_from_rpc
 from gradstar.wire.formats import roundtrip, wire_format
 

@@ -138,8 +138,8 @@ async def test_a_rank_that_dies_before_the_hub_attaches_its_eager_segment_is_los
     await asyncio.wait_for(exited.wait(), 10)
     real = collective_stream._offering
 
-    def offering(header, target, segment, geometry):
-        offer = real(header, target, segment, geometry)
+    def offering(call, target, segment):
+        offer = real(call, target, segment)
         if offer.rank == 1 and offer.HasField("shm"):
             offer.shm.pid, offer.shm.eager = exited.pid, True
         return offer

@@ -129,11 +129,11 @@ def test_no_import_circles():
 
 
 def test_the_circle_finder_finds_a_circle():
-    GRAPH["gradstar.wire"].add("gradstar.ops")  # ops imports wire: this closes a circle
+    GRAPH["gradstar.wire"].add("gradstar.ops.geometry")  # ops imports wire: this closes a circle
     try:
-        assert ["gradstar.ops", "gradstar.wire"] in _cycles()
+        assert ["gradstar.ops.geometry", "gradstar.wire"] in _cycles()
     finally:
-        GRAPH["gradstar.wire"].discard("gradstar.ops")
+        GRAPH["gradstar.wire"].discard("gradstar.ops.geometry")
 
 
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("gradstar.client")))
@@ -208,3 +208,11 @@ def test_the_over_limit_list_only_names_modules_still_over():
     # A module split below the limit leaves the list, so the list only shrinks.
     assert {name for name in OVER_LIMIT if name in MODULES and _lines(name) > MAX_LINES} == set(
         OVER_LIMIT)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "benchmarks").glob("*.py")), ids=lambda p: p.name)
+def test_no_benchmark_module_is_over_the_line_limit(path):
+    # benchmarks/ is no package of the wheel, but its scripts are read as the modules are.
+    lines = len(path.read_text(encoding="utf-8").splitlines())
+    assert lines <= MAX_LINES, (f"benchmarks/{path.name} has {lines} lines, over {MAX_LINES}: "
+                                "split it along its seams")

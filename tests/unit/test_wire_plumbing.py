@@ -11,9 +11,10 @@ from gradstar import errors, ops
 from gradstar.client.hierarchy import plan, programs
 from gradstar.coordinator.collective.matching import Limits, check_agrees, describe, validate
 from gradstar.coordinator.collective.reduce import BufferPool, EncodedChunkReducer, reducer_for
+from gradstar.ops import check_encoding
 from gradstar.proto.v1 import collective_pb2 as pb
-from gradstar.wire import ChunkLayout, as_byte_view, dtype_info
-from gradstar.wire.encoded import Encoding, aligned_wire_chunk_bytes, check_encoding
+from gradstar.wire import ChunkLayout, as_byte_view
+from gradstar.wire.encoded import Encoding, aligned_wire_chunk_bytes
 from gradstar.wire.formats import FORMATS, encode, roundtrip
 
 LIMITS = Limits(max_tensor_bytes=1 << 22, max_chunk_bytes=1 << 16)
@@ -69,7 +70,7 @@ def test_an_averaging_round_sends_encoded_and_answers_float32():
     g = ops.geometry_of(h, 4)
     assert g.layout == Encoding(FORMATS["int8"], 4).layout(g.values)
     assert g.out_layout == g.values_out == g.values  # float32 parameters come back
-    reducer = reducer_for(h, dtype_info(np.float32), 2, BufferPool())
+    reducer = reducer_for(ops.CollectiveCall.of(h, 2), BufferPool())
     xs = [np.linspace(-1, 1, 128, dtype=np.float32) * (r + 1) for r in range(2)]
     out = np.empty(128, np.float32)
     slot = reducer.fold(None, memoryview(encode("int8", xs[0])), 0)
@@ -132,7 +133,7 @@ def test_the_encoded_reducer_decodes_reduces_in_float32_and_encodes_once(op, ufu
     pool = BufferPool()
     values = ChunkLayout(1, 300 * 4, 128 * 4)
     h = header(reduce_op=op, shape=[300], chunk_bytes=512)
-    reducer = reducer_for(h, dtype_info(np.float32), 3, pool)
+    reducer = reducer_for(ops.CollectiveCall.of(h, 3), pool)
     assert isinstance(reducer, EncodedChunkReducer)
     xs = [np.random.default_rng(r).standard_normal(300).astype(np.float32) for r in range(3)]
     for index in range(values.count):
@@ -151,7 +152,7 @@ def test_the_encoded_reducer_decodes_reduces_in_float32_and_encodes_once(op, ufu
 
 
 def test_one_rank_gets_its_own_encoded_chunk_back():
-    reducer = reducer_for(header(shape=[100], chunk_bytes=512), dtype_info(np.float32), 1,
+    reducer = reducer_for(ops.CollectiveCall.of(header(shape=[100], chunk_bytes=512), 1),
                           BufferPool())
     payload = encode("int8", np.arange(100, dtype=np.float32))
     out = bytearray(len(payload))
@@ -176,7 +177,7 @@ def test_garbage_payloads_of_the_right_size_reduce_without_error_or_warning(name
     # hub reduces what it was sent, never crashes, and logs no numpy warnings for it.
     fmt = FORMATS[name]
     h = header(shape=[300], chunk_bytes=512, wire=fmt.wire)
-    reducer = reducer_for(h, dtype_info(np.float32), 3, BufferPool())
+    reducer = reducer_for(ops.CollectiveCall.of(h, 3), BufferPool())
     rng = np.random.default_rng(7)
     for index, n in ((0, 128), (1, 128), (2, 44)):
         parts = [rng.integers(0, 256, fmt.encoded_nbytes(n), dtype=np.uint8).tobytes()

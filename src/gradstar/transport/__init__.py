@@ -3,6 +3,7 @@ and the worker agent all share.
 
 - :mod:`.channels`: every channel and server option (with why), credentials, ``open_channel``
   and ``call_metadata``.
+- :mod:`.serve`: ``serve``, the one way every gRPC server is built and bound.
 - :mod:`.auth`: the token interceptor every server installs, and ``bearer`` for clients.
 - :mod:`.status`: gradstar errors to gRPC statuses and back.
 - :mod:`.http`: a GET-only HTTP endpoint (``/metrics``, ``/healthz``).

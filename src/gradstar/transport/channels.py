@@ -14,6 +14,10 @@ from .auth import bearer
 # A chunk frame plus its header, with room for control messages; anything larger is refused by
 # gRPC itself before the application allocates for it.
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + CHUNK_HEADER_BYTES + 64 * 1024
+#: Bytes of tensor data per message of a protobuf-framed stream (the Rounds and Steps
+#: services' parts): well below MAX_MESSAGE_BYTES, large enough that the per-message cost is
+#: noise beside the copy.
+PART_BYTES = 1 << 20
 
 KEEPALIVE_MS = 1_000
 #: Control connections and the coordinator: a peer that answers no ping for 2 s is gone (a host

@@ -18,17 +18,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gradstar.errors import ConfigurationError, GradstarError
 from gradstar.proto.v1 import collective_pb2 as pb
 
 from .chunks import ChunkLayout
-from .dtypes import dtype_from_wire, dtype_info
-from .formats import WireFormat, decode_into, encode_into, format_from_wire, wire_format
+from .dtypes import dtype_from_wire
+from .formats import WireFormat, decode_into, encode_into, format_from_wire
 from .frames import CHUNK_HEADER_BYTES, chunk_frame_buffer, seal_chunk_frame
 
 logger = logging.getLogger(__name__)
 
-_REDUCING = (pb.COLLECTIVE_OP_ALL_REDUCE, pb.COLLECTIVE_OP_REDUCE_SCATTER)
 _F32 = np.dtype(np.float32)
 
 
@@ -112,42 +110,6 @@ def carries(dtype) -> bool:
     return np.dtype(dtype).kind == "f" or np.dtype(dtype).name == "bfloat16"
 
 
-def check_encoding(name: str | None, dtype, op: int, reduce_op: int,
-                   chunk_elements: int | None = None, *,
-                   error: type[GradstarError] = ConfigurationError) -> WireFormat | None:
-    """The format called ``name`` (None: none), checked against the collective it is for
-    (``chunk_elements``: the chunk size in elements, if already chosen).
-
-    A wire format carries float tensors (float32, float64, float16, bfloat16; the hub reduces
-    in float32) of all_reduce and reduce_scatter; the 8- and 4-bit formats do not take
-    ``op='prod'`` (their absolute error per block makes a product's relative error unbounded);
-    a chunk holds whole blocks.
-
-    Raises:
-        ``error`` (ConfigurationError on a rank, before anything is sent; the hub passes
-        InvalidCollectiveError): any of the above violated, or an unknown format.
-    """
-    if name is None:
-        return None
-    try:
-        fmt = wire_format(name)
-    except ConfigurationError as e:
-        raise error(str(e)) from None
-    info = dtype_info(dtype)
-    if not carries(info.numpy):
-        raise error(f"wire={fmt.name!r} carries float tensors; a {info.name} tensor travels "
-                    "exactly in its own dtype (leave wire unset)")
-    if op not in _REDUCING:
-        raise error(f"wire={fmt.name!r} applies to all_reduce and reduce_scatter only")
-    if reduce_op == pb.REDUCE_OP_PROD and fmt.block:
-        raise error(f"op='prod' does not take wire={fmt.name!r}: a block format's error is "
-                    "absolute, so a product's relative error is unbounded; use bf16 or fp16")
-    if fmt.block and chunk_elements is not None and chunk_elements % fmt.block:
-        raise error(f"chunks of {chunk_elements} elements split {fmt.name}'s blocks of "
-                    f"{fmt.block}; chunk_bytes must hold a multiple of {fmt.block} elements")
-    return fmt
-
-
 def aligned_wire_chunk_bytes(chunk_bytes: int, itemsize: int, fmt: WireFormat | None) -> int:
     """``chunk_bytes`` rounded down to whole blocks of ``fmt`` (at least one), so no block
     straddles two chunks; unchanged without a format or for a cast."""
@@ -157,4 +119,4 @@ def aligned_wire_chunk_bytes(chunk_bytes: int, itemsize: int, fmt: WireFormat | 
     return max(unit, chunk_bytes - chunk_bytes % unit)
 
 
-__all__ = ["Encoding", "aligned_wire_chunk_bytes", "carries", "check_encoding"]
+__all__ = ["Encoding", "aligned_wire_chunk_bytes", "carries"]

@@ -96,6 +96,10 @@ class WireFormat:
     cast: np.dtype | None = None
     #: Finite magnitudes from here up round to ±Inf (a cast's range); inf: never.
     overflow: float = math.inf
+    #: A cast's documented error bound, ``relative * |x| + absolute`` (half an ulp and the
+    #: smallest subnormal); a block format's bound is computed per block (:func:`error_bound`).
+    relative: float = 0.0
+    absolute: float = 0.0
 
     @property
     def qmax(self) -> int:
@@ -121,8 +125,9 @@ class WireFormat:
 FORMATS: dict[str, WireFormat] = {
     f.name: f for f in (
         WireFormat("bf16", pb.WIRE_FORMAT_BF16, 16, 0, np.dtype(ml_dtypes.bfloat16),
-                   (2 - 2**-8) * 2.0**127),
-        WireFormat("fp16", pb.WIRE_FORMAT_FP16, 16, 0, np.dtype("<f2"), 65520.0),
+                   (2 - 2**-8) * 2.0**127, 2.0**-8, 2.0**-134),
+        WireFormat("fp16", pb.WIRE_FORMAT_FP16, 16, 0, np.dtype("<f2"), 65520.0, 2.0**-11,
+                   2.0**-25),
         WireFormat("int8", pb.WIRE_FORMAT_INT8, 8, 64),
         WireFormat("int4", pb.WIRE_FORMAT_INT4, 4, 64),
     )
@@ -381,10 +386,8 @@ def error_bound(fmt: str | WireFormat, x) -> np.ndarray:
     """
     fmt = wire_format(fmt)
     flat = _flat_f32(x).astype(np.float64)
-    if fmt.name == "bf16":
-        return 2.0**-8 * np.abs(flat) + 2.0**-134
-    if fmt.name == "fp16":
-        return 2.0**-11 * np.abs(flat) + 2.0**-25
+    if fmt.cast is not None:
+        return fmt.relative * np.abs(flat) + fmt.absolute
     bound = np.empty_like(flat)
     for rows, brow in zip(_blocked(flat, fmt.block), _blocked(bound, fmt.block), strict=True):
         finite = np.isfinite(rows)
