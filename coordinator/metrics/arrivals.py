@@ -31,8 +31,10 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from gradstar.node_shard import HOST_GROUP
 
 #: The Prometheus buckets of ``gradstar_rank_arrival_lag_seconds``, seconds: ranks in step
 #: arrive within milliseconds; stragglers lag by seconds.
@@ -258,3 +260,39 @@ def from_message(message) -> RankArrivals:
         v if math.isfinite(v) and v >= 0 else 0.0 for v in values)
     return RankArrivals(message.collectives, min(message.last, message.collectives), lag_sum,
                         ewma, last_lag, max_lag, min(min_lag, max_lag), cost, buckets)
+
+
+def stage_arrivals(job: str, generation: int, hosts: Mapping[int, str],
+                   arrivals_of: Callable[[str], Mapping[int, RankArrivals]],
+                   ) -> dict[int, RankArrivals]:
+    """The arrivals of a two-level job's stages (gradstar.client.hierarchy) by its own ranks.
+
+    A generation that spans hosts with several ranks on some runs its collectives in groups of
+    their own: ``JOB/gN/host-KEY`` (a host's ranks, local rank i = the host's i-th rank in
+    rank order) and ``JOB/gN/leaders`` (one rank per host, hosts ordered by their lowest
+    rank). ``hosts`` is the generation's rank -> host key; ``arrivals_of(name)`` a group's
+    summaries. A host's lag among the leaders is its every rank's (across hosts the hub sees
+    hosts: a slowed host's ranks are all named); a rank's lag within its host is its own.
+    Where a rank has both, the larger (by recent lag) stands.
+    """
+    by_host: dict[str, list[int]] = {}
+    for rank in sorted(hosts):
+        by_host.setdefault(hosts[rank], []).append(rank)
+    if len(by_host) < 2 or all(len(ranks) == 1 for ranks in by_host.values()):
+        return {}
+    layout = sorted(by_host.values(), key=lambda ranks: ranks[0])
+    base = f"{job}/g{generation}"
+    out: dict[int, RankArrivals] = {}
+
+    def take(rank: int, summary: RankArrivals) -> None:
+        if rank not in out or summary.ewma > out[rank].ewma:
+            out[rank] = summary
+
+    for index, summary in arrivals_of(f"{base}/leaders").items():
+        for rank in layout[index] if 0 <= index < len(layout) else ():
+            take(rank, summary)
+    for key, ranks in by_host.items():
+        for local, summary in arrivals_of(f"{base}{HOST_GROUP}{key}").items():
+            if 0 <= local < len(ranks):
+                take(ranks[local], summary)
+    return out

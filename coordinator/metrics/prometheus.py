@@ -39,7 +39,7 @@ from gradstar.errors import GradstarError
 from gradstar.ops import op_name
 from gradstar.proto.v1 import collective_pb2 as pb
 
-from .arrivals import LAG_BUCKETS, ArrivalBook, RankArrivals, merge, merged, slowest
+from .arrivals import LAG_BUCKETS, ArrivalBook, RankArrivals, merge, merged, slowest, stage_arrivals
 from .steps import steps_families
 
 log = logging.getLogger(__name__)
@@ -215,7 +215,7 @@ def _render(rendezvous, collectives: CollectiveMetrics, averaging, serving: bool
     durations: dict[str, list] = {}
     for (job, op, outcome), hist in sorted(collectives.durations.items()):
         durations.setdefault(job, []).append((op, outcome, hist))
-    lags = {job.name: _rank_series(job_arrivals(collectives, shards, job.name))
+    lags = {job.name: _rank_series(job_arrivals(collectives, shards, job.name, job.generation))
             for job in jobs if job.formed}
     formed = sorted((j for j in jobs if j.formed),
                     key=lambda j: (_STATES.index(j.state) if j.state in _STATES else 9, j.name))
@@ -319,13 +319,23 @@ def _job_samples(job, durations, lags, averaging, shards, now: float) -> dict[st
     return out
 
 
-def job_arrivals(collectives: CollectiveMetrics, shards, job: str) -> dict[int, RankArrivals]:
+def job_arrivals(collectives: CollectiveMetrics, shards, job: str,
+                 generation=None) -> dict[int, RankArrivals]:
     """``job``'s per-rank arrival summaries wherever its collectives ran: the coordinator's
-    own engine and, with ``shards`` (a :class:`~..shards.ShardRegistry`), every hub shard."""
-    own = collectives.arrivals.ranks(job)
-    if shards is None:
-        return dict(own)
-    return merged([own, *shards.job_arrivals(job)])
+    own engine and, with ``shards`` (a :class:`~..shards.ShardRegistry`), every hub shard;
+    with its current ``generation``, also its two-level stages' (:func:`.arrivals.
+    stage_arrivals`), by its own ranks."""
+    def of(name: str) -> dict[int, RankArrivals]:
+        own = collectives.arrivals.ranks(name)
+        return dict(own) if shards is None else merged([own, *shards.job_arrivals(name)])
+
+    ranks = of(job)
+    if generation is not None:
+        hosts = {rank: m.host for rank, m in generation.members.items()}
+        for rank, summary in stage_arrivals(job, generation.number, hosts, of).items():
+            if rank not in ranks or summary.ewma > ranks[rank].ewma:
+                ranks[rank] = summary
+    return ranks
 
 
 def _rank_series(ranks: dict[int, RankArrivals]) -> list[tuple[str, RankArrivals]]:

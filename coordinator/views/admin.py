@@ -168,8 +168,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         job = self.rendezvous.jobs.get(request.job)
         if job is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")
-        return stragglers_reply(job.name, job, job_arrivals(self.metrics, self.shards, job.name),
-                                request.limit)
+        arrivals = job_arrivals(self.metrics, self.shards, job.name, job.generation)
+        return stragglers_reply(job.name, job, arrivals, request.limit)
 
     async def Drain(self, request: apb.DrainRequest,
                     context: grpc.aio.ServicerContext) -> apb.DrainResponse:

@@ -258,7 +258,7 @@ class CoordinatorStatus:
                     mine[op] = mine.get(op, 0) + n
         b_in, b_out = self.job_bytes(job)
         rate_in, rate_out = self.rates.rate(job.name)
-        arrivals = job_arrivals(self.metrics, self.shards, job.name)
+        arrivals = job_arrivals(self.metrics, self.shards, job.name, job.generation)
         return {
             "name": job.name,
             "state": job.state,

@@ -157,3 +157,30 @@ def test_flagged_are_the_ranks_that_stand_out():
     assert slowest(ranks)[:2] == [4, 5]
     assert flagged({r: steady(0.004 + r * 1e-3) for r in range(4)}) == set()  # jitter
     assert flagged({0: steady(1.0)}) == set()
+
+
+def _lagging(lag: float, times: int = 5) -> RankArrivals:
+    summary = RankArrivals()
+    for _ in range(times):
+        summary.observe(lag)
+    return summary
+
+
+def test_two_level_stages_are_folded_into_the_jobs_own_ranks():
+    from gradstar.coordinator.metrics.arrivals import stage_arrivals
+
+    # Hosts a (ranks 0, 3), b (1, 4), c (2, 5); leaders ordered by lowest rank: a, b, c.
+    hosts = {0: "a", 1: "b", 2: "c", 3: "a", 4: "b", 5: "c"}
+    groups = {
+        "j/g4/leaders": {0: _lagging(0.0), 1: _lagging(0.3), 2: _lagging(0.0)},  # b is late
+        "j/g4/host-a": {0: _lagging(0.0), 1: _lagging(0.005)},  # rank 3 a bit late in a
+        "j/g4/host-b": {0: _lagging(0.0), 1: _lagging(0.0)},
+    }
+    ranks = stage_arrivals("j", 4, hosts, lambda name: groups.get(name, {}))
+    assert sorted(ranks) == [0, 1, 2, 3, 4, 5]
+    assert ranks[1].ewma == ranks[4].ewma == pytest.approx(0.3)  # the slowed host's ranks
+    assert ranks[3].ewma == pytest.approx(0.005) and ranks[0].ewma == 0.0
+    assert flagged(ranks) == {1, 4}
+    # One rank per host, or one host: no stages, nothing folded.
+    assert stage_arrivals("j", 4, {0: "a", 1: "b"}, lambda name: groups["j/g4/leaders"]) == {}
+    assert stage_arrivals("j", 4, {0: "a", 1: "a"}, lambda name: groups["j/g4/host-a"]) == {}
