@@ -11,6 +11,7 @@ with status 1 in the first round (torchelastic's restart count 0), right after j
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -59,6 +60,13 @@ def main() -> None:
         report["coordinator"] = group.options["coordinator"]
         report["shards"] = list(group.gradstar_group.shards)
     (out / f"{backend}-rank{rank}.json").write_text(json.dumps(report))
+    # DDP's reducer holds the group: drop it first, so that destroy_process_group joins gloo's
+    # worker threads while the interpreter is alive. Otherwise a gloo thread may still destroy
+    # a finished work object (which takes the GIL) during finalization, and CPython ends that
+    # thread with a forced unwind through torch's C++: SIGABRT, "terminate called without an
+    # active exception" (seen in a core dump of the gloo reference run).
+    del ddp, opt
+    gc.collect()
     dist.destroy_process_group()
 
 
