@@ -272,8 +272,9 @@ def stage_arrivals(job: str, generation: int, hosts: Mapping[int, str],
     rank order) and ``JOB/gN/leaders`` (one rank per host, hosts ordered by their lowest
     rank). ``hosts`` is the generation's rank -> host key; ``arrivals_of(name)`` a group's
     summaries. A host's lag among the leaders is its every rank's (across hosts the hub sees
-    hosts: a slowed host's ranks are all named); a rank's lag within its host is its own.
-    Where a rank has both, the larger (by recent lag) stands.
+    hosts: a slowed host's ranks are all named); a rank's lag within its host is its own,
+    but for the host's leader, whose wait among the leaders makes it late at home. Where a
+    rank has both, the larger (by recent lag) stands.
     """
     by_host: dict[str, list[int]] = {}
     for rank in sorted(hosts):
@@ -293,6 +294,9 @@ def stage_arrivals(job: str, generation: int, hosts: Mapping[int, str],
             take(rank, summary)
     for key, ranks in by_host.items():
         for local, summary in arrivals_of(f"{base}{HOST_GROUP}{key}").items():
-            if 0 <= local < len(ranks):
+            # Not the leader's (local rank 0): it reaches its host's next collective late by
+            # its wait in the leaders' stage, the other hosts' doing; its own slowness shows
+            # there, as its host's.
+            if 0 < local < len(ranks):
                 take(ranks[local], summary)
     return out

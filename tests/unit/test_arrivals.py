@@ -173,7 +173,8 @@ def test_two_level_stages_are_folded_into_the_jobs_own_ranks():
     hosts = {0: "a", 1: "b", 2: "c", 3: "a", 4: "b", 5: "c"}
     groups = {
         "j/g4/leaders": {0: _lagging(0.0), 1: _lagging(0.3), 2: _lagging(0.0)},  # b is late
-        "j/g4/host-a": {0: _lagging(0.0), 1: _lagging(0.005)},  # rank 3 a bit late in a
+        # Rank 3 a bit late in a; a's leader late at home only for its wait among the leaders.
+        "j/g4/host-a": {0: _lagging(0.5), 1: _lagging(0.005)},
         "j/g4/host-b": {0: _lagging(0.0), 1: _lagging(0.0)},
     }
     ranks = stage_arrivals("j", 4, hosts, lambda name: groups.get(name, {}))
