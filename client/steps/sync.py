@@ -7,11 +7,12 @@ How one training step runs (the loop stays ``zero_grad / forward / backward / op
    flat float32 vector, with a weight) go to the hub, computed on the
    parameters after ``have`` aggregates. The hub answers which step they joined (or that they
    were dropped: computed on parameters the group has moved past).
-2. ``optimizer.step()`` is :meth:`StepSync.catch_up`: it waits until the step its gradient
-   joined has closed (how long is the mode's business, decided on the hub), fetches every
-   aggregate after ``have`` and applies each one in order: its values into ``.grad``, then the
-   optimizer's own ``step()``. Every rank applies the same aggregates in the same order with the
-   same optimizer, so replicas stay bitwise identical whatever the mode.
+2. ``optimizer.step()`` is :meth:`StepSync.catch_up`: with Quorum it waits until the step its
+   gradient joined has closed (BoundedStaleness and Asynchronous never wait here: a rank's next
+   gradient closes its previous step on the hub), fetches every aggregate after ``have`` and
+   applies each one in order: its values into ``.grad``, then the optimizer's own ``step()``.
+   Every rank applies the same aggregates in the same order with the same optimizer, so
+   replicas stay bitwise identical whatever the mode.
 3. :meth:`StepSync.synchronize` (every rank): a barrier on the hub; afterwards every rank has
    applied every aggregate of every contribution made before it.
 
