@@ -17,6 +17,7 @@ from gradstar.proto.v1 import rounds_pb2 as pb
 from gradstar.proto.v1 import rounds_pb2_grpc
 from gradstar.transport.channels import PART_BYTES
 from gradstar.transport.status import abort
+from gradstar.wire.chunks import take_part
 from gradstar.wire.formats import FORMATS, WireFormat, decode_into, wire_format
 
 from ..rendezvous.jobs import check_job_name
@@ -134,11 +135,11 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
         # An encoded contribution is read whole, then decoded to float32 once.
         encoded = (bytearray(fmt.encoded_nbytes(header.numel)) if fmt is not None else None)
         view = memoryview(encoded if encoded is not None else out).cast("B")
-        filled = self._take(first.data, view, 0)
+        filled = take_part(first.data, view, 0, self.max_chunk_bytes, "a rounds")
         async for part in parts:
             if part.HasField("header"):
                 raise ProtocolError("a rounds stream carries one header, at its start")
-            filled = self._take(part.data, view, filled)
+            filled = take_part(part.data, view, filled, self.max_chunk_bytes, "a rounds")
         if filled != len(view):
             raise ProtocolError(
                 f"replica {header.key.replica!r} announced {header.numel} "
@@ -148,15 +149,6 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
             decode_into(fmt, encoded, out)
         return header, out.astype(np.float32, copy=False)
 
-    def _take(self, data: bytes, view: memoryview, filled: int) -> int:
-        n = len(data)
-        if n > self.max_chunk_bytes:
-            raise ProtocolError(f"a rounds data part of {n} bytes is over the "
-                                f"{self.max_chunk_bytes}-byte chunk limit")
-        if filled + n > len(view):
-            raise ProtocolError("a rounds stream sent more data than its header announced")
-        view[filled:filled + n] = data
-        return filled + n
 
     def _round_closed(self, job: str, model: str, fragment: int) -> None:
         # Wake every waiting Fetch; each rechecks its own fragment.

@@ -18,6 +18,7 @@ from gradstar.proto.v1 import steps_pb2_grpc
 from gradstar.sync_modes import from_message
 from gradstar.transport.channels import PART_BYTES
 from gradstar.transport.status import abort
+from gradstar.wire.chunks import take_part
 
 from ..rendezvous.jobs import check_job_name
 from .ledger import ClosedStep, StepLedger
@@ -129,9 +130,9 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
                     f"{len(h.layout)} characters) is over this coordinator's limits")
             data = bytearray(h.nbytes)
             view = memoryview(data)
-            filled = self._take(first.data, view, 0)
+            filled = take_part(first.data, view, 0, self.max_chunk_bytes, "a Steps")
             async for part in parts:
-                filled = self._take(part.data, view, filled)
+                filled = take_part(part.data, view, filled, self.max_chunk_bytes, "a Steps")
             if filled != h.nbytes:
                 raise ProtocolError(f"rank {h.key.rank} announced a snapshot of {h.nbytes} "
                                     f"bytes but sent {filled}; nothing was kept")
@@ -178,25 +179,16 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
         """
         out = np.empty(numel, dtype="<f4")
         view = memoryview(out).cast("B")
-        filled = self._take(first.data, view, 0)
+        filled = take_part(first.data, view, 0, self.max_chunk_bytes, "a Steps")
         async for part in parts:
             if part.HasField("header"):
                 raise ProtocolError("a Contribute stream carries one header, at its start")
-            filled = self._take(part.data, view, filled)
+            filled = take_part(part.data, view, filled, self.max_chunk_bytes, "a Steps")
         if filled != len(view):
             raise ProtocolError(f"{who} announced {numel} float32 values but sent {filled} "
                                 "bytes; the stream was cut or malformed and nothing was used")
         return out.astype(np.float32, copy=False)
 
-    def _take(self, data: bytes, view: memoryview, filled: int) -> int:
-        n = len(data)
-        if n > self.max_chunk_bytes:
-            raise ProtocolError(f"a Contribute data part of {n} bytes is over the "
-                                f"{self.max_chunk_bytes}-byte chunk limit")
-        if filled + n > len(view):
-            raise ProtocolError("a Steps stream sent more data than its header announced")
-        view[filled:filled + n] = data
-        return filled + n
 
     async def _wait(self, ready: Callable[[], bool], seconds: float) -> None:
         loop = asyncio.get_running_loop()

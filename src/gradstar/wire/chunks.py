@@ -171,6 +171,23 @@ def place_chunk(index: int, payload: memoryview, tracker: ChunkTracker,
     out[offset:offset + payload.nbytes] = payload
 
 
+def take_part(data: bytes, view: memoryview, filled: int, max_part: int, what: str) -> int:
+    """Copy one data part of a header-first protobuf stream (the Rounds and Steps services)
+    into ``view`` at ``filled``; the new fill. ``what`` names the stream ("a rounds").
+
+    Raises:
+        ProtocolError: the part is over ``max_part`` bytes, or past what the header announced.
+    """
+    n = len(data)
+    if n > max_part:
+        raise ProtocolError(f"{what} data part of {n} bytes is over the {max_part}-byte chunk "
+                            "limit")
+    if filled + n > len(view):
+        raise ProtocolError(f"{what} stream sent more data than its header announced")
+    view[filled:filled + n] = data
+    return filled + n
+
+
 def as_byte_view(array: np.ndarray) -> memoryview:
     """A flat byte view of a C-contiguous array (no copy)."""
     return memoryview(array.reshape(-1).view(np.uint8))
@@ -178,4 +195,4 @@ def as_byte_view(array: np.ndarray) -> memoryview:
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "MAX_CHUNKS", "MAX_CHUNK_BYTES", "ChunkLayout", "ChunkTracker",
            "aligned_chunk_bytes", "as_byte_view", "check_chunk_count", "iter_chunk_frames",
-           "place_chunk", "receive_chunk"]
+           "place_chunk", "receive_chunk", "take_part"]
