@@ -87,7 +87,7 @@ from .buckets import BucketLaunch, BucketPlan, StepTimeline, SyncStep, TensorSpe
 from .convert import is_cpu_tensor
 from .error_feedback import check_error_feedback
 from .process_group import ProcessGroup
-from .steps.modes import SyncModes
+from .steps.modes import SyncModes, resumes_from_hub
 from .torch_common import (
     GRAD_DTYPES,
     broadcast_from_rank0,
@@ -201,7 +201,7 @@ class DistributedDataParallel(SyncModes, nn.Module):
         self.last_step_timeline: StepTimeline | None = None
 
         mode = check_mode(sync_mode or Synchronous())
-        joining = mode.on_ledger and pg.replacement  # an elastic join: state from the hub
+        joining = mode.on_ledger and resumes_from_hub(pg, "ddp")  # state from the hub
         if not joining:
             broadcast_from_rank0(pg, [*module.parameters(), *module.buffers()], cap)
         self.sync_mode: SyncMode = Synchronous()

@@ -36,7 +36,7 @@ from .metrics import render_async
 from .rendezvous import Rendezvous, RendezvousServicer
 from .rounds import AveragingStore, RoundsServicer, RoundsTable
 from .shards import LocalShards, ShardControlServicer, ShardRegistry
-from .steps import StepsServicer, StepsTable
+from .steps import SnapshotStore, StepsServicer, StepsTable
 from .views import AdminServicer, CoordinatorStatus, status_routes
 
 log = logging.getLogger(__name__)
@@ -123,9 +123,13 @@ class Coordinator:
             max_numel=s.max_tensor_bytes // 4, max_held_bytes=s.max_collective_state_bytes)
         # DDP steps in sync modes (Quorum, BoundedStaleness, Asynchronous): a rank silent for
         # the heartbeat timeout leaves the live set, as its session would.
+        # With a state directory the ledgers' snapshots are saved, and a ledger made after a
+        # restart starts from its saved one (its ranks resume there).
+        store = SnapshotStore(s.state_dir) if s.state_dir is not None else None
         self.steps = StepsTable(max_numel=s.max_tensor_bytes // 4,
                                 max_held_bytes=s.max_collective_state_bytes,
-                                lease=s.heartbeat_timeout)
+                                lease=s.heartbeat_timeout,
+                                load=store.load if store is not None else None)
         self.rendezvous = Rendezvous(
             s.heartbeat_timeout, on_generation_failed=self._generation_failed,
             on_generation_formed=lambda g: self.shards.on_formed(g),
@@ -160,7 +164,7 @@ class Coordinator:
         # Outer rounds carry tensors too: served there (named in Seed replies) and here.
         rounds = RoundsServicer(self.rounds, s.max_chunk_bytes)
         # DDP's sync-mode steps carry whole gradients: on the collective port only.
-        self._steps = StepsServicer(self.steps, s.max_chunk_bytes)
+        self._steps = StepsServicer(self.steps, s.max_chunk_bytes, store)
         bulk, self.collective_port = serve(
             f"{s.host}:{s.collective_port}",
             (self.collectives.handler(),

@@ -71,6 +71,13 @@ class SyncModes:
         return None if self._steps is None else self._steps.stats
 
 
+def resumes_from_hub(pg, model: str) -> bool:
+    """See :func:`.sync.resumes_from_hub`."""
+    from .sync import resumes_from_hub as ask
+
+    return ask(pg, model)
+
+
 def _step_sync(ddp, mode: SyncMode):
     """The ledger driver of ``ddp`` (made at its first ledger mode)."""
     from .sync import StepSync

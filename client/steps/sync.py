@@ -79,6 +79,10 @@ class SyncStats:
     """
 
     mode: str
+    #: Aggregates applied to this rank's parameters (its position in the hub's step log; a
+    #: rank that started from a snapshot counts the snapshot's steps too).
+    step: int = 0
+    #: Aggregates this process applied.
     steps_applied: int = 0
     contributions: int = 0
     accepted: int = 0
@@ -216,7 +220,7 @@ class StepSync:
         """
         steps, layout, data = self._run(self._client.get_snapshot(self.timeout))
         unpack(layout, data, self.module, self._optimizer)
-        self.have = steps
+        self.have = self.stats.step = steps
         self._catch_up_to(0)
         log.info("rank %d joined at step %d (snapshot of step %d)", self._client.key.rank,
                  self.have, steps)
@@ -269,7 +273,7 @@ class StepSync:
                                 f"{self.have}; aggregates must be applied in order")
             self._write_grads(values)
             self._optimizer_step()
-            self.have = record.step
+            self.have = self.stats.step = record.step
             self.stats.steps_applied += 1
             self.stats.step_sizes[len(record.ranks)] += 1
             self.stats.step_staleness.update(record.staleness)
@@ -308,6 +312,25 @@ class StepSync:
             await self._client.heartbeat(self.have, leave=True)
         await self._client.close()
         self.detach()
+
+
+def resumes_from_hub(pg, model: str) -> bool:
+    """Whether a DDP rank starting now in a ledger mode takes its state from the hub (a
+    snapshot and the aggregates after it) instead of rank 0's broadcast: it took a lost rank's
+    place (an elastic join), or the hub holds a snapshot of ``model`` (the job trained before:
+    its ranks were restarted, or the coordinator was, with ``--state-dir``). Every rank that
+    starts together gets the same answer: nothing trains until all of them did."""
+    if pg.replacement:
+        return True
+
+    async def ask() -> bool:
+        client = StepsClient(pg.settings, pg.collective_address, model, pg.rank, pg.world_size)
+        try:
+            return (await client.heartbeat(0, timeout=pg.settings.timeout)).has_snapshot
+        finally:
+            await client.close()
+
+    return pg.submit(ask()).result()
 
 
 async def _make_client(*args) -> StepsClient:

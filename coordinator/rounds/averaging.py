@@ -198,28 +198,38 @@ class AveragingStore:
 
     @staticmethod
     def _save(path: Path, model: GlobalModel) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         arrays = {"params": model.params, "rounds": np.array(model.rounds, dtype=np.int64)}
         if model.momentum is not None:
             arrays["momentum"] = model.momentum
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                np.savez(out, **arrays)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself must survive a crash
-        finally:
-            os.close(dir_fd)
+        save_arrays(path, arrays)
 
     @staticmethod
     def _load(path: Path) -> GlobalModel:
         with np.load(path, allow_pickle=False) as data:
             momentum = data["momentum"].astype(np.float32) if "momentum" in data else None
             return GlobalModel(data["params"].astype(np.float32), momentum, int(data["rounds"]))
+
+
+def save_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Write ``arrays`` to ``path`` (npz, no pickle) so that a crash leaves the old file or the
+    new one, never a torn one: a temporary file beside it, fsync, rename, fsync of the folder.
+
+    Raises:
+        OSError: writing failed; the old file (if any) is untouched.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            np.savez(out, **arrays)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself must survive a crash
+    finally:
+        os.close(dir_fd)

@@ -3,6 +3,7 @@
 
 from .ledger import StepLedger
 from .servicer import StepsServicer
+from .store import SnapshotStore
 from .table import StepsTable
 
-__all__ = ["StepLedger", "StepsServicer", "StepsTable"]
+__all__ = ["SnapshotStore", "StepLedger", "StepsServicer", "StepsTable"]

@@ -22,6 +22,7 @@ from gradstar.wire.chunks import take_part
 
 from ..rendezvous.jobs import check_job_name
 from .ledger import ClosedStep, StepLedger
+from .store import SnapshotStore
 from .table import StepsTable
 
 log = logging.getLogger(__name__)
@@ -39,9 +40,13 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
     """Contribute, Fetch, Heartbeat and Synchronize over :class:`StepsTable`; closes Quorum
     steps at their deadlines."""
 
-    def __init__(self, table: StepsTable, max_chunk_bytes: int) -> None:
+    def __init__(self, table: StepsTable, max_chunk_bytes: int,
+                 store: SnapshotStore | None = None) -> None:
         self.table = table
         self.max_chunk_bytes = max_chunk_bytes
+        self.store = store
+        self._saving: dict[tuple[str, str], asyncio.Lock] = {}
+        self._saved: dict[tuple[str, str], int] = {}
         self._changed = asyncio.Event()
         table.on_change = self._on_change
         self._timer: asyncio.TimerHandle | None = None
@@ -99,7 +104,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             ledger = self._ledger(request.key)
             self.table.heartbeat(ledger, request.key.rank, request.have, request.leave)
             self._arm_timer()
-            return pb.StepsState(steps=ledger.steps, live=sorted(ledger.live()))
+            return _state(ledger)
         except GradstarError as error:
             await abort(context, error)
 
@@ -137,7 +142,8 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
                 raise ProtocolError(f"rank {h.key.rank} announced a snapshot of {h.nbytes} "
                                     f"bytes but sent {filled}; nothing was kept")
             self.table.put_snapshot(ledger, h.key.rank, h.steps, h.layout, bytes(data))
-            return pb.StepsState(steps=ledger.steps, live=sorted(ledger.live()))
+            await self._save(ledger)
+            return _state(ledger)
         except GradstarError as error:
             await abort(context, error)
 
@@ -159,6 +165,25 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             nbytes=len(snapshot.data)))
         for start in range(0, len(snapshot.data), PART_BYTES):
             yield pb.SnapshotPart(data=snapshot.data[start:start + PART_BYTES])
+
+    async def _save(self, ledger: StepLedger) -> None:
+        """Write the ledger's snapshot to the state directory (if any), off the event loop;
+        one write per ledger at a time, and never an older snapshot over a newer one. A failed
+        write is logged: the snapshot still serves joiners from memory."""
+        if self.store is None:
+            return
+        key = (ledger.job, ledger.model)
+        async with self._saving.setdefault(key, asyncio.Lock()):
+            snapshot = ledger.snapshot
+            if snapshot is None or self._saved.get(key, -1) >= snapshot.steps:
+                return
+            try:
+                await asyncio.to_thread(self.store.save, ledger.job, ledger.model, snapshot)
+            except OSError as error:
+                log.error("could not save the snapshot of model %r of job %r: %s",
+                          ledger.model, ledger.job, error)
+                return
+            self._saved[key] = snapshot.steps
 
     def sweep(self) -> None:
         """Take silent ranks out of the live sets (the coordinator's sweep calls this)."""
@@ -234,6 +259,13 @@ async def _first(parts, what: str = "Contribute"):
     if not first.HasField("header"):
         raise ProtocolError(f"a {what} stream must begin with its header")
     return first
+
+
+def _state(ledger: StepLedger) -> pb.StepsState:
+    snapshot = ledger.snapshot
+    return pb.StepsState(steps=ledger.steps, live=sorted(ledger.live()),
+                         has_snapshot=snapshot is not None,
+                         snapshot_steps=snapshot.steps if snapshot is not None else 0)
 
 
 def _record(step: ClosedStep) -> pb.StepRecord:

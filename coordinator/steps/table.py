@@ -40,13 +40,15 @@ class StepsTable:
 
     def __init__(self, *, max_numel: int, max_held_bytes: int, lease: float,
                  history: int = HISTORY, clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None,
+                 load: Callable[[str, str], Snapshot | None] | None = None) -> None:
         self.max_numel = max_numel
         self.max_held_bytes = max_held_bytes
         self.lease = lease
         self.history = history
         self.clock = clock
         self.on_change = on_change or (lambda: None)
+        self.load = load
         self.ledgers: dict[tuple[str, str], StepLedger] = {}
         self.held_bytes = 0
 
@@ -62,11 +64,29 @@ class StepsTable:
         if ledger is None:
             ledger = self.ledgers[(job, model)] = StepLedger(job, model, world_size,
                                                              self.clock())
+            saved = self.load(job, model) if self.load is not None else None
+            if saved is not None:
+                self._resume(ledger, saved)
         elif ledger.world_size != world_size:
             raise StepMismatchError(
                 f"model {model!r} of job {job!r} steps with {ledger.world_size} ranks, not "
                 f"{world_size}")
         return ledger
+
+    def _resume(self, ledger: StepLedger, saved: Snapshot) -> None:
+        """Start a new ledger from a saved snapshot (a restarted coordinator's): its steps
+        continue from there and every rank is expected at it (they load it as they start)."""
+        size = len(saved.data) + len(saved.layout)
+        if self.held_bytes + size > self.max_held_bytes:
+            log.error("job %r: the saved snapshot of %r (%d bytes) does not fit the hub's "
+                      "memory bound; its ranks start without it", ledger.job, ledger.model, size)
+            return
+        ledger.snapshot = saved
+        self.held_bytes += size
+        ledger.steps = saved.steps
+        ledger.open = OpenStep(saved.steps + 1)
+        for state in ledger.ranks.values():
+            state.base = saved.steps
 
     def seen(self, ledger: StepLedger, rank: int) -> RankState:
         """``rank`` called now: live again if it had left the live set.

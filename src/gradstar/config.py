@@ -96,7 +96,8 @@ class CoordinatorSettings(BaseSettings):
         1800.0, gt=0, description="upper bound on the timeout a client may ask for"
     )
     state_dir: Path | None = Field(
-        None, description="where each job's global model is saved after every averaging round")
+        None, description="where each job's global model is saved after every averaging "
+                          "round, and the latest snapshot of each sync-mode DDP model")
     drain_grace: float = Field(5.0, ge=0)
     measure_arrivals: bool = Field(
         True, description="time each rank's arrival at every collective (one timestamp per "

@@ -55,6 +55,13 @@ def params_of(model: nn.Module) -> dict[str, list[float]]:
     return {k: v.detach().reshape(-1).tolist() for k, v in model.state_dict().items()}
 
 
+def state_of(ddp, model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """The rank's step count (aggregates applied), parameters and momentum buffers."""
+    momentum = [opt.state[p]["momentum_buffer"].reshape(-1).tolist()
+                for p in model.parameters() if "momentum_buffer" in opt.state[p]]
+    return {"step": ddp.sync_stats().step, "params": params_of(model), "momentum": momentum}
+
+
 def mode_of(args):
     import gradstar
 
@@ -111,6 +118,9 @@ def main() -> None:
     parser.add_argument("--stop-rank", type=int, default=-1)
     parser.add_argument("--stop-at", type=int, default=-1)
     parser.add_argument("--stop-how", choices=["kill", "stall"], default="kill")
+    parser.add_argument("--print-states", action="store_true",
+                        help="print the step count, parameters and momentum at the start and "
+                             "after every optimizer step")
     args = parser.parse_args()
 
     import gradstar
@@ -124,6 +134,8 @@ def main() -> None:
     ddp = gradstar.DDP(model, pg, sync_mode=mode_of(args), optimizer=opt)
     if weights:
         ddp.contribution_weight = weights[rank]
+    if args.print_states:
+        print(json.dumps({"rank": rank, "start": state_of(ddp, model, opt)}), flush=True)
     for i in range(args.steps):
         if rank == args.stop_rank and i == args.stop_at:
             if args.stop_how == "kill":
@@ -142,6 +154,8 @@ def main() -> None:
                                            "staleness": c.staleness}
         print(json.dumps({"rank": rank, "contribution": {**c, "iteration": i}}), flush=True)
         opt.step()
+        if args.print_states:
+            print(json.dumps({"rank": rank, "state": state_of(ddp, model, opt)}), flush=True)
     ddp.synchronize()
     stats = ddp.sync_stats()
     steps = ([{"step": s.step, "ranks": list(s.ranks), "weights": list(s.weights),

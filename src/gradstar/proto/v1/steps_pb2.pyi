@@ -141,12 +141,16 @@ class StepsHeartbeat(_message.Message):
     def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., have: _Optional[int] = ..., leave: _Optional[bool] = ...) -> None: ...
 
 class StepsState(_message.Message):
-    __slots__ = ("steps", "live")
+    __slots__ = ("steps", "live", "has_snapshot", "snapshot_steps")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     LIVE_FIELD_NUMBER: _ClassVar[int]
+    HAS_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_STEPS_FIELD_NUMBER: _ClassVar[int]
     steps: int
     live: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, steps: _Optional[int] = ..., live: _Optional[_Iterable[int]] = ...) -> None: ...
+    has_snapshot: bool
+    snapshot_steps: int
+    def __init__(self, steps: _Optional[int] = ..., live: _Optional[_Iterable[int]] = ..., has_snapshot: _Optional[bool] = ..., snapshot_steps: _Optional[int] = ...) -> None: ...
 
 class SynchronizeRequest(_message.Message):
     __slots__ = ("key", "barrier", "wait_seconds")
