@@ -44,7 +44,8 @@ def coordinator_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     p.add_argument("--tls-client-ca", help="CA that client certificates must chain to (mTLS)")
     p.add_argument("--max-tensor-bytes", type=int, help="largest payload a rank may send")
     _capacity_args(p)
-    p.add_argument("--state-dir", help="directory for the jobs' global models (LocalSGD/DiLoCo)")
+    p.add_argument("--state-dir", help="directory for the jobs' global models (LocalSGD/DiLoCo) "
+                   "and sync-mode snapshots")
     p.add_argument("--heartbeat-timeout", type=float, help="seconds without heartbeat = lost")
     p.add_argument("--job-retention", type=float,
                    help="seconds a job without members is kept before it is dropped (600)")
