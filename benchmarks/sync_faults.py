@@ -261,10 +261,10 @@ def summarize(args, out: Path, agent_code: int, seconds: float, killed: list[dic
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=2000, help="hub steps to train")
+    parser.add_argument("--steps", type=int, default=3000, help="hub steps to train")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--kill-every", type=float, default=3.0, help="seconds between kills")
+    parser.add_argument("--kill-every", type=float, default=2.5, help="seconds between kills")
     parser.add_argument("--first-kill", type=float, default=8.0, help="seconds into the run")
     parser.add_argument("--quiet-from", type=float, default=0.9,
                         help="no kill once the hub passed this fraction of the steps")
