@@ -16,8 +16,11 @@ import torch
 
 from gradstar.errors import ConfigurationError
 
+#: What names one device: a CUDA index, a ``torch.device`` or its string.
+DeviceLike = int | str | torch.device
 
-def resolve_devices(device_ids: Iterable | None) -> list[torch.device]:
+
+def resolve_devices(device_ids: Iterable[DeviceLike] | None) -> list[torch.device]:
     """The replicas' devices: ``device_ids`` resolved, or every visible CUDA device for None.
 
     Raises:
@@ -43,7 +46,7 @@ def resolve_devices(device_ids: Iterable | None) -> list[torch.device]:
     return devices
 
 
-def resolve_device(device, what: str = "device") -> torch.device:
+def resolve_device(device: DeviceLike, what: str = "device") -> torch.device:
     """One device: an int is a CUDA index, a string or ``torch.device`` is taken as given
     (``"cuda"`` is the current CUDA device).
 
@@ -74,4 +77,4 @@ def resolve_device(device, what: str = "device") -> torch.device:
     return torch.device("cuda", index)
 
 
-__all__ = ["resolve_device", "resolve_devices"]
+__all__ = ["DeviceLike", "resolve_device", "resolve_devices"]

@@ -31,14 +31,16 @@ process group turns it into one DDP rank per process.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from gradstar.client.process_group import ProcessGroup
 from gradstar.client.torch_common import module_device
 from gradstar.errors import ConfigurationError
 
-from .devices import resolve_device, resolve_devices
+from .devices import DeviceLike, resolve_device, resolve_devices
 from .replicas import parallel_apply, replicate
 from .scatter import gather, scatter
 
@@ -71,8 +73,9 @@ class DataParallel(nn.Module):
         CollectiveError and subclasses: the process group's construction broadcast failed.
     """
 
-    def __init__(self, module: nn.Module, device_ids=None, output_device=None,
-                 process_group=None) -> None:
+    def __init__(self, module: nn.Module, device_ids: Sequence[DeviceLike] | None = None,
+                 output_device: DeviceLike | None = None,
+                 process_group: ProcessGroup | None = None) -> None:
         super().__init__()
         self.device_ids: list[torch.device] = resolve_devices(device_ids)
         self.output_device = (self.device_ids[0] if output_device is None
@@ -101,7 +104,7 @@ class DataParallel(nn.Module):
         Raises:
             ConfigurationError: the replicas returned differently structured outputs.
             CollectiveError and subclasses: with a process group, the buffer broadcast failed.
-            Any error of the module itself, with a note naming the replica and device.
+            Exception: whatever the module raised, with a note naming the replica and device.
         """
         if self._ddp is not None:
             return self._ddp(*inputs, **kwargs)
