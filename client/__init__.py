@@ -13,6 +13,7 @@ __all__ = [
     "DDP",
     "FSDP",
     "AsyncProcessGroup",
+    "DataParallel",
     "DistributedDataParallel",
     "FullyShardedDataParallel",
     "LocalSGD",
@@ -36,6 +37,10 @@ def __getattr__(name: str):
         from . import fsdp
 
         return getattr(fsdp, name)
+    if name == "DataParallel":
+        from .data_parallel import DataParallel
+
+        return DataParallel
     if name == "Pipeline":
         from .pipeline import Pipeline
 

@@ -25,6 +25,14 @@ queued with the autograd engine waits for the rest when backward ends and adds t
 this rank's shard to ``shard.grad`` (so ``.grad`` accumulates over backward passes, as in
 torch) before ``loss.backward()`` returns.
 
+Without sync. A forward run inside ``FSDP.no_sync()`` marks its graph: that backward frees each
+unit as usual but adds the unit's whole (unsharded, unreduced) gradient to ``unit.kept_grad``
+instead of reducing it, at the cost of one unit-sized buffer per unit until it is reduced, as
+torch's FSDP ``no_sync`` costs. The next synchronising backward adds a unit's kept gradient to
+its own before the reduce-scatter; ``FSDP.sync_gradients()`` reduce-scatters every kept one at
+once (in unit order, tagged "sync_gradients" in ``last_collectives``). Either clears it, so a
+gradient is never reduced twice, and ``sync_gradients()`` with nothing kept issues nothing.
+
 Memory. At most the running unit, the units enclosing it and one prefetched unit are gathered at
 a time (the autograd engine runs a unit's ``_UnitGather.backward`` after all of the unit's own
 operations, so a unit gathered for backward is freed before the previous unit's backward
@@ -94,13 +102,17 @@ class _UnitGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shard, runtime, unit):
-        ctx.runtime, ctx.unit = runtime, unit
+        # Whether this graph's backward reduces is decided at forward time, as with no_sync().
+        ctx.runtime, ctx.unit, ctx.sync = runtime, unit, runtime.require_sync
         # A new tensor object on the same memory: the unit's buffer itself stays a plain tensor.
         return unit.full.detach()
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.runtime.reduce_unit_gradient(ctx.unit, grad)
+        if ctx.sync:
+            ctx.runtime.reduce_unit_gradient(ctx.unit, grad)
+        else:
+            ctx.runtime.keep_unit_gradient(ctx.unit, grad)
         return None, None, None
 
 
@@ -120,6 +132,7 @@ class UnitRuntime:
         self.wire = wire  # the compressed format of the gradients' reduce-scatter
         self.last_collectives: list[UnitCollective] = []
         self.peak_gathered_numel = 0
+        self.require_sync = True  # False inside FSDP.no_sync(): backward keeps gradients
         self._by_storage: dict[int, ShardingUnit] = {}  # gathered buffers, by storage address
         self._forward_next: dict[int, int] | None = None  # recorded orders, as successor maps
         self._backward_next: dict[int, int] | None = None
@@ -132,6 +145,17 @@ class UnitRuntime:
                 unit.module.register_forward_pre_hook(_pre_hook(me, unit), prepend=True),
                 unit.module.register_forward_hook(_post_hook(me, unit), always_call=True),
             ]
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether a backward pass through the units is running (its callback is queued)."""
+        return self._backward is not None
+
+    def close(self) -> None:
+        """Remove the hooks from the units' modules: they run as plain modules again."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
 
     # -- forward -------------------------------------------------------------------------------
 
@@ -292,20 +316,52 @@ class UnitRuntime:
         """``_UnitGather.backward``: free the unit, start reducing its gradient."""
         bw = self._backward_pass()
         self._release(unit)  # reshard after backward
-        wire = grad.detach()
-        if wire.dtype != unit.wire_dtype:
-            wire = wire.to(unit.wire_dtype)
+        kept, unit.kept_grad = unit.kept_grad, None
+        grad = grad.detach() if kept is None else kept.add_(grad)
+        bw.in_flight.append((unit, self._start_reduction(unit, grad, "backward")))
+        bw.reduced.add(unit.index)
+        while len(bw.in_flight) > REDUCTIONS_IN_FLIGHT:
+            oldest, work = bw.in_flight.popleft()
+            bw.means.append((oldest, work.wait()))
+
+    def keep_unit_gradient(self, unit: ShardingUnit, grad: torch.Tensor) -> None:
+        """``_UnitGather.backward`` inside ``no_sync()``: free the unit, add its whole
+        gradient to what this rank keeps of it, unreduced."""
+        self._backward_pass()
+        self._release(unit)
+        if unit.kept_grad is None:
+            unit.kept_grad = grad.detach().clone(memory_format=torch.contiguous_format)
+        else:
+            unit.kept_grad.add_(grad)
+
+    def sync_kept_gradients(self) -> None:
+        """Reduce-scatter every unit's kept gradient, in unit order, and add the means to
+        ``shard.grad``; nothing (no collective) when no unit keeps one."""
+        means, in_flight = [], deque()
+        for unit in self.units:
+            grad, unit.kept_grad = unit.kept_grad, None
+            if grad is None:
+                continue
+            in_flight.append((unit, self._start_reduction(unit, grad, "sync_gradients")))
+            if len(in_flight) > REDUCTIONS_IN_FLIGHT:
+                oldest, work = in_flight.popleft()
+                means.append((oldest, work.wait()))
+        means += [(unit, work.wait()) for unit, work in in_flight]
+        self._add_means(means)
+
+    def drop_kept_gradients(self) -> None:
+        for unit in self.units:
+            unit.kept_grad = None
+
+    def _start_reduction(self, unit: ShardingUnit, grad: torch.Tensor, during: str):
+        wire = grad if grad.dtype == unit.wire_dtype else grad.to(unit.wire_dtype)
         layout = unit.layout
         work = self.process_group.reduce_scatter(
             wire.reshape(layout.world_size, layout.shard_numel), op="mean", async_op=True,
             wire=self.wire)
         self.last_collectives.append(
-            UnitCollective("reduce_scatter", unit.index, "backward", _dtype_name(wire.dtype)))
-        bw.in_flight.append((unit, work))
-        bw.reduced.add(unit.index)
-        while len(bw.in_flight) > REDUCTIONS_IN_FLIGHT:
-            oldest, work = bw.in_flight.popleft()
-            bw.means.append((oldest, work.wait()))
+            UnitCollective("reduce_scatter", unit.index, during, _dtype_name(wire.dtype)))
+        return work
 
     def _end_of_backward(self) -> None:
         """The engine's callback: wait for the reductions, free what is left, write ``.grad``.
@@ -333,6 +389,10 @@ class UnitRuntime:
             raise error
         if self._backward_next is None:
             self._backward_next = _successors(bw.order)
+        self._add_means(means)
+
+    def _add_means(self, means: list) -> None:
+        """Add each (unit, this rank's mean gradient) to the unit's ``shard.grad``."""
         with torch.no_grad():
             for unit, mean in means:
                 mean = mean.reshape(-1)

@@ -47,15 +47,8 @@ def full_state_dict(fsdp: FullyShardedDataParallel, *,
     """See :meth:`FullyShardedDataParallel.full_state_dict`."""
     pg = fsdp.process_group
     keep = not rank0_only or pg.rank == 0
-    units = fsdp.units
     values: dict[tuple[int, int], torch.Tensor] = {}
-    # The shards in their own dtype (never mixed precision's): a checkpoint is exact.
-    ahead = pg.all_gather(units[0].shard.detach(), async_op=True)
-    for unit in units:
-        work = ahead
-        if unit.index + 1 < len(units):
-            ahead = pg.all_gather(units[unit.index + 1].shard.detach(), async_op=True)
-        flat = joined_rows(work.wait())
+    for unit, flat in gathered_units(pg, fsdp.units):
         if keep:
             for i, view in enumerate(unit.unflatten(flat)):
                 values[unit.index, i] = view.clone()
@@ -69,6 +62,22 @@ def full_state_dict(fsdp: FullyShardedDataParallel, *,
         elif key in others:
             out[key] = others[key]
     return out
+
+
+def gathered_units(pg, units: Sequence[ShardingUnit]):
+    """Yield (unit, its whole flat buffer) for each of ``units`` in order, exact (the shards'
+    own dtype, never mixed precision's), one gather ahead: a rank holds at most two units'
+    buffers at a time beside what the caller keeps.
+
+    Raises:
+        CollectiveError and subclasses: a gather failed.
+    """
+    ahead = pg.all_gather(units[0].shard.detach(), async_op=True)
+    for position, unit in enumerate(units):
+        work = ahead
+        if position + 1 < len(units):
+            ahead = pg.all_gather(units[position + 1].shard.detach(), async_op=True)
+        yield unit, joined_rows(work.wait())
 
 
 def load_full_state_dict(fsdp: FullyShardedDataParallel,

@@ -60,6 +60,9 @@ class ShardingUnit:
         self.placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
         self.full: torch.Tensor | None = None
         self.active = 0  # forwards of this unit's module now running (re-entrant calls)
+        #: The unit's whole gradient summed over backward passes run inside no_sync(), not
+        #: yet reduced (None: nothing kept).
+        self.kept_grad: torch.Tensor | None = None
         self._work: Work | None = None
 
     # -- flat buffers --------------------------------------------------------------------------
@@ -157,6 +160,16 @@ class ShardingUnit:
             for module, attr in slots:
                 module._parameters.pop(attr, None)
         self.unbind()
+
+    def restore_parameters(self, flat: torch.Tensor) -> None:
+        """Make the unit's parameters plain ``nn.Parameter`` attributes of their modules again,
+        with the values of ``flat`` (the whole flat buffer; copied), trainable as the shard
+        is. A tied parameter is one Parameter in each of its slots, as before."""
+        for view, slots in zip(self.unflatten(flat), self.slots, strict=True):
+            param = nn.Parameter(view.detach().clone(), requires_grad=self.shard.requires_grad)
+            for module, attr in slots:
+                module.__dict__.pop(attr, None)
+                module._parameters[attr] = param
 
     def __repr__(self) -> str:
         return (f"ShardingUnit({self.index}, {self.label}, params={len(self.param_names)}, "

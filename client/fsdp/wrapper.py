@@ -15,6 +15,12 @@ gradient reduce-scattered, as :mod:`~gradstar.client.fsdp.runtime` describes; af
 ``loss.backward()`` each shard's ``.grad`` holds the mean over ranks of the gradient of that
 shard. Checkpoints: :mod:`~gradstar.client.fsdp.state_dict`.
 
+By hand. Inside :meth:`~FullyShardedDataParallel.no_sync` backward passes keep each unit's
+whole gradient unreduced; the next synchronising backward reduces it with its own, or
+:meth:`~FullyShardedDataParallel.sync_gradients` reduce-scatters it explicitly (a no-op when
+nothing is kept, so never a second reduction). :meth:`~FullyShardedDataParallel.into_inner`
+gathers the parameters for good and hands the plain module back.
+
 Devices. The module is on the CPU or on one CUDA device; shards, gathered buffers, gradients
 and state dicts stay there (:mod:`~gradstar.client.fsdp.runtime` says how the collectives
 carry them).
@@ -31,6 +37,7 @@ through the parameters (``create_graph=True``) is not supported.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from collections.abc import Mapping
 
@@ -121,6 +128,8 @@ class FullyShardedDataParallel(nn.Module):
 
         # What module.state_dict() held, in its order, and which entries are parameters.
         self.state_dict_keys: list[str] = list(module.state_dict(keep_vars=True))
+        # Each module's parameter names in registration order, for into_inner() to restore.
+        self._parameter_order = [(m, list(m._parameters)) for m in module.modules()]
         self.param_keys: dict[str, tuple[int, int]] = {
             name: (u, i) for u, plan in enumerate(plans)
             for i, param in enumerate(plan.params) for name in param.names}
@@ -134,6 +143,7 @@ class FullyShardedDataParallel(nn.Module):
             unit.detach_parameters()
         self.flat_shards = nn.ParameterList([unit.shard for unit in self.units])
         self.runtime = UnitRuntime(self.units, pg, prefetch=bool(prefetch), wire=self.wire)
+        self._unwrapped = False
 
     # -- the nn.Module surface -----------------------------------------------------------------
 
@@ -141,9 +151,83 @@ class FullyShardedDataParallel(nn.Module):
         """Run the wrapped module, gathering each unit around its forward.
 
         Raises:
+            ConfigurationError: :meth:`into_inner` has taken the module back.
             CollectiveError and subclasses: a gather failed (every unit is sharded again).
         """
+        self._check_wrapped("forward")
         return self.runtime.run(self.module, *inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients without reducing them: the backward of a forward run inside
+        keeps each unit's whole gradient on this rank (one unsharded gradient per unit, the
+        memory torch's FSDP ``no_sync`` costs too) instead of reduce-scattering it. The next
+        backward outside reduces what was kept with its own gradients, or
+        :meth:`sync_gradients` reduces it explicitly. Every rank must do the same."""
+        previous = self.runtime.require_sync
+        self.runtime.require_sync = False
+        try:
+            yield
+        finally:
+            self.runtime.require_sync = previous
+
+    def sync_gradients(self) -> None:
+        """Reduce-scatter what :meth:`no_sync` backward passes kept, now: each shard's ``.grad``
+        gets the mean over ranks of the kept gradient of that shard added. For loops that
+        drive FSDP by hand (accumulate without sync, then reduce before ``optimizer.step()``).
+
+        A no-op where a backward already reduced everything (nothing is kept after a
+        synchronising backward), so calling it after a normal backward never reduces a
+        gradient twice. Every rank must call it, having run the same backward passes.
+
+        Raises:
+            ConfigurationError: called after :meth:`into_inner`.
+            CollectiveError and subclasses: a reduce-scatter failed.
+        """
+        self._check_wrapped("sync_gradients")
+        self.runtime.sync_kept_gradients()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """nn.Module's ``zero_grad`` (the shards' ``.grad``), and drop what :meth:`no_sync`
+        backward passes kept, as torch's FSDP does (``optimizer.zero_grad()`` clears only the
+        shards' ``.grad``)."""
+        super().zero_grad(set_to_none)
+        self.runtime.drop_kept_gradients()
+
+    def into_inner(self) -> nn.Module:
+        """Take the wrapped module back, with its full parameters: every unit is all-gathered
+        (one ahead, exact in the parameters' dtype) and each parameter becomes an ordinary
+        ``nn.Parameter`` of its module again, in its original place and registration order
+        (tied parameters tied again), trainable as before. The hooks are removed, so the
+        module runs as a plain ``nn.Module``; gradients are not carried over (``.grad`` is
+        None) and an optimizer built on the shards no longer applies. Every rank must call it
+        and gets its own full copy. This wrapper is unusable afterwards.
+
+        Raises:
+            ConfigurationError: called twice, or while a backward pass through the units
+                is running.
+            CollectiveError and subclasses: a gather failed (the wrapper is then unchanged).
+        """
+        self._check_wrapped("into_inner")
+        if self.runtime.in_backward:
+            raise ConfigurationError(
+                "FSDP.into_inner() was called during a backward pass; call it between steps")
+        gathered = list(checkpoint.gathered_units(self.process_group, self.units))
+        self.runtime.close()
+        for unit, flat in gathered:
+            unit.restore_parameters(flat)
+            unit.kept_grad = None
+        for module, names in self._parameter_order:
+            params = module._parameters
+            module._parameters = {name: params[name] for name in names if name in params}
+        self._unwrapped = True
+        return self.module
+
+    def _check_wrapped(self, call: str) -> None:
+        if self._unwrapped:
+            raise ConfigurationError(
+                f"FSDP.{call}() after into_inner(): the module was taken back; use the module "
+                "into_inner() returned")
 
     @property
     def prefetch(self) -> bool:

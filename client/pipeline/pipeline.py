@@ -19,6 +19,15 @@ How a training step runs (the protocol every stage follows):
    sends before returning. Every message is tagged ``("pipe", pipeline, call, micro, kind)``,
    so activations and gradients of different steps and micro-batches cannot be confused.
 
+Forward and backward apart. :meth:`Pipeline.forward` with grad enabled runs every
+micro-batch's forward as step 2 does and keeps each one's input and output; the last stage
+returns the whole batch's output as a leaf that requires grad, the caller computes a loss from
+it however it likes, and :meth:`Pipeline.backward` on every stage (the last one passing the
+gradient with respect to that output) runs every micro-batch's backward in order 0..M-1, the
+last stage splitting the gradient as its forward split the batch. The messages carry the
+forward's call number. This is GPipe's order whatever the schedule (M micro-batches alive in
+between), since no backward can start before the loss exists.
+
 Devices. A stage runs on the CPU or on one CUDA device, the device of its parameters and
 buffers (the CPU for a stage that has none); stages of one pipeline may use different devices.
 Tensors are sent from wherever they are (the process group copies a CUDA tensor to host memory
@@ -41,19 +50,19 @@ raised locally by one stage (say its ``loss_fn``) leaves its neighbours to raise
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-import time
 import weakref
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from gradstar.client.device import to_device
 from gradstar.client.process_group import ProcessGroup
 from gradstar.client.torch_common import module_device
 from gradstar.errors import ConfigurationError, ProtocolError
 
+from .exchange import Exchange
 from .memory import ActivationMeter
 from .schedules import FORWARD, SCHEDULES, schedule_actions, split_sizes
 
@@ -70,12 +79,28 @@ class _MicroBatch:
         self.inp, self.out, self.release = inp, out, release
 
 
+class _PendingBackward:
+    """What a forward with grad enabled keeps for the backward that follows it: its call
+    number, its micro-batches and (on the last stage) the output's rows per micro-batch and
+    whole shape."""
+
+    def __init__(self, call: int, kept: dict[int, _MicroBatch], rows: list[int],
+                 shape: torch.Size | None) -> None:
+        self.call, self.kept, self.rows, self.shape = call, kept, rows, shape
+
+    def release(self) -> None:
+        for mb in self.kept.values():
+            mb.release()
+        self.kept.clear()
+
+
 class Pipeline:
     """Runs stage ``pg.rank`` of a ``pg.world_size``-stage pipeline over peer streams.
 
     Every rank constructs its Pipeline with its own stage module and the same
     ``num_microbatches`` and ``schedule``, and calls :meth:`step` (or :meth:`forward`) the same
-    number of times in the same order. See the module docstring for the protocol.
+    number of times in the same order (and :meth:`backward` after a forward with grad
+    enabled: on every stage or on none). See the module docstring for the protocol.
 
     Args:
         stage_module: this rank's stage; takes one tensor, returns one tensor. Its parameters
@@ -115,14 +140,16 @@ class Pipeline:
         self.stage, self.stages = pg.rank, pg.world_size
         self.actions = schedule_actions(schedule, self.stages, self.stage, num_microbatches)
         numbers = _NUMBERS.setdefault(pg, itertools.count())
-        self._number = next(numbers)
+        #: This pipeline's number among its process group's, the same on every stage.
+        self.number = next(numbers)
         self._calls = itertools.count()
         self.meter = ActivationMeter()
         #: Micro-batches forwarded and not yet backwarded, now and at most during the last step.
         self.live_activations = 0
         self.max_live_activations = 0
-        #: Seconds the last step or forward spent blocked on neighbours (the pipeline bubble,
-        #: plus waiting for its own sends to be taken at the end).
+        self._pending: _PendingBackward | None = None  # what backward() needs of forward()
+        #: Seconds the last step, forward or backward spent blocked on neighbours (the
+        #: pipeline bubble, plus waiting for its own sends to be taken at the end).
         self.wait_seconds = 0.0
 
     @property
@@ -167,13 +194,9 @@ class Pipeline:
         # Numbered only once the arguments are known good: a call refused here sends nothing,
         # so the next one must carry the number the other stages still wait for.
         call = next(self._calls)
-        # The parameters and the caller's batch are not activations (micro-batches are views).
-        self.meter.exclude(itertools.chain(
-            self.module.parameters(), self.module.buffers(),
-            (t for t in (inputs, targets) if t is not None)))
-        self.meter.reset_peak()
-        self.max_live_activations = self.live_activations = 0
-        comm = _Exchange(self, call)
+        self._drop_pending()
+        self._start_metering(inputs, targets)
+        comm = Exchange(self, call)
         kept: dict[int, _MicroBatch] = {}
         try:
             total = self._run_schedule(comm, kept, micro_inputs, micro_targets, batch, loss_fn)
@@ -183,15 +206,13 @@ class Pipeline:
                 mb.release()
         return total
 
-    def _run_schedule(self, comm: _Exchange, kept: dict[int, _MicroBatch], micro_inputs,
+    def _run_schedule(self, comm: Exchange, kept: dict[int, _MicroBatch], micro_inputs,
                       micro_targets, batch: int | None, loss_fn) -> torch.Tensor | None:
         total = None
         for action in self.actions:
             i = action.micro
             if action.kind == FORWARD:
-                self.live_activations += 1
-                self.max_live_activations = max(self.max_live_activations,
-                                                self.live_activations)
+                self._count_live(+1)
                 inp = micro_inputs[i] if self.is_first else comm.recv_activation(i)
                 with self.meter.hooks():
                     out = self._run_stage(inp)
@@ -211,12 +232,7 @@ class Pipeline:
                 if self.is_last:
                     mb.out.backward()
                 else:
-                    grad = comm.recv_gradient(i)
-                    if grad.shape != mb.out.shape:
-                        raise ProtocolError(
-                            f"stage {self.stage + 1} sent a gradient of shape "
-                            f"{tuple(grad.shape)} for micro-batch {i}'s output of shape "
-                            f"{tuple(mb.out.shape)}")
+                    grad = self._received_gradient(comm, i, mb)
                     if mb.out.requires_grad:
                         torch.autograd.backward(mb.out, grad_tensors=grad)
                 if not self.is_first:
@@ -224,39 +240,159 @@ class Pipeline:
                     comm.send_gradient(i, g)
                 mb.release()
                 del mb
-                self.live_activations -= 1
+                self._count_live(-1)
         return total
 
     def forward(self, inputs: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Inference through the whole pipeline, micro-batch by micro-batch, without autograd.
+        """The model's forward through every stage, micro-batch by micro-batch.
 
-        The first stage passes ``inputs``; the others pass nothing.
+        The first stage passes ``inputs``; the others pass nothing. With grad enabled (as
+        torch records a graph) every stage keeps what :meth:`backward` needs: each
+        micro-batch's input and output, alive until that backward (``max_live_activations``
+        is then ``num_microbatches``: forward and backward run as GPipe does, whatever the
+        schedule). Under ``torch.no_grad()`` nothing is kept: inference. A forward or step
+        that follows without a backward drops what was kept, on every stage alike.
 
         Returns:
-            The model's output for the whole batch on the last stage; None on the others.
+            On the last stage the output for the whole batch: with grad enabled a leaf that
+            requires grad, so a loss computed from it leaves ``output.grad`` for
+            :meth:`backward`. None on the others.
 
         Raises:
             ConfigurationError, RankLostError, CollectiveTimeoutError: as for :meth:`step`.
         """
         self._check_args(inputs, None, None, training=False)
         micro_inputs = self._split(inputs, "inputs") if self.is_first else None
+        self._drop_pending()
+        record = torch.is_grad_enabled()
         call = next(self._calls)
-        comm = _Exchange(self, call)
+        if record:
+            self._start_metering(inputs)
+        comm = Exchange(self, call)
+        kept: dict[int, _MicroBatch] = {}
         outputs = []
-        with torch.no_grad():
+        try:
             for i in range(self.num_microbatches):
                 inp = micro_inputs[i] if self.is_first else comm.recv_activation(i)
-                out = self._run_stage(inp)
+                with self.meter.hooks() if record else contextlib.nullcontext():
+                    out = self._run_stage(inp)
+                if record:
+                    self._count_live(+1)
+                    kept[i] = _MicroBatch(inp, out, self.meter.hold(out))
                 if self.is_last:
-                    outputs.append(out)
+                    outputs.append(out.detach())
                 else:
                     comm.send_activation(i, out)
-        comm.finish()
-        return torch.cat(outputs) if self.is_last else None
+            comm.finish()
+        except BaseException:
+            for mb in kept.values():
+                mb.release()
+            raise
+        if not self.is_last:
+            if record:
+                self._pending = _PendingBackward(call, kept, [], None)
+            return None
+        whole = torch.cat(outputs)
+        if record:
+            self._pending = _PendingBackward(call, kept, [o.shape[0] for o in outputs],
+                                             whole.shape)
+        return whole.requires_grad_(True) if record and whole.is_floating_point() else whole
+
+    def backward(self, grad_outputs: torch.Tensor | None = None) -> None:
+        """Backward through every stage for the last :meth:`forward` (run with grad enabled);
+        parameter gradients accumulate into ``.grad`` as with ``loss.backward()``.
+
+        The last stage passes the gradient of the loss with respect to the output its forward
+        returned (``output.grad`` after ``loss.backward()``, or ``torch.autograd.grad``), of
+        the output's shape; the other stages pass nothing. Every stage must call it. With a
+        mean loss over the batch, the gradients equal those :meth:`step` leaves.
+
+        Raises:
+            ConfigurationError: no forward with grad enabled to go back through, or arguments
+                given to the wrong stage, missing or of the wrong shape (before anything is
+                sent: call again correctly; the other stages wait up to ``timeout``).
+            RankLostError, CollectiveTimeoutError: a neighbour was lost or never answered.
+        """
+        pending = self._pending
+        if pending is None:
+            raise ConfigurationError(
+                f"stage {self.stage}: backward() needs a forward() run with grad enabled before "
+                "it (a step(), a forward under torch.no_grad() or a backward() already used it)")
+        grads = self._split_grad_outputs(grad_outputs, pending)
+        self._pending = None
+        comm = Exchange(self, pending.call)
+        try:
+            for i in range(self.num_microbatches):
+                mb = pending.kept.pop(i)
+                grad = grads[i] if self.is_last else self._received_gradient(comm, i, mb)
+                if mb.out.requires_grad:
+                    torch.autograd.backward(mb.out, grad_tensors=grad)
+                if not self.is_first:
+                    g = mb.inp.grad if mb.inp.grad is not None else torch.zeros_like(mb.inp)
+                    comm.send_gradient(i, g)
+                mb.release()
+                del mb
+                self._count_live(-1)
+            comm.finish()
+        finally:
+            pending.release()
 
     __call__ = forward
 
     # -- machinery -----------------------------------------------------------------------------
+
+    def _drop_pending(self) -> None:
+        """Forget a forward that was never backwarded (every stage does the same)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.release()
+            self.live_activations = 0
+
+    def _start_metering(self, *batch: torch.Tensor | None) -> None:
+        # The parameters and the caller's batch are not activations (micro-batches are views).
+        self.meter.exclude(itertools.chain(
+            self.module.parameters(), self.module.buffers(),
+            (t for t in batch if t is not None)))
+        self.meter.reset_peak()
+        self.max_live_activations = self.live_activations = 0
+
+    def _count_live(self, change: int) -> None:
+        self.live_activations += change
+        self.max_live_activations = max(self.max_live_activations, self.live_activations)
+
+    def _received_gradient(self, comm: Exchange, micro: int, mb: _MicroBatch) -> torch.Tensor:
+        grad = comm.recv_gradient(micro)
+        if grad.shape != mb.out.shape:
+            raise ProtocolError(
+                f"stage {self.stage + 1} sent a gradient of shape {tuple(grad.shape)} for "
+                f"micro-batch {micro}'s output of shape {tuple(mb.out.shape)}")
+        return grad
+
+    def _split_grad_outputs(self, grad_outputs, pending: _PendingBackward) -> list | None:
+        """The last stage's ``grad_outputs`` split like its forward's outputs (on this stage's
+        device); None elsewhere.
+
+        Raises:
+            ConfigurationError: given to a stage other than the last, missing there, or not
+                shaped like the output.
+        """
+        if not self.is_last:
+            if grad_outputs is not None:
+                raise ConfigurationError(
+                    f"stage {self.stage} is not the last stage (stage {self.stages - 1} is): its "
+                    "output gradients come from stage "
+                    f"{self.stage + 1}, pass grad_outputs=None")
+            return None
+        if not isinstance(grad_outputs, torch.Tensor):
+            raise ConfigurationError(
+                f"stage {self.stage} is the last stage: pass grad_outputs= the gradient of the "
+                "loss with respect to forward()'s output (output.grad after loss.backward()), "
+                f"got {type(grad_outputs).__name__}")
+        if grad_outputs.shape != pending.shape:
+            raise ConfigurationError(
+                f"grad_outputs has shape {tuple(grad_outputs.shape)}, forward() returned "
+                f"{tuple(pending.shape)}: pass the gradient with respect to that output")
+        return list(torch.split(grad_outputs.to(self.device), pending.rows))
 
     def _check_args(self, inputs, targets, loss_fn, training: bool) -> None:
         r = self.stage
@@ -297,59 +433,3 @@ class Pipeline:
     def __repr__(self) -> str:
         return (f"Pipeline(stage={self.stage}/{self.stages}, num_microbatches="
                 f"{self.num_microbatches}, schedule={self.schedule!r})")
-
-
-class _Exchange:
-    """One call's messages: sends in flight, and receives posted one micro-batch ahead."""
-
-    def __init__(self, pipe: Pipeline, call: int) -> None:
-        self.pipe = pipe
-        pipe.wait_seconds = 0.0
-        self.call = call
-        self.sends: list = []
-        self.posted: dict[tuple[str, int], object] = {}
-
-    def _tag(self, micro: int, kind: str) -> tuple:
-        return ("pipe", self.pipe._number, self.call, micro, kind)
-
-    def _recv(self, src: int, kind: str, micro: int) -> torch.Tensor:
-        pg, m = self.pipe.pg, self.pipe.num_microbatches
-        for i in (micro, micro + 1):
-            if i < m and (kind, i) not in self.posted:
-                self.posted[kind, i] = pg.recv(src, self._tag(i, kind), async_op=True,
-                                               timeout=self.pipe.timeout)
-        started = time.perf_counter()
-        value = self.posted.pop((kind, micro)).wait()
-        self.pipe.wait_seconds += time.perf_counter() - started
-        if not isinstance(value, torch.Tensor):
-            value = torch.from_numpy(value)
-        if value.device != self.pipe.device:
-            # The wire carries no device: a message arrives in host memory.
-            value = to_device(value, self.pipe.device)
-        return value
-
-    def recv_activation(self, micro: int) -> torch.Tensor:
-        x = self._recv(self.pipe.stage - 1, "act", micro)
-        if x.is_floating_point() and torch.is_grad_enabled():
-            x.requires_grad_(True)
-        return x
-
-    def recv_gradient(self, micro: int) -> torch.Tensor:
-        return self._recv(self.pipe.stage + 1, "grad", micro)
-
-    def send_activation(self, micro: int, out: torch.Tensor) -> None:
-        self._send(self.pipe.stage + 1, "act", micro, out)
-
-    def send_gradient(self, micro: int, grad: torch.Tensor) -> None:
-        self._send(self.pipe.stage - 1, "grad", micro, grad)
-
-    def _send(self, dst: int, kind: str, micro: int, t: torch.Tensor) -> None:
-        self.sends.append(self.pipe.pg.send(t.detach(), dst, self._tag(micro, kind),
-                                            async_op=True, timeout=self.pipe.timeout))
-
-    def finish(self) -> None:
-        """Wait until every neighbour holds what this stage sent."""
-        started = time.perf_counter()
-        for work in self.sends:
-            work.wait()
-        self.pipe.wait_seconds += time.perf_counter() - started

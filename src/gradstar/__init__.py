@@ -33,6 +33,7 @@ __all__ = [
     "AsyncProcessGroup",
     "Asynchronous",
     "BoundedStaleness",
+    "DataParallel",
     "DistributedDataParallel",
     "FullyShardedDataParallel",
     "GradstarError",
@@ -53,7 +54,7 @@ __all__ = [
 def __getattr__(name: str):
     # DistributedDataParallel imports torch (optional): resolved lazily, see gradstar.client.
     if name in ("DistributedDataParallel", "DDP", "Pipeline", "FullyShardedDataParallel",
-                "FSDP"):
+                "FSDP", "DataParallel"):
         from gradstar import client
 
         return getattr(client, name)

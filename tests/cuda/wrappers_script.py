@@ -375,7 +375,8 @@ def pipeline(pg, device, out: Path, schedule: str) -> dict:
             losses.append(loss.item())
         opt.step()
     x, _ = pipeline_script.batch(99, 10)
-    inference = pipe.forward(x.to(device) if pipe.is_first else None)
+    with torch.no_grad():
+        inference = pipe.forward(x.to(device) if pipe.is_first else None)
     return {"params": listed(stage.named_parameters()), "losses": losses,
             "device": str(pipe.device), "loss_devices": sorted(loss_devices),
             "devices": devices([*stage.parameters(), *(p.grad for p in stage.parameters())]),

@@ -119,6 +119,14 @@ def test_ddp():
     check_trained_identically(found, 2, by=10)
 
 
+def test_data_parallel():
+    found = results(launch(2, "examples/data_parallel.py"), "data_parallel")
+
+    check_trained_identically(found, 2, by=10)
+    replicas = max(torch.cuda.device_count(), 2)
+    assert all(f"{replicas} replicas;" in line for line in found.values()), found
+
+
 def test_fsdp():
     out = launch(2, "examples/fsdp.py")
     found = results(out, "fsdp")

@@ -13,6 +13,7 @@ The models, data, training loop and storage accounting are defined here once and
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import json
@@ -119,6 +120,30 @@ def train(model, opt, rank: int, world: int, *, steps: int = STEPS,
         opt.step()
 
 
+def train_micro(model, opt, rank: int, world: int, *, no_sync=None, by_hand=None,
+                steps: int = STEPS) -> list[list]:
+    """``steps`` optimizer steps, each on the summed gradients of two micro-batches' mean
+    losses; ``world=1`` is the reference. ``no_sync``: the first backward inside it (the second
+    reduces both); ``by_hand``: both inside ``no_sync``, then ``by_hand()`` (sync_gradients).
+    Returns each step's reduce-scatters, as [unit, during] (with FSDP)."""
+    reductions = []
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(2):
+            x, y = batch(100 + 2 * step + micro)
+            inside = no_sync is not None and (micro == 0 or by_hand is not None)
+            with no_sync() if inside else contextlib.nullcontext():
+                out = model(x.chunk(world)[rank])
+            nn.functional.mse_loss(out, y.chunk(world)[rank]).backward()
+        if by_hand is not None:
+            by_hand()
+            by_hand()  # nothing left: no second reduction
+        reductions.append([[c.unit, c.during] for c in getattr(model, "last_collectives", [])
+                           if c.op == "reduce_scatter"])
+        opt.step()
+    return reductions
+
+
 def probe(width: int = WIDTHS[0]) -> torch.Tensor:
     return torch.randn(6, width, generator=torch.Generator().manual_seed(424242))
 
@@ -211,6 +236,64 @@ def nested(pg, out: Path) -> dict:
     fsdp = gradstar.FSDP(NestedNet(pg.rank), pg, auto_wrap_policy=NESTED_POLICY)
     train(fsdp, optimizer("adam", fsdp.parameters()), pg.rank, pg.world_size)
     return {"state_dict": listed(fsdp.full_state_dict(rank0_only=False)), **fsdp_report(fsdp)}
+
+
+def sync_by_hand(pg, out: Path) -> dict:
+    """Both micro-batches' backward inside no_sync(), then sync_gradients() (twice)."""
+    fsdp = gradstar.FSDP(MLP(pg.rank), pg)
+    reductions = train_micro(fsdp, optimizer("adam", fsdp.parameters()), pg.rank,
+                             pg.world_size, no_sync=fsdp.no_sync, by_hand=fsdp.sync_gradients)
+    return {"state_dict": listed(fsdp.full_state_dict(rank0_only=False)),
+            "reductions": reductions}
+
+
+def no_sync(pg, out: Path) -> dict:
+    """The first micro-batch's backward inside no_sync(), the second reduces both."""
+    fsdp = gradstar.FSDP(MLP(pg.rank), pg)
+    reductions = train_micro(fsdp, optimizer("adam", fsdp.parameters()), pg.rank,
+                             pg.world_size, no_sync=fsdp.no_sync)
+    return {"state_dict": listed(fsdp.full_state_dict(rank0_only=False)),
+            "reductions": reductions}
+
+
+def sync_after_backward(pg, out: Path) -> dict:
+    """sync_gradients() after every synchronising backward: a no-op, not a second mean."""
+    fsdp = gradstar.FSDP(MLP(pg.rank), pg)
+    opt = optimizer("sgd", fsdp.parameters())
+    for step in range(STEPS):
+        x, y = batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(fsdp(x.chunk(pg.world_size)[pg.rank]),
+                               y.chunk(pg.world_size)[pg.rank]).backward()
+        fsdp.sync_gradients()
+        opt.step()
+    return {"state_dict": listed(fsdp.full_state_dict(rank0_only=False)), **fsdp_report(fsdp)}
+
+
+def into_inner(pg, out: Path) -> dict:
+    """Train, take the plain module back, then train it on as a plain module (every rank on
+    the whole batch, as the reference does)."""
+    fsdp = gradstar.FSDP(NestedNet(pg.rank), pg, auto_wrap_policy=NESTED_POLICY)
+    train(fsdp, optimizer("adam", fsdp.parameters()), pg.rank, pg.world_size)
+    with torch.no_grad():
+        fsdp_out = fsdp(probe()).tolist()
+    module = fsdp.into_inner()
+    report = {"plain_parameters": all(type(p) is nn.Parameter and p.grad is None
+                                      for p in module.parameters()),
+              "tied": module.out.weight is module.head.weight,
+              "frozen": [p.requires_grad for p in module.frozen.parameters()],
+              "names": [name for name, _ in module.named_parameters()],
+              "state_dict": listed(module.state_dict())}
+    with torch.no_grad():
+        report["plain_out"] = module(probe()).tolist()
+    report["fsdp_out"] = fsdp_out
+    try:
+        fsdp(probe())
+    except ConfigurationError as error:
+        report["forward_after"] = str(error)
+    train(module, optimizer("sgd", module.parameters()), 0, 1, steps=1)
+    report["after_plain_step"] = listed(module.state_dict())
+    return report
 
 
 def checkpoint(pg, out: Path) -> dict:
@@ -363,7 +446,8 @@ def rank_death(pg, out: Path) -> dict:
 SCENARIOS = {"sgd": sgd, "adam": adam, "no_prefetch": no_prefetch, "mixed": mixed,
              "wire_int8": wire_int8,
              "nested": nested, "checkpoint": checkpoint, "sharded": sharded, "staged": staged,
-             "memory": memory,
+             "memory": memory, "sync_by_hand": sync_by_hand, "no_sync": no_sync,
+             "sync_after_backward": sync_after_backward, "into_inner": into_inner,
              "plan_mismatch": plan_mismatch, "diverged": diverged, "rank_death": rank_death}
 
 

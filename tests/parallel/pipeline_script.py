@@ -93,13 +93,38 @@ def train(pg, schedule: str, sizes: list[int], num_microbatches: int = M) -> dic
             "peak_bytes": peak_bytes, "actions": [str(a) for a in pipe.actions]}
 
 
+def forward_backward(pg, schedule: str, sizes: list[int]) -> dict:
+    """``train`` with ``pipe.forward`` / ``pipe.backward``: the last stage computes the loss of
+    the whole batch's output itself and passes its gradient back."""
+    stage = make_model()[pg.rank]
+    pipe = gradstar.Pipeline(stage, pg, num_microbatches=M, schedule=schedule)
+    opt = torch.optim.SGD(stage.parameters(), lr=LR)
+    losses, live = [], []
+    for step, rows in enumerate(sizes):
+        x, y = batch(step, rows)
+        opt.zero_grad()
+        out = pipe.forward(x if pipe.is_first else None)
+        if pipe.is_last:
+            loss = nn.functional.mse_loss(out, y)
+            loss.backward()
+            losses.append(loss.item())
+            pipe.backward(out.grad)
+        else:
+            losses.append(None)
+            pipe.backward()
+        live.append([pipe.max_live_activations, pipe.live_activations])
+        opt.step()
+    return {"params": params_of(stage), "losses": losses, "live": live}
+
+
 def inference(pg) -> dict:
     """pipe.forward of a 10-row batch in 3 micro-batches (3, 3, 4 rows): the last stage's
     output, and whether any gradient was left behind."""
     stage = make_model()[pg.rank]
     pipe = gradstar.Pipeline(stage, pg, num_microbatches=3, schedule="gpipe")
     x, _ = batch(99, 10)
-    out = pipe.forward(x if pipe.is_first else None)
+    with torch.no_grad():
+        out = pipe.forward(x if pipe.is_first else None)
     return {"out": None if out is None else out.tolist(),
             "grads_kept": any(p.grad is not None for p in stage.parameters())}
 
@@ -166,6 +191,8 @@ SCENARIOS = {
     "gpipe_uneven": lambda pg: train(pg, "gpipe", UNEVEN),
     "1f1b_uneven": lambda pg: train(pg, "1f1b", UNEVEN),
     "1f1b_few": lambda pg: train(pg, "1f1b", EVEN, num_microbatches=2),
+    "forward_backward": lambda pg: forward_backward(pg, "1f1b", EVEN),
+    "forward_backward_uneven": lambda pg: forward_backward(pg, "gpipe", UNEVEN),
     "inference": inference,
     "send_recv": send_recv,
     "misuse": misuse,

@@ -27,7 +27,7 @@ from .conftest import run_world
 RTOL, ATOL = 1e-5, 1e-6
 SCENARIOS = {  # world size: scenarios, played in this order
     4: ["sgd", "adam", "no_prefetch", "mixed", "wire_int8", "nested", "checkpoint", "sharded",
-        "staged", "memory"],
+        "staged", "memory", "sync_by_hand", "no_sync", "sync_after_backward", "into_inner"],
     2: ["sgd", "adam", "nested", "plan_mismatch", "diverged", "rank_death"],
 }
 
@@ -42,7 +42,7 @@ def runs(out_dir) -> dict[tuple[int, str], list[dict]]:
     """{(world size, scenario): [report of rank 0, ...]} from one launch."""
     groups = [f"{world}:{','.join(names)}" for world, names in SCENARIOS.items()]
     reports = asyncio.run(run_world(script.SCRIPT, 4, "fsdp", str(out_dir), *groups,
-                                    timeout=110))
+                                    timeout=150))
     found: dict[tuple[int, str], list[dict]] = {}
     for rank, lines in enumerate(reports):
         for line in lines:
@@ -276,3 +276,57 @@ def test_a_lost_rank_is_named_by_the_survivor_not_a_hang(runs):
     assert survivor["error"] == "RankLostError"
     assert survivor["lost"] == 1
     assert survivor["message"].startswith("rank 1 of job 'fsdp-2' was lost")
+
+
+# -- driving FSDP by hand: no_sync, sync_gradients, into_inner ---------------------------------
+
+
+def micro_reference(kind: str) -> dict:
+    model = script.MLP(0)
+    script.train_micro(model, script.optimizer(kind, model.parameters()), 0, 1)
+    return model.state_dict()
+
+
+UNITS = [0, 1, 2, 3, 4]
+
+
+def test_sync_gradients_after_no_sync_backwards_matches_one_process(runs):
+    reports = runs[4, "sync_by_hand"]
+    assert_state_dicts_match(reports, micro_reference("adam"))
+    # The backwards inside no_sync() reduced nothing; sync_gradients() reduced every unit once,
+    # and its second call found nothing left.
+    for report in reports:
+        assert report["reductions"] == [[[u, "sync_gradients"] for u in UNITS]] * script.STEPS
+
+
+def test_a_synchronising_backward_after_no_sync_reduces_the_kept_gradients_with_its_own(runs):
+    reports = runs[4, "no_sync"]
+    assert_state_dicts_match(reports, micro_reference("adam"))
+    for report in reports:
+        for step in report["reductions"]:
+            assert sorted(u for u, _ in step) == UNITS and {d for _, d in step} == {"backward"}
+
+
+def test_sync_gradients_after_a_synchronising_backward_is_a_no_op(runs):
+    reports = runs[4, "sync_after_backward"]
+    assert_state_dicts_match(reports, reference(script.MLP(0), "sgd").state_dict())
+    for report in reports:
+        assert not any(during == "sync_gradients" for _, _, during, _ in report["collectives"])
+
+
+def test_into_inner_gives_the_plain_module_back_with_its_full_trained_parameters(runs):
+    plain = script.NestedNet(0)
+    want = reference(script.NestedNet(0), "adam").state_dict()
+    for report in runs[4, "into_inner"]:
+        assert report["plain_parameters"] and report["tied"] and report["frozen"] == [False] * 2
+        assert report["names"] == [name for name, _ in plain.named_parameters()]
+        assert_state_dicts_match([report], want)
+        np.testing.assert_allclose(report["plain_out"], report["fsdp_out"], rtol=1e-6, atol=1e-7)
+        assert report["forward_after"] == (
+            "FSDP.forward() after into_inner(): the module was taken back; use the module "
+            "into_inner() returned")
+    # The plain module trains on as the reference does.
+    trained = reference(script.NestedNet(0), "adam")
+    script.train(trained, script.optimizer("sgd", trained.parameters()), 0, 1, steps=1)
+    assert_state_dicts_match([{"rank": r["rank"], "state_dict": r["after_plain_step"]}
+                              for r in runs[4, "into_inner"]], trained.state_dict())

@@ -239,3 +239,46 @@ async def test_fp16_mixed_precision_communicates_half_and_keeps_float32(solo):
         assert all(p.dtype == p.grad.dtype == torch.float32 for p in fsdp.parameters())
 
     await on_thread(body, solo)
+
+
+async def test_no_sync_keeps_gradients_until_sync_gradients_and_zero_grad_drops_them(solo):
+    def body(pg):
+        fsdp, plain = gradstar.FSDP(script.MLP(0), pg), script.MLP(0)
+        with fsdp.no_sync():
+            fsdp(x_of()).sum().backward()
+        assert all(u.shard.grad is None and u.kept_grad is not None for u in fsdp.units)
+        plain(x_of()).sum().backward()
+        plain(x_of(4)).sum().backward()
+        fsdp.zero_grad()
+        assert all(u.kept_grad is None for u in fsdp.units)
+        fsdp.sync_gradients()  # nothing kept: no collective, nothing written
+        assert all(u.shard.grad is None for u in fsdp.units)
+        with fsdp.no_sync():
+            fsdp(x_of()).sum().backward()
+            fsdp(x_of(4)).sum().backward()
+        fsdp.sync_gradients()
+        for got, want in flat_grads(fsdp, plain):
+            torch.testing.assert_close(got, want)
+        assert all(u.kept_grad is None for u in fsdp.units)
+
+    await on_thread(body, solo)
+
+
+async def test_into_inner_returns_the_plain_module_and_retires_the_wrapper(solo):
+    def body(pg):
+        fsdp, plain = gradstar.FSDP(script.NestedNet(0), pg,
+                                    auto_wrap_policy=script.NESTED_POLICY), script.NestedNet(0)
+        module = fsdp.into_inner()
+        assert module is fsdp.module
+        assert list(module.state_dict()) == list(plain.state_dict())
+        for (name, p), (_, q) in zip(module.named_parameters(), plain.named_parameters(),
+                                     strict=True):
+            assert type(p) is nn.Parameter and torch.equal(p, q), name
+        assert not module._forward_hooks and not module.blocks[0]._forward_pre_hooks
+        x = x_of()
+        torch.testing.assert_close(module(x), plain(x))
+        for call in (lambda: fsdp(x), fsdp.sync_gradients, fsdp.into_inner):
+            with pytest.raises(ConfigurationError, match="after into_inner\\(\\)"):
+                call()
+
+    await on_thread(body, solo)

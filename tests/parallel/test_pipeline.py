@@ -130,6 +130,19 @@ def test_uneven_micro_batches_and_changing_batch_sizes_match_exactly(runs, sched
     assert_matches_reference(runs[f"{schedule}_uneven"], script.UNEVEN)
 
 
+@pytest.mark.parametrize(("name", "sizes"), [("forward_backward", script.EVEN),
+                                            ("forward_backward_uneven", script.UNEVEN)])
+def test_forward_then_backward_matches_step_and_the_unsplit_model(runs, name, sizes):
+    assert_matches_reference(runs[name], sizes)
+    # ... and step() itself, on the same batches (1f1b and gpipe alike).
+    step = runs["1f1b" if sizes is script.EVEN else "gpipe_uneven"]
+    for mine, theirs in zip(runs[name], step, strict=True):
+        for key, values in theirs["params"].items():
+            np.testing.assert_allclose(mine["params"][key], values, rtol=RTOL, atol=ATOL)
+    # Every micro-batch is kept from forward to backward (GPipe's order), none after.
+    assert all(r["live"] == [[script.M, 0]] * len(sizes) for r in runs[name])
+
+
 def test_fewer_micro_batches_than_stages_match_too(runs):
     assert_matches_reference(runs["1f1b_few"], script.EVEN)
 
@@ -232,9 +245,41 @@ def test_a_single_stage_pipeline_is_plain_training_and_inference(solo):
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
     assert pipe.max_live_activations == 1 and pipe.live_activations == 0
-    out = pipe.forward(x)
+    with torch.no_grad():
+        out = pipe.forward(x)
     torch.testing.assert_close(out, reference(x), rtol=RTOL, atol=ATOL)
     assert not out.requires_grad
+    with pytest.raises(errors.ConfigurationError, match="backward\\(\\) needs a forward\\(\\) "
+                                                        "run with grad enabled"):
+        pipe.backward(torch.zeros_like(out))
+
+
+def test_a_single_stage_forward_and_backward_is_plain_training(solo):
+    model, reference = script.make_model(), script.make_model()
+    pipe = gradstar.Pipeline(model, solo, num_microbatches=3)
+    x, y = script.batch(0, 10)
+    out = pipe.forward(x)
+    assert out.requires_grad and out.grad_fn is None  # a leaf: the loss's graph ends here
+    assert pipe.live_activations == 3
+    loss = torch.nn.functional.mse_loss(out, y)
+    (grad,) = torch.autograd.grad(loss, out)
+    with pytest.raises(errors.ConfigurationError, match=r"grad_outputs has shape \(9, 3\), "
+                                                        r"forward\(\) returned \(10, 3\)"):
+        pipe.backward(grad[:9])
+    with pytest.raises(errors.ConfigurationError, match="stage 0 is the last stage: pass "
+                                                        "grad_outputs="):
+        pipe.backward()
+    pipe.backward(grad)  # the refused calls kept the forward's micro-batches
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+    assert pipe.live_activations == 0
+    with pytest.raises(errors.ConfigurationError, match="backward\\(\\) needs a forward"):
+        pipe.backward(grad)
+    # A forward that is never backwarded is dropped by the next call.
+    pipe.forward(x)
+    pipe.step(inputs=x, targets=y, loss_fn=torch.nn.functional.mse_loss)
+    assert pipe.live_activations == 0
 
 
 def test_a_batch_smaller_than_the_micro_batch_count_is_a_configuration_error(solo):

@@ -35,6 +35,7 @@ EXPECTED_ALL = [
     "AsyncProcessGroup",
     "Asynchronous",
     "BoundedStaleness",
+    "DataParallel",
     "DistributedDataParallel",
     "FullyShardedDataParallel",
     "GradstarError",

@@ -226,7 +226,8 @@ class PipelineMode(TrainingMode):
         import torch
 
         x = torch.from_numpy(self.data.test.x) if self.pipe.is_first else None
-        logits = self.pipe.forward(x)
+        with torch.no_grad():  # inference: keep nothing for a backward
+            logits = self.pipe.forward(x)
         if logits is None:
             return None
         return (logits.argmax(dim=1).numpy() == self.data.test.y).mean().item()
