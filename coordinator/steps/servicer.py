@@ -182,15 +182,16 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             ProtocolError: a part too large, a second header, or data of the wrong length.
         """
         size = 4 * numel if fmt is None else fmt.encoded_nbytes(numel)
+        what = "float32" if fmt is None else fmt.name
+        stream = f"{who}'s {what} Contribute"  # names the format in a size error
         out = np.empty(size, dtype=np.uint8)
         view = memoryview(out)
-        filled = take_part(first.data, view, 0, self.max_chunk_bytes, "a Steps")
+        filled = take_part(first.data, view, 0, self.max_chunk_bytes, stream)
         async for part in parts:
             if part.HasField("header"):
                 raise ProtocolError("a Contribute stream carries one header, at its start")
-            filled = take_part(part.data, view, filled, self.max_chunk_bytes, "a Steps")
+            filled = take_part(part.data, view, filled, self.max_chunk_bytes, stream)
         if filled != len(view):
-            what = "float32" if fmt is None else fmt.name
             raise ProtocolError(f"{who} announced {numel} {what} values ({size} bytes) but sent "
                                 f"{filled} bytes; the stream was cut or malformed and nothing "
                                 "was used")
