@@ -65,7 +65,7 @@ def test_a_float32_ledger_refuses_a_format_and_keeps_float32_aggregates():
     t = table()
     ledger = t.ledger("j", "m", 2)
     t.contribute(ledger, 0, Asynchronous(), 0, 0, 1.0, grad(0))
-    with pytest.raises(StepMismatchError, match="in int8, but .* in float32"):
+    with pytest.raises(StepMismatchError, match=r"in int8, but .* in float32"):
         t.contribute(ledger, 1, Asynchronous(), 0, 0, 1.0, grad(1), FORMATS["int8"].wire)
     t.contribute(ledger, 1, Asynchronous(), 0, 0, 1.0, grad(1))
     t.contribute(ledger, 0, Asynchronous(), 0, 0, 1.0, grad(0))  # its push closes step 1
