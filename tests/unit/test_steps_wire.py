@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from gradstar.client.error_feedback import ErrorFeedback
+from gradstar.client.steps.modes import SyncModes
 from gradstar.coordinator.steps.table import StepsTable
-from gradstar.errors import ProtocolError, StepMismatchError
-from gradstar.sync_modes import Asynchronous, Quorum
+from gradstar.errors import ConfigurationError, ProtocolError, StepMismatchError
+from gradstar.sync_modes import Asynchronous, Quorum, Synchronous
 from gradstar.wire.formats import FORMATS, WIRE_NONE, decode, roundtrip
 
 N = 200  # elements per gradient: three int8 blocks and a short one
@@ -96,3 +97,25 @@ def test_a_dropped_contribution_leaves_the_residual_as_it_was():
     fresh.compensate("steps", torch.from_numpy(grad(3)))
     fresh.restore("steps", saved)
     assert "steps" not in fresh.residuals
+
+
+class Modes(SyncModes):
+    """The state SyncModes reads from DDP, for its rules alone (no ledger is made here)."""
+
+    def __init__(self, mode) -> None:
+        self.wire, self.gradient_compression = "int8", None
+        self.sync_mode, self._weight, self._steps = mode, None, None
+
+
+def test_weights_with_a_wire_format_are_taken_in_ledger_modes_and_refused_in_synchronous():
+    ledger = Modes(Quorum(min_ranks=2))
+    ledger.contribution_weight = 3
+    assert ledger.contribution_weight == 3.0
+    with pytest.raises(ConfigurationError, match="not carried with a wire format in "
+                                                 "Synchronous"):
+        ledger.set_sync_mode(Synchronous())
+    assert ledger.sync_mode == Quorum(min_ranks=2)  # refused before anything changed
+    synchronous = Modes(Synchronous())
+    with pytest.raises(ConfigurationError, match="Synchronous"):
+        synchronous.contribution_weight = 2.0
+    assert synchronous._weight is None
