@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gradstar.errors import ProtocolError
 from gradstar.sync_modes import BoundedStaleness, Quorum, SyncMode
 from gradstar.wire.formats import WireFormat, format_from_wire
 
@@ -158,7 +159,10 @@ def wire_mismatch(ledger: StepLedger, wire: int) -> str:
     Raises:
         ProtocolError: an unknown wire format value.
     """
-    fmt = format_from_wire(wire)
+    try:
+        fmt = format_from_wire(wire)
+    except ProtocolError:
+        raise ProtocolError(f"unknown wire format {wire} in a contribution header") from None
     if ledger.numel is None or fmt == ledger.wire:
         return ""
     name = "float32" if fmt is None else fmt.name
