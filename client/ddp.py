@@ -128,7 +128,7 @@ class DistributedDataParallel(SyncModes, nn.Module):
             module has no trainable parameter, a parameter is not floating point, or the
             module is not on the CPU or one CUDA device (named); an unknown ``wire``,
             ``wire`` with ``gradient_compression``, ``error_feedback=True`` without ``wire``;
-            a sync mode other than Synchronous without ``optimizer`` or with a wire format.
+            a sync mode other than Synchronous without ``optimizer``.
         CollectiveError and subclasses: the initial broadcast failed.
     """
 

@@ -20,8 +20,15 @@ all_reduce of several ranks per host the leaders encode the host's float32 parti
 each rank's residual is then that of its own contribution as if it had sent it alone, an
 approximation of the same size.)
 
-Used by :class:`gradstar.DDP` (key: the bucket index) and by the torch communication hook of
-:mod:`gradstar.client.torch_backend.comm_hooks` (key: torch's bucket index).
+Used by :class:`gradstar.DDP` (key: the bucket index; in a sync mode other than Synchronous,
+one key for the whole flat gradient, see :mod:`gradstar.client.steps.sync`) and by the torch
+communication hook of :mod:`gradstar.client.torch_backend.comm_hooks` (key: torch's bucket
+index).
+
+A contribution that never reaches a result (the hub dropped or refused it) must not change the
+residual: the sender takes :meth:`ErrorFeedback.save` before :meth:`ErrorFeedback.compensate`
+and puts it back with :meth:`ErrorFeedback.restore`, so the dropped gradient does not leak into
+the next step and the older residual is not lost.
 """
 
 from __future__ import annotations
@@ -60,6 +67,18 @@ class ErrorFeedback:
     def reset(self) -> None:
         """Forget every residual (the next step sends its gradients as they are)."""
         self._residuals.clear()
+
+    def save(self, key: Hashable) -> torch.Tensor | None:
+        """A copy of ``key``'s residual now (None: it has none yet), for :meth:`restore`."""
+        residual = self._residuals.get(key)
+        return None if residual is None else residual.clone()
+
+    def restore(self, key: Hashable, saved: torch.Tensor | None) -> None:
+        """Put back what :meth:`save` returned (None: ``key`` has no residual again)."""
+        if saved is None:
+            self._residuals.pop(key, None)
+        else:
+            self._residuals[key] = saved
 
     def compensate(self, key: Hashable, flat: torch.Tensor,
                    keep: Sequence[tuple[int, int]] = ()) -> None:

@@ -17,6 +17,7 @@ from gradstar.proto.v1 import steps_pb2_grpc
 from gradstar.sync_modes import SyncMode
 from gradstar.transport.channels import PART_BYTES, call_metadata, open_channel
 from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
+from gradstar.wire.formats import WIRE_NONE, WireFormat, decode_into, encode, format_from_wire
 
 #: Longest one Fetch or Synchronize waits on the hub; the client asks again until its deadline.
 POLL_SECONDS = 5.0
@@ -54,11 +55,15 @@ class StepsClient:
         self.bytes_received = 0
 
     async def contribute(self, mode: SyncMode, mode_epoch: int, base: int, weight: float,
-                         grad: np.ndarray, timeout: float) -> pb.Contributed:
-        """Send one gradient (flat float32) computed after ``base`` aggregates."""
+                         grad: np.ndarray, timeout: float, wire: WireFormat | None = None,
+                         ) -> pb.Contributed:
+        """Send one gradient (flat float32) computed after ``base`` aggregates, encoded in
+        ``wire`` if given (every rank of the ledger the same)."""
         header = pb.ContributionHeader(key=self.key, mode=mode.message(), mode_epoch=mode_epoch,
-                                       numel=grad.shape[0], base=base, weight=weight)
-        data = np.ascontiguousarray(grad, dtype="<f4").tobytes()
+                                       numel=grad.shape[0], base=base, weight=weight,
+                                       wire=WIRE_NONE if wire is None else wire.wire)
+        data = (np.ascontiguousarray(grad, dtype="<f4").tobytes() if wire is None
+                else encode(wire, grad))
         reply = await self._call(self._stub.Contribute(_parts(pb.ContributionPart, header, data),
                                                        timeout=timeout, metadata=self._metadata),
                                  "contributing a gradient", timeout)
@@ -160,7 +165,10 @@ class StepsClient:
         values = np.empty((len(head.records), head.numel), dtype="<f4")
         if values.size == 0:  # nothing closed since ``have``: no data parts follow
             return Aggregates(head.steps, list(head.records), values)
-        view = memoryview(values.reshape(-1)).cast("B")
+        fmt = format_from_wire(head.wire)
+        each = 4 * head.numel if fmt is None else fmt.encoded_nbytes(head.numel)
+        raw = values.reshape(-1) if fmt is None else np.empty(each * len(head.records), np.uint8)
+        view = memoryview(raw).cast("B")
         filled = 0
         async for part in parts:
             n = len(part.data)
@@ -171,6 +179,9 @@ class StepsClient:
         if filled != len(view):
             raise ProtocolError(f"a steps Fetch answer announced {len(head.records)} aggregates "
                                 f"of {head.numel} values and carried {filled} bytes")
+        if fmt is not None:  # every rank decodes the same bytes: the same float32 values
+            for i, row in enumerate(values):
+                decode_into(fmt, raw[i * each:(i + 1) * each], row)
         self.bytes_received += filled
         return Aggregates(head.steps, list(head.records), values.astype(np.float32, copy=False))
 

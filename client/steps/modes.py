@@ -8,6 +8,7 @@ import math
 
 from gradstar.errors import ConfigurationError
 from gradstar.sync_modes import SyncMode, check_mode
+from gradstar.wire.formats import wire_format
 
 
 class SyncModes:
@@ -20,13 +21,11 @@ class SyncModes:
 
         Raises:
             ConfigurationError: not a sync mode; a mode other than Synchronous without
-                ``optimizer=`` or with a wire format (not carried in these modes yet).
+                ``optimizer=``; Synchronous with a ``wire`` format and a contribution weight.
         """
         mode = check_mode(mode)
-        if mode.on_ledger and (self.wire or self.gradient_compression):
-            raise ConfigurationError(
-                f"sync_mode={mode} sends float32 gradients; wire formats and "
-                "gradient_compression are not carried in sync modes yet")
+        if not mode.on_ledger and self.wire is not None and self._weight is not None:
+            raise ConfigurationError(_SYNCHRONOUS_WEIGHTS)
         if self.sync_mode.on_ledger and mode.on_ledger:
             self._steps.set_mode(mode)
         elif self.sync_mode.on_ledger:
@@ -52,7 +51,8 @@ class SyncModes:
     def contribution_weight(self) -> float:
         """Weight of this rank's gradients in their step's weighted mean (e.g. its samples per
         step; default 1). In Synchronous mode, set it on every rank or none: a weighted step
-        all_reduces sums and the weights' sum instead of means."""
+        all_reduces sums and the weights' sum instead of means, and not with a ``wire`` format
+        (in the other modes the weight travels beside the gradient, with any format)."""
         return 1.0 if self._weight is None else self._weight
 
     @contribution_weight.setter
@@ -61,9 +61,16 @@ class SyncModes:
                 math.isfinite(weight)) or weight < 0:
             raise ConfigurationError(f"contribution_weight={weight!r}: a weight is a finite "
                                      "number >= 0 (e.g. this rank's samples in the step)")
-        if self.wire is not None:
-            raise ConfigurationError("contribution weights are not carried with a wire format")
+        if self.wire is not None and not self.sync_mode.on_ledger:
+            raise ConfigurationError(_SYNCHRONOUS_WEIGHTS)
         self._weight = float(weight)
+
+    @property
+    def contribution_residual(self):
+        """In a sync mode other than Synchronous with error feedback: what this rank's
+        contributions lost to the wire format so far (one flat float32 tensor over the
+        parameters in DDP's order; read only). None otherwise, or before the first one."""
+        return None if self._steps is None else self._steps.residual
 
     def sync_stats(self):
         """What this rank saw of its sync mode (:class:`~.sync.SyncStats`: steps applied,
@@ -78,8 +85,18 @@ def resumes_from_hub(pg, model: str) -> bool:
     return ask(pg, model)
 
 
+_SYNCHRONOUS_WEIGHTS = (
+    "contribution weights are not carried with a wire format in Synchronous mode (its buckets "
+    "all_reduce w*g in the format, which error feedback does not compensate); the other sync "
+    "modes carry them")
+
+
 def _step_sync(ddp, mode: SyncMode):
-    """The ledger driver of ``ddp`` (made at its first ledger mode)."""
+    """The ledger driver of ``ddp`` (made at its first ledger mode): contributions travel in
+    its ``wire`` format with its error feedback, or in its ``gradient_compression`` dtype's
+    format ('bf16', 'fp16') without, as that rounds in Synchronous."""
     from .sync import StepSync
 
-    return StepSync(ddp.module, ddp._params, ddp._optimizer, ddp.process_group, mode, "ddp")
+    name = ddp.wire or ddp.gradient_compression
+    return StepSync(ddp.module, ddp._params, ddp._optimizer, ddp.process_group, mode, "ddp",
+                    wire=None if name is None else wire_format(name), feedback=ddp._feedback)

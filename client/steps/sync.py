@@ -16,6 +16,16 @@ How one training step runs (the loop stays ``zero_grad / forward / backward / op
 3. :meth:`StepSync.synchronize` (every rank): a barrier on the hub; afterwards every rank has
    applied every aggregate of every contribution made before it.
 
+With a wire format (DDP's ``wire=``) the gradient travels encoded and the aggregates come back
+encoded (the hub encodes each once: every rank decodes the same bytes). With error feedback
+(on by default with ``wire=``) the rank adds its residual ``e`` to the gradient, sends
+``v = g + e`` and keeps ``e = v - roundtrip(v)``. **Drop rule**: a contribution the hub drops
+(Quorum: stale; BoundedStaleness: over the bound) or refuses reached no aggregate, so the
+residual goes back to what it was before it: the older residual carries on into the next
+contribution and nothing of the dropped gradient leaks in. A contribution taken late (carried,
+staleness > 0) did reach an aggregate: its residual stays. A rank that joins starts from a zero
+residual (residuals are rank-local and never in a snapshot).
+
 A heartbeat every second keeps the rank in the hub's live set while it computes; a rank that
 dies or stalls leaves it and holds nobody. The calls run on the process group's loop thread but
 use none of its collectives, so a failed generation never reaches them.
@@ -35,9 +45,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from gradstar.errors import ConfigurationError, StepError
+from gradstar.errors import (
+    ConfigurationError,
+    HubCapacityError,
+    ProtocolError,
+    StepError,
+    StepMismatchError,
+)
 from gradstar.sync_modes import Quorum, SyncMode
+from gradstar.wire.formats import WireFormat
 
+from ..error_feedback import ErrorFeedback
 from .client import StepsClient
 from .snapshot import pack, unpack
 
@@ -49,6 +67,10 @@ HEARTBEAT_SECONDS = 1.0
 RECENT = 1024
 #: Aggregates per Fetch answer (a rank far behind asks again for the rest).
 FETCH_LIMIT = 16
+#: The key of a rank's contribution residual in its ErrorFeedback (the whole flat gradient).
+RESIDUAL_KEY = "steps"
+#: Answers that say the hub kept nothing of a contribution (the residual is restored).
+REFUSED = (StepMismatchError, HubCapacityError, ProtocolError)
 
 
 @dataclass(frozen=True)
@@ -105,10 +127,13 @@ class StepSync:
         pg: the blocking process group (settings, rank, the hub's collective port, its loop;
             its timeout bounds a step or a barrier, then :class:`StepTimeoutError`).
         mode: the sync mode; ``model``: the ledger's name within the job.
+        wire: the format contributions travel in (None: float32); ``feedback``: where the
+            contribution residual lives (None: no error feedback).
     """
 
     def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter],
-                 optimizer: torch.optim.Optimizer, pg, mode: SyncMode, model: str) -> None:
+                 optimizer: torch.optim.Optimizer, pg, mode: SyncMode, model: str,
+                 wire: WireFormat | None = None, feedback: ErrorFeedback | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigurationError(
                 f"sync_mode={mode} needs optimizer=: the torch optimizer that trains the "
@@ -119,6 +144,7 @@ class StepSync:
         self.numel = sum(p.numel() for p in params)
         self.mode = mode
         self.mode_epoch = 0
+        self.wire, self._feedback = wire, feedback
         self.timeout = pg.settings.timeout
         #: Aggregates applied to this rank's parameters.
         self.have = 0
@@ -175,9 +201,17 @@ class StepSync:
         flat = torch.cat([
             (p.grad.detach().reshape(-1) if p.grad is not None
              else torch.zeros(p.numel(), device=p.device)).to(torch.float32)
-            for p in self.params]).cpu().numpy()
-        reply = self._run(self._client.contribute(self.mode, self.mode_epoch, self.have,
-                                                  weight, flat, self.timeout))
+            for p in self.params]).cpu()
+        saved = self._compensate(flat)
+        try:
+            reply = self._run(self._client.contribute(self.mode, self.mode_epoch, self.have,
+                                                      weight, flat.numpy(), self.timeout,
+                                                      self.wire))
+        except REFUSED:
+            self._restore(saved)
+            raise
+        if not reply.accepted:
+            self._restore(saved)
         self.stats.contributions += 1
         self.stats.recent_contributions.append(ContributionEntry(
             self.have, reply.step if reply.accepted else None, reply.staleness))
@@ -191,6 +225,30 @@ class StepSync:
             self.stats.dropped += 1
             self._joined = None
             log.info("rank %d's gradient was dropped: %s", self._client.key.rank, reply.reason)
+
+    @property
+    def residual(self) -> torch.Tensor | None:
+        """What this rank's accepted contributions lost to the wire format so far (flat
+        float32, DDP's parameter order; do not write); None without error feedback or before
+        the first contribution."""
+        return None if self._feedback is None else self._feedback.residuals.get(RESIDUAL_KEY)
+
+    def _compensate(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """Add the residual to ``flat`` and keep what sending it loses; the residual before
+        (None: none yet), for :meth:`_restore`."""
+        if self._feedback is None:
+            return None
+        saved = self._feedback.save(RESIDUAL_KEY)
+        offsets = np.cumsum([0] + [p.numel() for p in self.params])
+        keep = [(int(offsets[i]), p.numel()) for i, p in enumerate(self.params)
+                if p.grad is None]  # sent as zeros: its residual waits for a gradient
+        self._feedback.compensate(RESIDUAL_KEY, flat, keep)
+        return saved
+
+    def _restore(self, saved: torch.Tensor | None) -> None:
+        """The hub kept nothing of the contribution: its residual is the one before it."""
+        if self._feedback is not None:
+            self._feedback.restore(RESIDUAL_KEY, saved)
 
     def catch_up(self) -> None:
         """Apply every closed aggregate; with Quorum first wait for the step this rank's
@@ -220,6 +278,7 @@ class StepSync:
         """
         steps, layout, data = self._run(self._client.get_snapshot(self.timeout))
         unpack(layout, data, self.module, self._optimizer)
+        self._restore(None)  # a joiner's residual starts at zero
         self.have = self.stats.step = steps
         self._catch_up_to(0)
         log.info("rank %d joined at step %d (snapshot of step %d)", self._client.key.rank,

@@ -20,6 +20,13 @@ One ledger per (job, model). Protocol, per rank:
    fast rank's call waits (the only time a rank waits for another). Its *aggregate* is the
    weighted mean of its contributions, summed in rank order in float32, so it does not depend
    on arrival order; the hub computes it once and every rank gets the same bytes.
+   **Wire formats**: a ledger's contributions travel in one wire format (DDP's ``wire=``, set
+   by the first contribution; another is :class:`StepMismatchError` for its sender). The hub
+   decodes each to float32 on receipt (its encoded size checked against ``numel``), adds in
+   float32, and keeps the aggregate encoded once in that format: every rank decodes the same
+   bytes, and the log holds encoded bytes. The ranks keep their own residuals (error
+   feedback); a dropped contribution is answered before anything of it is kept, so the rank
+   restores the residual it had before it.
 3. **Fetch** ``(have)``: the aggregates after ``have``, in step order, with who made each
    (ranks, weights, staleness). The rank applies them with its own optimizer; from then on its
    parameters are at ``steps`` aggregates (its next base).
@@ -50,7 +57,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gradstar.errors import ProtocolError
 from gradstar.sync_modes import BoundedStaleness, Quorum, SyncMode
+from gradstar.wire.formats import WireFormat, format_from_wire
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +116,7 @@ class ClosedStep:
     ranks: tuple[int, ...]
     weights: tuple[float, ...]
     staleness: tuple[int, ...]
+    #: What the ranks get: float32 values, or their bytes (uint8) in the ledger's wire format.
     aggregate: np.ndarray
     closed_at: float
 
@@ -117,6 +127,8 @@ class StepLedger:
     def __init__(self, job: str, model: str, world_size: int, now: float) -> None:
         self.job, self.model, self.world_size = job, model, world_size
         self.numel: int | None = None
+        #: The contributions' and aggregates' wire format (None: float32), set with ``numel``.
+        self.wire: WireFormat | None = None
         self.mode: SyncMode | None = None
         self.mode_epoch = 0
         self.steps = 0
@@ -139,6 +151,24 @@ class StepLedger:
     def first_logged(self) -> int:
         """Number of the oldest aggregate still held (steps + 1 when none)."""
         return self.log[0].number if self.log else self.steps + 1
+
+
+def wire_mismatch(ledger: StepLedger, wire: int) -> str:
+    """Why a contribution in the header's ``wire`` value does not fit ``ledger`` ("" if it does).
+
+    Raises:
+        ProtocolError: an unknown wire format value.
+    """
+    try:
+        fmt = format_from_wire(wire)
+    except ProtocolError:
+        raise ProtocolError(f"unknown wire format {wire} in a contribution header") from None
+    if ledger.numel is None or fmt == ledger.wire:
+        return ""
+    name = "float32" if fmt is None else fmt.name
+    theirs = "float32" if ledger.wire is None else ledger.wire.name
+    return (f"sent its gradient in {name}, but model {ledger.model!r} steps in {theirs}; every "
+            "rank of a model must use the same wire format")
 
 
 def drop_reason(mode: SyncMode, staleness: int) -> str:

@@ -19,6 +19,7 @@ from gradstar.sync_modes import from_message
 from gradstar.transport.channels import PART_BYTES
 from gradstar.transport.status import abort
 from gradstar.wire.chunks import take_part
+from gradstar.wire.formats import WireFormat, decode, format_from_wire
 
 from ..rendezvous.jobs import check_job_name
 from .ledger import ClosedStep, StepLedger
@@ -61,14 +62,15 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             mode = from_message(h.mode)
             # Refused before any memory is taken for it.
             self.table.check_header(ledger, h.key.rank, mode, h.mode_epoch, h.numel, h.base,
-                                    h.weight)
-            data = await self._read(first, parts, h.numel, f"rank {h.key.rank}")
+                                    h.weight, h.wire)
+            data = await self._read(first, parts, h.numel, format_from_wire(h.wire),
+                                    f"rank {h.key.rank}")
             # BoundedStaleness: a fast rank's next gradient waits while closing the step its
             # previous one is in would leave a live rank too far behind.
             while self.table.must_wait(ledger, h.key.rank):
                 await self._wait(lambda: not self.table.must_wait(ledger, h.key.rank), MAX_WAIT)
             accepted, step, staleness, reason = self.table.contribute(
-                ledger, h.key.rank, mode, h.mode_epoch, h.base, h.weight, data)
+                ledger, h.key.rank, mode, h.mode_epoch, h.base, h.weight, data, h.wire)
             self._arm_timer()
             return pb.Contributed(accepted=accepted, step=step, staleness=staleness,
                                   steps=ledger.steps, reason=reason,
@@ -91,8 +93,9 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             return
         yield pb.StepsPart(header=pb.StepsHeader(
             ready=True, steps=ledger.steps, numel=ledger.numel or 0,
-            records=[_record(s) for s in closed]))
-        # The aggregates are never changed once closed: stream them as they are.
+            records=[_record(s) for s in closed],
+            wire=ledger.wire.wire if ledger.wire is not None else 0))
+        # The aggregates are never changed once closed: stream them as they are (encoded).
         for step in closed:
             data = memoryview(step.aggregate).cast("B")
             for start in range(0, len(data), PART_BYTES):
@@ -196,23 +199,29 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
         return self.table.ledger(key.job, key.model, key.world_size)
 
     async def _read(self, first: pb.ContributionPart, parts, numel: int,
-                    who: str) -> np.ndarray:
-        """The whole float32 gradient of a Contribute stream.
+                    fmt: WireFormat | None, who: str) -> np.ndarray:
+        """The whole float32 gradient of a Contribute stream: ``numel`` float32 values, or
+        ``fmt``'s encoding of them (exactly its encoded size; decoded once, here).
 
         Raises:
             ProtocolError: a part too large, a second header, or data of the wrong length.
         """
-        out = np.empty(numel, dtype="<f4")
-        view = memoryview(out).cast("B")
-        filled = take_part(first.data, view, 0, self.max_chunk_bytes, "a Steps")
+        size = 4 * numel if fmt is None else fmt.encoded_nbytes(numel)
+        what = "float32" if fmt is None else fmt.name
+        stream = f"{who}'s {what} Contribute"  # names the format in a size error
+        out = np.empty(size, dtype=np.uint8)
+        view = memoryview(out)
+        filled = take_part(first.data, view, 0, self.max_chunk_bytes, stream)
         async for part in parts:
             if part.HasField("header"):
                 raise ProtocolError("a Contribute stream carries one header, at its start")
-            filled = take_part(part.data, view, filled, self.max_chunk_bytes, "a Steps")
+            filled = take_part(part.data, view, filled, self.max_chunk_bytes, stream)
         if filled != len(view):
-            raise ProtocolError(f"{who} announced {numel} float32 values but sent {filled} "
-                                "bytes; the stream was cut or malformed and nothing was used")
-        return out.astype(np.float32, copy=False)
+            raise ProtocolError(f"{who} announced {numel} {what} values ({size} bytes) but sent "
+                                f"{filled} bytes; the stream was cut or malformed and nothing "
+                                "was used")
+        return out.view("<f4").astype(np.float32, copy=False) if fmt is None else (
+            decode(fmt, out, numel))
 
 
     async def _wait(self, ready: Callable[[], bool], seconds: float) -> None:

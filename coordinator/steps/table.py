@@ -12,6 +12,7 @@ import numpy as np
 
 from gradstar.errors import HubCapacityError, StepMismatchError, StepsBehindError
 from gradstar.sync_modes import Asynchronous, BoundedStaleness, Quorum, SyncMode
+from gradstar.wire.formats import WIRE_NONE, encode, format_from_wire
 
 from .ledger import (
     HISTORY,
@@ -23,6 +24,7 @@ from .ledger import (
     Snapshot,
     StepLedger,
     drop_reason,
+    wire_mismatch,
 )
 
 #: Seconds a rank asked for a snapshot has to send it before another may be asked.
@@ -138,15 +140,18 @@ class StepsTable:
     # -- contribute and close ---------------------------------------------------------------
 
     def check_header(self, ledger: StepLedger, rank: int, mode: SyncMode, mode_epoch: int,
-                     numel: int, base: int, weight: float) -> None:
+                     numel: int, base: int, weight: float, wire: int = WIRE_NONE) -> None:
         """Refuse a contribution before its data is read.
 
         Raises:
-            StepMismatchError: a bad weight, a base from the future, another size or mode than
-                the ledger's, a duplicate in the open step.
+            StepMismatchError: a bad weight, a base from the future, another size, mode or
+                wire format than the ledger's, a duplicate in the open step.
             HubCapacityError: the gradient is over the hub's size limit.
+            ProtocolError: an unknown wire format.
         """
         who = f"rank {rank} of job {ledger.job!r}"
+        if reason := wire_mismatch(ledger, wire):
+            raise StepMismatchError(f"{who} {reason}")
         if not math.isfinite(weight) or weight < 0:
             raise StepMismatchError(f"{who} sent a contribution of weight {weight}; a weight "
                                     "is a finite number >= 0 (e.g. its number of samples)")
@@ -220,8 +225,10 @@ class StepsTable:
                 and not self._within_bound(ledger))
 
     def contribute(self, ledger: StepLedger, rank: int, mode: SyncMode, mode_epoch: int,
-                   base: int, weight: float, data: np.ndarray) -> tuple[bool, int, int, str]:
-        """Take ``rank``'s gradient: (accepted, step joined, staleness, reason if dropped).
+                   base: int, weight: float, data: np.ndarray, wire: int = WIRE_NONE,
+                   ) -> tuple[bool, int, int, str]:
+        """Take ``rank``'s gradient (float32: decoded from ``wire`` by the servicer):
+        (accepted, step joined, staleness, reason if dropped).
         In BoundedStaleness and Asynchronous a rank's gradient arriving while its previous one
         is still in the open step closes that step first (see :meth:`must_wait`).
 
@@ -229,10 +236,10 @@ class StepsTable:
         data arrived); HubCapacityError: holding it would pass the hub's memory bound.
         """
         state = self.seen(ledger, rank)
-        self.check_header(ledger, rank, mode, mode_epoch, data.shape[0], base, weight)
+        self.check_header(ledger, rank, mode, mode_epoch, data.shape[0], base, weight, wire)
         if rank in ledger.open.contributions:  # a push (checked: this mode pushes, in bound)
             self._close(ledger)
-        ledger.numel = data.shape[0]
+        ledger.numel, ledger.wire = data.shape[0], format_from_wire(wire)
         staleness = ledger.steps - base
         reason = drop_reason(ledger.mode, staleness)
         if reason:
@@ -313,6 +320,8 @@ class StepsTable:
                 np.multiply(c.data, np.float32(c.weight), out=scratch)
                 np.add(aggregate, scratch, out=aggregate)
             np.divide(aggregate, np.float32(total), out=aggregate)
+        if ledger.wire is not None:  # encoded once: every rank decodes the same bytes
+            aggregate = np.frombuffer(encode(ledger.wire, aggregate), dtype=np.uint8)
         self.held_bytes -= sum(c.data.nbytes for c in parts)
         ledger.steps = open_.number
         ledger.log.append(ClosedStep(open_.number, tuple(ranks), tuple(c.weight for c in parts),

@@ -161,8 +161,9 @@ class StepError(GradstarError):
 
 
 class StepMismatchError(StepError, ValueError):
-    """A contribution disagrees with its step ledger (sync mode, size, a duplicate, a base from
-    the future) or carries a bad weight; it was refused and the other ranks' steps go on."""
+    """A contribution disagrees with its step ledger (sync mode, size, wire format, a duplicate,
+    a base from the future) or carries a bad weight; it was refused and the other ranks' steps
+    go on."""
 
 
 class StepsBehindError(StepError):

@@ -1,6 +1,7 @@
 """The Steps service (DDP sync modes) over real sockets: a contribution the hub refuses gets a
 named error for its sender only and the others' step goes on, a cut stream leaves nothing
-behind, a barrier closes the open step, tokens are checked."""
+behind, a barrier closes the open step, tokens are checked; wire formats travel both ways and
+a wrong encoded size or format is named."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from gradstar.proto.v1 import steps_pb2 as pb
 from gradstar.proto.v1 import steps_pb2_grpc
 from gradstar.sync_modes import Asynchronous, Quorum
 from gradstar.transport.status import error_from_rpc
+from gradstar.wire.formats import FORMATS, roundtrip
 
 QUORUM = Quorum(min_ranks=2, timeout=30.0)
 T = 10.0  # every call's deadline
@@ -113,3 +115,50 @@ async def test_a_steps_call_without_the_job_token_is_refused(start_coordinator):
             await stranger.heartbeat(0)
     finally:
         await stranger.close()
+
+
+async def test_int8_contributions_travel_encoded_and_every_rank_decodes_the_same_aggregate(
+        ranks):
+    int8 = FORMATS["int8"]
+    r0, r1 = ranks(0), ranks(1)
+    a, b = np.linspace(-1, 1, 100, dtype=np.float32), np.linspace(3, -2, 100, dtype=np.float32)
+    await r0.contribute(QUORUM, 0, 0, 1.0, a, T, wire=int8)
+    await r1.contribute(QUORUM, 0, 0, 3.0, b, T, wire=int8)
+    assert r0.bytes_sent == int8.encoded_nbytes(100) == 108
+    sent = [roundtrip(int8, a), roundtrip(int8, b)]
+    expected = roundtrip(int8, (sent[0] + sent[1] * np.float32(3)) / np.float32(4))
+    got = [await client.fetch(0, 1, T) for client in (r0, r1)]
+    np.testing.assert_array_equal(got[0].values[0], expected)
+    np.testing.assert_array_equal(got[1].values[0], got[0].values[0])
+    assert r1.bytes_received == 108
+
+
+async def test_a_wrong_encoded_size_or_another_format_is_named_and_the_step_goes_on(
+        coordinator, ranks):
+    int8 = FORMATS["int8"]
+    r0, r1 = ranks(0), ranks(1)
+    await r0.contribute(QUORUM, 0, 0, 1.0, g(*[1.0] * 64), T, wire=int8)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{coordinator.collective_port}") as ch:
+        stub = steps_pb2_grpc.StepsStub(ch)
+        # 64 int8 values take 4 + 64 bytes: one short, one over, and float32's 256.
+        for nbytes in (67, 69, 256):
+            header = pb.ContributionHeader(key=r1.key, mode=QUORUM.message(), numel=64,
+                                           base=0, weight=1.0, wire=int8.wire)
+
+            async def parts(header=header, nbytes=nbytes):
+                yield pb.ContributionPart(header=header, data=bytes(nbytes))
+
+            with pytest.raises(grpc.RpcError) as raised:
+                await stub.Contribute(parts(), timeout=T)
+            error = error_from_rpc(raised.value, "contribute", "hub")
+            assert isinstance(error, ProtocolError), error
+            assert "int8" in str(error)
+    for other in (None, FORMATS["bf16"]):
+        with pytest.raises(StepMismatchError, match="same wire format"):
+            await r1.contribute(QUORUM, 0, 0, 1.0, g(*[9.0] * 64), T, wire=other)
+    await r1.contribute(QUORUM, 0, 0, 1.0, g(*[3.0] * 64), T, wire=int8)
+    got = await r0.fetch(0, 1, T)
+    # Nothing refused got in: the int8 mean of 1 and 3.
+    ones, threes = roundtrip(int8, g(*[1.0] * 64)), roundtrip(int8, g(*[3.0] * 64))
+    np.testing.assert_array_equal(got.values[0],
+                                  roundtrip(int8, (ones + threes) / np.float32(2)))

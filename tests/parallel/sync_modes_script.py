@@ -5,11 +5,13 @@ Trains a small MLP for ``--steps`` iterations with ``gradstar.DDP(sync_mode=...)
 momentum; before each backward the rank sleeps its entry of ``--delays`` (seconds, per rank), and
 ``--stop-at`` makes a rank stop itself (``kill``: os._exit mid-training; ``stall``: SIGSTOP)
 at that iteration. After each backward it prints its contribution (base, step joined) as a JSON
-line; at the end it synchronizes and prints its parameters, the steps it applied (who made each)
-and its stats.
+line (with ``--wire``, also its contribution residual after it); at the end it synchronizes and
+prints its parameters, the steps it applied (who made each) and its stats.
 
 :func:`replay` (used by the tests) trains the same model in one process from the hub's record
-of which contribution joined which step.
+of which contribution joined which step; with a wire format each contribution is
+``roundtrip(fmt, g + residual)`` (error feedback, the residual untouched by a dropped one) and
+each aggregate ``roundtrip(fmt, weighted mean)``.
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
+
+from gradstar.wire.formats import roundtrip
 
 SCRIPT = Path(__file__)
 IN, HIDDEN, OUT = 6, 16, 3
@@ -74,10 +79,16 @@ def mode_of(args):
     return gradstar.Synchronous()
 
 
-def replay(contributions: dict[int, list[dict]], steps: list[dict]) -> nn.Module:
+def replay(contributions: dict[int, list[dict]], steps: list[dict], wire: str | None = None,
+           residuals: dict[int, torch.Tensor] | None = None) -> nn.Module:
     """One process, the hub's order: step t's aggregate is the weighted mean (rank order) of
     the gradients that joined it, each computed on the parameters after its base aggregates
-    with its rank's batch of that iteration; applied with the same optimizer."""
+    with its rank's batch of that iteration; applied with the same optimizer. With ``wire``,
+    as the ranks and the hub round (see the module docstring); each rank's residual after its
+    last accepted contribution goes into ``residuals``."""
+    if wire is not None:
+        return _replay_wire(contributions, steps, wire,
+                            {} if residuals is None else residuals)
     model = make_mlp()
     opt = make_optimizer(model)
     snapshots = {0: {k: v.clone() for k, v in model.state_dict().items()}}
@@ -106,6 +117,45 @@ def replay(contributions: dict[int, list[dict]], steps: list[dict]) -> nn.Module
     return model
 
 
+def _replay_wire(contributions, steps, wire: str, residuals: dict) -> nn.Module:
+    model = make_mlp()
+    opt = make_optimizer(model)
+    snapshots = {0: {k: v.clone() for k, v in model.state_dict().items()}}
+    # (rank, step) -> (iteration, base, life): a restarted rank's iterations begin at 0 again.
+    joined = {(rank, c["step"]): (c["iteration"], c["base"], life)
+              for rank, cs in contributions.items()
+              for c, life in zip(cs, np.cumsum([c["iteration"] == 0 for c in cs]), strict=True)
+              if c["step"] is not None}
+    lives: dict[int, int] = {}
+    for entry in steps:
+        aggregate = np.zeros(sum(p.numel() for p in model.parameters()), np.float32)
+        scratch = np.empty_like(aggregate)
+        for rank, weight in zip(entry["ranks"], entry["weights"], strict=True):
+            iteration, base, life = joined[(rank, entry["step"])]
+            if lives.setdefault(rank, life) != life:
+                residuals.pop(rank, None)  # a new process starts from a zero residual
+                lives[rank] = life
+            probe = make_mlp()
+            probe.load_state_dict(snapshots[base])
+            loss_of(probe, rank, iteration).backward()
+            sent = torch.cat([p.grad.reshape(-1) for p in probe.parameters()])
+            sent += residuals.get(rank, torch.zeros_like(sent))
+            rounded = roundtrip(wire, sent.numpy())
+            residuals[rank] = torch.nan_to_num(sent - torch.from_numpy(rounded), 0.0, 0.0, 0.0)
+            # As the hub: weighted in float32, summed in rank order, divided by the weights.
+            np.multiply(rounded, np.float32(weight), out=scratch)
+            np.add(aggregate, scratch, out=aggregate)
+        np.divide(aggregate, np.float32(sum(entry["weights"])), out=aggregate)
+        values = torch.from_numpy(roundtrip(wire, aggregate))
+        offset = 0
+        for p in model.parameters():
+            p.grad = values[offset:offset + p.numel()].view(p.shape).clone()
+            offset += p.numel()
+        opt.step()
+        snapshots[entry["step"]] = {k: v.clone() for k, v in model.state_dict().items()}
+    return model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["quorum", "bounded", "async", "sync"])
@@ -121,6 +171,7 @@ def main() -> None:
     parser.add_argument("--print-states", action="store_true",
                         help="print the step count, parameters and momentum at the start and "
                              "after every optimizer step")
+    parser.add_argument("--wire", default=None, help="DDP's wire format (error feedback on)")
     args = parser.parse_args()
 
     import gradstar
@@ -131,7 +182,7 @@ def main() -> None:
     weights = [float(w) for w in args.weights.split(",")] if args.weights else []
     model = make_mlp()
     opt = make_optimizer(model)
-    ddp = gradstar.DDP(model, pg, sync_mode=mode_of(args), optimizer=opt)
+    ddp = gradstar.DDP(model, pg, sync_mode=mode_of(args), optimizer=opt, wire=args.wire)
     if weights:
         ddp.contribution_weight = weights[rank]
     if args.print_states:
@@ -152,6 +203,9 @@ def main() -> None:
         # At once: a rank killed later still leaves the record of what it contributed.
         c = c if isinstance(c, dict) else {"base": c.base, "step": c.step,
                                            "staleness": c.staleness}
+        if args.wire:
+            residual = ddp.contribution_residual
+            c["residual"] = None if residual is None else residual.tolist()
         print(json.dumps({"rank": rank, "contribution": {**c, "iteration": i}}), flush=True)
         opt.step()
         if args.print_states:

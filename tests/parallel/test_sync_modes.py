@@ -83,9 +83,11 @@ async def run_modes(*args: str, stopped: int = -1, restart: bool = False,
     return reports
 
 
-def assert_identical_and_replayed(reports: dict[int, dict], rtol=1e-6, atol=1e-7) -> None:
+def assert_identical_and_replayed(reports: dict[int, dict], rtol=1e-6, atol=1e-7,
+                                  wire: str | None = None) -> dict:
     """Every rank the same parameters, bit for bit, after synchronize(); the same steps; and
-    those parameters are what one process gets by replaying the hub's record."""
+    those parameters are what one process gets by replaying the hub's record (in ``wire``);
+    the replay's residual per rank (with ``wire``)."""
     finished = {rank: r for rank, r in reports.items() if "params" in r}
     first = next(r for r in finished.values() if not r["replacement"])
     for rank, report in finished.items():
@@ -95,10 +97,12 @@ def assert_identical_and_replayed(reports: dict[int, dict], rtol=1e-6, atol=1e-7
             f"rank {rank} applied other steps")
     assert [s["step"] for s in first["steps"]] == list(range(1, len(first["steps"]) + 1))
     contributions = {rank: r["contributions"] for rank, r in reports.items()}
-    replayed = script.params_of(script.replay(contributions, first["steps"]))
+    residuals: dict = {}
+    replayed = script.params_of(script.replay(contributions, first["steps"], wire, residuals))
     for name, values in replayed.items():
         np.testing.assert_allclose(first["params"][name], values, rtol=rtol, atol=atol,
                                    err_msg=name)
+    return residuals
 
 
 @pytest.fixture(scope="module")

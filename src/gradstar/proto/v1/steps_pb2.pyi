@@ -1,3 +1,4 @@
+from gradstar.proto.v1 import collective_pb2 as _collective_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -45,20 +46,22 @@ class StepsKey(_message.Message):
     def __init__(self, job: _Optional[str] = ..., model: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class ContributionHeader(_message.Message):
-    __slots__ = ("key", "mode", "mode_epoch", "numel", "base", "weight")
+    __slots__ = ("key", "mode", "mode_epoch", "numel", "base", "weight", "wire")
     KEY_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     MODE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FIELD_NUMBER: _ClassVar[int]
     key: StepsKey
     mode: SyncMode
     mode_epoch: int
     numel: int
     base: int
     weight: float
-    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., mode: _Optional[_Union[SyncMode, _Mapping]] = ..., mode_epoch: _Optional[int] = ..., numel: _Optional[int] = ..., base: _Optional[int] = ..., weight: _Optional[float] = ...) -> None: ...
+    wire: _collective_pb2.WireFormat
+    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., mode: _Optional[_Union[SyncMode, _Mapping]] = ..., mode_epoch: _Optional[int] = ..., numel: _Optional[int] = ..., base: _Optional[int] = ..., weight: _Optional[float] = ..., wire: _Optional[_Union[_collective_pb2.WireFormat, str]] = ...) -> None: ...
 
 class ContributionPart(_message.Message):
     __slots__ = ("header", "data")
@@ -111,16 +114,18 @@ class StepRecord(_message.Message):
     def __init__(self, step: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., staleness: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepsHeader(_message.Message):
-    __slots__ = ("ready", "steps", "numel", "records")
+    __slots__ = ("ready", "steps", "numel", "records", "wire")
     READY_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     steps: int
     numel: int
     records: _containers.RepeatedCompositeFieldContainer[StepRecord]
-    def __init__(self, ready: _Optional[bool] = ..., steps: _Optional[int] = ..., numel: _Optional[int] = ..., records: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ...) -> None: ...
+    wire: _collective_pb2.WireFormat
+    def __init__(self, ready: _Optional[bool] = ..., steps: _Optional[int] = ..., numel: _Optional[int] = ..., records: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., wire: _Optional[_Union[_collective_pb2.WireFormat, str]] = ...) -> None: ...
 
 class StepsPart(_message.Message):
     __slots__ = ("header", "data")
