@@ -14,9 +14,17 @@ module docstring), so that the hub's memory is at most the budget plus, per pend
 a few windows of chunks. Everything charged is given back when the collective ends (completed,
 failed, or its streams closed).
 
+Each job may hold at most its share of the budget (``collective_state_job_share`` of
+``max_collective_state_bytes``, a quarter by default), whether it is alone on the hub or not:
+one job that fills its share (a member flooding headers, or a job issuing more than it waits
+for) leaves the rest to the other jobs, so their collectives still open; the budget is not
+split by the jobs present, since a job that took the whole hub while alone could not be made
+to give any back when another arrives. An ordinary collective holds a few KiB per rank, far
+below a share.
+
 Beyond a limit, the header is refused with :class:`~gradstar.errors.HubCapacityError`
-(RESOURCE_EXHAUSTED), naming the limit; the collective it belongs to fails on its ranks, and
-other jobs' collectives go on.
+(RESOURCE_EXHAUSTED), naming the limit (for the share: that it was the job's share); the
+collective it belongs to fails on its ranks, and other jobs' collectives go on.
 """
 
 from __future__ import annotations
@@ -45,11 +53,18 @@ def participant_charge(chunks: int, stripe_chunks: int | None) -> int:
 class CollectiveBudget:
     """Charges and gives back the bookkeeping of pending collectives (one per hub process)."""
 
-    def __init__(self, max_bytes: int, max_per_member: int, max_per_job: int) -> None:
+    def __init__(self, max_bytes: int, max_per_member: int, max_per_job: int,
+                 job_share: float = 1.0) -> None:
         self.max_bytes = max_bytes
         self.max_per_member = max_per_member
         self.max_per_job = max_per_job
+        #: Bytes one job may hold: its share of the budget (at least one byte).
+        self.max_job_bytes = max(1, int(max_bytes * job_share))
+        self.job_share = job_share
         self.used = 0
+        #: Bytes each job holds, and the job of each member with something pending.
+        self.job_used: dict[str, int] = {}
+        self._job_of: dict[Hashable, str] = {}
         #: Bytes given back since the heap was last trimmed (see TRIM_AFTER_BYTES).
         self.freed = 0
         self._pending: dict[Hashable, int] = {}
@@ -65,19 +80,28 @@ class CollectiveBudget:
                 f"job {job!r} has {pending} collectives pending, its limit (coordinator setting "
                 "max_pending_per_job); the hub opens no more for it until some finish")
 
-    def charge(self, member: Hashable, nbytes: int, who: str) -> None:
-        """Charge ``nbytes`` for one more pending collective of ``member`` (``who`` names it
-        and the collective in an error).
+    def charge(self, member: Hashable, nbytes: int, who: str, job: str = "") -> None:
+        """Charge ``nbytes`` for one more pending collective of ``member`` of ``job`` (``who``
+        names it and the collective in an error).
 
         Raises:
-            HubCapacityError: the member is at ``max_pending_per_member``, or the charge would
-                take the hub over ``max_collective_state_bytes``.
+            HubCapacityError: the member is at ``max_pending_per_member``, the charge would
+                take its job over its share of the budget (``collective_state_job_share``), or
+                the hub over ``max_collective_state_bytes``.
         """
         pending = self._pending.get(member, 0)
         if pending >= self.max_per_member:
             raise HubCapacityError(
                 f"{who} was refused: the rank has {pending} collectives pending, its limit "
                 "(coordinator setting max_pending_per_member); finish some first")
+        held = self.job_used.get(job, 0)
+        if held + nbytes > self.max_job_bytes < self.max_bytes:  # a share of 1: the hub's
+            raise HubCapacityError(
+                f"{who} was refused: it needs {nbytes} bytes of the hub's budget for pending "
+                f"collectives, and job {job!r} already holds {held} of its share of "
+                f"{self.max_job_bytes} bytes ({self.job_share:g} of max_collective_state_bytes; "
+                "coordinator setting collective_state_job_share), which keeps the rest for other "
+                "jobs; try again once this job's collectives finish")
         if self.used + nbytes > self.max_bytes:
             raise HubCapacityError(
                 f"{who} was refused: it needs {nbytes} bytes of the hub's budget for pending "
@@ -85,15 +109,24 @@ class CollectiveBudget:
                 "left (coordinator setting max_collective_state_bytes); try again once "
                 "collectives finish")
         self._pending[member] = pending + 1
+        self._job_of[member] = job
+        self.job_used[job] = held + nbytes
         self.used += nbytes
 
     def give_back(self, member: Hashable, nbytes: int) -> None:
         """A collective ``member`` took part in ended: its charge of ``nbytes`` is free again."""
+        job = self._job_of.get(member, "")
         left = self._pending.get(member, 0) - 1
         if left > 0:
             self._pending[member] = left
         else:
             self._pending.pop(member, None)
+            self._job_of.pop(member, None)
+        held = self.job_used.get(job, 0) - nbytes
+        if held > 0:
+            self.job_used[job] = held
+        else:
+            self.job_used.pop(job, None)
         self.used -= nbytes
         self.freed += nbytes
 

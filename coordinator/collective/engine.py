@@ -144,7 +144,7 @@ class PendingCollective:
                                     -(-self.layout.count // self.stripes))
         self.engine.budget.charge((self.gen, h.rank), charge,
                                   f"rank {h.rank}'s {describe(s)} seq {s.seq} of job "
-                                  f"{self.gen.job.name!r}")
+                                  f"{self.gen.job.name!r}", self.gen.job.name)
         try:
             inputs = self._stripe((g.sends,))
             outputs = self._stripe(g.receives)
