@@ -2,13 +2,19 @@
 and caps on how many are pending per member and per job.
 
 Why: each header is checked on its own (a chunk count of at most 2^20, a payload of at most
-``max_tensor_bytes``), but a header at the chunk limit costs the hub about a MiB of chunk
-tracker until its collective ends, and nothing else bounded how many such headers a member
+``max_tensor_bytes``), but a header at the chunk limit costs the hub a chunk tracker for 2^20
+chunks until its collective ends, and nothing else bounded how many such headers a member
 could have pending. A member of one job could so grow the hub by gigabytes, for every job.
 
+What an 82-byte header may make the hub hold is kept small: the tracker is a bit per chunk
+(128 KiB at the limit), allocated only when the first chunk arrives, and a stripe's indices
+behind a sharded hub are ranges, not sets (a set of a stripe of 2^20 chunks took 64 MiB over 2
+shards). At the chunk limit, a rank's part is charged 132 KiB (before: 1 MiB, and over 64 MiB
+behind 2 shards).
+
 What is charged, when a rank's header is admitted and before anything is allocated for it:
-its chunk tracker (one byte per chunk of the layout, plus the index set of its stripe behind a
-sharded hub) and a fixed allowance for its participant record, frames and queue. What is not:
+its chunk tracker (:func:`gradstar.wire.tracker_bytes`, charged whether or not chunks come) and
+a fixed allowance for its participant record, frames and queue. What is not:
 chunk payloads in flight, which each collective's read window bounds already (``engine``
 module docstring), so that the hub's memory is at most the budget plus, per pending collective,
 a few windows of chunks. Everything charged is given back when the collective ends (completed,
@@ -32,22 +38,20 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from gradstar.errors import HubCapacityError
+from gradstar.wire import tracker_bytes
 
 #: Bookkeeping of one rank's part in a collective besides its tracker: the participant record,
 #: its header, its outbox queue and the servicer's frames. Measured (tracemalloc, 2 ranks):
 #: about 2.5 KiB; rounded up.
 PARTICIPANT_BYTES = 4 << 10
-#: One entry of a stripe's index set (a frozenset of ints): a small int and its hash slot.
-STRIPE_INDEX_BYTES = 64
 #: Freed bookkeeping after which a busy hub hands free heap memory back to the system.
 TRIM_AFTER_BYTES = 64 << 20
 
 
-def participant_charge(chunks: int, stripe_chunks: int | None) -> int:
-    """Bytes charged for a rank's part in a collective of ``chunks`` chunks, of which its stripe
-    carries ``stripe_chunks`` (None: unstriped)."""
-    indices = 0 if stripe_chunks is None else 2 * stripe_chunks * STRIPE_INDEX_BYTES
-    return PARTICIPANT_BYTES + chunks + indices
+def participant_charge(chunks: int) -> int:
+    """Bytes charged for a rank's part in a collective of ``chunks`` chunks (striped or not:
+    a stripe's indices are ranges, :class:`gradstar.ops.Indices`)."""
+    return PARTICIPANT_BYTES + tracker_bytes(chunks)
 
 
 class CollectiveBudget:
