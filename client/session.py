@@ -224,3 +224,8 @@ class Session:
                 await asyncio.wait_for(self._watcher, timeout)
         if self._call is not None and not self._call.done():
             self._call.cancel()
+        # An ended call still holds its channel's TCP connection (gRPC's core call keeps a
+        # reference to the transport until the call object is freed, whether or not the channel
+        # was closed): kept here, a closed group held a connection, and the coordinator its
+        # descriptor, for as long as the group object lived.
+        self._call = None

@@ -149,7 +149,7 @@ class Coordinator:
             max_chunk_bytes=s.max_chunk_bytes, max_timeout=s.max_collective_timeout,
             averaging=self.averaging, metrics=self.status.metrics,
             budget=CollectiveBudget(s.max_collective_state_bytes, s.max_pending_per_member,
-                                    s.max_pending_per_job),
+                                    s.max_pending_per_job, s.collective_state_job_share),
         )
         self.engine.metrics.arrivals.enabled = s.measure_arrivals
         token = s.token.get_secret_value() if s.token else None

@@ -196,6 +196,10 @@ async def run_stream(target: Target, header: pb.CollectiveHeader, plan: Collecti
             f"Timed out: {what} got no answer from {target.address} before its deadline"
         ) from None
     except grpc.RpcError as error:
+        # Its traceback runs through gRPC's frames, which hold the call, and the error raised
+        # below keeps it as its context: whoever keeps that error (a failed Work, a list of
+        # errors) would keep the call, and the call its TCP connection (see OpenStream.close).
+        error.__traceback__ = None
         if not is_coordinator_verdict(error):
             # The transport failed (grpc-python can even report INTERNAL when a connection
             # dies mid-write); the session says why, if the rank or hub was lost.

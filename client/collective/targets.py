@@ -59,11 +59,17 @@ class OpenStream:
     @property
     def usable(self) -> bool:
         """Whether the call is still up (a hub that went away ended it)."""
-        return not self.call.done()
+        return self.call is not None and not self.call.done()
 
     def close(self) -> None:
         self._sources.put_nowait(None)
-        self.call.cancel()
+        if self.call is not None:
+            self.call.cancel()
+            # An ended call holds its channel's TCP connection (gRPC's core call references the
+            # transport until the call object is freed, the channel closed or not), and a
+            # failed collective's traceback keeps this object: a caller that kept the error
+            # kept a connection open, and the hub a descriptor, for as long as it held it.
+            self.call = None
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,8 @@ class PeerEndpoint:
         self.address = ""
         #: Set by :meth:`close`: what operations still waiting raise.
         self.closed: ProcessGroupClosedError | None = None
+        #: Payload bytes of the messages sent (once received) and received so far.
+        self.bytes_sent = self.bytes_received = 0
 
     async def start(self, advertise: str = "") -> str:
         """Start the peer server; return the address to register at rendezvous.
@@ -152,6 +154,7 @@ class PeerEndpoint:
         await self._guarded(sending, dst, timeout, lambda: CollectiveTimeoutError(
             f"Timed out: rank {self.identity.rank}'s send of tag {tag} to rank {dst} was not "
             f"received within {timeout:g} s", missing_ranks=[dst]))
+        self.bytes_sent += arr.nbytes
 
     async def recv(self, src: int, tag: str, timeout: float,
                    into: np.ndarray | None = None) -> tuple[np.ndarray, int]:
@@ -166,7 +169,7 @@ class PeerEndpoint:
         mailbox = self.server.mailboxes[src]
         found, value = mailbox.try_take(tag)
         if found:  # already complete: no other rank is needed, even if the generation failed
-            return value
+            return self._count(value)
         if self._session.failure is not None:
             raise self._session.failure
         self._settle(src)
@@ -180,8 +183,9 @@ class PeerEndpoint:
                 f"from rank {src} within {timeout:g} s{stalled}", missing_ranks=[src])
 
         try:
-            return await self._guarded(self._take_unless_finished(mailbox.take(tag, into), [src]),
-                                       src, timeout, timed_out)
+            return self._count(await self._guarded(
+                self._take_unless_finished(mailbox.take(tag, into), [src]), src, timeout,
+                timed_out))
         except RankFinishedError as error:
             raise self._finished_error([error.rank], tag) from None
 
@@ -197,7 +201,7 @@ class PeerEndpoint:
         boxes = self.server.mailboxes
         found = boxes.try_take_any(tag)
         if found is not None:
-            return found
+            return found[0], self._count(found[1])
         if self._session.failure is not None:
             raise self._session.failure
         senders = [box.src for box in boxes.values()]
@@ -210,10 +214,16 @@ class PeerEndpoint:
                 f"from any rank within {timeout:g} s", missing_ranks=senders)
 
         try:
-            return await self._guarded(self._take_unless_finished(boxes.take_any(tag), senders),
-                                       None, timeout, timed_out)
+            src, message = await self._guarded(
+                self._take_unless_finished(boxes.take_any(tag), senders), None, timeout,
+                timed_out)
+            return src, self._count(message)
         except RankFinishedError:
             raise self._finished_error(senders, tag) from None
+
+    def _count(self, message: tuple[np.ndarray, int]) -> tuple[np.ndarray, int]:
+        self.bytes_received += message[0].nbytes
+        return message
 
     def _settle(self, src: int) -> None:
         """Close ``src``'s mailbox if the hub reports that it finished and no stream from it is

@@ -36,6 +36,7 @@ class ProcessGroup:
     peers = property(lambda self: self._group.peers)
     shards = property(lambda self: self._group.shards)
     shared_memory = property(lambda self: self._group.shared_memory)
+    peer_bytes = property(lambda self: self._group.peer_bytes)
     settings = property(lambda self: self._group.settings)
     replacement = property(lambda self: self._group.replacement)
     collective_address = property(lambda self: self._group.collective_address)

@@ -110,6 +110,12 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         when ``shared_memory=False`` was set."""
         return all(t.shm.enabled for t in self._plane.targets())
 
+    @property
+    def peer_bytes(self) -> tuple[int, int]:
+        """(sent, received) payload bytes over peer streams: send/recv, all_to_all, Pipeline."""
+        e = self._peer_endpoint
+        return (0, 0) if e is None else (e.bytes_sent, e.bytes_received)
+
     # -- collectives ---------------------------------------------------------------------------
 
     def all_reduce(self, x, op: str = "sum", *, timeout: float | None = None,

@@ -139,12 +139,11 @@ class PendingCollective:
                     f"rank {h.rank}'s segment of {len(shm)} bytes with its result at {start} "
                     f"cannot hold {self.layout.total_bytes} input and "
                     f"{g.out_layout.total_bytes} result bytes")
-        # Charged before the tracker (and a stripe's index sets) are allocated.
-        charge = participant_charge(self.layout.count, None if self.stripes <= 1 else
-                                    -(-self.layout.count // self.stripes))
+        # Charged before anything is allocated for this rank's part.
+        charge = participant_charge(self.layout.count)
         self.engine.budget.charge((self.gen, h.rank), charge,
                                   f"rank {h.rank}'s {describe(s)} seq {s.seq} of job "
-                                  f"{self.gen.job.name!r}")
+                                  f"{self.gen.job.name!r}", self.gen.job.name)
         try:
             inputs = self._stripe((g.sends,))
             outputs = self._stripe(g.receives)
@@ -163,11 +162,11 @@ class PendingCollective:
             self._on_matched()
         return p
 
-    def _stripe(self, indices) -> frozenset[int] | None:
+    def _stripe(self, indices) -> ops.Indices | None:
         """The input indices among ``indices`` this engine's stripe carries (None: all)."""
         if self.stripes <= 1:
             return None
-        return frozenset(ops.in_stripe(indices, self.spec.stripe, self.stripes))
+        return ops.stripe_indices(indices, self.spec.stripe, self.stripes)
 
     @property
     def matched(self) -> bool:

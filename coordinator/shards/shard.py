@@ -87,7 +87,8 @@ class Shard:
             max_timeout=settings.max_collective_timeout,
             budget=CollectiveBudget(settings.max_collective_state_bytes,
                                     settings.max_pending_per_member,
-                                    settings.max_pending_per_job))
+                                    settings.max_pending_per_job,
+                                    settings.collective_state_job_share))
         self.engine.metrics.arrivals.enabled = settings.measure_arrivals
         #: (job, generation) -> (this shard's stripe position, shards in the generation).
         self.positions: dict[tuple[str, int], tuple[int, int]] = {}

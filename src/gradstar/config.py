@@ -74,6 +74,12 @@ class CoordinatorSettings(BaseSettings):
         256 << 20, gt=0,
         description="budget for the bookkeeping of all pending collectives (chunk trackers, "
                     "participant records); a header beyond it is refused (HubCapacityError)")
+    collective_state_job_share: float = Field(
+        0.25, gt=0, le=1,
+        description="the part of max_collective_state_bytes one job may hold, alone on the hub "
+                    "or not, so that a job that fills its share leaves room for the others' "
+                    "collectives (1: no per-job limit); beyond it the job's headers are "
+                    "refused (HubCapacityError)")
     max_pending_per_member: int = Field(
         1024, gt=0, description="collectives one rank may have pending on the hub at once")
     max_pending_per_job: int = Field(

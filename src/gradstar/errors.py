@@ -223,8 +223,8 @@ class PayloadTooLargeError(CollectiveError):
 
 
 class HubCapacityError(CollectiveError):
-    """The hub's budget for pending collectives, or a cap on them per member or per job, is
-    reached; the collective was refused (try again once others finish)."""
+    """The hub's budget for pending collectives, the job's share of it, or a cap on them per
+    member or per job, is reached; the collective was refused (try again once others finish)."""
 
 
 class InvalidCollectiveError(CollectiveError, ValueError):

@@ -107,6 +107,9 @@ async def test_multi_chunk_tensors_arrive_whole_and_in_both_directions(pair):
                                                                                   "back"))
     np.testing.assert_array_equal(got_big, big)
     np.testing.assert_array_equal(got_back, back)
+    # What each rank sent and received over peer streams, payload bytes (the demo reports it).
+    assert a.peer_bytes == (big.nbytes, back.nbytes)
+    assert b.peer_bytes == (back.nbytes, big.nbytes)
 
 
 async def test_tags_keep_messages_apart_even_when_sent_out_of_order(pair):

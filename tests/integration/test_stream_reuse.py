@@ -74,11 +74,14 @@ async def test_closing_the_group_ends_its_idle_streams(coordinator):
     await asyncio.wait_for(asyncio.gather(*(g.all_reduce(x) for g in groups)), 20)
     idle = [s for g in groups for s in g._plane.coordinator.idle]
     assert len(idle) == 2 and all(s.usable for s in idle)
+    calls = [s.call for s in idle]
     await close_all(groups)
     assert all(not g._plane.coordinator.idle for g in groups)
-    await asyncio.wait_for(asyncio.gather(*(s.call.wait_for_connection() for s in idle),
+    await asyncio.wait_for(asyncio.gather(*(c.wait_for_connection() for c in calls),
                                           return_exceptions=True), 5)
-    assert all(s.call.done() for s in idle)
+    assert all(c.done() for c in calls)
+    # And let go of them: an ended call keeps its TCP connection while it is referenced.
+    assert all(s.call is None and not s.usable for s in idle)
 
 
 def test_idle_streams_are_bounded():
@@ -93,18 +96,20 @@ def test_idle_streams_are_bounded():
 
     target = collective_stream.Target(lambda requests, **kwargs: _Call(), "nowhere")
     streams = [target.open(None) for _ in range(collective_stream.MAX_IDLE_STREAMS + 3)]
+    calls = {id(s): s.call for s in streams}  # a closed stream lets go of its call
     assert len({id(s) for s in streams}) == len(streams)  # none idle yet: each one is new
     for stream in streams:
         target.put_back(stream)
     assert len(target.idle) == collective_stream.MAX_IDLE_STREAMS
-    assert sum(s.call.cancelled for s in streams) == 3
+    assert sum(calls[id(s)].cancelled for s in streams) == 3
+    assert sum(s.call is None for s in streams) == 3
     kept = list(target.idle)
     kept[-1].call.cancel()  # an idle stream whose call ended is not handed out again
     handed = target.open(None)
     assert handed is kept[-2] and not handed.call.cancelled
     assert len(target.idle) == collective_stream.MAX_IDLE_STREAMS - 2
     target.close()  # ends the idle ones; the one handed out is its collective's to end
-    assert not target.idle and all(s.call.cancelled for s in kept if s is not handed)
+    assert not target.idle and all(calls[id(s)].cancelled for s in kept if s is not handed)
 
 
 async def test_a_bad_header_after_a_clean_collective_is_refused_on_that_stream_only(coordinator):

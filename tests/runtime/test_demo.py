@@ -9,7 +9,7 @@ import pytest
 from gradstar.worker.demo.command import mode_unavailable
 
 from .conftest import run_gradstar
-from .test_demo_artefacts import check_artefacts
+from .test_demo_artefacts import check_artefacts, check_streaming_artefacts
 
 SMALL = ("--workers", "2", "--epochs", "2", "--samples", "3000")
 
@@ -41,12 +41,15 @@ async def test_demo_trains_and_reports_a_match_with_one_process(tmp_path):
     check_artefacts(out, json_file, png_file, workers=2, epochs=2, samples=3000)
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "pipeline"])
-async def test_the_sharded_and_pipelined_modes_match_one_process_too(mode):
-    # They need gradstar.FSDP / gradstar.Pipeline; a build without them names what is missing.
+@pytest.mark.parametrize("mode", ["localsgd", "fsdp", "pipeline"])
+async def test_the_other_modes_match_one_process_and_report_their_traffic(mode, tmp_path):
+    # fsdp and pipeline need gradstar.FSDP / gradstar.Pipeline; a build without them names what
+    # is missing. Each writes its report and plot, with its own traffic (test_demo_artefacts).
     problem = mode_unavailable(mode)
+    json_file, png_file = tmp_path / "report.json", tmp_path / "demo.png"
     code, out, err = await run_gradstar("demo", "--mode", mode, "--workers", "2", "--epochs",
-                                        "1", "--samples", "900", timeout=120)
+                                        "1", "--samples", "900", "--report", str(json_file),
+                                        "--plot", str(png_file), timeout=120)
     if problem is not None:
         assert code == 2
         assert f"gradstar demo: mode {mode!r} needs" in err
@@ -54,6 +57,7 @@ async def test_the_sharded_and_pipelined_modes_match_one_process_too(mode):
     assert code == 0, out[-3000:] + err[-3000:]
     assert re.search(r"max \|difference\| [\d.e+-]+ .*-> MATCH", out)
     assert "demo passed" in out
+    check_artefacts(out, json_file, png_file, workers=2, epochs=1, samples=900, mode=mode)
 
 
 async def test_a_pipeline_needs_a_layer_per_stage():
@@ -62,9 +66,11 @@ async def test_a_pipeline_needs_a_layer_per_stage():
     assert "at most 5 workers, not 6" in err
 
 
-async def test_streaming_diloco_mode_trains_replicas_through_fault_tolerant_rounds():
+async def test_streaming_diloco_mode_trains_replicas_through_fault_tolerant_rounds(tmp_path):
+    json_file, png_file = tmp_path / "report.json", tmp_path / "demo.png"
     code, out, err = await run_gradstar("demo", "--mode", "streaming-diloco", "--workers", "2",
-                                        "--epochs", "2", "--samples", "3000", timeout=120)
+                                        "--epochs", "2", "--samples", "3000", "--report",
+                                        str(json_file), "--plot", str(png_file), timeout=120)
     assert code == 0, out[-3000:] + err[-3000:]
     assert "gradstar demo: streaming-diloco on 2 replica processes" in out
     accuracy = re.search(r"test accuracy ([\d.]+) ", out)
@@ -72,3 +78,4 @@ async def test_streaming_diloco_mode_trains_replicas_through_fault_tolerant_roun
     assert re.search(r"rounds: fragment 0: [1-9]\d*, fragment 1: [1-9]", out), out
     assert "replicas: all 2 hold the same global model" in out
     assert "demo passed" in out
+    check_streaming_artefacts(out, json_file, png_file, workers=2, epochs=2, samples=3000)

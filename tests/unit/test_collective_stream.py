@@ -115,6 +115,19 @@ def test_stripes_fill_one_buffer_from_concurrent_streams():
     assert np.array_equal(out, arr * 2)
 
 
+@pytest.mark.parametrize("ranges", [(range(0, 40),), (range(3, 17), range(20, 21), range(25, 40)),
+                                    (range(5, 5), range(7, 30))])
+@pytest.mark.parametrize("shards", [1, 2, 3, 7])
+def test_a_stripes_indices_as_ranges_are_the_stripes_chunks(ranges, shards):
+    # The hub keeps a stripe's indices as ranges (a set of 2^20 would take tens of MiB).
+    for k in range(shards):
+        listed = ops.in_stripe(ranges, k, shards)
+        held = ops.stripe_indices(ranges, k, shards)
+        assert list(held) == listed and len(held) == len(listed)
+        assert [i for i in range(-3, 45) if i in held] == listed
+        assert all(i % shards == k for i in held)
+
+
 def test_a_chunk_before_the_accept_is_a_protocol_error():
     arr = np.ones(4, np.float32)
     plan = CollectivePlan.for_header(header(ops.ALL_REDUCE, 0, [4]), WORLD, arr,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import tracemalloc
 
 import ml_dtypes
 import numpy as np
@@ -27,6 +28,7 @@ from gradstar.wire import (
     KIND_END,
     KIND_HEADER,
     MAX_CHUNK_BYTES,
+    MAX_CHUNKS,
     SUPPORTED_DTYPES,
     ChunkLayout,
     ChunkTracker,
@@ -40,6 +42,7 @@ from gradstar.wire import (
     encode_message,
     frame_kind,
     iter_chunk_frames,
+    tracker_bytes,
 )
 
 DTYPES = [
@@ -738,3 +741,28 @@ def test_a_batch_of_more_frames_than_the_limit_is_refused():
                                        for i in range(MAX_BATCH_FRAMES)]))) == MAX_BATCH_FRAMES
     with pytest.raises(ProtocolError, match="malformed batch"):
         frames_of(encode_batch([encode_shm_chunk(i) for i in range(MAX_BATCH_FRAMES + 1)]))
+
+
+def test_a_tracker_holds_a_bit_per_chunk_and_only_once_chunks_arrive():
+    # A header at the chunk limit: 2^20 chunks of 2 bytes. The hub builds this tracker for a
+    # header alone, so until a chunk comes it must hold nothing per chunk.
+    layout = ChunkLayout(1, 2 * MAX_CHUNKS, 2)
+    tracemalloc.start()
+    try:
+        tracker = ChunkTracker(layout, "rank 0")
+        before = tracemalloc.get_traced_memory()[0]
+        for index in (0, 9, MAX_CHUNKS - 1):
+            tracker.admit(*decode_chunk(encode_chunk(index, b"\x00\x00")))
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert before < 4096
+    assert tracker_bytes(MAX_CHUNKS) == MAX_CHUNKS // 8
+    assert MAX_CHUNKS // 8 <= after - before < MAX_CHUNKS // 8 + 4096
+    # Each chunk once: the bits of its neighbours are not its own.
+    for index in (0, 9, MAX_CHUNKS - 1):
+        with pytest.raises(ProtocolError, match=f"chunk {index} arrived twice"):
+            tracker.admit(*decode_chunk(encode_chunk(index, b"\x00\x00")))
+    for index in (1, 8, 10, MAX_CHUNKS - 2):
+        tracker.admit(*decode_chunk(encode_chunk(index, b"\x00\x00")))
+    assert tracker.received == 7

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..host.supervisor import RankSupervisor, rank_env
 from .replay import SingleProcessRun, checkpoint_steps, rank_states, replica_states
-from .report import SCHEMA, plot_unavailable, write_plot, write_report
+from .report import plot_unavailable, report_data, write_artefacts
 from .train import TrainSettings
 
 MODES = ("ddp", "fsdp", "pipeline", "localsgd", "streaming-diloco")
@@ -180,10 +180,10 @@ def run_demo(options: DemoOptions) -> int:
             if outcome.exit_code != 0:
                 print(outcome.message, file=sys.stderr)
                 print("demo FAILED: training did not complete", file=sys.stderr)
-                failed = _report_data(options, began, outcome.exit_code,
+                failed = report_data(options, time.monotonic() - began, outcome.exit_code,
                                       {options.mode: {"job": job, "epochs": _epochs(bars)}},
                                       error=outcome.message)
-                _write_artefacts(options, failed)
+                write_artefacts(options, failed)
                 return outcome.exit_code
             traffic = job_counters(hub.address, job)
         return _report(options, settings, out, bars, traffic, began)
@@ -257,8 +257,8 @@ def _report(options: DemoOptions, settings: TrainSettings, out: Path, bars: Epoc
     run = _measure(options, settings, out, bars, traffic)
     _print_report(run, settings, options.workers)
     exit_code = 0 if run["match"] else EXIT_MISMATCH
-    report = _report_data(options, began, exit_code, {settings.mode: run})
-    written = _write_artefacts(options, report)
+    report = report_data(options, time.monotonic() - began, exit_code, {settings.mode: run})
+    written = write_artefacts(options, report)
     if written is not None:
         return written
     total = time.monotonic() - began
@@ -311,6 +311,8 @@ def _measure(options: DemoOptions, settings: TrainSettings, out: Path, bars: Epo
     _, scratch_acc, scratch_predicted = evaluate(scratch.models[0], data.test)
     samples, seconds, step_count = summary["samples"], summary["seconds"], summary["steps"]
     moved = traffic["bytes_in"] + traffic["bytes_out"]
+    peers = [json.loads((out / f"peer-{r}.json").read_text()) for r in range(world)]
+    peer_sent = sum(p["bytes_sent"] for p in peers)
     return {
         "job": f"demo-{mode}",
         "epochs": _epochs(bars),
@@ -326,7 +328,11 @@ def _measure(options: DemoOptions, settings: TrainSettings, out: Path, bars: Epo
             "bytes_total": moved, "bytes_per_step_and_rank": moved / step_count / world,
             "generation": traffic["generation"],
             "collectives": {name: {"completed": n, "failed": failed}
-                            for name, (n, failed) in sorted(traffic["ops"].items())}},
+                            for name, (n, failed) in sorted(traffic["ops"].items())},
+            # Rank to rank, not through the hub: a pipeline's activations and gradients.
+            "peer": {"bytes_sent": peer_sent,
+                     "bytes_received": sum(p["bytes_received"] for p in peers),
+                     "bytes_per_step": peer_sent / step_count}},
         "ranks": {"identical_final_parameters": identical, "summary": holding},
         "single_process": {
             "replay": {"check_every": CHECK_EVERY, "max_abs_difference": worst,
@@ -383,9 +389,10 @@ def _print_report(run: dict, settings: TrainSettings, world: int) -> None:
            f"{_mb(traffic['bytes_in'])} in, {_mb(traffic['bytes_out'])} out "
            f"({_kb(traffic['bytes_per_step_and_rank'])} per step and rank); Admin counters of "
            f"job '{run['job']}': {ops}")
-    if settings.mode == "pipeline":
-        _print("               (activations and gradients go stage to stage over peer streams, "
-               "not through the hub)")
+    if traffic["peer"]["bytes_sent"]:
+        _print(f"               {_mb(traffic['peer']['bytes_sent'])} rank to rank over peer "
+               f"streams, not through the hub ({_kb(traffic['peer']['bytes_per_step'])} per "
+               "step: activations forward and gradients back, and the evaluations' activations)")
     _print(f"  ranks        {run['ranks']['summary']}")
     _print(f"  vs 1 process each stretch of {CHECK_EVERY} steps replayed in one process from the "
            f"ranks' saved state: max |difference| {replay['max_abs_difference']:.1e} (after step "
@@ -394,38 +401,6 @@ def _print_report(run: dict, settings: TrainSettings, world: int) -> None:
     _print(f"               trained from scratch in one process: test accuracy "
            f"{scratch['test_accuracy']:.1%}, predictions agree on "
            f"{scratch['prediction_agreement']:.1%} of test points")
-
-
-def _report_data(options: DemoOptions, began: float, exit_code: int, modes: dict,
-                 error: str | None = None) -> dict:
-    """The whole JSON report (see .report)."""
-    report = {"schema": SCHEMA, "passed": exit_code == 0, "exit_code": exit_code,
-              "seconds": time.monotonic() - began,
-              "settings": {"workers": options.workers, "mode": options.mode,
-                           "epochs": options.epochs, "samples": options.samples,
-                           "batch_size": options.batch_size, "hidden": options.hidden,
-                           "lr": options.lr, "sync_every": options.sync_every,
-                           "seed": options.seed},
-              "modes": modes}
-    if error is not None:
-        report["error"] = error
-    return report
-
-
-def _write_artefacts(options: DemoOptions, report: dict) -> int | None:
-    """Write the --report and --plot files and say where; an exit code if one failed."""
-    for path, write, what in ((options.report, write_report, "report"),
-                              (options.plot, write_plot, "plot")):
-        if path is None:
-            continue
-        try:
-            write(path, report)
-        except OSError as error:
-            print(f"gradstar demo: cannot write the {what} to {path}: {error.strerror or error}",
-                  file=sys.stderr)
-            return 1
-        _print(f"  {what:<12} {path}")
-    return None
 
 
 def _mb(n: float) -> str:

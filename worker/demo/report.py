@@ -3,9 +3,13 @@ and as a picture.
 
 The report (:data:`SCHEMA`) holds, per mode the demo ran (one today: ``--mode``), the loss and
 test accuracy of every epoch as the reporting rank saw them, the final result, throughput, the
-bytes through the hub (the Admin service's counters of the job) and the comparison with
-single-process training: the replay of every stretch and a run from scratch, whose per-epoch
-loss and accuracy are the reference line of the plot. :func:`write_report` writes it;
+mode's traffic and the comparison with single-process training: the replay of every stretch and
+a run from scratch, whose per-epoch loss and accuracy are the reference line of the plot. The
+traffic is the bytes through the hub (the Admin service's counters of the job) and, rank to
+rank, over peer streams (a pipeline's activations and gradients). Streaming DiLoCo
+(:mod:`.streaming`) trains replicas instead of ranks: its traffic is the bytes of its outer
+rounds beside what DDP would have moved, its result the hub's global model, and it has no
+single-process run. :func:`write_report` writes it;
 :func:`write_plot` draws it with matplotlib's Agg renderer (no display, no pyplot state), which
 comes with the ``plot`` extra: ``pip install 'gradstar[plot]'``.
 """
@@ -13,6 +17,7 @@ comes with the ``plot`` extra: ``pip install 'gradstar[plot]'``.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 #: Names the report's layout; a change that breaks readers bumps the number.
@@ -28,6 +33,40 @@ def plot_unavailable() -> str | None:
         import matplotlib  # noqa: F401
     except ImportError:
         return PLOT_NEEDS
+    return None
+
+
+def report_data(options, seconds: float, exit_code: int, modes: dict,
+                error: str | None = None) -> dict:
+    """The whole report of a run with ``options`` (a :class:`.command.DemoOptions`) that took
+    ``seconds`` and ended with ``exit_code``; ``modes`` maps the mode run to what it measured."""
+    report = {"schema": SCHEMA, "passed": exit_code == 0, "exit_code": exit_code,
+              "seconds": seconds,
+              "settings": {"workers": options.workers, "mode": options.mode,
+                           "epochs": options.epochs, "samples": options.samples,
+                           "batch_size": options.batch_size, "hidden": options.hidden,
+                           "lr": options.lr, "sync_every": options.sync_every,
+                           "seed": options.seed},
+              "modes": modes}
+    if error is not None:
+        report["error"] = error
+    return report
+
+
+def write_artefacts(options, report: dict) -> int | None:
+    """Write the ``--report`` and ``--plot`` files ``options`` names, and say where; an exit
+    code if one of them cannot be written."""
+    for path, write, what in ((options.report, write_report, "report"),
+                              (options.plot, write_plot, "plot")):
+        if path is None:
+            continue
+        try:
+            write(path, report)
+        except OSError as error:
+            print(f"gradstar demo: cannot write the {what} to {path}: {error.strerror or error}",
+                  file=sys.stderr)
+            return 1
+        print(f"  {what:<12} {path}", flush=True)
     return None
 
 
@@ -59,8 +98,9 @@ def write_plot(path: Path, report: dict) -> None:
     for mode, run in report["modes"].items():
         epochs = run["epochs"]
         x = [e["epoch"] for e in epochs]
+        who = "replicas" if mode == "streaming-diloco" else "ranks"
         line, = loss.plot(x, [e["loss"] for e in epochs], marker="o", markersize=3,
-                          label=f"{mode}, {report['settings']['workers']} ranks")
+                          label=f"{mode}, {report['settings']['workers']} {who}")
         accuracy.plot(x, [100 * e["test_accuracy"] for e in epochs], marker="o",
                       markersize=3, color=line.get_color(), label=line.get_label())
         scratch = (run.get("single_process") or {}).get("from_scratch", {}).get("epochs", [])

@@ -4,8 +4,10 @@ DiLoCo rounds on an embedded coordinator, then the global model's accuracy and t
 Each replica (``python -m gradstar.worker.demo.streaming OUT INDEX``, settings in
 ``GRADSTAR_*`` and ``DEMO_*``) trains the spirals MLP on its own slice of the training set
 with SGD and momentum, calls :class:`gradstar.StreamingDiLoCo` after every step, and writes its
-bytes and rounds to OUT. The parent evaluates the hub's global model on the test set and
-compares the bytes with what DDP would have moved (every gradient, every step, both ways).
+bytes, rounds and epochs (mean loss and its own model's test accuracy) to OUT. The parent
+evaluates the hub's global model on the test set, compares the bytes with what DDP would have
+moved (every gradient, every step, both ways) and, with ``--report``/``--plot``, writes the
+same as the other modes do (:mod:`.report`; the epochs are replica 0's).
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ def run_streaming_demo(options) -> int:
     from gradstar.coordinator import EmbeddedCoordinator
     from gradstar.coordinator.views import rounds_view
 
-    if options.plot is not None or options.report is not None:
-        print("gradstar demo: --plot and --report are not available with --mode "
-              "streaming-diloco yet", file=sys.stderr)
+    from .report import plot_unavailable, report_data, write_artefacts
+
+    problem = plot_unavailable() if options.plot is not None else None
+    if problem is not None:
+        print(f"gradstar demo: {problem}", file=sys.stderr)
         return 2
     sync_every = 4 * options.sync_every
     job = "demo-streaming-diloco"
@@ -69,29 +73,84 @@ def run_streaming_demo(options) -> int:
                                    str(out), str(i)], env=env) for i, out in enumerate(outs)]
         codes = [p.wait() for p in procs]
         if any(codes):
-            print(f"demo FAILED: replica exit codes {codes}", file=sys.stderr)
+            message = f"replica exit codes {codes}"
+            print(f"demo FAILED: {message}", file=sys.stderr)
+            write_artefacts(options, report_data(options, time.monotonic() - began, 1, {
+                "streaming-diloco": {"job": job, "epochs": _epochs(outs[0])}}, error=message))
             return 1
         results = [json.loads(out.read_text()) for out in outs]
         view = rounds_view(hub.coordinator.rounds, job)
+    run = _measure(options, results, view, sync_every, job)
+    _print_report(run, options.workers, time.monotonic() - began)
+    exit_code = 0 if run["match"] else 1
+    if not run["match"]:
+        print("demo FAILED: the replicas ended with different global models", file=sys.stderr)
+    written = write_artefacts(options, report_data(options, time.monotonic() - began, exit_code,
+                                                   {"streaming-diloco": run}))
+    if written is not None:
+        return written
+    if run["match"]:
+        print("demo passed", flush=True)
+    return exit_code
+
+
+def _epochs(out: Path) -> list[dict]:
+    """The epochs a replica got through, from its output (none if it wrote nothing)."""
+    return json.loads(out.read_text())["epochs"] if out.exists() else []
+
+
+def _measure(options, results: list[dict], view, sync_every: int, job: str) -> dict:
+    """Everything the report says about the run, as data (the report's ``modes[mode]``)."""
     data = make_spirals(options.samples, seed=options.seed)
     model = make_model(data.features, data.classes, options.hidden, seed=options.seed)
     load_flat_parameters(model, np.asarray(results[0]["global"], dtype=np.float32))
     test_loss, test_acc, _ = evaluate(model, data.test)
-    steps = results[0]["steps"]
+    train_loss, train_acc, _ = evaluate(model, data.train)
+    steps, world = results[0]["steps"], options.workers
     params = sum(p.numel() for p in model.parameters())
-    exchanged = sum(r["bytes"] for r in results)
-    ddp_bytes = 2 * 4 * params * steps * options.workers
-    print(f"  result: test accuracy {test_acc:.3f} (loss {test_loss:.3f}) of the global model "
-          f"after {steps} steps per replica, {time.monotonic() - began:.1f} s")
-    print(f"  rounds: {', '.join(f'fragment {f.fragment}: {f.rounds}' for f in view.fragments)};"
-          f" last round's replicas: {len(view.fragments[0].last_participants)}")
-    print(f"  bytes through the hub: {exchanged:,} (DDP would move {ddp_bytes:,}: "
-          f"{ddp_bytes / max(exchanged, 1):.0f}x more)")
-    if any(r["global"] != results[0]["global"] for r in results):
-        print("demo FAILED: the replicas ended with different global models", file=sys.stderr)
-        return 1
-    print(f"  replicas: all {options.workers} hold the same global model\ndemo passed")
-    return 0
+    sent = sum(r["bytes_sent"] for r in results)
+    received = sum(r["bytes_received"] for r in results)
+    exchanged = sent + received
+    # DDP moves every gradient to the hub and the average back, every step, on every rank.
+    ddp_bytes = 2 * 4 * params * steps * world
+    seconds = max(r["seconds"] for r in results)
+    samples = sum(r["samples"] for r in results)
+    identical = all(r["global"] == results[0]["global"] for r in results)
+    return {
+        "job": job,
+        # Replica 0's own model, epoch by epoch (the global model exists only at rounds).
+        "epochs": results[0]["epochs"],
+        "result": {"test_accuracy": test_acc, "test_loss": test_loss,
+                   "train_accuracy": train_acc, "train_loss": train_loss},
+        "throughput": {
+            "samples_per_second": samples / seconds, "steps_per_second": steps / seconds,
+            "steps": steps, "samples": samples, "samples_per_step": samples // steps,
+            "seconds": seconds, "replicas": world},
+        "traffic": {
+            "bytes_sent": sent, "bytes_received": received, "bytes_total": exchanged,
+            "bytes_per_step_and_replica": exchanged / steps / world,
+            "ddp_bytes": ddp_bytes, "ddp_ratio": ddp_bytes / max(exchanged, 1),
+            "parameters": params, "sync_every": sync_every, "fragments": FRAGMENTS,
+            "rounds": {str(f.fragment): f.rounds for f in view.fragments},
+            "last_round_replicas": len(view.fragments[0].last_participants)},
+        "replicas": {"identical_global_model": identical,
+                     "summary": f"all {world} hold the same global model" if identical else
+                                "DIFFERENT global models on different replicas"},
+        "match": identical,
+    }
+
+
+def _print_report(run: dict, world: int, seconds: float) -> None:
+    result, traffic = run["result"], run["traffic"]
+    print(f"  result: test accuracy {result['test_accuracy']:.3f} (loss "
+          f"{result['test_loss']:.3f}) of the global model after {run['throughput']['steps']} "
+          f"steps per replica, {seconds:.1f} s")
+    print(f"  rounds: {', '.join(f'fragment {f}: {n}' for f, n in traffic['rounds'].items())}; "
+          f"last round's replicas: {traffic['last_round_replicas']}")
+    print(f"  bytes through the hub: {traffic['bytes_total']:,} ({traffic['bytes_sent']:,} sent, "
+          f"{traffic['bytes_received']:,} received; DDP would move {traffic['ddp_bytes']:,}: "
+          f"{traffic['ddp_ratio']:.0f}x more)")
+    print(f"  replicas: {run['replicas']['summary']}", flush=True)
 
 
 def _replica(out: Path, index: int) -> None:
@@ -111,9 +170,13 @@ def _replica(out: Path, index: int) -> None:
     model = make_model(data.features, data.classes, int(env["DEMO_HIDDEN"]), seed=seed)
     opt = MomentumSGD(model.parameters(), float(env["DEMO_LR"]), 0.9)
     steps_per_epoch = max(1, len(y) // batch)
+    epochs_seen: list[dict] = []
+    losses: list[float] = []
+    trained = 0.0  # seconds of training, without the evaluations
     with gradstar.StreamingDiLoCo(model, replica=f"replica-{index}",
                                   **_sdl_options(int(env["DEMO_SYNC_EVERY"]), workers)) as sdl:
         total = epochs * steps_per_epoch
+        began = time.monotonic()
         while sdl.local_steps < total:
             start = (sdl.local_steps % steps_per_epoch) * batch
             opt.zero_grad()
@@ -122,10 +185,22 @@ def _replica(out: Path, index: int) -> None:
             loss.backward()
             opt.step()
             sdl.step()
+            losses.append(loss.item())
+            if sdl.local_steps % steps_per_epoch == 0:
+                seconds = time.monotonic() - began
+                trained += seconds
+                epochs_seen.append({"epoch": len(epochs_seen) + 1,
+                                    "loss": float(np.mean(losses)),
+                                    "test_accuracy": evaluate(model, data.test)[1],
+                                    "seconds": seconds})
+                losses.clear()
+                began = time.monotonic()
         sdl.finish()
-        out.write_text(json.dumps({"steps": total, "bytes": sdl.bytes_exchanged,
-                                   "rounds": sdl.rounds,
-                                   "global": sdl.global_parameters.tolist()}))
+        out.write_text(json.dumps({
+            "steps": total, "samples": total * batch, "seconds": trained,
+            "bytes_sent": sdl.client.bytes_sent, "bytes_received": sdl.client.bytes_received,
+            "rounds": sdl.rounds, "epochs": epochs_seen,
+            "global": sdl.global_parameters.tolist()}))
 
 
 if __name__ == "__main__":

@@ -278,7 +278,13 @@ def _train_generation(pg, settings: TrainSettings, data: Spirals, state: RankSta
 
 def _write_summary(settings: TrainSettings, pg, state: RankState, schedule: Schedule,
                    steps: int, seconds: float) -> None:
-    if settings.out is None or pg.rank != 0:
+    if settings.out is None:
+        return
+    # Every rank's bytes to and from the other ranks (a pipeline's activations and gradients).
+    sent, received = pg.peer_bytes
+    (settings.out / f"peer-{pg.rank}.json").write_text(json.dumps(
+        {"rank": pg.rank, "bytes_sent": sent, "bytes_received": received}))
+    if pg.rank != 0:
         return
     summary = {"mode": settings.mode, "world_size": pg.world_size, "steps": steps,
                "samples": steps * schedule.global_batch, "seconds": seconds,

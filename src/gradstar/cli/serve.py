@@ -81,6 +81,9 @@ def _capacity_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-collective-state-bytes", type=int,
                    help="budget for the bookkeeping of all pending collectives (256 MiB); a "
                         "header beyond it is refused with HubCapacityError")
+    p.add_argument("--collective-state-job-share", type=float, metavar="FRACTION",
+                   help="the part of that budget one job may hold, so that one job filling "
+                        "its share leaves room for the others (0.25; 1: no per-job limit)")
     p.add_argument("--max-pending-per-member", type=int,
                    help="collectives one rank may have pending at once (1024)")
     p.add_argument("--max-pending-per-job", type=int,

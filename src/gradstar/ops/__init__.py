@@ -15,10 +15,12 @@ from .call import CollectiveCall, check_encoding, geometry_of
 from .geometry import (
     Exchange,
     Geometry,
+    Indices,
     Layout,
     active_shards,
     in_stripe,
     plan_length,
+    stripe_indices,
     stripe_of,
 )
 from .table import (
@@ -51,8 +53,8 @@ from .table import (
 __all__ = [
     "ALL_GATHER", "ALL_REDUCE", "ALL_TO_ALL", "AVERAGING_RULES", "BARRIER", "BROADCAST",
     "OPS", "OP_NAMES", "REDUCE_OPS", "REDUCE_OP_NAMES", "REDUCE_SCATTER", "REDUCING",
-    "RULE_NAMES", "CollectiveCall", "Exchange", "Facts", "Geometry", "Layout", "Op",
+    "RULE_NAMES", "CollectiveCall", "Exchange", "Facts", "Geometry", "Indices", "Layout", "Op",
     "Precondition", "active_shards", "averaging_rule", "check_encoding", "check_preconditions",
     "geometry", "geometry_of", "in_stripe", "input_layout", "op_name", "op_record",
-    "plan_length", "reduce_op", "routes", "stripe_of",
+    "plan_length", "reduce_op", "routes", "stripe_indices", "stripe_of",
 ]

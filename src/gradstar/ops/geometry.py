@@ -32,6 +32,7 @@ small tensor costs one round trip to one shard.
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 
 from gradstar.wire import ChunkLayout
@@ -169,12 +170,34 @@ def stripe_of(index: int, shards: int) -> int:
 
 def in_stripe(indices, shard: int, shards: int) -> list[int]:
     """The input indices among ``indices`` (an iterable of ranges) that ``shard`` carries."""
-    out: list[int] = []
-    for r in indices:
-        first = r.start + (shard - r.start) % shards
-        out.extend(range(first, r.stop, shards))
-    return out
+    return list(itertools.chain.from_iterable(stripe_indices(indices, shard, shards).ranges))
 
 
-__all__ = ["Exchange", "Geometry", "Layout", "active_shards", "encoded", "exchange_geometry",
-           "exchange_routes", "in_stripe", "plan_length", "stripe_of", "values_layout"]
+class Indices:
+    """Chunk indices held as ranges: membership and a count in constant memory, where a set of
+    a stripe of 2^20 chunks would take tens of MiB of the hub per header."""
+
+    __slots__ = ("_count", "ranges")
+
+    def __init__(self, ranges) -> None:
+        self.ranges = tuple(ranges)
+        self._count = sum(len(r) for r in self.ranges)
+
+    def __contains__(self, index: object) -> bool:
+        return any(index in r for r in self.ranges)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self):
+        return itertools.chain.from_iterable(self.ranges)
+
+
+def stripe_indices(indices, shard: int, shards: int) -> Indices:
+    """:func:`in_stripe` as :class:`Indices`, without a list of them."""
+    return Indices(range(r.start + (shard - r.start) % shards, r.stop, shards) for r in indices)
+
+
+__all__ = ["Exchange", "Geometry", "Indices", "Layout", "active_shards", "encoded",
+           "exchange_geometry", "exchange_routes", "in_stripe", "plan_length", "stripe_indices",
+           "stripe_of", "values_layout"]

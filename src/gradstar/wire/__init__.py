@@ -31,6 +31,7 @@ from .chunks import (
     iter_chunk_frames,
     place_chunk,
     receive_chunk,
+    tracker_bytes,
 )
 from .dtypes import (
     MAX_NDIM,
@@ -123,4 +124,5 @@ __all__ = [
     "place_chunk",
     "receive_chunk",
     "seal_chunk_frame",
+    "tracker_bytes",
 ]

@@ -21,7 +21,7 @@ from .frames import decode_chunk, encode_chunk
 
 DEFAULT_CHUNK_BYTES = 2 << 20
 MAX_CHUNK_BYTES = 16 << 20
-#: Most chunks a layout may have (its tracker keeps a byte per chunk), however small a chunk a
+#: Most chunks a layout may have (its tracker keeps a bit per chunk), however small a chunk a
 #: sender asks for; checked before anything is sized from a header.
 MAX_CHUNKS = 1 << 20
 
@@ -85,19 +85,27 @@ class ChunkLayout:
         return index // self.per_segment
 
 
+def tracker_bytes(chunks: int) -> int:
+    """Bytes a :class:`ChunkTracker` keeps for a layout of ``chunks`` chunks (a bit each)."""
+    return (chunks + 7) // 8
+
+
 class ChunkTracker:
     """Checks that chunks of a layout arrive once each, with the right lengths, and all of them.
 
-    ``allowed`` (a set of indices) narrows what may arrive, as when a stream carries one stripe
-    of a layout or a rank must not get its own segment back.
+    ``allowed`` (any container of indices with a length) narrows what may arrive, as when a
+    stream carries one stripe of a layout or a rank must not get its own segment back.
+
+    Which chunks arrived is a bit per chunk of the layout (:func:`tracker_bytes`), allocated
+    when the first chunk arrives: a header alone (all the hub holds of a collective that is
+    not matched yet) costs none of it.
     """
 
-    def __init__(self, layout: ChunkLayout, who: str = "stream",
-                 allowed: frozenset[int] | set[int] | None = None) -> None:
+    def __init__(self, layout: ChunkLayout, who: str = "stream", allowed=None) -> None:
         self.layout = layout
         self.who = who
         self.allowed = allowed
-        self._seen = bytearray(layout.count)
+        self._seen: bytearray | None = None
         self.received = 0
         self.bytes = 0
 
@@ -115,9 +123,12 @@ class ChunkTracker:
             raise ProtocolError(
                 f"{self.who}: chunk {index} has {payload.nbytes} bytes, expected {length}"
             )
-        if self._seen[index]:
+        if self._seen is None:
+            self._seen = bytearray(tracker_bytes(self.layout.count))
+        byte, bit = index >> 3, 1 << (index & 7)
+        if self._seen[byte] & bit:
             raise ProtocolError(f"{self.who}: chunk {index} arrived twice")
-        self._seen[index] = 1
+        self._seen[byte] |= bit
         self.received += 1
         self.bytes += length
         return offset
@@ -195,4 +206,4 @@ def as_byte_view(array: np.ndarray) -> memoryview:
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "MAX_CHUNKS", "MAX_CHUNK_BYTES", "ChunkLayout", "ChunkTracker",
            "aligned_chunk_bytes", "as_byte_view", "check_chunk_count", "iter_chunk_frames",
-           "place_chunk", "receive_chunk", "take_part"]
+           "place_chunk", "receive_chunk", "take_part", "tracker_bytes"]
