@@ -127,7 +127,7 @@ class Coordinator:
         # restart starts from its saved one (its ranks resume there).
         store = SnapshotStore(s.state_dir) if s.state_dir is not None else None
         self.steps = StepsTable(max_numel=s.max_tensor_bytes // 4,
-                                max_held_bytes=s.max_collective_state_bytes,
+                                max_held_bytes=s.max_steps_bytes,
                                 lease=s.heartbeat_timeout,
                                 load=store.load if store is not None else None)
         self.rendezvous = Rendezvous(

@@ -354,8 +354,8 @@ class StepsTable:
         if self.held_bytes + nbytes > self.max_held_bytes:
             raise HubCapacityError(
                 f"the coordinator holds {self.held_bytes} bytes of steps and may hold "
-                f"{self.max_held_bytes}; a gradient of {nbytes} bytes from job "
-                f"{ledger.job!r} was refused")
+                f"{self.max_held_bytes} (--max-steps-bytes); {nbytes} bytes from job "
+                f"{ledger.job!r} were refused")
 
     # -- fetch and synchronize --------------------------------------------------------------
 

@@ -80,6 +80,11 @@ class CoordinatorSettings(BaseSettings):
                     "or not, so that a job that fills its share leaves room for the others' "
                     "collectives (1: no per-job limit); beyond it the job's headers are "
                     "refused (HubCapacityError)")
+    max_steps_bytes: int = Field(
+        4 << 30, gt=0,
+        description="memory for the sync-mode DDP steps of all jobs (open steps' gradients, "
+                    "the aggregate logs, the snapshots); a gradient or snapshot beyond it is "
+                    "refused (HubCapacityError) once no aggregate a rank still needs can go")
     max_pending_per_member: int = Field(
         1024, gt=0, description="collectives one rank may have pending on the hub at once")
     max_pending_per_job: int = Field(

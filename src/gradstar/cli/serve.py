@@ -46,6 +46,9 @@ def coordinator_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     _capacity_args(p)
     p.add_argument("--state-dir", help="directory for the jobs' global models (LocalSGD/DiLoCo) "
                    "and sync-mode snapshots")
+    p.add_argument("--max-steps-bytes", type=int,
+                   help="memory for sync-mode DDP steps: open steps' gradients, aggregate logs, "
+                        "snapshots (4 GiB); past it HubCapacityError")
     p.add_argument("--heartbeat-timeout", type=float, help="seconds without heartbeat = lost")
     p.add_argument("--job-retention", type=float,
                    help="seconds a job without members is kept before it is dropped (600)")
