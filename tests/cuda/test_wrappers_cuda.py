@@ -360,7 +360,7 @@ def check_ddp_buckets_and_gradients(pg, device: torch.device) -> None:
     model, plain = ddp_script.make_mlp(0).to(device), ddp_script.make_mlp(0).to(device)
     ddp = gradstar.DDP(model, pg, bucket_cap_mb=ddp_script.SMALL_BUCKET_MB)
     assert ddp.device == device
-    assert {flat.device for flat in ddp._flat} == {device}
+    assert {flat.device for flat in ddp.reducer.flats} == {device}
     x = torch.randn(6, ddp_script.IN, device=device)
     ddp(x).square().sum().backward()
     plain(x).square().sum().backward()
