@@ -374,6 +374,34 @@ async def test_ddp_buckets_and_gradients_stay_on_the_device_and_match_plain_auto
     await on_thread(check_ddp_buckets_and_gradients, solo, DEVICE)
 
 
+def check_ddp_views_and_input_move(pg, device: torch.device) -> None:
+    """gradient_as_bucket_view on the device, the input given on the CPU nested in a dict: the
+    forward moves it, the gradients are views of the device buckets and equal autograd's."""
+    plain = ddp_script.make_mlp(0).to(device)
+    ddp = gradstar.DDP(_Net(ddp_script.make_mlp(0).to(device)), pg,
+                       gradient_as_bucket_view=True, bucket_cap_mb=ddp_script.SMALL_BUCKET_MB)
+    x = torch.randn(6, ddp_script.IN)
+    ddp({"x": [x]}).square().sum().backward()
+    plain(x.to(device)).square().sum().backward()
+    for got, view, want in zip(ddp.parameters(), ddp.reducer.views, plain.parameters(),
+                               strict=True):
+        assert got.grad.device == device and got.grad.data_ptr() == view.data_ptr()
+        torch.testing.assert_close(got.grad, want.grad)
+
+
+class _Net(nn.Module):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.net(batch["x"][0])
+
+
+async def test_ddp_bucket_views_and_inputs_moved_to_the_device(solo):
+    await on_thread(check_ddp_views_and_input_move, solo, DEVICE)
+
+
 def coalesced_inputs(rank: int, device: torch.device) -> list[torch.Tensor]:
     """Tensors on ``device`` of every reducible dtype and of awkward shapes (0-d, empty)."""
     g = torch.Generator().manual_seed(rank)

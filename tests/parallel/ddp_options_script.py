@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import gradstar
+from gradstar.client import device
 from gradstar.errors import BucketCapMismatchError, ConfigurationError, GradstarError
 
 try:
@@ -116,6 +117,22 @@ def view_int8(pg) -> dict:
     train(ddp, base.optimizer("sgd", ddp.parameters()), pg.rank, pg.world_size,
           steps=base.WIRE_STEPS, set_to_none=False)
     return {"params": base.params_of(ddp.module), "views": grads_are_views(ddp)}
+
+
+def view_staged(pg) -> dict:
+    """``view_keep`` with the CPU declared a staged device: each bucket's means come back as a
+    new tensor (as a CUDA bucket's do) and are copied into the bucket the gradients view."""
+    saved = device.STAGED_DEVICES
+    device.STAGED_DEVICES = ("cuda", "cpu")
+    try:
+        ddp = gradstar.DDP(base.make_mlp(pg.rank), pg, bucket_cap_mb=SMALL,
+                           gradient_as_bucket_view=True, find_unused_parameters=True)
+        train(ddp, base.optimizer("sgd", ddp.parameters()), pg.rank, pg.world_size,
+              set_to_none=False)
+        return {"params": base.params_of(ddp.module), "views": grads_are_views(ddp),
+                "staged": all(device.is_staged(p) for p in ddp.parameters())}
+    finally:
+        device.STAGED_DEVICES = saved
 
 
 def static(pg, static_graph: bool = True) -> dict:
@@ -228,7 +245,8 @@ def broadcast_src(pg) -> dict:
 
 
 SCENARIOS = {"view_keep": view_keep, "view_none": view_none, "view_no_sync": view_no_sync,
-             "view_unused": view_unused, "view_int8": view_int8, "static": static,
+             "view_unused": view_unused, "view_int8": view_int8, "view_staged": view_staged,
+             "static": static,
              "unused_found": unused_found, "static_unused_everywhere": static_unused_everywhere,
              "static_changed": static_changed, "delayed": delayed, "cap_change": cap_change,
              "cap_change_views": cap_change_views, "cap_mismatch": cap_mismatch,

@@ -82,6 +82,12 @@ def test_bucket_views_with_int8_and_error_feedback_stay_within_the_bound(runs):
     assert 0 < drift(reports, wire_reference) < INT8_EF_BOUND
 
 
+def test_bucket_views_on_the_staged_path_of_cuda_tensors_match_one_process(runs):
+    reports = runs["view_staged"]
+    assert all(r["views"] and r["staged"] for r in reports)
+    assert_params_match(reports, reference("sgd"))
+
+
 # -- static_graph ------------------------------------------------------------------------------
 
 
