@@ -22,8 +22,9 @@ What is measured
     Every rank runs ``--warmup`` steps, resets its peak resident memory (``5`` written to
     /proc/self/clear_refs), then runs ``--iters`` timed steps and reads its peak (VmHWM). The
     table shows rank 0's median step time and its peak resident memory during the timed steps
-    (with ``--rounds R`` every configuration runs R times, interleaved, and the round with the
-    lowest median step time is shown: on a shared machine the least disturbed one),
+    (with ``--rounds R`` every configuration runs R times, interleaved: the time is that of the
+    round with the lowest median, on a shared machine the least disturbed one, and the peak the
+    median over the rounds),
     each also as a ratio to ``gradstar`` with the same zero_grad in the same run; and, for
     gradstar, the bytes held by gradients and buckets after the last step (distinct storages:
     with views the gradients are the buckets). Ranks start from different seeds; the run fails
@@ -192,17 +193,17 @@ def main(argv: list[str] | None = None) -> int:
             configs.append((name, lambda v=view, s=set_to_none, n=name: run_on_hub(
                 gradstar_rank, args.ranks, (*common, args.bucket_cap_mb, v, s), shards=0,
                 path=args.path, timeout=args.timeout, label=n)))
-    runs, failures = {}, []
+    rounds: dict[str, list] = {}
+    failures = []
     for _ in range(args.rounds):  # rounds interleave the configurations: load hits them alike
         got, failed = run_configs(configs, _check_ranks_agree)
         failures += failed
         for name, results in got.items():
-            if name in runs and (runs[name] is None or results is None):
-                runs[name] = None
-            elif name not in runs or median(results[0]["times"]) < median(
-                    runs[name][0]["times"]):
-                runs[name] = results  # the round least disturbed by other load
-
+            rounds.setdefault(name, []).append(results)
+    runs = {name: None if None in got else min(got, key=lambda r: median(r[0]["times"]))
+            for name, got in rounds.items()}
+    peaks = {name: median([r[0]["peak_mb"] for r in got])
+             for name, got in rounds.items() if None not in got}
     rows, summary = [], {}
     for name, results in runs.items():
         if results is None:
@@ -210,21 +211,24 @@ def main(argv: list[str] | None = None) -> int:
             continue
         suffix = " (set_to_none)" if name.endswith("(set_to_none)") else ""
         base = runs.get(f"gradstar{suffix}")
-        ms, peak = median(results[0]["times"]) * 1e3, results[0]["peak_mb"]
+        ms, peak = median(results[0]["times"]) * 1e3, peaks[name]
         base_ms = median(base[0]["times"]) * 1e3 if base else None
-        base_peak = base[0]["peak_mb"] if base else None
+        base_peak = peaks.get(f"gradstar{suffix}")
         held = results[0].get("held_mb")
         rows.append([name, f"{ms:.1f}", f"{ms / base_ms:.2f}" if base_ms else "-",
                      f"{peak:.0f}", f"{peak / base_peak:.2f}" if base_peak else "-",
                      "-" if held is None else f"{held:.0f}"])
         summary[name] = {"median_ms": ms, "peak_rss_mb": peak, "held_mb": held,
-                         "peak_rss_mb_by_rank": [r["peak_mb"] for r in results]}
+                         "rank0_peak_rss_mb_by_round": [r[0]["peak_mb"] for r in rounds[name]],
+                         "rank0_median_ms_by_round": [median(r[0]["times"]) * 1e3
+                                                      for r in rounds[name]]}
     print()
     print(format_table(["configuration", "ms/step", "time vs gradstar", "peak RSS MB",
                         "RSS vs gradstar", "grads+buckets MB"], rows))
-    print(f"\nrank 0's median over {args.iters} timed steps and its peak resident memory during "
-          "them; ratios against gradstar with the same zero_grad, in this run; grads+buckets: "
-          f"distinct storages after the last step; load average at end {loadavg()}")
+    print(f"\nrank 0's median over {args.iters} timed steps (best of {args.rounds} rounds) and "
+          "its peak resident memory during them (median of the rounds); ratios against "
+          "gradstar with the same zero_grad, in this run; grads+buckets: distinct storages "
+          f"after the last step; load average at end {loadavg()}")
     for name, error in failures:
         print(f"\nFAILED: {name}:\n{error}")
     if args.json:

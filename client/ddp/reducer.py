@@ -157,7 +157,9 @@ class Reducer:
         step.next_launch = index + 1
 
     def _sends_flags(self) -> bool:
-        return self.find_unused or (self.static_graph and self.static_unused is None)
+        if self.static_graph:  # the first step finds what the others take as known
+            return self.static_unused is None
+        return self.find_unused
 
     def _control_values(self) -> list[float]:
         cap = self.requested_cap or self.plan.cap_bytes

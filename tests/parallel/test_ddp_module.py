@@ -260,3 +260,27 @@ async def test_a_rebuild_moves_each_error_feedback_residual_with_its_parameter(s
         assert all(torch.equal(after[i], before[i]) for i in before)
 
     await on_thread(body, solo)
+
+
+async def test_with_bucket_views_autograd_accumulates_straight_into_the_bucket(solo):
+    def body(pg):
+        model, plain = mlp(), mlp()
+        seen = []  # where weight 0's gradient is when autograd has accumulated it
+        model[0].weight.register_post_accumulate_grad_hook(
+            lambda p: seen.append(p.grad.data_ptr()))  # registered first: runs before DDP's
+        ddp = gradstar.DDP(model, pg, gradient_as_bucket_view=True)
+        view = ddp.reducer.views[0]
+        x = torch.randn(5, 4)
+        for _ in range(2):
+            ddp.zero_grad(set_to_none=False)
+            plain.zero_grad(set_to_none=False)
+            ddp(x).square().sum().backward()
+            plain(x).square().sum().backward()
+            for got, want in zip(model.parameters(), plain.parameters(), strict=True):
+                torch.testing.assert_close(got.grad, want.grad)
+        # Step one: no gradient yet, autograd allocated one (copied in, then replaced by the
+        # view); step two: it accumulated into the bucket itself.
+        assert seen[0] != view.data_ptr() and seen[1] == view.data_ptr()
+        assert model[0].weight.grad.data_ptr() == view.data_ptr()
+
+    await on_thread(body, solo)
