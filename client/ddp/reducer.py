@@ -11,14 +11,21 @@ is ready, and it launches, completes and re-plans the buckets. The protocol ever
    backward continues. Buckets launch strictly in index order on every rank, so every rank issues
    the same collectives in the same order even when gradients become ready in another order.
 3. When backward ends every bucket not launched yet is launched (a parameter that got no gradient
-   contributes its ``.grad`` if it still holds one from ``no_sync()`` steps, else zeros). With
-   the last bucket goes the step's *control* all_reduce (op max, float64, exact): the bucket cap
-   each rank asks for and, when needed, one "this rank has a gradient" flag per parameter.
-4. :meth:`Reducer.complete` waits for every Work, writes the means into ``.grad``, then acts on
-   the control values: the ranks agreed on a new cap, so every rank rebuilds its buckets now,
-   for the next step; or they disagree, so every rank raises
-   :class:`~gradstar.errors.BucketCapMismatchError` and keeps its buckets. Either way every rank
-   issued the same collectives: a cap changed on some ranks only never misaligns them.
+   contributes its ``.grad`` if it still holds one from ``no_sync()`` steps, else zeros). The
+   last bucket carries the step's *control* values in a tail of its own: a 1 where this rank
+   assigned a new ``bucket_cap_mb`` and, when needed, one "this rank has a gradient" flag per
+   parameter. Their means are exact (0 and 1 are exact in every float dtype; the ranks all read
+   the same bytes, so they all decide alike). With a wire format (which rounds whole blocks) they
+   travel apart instead, in a float64 all_reduce with op max beside the last bucket.
+4. :meth:`Reducer.complete` waits for every Work, writes the means into ``.grad``, then reads
+   the control values. Nobody assigned a cap: nothing to do (the default costs no collective).
+   Some ranks did and others did not: every rank raises
+   :class:`~gradstar.errors.BucketCapMismatchError` and keeps its buckets. Every rank did: the
+   next step sends a float64 all_reduce (op max) of each rank's cap and its negation beside its
+   last bucket, and when it completes every rank rebuilds its buckets for the step after, or,
+   if the values differ, raises the same error and keeps them. (With a wire format the caps
+   travel at every step, so the rebuild follows the step of the assignment.) Either way every
+   rank issued the same collectives: a cap changed on some ranks only never misaligns them.
 
 Unused parameters: with the flags a parameter no rank has a gradient for keeps ``grad=None``, one
 some ranks have gets the mean with zeros from the others. ``static_graph`` sends the flags at the
@@ -70,13 +77,19 @@ class Reducer:
                         "format or gradient_compression): drop one of the two options")
         self.static_unused: set[int] | None = None  # static_graph: unused here at step one
         self.unused_everywhere: set[int] = set()  # static_graph: unused on every rank
-        self.requested_cap: int | None = None  # a cap assigned, agreed with the next step
+        self.requested_cap: int | None = None  # a cap assigned, agreed with the next steps
+        # Without a wire format the control values ride exactly in the last bucket's tail (no
+        # collective of their own); a format rounds blocks, so they then travel apart.
+        self.tail_control = wire is None
+        self.confirming = False  # every rank asked for a new cap: compare the values this step
         self._build(cap_bytes)
 
     def _build(self, cap_bytes: int) -> None:
         self.plan = BucketPlan(
             [TensorSpec(p.numel(), p.element_size(), p.dtype) for p in self.params], cap_bytes)
-        self.flats = [torch.zeros(b.numel, dtype=self.bucket_dtype or b.dtype, device=self.device)
+        last = len(self.plan) - 1
+        self.flats = [torch.zeros(b.numel + (self._tail_length() if b.index == last else 0),
+                                  dtype=self.bucket_dtype or b.dtype, device=self.device)
                       for b in self.plan]
         self.views = [None] * len(self.params)
         for bucket, flat in zip(self.plan, self.flats, strict=True):
@@ -88,6 +101,12 @@ class Reducer:
                     if param.grad is not None and not param.grad.is_sparse:
                         view.copy_(param.grad)
                         param.grad = view
+
+    def _tail_length(self) -> int:
+        """The last bucket's control slots: "I assigned a new cap", and the flags if sent."""
+        if not self.tail_control:
+            return 0
+        return 1 + (len(self.params) if self._sends_flags() else 0)
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -139,20 +158,24 @@ class Reducer:
                         if self.params[member].grad is None]
                 self.feedback.compensate(index, flat, keep)
             if weight is not None:  # weighted: sums of w*g, divided by the sum of w
-                flat.mul_(weight)
+                flat[:bucket.numel].mul_(weight)
+            last = index == len(self.plan) - 1
+            if last and self.tail_control:
+                changed = self.requested_cap not in (None, self.plan.cap_bytes)
+                flat[bucket.numel:].copy_(torch.tensor([changed, *self._flags()]))
         # The flat tensor is not written again until this Work is waited for in complete(): a
         # CPU bucket takes its means in place; a CUDA one is staged and comes back new.
         step.works[index] = self.pg.all_reduce(
             flat, op="mean" if weight is None else "sum", async_op=True,
             out=flat if is_cpu_tensor(flat) else None, wire=self.wire)
-        if index == len(self.plan) - 1:
+        if last and (self.confirming or not self.tail_control):
             control = torch.tensor(self._control_values(), dtype=torch.float64)
             step.control_work = self.pg.all_reduce(
                 control, op="max", async_op=True,
                 out=control if is_cpu_tensor(control) else None)
-            if weight is not None:
-                step.weight_work = self.pg.all_reduce(
-                    torch.tensor([weight], dtype=torch.float64), op="sum", async_op=True)
+        if last and weight is not None:
+            step.weight_work = self.pg.all_reduce(
+                torch.tensor([weight], dtype=torch.float64), op="sum", async_op=True)
         step.timeline.launches.append(BucketLaunch(index, time.perf_counter(), during))
         step.next_launch = index + 1
 
@@ -161,9 +184,13 @@ class Reducer:
             return self.static_unused is None
         return self.find_unused
 
+    def _flags(self) -> list[bool]:
+        """One "this rank has a gradient" flag per parameter, when they are sent."""
+        return [p.grad is not None for p in self.params] if self._sends_flags() else []
+
     def _control_values(self) -> list[float]:
         cap = self.requested_cap or self.plan.cap_bytes
-        flags = [p.grad is not None for p in self.params] if self._sends_flags() else []
+        flags = [] if self.tail_control else self._flags()
         return [cap, -cap, *flags]  # max of -cap is -(the smallest cap)
 
     def complete(self, step: SyncStep, missing: list[int], when: str) -> None:
@@ -187,15 +214,27 @@ class Reducer:
         if error is not None:
             raise error
         total, control = results.pop(), results.pop()
-        used = ((control[2:] > 0).tolist() if flagged else
-                [i not in self.unused_everywhere for i in range(len(self.params))])
+        tail = results[-1][self.plan[-1].numel:].double() if self.tail_control else None
+        if flagged:
+            used = ((tail[1:] if self.tail_control else control[2:]) > 0).tolist()
+        else:
+            used = [i not in self.unused_everywhere for i in range(len(self.params))]
         self._write_means(results, used, None if total is None else float(total[0]))
         step.timeline.finished = time.perf_counter()
         learning = self.static_graph and self.static_unused is None
         if learning:
             self.static_unused = set(missing)
             self.unused_everywhere = {i for i, u in enumerate(used) if not u}
-        self._agree_on_cap(int(control[0]), int(-control[1]))
+            if self.tail_control:
+                self._build(self.plan.cap_bytes)  # the flags' slots are not needed any more
+        if control is not None:
+            self.confirming = False
+            self._agree_on_cap(int(control[0]), int(-control[1]))
+        else:
+            # Each rank put 1 for "I assigned a new cap": the mean (the sum when weighted) says
+            # whether nobody, everybody (compare the values at the next step) or only some did.
+            everybody = 1.0 if total is None else float(self.pg.world_size)
+            self._count_requests(float(tail[0]), everybody)
         if self.static_graph and not learning and (missing or step.unexpected):
             changed = ", ".join(self.names[i] for i in sorted({*missing, *step.unexpected}))
             raise ConfigurationError(
@@ -217,7 +256,7 @@ class Reducer:
         with torch.no_grad():
             for bucket, flat, result in zip(self.plan, self.flats, results, strict=True):
                 if weights is not None:  # the weighted mean: sum(w*g) / sum(w), or 0 for none
-                    result.mul_(1.0 / weights if weights > 0 else 0.0)
+                    result[:bucket.numel].mul_(1.0 / weights if weights > 0 else 0.0)
                 if self.as_view and result.data_ptr() != flat.data_ptr():
                     flat.copy_(result)  # a staged bucket's means came back as a new tensor
                 for member, offset, numel in _slices(bucket):
@@ -235,6 +274,21 @@ class Reducer:
                         param.grad.copy_(mean)
 
     # -- the bucket cap ------------------------------------------------------------------------
+
+    def _count_requests(self, share: float, everybody: float) -> None:
+        if share == 0:
+            return
+        if share == everybody:
+            self.confirming = True
+            return
+        requested, self.requested_cap = self.requested_cap, None
+        mine = (f"assigned {requested / MiB:g} MB" if requested is not None
+                else f"kept {self.plan.cap_bytes / MiB:g} MB")
+        raise BucketCapMismatchError(
+            f"some ranks assigned bucket_cap_mb before this step and others did not (rank "
+            f"{self.pg.rank} {mine}); every rank keeps its buckets of "
+            f"{self.plan.cap_bytes / MiB:g} MB. Assign the same bucket_cap_mb on every rank "
+            "between the same two steps")
 
     def _agree_on_cap(self, highest: int, lowest: int) -> None:
         requested, self.requested_cap = self.requested_cap, None

@@ -291,10 +291,11 @@ class DistributedDataParallel(SyncModes, nn.Module):
     @property
     def bucket_cap_mb(self) -> float:
         """The bucket size bound in MB, as last assigned. Assigning it (every rank, the same
-        value, between steps) re-plans the buckets: the next synchronising step checks that
-        the ranks agree and rebuilds the buckets when it completes, for the steps after it.
-        Ranks that disagree all get :class:`~gradstar.errors.BucketCapMismatchError` at that
-        step and keep their buckets (the value in effect: ``bucket_plan.cap_bytes``).
+        value, between steps) re-plans the buckets: the next synchronising step tells every
+        rank whether all of them assigned one, the step after it compares the values and
+        rebuilds the buckets when it completes (with a wire format the first step does both).
+        Ranks that disagree all get :class:`~gradstar.errors.BucketCapMismatchError` at the
+        step that finds it and keep their buckets (the plan in effect: ``bucket_plan``).
 
         Raises:
             ConfigurationError: the value is not a positive number.

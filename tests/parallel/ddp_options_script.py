@@ -26,7 +26,7 @@ except ImportError:  # run as a script
     import ddp_script as base
 
 SCRIPT = Path(__file__)
-STEPS = 6
+STEPS = 7
 SMALL = base.SMALL_BUCKET_MB
 # static_graph: these ranks use BranchNet's branch at every step; the others never do.
 STATIC_USERS = {0, 1}
@@ -226,6 +226,25 @@ def cap_mismatch(pg) -> dict:
             "bucket_cap_mb": ddp.bucket_cap_mb}
 
 
+def cap_values_differ(pg) -> dict:
+    """Every rank assigns bucket_cap_mb before step 1, rank 0 another value: the values are
+    compared at step 2, where every rank gets the named error."""
+    ddp = gradstar.DDP(base.make_mlp(pg.rank), pg, bucket_cap_mb=SMALL)
+    opt = base.optimizer("sgd", ddp.parameters())
+    errors = []
+    for step in range(4):
+        if step == 1:
+            ddp.bucket_cap_mb = 2.0 if pg.rank == 0 else 1.0
+        opt.zero_grad()
+        try:
+            base.loss_of(ddp, step, pg.rank, pg.world_size).backward()
+        except BucketCapMismatchError as error:
+            errors.append({"step": step, "message": str(error)})
+        opt.step()
+    return {"errors": errors, "params": base.params_of(ddp.module),
+            "buckets": len(ddp.bucket_plan), "bucket_cap_mb": ddp.bucket_cap_mb}
+
+
 def broadcast_src(pg) -> dict:
     """Each rank moves its parameters and buffers apart, then broadcast_parameters(src=2)."""
     model = base.make_bn_mlp(pg.rank)
@@ -250,6 +269,7 @@ SCENARIOS = {"view_keep": view_keep, "view_none": view_none, "view_no_sync": vie
              "unused_found": unused_found, "static_unused_everywhere": static_unused_everywhere,
              "static_changed": static_changed, "delayed": delayed, "cap_change": cap_change,
              "cap_change_views": cap_change_views, "cap_mismatch": cap_mismatch,
+             "cap_values_differ": cap_values_differ,
              "broadcast_src": broadcast_src}
 
 

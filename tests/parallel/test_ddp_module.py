@@ -225,7 +225,9 @@ async def test_a_new_bucket_cap_is_used_from_the_step_after_the_next_one(solo):
         x = torch.randn(3, 4)
         assert len(ddp.bucket_plan) == 1
         ddp.bucket_cap_mb = 100 / (1 << 20)
-        ddp(x).sum().backward()  # agreed here (one rank), rebuilt when it completes
+        ddp(x).sum().backward()  # every rank (one) assigned it: the values go with the next
+        assert len(ddp.bucket_plan) == 1 and ddp.reducer.confirming
+        ddp(x).sum().backward()  # agreed here, rebuilt when it completes
         assert len(ddp.last_step_timeline.launches) == 1 and len(ddp.bucket_plan) == 3
         grads = [p.grad.clone() for p in ddp.parameters()]
         # The gradients moved into the new buckets with their values.
@@ -233,6 +235,17 @@ async def test_a_new_bucket_cap_is_used_from_the_step_after_the_next_one(solo):
             assert p.grad.data_ptr() == view.data_ptr() and torch.equal(p.grad, grad)
         ddp(x).sum().backward()
         assert len(ddp.last_step_timeline.launches) == 3
+
+    await on_thread(body, solo)
+
+
+async def test_with_a_wire_format_a_new_bucket_cap_is_used_from_the_next_step(solo):
+    def body(pg):
+        # A format sends the caps apart at every step: agreed by the next step, used after it.
+        ddp = gradstar.DDP(mlp(), pg, wire="int8")
+        ddp.bucket_cap_mb = 100 / (1 << 20)
+        ddp(torch.randn(3, 4)).sum().backward()
+        assert len(ddp.last_step_timeline.launches) == 1 and len(ddp.bucket_plan) == 3
 
     await on_thread(body, solo)
 

@@ -151,11 +151,12 @@ def test_bucket_cap_changes_mid_training_rebuild_the_plan_and_match_one_process(
     assert_params_match(reports, want)
     for r in reports:
         buckets = [s["buckets"] for s in r["steps"]]
-        # The buckets each step launched: assigned before steps 2 and 4, agreed by those steps
-        # and rebuilt when they complete, for the next one.
-        small, one, tiny = buckets[0], buckets[3], buckets[5]
+        # The buckets each step launched: assigned before steps 2 and 4; every rank's "I
+        # assigned one" travels with those steps, the values with the next, which rebuilds the
+        # buckets when it completes.
+        small, one, tiny = buckets[0], buckets[4], buckets[6]
         assert small >= 3 and one == 1 and tiny > small, buckets
-        assert buckets == [small, small, small, one, one, tiny], buckets
+        assert buckets == [small, small, small, small, one, one, tiny], buckets
         assert r["bucket_cap_mb"] == script.CAP_CHANGES[4]
         assert r["views"] in (None, True)
 
@@ -165,15 +166,32 @@ def test_a_bucket_cap_changed_on_one_rank_is_a_named_error_on_every_rank(runs):
     for r in reports:
         (error,) = r["errors"]
         assert error["step"] == 1
-        assert error["message"].startswith(
-            "the ranks asked for different bucket caps at this step: from 0.000762939 to 1 MB "
-            f"(rank {r['rank']}: "), error["message"]
+        mine = "assigned 1 MB" if r["rank"] == 0 else "kept 0.000762939 MB"
+        assert error["message"] == (
+            "some ranks assigned bucket_cap_mb before this step and others did not (rank "
+            f"{r['rank']} {mine}); every rank keeps its buckets of 0.000762939 MB. Assign the "
+            "same bucket_cap_mb on every rank between the same two steps")
         assert error["seconds"] < 20
         # Refused everywhere: the plan and the value stay what they were.
         assert r["buckets"] == reports[0]["buckets"] >= 3
         assert r["bucket_cap_mb"] == base.SMALL_BUCKET_MB
     # The step's means were written, so training went on in step with one process.
     assert_params_match(reports, reference("adam"))
+
+
+def test_bucket_caps_assigned_to_different_values_are_a_named_error_on_every_rank(runs):
+    reports = runs["cap_values_differ"]
+    for r in reports:
+        (error,) = r["errors"]
+        assert error["step"] == 2  # the values are compared at the step after the assignment
+        assert error["message"] == (
+            "the ranks asked for different bucket caps at this step: from 1 to 2 MB (rank "
+            f"{r['rank']}: {2 if r['rank'] == 0 else 1} MB); every rank keeps its buckets of "
+            "0.000762939 MB. Assign the same bucket_cap_mb on every rank between the same two "
+            "steps")
+        assert r["buckets"] == reports[0]["buckets"] >= 3
+        assert r["bucket_cap_mb"] == base.SMALL_BUCKET_MB
+        assert r["params"] == reports[0]["params"]  # the replicas stayed identical
 
 
 # -- broadcast_parameters(src) -----------------------------------------------------------------
