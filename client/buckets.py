@@ -175,8 +175,9 @@ class SyncStep:
         self.pending = [len(b.members) for b in plan]
         self.next_launch = 0
         self.works: list = [None] * len(plan)
-        self.flags_work = None  # the used-parameter flags, when they travel apart
+        self.control_work = None  # the step's control values: bucket caps, used-parameter flags
         self.weight_work = None  # the sum of the ranks' weights, when weighted
+        self.unexpected: list[int] = []  # static_graph: hooks of parameters unused at step one
         self.timeline = StepTimeline(started=time.perf_counter())
 
 

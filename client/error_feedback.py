@@ -80,6 +80,11 @@ class ErrorFeedback:
         else:
             self._residuals[key] = saved
 
+    def load(self, residuals: dict[Hashable, torch.Tensor]) -> None:
+        """Replace every residual by ``residuals`` (a sender that re-planned its buckets moves
+        each residual to its new bucket key and offset; nothing it held is lost)."""
+        self._residuals = dict(residuals)
+
     def compensate(self, key: Hashable, flat: torch.Tensor,
                    keep: Sequence[tuple[int, int]] = ()) -> None:
         """Add ``key``'s residual to ``flat`` in place and remember what sending it will lose.

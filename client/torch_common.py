@@ -98,8 +98,10 @@ def wire_dtype_of(option: str, value) -> torch.dtype | None:
             f"{option} must be None, 'bf16' or 'fp16', got {value!r}") from None
 
 
-def broadcast_from_rank0(pg, tensors: list[torch.Tensor], cap_bytes: int) -> None:
-    """Overwrite ``tensors`` with rank 0's values: flat per-dtype buckets, broadcast together.
+def broadcast_from_rank0(pg, tensors: list[torch.Tensor], cap_bytes: int, *,
+                         src: int = 0) -> None:
+    """Overwrite ``tensors`` with rank 0's values (rank ``src``'s, when given): flat per-dtype
+    buckets, broadcast together.
 
     Raises:
         ConfigurationError: a tensor's dtype cannot travel (complex, for instance).
@@ -124,7 +126,7 @@ def broadcast_from_rank0(pg, tensors: list[torch.Tensor], cap_bytes: int) -> Non
         for bucket in plan:
             flat = torch.cat([unique[i].detach().reshape(-1).to(bucket.dtype)
                               for i in bucket.members])
-            works.append(pg.broadcast(flat, src=0, async_op=True))
+            works.append(pg.broadcast(flat, src=src, async_op=True))
         for bucket, work in zip(plan, works, strict=True):
             result = work.wait()
             for member, offset, numel in zip(bucket.members, bucket.offsets, bucket.numels,

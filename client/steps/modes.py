@@ -99,4 +99,4 @@ def _step_sync(ddp, mode: SyncMode):
 
     name = ddp.wire or ddp.gradient_compression
     return StepSync(ddp.module, ddp._params, ddp._optimizer, ddp.process_group, mode, "ddp",
-                    wire=None if name is None else wire_format(name), feedback=ddp._feedback)
+                    wire=None if name is None else wire_format(name), feedback=ddp.reducer.feedback)

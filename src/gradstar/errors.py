@@ -4,6 +4,7 @@ Every error a rank can see derives from :class:`GradstarError`::
 
     GradstarError
     ├── ConfigurationError            a setting or argument is invalid (also a ValueError)
+    │   └── BucketCapMismatchError    ranks changed DDP's bucket_cap_mb to different values
     ├── AuthenticationError           the coordinator refused the token
     ├── CoordinatorUnavailableError   the coordinator cannot be reached or went away
     │   └── ShardLostError            a hub shard carrying the generation's collectives went away
@@ -43,6 +44,7 @@ from collections.abc import Sequence
 
 __all__ = [
     "AuthenticationError",
+    "BucketCapMismatchError",
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
@@ -86,6 +88,11 @@ class GradstarError(Exception):
 
 class ConfigurationError(GradstarError, ValueError):
     """A setting or argument is invalid."""
+
+
+class BucketCapMismatchError(ConfigurationError):
+    """Ranks disagree on DDP's ``bucket_cap_mb`` after it was changed (some ranks only, or
+    different values): the buckets were kept as they were on every rank."""
 
 
 class AuthenticationError(GradstarError):

@@ -360,7 +360,7 @@ def check_ddp_buckets_and_gradients(pg, device: torch.device) -> None:
     model, plain = ddp_script.make_mlp(0).to(device), ddp_script.make_mlp(0).to(device)
     ddp = gradstar.DDP(model, pg, bucket_cap_mb=ddp_script.SMALL_BUCKET_MB)
     assert ddp.device == device
-    assert {flat.device for flat in ddp._flat} == {device}
+    assert {flat.device for flat in ddp.reducer.flats} == {device}
     x = torch.randn(6, ddp_script.IN, device=device)
     ddp(x).square().sum().backward()
     plain(x).square().sum().backward()
@@ -372,6 +372,34 @@ def check_ddp_buckets_and_gradients(pg, device: torch.device) -> None:
 
 async def test_ddp_buckets_and_gradients_stay_on_the_device_and_match_plain_autograd(solo):
     await on_thread(check_ddp_buckets_and_gradients, solo, DEVICE)
+
+
+def check_ddp_views_and_input_move(pg, device: torch.device) -> None:
+    """gradient_as_bucket_view on the device, the input given on the CPU nested in a dict: the
+    forward moves it, the gradients are views of the device buckets and equal autograd's."""
+    plain = ddp_script.make_mlp(0).to(device)
+    ddp = gradstar.DDP(_Net(ddp_script.make_mlp(0).to(device)), pg,
+                       gradient_as_bucket_view=True, bucket_cap_mb=ddp_script.SMALL_BUCKET_MB)
+    x = torch.randn(6, ddp_script.IN)
+    ddp({"x": [x]}).square().sum().backward()
+    plain(x.to(device)).square().sum().backward()
+    for got, view, want in zip(ddp.parameters(), ddp.reducer.views, plain.parameters(),
+                               strict=True):
+        assert got.grad.device == device and got.grad.data_ptr() == view.data_ptr()
+        torch.testing.assert_close(got.grad, want.grad)
+
+
+class _Net(nn.Module):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.net(batch["x"][0])
+
+
+async def test_ddp_bucket_views_and_inputs_moved_to_the_device(solo):
+    await on_thread(check_ddp_views_and_input_move, solo, DEVICE)
 
 
 def coalesced_inputs(rank: int, device: torch.device) -> list[torch.Tensor]:

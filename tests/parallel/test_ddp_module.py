@@ -40,6 +40,9 @@ async def test_an_async_process_group_is_refused_with_a_hint(coordinator):
      r"pass either wire='int8' or gradient_compression='bf16', not both"),
     ({"wire": "int3"}, "wire format 'int3' is not supported"),
     ({"error_feedback": True}, "error_feedback=True needs a lossy wire format"),
+    ({"gradient_as_bucket_view": True, "gradient_compression": "bf16"},
+     r"gradient_as_bucket_view=True needs buckets of each gradient's dtype; parameter 0\.weight "
+     r"is torch\.float32 and the buckets torch\.bfloat16"),
 ])
 async def test_invalid_arguments_are_configuration_errors(solo, kwargs, message):
     def body(pg):
@@ -196,5 +199,101 @@ async def test_a_wire_format_makes_float32_buckets_and_residuals_reset_by_hand(s
         assert ddp.error_feedback_residuals == [None]
         plain = gradstar.DDP(mlp(), pg, wire="bf16", error_feedback=False)
         assert not plain.error_feedback and "wire='bf16', error_feedback=False" in repr(plain)
+
+    await on_thread(body, solo)
+
+
+async def test_bucket_cap_and_broadcast_source_are_checked_before_anything_is_sent(solo):
+    def body(pg):
+        ddp = gradstar.DDP(mlp(), pg, bucket_cap_mb=1)
+        for bad in (0, -1, "2", True):
+            with pytest.raises(ConfigurationError, match="bucket_cap_mb must be a positive"):
+                ddp.bucket_cap_mb = bad
+        assert ddp.bucket_cap_mb == 1 and ddp.reducer.requested_cap is None
+        for bad in (1, -1, True, 0.0):
+            with pytest.raises(ConfigurationError, match=rf"broadcast_parameters\(src={bad!r}\): "
+                               "src must be a rank, 0 to 0"):
+                ddp.broadcast_parameters(src=bad)
+        ddp.broadcast_parameters(src=0)
+
+    await on_thread(body, solo)
+
+
+async def test_a_new_bucket_cap_is_used_from_the_step_after_the_next_one(solo):
+    def body(pg):
+        ddp = gradstar.DDP(mlp(), pg, gradient_as_bucket_view=True)
+        x = torch.randn(3, 4)
+        assert len(ddp.bucket_plan) == 1
+        ddp.bucket_cap_mb = 100 / (1 << 20)
+        ddp(x).sum().backward()  # every rank (one) assigned it: the values go with the next
+        assert len(ddp.bucket_plan) == 1 and ddp.reducer.confirming
+        ddp(x).sum().backward()  # agreed here, rebuilt when it completes
+        assert len(ddp.last_step_timeline.launches) == 1 and len(ddp.bucket_plan) == 3
+        grads = [p.grad.clone() for p in ddp.parameters()]
+        # The gradients moved into the new buckets with their values.
+        for p, view, grad in zip(ddp.parameters(), ddp.reducer.views, grads, strict=True):
+            assert p.grad.data_ptr() == view.data_ptr() and torch.equal(p.grad, grad)
+        ddp(x).sum().backward()
+        assert len(ddp.last_step_timeline.launches) == 3
+
+    await on_thread(body, solo)
+
+
+async def test_with_a_wire_format_a_new_bucket_cap_is_used_from_the_next_step(solo):
+    def body(pg):
+        # A format sends the caps apart at every step: agreed by the next step, used after it.
+        ddp = gradstar.DDP(mlp(), pg, wire="int8")
+        ddp.bucket_cap_mb = 100 / (1 << 20)
+        ddp(torch.randn(3, 4)).sum().backward()
+        assert len(ddp.last_step_timeline.launches) == 1 and len(ddp.bucket_plan) == 3
+
+    await on_thread(body, solo)
+
+
+async def test_a_rebuild_moves_each_error_feedback_residual_with_its_parameter(solo):
+    def body(pg):
+        ddp = gradstar.DDP(mlp(), pg, wire="int4")
+        ddp(torch.randn(3, 4)).sum().backward()
+
+        def by_parameter():
+            reducer, out = ddp.reducer, {}
+            for bucket, residual in zip(reducer.plan, ddp.error_feedback_residuals,
+                                        strict=True):
+                for member, offset, numel in zip(bucket.members, bucket.offsets, bucket.numels,
+                                                 strict=True):
+                    out[member] = residual[offset:offset + numel].clone()
+            return out
+
+        before = by_parameter()
+        assert sum(float(r.abs().sum()) for r in before.values()) > 0
+        ddp.reducer.rebuild(100)
+        assert len(ddp.bucket_plan) == 3
+        after = by_parameter()
+        assert sorted(after) == sorted(before)
+        assert all(torch.equal(after[i], before[i]) for i in before)
+
+    await on_thread(body, solo)
+
+
+async def test_with_bucket_views_autograd_accumulates_straight_into_the_bucket(solo):
+    def body(pg):
+        model, plain = mlp(), mlp()
+        seen = []  # where weight 0's gradient is when autograd has accumulated it
+        model[0].weight.register_post_accumulate_grad_hook(
+            lambda p: seen.append(p.grad.data_ptr()))  # registered first: runs before DDP's
+        ddp = gradstar.DDP(model, pg, gradient_as_bucket_view=True)
+        view = ddp.reducer.views[0]
+        x = torch.randn(5, 4)
+        for _ in range(2):
+            ddp.zero_grad(set_to_none=False)
+            plain.zero_grad(set_to_none=False)
+            ddp(x).square().sum().backward()
+            plain(x).square().sum().backward()
+            for got, want in zip(model.parameters(), plain.parameters(), strict=True):
+                torch.testing.assert_close(got.grad, want.grad)
+        # Step one: no gradient yet, autograd allocated one (copied in, then replaced by the
+        # view); step two: it accumulated into the bucket itself.
+        assert seen[0] != view.data_ptr() and seen[1] == view.data_ptr()
+        assert model[0].weight.grad.data_ptr() == view.data_ptr()
 
     await on_thread(body, solo)

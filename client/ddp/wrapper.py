@@ -1,34 +1,15 @@
 """DistributedDataParallel: torch's DDP on the CPU or a CUDA device, with gradient buckets
-reduced through the hub.
+reduced through the hub (the buckets and their protocol: :mod:`gradstar.client.ddp.reducer`).
 
-How a backward pass is synchronised (the protocol every rank follows):
-
-1. At construction the parameters are grouped into :class:`~gradstar.client.buckets.BucketPlan`
-   buckets of ``bucket_cap_mb``, in reverse registration order, and every parameter gets a
-   post-accumulate-grad hook. Parameters and buffers are broadcast from rank 0.
-2. A forward pass with grad enabled and outside :meth:`no_sync` *arms* the hooks (torch decides
-   at forward time too). Armed hooks stay armed until the next forward, so a second backward
-   over the same graph is reduced as well instead of silently diverging.
-3. The first armed hook of a backward pass queues an autograd-engine callback
-   (``Variable._execution_engine.queue_callback``) that runs when the engine has finished the
-   whole backward, before ``loss.backward()`` returns.
-4. Each hook marks its parameter ready. When a bucket's last parameter is ready the bucket is
-   *launched*: its gradients are copied into the bucket's flat buffer (cast to the compression
-   dtype if any) and ``pg.all_reduce(flat, op="mean", async_op=True)`` starts on the process
-   group's loop thread while backward continues. Buckets launch strictly in index order on every
-   rank: a bucket that is ready early waits for the earlier ones, so every rank issues the same
-   collectives in the same order even when gradients become ready in a different order.
-5. The end-of-backward callback launches every bucket not launched yet (a parameter that got no
-   gradient contributes its ``.grad`` if it still holds one from :meth:`no_sync` steps, else
-   zeros), waits for all the Work handles and writes the means into ``.grad``. So when
-   ``loss.backward()`` returns every gradient holds the mean over ranks, as with torch's DDP.
-
-Unused parameters. With ``find_unused_parameters=True`` the last bucket also carries one flag
-per parameter ("this rank has a gradient for it"); a parameter no rank has a gradient for keeps
-``grad=None`` (so optimizers skip it, as with torch), one that some ranks have gets the mean with
-zeros from the others. With the flag off, a parameter whose hook did not fire is an error: the
-missing buckets are still sent (with zeros) so the other ranks' collectives complete, the means
-are written, and then :class:`~gradstar.errors.ConfigurationError` names the parameters.
+How a backward pass is synchronised: at construction every parameter gets a
+post-accumulate-grad hook and parameters and buffers are broadcast from rank 0. A forward pass
+with grad enabled and outside :meth:`no_sync` *arms* the hooks (torch decides at forward time
+too); armed hooks stay armed until the next forward, so a second backward over the same graph is
+reduced as well instead of silently diverging. The first armed hook of a backward pass queues an
+autograd-engine callback (``Variable._execution_engine.queue_callback``) that runs when the
+engine has finished the whole backward, before ``loss.backward()`` returns: it launches the
+buckets not launched yet, waits for them and writes the means into ``.grad``. So when
+``loss.backward()`` returns every gradient holds the mean over ranks, as with torch's DDP.
 
 Devices. The module lives on the CPU or on one CUDA device, and so do its gradients and the
 buckets' flat buffers. A CUDA bucket is copied to host memory when its all_reduce is issued and
@@ -37,9 +18,11 @@ its mean comes back as a tensor on the module's device (the process group stages
 
 Where this differs from torch: unused parameters are found when backward ends rather than by
 walking the autograd graph after forward, so a bucket holding one launches at the end of
-backward (same gradients, less overlap for that bucket); the buckets are planned once (torch
-re-plans them after the first step in the order gradients arrived, and uses a 1 MB first
-bucket); a second backward of the same forward is reduced as well (torch ignores it).
+backward (same gradients, less overlap for that bucket; ``static_graph=True`` restores the
+overlap after the first step); the buckets follow ``bucket_cap_mb`` and are re-planned only when
+it is assigned (torch re-plans them after the first step in the order gradients arrived, and
+uses a 1 MB first bucket); a second backward of the same forward is reduced as well (torch
+ignores it).
 
 Compressed wire formats. ``wire="int8"`` (or ``"int4"``, ``"bf16"``, ``"fp16"``; see
 :mod:`gradstar.wire.formats`) sends every bucket in that format: the buckets are float32 on the
@@ -52,10 +35,11 @@ encode and decode of each bucket on the rank.
 ``no_sync()`` steps send nothing, so the residual waits for the next synchronising step;
 :meth:`sync_gradients` sends like a backward pass, residual included; a parameter without a
 gradient on this rank sends zeros and keeps its residual; the ``find_unused_parameters`` flags
-travel apart, exactly (a flag must not share a block's scale with gradients). Residuals are not
-in ``state_dict()``: a restarted rank starts from zero residuals (its first step loses one
-rounding, as a step without feedback does); :meth:`reset_error_feedback` zeroes them. The
-buckets are planned once, so each residual belongs to one bucket for the wrapper's life.
+travel apart, exactly, in the step's control all_reduce (a flag must not share a block's scale
+with gradients). Residuals are not in ``state_dict()``: a restarted rank starts from zero
+residuals (its first step loses one rounding, as a step without feedback does);
+:meth:`reset_error_feedback` zeroes them. When ``bucket_cap_mb`` changes each residual moves
+with its parameters to their new buckets.
 
 Sync modes. ``sync_mode=gradstar.Quorum(...)``, ``BoundedStaleness(...)`` or ``Asynchronous()``
 (with ``optimizer=``) sends each backward's whole gradient to the hub's step ledger when
@@ -80,20 +64,21 @@ import weakref
 import torch
 from torch import nn
 
-from gradstar.errors import ConfigurationError
+from gradstar.errors import BucketCapMismatchError, ConfigurationError
 from gradstar.sync_modes import Synchronous, SyncMode, check_mode
 
-from .buckets import BucketLaunch, BucketPlan, StepTimeline, SyncStep, TensorSpec, cap_bytes_of
-from .convert import is_cpu_tensor
-from .error_feedback import check_error_feedback
-from .process_group import ProcessGroup
-from .steps.modes import SyncModes, resumes_from_hub
-from .torch_common import (
+from ..buckets import BucketPlan, StepTimeline, cap_bytes_of
+from ..error_feedback import check_error_feedback
+from ..process_group import ProcessGroup
+from ..steps.modes import SyncModes, resumes_from_hub
+from ..torch_common import (
     GRAD_DTYPES,
     broadcast_from_rank0,
     check_wrapper_arguments,
     wire_dtype_of,
 )
+from .inputs import inputs_to_device
+from .reducer import Reducer
 
 
 class DistributedDataParallel(SyncModes, nn.Module):
@@ -107,9 +92,12 @@ class DistributedDataParallel(SyncModes, nn.Module):
     synchronising backward passes. See the module docstring for the protocol.
 
     Args:
-        module: the model; parameters and buffers all on the CPU or all on one CUDA device.
+        module: the model; parameters and buffers all on the CPU or all on one CUDA device
+            (on a CUDA device, ``forward`` moves its inputs there, as torch's DDP does with
+            ``device_ids``).
         pg: the blocking :class:`gradstar.ProcessGroup` (hooks run synchronously in autograd).
-        bucket_cap_mb: bucket size bound in MB (2**20 bytes) of parameter data.
+        bucket_cap_mb: bucket size bound in MB (2**20 bytes) of parameter data; can be
+            assigned later, on every rank (see :attr:`bucket_cap_mb`).
         broadcast_buffers: re-broadcast rank 0's buffers at the start of each forward (as torch).
         find_unused_parameters: allow parameters that get no gradient on some steps.
         gradient_compression: "bf16" or "fp16" makes the buckets that dtype (the hub sums in
@@ -122,12 +110,24 @@ class DistributedDataParallel(SyncModes, nn.Module):
         sync_mode: when a step is complete (:mod:`gradstar.sync_modes`); default Synchronous.
         optimizer: the torch optimizer over the module's parameters; needed by every mode but
             Synchronous, whose ``step()`` then applies the hub's aggregates.
+        gradient_as_bucket_view: each ``.grad`` is a view into its bucket (as torch): backward
+            accumulates into the bucket, two copies per step and the gradients' own memory
+            are saved. The buckets must be in the parameters' dtypes (no
+            ``gradient_compression``; a ``wire`` format only over float32 parameters).
+        static_graph: the set of parameters that get a gradient is the same at every step (as
+            torch): it is learned at the first synchronising step; later steps skip the
+            used-parameter flags and launch the buckets of unused parameters during backward.
+            A step that uses other parameters is a ConfigurationError.
+        delay_all_reduce: launch every bucket when backward ends instead of overlapping the
+            all_reduces with backward (torch's ``delay_all_reduce_named_params`` for all
+            parameters).
 
     Raises:
         ConfigurationError: ``pg`` is not a blocking process group, an argument is invalid, the
             module has no trainable parameter, a parameter is not floating point, or the
             module is not on the CPU or one CUDA device (named); an unknown ``wire``,
             ``wire`` with ``gradient_compression``, ``error_feedback=True`` without ``wire``;
+            ``gradient_as_bucket_view`` with buckets of another dtype than a parameter's;
             a sync mode other than Synchronous without ``optimizer``.
         CollectiveError and subclasses: the initial broadcast failed.
     """
@@ -136,7 +136,9 @@ class DistributedDataParallel(SyncModes, nn.Module):
                  broadcast_buffers: bool = True, find_unused_parameters: bool = False,
                  gradient_compression: str | None = None, wire: str | None = None,
                  error_feedback: bool | None = None, sync_mode: SyncMode | None = None,
-                 optimizer: torch.optim.Optimizer | None = None) -> None:
+                 optimizer: torch.optim.Optimizer | None = None, *,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 delay_all_reduce: bool = False) -> None:
         super().__init__()
         self.device = check_wrapper_arguments("DistributedDataParallel", module, pg,
                                               ("all_reduce", "broadcast"))
@@ -147,18 +149,21 @@ class DistributedDataParallel(SyncModes, nn.Module):
                 "not both: gradient_compression makes the buckets half precision, wire encodes "
                 f"float32 buckets (wire={gradient_compression!r}, error_feedback=False rounds "
                 "as gradient_compression does)")
-        self._feedback = check_error_feedback(wire, error_feedback)
+        feedback = check_error_feedback(wire, error_feedback)
         if wire is not None:
             wire_dtype = torch.float32  # formats encode float32 (and residuals are float32)
         self.wire = wire
-        self.error_feedback = self._feedback is not None
+        self.error_feedback = feedback is not None
         self.module = module
         self.process_group = pg
         self.broadcast_buffers = bool(broadcast_buffers)
         self.find_unused_parameters = bool(find_unused_parameters)
         self.gradient_compression = gradient_compression
-        self.bucket_cap_mb = bucket_cap_mb
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        self.static_graph = bool(static_graph)
+        self.delay_all_reduce = bool(delay_all_reduce)
         cap = cap_bytes_of(bucket_cap_mb)
+        self._bucket_cap_mb = self._cap_mb_in_effect = bucket_cap_mb
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         if not named:
@@ -174,30 +179,17 @@ class DistributedDataParallel(SyncModes, nn.Module):
                 )
         self._param_names = [name for name, _ in named]
         self._params = [p for _, p in named]
-        self.bucket_plan = BucketPlan(
-            [TensorSpec(p.numel(), p.element_size(), p.dtype) for p in self._params], cap)
-        # The last bucket launches after every other, when every parameter's state is known, so
-        # it carries the "has a gradient" flags of find_unused_parameters without an extra
-        # round trip.
-        self._flags = self.find_unused_parameters
-        # In a block format a flag would share its block's scale with gradients (a flag of 1/n
-        # next to a gradient of 100 rounds to 0), so with a format they travel apart, exactly.
-        self._flags_apart = self._flags and wire is not None
-        self._flag_flat = (torch.zeros(len(self._params), device=self.device)
-                           if self._flags_apart else None)
-        last = len(self.bucket_plan) - 1
-        self._flat = [
-            torch.zeros(b.numel + (len(self._params) if self._flags and not self._flags_apart
-                                   and b.index == last else 0),
-                        dtype=wire_dtype or b.dtype, device=self.device)
-            for b in self.bucket_plan
-        ]
+        self.reducer = Reducer(pg, self._params, self._param_names, cap, self.device,
+                               wire_dtype, wire, feedback,
+                               find_unused=self.find_unused_parameters,
+                               static_graph=self.static_graph,
+                               as_view=self.gradient_as_bucket_view)
         self._broadcast_cap = cap
 
         self._require_backward_grad_sync = True  # False inside no_sync()
         self._require_forward_param_sync = True  # as torch: sync buffers in the next forward
         self._expect_hooks = False  # armed by a synchronising forward
-        self._step: SyncStep | None = None
+        self._step = None  # the SyncStep of the backward pass under way
         self.last_step_timeline: StepTimeline | None = None
 
         mode = check_mode(sync_mode or Synchronous())
@@ -221,6 +213,8 @@ class DistributedDataParallel(SyncModes, nn.Module):
 
     def forward(self, *inputs, **kwargs):
         """Run the wrapped module; broadcast buffers first and arm the gradient hooks, as torch.
+        On a CUDA device, tensors in ``inputs`` and ``kwargs`` (nested in tuples, lists and
+        dicts too) are moved to it first, as torch's DDP does with ``device_ids``.
 
         Raises:
             CollectiveError and subclasses: the buffer broadcast failed.
@@ -230,6 +224,8 @@ class DistributedDataParallel(SyncModes, nn.Module):
         if (self._require_forward_param_sync and self.broadcast_buffers and buffers
                 and not self.sync_mode.on_ledger):
             broadcast_from_rank0(self.process_group, buffers, self._broadcast_cap)
+        if self.device.type != "cpu":
+            inputs, kwargs = inputs_to_device(inputs, kwargs, self.device)
         output = self.module(*inputs, **kwargs)
         sync = torch.is_grad_enabled() and self._require_backward_grad_sync
         self._require_forward_param_sync = sync
@@ -262,43 +258,88 @@ class DistributedDataParallel(SyncModes, nn.Module):
 
         Raises:
             ConfigurationError: some ``.grad`` is None and ``find_unused_parameters`` is off.
+            BucketCapMismatchError: ranks assigned different ``bucket_cap_mb`` values.
             CollectiveError and subclasses: a bucket's all_reduce failed.
         """
         self._drop_unfinished_step()
         if self.sync_mode.on_ledger:
             self._steps.contribute(self.contribution_weight)
             return
-        step = SyncStep(len(self._params), self.bucket_plan)
-        for index in range(len(self.bucket_plan)):
-            self._launch(step, index, "sync_gradients")
-        missing = [i for i, p in enumerate(self._params) if p.grad is None]
-        self._complete(step, missing, "when sync_gradients() was called")
+        step = self.reducer.new_step()
+        self.reducer.launch_rest(step, "sync_gradients", self._weight)
+        missing = [i for i, p in enumerate(self._params)
+                   if p.grad is None and not step.ready[i]]
+        self._finish(step, missing, "when sync_gradients() was called")
+
+    def broadcast_parameters(self, src: int = 0) -> None:
+        """Overwrite every parameter and buffer with rank ``src``'s (blocking; every rank must
+        call it, between steps), as the construction does from rank 0: to restart from one
+        rank's checkpoint, or to bring replicas back together.
+
+        Raises:
+            ConfigurationError: ``src`` is not a rank of the process group.
+            CollectiveError and subclasses: a broadcast failed.
+        """
+        world = self.process_group.world_size
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < world:
+            raise ConfigurationError(
+                f"broadcast_parameters(src={src!r}): src must be a rank, 0 to {world - 1}")
+        broadcast_from_rank0(self.process_group,
+                             [*self.module.parameters(), *self.module.buffers()],
+                             self._broadcast_cap, src=src)
+
+    @property
+    def bucket_cap_mb(self) -> float:
+        """The bucket size bound in MB, as last assigned. Assigning it (every rank, the same
+        value, between steps) re-plans the buckets: the next synchronising step tells every
+        rank whether all of them assigned one, the step after it compares the values and
+        rebuilds the buckets when it completes (with a wire format the first step does both).
+        Ranks that disagree all get :class:`~gradstar.errors.BucketCapMismatchError` at the
+        step that finds it and keep their buckets (the plan in effect: ``bucket_plan``).
+
+        Raises:
+            ConfigurationError: the value is not a positive number.
+        """
+        return self._bucket_cap_mb
+
+    @bucket_cap_mb.setter
+    def bucket_cap_mb(self, value: float) -> None:
+        self.reducer.requested_cap = cap_bytes_of(value)
+        self._bucket_cap_mb = value
+
+    @property
+    def bucket_plan(self) -> BucketPlan:
+        """The buckets in effect (rebuilt when :attr:`bucket_cap_mb` changes)."""
+        return self.reducer.plan
 
     @property
     def bucket_dtypes(self) -> list[torch.dtype]:
         """The dtype of each bucket on the rank (the compression dtype, if any; float32 with a
         ``wire`` format, which then decides the bytes on the wire)."""
-        return [flat.dtype for flat in self._flat]
+        return [flat.dtype for flat in self.reducer.flats]
 
     @property
     def error_feedback_residuals(self) -> list[torch.Tensor | None]:
         """Each bucket's residual: what this rank's last contribution lost to the format
         (None before the bucket's first compressed step, or without error feedback)."""
-        residuals = self._feedback.residuals if self._feedback is not None else {}
+        feedback = self.reducer.feedback
+        residuals = feedback.residuals if feedback is not None else {}
         return [residuals.get(index) for index in range(len(self.bucket_plan))]
 
     def reset_error_feedback(self) -> None:
         """Zero every residual, e.g. after loading a checkpoint (residuals are not in
         ``state_dict()``). Each rank may call it on its own: residuals are rank-local."""
-        if self._feedback is not None:
-            self._feedback.reset()
+        if self.reducer.feedback is not None:
+            self.reducer.feedback.reset()
 
     def extra_repr(self) -> str:
         return (f"world_size={self.process_group.world_size}, buckets={len(self.bucket_plan)}, "
                 f"bucket_cap_mb={self.bucket_cap_mb}, "
                 f"find_unused_parameters={self.find_unused_parameters}, "
                 f"gradient_compression={self.gradient_compression!r}, wire={self.wire!r}, "
-                f"error_feedback={self.error_feedback}")
+                f"error_feedback={self.error_feedback}, "
+                f"gradient_as_bucket_view={self.gradient_as_bucket_view}, "
+                f"static_graph={self.static_graph}, delay_all_reduce={self.delay_all_reduce}")
 
     # -- the backward protocol -----------------------------------------------------------------
 
@@ -308,20 +349,16 @@ class DistributedDataParallel(SyncModes, nn.Module):
             return
         step = self._step
         if step is None:
-            step = self._step = SyncStep(len(self._params), self.bucket_plan)
+            step = self._step = self.reducer.new_step()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if self.sync_mode.on_ledger:
             return  # the whole gradient goes to the hub's ledger when backward ends
         step.timeline.hooks.append((self._param_names[index], time.perf_counter()))
-        if step.ready[index]:
-            return  # the same leaf twice in one pass (cannot happen with AccumulateGrad)
-        step.ready[index] = True
-        bucket, _ = self.bucket_plan.location[index]
-        step.pending[bucket] -= 1
+        self.reducer.mark_ready(step, index)
+        if self.delay_all_reduce:
+            return  # every bucket launches when backward ends
         try:
-            while (step.next_launch < len(self.bucket_plan)
-                   and step.pending[step.next_launch] == 0):
-                self._launch(step, step.next_launch, "backward")
+            self.reducer.launch_ready(step, self._weight)
         except BaseException:
             self._step = None
             raise
@@ -335,97 +372,22 @@ class DistributedDataParallel(SyncModes, nn.Module):
         if self.sync_mode.on_ledger:
             self._steps.contribute(self.contribution_weight)
             return
-        for index in range(step.next_launch, len(self.bucket_plan)):
-            self._launch(step, index, "end of backward")
-        self._complete(step, [i for i, ready in enumerate(step.ready) if not ready],
-                       "in this backward pass")
+        self.reducer.launch_rest(step, "end of backward", self._weight)
+        self._finish(step, [i for i, ready in enumerate(step.ready) if not ready],
+                     "in this backward pass")
 
-    def _launch(self, step: SyncStep, index: int, during: str) -> None:
-        bucket = self.bucket_plan[index]
-        flat = self._flat[index]
-        with torch.no_grad():
-            for member, offset, numel in zip(bucket.members, bucket.offsets, bucket.numels,
-                                             strict=True):
-                grad = self._params[member].grad
-                if grad is None:
-                    flat[offset:offset + numel].zero_()
-                elif grad.is_sparse:
-                    raise ConfigurationError(
-                        f"parameter {self._param_names[member]} has a sparse gradient; "
-                        "DistributedDataParallel reduces dense gradients only"
-                    )
-                else:
-                    flat[offset:offset + numel].copy_(grad.reshape(-1))
-            if self._feedback is not None:
-                keep = [(offset, numel) for member, offset, numel
-                        in zip(bucket.members, bucket.offsets, bucket.numels, strict=True)
-                        if self._params[member].grad is None]
-                self._feedback.compensate(index, flat[:bucket.numel], keep)
-            if self._flags and index == len(self.bucket_plan) - 1:
-                flags = self._flag_flat if self._flags_apart else flat[bucket.numel:]
-                flags.copy_(torch.tensor([p.grad is not None for p in self._params]))
-            if self._weight is not None:  # weighted: sums of w*g, divided by the sum of w
-                flat[:bucket.numel].mul_(self._weight)
-        # The flat buffer is reused next step: it is not written again until this Work is
-        # waited for in _complete. A CPU bucket takes its means in place (no fresh array to
-        # fault in, no copy); a CUDA one is staged through host memory and comes back new.
-        step.works[index] = self.process_group.all_reduce(
-            flat, op="mean" if self._weight is None else "sum", async_op=True,
-            out=flat if is_cpu_tensor(flat) else None, wire=self.wire)
-        if self._weight is not None and index == len(self.bucket_plan) - 1:
-            step.weight_work = self.process_group.all_reduce(
-                torch.tensor([self._weight], dtype=torch.float64), op="sum", async_op=True)
-        if self._flags_apart and index == len(self.bucket_plan) - 1:
-            step.flags_work = self.process_group.all_reduce(
-                self._flag_flat, op="max", async_op=True,
-                out=self._flag_flat if is_cpu_tensor(self._flag_flat) else None)
-        step.timeline.launches.append(BucketLaunch(index, time.perf_counter(), during))
-        step.next_launch = index + 1
-
-    def _complete(self, step: SyncStep, missing: list[int], when: str) -> None:
-        """Wait for every bucket, write the means, then report parameters without gradients."""
-        results, error = [], None
-        for work in [*step.works, step.flags_work, step.weight_work]:
-            try:
-                results.append(None if work is None else work.wait())
-            except BaseException as exc:  # wait for the others before raising the first
-                error = error or exc
-                results.append(None)
-        if error is not None:
-            raise error
-        total = results.pop()
-        flags = results.pop()
-        used = None
-        if self._flags:
-            flags = flags if self._flags_apart else results[-1][self.bucket_plan[-1].numel:]
-            used = (flags > 0).tolist()
-        with torch.no_grad():
-            for bucket, result in zip(self.bucket_plan, results, strict=True):
-                if total is not None:  # the weighted mean: sum(w*g) / sum(w), or 0 for no weight
-                    weights = float(total[0])
-                    result[:bucket.numel].mul_(1.0 / weights if weights > 0 else 0.0)
-                for member, offset, numel in zip(bucket.members, bucket.offsets, bucket.numels,
-                                                 strict=True):
-                    if used is not None and not used[member]:
-                        continue  # no rank has a gradient: keep None, as torch does
-                    param = self._params[member]
-                    mean = result[offset:offset + numel].view(param.shape)
-                    if param.grad is None:
-                        param.grad = mean.to(param.dtype, copy=True)
-                    else:
-                        param.grad.copy_(mean)
-        step.timeline.finished = time.perf_counter()
-        self.last_step_timeline = step.timeline
-        if missing and not self.find_unused_parameters:
-            names = ", ".join(self._param_names[i] for i in missing)
-            raise ConfigurationError(
-                f"rank {self.process_group.rank} got no gradient for {len(missing)} "
-                f"parameter(s) {when}: {names}. Their buckets were sent with "
-                "zeros so no rank is left waiting, and the means were written to .grad; if "
-                "these parameters take no part in the loss on some steps, construct "
-                "DistributedDataParallel with find_unused_parameters=True (or set "
-                "requires_grad=False on parameters that are never trained)"
-            )
+    def _finish(self, step, missing: list[int], when: str) -> None:
+        requested = self.reducer.requested_cap is not None
+        try:
+            self.reducer.complete(step, missing, when)
+        except BucketCapMismatchError:
+            self._bucket_cap_mb = self._cap_mb_in_effect  # refused on every rank: kept
+            raise
+        finally:
+            if step.timeline.finished is not None:
+                self.last_step_timeline = step.timeline
+            if requested and self.reducer.requested_cap is None:  # agreed (or refused)
+                self._cap_mb_in_effect = self._bucket_cap_mb
 
     def _drop_unfinished_step(self) -> None:
         if self._step is not None:
@@ -447,4 +409,4 @@ def _make_hook(ddp_ref: weakref.ref, index: int):
 
 DDP = DistributedDataParallel
 
-__all__ = ["DDP", "BucketLaunch", "DistributedDataParallel", "StepTimeline"]
+__all__ = ["DDP", "DistributedDataParallel"]
