@@ -36,8 +36,12 @@ MIN_STRIPED_CHUNK = 64 << 10
 #: 64 MiB took 3107 ms in 1 MiB chunks and 2936 ms (91% of the link bound) in 256 KiB ones;
 #: 16 MiB 787-797 ms in 256 KiB chunks and 880 ms in 64 KiB ones (per-chunk CPU: 2x the
 #: CPU-s/GB); node-local shards the same in 1 MiB and 256 KiB chunks (4265 / 4285 ms).
+#: At 10 Gbit/s the CPU is the limit, and each message costs both ends far more than its bytes
+#: (2 hosts x 1, node-local, 64 MiB, CPU-s/GB hub + ranks, two runs each on 2 loaded cores:
+#: 256 KiB 2.8-2.9, 512 KiB 1.9-2.3, 1 MiB 1.7-2.1): 512 KiB halves the messages and keeps
+#: the drain short at 200 Mbit/s (21 ms a chunk).
 #: Within one host (local shards, shared memory) chunks stay as large as configured.
-MAX_CHUNK_ACROSS_HOSTS = 256 << 10
+MAX_CHUNK_ACROSS_HOSTS = 512 << 10
 
 
 def striped_chunk_bytes(configured: int, nbytes: int, stripes: int,

@@ -7,8 +7,10 @@ rank and its target, which it has to itself while it runs. Seen from the rank:
 
 1. **Header.** The rank writes a ``HEADER`` (``CollectiveHeader``: job, generation, group, seq,
    op, reduce op, dtype, shape, root, chunk size, timeout) and right behind it its ``CHUNK``
-   frames and an ``END`` frame with its chunk and byte counts. Which chunks it sends is the op's
-   geometry (:func:`gradstar.ops.geometry`), which the hub computes from the same header.
+   frames and an ``END`` frame with its chunk and byte counts — a small collective's all in one
+   message (:mod:`.outgoing`), which the hub answers in one message too. Which chunks it sends
+   is the op's geometry (:func:`gradstar.ops.geometry`), which the hub computes from the same
+   header.
 2. **Accept.** Once every rank's header has arrived and agreed, the hub answers ``ACCEPT``
    with the number of chunks it will send this rank; a number unlike the rank's own geometry
    is a :class:`~gradstar.errors.ProtocolError`. No chunk may come before the accept.
@@ -83,17 +85,10 @@ from gradstar.errors import CollectiveTimeoutError, ProtocolError
 from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.transport import shm
 from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
-from gradstar.wire import (
-    CHUNK_HEADER_BYTES,
-    KIND_END,
-    KIND_HEADER,
-    as_byte_view,
-    encode_batch,
-    encode_message,
-    encode_shm_chunk,
-)
+from gradstar.wire import KIND_HEADER, as_byte_view, encode_message
 
 from ..session import Session
+from .outgoing import frames
 from .plan import CollectivePlan, Phase, StreamReceiver
 from .targets import MAX_IDLE_STREAMS, OpenStream, SharedMemoryOffer, Target
 
@@ -110,32 +105,6 @@ ABANDON_TIMEOUT = 5.0
 _abandoning: set[asyncio.Task] = set()
 #: This process's shared-memory segments (one per collective in flight, reused after).
 SEGMENTS = shm.SegmentPool()
-
-
-async def _frames(header: pb.CollectiveHeader, plan: CollectivePlan, sends: Sequence[int],
-                  attached: asyncio.Future | None = None, segment: shm.Segment | None = None):
-    """The rank's side of the stream: header, chunks ``sends`` of ``plan``, end marker. With
-    a segment offered, the chunks wait for the target's answer (``attached``) and then go
-    through the segment if it attached it."""
-    layout, send = plan.geometry.layout, plan.send
-    yield encode_message(KIND_HEADER, header)
-    sent = 0
-    if attached is not None and await attached:
-        last = None  # the last announcement travels with the end marker, in one message
-        for index in sends:
-            if last is not None:
-                yield last
-            offset, length = layout.span(index)
-            segment.data[offset:offset + length] = send[offset:offset + length]
-            sent += length
-            last = encode_shm_chunk(index)
-        end = encode_message(KIND_END, pb.CollectiveEnd(chunks=len(sends), bytes=sent))
-        yield end if last is None else encode_batch([last, end])
-        return
-    for frame in plan.chunk_frames(sends):
-        sent += len(frame) - CHUNK_HEADER_BYTES
-        yield frame
-    yield encode_message(KIND_END, pb.CollectiveEnd(chunks=len(sends), bytes=sent))
 
 
 async def run_stream(target: Target, header: pb.CollectiveHeader, plan: CollectivePlan,
@@ -168,7 +137,7 @@ async def run_stream(target: Target, header: pb.CollectiveHeader, plan: Collecti
         attached.set_result(True)  # the target attached this segment before: no round trip
     verdict = not offered  # whether the target's attach verdict has been taken
     stream = target.open(metadata)
-    stream.send(_frames(header, plan, sends, attached, segment))
+    stream.send(frames(header, plan, sends, attached, segment))
     try:
         # The stream outlives the collective, so its deadline is this collective's own: a
         # backstop for a hub that stopped answering (the hub times the collective out itself).

@@ -25,6 +25,7 @@ from gradstar.wire import (
     KIND_HEADER,
     KIND_SHM_ATTACH,
     KIND_SHM_CHUNK,
+    MAX_BATCH_BYTES,
     MAX_BATCH_FRAMES,
     batchable,
     check_header_size,
@@ -49,11 +50,13 @@ def _take_batch(item, outbox: asyncio.Queue) -> tuple[list, object]:
     """``item`` and the small frames already queued behind it, to go in one message, and the
     first queued item that may not join them (``_NOTHING`` if none was taken)."""
     batch = [item]
+    size = len(item) if batchable(item) else 0
     while batchable(batch[-1]) and len(batch) < MAX_BATCH_FRAMES and not outbox.empty():
         following = outbox.get_nowait()
-        if not batchable(following):
+        if not batchable(following) or size + len(following) > MAX_BATCH_BYTES:
             return batch, following
         batch.append(following)
+        size += len(following)
     return batch, _NOTHING
 
 # How long a failed collective's call stays open for the client to read the in-band error and
@@ -120,8 +123,11 @@ class CollectiveServicer:
         to ``offered``."""
         attach = None
         try:
-            check_header_size(first, "a collective stream")
-            header = decode_message(first, KIND_HEADER, cpb.CollectiveHeader)
+            # A small collective's header comes with the rest of the rank's side (chunks or
+            # their announcements, end marker) in one message.
+            arrived = frames_of(first)
+            check_header_size(arrived[0], "a collective stream")
+            header = decode_message(arrived[0], KIND_HEADER, cpb.CollectiveHeader)
             # Before anything quotes it: a header may carry a name of up to its own size.
             check_job_name(header.job)
             if self.admit is not None:
@@ -147,7 +153,12 @@ class CollectiveServicer:
             yield encode_error(error)
             await self._linger(asyncio.ensure_future(self._drain(frames)))
             await abort(context, error)
-        reader = asyncio.create_task(self._read(coll, me, frames))
+        # What came with the header is taken now, before any stream's writer runs: once the
+        # last rank's whole side is in, every rank's accept, result and end marker are queued
+        # together and leave in one message (no reader task at all when its end came too).
+        left = self._take_arrived(coll, me, arrived[1:])
+        reader = None if left is None else asyncio.create_task(
+            self._read(coll, me, frames, left))
         try:
             # An eager rank does not wait for the verdict on a segment this hub attached: it
             # goes with the accept. Any other verdict goes first, at once.
@@ -160,7 +171,7 @@ class CollectiveServicer:
                     break
                 if isinstance(item, GradstarError):
                     yield encode_error(item)
-                    await self._linger(reader)
+                    await self._linger(reader or asyncio.ensure_future(self._drain(frames)))
                     await abort(context, item)
                 batch, held = _take_batch(item, me.outbox)
                 if eager:
@@ -175,9 +186,10 @@ class CollectiveServicer:
                         me.delivered += 1
                         coll.progressed()
         finally:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
+            if reader is not None:
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
             coll.on_stream_closed(me, "disconnected")
             # An exception passing through here (the call cancelled or aborted) keeps this frame
             # in its traceback, and gRPC may keep that exception a while: the frame must not keep
@@ -214,10 +226,46 @@ class CollectiveServicer:
             async for _ in frames:
                 pass
 
+    @classmethod
+    def _take_arrived(cls, coll: PendingCollective, me: Participant,
+                      arrived: list[bytes]) -> list[bytes] | None:
+        """Take the frames that came with ``me``'s header while the read window allows; the
+        frames left for the reader, or None when the end marker was among those taken (or
+        the collective failed on them)."""
+        with _failing(coll, me):
+            for i, frame in enumerate(arrived):
+                if not coll.window.may_read(coll, me):
+                    return arrived[i:]
+                if cls._take(coll, me, frame):
+                    return None
+            return []
+        return None
+
     @staticmethod
-    async def _read(coll: PendingCollective, me: Participant, frames) -> None:
-        """Feed ``me``'s frames to the collective; after it ends, drain until the client stops."""
-        try:
+    def _take(coll: PendingCollective, me: Participant, frame: bytes) -> bool:
+        """One frame of ``me``'s input; True for its end marker."""
+        kind = frame_kind(frame)
+        if kind == KIND_CHUNK:
+            coll.on_chunk(me, frame)
+        elif kind == KIND_SHM_CHUNK:
+            coll.on_shm_chunk(me, frame)
+        elif kind == KIND_END:
+            coll.on_end(me, frame)
+            return True
+        else:
+            raise ProtocolError(f"rank {me.rank} sent a frame of kind {kind} mid-stream")
+        return False
+
+    @classmethod
+    async def _read(cls, coll: PendingCollective, me: Participant, frames,
+                    arrived: list[bytes]) -> None:
+        """Feed ``me``'s frames (first those ``arrived`` with its header) to the collective;
+        after it ends, drain until the client stops."""
+        with _failing(coll, me):
+            for frame in arrived:
+                await coll.wait_to_read(me)
+                if cls._take(coll, me, frame):
+                    return
             async for message in frames:
                 if coll.finished:
                     continue
@@ -226,29 +274,26 @@ class CollectiveServicer:
                 except ProtocolError as error:
                     raise ProtocolError(f"rank {me.rank}: {error}") from None
                 for frame in batch:
-                    kind = frame_kind(frame)
-                    if kind == KIND_CHUNK:
-                        coll.on_chunk(me, frame)
-                        await coll.wait_to_read(me)
-                    elif kind == KIND_SHM_CHUNK:
-                        coll.on_shm_chunk(me, frame)
-                        await coll.wait_to_read(me)
-                    elif kind == KIND_END:
-                        coll.on_end(me, frame)
+                    if cls._take(coll, me, frame):
                         return
-                    else:
-                        raise ProtocolError(
-                            f"rank {me.rank} sent a frame of kind {kind} mid-stream")
+                    await coll.wait_to_read(me)
             coll.on_stream_closed(me, "closed its stream before its end marker")
-        except ProtocolError as error:
-            coll.fail(error)
-        except (grpc.RpcError, grpc.aio.AbortError):
-            # AbortError: the call was aborted under the reader (the rank's stream ended or
-            # this side sent its verdict); either way the rank is gone from the collective.
-            coll.on_stream_closed(me, "disconnected")
-        except Exception as error:
-            # A bug must cost one collective, never the hub or a silent hang of the other ranks.
-            log.exception("internal error in collective seq %d", coll.spec.seq)
-            coll.fail(GradstarError(
-                f"the coordinator hit an internal error in collective seq {coll.spec.seq}: "
-                f"{type(error).__name__}: {error}"))
+
+
+@contextlib.contextmanager
+def _failing(coll: PendingCollective, me: Participant):
+    """Whatever goes wrong reading ``me``'s side ends the collective (on every rank)."""
+    try:
+        yield
+    except ProtocolError as error:
+        coll.fail(error)
+    except (grpc.RpcError, grpc.aio.AbortError):
+        # AbortError: the call was aborted under the reader (the rank's stream ended or
+        # this side sent its verdict); either way the rank is gone from the collective.
+        coll.on_stream_closed(me, "disconnected")
+    except Exception as error:
+        # A bug must cost one collective, never the hub or a silent hang of the other ranks.
+        log.exception("internal error in collective seq %d", coll.spec.seq)
+        coll.fail(GradstarError(
+            f"the coordinator hit an internal error in collective seq {coll.spec.seq}: "
+            f"{type(error).__name__}: {error}"))

@@ -133,8 +133,13 @@ async def test_stream_cut_before_end_marker_commits_nothing(coordinator, trio):
         assert "rank 2" in str(outcome) and "end marker" in str(outcome)
 
 
-@pytest.mark.parametrize("damage", ["checksum", "length", "chunk count", "batch"])
-async def test_corrupt_frames_fail_the_collective_with_protocol_error(trio, damage):
+@pytest.mark.parametrize("damage, whole", [
+    ("checksum", False), ("length", False), ("chunk count", False), ("batch", False),
+    ("checksum", True), ("length", True), ("chunk count", True),
+], ids=lambda v: {True: "one message", False: "frames"}.get(v, v))
+async def test_corrupt_frames_fail_the_collective_with_protocol_error(trio, damage, whole):
+    """A damaged chunk or end marker fails the collective on every rank, whether it came in
+    frames of its own or, as a small collective's do, in one message with the header."""
     g0, g1, g2 = trio
     pending = [asyncio.ensure_future(g.all_reduce(np.ones(1000, np.float32))) for g in (g0, g1)]
     header = raw_all_reduce_header(g2, 1000)
@@ -151,6 +156,9 @@ async def test_corrupt_frames_fail_the_collective_with_protocol_error(trio, dama
         last = encode_batch([last])[:-1]
 
     async def frames():
+        if whole:
+            yield encode_batch([encode_message(KIND_HEADER, header), bytes(chunk), last])
+            return
         yield encode_message(KIND_HEADER, header)
         yield bytes(chunk)
         yield last

@@ -18,7 +18,7 @@ from gradstar.client.collective import Target
 from gradstar.client.collective import stream as collective_stream
 from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.transport import shm
-from gradstar.wire import KIND_HEADER, decode_message, frame_kind
+from gradstar.wire import KIND_HEADER, decode_message, frame_kind, frames_of
 
 from .conftest import close_all, join_all
 from .test_shards import DTYPES, SHAPE, as_bytes, exact_inputs, run_every_collective
@@ -70,11 +70,13 @@ class _Recording:
             self.streams += 1
 
             async def recorded():
-                async for frame in requests:
+                async for message in requests:
+                    # A small collective's header comes first in a batch with the rest.
+                    frame = frames_of(message)[0]
                     if frame_kind(frame) == KIND_HEADER:
                         self.headers.append(decode_message(frame, KIND_HEADER,
                                                            pb.CollectiveHeader))
-                    yield frame
+                    yield message
 
             return real.stream(recorded(), **kwargs)
 

@@ -724,15 +724,39 @@ def test_a_truncated_batch_is_a_protocol_error(cut):
         frames_of(encode_batch(_control_frames())[:cut])
 
 
-def test_a_batch_may_not_hold_a_chunk_a_header_an_error_or_a_batch():
+def test_a_batch_may_not_hold_a_large_chunk_a_later_header_an_error_or_a_batch():
     from gradstar.errors import GradstarError
-    from gradstar.wire import KIND_HEADER, encode_batch, encode_chunk, encode_error, frames_of
+    from gradstar.wire import (
+        KIND_HEADER,
+        MAX_BATCHED_CHUNK_BYTES,
+        encode_batch,
+        encode_chunk,
+        encode_error,
+        frames_of,
+    )
     inner = encode_batch(_control_frames()[:2])
-    for frame in (encode_chunk(0, np.ones(4, np.float32)),
+    for frame in (encode_chunk(0, np.ones(MAX_BATCHED_CHUNK_BYTES + 1, np.uint8)),
                   encode_message(KIND_HEADER, pb.CollectiveHeader(seq=1)),
                   encode_error(GradstarError("x")), inner):
         with pytest.raises(ProtocolError, match="malformed batch"):
             frames_of(encode_batch([_control_frames()[0], frame]))
+
+
+def test_a_small_collective_travels_whole_header_first_in_one_batch():
+    from gradstar.wire import (
+        KIND_END,
+        KIND_HEADER,
+        MAX_BATCHED_CHUNK_BYTES,
+        encode_batch,
+        encode_chunk,
+        frames_of,
+    )
+    frames = [encode_message(KIND_HEADER, pb.CollectiveHeader(seq=1)),
+              encode_chunk(0, np.ones(MAX_BATCHED_CHUNK_BYTES, np.uint8)),
+              encode_chunk(1, np.arange(3, dtype=np.float32)),
+              encode_message(KIND_END, pb.CollectiveEnd(chunks=2,
+                                                        bytes=MAX_BATCHED_CHUNK_BYTES + 12))]
+    assert frames_of(encode_batch(frames)) == frames
 
 
 def test_a_batch_of_more_frames_than_the_limit_is_refused():

@@ -10,7 +10,9 @@ payload). The first byte of every frame is its kind:
 - ``SHM_ATTACH`` (a ``ShmAttach`` message) and ``SHM_CHUNK`` (kind byte, three zero bytes,
   ``u32 index``): the same-host fast path, where a chunk's payload is in a shared-memory segment
   (:mod:`gradstar.transport.shm`) instead of in the frame.
-- ``BATCH``: several small control frames in one message, each after its ``u32`` length.
+- ``BATCH``: several small frames in one message, each after its ``u32`` length: control
+  frames, chunk frames of at most :data:`MAX_BATCHED_CHUNK_BYTES` payload bytes, and a
+  ``HEADER`` as the first frame only (a small collective's whole input in one message).
 
 Any frame that is short, long, corrupt or of the wrong kind raises
 :class:`~gradstar.errors.ProtocolError`.
@@ -52,12 +54,14 @@ KIND_ERROR = 5
 KIND_SHM_ATTACH = 6
 KIND_SHM_CHUNK = 7
 #: Several small frames in one message (:func:`encode_batch`): each gRPC message costs both
-#: ends far more CPU than its bytes (on the shared-memory path a collective is mostly messages),
-#: so frames that are ready together travel together. Never holds a header, a chunk with its
-#: payload, an error or another batch.
+#: ends far more CPU than its bytes (on the shared-memory path, and for small tensors, a
+#: collective is mostly messages), so frames that are ready together travel together. Holds
+#: control frames and small chunk frames (:func:`batchable`), and a header only as its first
+#: frame; never an error or another batch.
 KIND_BATCH = 8
 _BATCHABLE = frozenset((KIND_ACCEPT, KIND_END, KIND_SHM_ATTACH, KIND_SHM_CHUNK))
 
+_HEADER_KIND = bytes((KIND_HEADER,))
 _CHUNK_HEADER = struct.Struct("<B3xIII")
 CHUNK_HEADER_BYTES = _CHUNK_HEADER.size
 #: Frame of a chunk whose payload is in a shared-memory segment: kind, pad, chunk index.
@@ -66,6 +70,13 @@ _SHM_CHUNK = struct.Struct("<B3xI")
 _BATCH_ITEM = struct.Struct("<I")
 #: Most frames one batch holds (a sender packs fewer; a receiver refuses more).
 MAX_BATCH_FRAMES = 256
+#: Largest chunk payload that may travel in a batch. Joining a chunk into a batch copies it
+#: once more, which costs less than the gRPC message it saves up to a few hundred KiB (a
+#: message cost each end ~50-100 us of CPU on the 2-core development machine, a copy ~0.1 ms
+#: per 500 KB); 64 KiB keeps the copy well under the message.
+MAX_BATCHED_CHUNK_BYTES = 64 << 10
+#: Most bytes a sender joins into one batch (a receiver is bounded by gRPC's message limit).
+MAX_BATCH_BYTES = 256 << 10
 #: Largest header frame accepted: a header is small, so anything larger is refused unparsed.
 MAX_HEADER_BYTES = 64 << 10
 
@@ -120,12 +131,19 @@ def frame_kind(frame: bytes) -> int:
 
 def batchable(frame) -> bool:
     """Whether ``frame`` may travel in a batch: a small control frame (accept, end marker,
-    shared-memory attach verdict or chunk announcement)."""
-    return isinstance(frame, bytes) and bool(frame) and frame[0] in _BATCHABLE
+    shared-memory attach verdict or chunk announcement) or a chunk frame of at most
+    :data:`MAX_BATCHED_CHUNK_BYTES` payload bytes. (A header may too, as a batch's first
+    frame.)"""
+    if not isinstance(frame, bytes) or not frame:
+        return False
+    if frame[0] == KIND_CHUNK:
+        return len(frame) <= CHUNK_HEADER_BYTES + MAX_BATCHED_CHUNK_BYTES
+    return frame[0] in _BATCHABLE
 
 
 def encode_batch(frames: Sequence[bytes]) -> bytes:
-    """One message carrying ``frames`` (each :func:`batchable`) in order."""
+    """One message carrying ``frames`` in order: each :func:`batchable`, the first may be a
+    header."""
     parts = [bytes((KIND_BATCH,))]
     for frame in frames:
         parts += (_BATCH_ITEM.pack(len(frame)), frame)
@@ -133,11 +151,13 @@ def encode_batch(frames: Sequence[bytes]) -> bytes:
 
 
 def frames_of(message: bytes) -> list[bytes]:
-    """The frames a message carries: itself, or a batch's frames in order.
+    """The frames a message carries: itself, or a batch's frames in order. Where each frame
+    may come (a header first of all, chunks after an accept, ...) is the receiver's state
+    machine's to check, as for frames that come alone.
 
     Raises:
         ProtocolError: a malformed batch (truncated, empty, too many frames, or holding a frame
-            that may not travel in one).
+            that may not travel in one, or a header anywhere but first).
     """
     if not message or message[0] != KIND_BATCH:
         return [message]
@@ -149,7 +169,8 @@ def frames_of(message: bytes) -> list[bytes]:
         pos += _BATCH_ITEM.size
         frame = message[pos:pos + length]
         pos += length
-        if pos > end or not batchable(frame):
+        if pos > end or not (batchable(frame) or (
+                not frames and frame[:1] == _HEADER_KIND and len(frame) <= MAX_HEADER_BYTES)):
             raise ProtocolError(f"malformed batch of {end} bytes")
         frames.append(frame)
     if not frames:
@@ -233,7 +254,8 @@ def decode_chunk(frame: bytes) -> tuple[int, memoryview]:
 __all__ = [
     "CHUNK_HEADER_BYTES", "COLLECTIVE_METHOD", "COLLECTIVE_SERVICE", "KIND_ACCEPT", "KIND_BATCH",
     "KIND_CHUNK", "KIND_END", "KIND_ERROR", "KIND_HEADER", "KIND_SHM_ATTACH", "KIND_SHM_CHUNK",
-    "MAX_BATCH_FRAMES", "MAX_HEADER_BYTES", "PEER_METHOD", "PEER_SERVICE", "batchable",
+    "MAX_BATCHED_CHUNK_BYTES", "MAX_BATCH_BYTES", "MAX_BATCH_FRAMES", "MAX_HEADER_BYTES",
+    "PEER_METHOD", "PEER_SERVICE", "batchable",
     "check_header_size", "chunk_frame_buffer", "decode_chunk", "decode_error",
     "decode_message", "decode_shm_chunk", "encode_batch", "encode_chunk", "encode_error",
     "encode_message", "encode_shm_chunk", "frame_kind", "frames_of", "seal_chunk_frame",
