@@ -17,7 +17,8 @@ The run
 The faults
     Every ``--kill-every`` seconds the driver SIGKILLs a random rank among those whose current
     life has contributed (so every kill hits a rank that was training), ``--kills`` times, and
-    stops killing once the hub is past ``--quiet-from`` of the steps (the end runs clean). The
+    stops killing once the hub is past ``--quiet-from`` of the steps (the end runs clean: a rank
+    restarted after every other one finished would find no generation to join). The
     agent restarts each; the new process takes the lost rank's place (an elastic join), loads
     the hub's snapshot and replays the aggregates after it.
 
@@ -114,6 +115,8 @@ def rank_main(spec: dict) -> int:
                 emit("contributed", step=stats.recent_contributions[-1].step)
             opt.step()
             i += 1
+            if i % 50 == 0:  # the driver's view of the run's progress
+                emit("progress", step=stats.step)
         ddp.synchronize()
         flat = task.flat_parameters(model)
         np.save(Path(spec["out"]) / f"final{rank}.npy", flat)
@@ -152,7 +155,7 @@ def current_life(events: list[dict]) -> list[dict]:
 
 def hub_step(events: dict[int, list[dict]]) -> int:
     return max((e.get("step") or 0 for es in events.values() for e in es
-                if e["event"] in ("contributed", "joined")), default=0)
+                if e["event"] in ("contributed", "joined", "progress")), default=0)
 
 
 def run(args, kills: int, out: Path) -> dict:
@@ -261,12 +264,12 @@ def summarize(args, out: Path, agent_code: int, seconds: float, killed: list[dic
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3000, help="hub steps to train")
+    parser.add_argument("--steps", type=int, default=10000, help="hub steps to train")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--kill-every", type=float, default=2.5, help="seconds between kills")
     parser.add_argument("--first-kill", type=float, default=8.0, help="seconds into the run")
-    parser.add_argument("--quiet-from", type=float, default=0.9,
+    parser.add_argument("--quiet-from", type=float, default=0.8,
                         help="no kill once the hub passed this fraction of the steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run")

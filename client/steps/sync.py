@@ -286,8 +286,11 @@ class StepSync:
 
     def _send_snapshot(self) -> None:
         """Copy this rank's state now (at ``have`` aggregates) and send it in the background:
-        training goes on meanwhile; a failed upload is logged, and the hub asks again."""
+        training goes on meanwhile; a failed upload is logged, and the hub asks again. While
+        an upload is still in flight the request is dropped (the hub asks again)."""
         self._snapshot_due = False
+        if self._uploads:
+            return
         layout, data = pack(self.module, self._optimizer)
         upload = self._submit(self._client.put_snapshot(self.have, layout, data, self.timeout))
         self._uploads.add(upload)

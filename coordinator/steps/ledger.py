@@ -142,8 +142,8 @@ class StepLedger:
         self.dropped = 0
         self.staleness: Counter = Counter()
         self.snapshot: Snapshot | None = None
-        #: The rank asked for a snapshot and when (None: nobody is asked).
-        self.snapshot_asked: tuple[int, float] | None = None
+        #: The rank asked for a snapshot, when, and at which step count (None: nobody is).
+        self.snapshot_asked: tuple[int, float, int] | None = None
 
     def live(self) -> set[int]:
         return {r for r, s in self.ranks.items() if s.live}
@@ -151,6 +151,27 @@ class StepLedger:
     def first_logged(self) -> int:
         """Number of the oldest aggregate still held (steps + 1 when none)."""
         return self.log[0].number if self.log else self.steps + 1
+
+    def joinable(self) -> bool:
+        """Whether a joiner can start from the snapshot: the log still holds every aggregate
+        after it (the hub asks for a fresh one when it does not)."""
+        return self.snapshot is not None and self.snapshot.steps + 1 >= self.first_logged()
+
+    def summary(self) -> dict:
+        """What operators see of it: mode, steps closed, live ranks, contributions dropped,
+        staleness counts, and per rank."""
+        return {
+            "job": self.job, "model": self.model, "mode": str(self.mode or "-"),
+            "steps": self.steps, "live": sorted(self.live()),
+            "world_size": self.world_size, "dropped": self.dropped,
+            "open_contributions": len(self.open.contributions),
+            "staleness": dict(sorted(self.staleness.items())),
+            "snapshot_steps": self.snapshot.steps if self.snapshot else None,
+            "ranks": [{"rank": r, "live": s.live, "base": s.base,
+                       "contributed": s.contributed, "dropped": s.dropped,
+                       "staleness": dict(sorted(s.staleness.items()))}
+                      for r, s in sorted(self.ranks.items())],
+        }
 
 
 def wire_mismatch(ledger: StepLedger, wire: int) -> str:

@@ -155,12 +155,14 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
         try:
             ledger = self._ledger(request.key)
             self.table.seen(ledger, request.key.rank)
-            await self._wait(lambda: ledger.snapshot is not None, request.wait_seconds)
+            # A snapshot older than the log's first aggregate cannot be replayed from: the
+            # joiner waits for a fresh one (the hub asks a live rank for it meanwhile).
+            await self._wait(ledger.joinable, request.wait_seconds)
         except GradstarError as error:
             await abort(context, error)
             return
         snapshot = ledger.snapshot
-        if snapshot is None:
+        if snapshot is None or not ledger.joinable():
             yield pb.SnapshotPart(header=pb.SnapshotHeader(key=request.key))
             return
         yield pb.SnapshotPart(header=pb.SnapshotHeader(

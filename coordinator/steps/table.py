@@ -132,6 +132,8 @@ class StepsTable:
 
     def _gone(self, ledger: StepLedger, rank: int, why: str) -> None:
         ledger.ranks[rank].live = False
+        if ledger.snapshot_asked is not None and ledger.snapshot_asked[0] == rank:
+            ledger.snapshot_asked = None  # it will not send it: ask the next one at once
         log.warning("job %r: rank %d left the live set of %r's steps (%s); the others go on",
                     ledger.job, rank, ledger.model, why)
         self._settle(ledger)
@@ -185,14 +187,15 @@ class StepsTable:
         """Whether to ask ``rank`` for its state now (and mark it asked): it is the lowest live
         rank, and the latest snapshot is ``SNAPSHOT_EVERY`` steps old or missing."""
         now = self.clock()
-        if ledger.snapshot_asked is not None and (
-                now - ledger.snapshot_asked[1] < SNAPSHOT_PATIENCE):
-            return False
+        asked = ledger.snapshot_asked
+        if asked is not None and (now - asked[1] < SNAPSHOT_PATIENCE
+                                  and ledger.steps - asked[2] < SNAPSHOT_EVERY):
+            return False  # asked recently: in time and in steps
         fresh = ledger.snapshot is not None and (
             ledger.steps - ledger.snapshot.steps < SNAPSHOT_EVERY)
         if fresh or rank != min(ledger.live(), default=None):
             return False
-        ledger.snapshot_asked = (rank, now)
+        ledger.snapshot_asked = (rank, now, ledger.steps)
         return True
 
     def put_snapshot(self, ledger: StepLedger, rank: int, steps: int, layout: str,
@@ -408,25 +411,10 @@ class StepsTable:
     # -- views ------------------------------------------------------------------------------
 
     def summaries(self, job: str | None = None) -> list[dict]:
-        """What operators see of each ledger (of ``job``, or all), in (job, model) order: mode,
-        steps closed, live ranks, contributions dropped, staleness counts, and per rank."""
-        out = []
-        for (name, model), ledger in sorted(self.ledgers.items()):
-            if job is not None and name != job:
-                continue
-            out.append({
-                "job": name, "model": model, "mode": str(ledger.mode or "-"),
-                "steps": ledger.steps, "live": sorted(ledger.live()),
-                "world_size": ledger.world_size, "dropped": ledger.dropped,
-                "open_contributions": len(ledger.open.contributions),
-                "staleness": dict(sorted(ledger.staleness.items())),
-                "snapshot_steps": ledger.snapshot.steps if ledger.snapshot else None,
-                "ranks": [{"rank": r, "live": s.live, "base": s.base,
-                           "contributed": s.contributed, "dropped": s.dropped,
-                           "staleness": dict(sorted(s.staleness.items()))}
-                          for r, s in sorted(ledger.ranks.items())],
-            })
-        return out
+        """What operators see of each ledger (of ``job``, or all), in (job, model) order:
+        :meth:`StepLedger.summary`."""
+        return [ledger.summary() for (name, _), ledger in sorted(self.ledgers.items())
+                if job is None or name == job]
 
     def drop_idle(self, retention: float) -> list[str]:
         """Forget the ledgers none of whose ranks called for ``retention`` seconds."""

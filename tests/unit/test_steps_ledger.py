@@ -296,3 +296,52 @@ def test_a_rank_waiting_at_a_barrier_catches_up_past_the_history():
     for rank in (0, 1):
         table.contribute(ledger, rank, Asynchronous(), 0, 20, 1.0, grad(1.0))
     assert len(ledger.log) == 8
+
+
+def step_all(t: StepsTable, ledger, ranks, mode) -> None:
+    """Each of ``ranks`` contributes once and catches up: one step closes."""
+    for rank in ranks:
+        give(t, ledger, rank, mode, float(rank))
+    for rank in ranks:
+        catch_up(t, ledger, rank)
+
+
+def test_a_rank_asked_for_a_snapshot_that_dies_hands_the_request_on():
+    t = table()
+    ledger = t.ledger("j", "m", 3)
+    mode = Quorum(min_ranks=2, timeout=0.0)
+    step_all(t, ledger, [0, 1, 2], mode)
+    assert t.wants_snapshot(ledger, 0)  # the lowest live rank
+    assert not t.wants_snapshot(ledger, 0)  # asked already
+    t.rank_gone("j", 0, "lost")  # before it sent anything
+    assert not t.wants_snapshot(ledger, 2)
+    assert t.wants_snapshot(ledger, 1)  # the next lowest, at once, not after the patience
+
+
+def test_a_rank_that_does_not_send_is_asked_again_after_a_snapshot_interval_of_steps():
+    from gradstar.coordinator.steps.ledger import SNAPSHOT_EVERY
+
+    t = table()
+    ledger = t.ledger("j", "m", 2)
+    mode = Quorum(min_ranks=2, timeout=0.0)
+    step_all(t, ledger, [0, 1], mode)
+    assert t.wants_snapshot(ledger, 0)
+    for _ in range(SNAPSHOT_EVERY - 1):
+        step_all(t, ledger, [0, 1], mode)
+        assert not t.wants_snapshot(ledger, 0)
+    step_all(t, ledger, [0, 1], mode)
+    assert t.wants_snapshot(ledger, 0)  # well within the patience in seconds
+
+
+def test_a_snapshot_older_than_the_log_is_not_joinable_until_a_fresh_one_comes():
+    t = table(history=4)
+    ledger = t.ledger("j", "m", 2)
+    mode = Quorum(min_ranks=2, timeout=0.0)
+    step_all(t, ledger, [0, 1], mode)
+    t.put_snapshot(ledger, 0, 1, "{}", b"state at 1")
+    assert ledger.joinable()
+    for _ in range(8):  # the log keeps 4: step 2, the first after the snapshot, goes
+        step_all(t, ledger, [0, 1], mode)
+    assert ledger.first_logged() > 2 and not ledger.joinable()
+    t.put_snapshot(ledger, 0, ledger.steps, "{}", b"state now")
+    assert ledger.joinable()
