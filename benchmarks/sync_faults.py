@@ -267,8 +267,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10000, help="hub steps to train")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--kill-every", type=float, default=2.5, help="seconds between kills")
-    parser.add_argument("--first-kill", type=float, default=8.0, help="seconds into the run")
+    parser.add_argument("--kill-every", type=float, default=2.0, help="seconds between kills")
+    parser.add_argument("--first-kill", type=float, default=5.0, help="seconds into the run")
     parser.add_argument("--quiet-from", type=float, default=0.8,
                         help="no kill once the hub passed this fraction of the steps")
     parser.add_argument("--seed", type=int, default=0)
