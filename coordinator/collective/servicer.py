@@ -283,13 +283,18 @@ class CollectiveServicer:
 @contextlib.contextmanager
 def _failing(coll: PendingCollective, me: Participant):
     """Whatever goes wrong reading ``me``'s side ends the collective (on every rank)."""
+    # An error's traceback holds this frame and the reader's, so the collective: the
+    # collective keeps a ProtocolError, and grpc's call state the AbortError it raised. Each
+    # traceback is dropped, or the collective would outlive its end in a reference cycle
+    # until the cyclic collector runs (tests/integration/test_collective_lifetime.py).
     try:
         yield
     except ProtocolError as error:
-        coll.fail(error)
-    except (grpc.RpcError, grpc.aio.AbortError):
+        coll.fail(error.with_traceback(None))
+    except (grpc.RpcError, grpc.aio.AbortError) as error:
         # AbortError: the call was aborted under the reader (the rank's stream ended or
         # this side sent its verdict); either way the rank is gone from the collective.
+        error.__traceback__ = None
         coll.on_stream_closed(me, "disconnected")
     except Exception as error:
         # A bug must cost one collective, never the hub or a silent hang of the other ranks.

@@ -221,7 +221,7 @@ def test_every_example_is_tested_and_listed_in_both_readmes():
         named = sorted(set(mention.findall(path.read_text(encoding="utf-8"))))
 
         assert named == scripts, path
-    assert len(scripts) == 10, scripts  # the sync_modes.py of issue 32 made it 10
+    assert len(scripts) == 11, scripts  # the data_parallel.py of issue 35 made it 11
 
 
 def test_sync_modes():
