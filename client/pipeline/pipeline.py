@@ -229,18 +229,9 @@ class Pipeline:
                 kept[i] = _MicroBatch(inp, out, self.meter.hold(out))
             else:
                 mb = kept.pop(i)
-                if self.is_last:
-                    mb.out.backward()
-                else:
-                    grad = self._received_gradient(comm, i, mb)
-                    if mb.out.requires_grad:
-                        torch.autograd.backward(mb.out, grad_tensors=grad)
-                if not self.is_first:
-                    g = mb.inp.grad if mb.inp.grad is not None else torch.zeros_like(mb.inp)
-                    comm.send_gradient(i, g)
-                mb.release()
+                grad = None if self.is_last else self._received_gradient(comm, i, mb)
+                self._backward_microbatch(comm, i, mb, grad)
                 del mb
-                self._count_live(-1)
         return total
 
     def forward(self, inputs: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -325,14 +316,8 @@ class Pipeline:
             for i in range(self.num_microbatches):
                 mb = pending.kept.pop(i)
                 grad = grads[i] if self.is_last else self._received_gradient(comm, i, mb)
-                if mb.out.requires_grad:
-                    torch.autograd.backward(mb.out, grad_tensors=grad)
-                if not self.is_first:
-                    g = mb.inp.grad if mb.inp.grad is not None else torch.zeros_like(mb.inp)
-                    comm.send_gradient(i, g)
-                mb.release()
+                self._backward_microbatch(comm, i, mb, grad)
                 del mb
-                self._count_live(-1)
             comm.finish()
         finally:
             pending.release()
@@ -359,6 +344,20 @@ class Pipeline:
     def _count_live(self, change: int) -> None:
         self.live_activations += change
         self.max_live_activations = max(self.max_live_activations, self.live_activations)
+
+    def _backward_microbatch(self, comm: Exchange, micro: int, mb: _MicroBatch,
+                             grad: torch.Tensor | None) -> None:
+        """Micro-batch ``micro``'s backward from ``grad``, the gradient of its output (None:
+        the output is the loss), then its input's gradient to the previous stage; frees it."""
+        if grad is None:
+            mb.out.backward()
+        elif mb.out.requires_grad:
+            torch.autograd.backward(mb.out, grad_tensors=grad)
+        if not self.is_first:
+            g = mb.inp.grad if mb.inp.grad is not None else torch.zeros_like(mb.inp)
+            comm.send_gradient(micro, g)
+        mb.release()
+        self._count_live(-1)
 
     def _received_gradient(self, comm: Exchange, micro: int, mb: _MicroBatch) -> torch.Tensor:
         grad = comm.recv_gradient(micro)
