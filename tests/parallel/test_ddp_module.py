@@ -297,3 +297,20 @@ async def test_with_bucket_views_autograd_accumulates_straight_into_the_bucket(s
         assert model[0].weight.grad.data_ptr() == view.data_ptr()
 
     await on_thread(body, solo)
+
+
+async def test_a_rebuild_keeps_the_sync_modes_residual_beside_the_buckets(solo):
+    def body(pg):
+        # A sync mode's contributions keep their residual under the key "steps" in the same
+        # error feedback; a bucket re-plan in Synchronous steps must carry it over untouched.
+        ddp = gradstar.DDP(mlp(), pg, wire="int4")
+        ddp(torch.randn(3, 4)).sum().backward()
+        flat = torch.randn(sum(p.numel() for p in ddp.parameters()))
+        ddp.reducer.feedback.compensate("steps", flat)
+        kept = ddp.reducer.feedback.residuals["steps"].clone()
+        assert float(kept.abs().sum()) > 0
+        ddp.reducer.rebuild(100)
+        assert len(ddp.bucket_plan) == 3
+        assert torch.equal(ddp.reducer.feedback.residuals["steps"], kept)
+
+    await on_thread(body, solo)
