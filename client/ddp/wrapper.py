@@ -70,7 +70,7 @@ from gradstar.sync_modes import Synchronous, SyncMode, check_mode
 from ..buckets import BucketPlan, StepTimeline, cap_bytes_of
 from ..error_feedback import check_error_feedback
 from ..process_group import ProcessGroup
-from ..steps.modes import SyncModes, resumes_from_hub
+from ..steps.modes import SyncModes
 from ..torch_common import (
     GRAD_DTYPES,
     broadcast_from_rank0,
@@ -193,15 +193,18 @@ class DistributedDataParallel(SyncModes, nn.Module):
         self.last_step_timeline: StepTimeline | None = None
 
         mode = check_mode(sync_mode or Synchronous())
-        joining = mode.on_ledger and resumes_from_hub(pg, "ddp")  # state from the hub
-        if not joining:
+        replacing = mode.on_ledger and pg.replacement  # a lost rank's place: nobody broadcasts
+        if not replacing:
             broadcast_from_rank0(pg, [*module.parameters(), *module.buffers()], cap)
         self.sync_mode: SyncMode = Synchronous()
         self._optimizer = optimizer
         self._steps = None  # the StepSync of the ledger modes, made at the first one
         self._weight: float | None = None  # contribution_weight; None: plain means
         self.set_sync_mode(mode)
-        if joining:  # it took a lost rank's place mid-training: the others cannot broadcast
+        # State from the hub: in a lost rank's place, or while the hub holds a snapshot (a
+        # restarted job or coordinator, or ranks of this start that already stepped: the
+        # snapshot continues the state all of them broadcast, so each rank may decide alone).
+        if replacing or (mode.on_ledger and self._steps.hub_holds_snapshot()):
             self._steps.join()
         me = weakref.ref(self)  # the hooks must not keep a discarded wrapper alive
         self._hook_handles = [

@@ -78,13 +78,6 @@ class SyncModes:
         return None if self._steps is None else self._steps.stats
 
 
-def resumes_from_hub(pg, model: str) -> bool:
-    """See :func:`.sync.resumes_from_hub`."""
-    from .sync import resumes_from_hub as ask
-
-    return ask(pg, model)
-
-
 _SYNCHRONOUS_WEIGHTS = (
     "contribution weights are not carried with a wire format in Synchronous mode (its buckets "
     "all_reduce w*g in the format, which error feedback does not compensate); the other sync "

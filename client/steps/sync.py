@@ -284,6 +284,12 @@ class StepSync:
         log.info("rank %d joined at step %d (snapshot of step %d)", self._client.key.rank,
                  self.have, steps)
 
+    def hub_holds_snapshot(self) -> bool:
+        """Whether the hub holds a snapshot of this model: the job trained before this
+        process started (its ranks or the coordinator were restarted, or other ranks of this
+        start already stepped), so a starting rank takes its state from there (:meth:`join`)."""
+        return self._run(self._client.heartbeat(self.have, timeout=self.timeout)).has_snapshot
+
     def _send_snapshot(self) -> None:
         """Copy this rank's state now (at ``have`` aggregates) and send it in the background:
         training goes on meanwhile; a failed upload is logged, and the hub asks again. While
@@ -374,25 +380,6 @@ class StepSync:
             await self._client.heartbeat(self.have, leave=True)
         await self._client.close()
         self.detach()
-
-
-def resumes_from_hub(pg, model: str) -> bool:
-    """Whether a DDP rank starting now in a ledger mode takes its state from the hub (a
-    snapshot and the aggregates after it) instead of rank 0's broadcast: it took a lost rank's
-    place (an elastic join), or the hub holds a snapshot of ``model`` (the job trained before:
-    its ranks were restarted, or the coordinator was, with ``--state-dir``). Every rank that
-    starts together gets the same answer: nothing trains until all of them did."""
-    if pg.replacement:
-        return True
-
-    async def ask() -> bool:
-        client = StepsClient(pg.settings, pg.collective_address, model, pg.rank, pg.world_size)
-        try:
-            return (await client.heartbeat(0, timeout=pg.settings.timeout)).has_snapshot
-        finally:
-            await client.close()
-
-    return pg.submit(ask()).result()
 
 
 async def _make_client(*args) -> StepsClient:
