@@ -58,17 +58,33 @@ class StepsClient:
                          grad: np.ndarray, timeout: float, wire: WireFormat | None = None,
                          ) -> pb.Contributed:
         """Send one gradient (flat float32) computed after ``base`` aggregates, encoded in
-        ``wire`` if given (every rank of the ledger the same)."""
+        ``wire`` if given (every rank of the ledger the same): the hub's verdict."""
+        contributed, _ = await self.exchange(mode, mode_epoch, base, weight, grad, timeout, wire)
+        return contributed
+
+    async def exchange(self, mode: SyncMode, mode_epoch: int, base: int, weight: float,
+                       grad: np.ndarray, timeout: float, wire: WireFormat | None = None,
+                       fetch_limit: int = 0, await_step: float = 0.0,
+                       ) -> tuple[pb.Contributed, Aggregates | None]:
+        """:meth:`contribute`, and in the same call the aggregates closed after ``base`` (at
+        most ``fetch_limit``; 0: none), after waiting (up to :data:`POLL_SECONDS`) for the
+        step the gradient joined if ``await_step``. None instead of aggregates: not asked for,
+        the step still open, or the hub lacks some (:meth:`fetch` then says why)."""
         header = pb.ContributionHeader(key=self.key, mode=mode.message(), mode_epoch=mode_epoch,
                                        numel=grad.shape[0], base=base, weight=weight,
-                                       wire=WIRE_NONE if wire is None else wire.wire)
+                                       wire=WIRE_NONE if wire is None else wire.wire,
+                                       fetch_limit=fetch_limit, await_step=await_step > 0,
+                                       wait_seconds=await_step)
         data = (np.ascontiguousarray(grad, dtype="<f4").tobytes() if wire is None
                 else encode(wire, grad))
-        reply = await self._call(self._stub.Contribute(_parts(pb.ContributionPart, header, data),
-                                                       timeout=timeout, metadata=self._metadata),
-                                 "contributing a gradient", timeout)
+        call = self._stub.Contribute(_parts(pb.ContributionPart, header, data),
+                                     timeout=timeout, metadata=self._metadata)
+        head, got = await self._call(self._read_steps(call, "Contribute"),
+                                     "contributing a gradient", timeout)
         self.bytes_sent += len(data)
-        return reply
+        if not head.HasField("contributed"):
+            raise ProtocolError("a steps Contribute answer carried no verdict")
+        return head.contributed, got
 
     async def fetch(self, have: int, min_steps: int, timeout: float, limit: int = 0,
                     ) -> Aggregates:
@@ -153,18 +169,22 @@ class StepsClient:
     async def _read_fetch(self, request: pb.FetchStepsRequest, timeout: float,
                           ) -> Aggregates | None:
         call = self._stub.Fetch(request, timeout=timeout, metadata=self._metadata)
+        return (await self._read_steps(call, "Fetch"))[1]
+
+    async def _read_steps(self, call, what: str) -> tuple[pb.StepsHeader, Aggregates | None]:
+        """A Fetch or Contribute answer: its header, and its aggregates (None: not ready)."""
         parts = call.__aiter__()
         try:
             first = await anext(parts)
         except StopAsyncIteration:
-            raise ProtocolError("a steps Fetch answer ended before its header") from None
+            raise ProtocolError(f"a steps {what} answer ended before its header") from None
         head = first.header
         if not head.ready:
             call.cancel()
-            return None
+            return head, None
         values = np.empty((len(head.records), head.numel), dtype="<f4")
         if values.size == 0:  # nothing closed since ``have``: no data parts follow
-            return Aggregates(head.steps, list(head.records), values)
+            return head, Aggregates(head.steps, list(head.records), values)
         fmt = format_from_wire(head.wire)
         each = 4 * head.numel if fmt is None else fmt.encoded_nbytes(head.numel)
         raw = values.reshape(-1) if fmt is None else np.empty(each * len(head.records), np.uint8)
@@ -173,17 +193,18 @@ class StepsClient:
         async for part in parts:
             n = len(part.data)
             if filled + n > len(view):
-                raise ProtocolError("a steps Fetch answer carried more data than it announced")
+                raise ProtocolError(f"a steps {what} answer carried more data than it announced")
             view[filled:filled + n] = part.data
             filled += n
         if filled != len(view):
-            raise ProtocolError(f"a steps Fetch answer announced {len(head.records)} aggregates "
+            raise ProtocolError(f"a steps {what} answer announced {len(head.records)} aggregates "
                                 f"of {head.numel} values and carried {filled} bytes")
         if fmt is not None:  # every rank decodes the same bytes: the same float32 values
             for i, row in enumerate(values):
                 decode_into(fmt, raw[i * each:(i + 1) * each], row)
         self.bytes_received += filled
-        return Aggregates(head.steps, list(head.records), values.astype(np.float32, copy=False))
+        return head, Aggregates(head.steps, list(head.records),
+                                values.astype(np.float32, copy=False))
 
     async def _call(self, awaitable, what: str, timeout: float):
         try:

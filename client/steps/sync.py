@@ -6,11 +6,14 @@ How one training step runs (the loop stays ``zero_grad / forward / backward / op
 1. ``loss.backward()`` ends: DDP calls :meth:`StepSync.contribute`; the rank's gradients (one
    flat float32 vector, with a weight) go to the hub, computed on the
    parameters after ``have`` aggregates. The hub answers which step they joined (or that they
-   were dropped: computed on parameters the group has moved past).
-2. ``optimizer.step()`` is :meth:`StepSync.catch_up`: with Quorum it waits until the step its
-   gradient joined has closed (BoundedStaleness and Asynchronous never wait here: a rank's next
-   gradient closes its previous step on the hub), fetches every aggregate after ``have`` and
-   applies each one in order: its values into ``.grad``, then the optimizer's own ``step()``.
+   were dropped: computed on parameters the group has moved past) and, in the same answer,
+   every aggregate closed after ``have``: one round trip per training step. With Quorum the
+   answer first waits until the step the gradient joined has closed; BoundedStaleness and
+   Asynchronous never wait for it (a rank's next gradient closes its previous step on the hub;
+   BoundedStaleness holds a fast rank's call only while a live rank would fall past the bound).
+2. ``optimizer.step()`` is :meth:`StepSync.catch_up`: it applies the aggregates that answer
+   brought, in order (fetching more only if the answer could not carry them all): their
+   values into ``.grad``, then the optimizer's own ``step()``.
    Every rank applies the same aggregates in the same order with the same optimizer, so
    replicas stay bitwise identical whatever the mode.
 3. :meth:`StepSync.synchronize` (every rank): a barrier on the hub; afterwards every rank has
@@ -56,7 +59,7 @@ from gradstar.sync_modes import Quorum, SyncMode
 from gradstar.wire.formats import WireFormat
 
 from ..error_feedback import ErrorFeedback
-from .client import StepsClient
+from .client import POLL_SECONDS, StepsClient
 from .snapshot import pack, unpack
 
 log = logging.getLogger(__name__)
@@ -150,6 +153,7 @@ class StepSync:
         self.have = 0
         self.stats = SyncStats(str(mode))
         self._joined: int | None = None  # step the pending contribution joined
+        self._fetched = None  # the aggregates its answer brought, for catch_up
         self._pending = False
         self._barriers = 0
         # Calls run on the process group's loop thread (grpc.aio binds a channel to the loop it
@@ -204,12 +208,16 @@ class StepSync:
             for p in self.params]).cpu()
         saved = self._compensate(flat)
         try:
-            reply = self._run(self._client.contribute(self.mode, self.mode_epoch, self.have,
-                                                      weight, flat.numpy(), self.timeout,
-                                                      self.wire))
+            # The answer brings the aggregates this rank lacks (with Quorum once its own step
+            # closed): optimizer.step() applies them without another round trip.
+            reply, self._fetched = self._run(self._client.exchange(
+                self.mode, self.mode_epoch, self.have, weight, flat.numpy(), self.timeout,
+                self.wire, fetch_limit=FETCH_LIMIT,
+                await_step=POLL_SECONDS if isinstance(self.mode, Quorum) else 0.0))
         except REFUSED:
             self._restore(saved)
             raise
+        self.stats.waited_seconds += reply.waited_seconds  # the bound, or Quorum's step
         if not reply.accepted:
             self._restore(saved)
         self.stats.contributions += 1
@@ -251,18 +259,22 @@ class StepSync:
             self._feedback.restore(RESIDUAL_KEY, saved)
 
     def catch_up(self) -> None:
-        """Apply every closed aggregate; with Quorum first wait for the step this rank's
-        gradient joined (BoundedStaleness and Asynchronous never wait here: a rank's next
-        gradient closes its previous step on the hub).
+        """Apply the aggregates the last contribution's answer brought (with Quorum they
+        include the step it joined); fetch only what that answer lacked (too many to carry, no
+        answer yet, or a Quorum step still open: then wait for it).
 
         Raises:
             StepTimeoutError: the step did not close within the timeout.
             StepsBehindError: the hub no longer holds aggregates this rank needs.
         """
-        started = time.perf_counter()
-        wait_for = self._joined if isinstance(self.mode, Quorum) else None
-        self._catch_up_to(wait_for or 0)
-        self.stats.waited_seconds += time.perf_counter() - started
+        wait_for = (self._joined if isinstance(self.mode, Quorum) else None) or 0
+        got, self._fetched = self._fetched, None
+        if got is not None:  # what the contribution's answer brought
+            self._apply(got)
+        if got is None or got.steps > self.have or wait_for > self.have:
+            started = time.perf_counter()
+            self._catch_up_to(wait_for)
+            self.stats.waited_seconds += time.perf_counter() - started
         self._pending, self._joined = False, None
         if self._snapshot_due:
             self._send_snapshot()
@@ -314,7 +326,7 @@ class StepSync:
         steps = self._run(self._client.synchronize(self._barriers, self.timeout))
         if steps > self.have:
             self._catch_up_to(steps)
-        self._pending, self._joined = False, None
+        self._pending, self._joined, self._fetched = False, None, None
 
     def set_mode(self, mode: SyncMode) -> None:
         """Switch at a barrier: every rank switches at the same step."""

@@ -1,5 +1,6 @@
 """gRPC servicer of the Steps service: streams in, :class:`.ledger.StepsTable` calls, streams
-out, gradstar errors to statuses. Fetch and Synchronize wait (bounded) for a step or a barrier.
+out, gradstar errors to statuses. Contribute answers with the aggregates the rank lacks (one
+round trip per training step); it, Fetch and Synchronize wait (bounded) for a step or a barrier.
 The rank's half is ``gradstar.client.steps.client``."""
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
         self._timer: asyncio.TimerHandle | None = None
 
     async def Contribute(self, request_iterator: AsyncIterator[pb.ContributionPart],
-                         context: grpc.aio.ServicerContext) -> pb.Contributed:
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepsPart]:
         try:
             parts = request_iterator.__aiter__()
             first = await _first(parts)
@@ -67,39 +68,44 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
                                     f"rank {h.key.rank}")
             # BoundedStaleness: a fast rank's next gradient waits while closing the step its
             # previous one is in would leave a live rank too far behind.
+            began = asyncio.get_running_loop().time()
             while self.table.must_wait(ledger, h.key.rank):
                 await self._wait(lambda: not self.table.must_wait(ledger, h.key.rank), MAX_WAIT)
             accepted, step, staleness, reason = self.table.contribute(
                 ledger, h.key.rank, mode, h.mode_epoch, h.base, h.weight, data, h.wire)
             self._arm_timer()
-            return pb.Contributed(accepted=accepted, step=step, staleness=staleness,
-                                  steps=ledger.steps, reason=reason,
-                                  want_snapshot=self.table.wants_snapshot(ledger, h.key.rank))
+            contributed = pb.Contributed(
+                accepted=accepted, step=step, staleness=staleness, steps=ledger.steps,
+                reason=reason, want_snapshot=self.table.wants_snapshot(ledger, h.key.rank))
         except GradstarError as error:
             await abort(context, error)
+            return
+        # The contribution is taken: from here on the answer always carries the verdict.
+        closed = None
+        if h.fetch_limit:
+            if accepted and h.await_step:
+                await self._wait(lambda: ledger.steps >= step, h.wait_seconds)
+            with contextlib.suppress(GradstarError):  # the rank's Fetch names it
+                closed = self.table.fetch(ledger, h.key.rank, h.base, h.fetch_limit)
+        contributed.waited_seconds = asyncio.get_running_loop().time() - began
+        async for part in _answer(ledger, closed, contributed):
+            yield part
 
     async def Fetch(self, request: pb.FetchStepsRequest,
                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepsPart]:
         try:
             ledger = self._ledger(request.key)
             await self._wait(lambda: ledger.steps >= request.min_steps, request.wait_seconds)
+            closed = None
             if ledger.steps < request.min_steps:
                 self.table.seen(ledger, request.key.rank)
-                yield pb.StepsPart(header=pb.StepsHeader(ready=False, steps=ledger.steps))
-                return
-            closed = self.table.fetch(ledger, request.key.rank, request.have, request.limit)
+            else:
+                closed = self.table.fetch(ledger, request.key.rank, request.have, request.limit)
         except GradstarError as error:
             await abort(context, error)
             return
-        yield pb.StepsPart(header=pb.StepsHeader(
-            ready=True, steps=ledger.steps, numel=ledger.numel or 0,
-            records=[_record(s) for s in closed],
-            wire=ledger.wire.wire if ledger.wire is not None else 0))
-        # The aggregates are never changed once closed: stream them as they are (encoded).
-        for step in closed:
-            data = memoryview(step.aggregate).cast("B")
-            for start in range(0, len(data), PART_BYTES):
-                yield pb.StepsPart(data=bytes(data[start:start + PART_BYTES]))
+        async for part in _answer(ledger, closed):
+            yield part
 
     async def Heartbeat(self, request: pb.StepsHeartbeat,
                         context: grpc.aio.ServicerContext) -> pb.StepsState:
@@ -270,6 +276,25 @@ async def _first(parts, what: str = "Contribute"):
     if not first.HasField("header"):
         raise ProtocolError(f"a {what} stream must begin with its header")
     return first
+
+
+async def _answer(ledger: StepLedger, closed: list[ClosedStep] | None,
+                  contributed: pb.Contributed | None = None) -> AsyncIterator[pb.StepsPart]:
+    """A Fetch or Contribute answer: the header (``closed`` None: not ready), then the
+    aggregates' bytes in parts."""
+    if closed is None:
+        yield pb.StepsPart(header=pb.StepsHeader(ready=False, steps=ledger.steps,
+                                                 contributed=contributed))
+        return
+    yield pb.StepsPart(header=pb.StepsHeader(
+        ready=True, steps=ledger.steps, numel=ledger.numel or 0,
+        records=[_record(s) for s in closed],
+        wire=ledger.wire.wire if ledger.wire is not None else 0, contributed=contributed))
+    # The aggregates are never changed once closed: stream them as they are (encoded).
+    for step in closed:
+        data = memoryview(step.aggregate).cast("B")
+        for start in range(0, len(data), PART_BYTES):
+            yield pb.StepsPart(data=bytes(data[start:start + PART_BYTES]))
 
 
 def _state(ledger: StepLedger) -> pb.StepsState:

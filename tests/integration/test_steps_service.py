@@ -88,7 +88,7 @@ async def test_a_cut_stream_leaves_nothing_in_the_step(coordinator, ranks):
             yield pb.ContributionPart(header=header, data=g(7, 7).tobytes())  # half of it
 
         with pytest.raises(grpc.RpcError) as raised:
-            await stub.Contribute(parts(), timeout=T)
+            [p async for p in stub.Contribute(parts(), timeout=T)]
     assert isinstance(error_from_rpc(raised.value, "contribute", "hub"), ProtocolError)
     await r0.contribute(QUORUM, 0, 0, 1.0, g(1, 1, 1, 1), T)
     await r1.contribute(QUORUM, 0, 0, 1.0, g(3, 3, 3, 3), T)
@@ -149,7 +149,7 @@ async def test_a_wrong_encoded_size_or_another_format_is_named_and_the_step_goes
                 yield pb.ContributionPart(header=header, data=bytes(nbytes))
 
             with pytest.raises(grpc.RpcError) as raised:
-                await stub.Contribute(parts(), timeout=T)
+                [p async for p in stub.Contribute(parts(), timeout=T)]
             error = error_from_rpc(raised.value, "contribute", "hub")
             assert isinstance(error, ProtocolError), error
             assert "int8" in str(error)
@@ -162,3 +162,36 @@ async def test_a_wrong_encoded_size_or_another_format_is_named_and_the_step_goes
     ones, threes = roundtrip(int8, g(*[1.0] * 64)), roundtrip(int8, g(*[3.0] * 64))
     np.testing.assert_array_equal(got.values[0],
                                   roundtrip(int8, (ones + threes) / np.float32(2)))
+
+
+async def test_a_contribution_answer_brings_the_aggregates_the_rank_lacks(ranks):
+    """One round trip per training step: the answer carries every aggregate after the
+    contribution's base (at most fetch_limit); with await_step it first waits for the step the
+    gradient joined, and says how long it waited."""
+    asy = Asynchronous()
+    r0, r1 = ranks(0), ranks(1)
+    verdict, got = await r0.exchange(asy, 0, 0, 1.0, g(1, 1), T, fetch_limit=16)
+    assert verdict.accepted and verdict.step == 1 and got is not None
+    assert (got.steps, len(got.records)) == (0, 0)  # nothing closed yet
+    await r1.contribute(asy, 0, 0, 1.0, g(3, 3), T)  # step 1 closes: every live rank is in it
+    # r1 runs ahead: its second gradient closes step 2 (r1 alone) and joins step 3.
+    for value in (5.0, 7.0):
+        await r1.contribute(asy, 0, 1, 1.0, g(value, value), T)
+    verdict, got = await r0.exchange(asy, 0, 1, 1.0, g(9, 9), T, fetch_limit=1)
+    assert (verdict.accepted, verdict.step, verdict.staleness) == (True, 3, 1)
+    # Step 3 closed with r0's gradient (every live rank in it); the answer is capped at one
+    # aggregate: step 2 only, and says that 3 steps closed (the rank fetches the rest).
+    assert [r.step for r in got.records] == [2] and got.steps == 3
+    np.testing.assert_array_equal(got.values[0], g(5, 5))
+
+    slow, q0, q1 = Quorum(min_ranks=2, timeout=30.0), ranks(0, world=2), ranks(1, world=2)
+    q0.key.model, q1.key.model = "quorum", "quorum"
+    waiting = asyncio.create_task(q0.exchange(slow, 0, 0, 2.0, g(2, 4), T, fetch_limit=16,
+                                              await_step=5.0))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()  # its step is open until q1's gradient arrives
+    await q1.contribute(slow, 0, 0, 2.0, g(4, 8), T)
+    verdict, got = await asyncio.wait_for(waiting, T)
+    assert verdict.step == 1 and verdict.waited_seconds >= 0.2
+    assert [r.step for r in got.records] == [1]
+    np.testing.assert_array_equal(got.values[0], g(3, 6))

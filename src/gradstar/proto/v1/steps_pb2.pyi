@@ -46,7 +46,7 @@ class StepsKey(_message.Message):
     def __init__(self, job: _Optional[str] = ..., model: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class ContributionHeader(_message.Message):
-    __slots__ = ("key", "mode", "mode_epoch", "numel", "base", "weight", "wire")
+    __slots__ = ("key", "mode", "mode_epoch", "numel", "base", "weight", "wire", "fetch_limit", "await_step", "wait_seconds")
     KEY_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     MODE_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,9 @@ class ContributionHeader(_message.Message):
     BASE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     WIRE_FIELD_NUMBER: _ClassVar[int]
+    FETCH_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    AWAIT_STEP_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     key: StepsKey
     mode: SyncMode
     mode_epoch: int
@@ -61,7 +64,10 @@ class ContributionHeader(_message.Message):
     base: int
     weight: float
     wire: _collective_pb2.WireFormat
-    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., mode: _Optional[_Union[SyncMode, _Mapping]] = ..., mode_epoch: _Optional[int] = ..., numel: _Optional[int] = ..., base: _Optional[int] = ..., weight: _Optional[float] = ..., wire: _Optional[_Union[_collective_pb2.WireFormat, str]] = ...) -> None: ...
+    fetch_limit: int
+    await_step: bool
+    wait_seconds: float
+    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., mode: _Optional[_Union[SyncMode, _Mapping]] = ..., mode_epoch: _Optional[int] = ..., numel: _Optional[int] = ..., base: _Optional[int] = ..., weight: _Optional[float] = ..., wire: _Optional[_Union[_collective_pb2.WireFormat, str]] = ..., fetch_limit: _Optional[int] = ..., await_step: _Optional[bool] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class ContributionPart(_message.Message):
     __slots__ = ("header", "data")
@@ -72,20 +78,22 @@ class ContributionPart(_message.Message):
     def __init__(self, header: _Optional[_Union[ContributionHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Contributed(_message.Message):
-    __slots__ = ("accepted", "step", "staleness", "steps", "reason", "want_snapshot")
+    __slots__ = ("accepted", "step", "staleness", "steps", "reason", "want_snapshot", "waited_seconds")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     WANT_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    WAITED_SECONDS_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     step: int
     staleness: int
     steps: int
     reason: str
     want_snapshot: bool
-    def __init__(self, accepted: _Optional[bool] = ..., step: _Optional[int] = ..., staleness: _Optional[int] = ..., steps: _Optional[int] = ..., reason: _Optional[str] = ..., want_snapshot: _Optional[bool] = ...) -> None: ...
+    waited_seconds: float
+    def __init__(self, accepted: _Optional[bool] = ..., step: _Optional[int] = ..., staleness: _Optional[int] = ..., steps: _Optional[int] = ..., reason: _Optional[str] = ..., want_snapshot: _Optional[bool] = ..., waited_seconds: _Optional[float] = ...) -> None: ...
 
 class FetchStepsRequest(_message.Message):
     __slots__ = ("key", "have", "min_steps", "wait_seconds", "limit")
@@ -114,18 +122,20 @@ class StepRecord(_message.Message):
     def __init__(self, step: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., staleness: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepsHeader(_message.Message):
-    __slots__ = ("ready", "steps", "numel", "records", "wire")
+    __slots__ = ("ready", "steps", "numel", "records", "wire", "contributed")
     READY_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
     WIRE_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTED_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     steps: int
     numel: int
     records: _containers.RepeatedCompositeFieldContainer[StepRecord]
     wire: _collective_pb2.WireFormat
-    def __init__(self, ready: _Optional[bool] = ..., steps: _Optional[int] = ..., numel: _Optional[int] = ..., records: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., wire: _Optional[_Union[_collective_pb2.WireFormat, str]] = ...) -> None: ...
+    contributed: Contributed
+    def __init__(self, ready: _Optional[bool] = ..., steps: _Optional[int] = ..., numel: _Optional[int] = ..., records: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ..., wire: _Optional[_Union[_collective_pb2.WireFormat, str]] = ..., contributed: _Optional[_Union[Contributed, _Mapping]] = ...) -> None: ...
 
 class StepsPart(_message.Message):
     __slots__ = ("header", "data")

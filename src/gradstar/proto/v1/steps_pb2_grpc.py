@@ -34,10 +34,10 @@ class StepsStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Contribute = channel.stream_unary(
+        self.Contribute = channel.stream_stream(
                 '/gradstar.proto.v1.Steps/Contribute',
                 request_serializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.ContributionPart.SerializeToString,
-                response_deserializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.Contributed.FromString,
+                response_deserializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.StepsPart.FromString,
                 _registered_method=True)
         self.Fetch = channel.unary_stream(
                 '/gradstar.proto.v1.Steps/Fetch',
@@ -70,7 +70,9 @@ class StepsServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Contribute(self, request_iterator, context):
-        """One rank's gradient for the open step.
+        """One rank's gradient for the open step; the answer is one StepsHeader carrying the verdict
+        (StepsHeader.contributed), then the aggregates asked for (ContributionHeader.fetch_limit),
+        in Fetch's format.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,10 +116,10 @@ class StepsServicer:
 
 def add_StepsServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Contribute': grpc.stream_unary_rpc_method_handler(
+            'Contribute': grpc.stream_stream_rpc_method_handler(
                     servicer.Contribute,
                     request_deserializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.ContributionPart.FromString,
-                    response_serializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.Contributed.SerializeToString,
+                    response_serializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.StepsPart.SerializeToString,
             ),
             'Fetch': grpc.unary_stream_rpc_method_handler(
                     servicer.Fetch,
@@ -166,12 +168,12 @@ class Steps:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.stream_unary(
+        return grpc.experimental.stream_stream(
             request_iterator,
             target,
             '/gradstar.proto.v1.Steps/Contribute',
             gradstar_dot_proto_dot_v1_dot_steps__pb2.ContributionPart.SerializeToString,
-            gradstar_dot_proto_dot_v1_dot_steps__pb2.Contributed.FromString,
+            gradstar_dot_proto_dot_v1_dot_steps__pb2.StepsPart.FromString,
             options,
             channel_credentials,
             insecure,
