@@ -92,4 +92,5 @@ def _step_sync(ddp, mode: SyncMode):
 
     name = ddp.wire or ddp.gradient_compression
     return StepSync(ddp.module, ddp._params, ddp._optimizer, ddp.process_group, mode, "ddp",
-                    wire=None if name is None else wire_format(name), feedback=ddp.reducer.feedback)
+                    wire=None if name is None else wire_format(name), feedback=ddp.reducer.feedback,
+                    buffers=list(ddp.module.buffers()) if ddp.broadcast_buffers else [])

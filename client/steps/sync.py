@@ -132,11 +132,15 @@ class StepSync:
         mode: the sync mode; ``model``: the ledger's name within the job.
         wire: the format contributions travel in (None: float32); ``feedback``: where the
             contribution residual lives (None: no error feedback).
+        buffers: module buffers that travel after the gradient (DDP's ``broadcast_buffers``):
+            each step's aggregate carries their weighted mean, which every rank writes into
+            them as it applies the step (integers rounded), so they stay identical too.
     """
 
     def __init__(self, module: torch.nn.Module, params: list[torch.nn.Parameter],
                  optimizer: torch.optim.Optimizer, pg, mode: SyncMode, model: str,
-                 wire: WireFormat | None = None, feedback: ErrorFeedback | None = None) -> None:
+                 wire: WireFormat | None = None, feedback: ErrorFeedback | None = None,
+                 buffers: list[torch.Tensor] = ()) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigurationError(
                 f"sync_mode={mode} needs optimizer=: the torch optimizer that trains the "
@@ -145,6 +149,7 @@ class StepSync:
         self.module = module
         self.params = params
         self.numel = sum(p.numel() for p in params)
+        self.buffers = [b for b in buffers if b.dtype != torch.bool and not b.is_complex()]
         self.mode = mode
         self.mode_epoch = 0
         self.wire, self._feedback = wire, feedback
@@ -203,9 +208,10 @@ class StepSync:
                 "optimizer.step() after every synchronising backward pass (accumulate "
                 "with ddp.no_sync())")
         flat = torch.cat([
-            (p.grad.detach().reshape(-1) if p.grad is not None
-             else torch.zeros(p.numel(), device=p.device)).to(torch.float32)
-            for p in self.params]).cpu()
+            *((p.grad.detach().reshape(-1) if p.grad is not None
+               else torch.zeros(p.numel(), device=p.device)).to(torch.float32)
+              for p in self.params),
+            *(b.detach().reshape(-1).to(torch.float32) for b in self.buffers)]).cpu()
         saved = self._compensate(flat)
         try:
             # The answer brings the aggregates this rank lacks (with Quorum once its own step
@@ -353,6 +359,7 @@ class StepSync:
                                 f"{self.have}; aggregates must be applied in order")
             self._write_grads(values)
             self._optimizer_step()
+            self._write_buffers(values)
             self.have = self.stats.step = record.step
             self.stats.steps_applied += 1
             self.stats.step_sizes[len(record.ranks)] += 1
@@ -373,6 +380,15 @@ class StepSync:
                 else:
                     p.grad.copy_(part)
                 offset += n
+
+    def _write_buffers(self, values: np.ndarray) -> None:
+        flat = torch.from_numpy(values[self.numel:])
+        offset = 0
+        with torch.no_grad():
+            for b in self.buffers:
+                part = flat[offset:offset + b.numel()].view(b.shape)
+                b.copy_(part if b.is_floating_point() else part.round())
+                offset += b.numel()
 
     # -- plumbing ----------------------------------------------------------------------------
 

@@ -36,9 +36,12 @@ BATCH = 8  # per rank and iteration
 LR, MOMENTUM = 0.05, 0.9
 
 
-def make_mlp() -> nn.Module:
+def make_mlp(batchnorm: bool = False) -> nn.Module:
+    """The test model; with ``batchnorm`` a BatchNorm1d after the first layer (float and
+    integer buffers)."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+    norm = [nn.BatchNorm1d(HIDDEN)] if batchnorm else []
+    return nn.Sequential(nn.Linear(IN, HIDDEN), *norm, nn.Tanh(), nn.Linear(HIDDEN, OUT))
 
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -80,29 +83,40 @@ def mode_of(args):
 
 
 def replay(contributions: dict[int, list[dict]], steps: list[dict], wire: str | None = None,
-           residuals: dict[int, torch.Tensor] | None = None) -> nn.Module:
+           residuals: dict[int, torch.Tensor] | None = None,
+           batchnorm: bool = False) -> nn.Module:
     """One process, the hub's order: step t's aggregate is the weighted mean (rank order) of
     the gradients that joined it, each computed on the parameters after its base aggregates
     with its rank's batch of that iteration; applied with the same optimizer. With ``wire``,
     as the ranks and the hub round (see the module docstring); each rank's residual after its
-    last accepted contribution goes into ``residuals``."""
+    last accepted contribution goes into ``residuals``. With ``batchnorm`` each contribution
+    also carries its buffers after its forward pass, and each step's weighted mean of them
+    becomes the buffers (integers rounded) once the step is applied; a rank's forward starts
+    from its base's buffers, or from its previous forward's if it applied no step in between
+    (the same base; contributions assumed accepted)."""
     if wire is not None:
         return _replay_wire(contributions, steps, wire,
                             {} if residuals is None else residuals)
-    model = make_mlp()
+    model = make_mlp(batchnorm)
     opt = make_optimizer(model)
     snapshots = {0: {k: v.clone() for k, v in model.state_dict().items()}}
     # (rank, step) -> (iteration, base): which of a rank's iterations joined which step.
     joined = {(rank, c["step"]): (c["iteration"], c["base"]) for rank, cs in contributions.items()
               for c in cs if c["step"] is not None}
+    last: dict[int, tuple[int, dict]] = {}  # rank -> (base, buffers) of its last forward
     for entry in steps:
         grads = []
         for rank, weight in zip(entry["ranks"], entry["weights"], strict=True):
             iteration, base = joined[(rank, entry["step"])]
-            probe = make_mlp()
+            probe = make_mlp(batchnorm)
             probe.load_state_dict(snapshots[base])
+            if batchnorm and last.get(rank, (None,))[0] == base:
+                probe.load_state_dict(last[rank][1], strict=False)
             loss_of(probe, rank, iteration).backward()
-            grads.append((weight, torch.cat([p.grad.reshape(-1) for p in probe.parameters()])))
+            last[rank] = (base, {k: b.clone() for k, b in probe.named_buffers()})
+            grads.append((weight, torch.cat([
+                *(p.grad.reshape(-1) for p in probe.parameters()),
+                *(b.reshape(-1).to(torch.float32) for b in probe.buffers())])))
         total = sum(w for w, _ in grads)
         aggregate = torch.zeros_like(grads[0][1])
         for w, g in grads:
@@ -113,6 +127,11 @@ def replay(contributions: dict[int, list[dict]], steps: list[dict], wire: str | 
             p.grad = aggregate[offset:offset + p.numel()].view(p.shape).clone()
             offset += p.numel()
         opt.step()
+        with torch.no_grad():
+            for b in model.buffers():
+                part = aggregate[offset:offset + b.numel()].view(b.shape)
+                b.copy_(part if b.is_floating_point() else part.round())
+                offset += b.numel()
         snapshots[entry["step"]] = {k: v.clone() for k, v in model.state_dict().items()}
     return model
 
@@ -152,6 +171,11 @@ def _replay_wire(contributions, steps, wire: str, residuals: dict) -> nn.Module:
             p.grad = values[offset:offset + p.numel()].view(p.shape).clone()
             offset += p.numel()
         opt.step()
+        with torch.no_grad():
+            for b in model.buffers():
+                part = aggregate[offset:offset + b.numel()].view(b.shape)
+                b.copy_(part if b.is_floating_point() else part.round())
+                offset += b.numel()
         snapshots[entry["step"]] = {k: v.clone() for k, v in model.state_dict().items()}
     return model
 
@@ -172,6 +196,7 @@ def main() -> None:
                         help="print the step count, parameters and momentum at the start and "
                              "after every optimizer step")
     parser.add_argument("--wire", default=None, help="DDP's wire format (error feedback on)")
+    parser.add_argument("--batchnorm", action="store_true", help="make_mlp(batchnorm=True)")
     args = parser.parse_args()
 
     import gradstar
@@ -180,7 +205,7 @@ def main() -> None:
     rank = pg.rank
     delays = [float(d) for d in args.delays.split(",")] if args.delays else []
     weights = [float(w) for w in args.weights.split(",")] if args.weights else []
-    model = make_mlp()
+    model = make_mlp(args.batchnorm)
     opt = make_optimizer(model)
     ddp = gradstar.DDP(model, pg, sync_mode=mode_of(args), optimizer=opt, wire=args.wire)
     if weights:

@@ -84,7 +84,7 @@ async def run_modes(*args: str, stopped: int = -1, restart: bool = False,
 
 
 def assert_identical_and_replayed(reports: dict[int, dict], rtol=1e-6, atol=1e-7,
-                                  wire: str | None = None) -> dict:
+                                  wire: str | None = None, batchnorm: bool = False) -> dict:
     """Every rank the same parameters, bit for bit, after synchronize(); the same steps; and
     those parameters are what one process gets by replaying the hub's record (in ``wire``);
     the replay's residual per rank (with ``wire``)."""
@@ -98,7 +98,8 @@ def assert_identical_and_replayed(reports: dict[int, dict], rtol=1e-6, atol=1e-7
     assert [s["step"] for s in first["steps"]] == list(range(1, len(first["steps"]) + 1))
     contributions = {rank: r["contributions"] for rank, r in reports.items()}
     residuals: dict = {}
-    replayed = script.params_of(script.replay(contributions, first["steps"], wire, residuals))
+    replayed = script.params_of(script.replay(contributions, first["steps"], wire, residuals,
+                                              batchnorm))
     for name, values in replayed.items():
         np.testing.assert_allclose(first["params"][name], values, rtol=rtol, atol=atol,
                                    err_msg=name)
@@ -144,6 +145,20 @@ def test_asynchronous_weighted_contributions_equal_the_weighted_replay():
                for r, w in zip(s["ranks"], s["weights"], strict=True)}
     assert weights == {0: 1.0, 1: 2.0, 2: 3.0, 3: 0.5}
     assert sum(len(s["ranks"]) for s in reports[0]["steps"]) == WORLD * 8  # none dropped
+
+
+def test_buffers_travel_with_the_steps_and_stay_identical():
+    # BatchNorm's running statistics (float) and batch count (integer): every step's aggregate
+    # carries their weighted mean, which every rank writes as it applies the step.
+    reports = asyncio.run(run_modes("async", "--delays", "0,0.01,0.02,0.05", "--batchnorm",
+                                    "--weights", "1,2,3,0.5", "--steps", "8"))
+    assert_identical_and_replayed(reports, batchnorm=True)
+    params = reports[0]["params"]
+    # An integer again (rounded), at least each rank's 8 forward passes (a rank that made two
+    # before its first step was applied counts both).
+    [batches] = params["1.num_batches_tracked"]
+    assert isinstance(batches, int) and batches >= 8
+    assert any(abs(v) > 1e-3 for v in params["1.running_mean"])  # the statistics moved
 
 
 def test_synchronous_weighted_steps_are_the_weighted_mean_of_every_rank():
