@@ -249,7 +249,7 @@ class DirectLane:
         self._channel.close()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity, as asyncio.gather needs
 class DirectCall:
     """A small collective issued (its seq taken) on a thread without an event loop: the
     blocking API runs it on that thread (:meth:`run`); awaited, or handed to the loop for

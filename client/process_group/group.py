@@ -271,7 +271,9 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         Raises:
             CollectiveError and subclasses: as the collective's own method raises.
         """
-        return self._issue(reserved.call, send, out, _as_is, reserved.timeout)
+        call = reserved.call
+        return self._issue(call, lambda: self._collect(call, send, out, _as_is,
+                                                       reserved.timeout))
 
     def give_up(self, reserved: Reserved) -> None:
         """Tell the hub this rank will never issue ``reserved``, so that the ranks that do fail
@@ -310,7 +312,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         :mod:`gradstar.client.collective.stream`): ``send`` is cut by the op's input layout,
         ``out`` receives the result and ``restore`` turns it into what the caller gets."""
         call, timeout = self._call(op, arr, timeout, reduce_op, root, averaging, fmt)
-        return self._issue(call, send, out, restore, timeout)
+        return self._start(call, send, out, restore, timeout)
 
     def _call(self, op: int, arr: np.ndarray, timeout: float | None, reduce_op: int = 0,
               root: int = 0, averaging: pb.AveragingSpec | None = None,
@@ -334,16 +336,20 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
     def _targets(self, call: ops.CollectiveCall):
         return self._plane.targets(averaging=bool(call.header.averaging.rule))
 
-    def _issue(self, call: ops.CollectiveCall, send: np.ndarray | None, out: np.ndarray,
+    def _issue(self, call: ops.CollectiveCall, run) -> Awaitable[Any]:
+        """Start ``run()``, the call that carries collective ``call``, now
+        (:func:`~gradstar.client.collective.stream.issue`); cancelled before it ran, it tells
+        the hub so that no rank waits for it."""
+        return issue(run, lambda: abandon_collective(self._targets(call), call, self._metadata))
+
+    def _start(self, call: ops.CollectiveCall, send: np.ndarray | None, out: np.ndarray,
                restore, timeout: float) -> Awaitable[Any]:
-        """Start collective ``call`` now (:func:`~gradstar.client.collective.stream.issue`;
-        cancelled before it ran, it tells the hub so that no rank waits for it). Issued on a
-        blocking caller's thread (no running loop) and small enough for the caller's
-        :attr:`direct` lane, it is a :class:`DirectCall` that thread may run itself."""
+        """Issue ``call`` (:meth:`_issue`), or, on a blocking caller's thread (no running loop)
+        when the caller's :attr:`direct` lane takes it, return it as a :class:`DirectCall`
+        that thread may run itself."""
 
         def started() -> Awaitable[Any]:
-            return issue(lambda: self._collect(call, send, out, restore, timeout),
-                         lambda: abandon_collective(self._targets(call), call, self._metadata))
+            return self._issue(call, lambda: self._collect(call, send, out, restore, timeout))
 
         if self.direct is not None and self.direct.takes(call) and (
                 asyncio._get_running_loop() is None):
