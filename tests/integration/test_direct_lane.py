@@ -19,8 +19,14 @@ from .test_multiprocess import last_json
 TINY = "25"  # float32 elements: a 100-byte all_reduce
 
 
-async def test_small_collectives_run_on_the_callers_thread_and_are_exact(coordinator):
-    procs = await spawn_ranks("small_collectives", coordinator.address, 3, "direct")
+@pytest.mark.parametrize("token", [None, "job-token"], ids=["open", "job token"])
+async def test_small_collectives_run_on_the_callers_thread_and_are_exact(start_coordinator,
+                                                                          token):
+    # With a job token, every call on the lane must present it (the hub's interceptor refuses
+    # any call without it).
+    coordinator = await start_coordinator(**({"token": token} if token else {}))
+    procs = await spawn_ranks("small_collectives", coordinator.address, 3, "direct",
+                              **({"GRADSTAR_TOKEN": token} if token else {}))
     reports = []
     for code, out, err in [await finish(p, 120) for p in procs]:
         assert code == 0, err[-2000:]
