@@ -85,6 +85,7 @@ def run_sampled(target: Callable, ranks: int, args: Callable[[str, SyncPoints], 
             ``shards`` shards or the path ``path`` (with the coordinator's log tail).
     """
     from gradstar.transport.shm import POOL_KEEP_BYTES
+    from gradstar.wire import MAX_BATCHED_CHUNK_BYTES
 
     env = path_env(path) | (extra_env or {})
     coord = coordinator(shards, env)
@@ -108,7 +109,10 @@ def run_sampled(target: Callable, ranks: int, args: Callable[[str, SyncPoints], 
         check_shards(results, shards, label)
         # A rank closes a segment above the pool's keep limit after each collective, and the
         # hub then drops its mapping: count or not, it proves nothing; the ranks' reports do.
-        hub_mappings = mappings[0] if mappings and nbytes <= POOL_KEEP_BYTES else None
+        # A payload the blocking API's direct lane takes (gradstar.client.collective.direct)
+        # rides the stream on either path: nothing is ever mapped for it.
+        hub_mappings = (mappings[0] if mappings and MAX_BATCHED_CHUNK_BYTES < nbytes
+                        <= POOL_KEEP_BYTES else None)
         check_path(results, path, label, hub_mappings)
         if sync.errors:
             print(f"  note: [{label}] hub CPU not sampled: {'; '.join(sync.errors)}",

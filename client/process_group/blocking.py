@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from gradstar.errors import ProcessGroupClosedError
 
+from ..collective.direct import DirectCall
 from ..loop_thread import LoopThread as _LoopThread
 from ..work import Work
 from .group import AsyncProcessGroup
@@ -42,6 +43,10 @@ class ProcessGroup:
     collective_address = property(lambda self: self._group.collective_address)
 
     def _call(self, awaitable, async_op: bool):
+        if isinstance(awaitable, DirectCall):  # small: on this thread, unless async_op
+            if not async_op:
+                return awaitable.run()
+            awaitable = awaitable.coroutine()
         future = self._runner.submit(awaitable)
         return Work(future) if async_op else Work(future).wait()
 
@@ -97,6 +102,8 @@ class ProcessGroup:
         Raises:
             ProcessGroupClosedError: the group was closed.
         """
+        if isinstance(coro, DirectCall):  # a collective of the group's, issued on this thread
+            coro = coro.coroutine()
         if self._runner is None:
             coro.close()
             raise ProcessGroupClosedError("the process group was closed")
@@ -147,6 +154,9 @@ def init_process_group(
     except BaseException:
         runner.stop()
         raise
+    watch = group.open_direct_lane(runner.submit)
+    if watch is not None:
+        runner.submit(watch)
     return ProcessGroup(group, runner)
 
 

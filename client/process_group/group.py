@@ -1,5 +1,5 @@
 """The asyncio process group: :class:`AsyncProcessGroup`, a rank's collectives over the hub
-(or its shards) and its life cycle, from :func:`open_group` (join, connect) to ``close``; its
+(or its shards) and its life cycle, from :func:`~.join.open_group` (join, connect) to ``close``; its
 point-to-point calls are :mod:`~gradstar.client.process_group.point_to_point`'s.
 
 Every collective takes its sequence number when it is *called*, not when it is awaited, so
@@ -9,9 +9,9 @@ concurrently (``async_op=True`` or ``asyncio.gather``).
 
 from __future__ import annotations
 
-import functools
+import asyncio
 import itertools
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,14 +22,14 @@ from gradstar import ops
 from gradstar.config import ClientSettings
 from gradstar.errors import ConfigurationError, InvalidCollectiveError, ProcessGroupClosedError
 from gradstar.proto.v1 import collective_pb2 as pb
-from gradstar.transport.channels import call_metadata, open_channel
-from gradstar.transport.tls_check import wait_connected
-from gradstar.wire import aligned_chunk_bytes, dtype_info
+from gradstar.transport.channels import call_metadata, open_blocking_channel
+from gradstar.wire import COLLECTIVE_METHOD, aligned_chunk_bytes, dtype_info
 from gradstar.wire.encoded import aligned_wire_chunk_bytes
 from gradstar.wire.formats import WireFormat
 
 from ..coalesced import all_reduce_coalesced
 from ..collective.data_plane import DataPlane, striped_chunk_bytes
+from ..collective.direct import DirectCall, DirectLane
 from ..collective.stream import abandon_collective, give_up, issue, run_collective
 from ..convert import (
     copies_to_device,
@@ -65,7 +65,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
     whatever order) they are awaited; cancelling one fails it on every rank."""
 
     def __init__(self, settings: ClientSettings, channel: grpc.aio.Channel, session: Session,
-                 peer_endpoint: PeerEndpoint | None = None):
+                 peer_endpoint: PeerEndpoint | None = None, subgroup=None):
         joined = session.joined
         self.settings = settings
         self.rank: int = joined.rank
@@ -86,13 +86,16 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         #: The hub shards this generation's collectives are striped over (empty: none).
         self.shards: list[str] = self._plane.addresses
         self._seq = itertools.count(1)
+        #: The blocking API's lane for small collectives from its caller's thread (None: every
+        #: collective runs on the loop): :meth:`open_direct_lane`.
+        self.direct: DirectLane | None = None
         #: Numbers this rank's all_to_all calls (their payload's peer tag), in call order.
         self._all_to_all_calls = itertools.count(1)
         self._closed = False
         self._peer_endpoint = peer_endpoint
         #: The two-level collectives over this generation's hosts (inactive on one host).
-        self._hosts = HostHierarchy(self, {p.rank: p.host for p in joined.peers},
-                                    functools.partial(_subgroup, settings))
+        # (``subgroup(job, world_size, rank)`` joins one of them: join.open_group's.)
+        self._hosts = HostHierarchy(self, {p.rank: p.host for p in joined.peers}, subgroup)
         if peer_endpoint is not None:
             peer_endpoint.bind(Identity(self.job, self.generation, self.rank, self.world_size,
                                         tuple(joined.peer_keys)), self.peers, session)
@@ -309,7 +312,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         :mod:`gradstar.client.collective.stream`): ``send`` is cut by the op's input layout,
         ``out`` receives the result and ``restore`` turns it into what the caller gets."""
         call, timeout = self._call(op, arr, timeout, reduce_op, root, averaging, fmt)
-        return self._issue(call, lambda: self._collect(call, send, out, restore, timeout))
+        return self._start(call, send, out, restore, timeout)
 
     def _call(self, op: int, arr: np.ndarray, timeout: float | None, reduce_op: int = 0,
               root: int = 0, averaging: pb.AveragingSpec | None = None,
@@ -339,6 +342,20 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         the hub so that no rank waits for it."""
         return issue(run, lambda: abandon_collective(self._targets(call), call, self._metadata))
 
+    def _start(self, call: ops.CollectiveCall, send: np.ndarray | None, out: np.ndarray,
+               restore, timeout: float) -> Awaitable[Any]:
+        """Issue ``call`` (:meth:`_issue`), or, on a blocking caller's thread (no running loop)
+        when the caller's :attr:`direct` lane takes it, return it as a :class:`DirectCall`
+        that thread may run itself."""
+
+        def started() -> Awaitable[Any]:
+            return self._issue(call, lambda: self._collect(call, send, out, restore, timeout))
+
+        if self.direct is not None and self.direct.takes(call) and (
+                asyncio._get_running_loop() is None):
+            return DirectCall(self.direct, call, send, out, restore, timeout, started)
+        return started()
+
     async def _collect(self, call: ops.CollectiveCall, send: np.ndarray | None,
                        out: np.ndarray, restore, timeout: float):
         """Run ``call`` (in its wire format, if any: ``send`` encoded chunk by chunk as it is
@@ -349,13 +366,36 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
                                       timeout=timeout)
         return await delivered(restore, result)
 
+    def open_direct_lane(self, submit) -> Coroutine | None:
+        """Give a blocking caller's thread its own lane to the hub for small collectives
+        (:class:`~gradstar.client.collective.direct.DirectLane`; ``submit`` runs a coroutine
+        on this group's loop); returns the lane's watch, to run on the loop (None: no lane,
+        as behind hub shards, whose stripes stay on the loop)."""
+        if self._plane.shards:
+            return None
+        address = self._plane.collectives
+        self.direct = DirectLane(
+            open_blocking_channel(self.settings, address), COLLECTIVE_METHOD, address,
+            self._metadata, session=self._session, submit=submit,
+            abandon=lambda call: abandon_collective(self._targets(call), call, self._metadata))
+        return self.direct.watch()
+
     # -- lifecycle -----------------------------------------------------------------------------
+
+    async def connect(self, *, hosts: bool = True) -> None:
+        """Connect to the data plane (hub shards, the collective port) and, with ``hosts``,
+        join the groups of the two-level all_reduce; raises what fails on the way."""
+        await self._plane.connect(self.settings.connect_timeout)
+        if hosts:
+            await self._hosts.start()
 
     async def close(self) -> None:
         """Leave the job and close the connection. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        if self.direct is not None:
+            self.direct.close()
         try:
             await self._hosts.close()
             if self._peer_endpoint is not None:
@@ -407,44 +447,4 @@ def _output_array(out, like: np.ndarray) -> np.ndarray:
     return arr
 
 
-async def open_group(settings: ClientSettings, peer_address: str = "", *,
-                     peers: bool = True) -> AsyncProcessGroup:
-    """Join ``settings.job``, connect to its data plane and, with ``peers``, join the groups of
-    its two-level all_reduce (``peers=False``: without a peer server, for those groups of
-    :mod:`gradstar.client.hierarchy`). What fails on the way is closed again."""
-    channel = open_channel(settings)
-    peer_endpoint = PeerEndpoint(settings, call_metadata(settings)) if peers else None
-    try:
-        if peer_endpoint is not None:
-            peer_address = await peer_endpoint.start(peer_address)
-        await wait_connected(channel, settings.coordinator, settings.connect_timeout,
-                             settings.tls_ca, settings.tls_cert, settings.tls_key)
-        session = Session(channel, call_metadata(settings), settings.coordinator)
-        await session.join(settings.job, settings.world_size, settings.rank,
-                           peer_address, settings.join_timeout, settings.elastic)
-    except BaseException:
-        await channel.close()
-        if peer_endpoint is not None:
-            await peer_endpoint.close()
-        raise
-    group = AsyncProcessGroup(settings, channel, session, peer_endpoint)
-    try:
-        await group._plane.connect(settings.connect_timeout)
-        if peers:
-            await group._hosts.start()
-    except BaseException:
-        await group.close()
-        raise
-    return group
-
-
-async def _subgroup(settings: ClientSettings, job: str, world_size: int,
-                    rank: int) -> AsyncProcessGroup:
-    """Join ``job``, one of the groups of :mod:`gradstar.client.hierarchy`, as this rank's main
-    settings say (coordinator, token, TLS, timeouts), without a peer server: it runs collectives
-    only."""
-    return await open_group(settings.model_copy(update={"job": job, "world_size": world_size,
-                                                        "rank": rank}), peers=False)
-
-
-__all__ = ["AsyncProcessGroup", "Reserved", "open_group"]
+__all__ = ["AsyncProcessGroup", "Reserved"]

@@ -1,19 +1,25 @@
 """Joining a job: :func:`init_process_group_async` takes its settings from the arguments, then
 the ``GRADSTAR_*`` variables (and a token file), checks them and hands them to
-:func:`~gradstar.client.process_group.group.open_group`, which joins the job's generation,
+:func:`open_group`, which joins the job's generation,
 connects to its data plane and, when the generation spans hosts, joins the groups of the
 two-level all_reduce (:mod:`gradstar.client.hierarchy`).
 """
 
 from __future__ import annotations
 
+import functools
+
 from pydantic import SecretStr
 
 from gradstar.allocator import tune_allocator
 from gradstar.config import ClientSettings
 from gradstar.errors import ConfigurationError, GradstarError
+from gradstar.transport.channels import call_metadata, open_channel
+from gradstar.transport.tls_check import wait_connected
 
-from .group import AsyncProcessGroup, open_group
+from ..peer import PeerEndpoint
+from ..session import Session
+from .group import AsyncProcessGroup
 
 
 def _settings(**given) -> ClientSettings:
@@ -66,4 +72,43 @@ async def init_process_group_async(
     return await open_group(settings, peer_address)
 
 
-__all__ = ["init_process_group_async"]
+async def open_group(settings: ClientSettings, peer_address: str = "", *,
+                     peers: bool = True) -> AsyncProcessGroup:
+    """Join ``settings.job``, connect to its data plane and, with ``peers``, join the groups of
+    its two-level all_reduce (``peers=False``: without a peer server, for those groups of
+    :mod:`gradstar.client.hierarchy`). What fails on the way is closed again."""
+    channel = open_channel(settings)
+    peer_endpoint = PeerEndpoint(settings, call_metadata(settings)) if peers else None
+    try:
+        if peer_endpoint is not None:
+            peer_address = await peer_endpoint.start(peer_address)
+        await wait_connected(channel, settings.coordinator, settings.connect_timeout,
+                             settings.tls_ca, settings.tls_cert, settings.tls_key)
+        session = Session(channel, call_metadata(settings), settings.coordinator)
+        await session.join(settings.job, settings.world_size, settings.rank,
+                           peer_address, settings.join_timeout, settings.elastic)
+    except BaseException:
+        await channel.close()
+        if peer_endpoint is not None:
+            await peer_endpoint.close()
+        raise
+    group = AsyncProcessGroup(settings, channel, session, peer_endpoint,
+                              functools.partial(_subgroup, settings))
+    try:
+        await group.connect(hosts=peers)
+    except BaseException:
+        await group.close()
+        raise
+    return group
+
+
+async def _subgroup(settings: ClientSettings, job: str, world_size: int,
+                    rank: int) -> AsyncProcessGroup:
+    """Join ``job``, one of the groups of :mod:`gradstar.client.hierarchy`, as this rank's main
+    settings say (coordinator, token, TLS, timeouts), without a peer server: it runs collectives
+    only."""
+    return await open_group(settings.model_copy(update={"job": job, "world_size": world_size,
+                                                        "rank": rank}), peers=False)
+
+
+__all__ = ["init_process_group_async", "open_group"]

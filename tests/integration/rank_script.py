@@ -51,6 +51,63 @@ def collectives(pg) -> dict:
     return {"rank": r, "checks": checks}
 
 
+def small_collectives(pg) -> dict:
+    """Small collectives of every dtype and op, checked exactly, and how many of them the
+    blocking API ran on this thread (its direct lane) rather than on its loop."""
+    r, w = pg.rank, pg.world_size
+    lane = pg._group.direct
+    before = 0 if lane is None else lane.completed
+    checks, calls = {}, 0
+    for dtype in ("float32", "float64", "float16", "bfloat16", "int32", "int64"):
+        mine = (np.arange(1, 7) % 3 + r + 1).astype(np.float32)  # small ints: exact sums
+        for op in ("sum", "min", "max", "prod") + (() if "int" in dtype else ("mean",)):
+            x = _as_dtype(mine, dtype)
+            got = np.asarray(pg.all_reduce(x, op=op), dtype=np.float64)
+            rows = np.stack([(np.arange(1, 7) % 3 + k + 1) for k in range(w)]).astype(np.float64)
+            want = {"sum": rows.sum(0), "min": rows.min(0), "max": rows.max(0),
+                    "prod": rows.prod(0), "mean": rows.mean(0)}[op]
+            checks[f"all_reduce {dtype} {op}"] = bool(np.array_equal(got, want))
+            calls += 1
+        x = _as_dtype(np.full(5, r + 1, np.float32), dtype)
+        checks[f"broadcast {dtype}"] = bool(np.array_equal(
+            np.asarray(pg.broadcast(x, src=w - 1), np.float64), np.full(5, w)))
+        gathered = pg.all_gather(x)
+        checks[f"all_gather {dtype}"] = all(np.array_equal(
+            np.asarray(gathered[k], np.float64), np.full(5, k + 1)) for k in range(w))
+        shard = pg.reduce_scatter(_as_dtype(np.arange(2 * w, dtype=np.float32) + r, dtype))
+        want = sum(np.arange(2 * w) + k for k in range(w))[2 * r:2 * r + 2]
+        checks[f"reduce_scatter {dtype}"] = bool(np.array_equal(
+            np.asarray(shard, np.float64), want))
+        calls += 3
+    pg.barrier()
+    calls += 1
+    work = pg.all_reduce(np.array([r], np.int32), async_op=True)  # on the loop, as before
+    checks["async_op"] = int(work.wait(timeout=30)[0]) == sum(range(w))
+    return {"rank": r, "checks": checks, "calls": calls,
+            "direct": None if lane is None else lane.completed - before}
+
+
+def _as_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        import ml_dtypes
+        return values.astype(ml_dtypes.bfloat16)
+    return values.astype(dtype)
+
+
+def small_mismatch(pg) -> dict:
+    """A small all_reduce whose shape differs on the last rank: every rank must get the same
+    named error; then a small all_reduce that agrees must work."""
+    r, w = pg.rank, pg.world_size
+    try:
+        pg.all_reduce(np.ones(4 if r == w - 1 else 3, np.float32))
+        error = None
+    except GradstarError as failure:
+        error = {"error": type(failure).__name__, "message": str(failure)}
+    after = pg.all_reduce(np.full(3, r + 1, np.float32))
+    return {"rank": r, "mismatch": error,
+            "after": bool(np.array_equal(after, np.full(3, w * (w + 1) / 2)))}
+
+
 def _failure(pg, error: GradstarError, rounds: int, started: float) -> dict:
     """What a rank reports when a call of its loop failed: the error, which rank it names, and
     how long the failed call took."""
@@ -60,8 +117,9 @@ def _failure(pg, error: GradstarError, rounds: int, started: float) -> dict:
 
 
 def allreduce_until_error(pg) -> dict:
-    """All-reduce 8 MB repeatedly until a collective fails; report the error and its latency."""
-    x = np.ones(2 << 20, np.float32)
+    """All-reduce 8 MB (or ``sys.argv[2]`` float32 elements) repeatedly until a collective
+    fails; report the error and its latency."""
+    x = np.ones(int(sys.argv[2]) if len(sys.argv) > 2 else 2 << 20, np.float32)
     rounds = 0
     while True:
         started = time.monotonic()
@@ -210,6 +268,7 @@ def late_rank(pg) -> dict:
 
 
 SCENARIOS = {"late_rank": late_rank, "collectives": collectives,
+             "small_collectives": small_collectives, "small_mismatch": small_mismatch,
              "allreduce_until_error": allreduce_until_error, "big_allreduce": big_allreduce,
              "uneven_all_to_all": uneven_all_to_all,
              "any_source": any_source, "finished_sender": finished_sender,

@@ -124,6 +124,17 @@ def secure_or_insecure_channel(
     return grpc.aio.secure_channel(target, credentials, options=options)
 
 
+def open_blocking_channel(settings: ClientSettings, target: str) -> grpc.Channel:
+    """A blocking (non-asyncio) channel to ``target`` for tensors, with the same TLS settings
+    and options as :func:`open_channel` with ``bulk``: a call on it waits in the caller's own
+    thread, with no hop to an event loop (gradstar.client.collective.direct)."""
+    tls = settings.tls_ca or settings.tls_cert
+    if not tls:
+        return grpc.insecure_channel(target, options=BULK_CLIENT_OPTIONS)
+    creds = client_credentials(settings.tls_ca, settings.tls_cert, settings.tls_key)
+    return grpc.secure_channel(target, creds, options=BULK_CLIENT_OPTIONS)
+
+
 def open_channel(settings: ClientSettings, target: str | None = None, *,
                  bulk: bool = False) -> grpc.aio.Channel:
     """A channel to ``target`` (default: the coordinator), with TLS when a CA or client

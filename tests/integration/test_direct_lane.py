@@ -1,0 +1,102 @@
+"""The blocking API's direct lane: small collectives issued and waited for on the caller's own
+thread (gradstar.client.collective.direct), in real rank processes against a real coordinator.
+Exact for every dtype, op and collective; the hub's errors and a lost rank or hub named as on
+the asyncio path, never a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+
+import pytest
+
+from .conftest import finish, spawn_ranks
+from .test_multiprocess import last_json
+
+TINY = "25"  # float32 elements: a 100-byte all_reduce
+
+
+@pytest.mark.parametrize("token", [None, "job-token"], ids=["open", "job token"])
+async def test_small_collectives_run_on_the_callers_thread_and_are_exact(start_coordinator,
+                                                                          token):
+    # With a job token, every call on the lane must present it (the hub's interceptor refuses
+    # any call without it).
+    coordinator = await start_coordinator(**({"token": token} if token else {}))
+    procs = await spawn_ranks("small_collectives", coordinator.address, 3, "direct",
+                              **({"GRADSTAR_TOKEN": token} if token else {}))
+    reports = []
+    for code, out, err in [await finish(p, 120) for p in procs]:
+        assert code == 0, err[-2000:]
+        reports.append(last_json(out))
+    for report in reports:
+        failed = [name for name, ok in report["checks"].items() if not ok]
+        assert not failed, report
+        # Every blocking small collective took the lane; the async_op one ran on the loop.
+        assert report["direct"] == report["calls"], report
+
+
+async def test_small_collectives_that_disagree_fail_on_every_rank_with_the_named_error(
+        coordinator):
+    procs = await spawn_ranks("small_mismatch", coordinator.address, 2, "direct-mismatch")
+    for code, out, err in [await finish(p, 60) for p in procs]:
+        assert code == 0, err[-2000:]
+        report = last_json(out)
+        assert report["mismatch"]["error"] == "CollectiveMismatchError", report
+        assert "shape" in report["mismatch"]["message"], report
+        assert report["after"], report  # a failed collective leaves the lane usable
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+async def test_rank_lost_mid_small_allreduce_fails_survivors_within_5s(start_coordinator, how):
+    coordinator = await start_coordinator(heartbeat_timeout=30.0)
+    procs = await spawn_ranks("allreduce_until_error", coordinator.address, 3, "direct-kill",
+                              TINY)
+    victim = procs[1]
+    assert b"progress" in await asyncio.wait_for(victim.stdout.readline(), 60)
+    await asyncio.sleep(0.2)
+    victim.send_signal(how)
+    lost_at = time.time()
+    try:
+        survivors = [await finish(p, 30) for i, p in enumerate(procs) if i != 1]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            victim.kill()
+        await victim.communicate()
+    for code, out, err in survivors:
+        assert code == 0, err[-2000:]
+        report = last_json(out)
+        assert report["error"] == "RankLostError", report
+        assert report["lost_rank"] == 1, report
+        assert report["failed_at"] - lost_at < 5.0, report
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+async def test_a_lost_coordinator_gives_small_collectives_a_named_error_quickly(how):
+    """Killed: the stream breaks and the session names the hub. Frozen: nothing breaks; the
+    session notices the silence on its control connection and the lane's watch ends the
+    collectives in flight with that error."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gradstar", "coordinator", "--host", "127.0.0.1", "--port", "0",
+        "--log-level", "WARNING", stdout=asyncio.subprocess.PIPE)
+    address = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode().split()[-1]
+    ranks = await spawn_ranks("allreduce_until_error", address, 2, "direct-orphans", TINY)
+    try:
+        await asyncio.wait_for(ranks[0].stdout.readline(), 60)
+        proc.send_signal(how)
+        lost_at = time.time()
+        for code, out, err in [await finish(r, 40) for r in ranks]:
+            assert code == 0, err[-2000:]
+            report = last_json(out)
+            assert report["error"] == "CoordinatorUnavailableError", report
+            assert address in report["message"]
+            assert report["failed_at"] - lost_at < 15.0, report
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        for r in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                r.kill()
