@@ -65,16 +65,19 @@ class StepsClient:
     async def exchange(self, mode: SyncMode, mode_epoch: int, base: int, weight: float,
                        grad: np.ndarray, timeout: float, wire: WireFormat | None = None,
                        fetch_limit: int = 0, await_step: float = 0.0,
+                       hyper: tuple[float, ...] = (),
                        ) -> tuple[pb.Contributed, Aggregates | None]:
         """:meth:`contribute`, and in the same call the aggregates closed after ``base`` (at
         most ``fetch_limit``; 0: none), after waiting (up to :data:`POLL_SECONDS`) for the
-        step the gradient joined if ``await_step``. None instead of aggregates: not asked for,
+        step the gradient joined if ``await_step``; ``hyper``: the rank's optimizer
+        hyperparameters (every step is applied with its contributions' weighted mean of them).
+        None instead of aggregates: not asked for,
         the step still open, or the hub lacks some (:meth:`fetch` then says why)."""
         header = pb.ContributionHeader(key=self.key, mode=mode.message(), mode_epoch=mode_epoch,
                                        numel=grad.shape[0], base=base, weight=weight,
                                        wire=WIRE_NONE if wire is None else wire.wire,
                                        fetch_limit=fetch_limit, await_step=await_step > 0,
-                                       wait_seconds=await_step)
+                                       wait_seconds=await_step, hyper=hyper)
         data = (np.ascontiguousarray(grad, dtype="<f4").tobytes() if wire is None
                 else encode(wire, grad))
         call = self._stub.Contribute(_parts(pb.ContributionPart, header, data),

@@ -73,7 +73,7 @@ class SyncModes:
         return None if self._steps is None else self._steps.residual
 
     def sync_stats(self):
-        """What this rank saw of its sync mode (:class:`~.sync.SyncStats`: steps applied,
+        """What this rank saw of its sync mode (:class:`~.stats.SyncStats`: steps applied,
         gradients dropped, staleness); None before any mode other than Synchronous."""
         return None if self._steps is None else self._steps.stats
 

@@ -42,8 +42,6 @@ import logging
 import time
 import types
 import weakref
-from collections import Counter, deque
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -60,65 +58,20 @@ from gradstar.wire.formats import WireFormat
 
 from ..error_feedback import ErrorFeedback
 from .client import POLL_SECONDS, StepsClient
+from .hyper import read_hyper, write_hyper
 from .snapshot import pack, unpack
+from .stats import ContributionEntry, StepEntry, SyncStats
 
 log = logging.getLogger(__name__)
 
 #: Seconds between heartbeats (the hub's lease is its heartbeat timeout, 15 s by default).
 HEARTBEAT_SECONDS = 1.0
-#: Entries of SyncStats.recent_steps and recent_contributions.
-RECENT = 1024
 #: Aggregates per Fetch answer (a rank far behind asks again for the rest).
 FETCH_LIMIT = 16
 #: The key of a rank's contribution residual in its ErrorFeedback (the whole flat gradient).
 RESIDUAL_KEY = "steps"
 #: Answers that say the hub kept nothing of a contribution (the residual is restored).
 REFUSED = (StepMismatchError, HubCapacityError, ProtocolError)
-
-
-@dataclass(frozen=True)
-class StepEntry:
-    """One applied step: who made its aggregate (rank order), their weights and staleness."""
-
-    step: int
-    ranks: tuple[int, ...]
-    weights: tuple[float, ...]
-    staleness: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ContributionEntry:
-    """One of this rank's contributions: its base, and the step it joined (None: dropped)."""
-
-    base: int
-    step: int | None
-    staleness: int
-
-
-@dataclass
-class SyncStats:
-    """What this rank saw of its sync mode (``ddp.sync_stats()``).
-
-    ``staleness`` counts this rank's accepted contributions by staleness; ``step_staleness``
-    every contribution of every applied step (all ranks'), by staleness.
-    """
-
-    mode: str
-    #: Aggregates applied to this rank's parameters (its position in the hub's step log; a
-    #: rank that started from a snapshot counts the snapshot's steps too).
-    step: int = 0
-    #: Aggregates this process applied.
-    steps_applied: int = 0
-    contributions: int = 0
-    accepted: int = 0
-    dropped: int = 0
-    staleness: Counter = field(default_factory=Counter)
-    step_staleness: Counter = field(default_factory=Counter)
-    step_sizes: Counter = field(default_factory=Counter)
-    waited_seconds: float = 0.0
-    #: The last applied steps and this rank's last contributions (up to RECENT each).
-    recent_steps: deque = field(default_factory=lambda: deque(maxlen=RECENT))
-    recent_contributions: deque = field(default_factory=lambda: deque(maxlen=RECENT))
 
 
 class StepSync:
@@ -219,7 +172,8 @@ class StepSync:
             reply, self._fetched = self._run(self._client.exchange(
                 self.mode, self.mode_epoch, self.have, weight, flat.numpy(), self.timeout,
                 self.wire, fetch_limit=FETCH_LIMIT,
-                await_step=POLL_SECONDS if isinstance(self.mode, Quorum) else 0.0))
+                await_step=POLL_SECONDS if isinstance(self.mode, Quorum) else 0.0,
+                hyper=tuple(v for _, _, v in read_hyper(self._optimizer))))
         except REFUSED:
             self._restore(saved)
             raise
@@ -358,7 +312,11 @@ class StepSync:
                 raise StepError(f"the hub sent step {record.step} to a rank at step "
                                 f"{self.have}; aggregates must be applied in order")
             self._write_grads(values)
+            own = read_hyper(self._optimizer)
+            if len(record.hyper) == len(own):  # the step's values, then the rank's own again
+                write_hyper(self._optimizer, own, record.hyper)
             self._optimizer_step()
+            write_hyper(self._optimizer, own, [v for _, _, v in own])
             self._write_buffers(values)
             self.have = self.stats.step = record.step
             self.stats.steps_applied += 1
@@ -366,7 +324,7 @@ class StepSync:
             self.stats.step_staleness.update(record.staleness)
             self.stats.recent_steps.append(StepEntry(
                 record.step, tuple(record.ranks), tuple(record.weights),
-                tuple(record.staleness)))
+                tuple(record.staleness), tuple(record.hyper)))
 
     def _write_grads(self, values: np.ndarray) -> None:
         flat = torch.from_numpy(values)

@@ -19,7 +19,10 @@ One ledger per (job, model). Protocol, per rank:
    live rank's next gradient more than ``max_staleness`` aggregates stale; until then that
    fast rank's call waits (the only time a rank waits for another). Its *aggregate* is the
    weighted mean of its contributions, summed in rank order in float32, so it does not depend
-   on arrival order; the hub computes it once and every rank gets the same bytes.
+   on arrival order; the hub computes it once and every rank gets the same bytes. Each
+   contribution carries its rank's
+   optimizer hyperparameters (lr, ...); a step records their weighted mean, and every rank
+   applies the step with those values (a per-rank LR schedule cannot split the replicas).
    **Wire formats**: a ledger's contributions travel in one wire format (DDP's ``wire=``, set
    by the first contribution; another is :class:`StepMismatchError` for its sender). The hub
    decodes each to float32 on receipt (its encoded size checked against ``numel``), adds in
@@ -52,6 +55,7 @@ does I/O; time comes from ``clock``.
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -92,6 +96,8 @@ class Contribution:
     weight: float
     staleness: int
     data: np.ndarray
+    #: The rank's optimizer hyperparameters when it computed the gradient (lr, ...).
+    hyper: tuple[float, ...] = ()
 
 
 @dataclass
@@ -119,6 +125,8 @@ class ClosedStep:
     #: What the ranks get: float32 values, or their bytes (uint8) in the ledger's wire format.
     aggregate: np.ndarray
     closed_at: float
+    #: The hyperparameters every rank applies it with: its contributions' weighted mean.
+    hyper: tuple[float, ...] = ()
 
 
 class StepLedger:
@@ -127,6 +135,8 @@ class StepLedger:
     def __init__(self, job: str, model: str, world_size: int, now: float) -> None:
         self.job, self.model, self.world_size = job, model, world_size
         self.numel: int | None = None
+        #: How many optimizer hyperparameters a contribution carries (set with ``numel``).
+        self.hyper_len: int | None = None
         #: The contributions' and aggregates' wire format (None: float32), set with ``numel``.
         self.wire: WireFormat | None = None
         self.mode: SyncMode | None = None
@@ -200,3 +210,32 @@ def drop_reason(mode: SyncMode, staleness: int) -> str:
         return (f"computed {staleness} aggregates ago, over the bound of "
                 f"{mode.max_staleness}")
     return ""
+
+
+def hyper_mismatch(ledger: StepLedger, hyper) -> str:
+    """Why a contribution's optimizer hyperparameters do not fit ``ledger`` ("" if they do)."""
+    if not all(math.isfinite(v) for v in hyper):
+        return f"sent optimizer hyperparameters that are not finite: {list(hyper)}"
+    if ledger.hyper_len is not None and len(hyper) != ledger.hyper_len:
+        return (f"sent {len(hyper)} optimizer hyperparameters, but model {ledger.model!r}'s "
+                f"contributions carry {ledger.hyper_len}; every rank must build the same "
+                "optimizer (the same parameter groups and options)")
+    return ""
+
+
+def aggregate(parts: list[Contribution], numel: int) -> tuple[np.ndarray, tuple[float, ...]]:
+    """The weighted mean of ``parts`` (summed in the given order in float32: the same bytes
+    whichever rank arrived first), and their hyperparameters' weighted mean (float64; the
+    plain mean when every weight is 0)."""
+    total = sum(c.weight for c in parts)
+    out = np.zeros(numel, dtype=np.float32)
+    if total > 0:
+        scratch = np.empty_like(out)
+        for c in parts:
+            np.multiply(c.data, np.float32(c.weight), out=scratch)
+            np.add(out, scratch, out=out)
+        np.divide(out, np.float32(total), out=out)
+    weights = [c.weight for c in parts] if total > 0 else [1.0] * len(parts)
+    hyper = tuple(sum(w * c.hyper[i] for w, c in zip(weights, parts, strict=True)) / sum(weights)
+                  for i in range(len(parts[0].hyper))) if parts else ()
+    return out, hyper

@@ -63,7 +63,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             mode = from_message(h.mode)
             # Refused before any memory is taken for it.
             self.table.check_header(ledger, h.key.rank, mode, h.mode_epoch, h.numel, h.base,
-                                    h.weight, h.wire)
+                                    h.weight, h.wire, tuple(h.hyper))
             data = await self._read(first, parts, h.numel, format_from_wire(h.wire),
                                     f"rank {h.key.rank}")
             # BoundedStaleness: a fast rank's next gradient waits while closing the step its
@@ -72,7 +72,8 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             while self.table.must_wait(ledger, h.key.rank):
                 await self._wait(lambda: not self.table.must_wait(ledger, h.key.rank), MAX_WAIT)
             accepted, step, staleness, reason = self.table.contribute(
-                ledger, h.key.rank, mode, h.mode_epoch, h.base, h.weight, data, h.wire)
+                ledger, h.key.rank, mode, h.mode_epoch, h.base, h.weight, data, h.wire,
+                tuple(h.hyper))
             self._arm_timer()
             contributed = pb.Contributed(
                 accepted=accepted, step=step, staleness=staleness, steps=ledger.steps,
@@ -306,4 +307,4 @@ def _state(ledger: StepLedger) -> pb.StepsState:
 
 def _record(step: ClosedStep) -> pb.StepRecord:
     return pb.StepRecord(step=step.number, ranks=step.ranks, weights=step.weights,
-                         staleness=step.staleness)
+                         staleness=step.staleness, hyper=step.hyper)

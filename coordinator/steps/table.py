@@ -23,7 +23,9 @@ from .ledger import (
     RankState,
     Snapshot,
     StepLedger,
+    aggregate,
     drop_reason,
+    hyper_mismatch,
     wire_mismatch,
 )
 
@@ -142,7 +144,8 @@ class StepsTable:
     # -- contribute and close ---------------------------------------------------------------
 
     def check_header(self, ledger: StepLedger, rank: int, mode: SyncMode, mode_epoch: int,
-                     numel: int, base: int, weight: float, wire: int = WIRE_NONE) -> None:
+                     numel: int, base: int, weight: float, wire: int = WIRE_NONE,
+                     hyper: tuple[float, ...] = ()) -> None:
         """Refuse a contribution before its data is read.
 
         Raises:
@@ -152,7 +155,7 @@ class StepsTable:
             ProtocolError: an unknown wire format.
         """
         who = f"rank {rank} of job {ledger.job!r}"
-        if reason := wire_mismatch(ledger, wire):
+        if reason := wire_mismatch(ledger, wire) or hyper_mismatch(ledger, hyper):
             raise StepMismatchError(f"{who} {reason}")
         if not math.isfinite(weight) or weight < 0:
             raise StepMismatchError(f"{who} sent a contribution of weight {weight}; a weight "
@@ -229,7 +232,7 @@ class StepsTable:
 
     def contribute(self, ledger: StepLedger, rank: int, mode: SyncMode, mode_epoch: int,
                    base: int, weight: float, data: np.ndarray, wire: int = WIRE_NONE,
-                   ) -> tuple[bool, int, int, str]:
+                   hyper: tuple[float, ...] = ()) -> tuple[bool, int, int, str]:
         """Take ``rank``'s gradient (float32: decoded from ``wire`` by the servicer):
         (accepted, step joined, staleness, reason if dropped).
         In BoundedStaleness and Asynchronous a rank's gradient arriving while its previous one
@@ -239,10 +242,12 @@ class StepsTable:
         data arrived); HubCapacityError: holding it would pass the hub's memory bound.
         """
         state = self.seen(ledger, rank)
-        self.check_header(ledger, rank, mode, mode_epoch, data.shape[0], base, weight, wire)
+        self.check_header(ledger, rank, mode, mode_epoch, data.shape[0], base, weight, wire,
+                          hyper)
         if rank in ledger.open.contributions:  # a push (checked: this mode pushes, in bound)
             self._close(ledger)
         ledger.numel, ledger.wire = data.shape[0], format_from_wire(wire)
+        ledger.hyper_len = len(hyper)
         staleness = ledger.steps - base
         reason = drop_reason(ledger.mode, staleness)
         if reason:
@@ -253,7 +258,8 @@ class StepsTable:
             return False, 0, staleness, reason
         self._make_room(ledger, data.nbytes)
         open_ = ledger.open
-        open_.contributions[rank] = Contribution(rank, float(weight), staleness, data)
+        open_.contributions[rank] = Contribution(rank, float(weight), staleness, data,
+                                                 tuple(hyper))
         if open_.first_at is None:
             open_.first_at = self.clock()
         self.held_bytes += data.nbytes
@@ -315,21 +321,15 @@ class StepsTable:
         ranks = sorted(open_.contributions)
         parts = [open_.contributions[r] for r in ranks]
         # Summed in rank order: the same aggregate whichever rank arrived first.
-        total = sum(c.weight for c in parts)
-        aggregate = np.zeros(ledger.numel, dtype=np.float32)
-        if total > 0:
-            scratch = np.empty_like(aggregate)
-            for c in parts:
-                np.multiply(c.data, np.float32(c.weight), out=scratch)
-                np.add(aggregate, scratch, out=aggregate)
-            np.divide(aggregate, np.float32(total), out=aggregate)
+        values, hyper = aggregate(parts, ledger.numel)
         if ledger.wire is not None:  # encoded once: every rank decodes the same bytes
-            aggregate = np.frombuffer(encode(ledger.wire, aggregate), dtype=np.uint8)
+            values = np.frombuffer(encode(ledger.wire, values), dtype=np.uint8)
         self.held_bytes -= sum(c.data.nbytes for c in parts)
         ledger.steps = open_.number
         ledger.log.append(ClosedStep(open_.number, tuple(ranks), tuple(c.weight for c in parts),
-                                     tuple(c.staleness for c in parts), aggregate, self.clock()))
-        self.held_bytes += aggregate.nbytes
+                                     tuple(c.staleness for c in parts), values, self.clock(),
+                                     hyper))
+        self.held_bytes += values.nbytes
         ledger.open = OpenStep(open_.number + 1)
         # Past the history, only what every live rank applied: one waiting in synchronize()
         # while another steps on still fetches all it missed (the memory bound still holds).

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from gradstar.client.steps.hyper import read_hyper, write_hyper
 from gradstar.wire.formats import roundtrip
 
 SCRIPT = Path(__file__)
@@ -126,6 +127,8 @@ def replay(contributions: dict[int, list[dict]], steps: list[dict], wire: str | 
         for p in model.parameters():
             p.grad = aggregate[offset:offset + p.numel()].view(p.shape).clone()
             offset += p.numel()
+        if entry.get("hyper"):  # the hyperparameters the ranks applied the step with
+            write_hyper(opt, read_hyper(opt), entry["hyper"])
         opt.step()
         with torch.no_grad():
             for b in model.buffers():
@@ -170,6 +173,8 @@ def _replay_wire(contributions, steps, wire: str, residuals: dict) -> nn.Module:
         for p in model.parameters():
             p.grad = values[offset:offset + p.numel()].view(p.shape).clone()
             offset += p.numel()
+        if entry.get("hyper"):  # the hyperparameters the ranks applied the step with
+            write_hyper(opt, read_hyper(opt), entry["hyper"])
         opt.step()
         with torch.no_grad():
             for b in model.buffers():
@@ -197,6 +202,8 @@ def main() -> None:
                              "after every optimizer step")
     parser.add_argument("--wire", default=None, help="DDP's wire format (error feedback on)")
     parser.add_argument("--batchnorm", action="store_true", help="make_mlp(batchnorm=True)")
+    parser.add_argument("--schedule", action="store_true",
+                        help="an LR schedule stepped every iteration: lr x 0.8 each time")
     args = parser.parse_args()
 
     import gradstar
@@ -210,6 +217,8 @@ def main() -> None:
     ddp = gradstar.DDP(model, pg, sync_mode=mode_of(args), optimizer=opt, wire=args.wire)
     if weights:
         ddp.contribution_weight = weights[rank]
+    schedule = (torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.8 ** i) if args.schedule
+                else None)
     if args.print_states:
         print(json.dumps({"rank": rank, "start": state_of(ddp, model, opt)}), flush=True)
     for i in range(args.steps):
@@ -233,12 +242,15 @@ def main() -> None:
             c["residual"] = None if residual is None else residual.tolist()
         print(json.dumps({"rank": rank, "contribution": {**c, "iteration": i}}), flush=True)
         opt.step()
+        if schedule is not None:
+            schedule.step()
         if args.print_states:
             print(json.dumps({"rank": rank, "state": state_of(ddp, model, opt)}), flush=True)
     ddp.synchronize()
     stats = ddp.sync_stats()
     steps = ([{"step": s.step, "ranks": list(s.ranks), "weights": list(s.weights),
-               "staleness": list(s.staleness)} for s in stats.recent_steps] if stats else
+               "staleness": list(s.staleness), "hyper": list(s.hyper)}
+              for s in stats.recent_steps] if stats else
              [{"step": i + 1, "ranks": list(range(pg.world_size)),
                "weights": weights or [1.0] * pg.world_size, "staleness": [0] * pg.world_size}
               for i in range(args.steps)])

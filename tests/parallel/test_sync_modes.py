@@ -161,6 +161,18 @@ def test_buffers_travel_with_the_steps_and_stay_identical():
     assert any(abs(v) > 1e-3 for v in params["1.running_mean"])  # the statistics moved
 
 
+def test_a_learning_rate_schedule_stepped_per_rank_keeps_the_replicas_identical():
+    # The LR falls every iteration and the ranks apply a step at different iterations of their
+    # own: each step carries its contributions' mean LR and momentum, and every rank applies it
+    # with those (without: each rank its own LR, and the replicas part).
+    reports = asyncio.run(run_modes("async", "--delays", "0,0.01,0.03,0.06", "--schedule",
+                                    "--steps", "8"))
+    assert_identical_and_replayed(reports)
+    lrs = [step["hyper"][0] for step in reports[0]["steps"]]
+    assert lrs[0] == pytest.approx(script.LR) and lrs[-1] < 0.5 * script.LR
+    assert len(set(lrs)) > 3  # the schedule moved it step by step
+
+
 def test_synchronous_weighted_steps_are_the_weighted_mean_of_every_rank():
     # The hub adds the ranks' sums in arrival order: equal to the replay up to rounding.
     reports = asyncio.run(run_modes("sync", "--weights", "1,2,3,0.5", "--steps", "5"))

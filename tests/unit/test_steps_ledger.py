@@ -345,3 +345,17 @@ def test_a_snapshot_older_than_the_log_is_not_joinable_until_a_fresh_one_comes()
     assert ledger.first_logged() > 2 and not ledger.joinable()
     t.put_snapshot(ledger, 0, ledger.steps, "{}", b"state now")
     assert ledger.joinable()
+
+
+def test_a_step_carries_its_contributions_weighted_mean_hyperparameters():
+    t = table()
+    ledger = t.ledger("j", "m", 2)
+    q = Quorum(min_ranks=2)
+    t.contribute(ledger, 0, q, 0, 0, 1.0, grad(1), hyper=(0.1, 0.9))
+    t.contribute(ledger, 1, q, 0, 0, 3.0, grad(1), hyper=(0.5, 0.9))
+    assert ledger.log[-1].hyper == pytest.approx((0.4, 0.9))  # (0.1 + 3 * 0.5) / 4
+    for bad, match in (((0.1,), "carry 2"), ((float("nan"), 0.9), "not finite"),
+                       ((0.1, float("inf")), "not finite")):
+        with pytest.raises(StepMismatchError, match=match):
+            t.contribute(ledger, 0, q, 0, 1, 1.0, grad(1), hyper=bad)
+    assert not ledger.open.contributions  # the refused ones left nothing

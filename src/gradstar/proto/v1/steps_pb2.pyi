@@ -46,7 +46,7 @@ class StepsKey(_message.Message):
     def __init__(self, job: _Optional[str] = ..., model: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class ContributionHeader(_message.Message):
-    __slots__ = ("key", "mode", "mode_epoch", "numel", "base", "weight", "wire", "fetch_limit", "await_step", "wait_seconds")
+    __slots__ = ("key", "mode", "mode_epoch", "numel", "base", "weight", "wire", "fetch_limit", "await_step", "wait_seconds", "hyper")
     KEY_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     MODE_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class ContributionHeader(_message.Message):
     FETCH_LIMIT_FIELD_NUMBER: _ClassVar[int]
     AWAIT_STEP_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HYPER_FIELD_NUMBER: _ClassVar[int]
     key: StepsKey
     mode: SyncMode
     mode_epoch: int
@@ -67,7 +68,8 @@ class ContributionHeader(_message.Message):
     fetch_limit: int
     await_step: bool
     wait_seconds: float
-    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., mode: _Optional[_Union[SyncMode, _Mapping]] = ..., mode_epoch: _Optional[int] = ..., numel: _Optional[int] = ..., base: _Optional[int] = ..., weight: _Optional[float] = ..., wire: _Optional[_Union[_collective_pb2.WireFormat, str]] = ..., fetch_limit: _Optional[int] = ..., await_step: _Optional[bool] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    hyper: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., mode: _Optional[_Union[SyncMode, _Mapping]] = ..., mode_epoch: _Optional[int] = ..., numel: _Optional[int] = ..., base: _Optional[int] = ..., weight: _Optional[float] = ..., wire: _Optional[_Union[_collective_pb2.WireFormat, str]] = ..., fetch_limit: _Optional[int] = ..., await_step: _Optional[bool] = ..., wait_seconds: _Optional[float] = ..., hyper: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ContributionPart(_message.Message):
     __slots__ = ("header", "data")
@@ -110,16 +112,18 @@ class FetchStepsRequest(_message.Message):
     def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., have: _Optional[int] = ..., min_steps: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class StepRecord(_message.Message):
-    __slots__ = ("step", "ranks", "weights", "staleness")
+    __slots__ = ("step", "ranks", "weights", "staleness", "hyper")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
+    HYPER_FIELD_NUMBER: _ClassVar[int]
     step: int
     ranks: _containers.RepeatedScalarFieldContainer[int]
     weights: _containers.RepeatedScalarFieldContainer[float]
     staleness: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., staleness: _Optional[_Iterable[int]] = ...) -> None: ...
+    hyper: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, step: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., staleness: _Optional[_Iterable[int]] = ..., hyper: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepsHeader(_message.Message):
     __slots__ = ("ready", "steps", "numel", "records", "wire", "contributed")
