@@ -14,7 +14,7 @@ import time
 import pytest
 
 from .conftest import finish, spawn_ranks
-from .test_multiprocess import last_json
+from .test_multiprocess import last_json, survivors_of_a_lost_rank
 
 TINY = "25"  # float32 elements: a 100-byte all_reduce
 
@@ -54,23 +54,7 @@ async def test_rank_lost_mid_small_allreduce_fails_survivors_within_5s(start_coo
     coordinator = await start_coordinator(heartbeat_timeout=30.0)
     procs = await spawn_ranks("allreduce_until_error", coordinator.address, 3, "direct-kill",
                               TINY)
-    victim = procs[1]
-    assert b"progress" in await asyncio.wait_for(victim.stdout.readline(), 60)
-    await asyncio.sleep(0.2)
-    victim.send_signal(how)
-    lost_at = time.time()
-    try:
-        survivors = [await finish(p, 30) for i, p in enumerate(procs) if i != 1]
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            victim.kill()
-        await victim.communicate()
-    for code, out, err in survivors:
-        assert code == 0, err[-2000:]
-        report = last_json(out)
-        assert report["error"] == "RankLostError", report
-        assert report["lost_rank"] == 1, report
-        assert report["failed_at"] - lost_at < 5.0, report
+    await survivors_of_a_lost_rank(procs, 1, how)
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])

@@ -70,27 +70,36 @@ async def test_rank_lost_mid_allreduce_fails_survivors_within_5s(start_coordinat
     # long before the 30 s heartbeat timeout set here could fire.
     coordinator = await start_coordinator(heartbeat_timeout=30.0)
     procs = await spawn_ranks("allreduce_until_error", coordinator.address, 4, "kill")
-    victim = procs[2]
-    # Wait until every rank is mid-loop, then take rank 2 away.
-    progress = await asyncio.wait_for(victim.stdout.readline(), 60)
-    assert b"progress" in progress
+    for report in await survivors_of_a_lost_rank(procs, 2, how):
+        assert "rank 2" in report["message"]
+    assert await health_status(coordinator.address) == health_pb2.HealthCheckResponse.SERVING
+
+
+async def survivors_of_a_lost_rank(procs: list[asyncio.subprocess.Process], victim: int,
+                                   how: signal.Signals) -> list[dict]:
+    """Once rank ``victim`` (an ``allreduce_until_error`` rank) is mid-loop, kill or freeze it
+    with ``how``; every other rank must end cleanly, reporting RankLostError naming it within
+    5 s. Their reports."""
+    proc = procs[victim]
+    assert b"progress" in await asyncio.wait_for(proc.stdout.readline(), 60)
     await asyncio.sleep(0.2)
-    victim.send_signal(how)
+    proc.send_signal(how)
     lost_at = time.time()
     try:
-        survivors = [await finish(p, 30) for i, p in enumerate(procs) if i != 2]
+        survivors = [await finish(p, 30) for i, p in enumerate(procs) if i != victim]
     finally:
         with contextlib.suppress(ProcessLookupError):
-            victim.kill()
-        await victim.communicate()
+            proc.kill()
+        await proc.communicate()
+    reports = []
     for code, out, err in survivors:
         assert code == 0, err[-2000:]
         report = last_json(out)
         assert report["error"] == "RankLostError", report
-        assert report["lost_rank"] == 2, report
-        assert "rank 2" in report["message"]
+        assert report["lost_rank"] == victim, report
         assert report["failed_at"] - lost_at < 5.0, report
-    assert await health_status(coordinator.address) == health_pb2.HealthCheckResponse.SERVING
+        reports.append(report)
+    return reports
 
 
 async def test_coordinator_death_gives_ranks_a_named_error_quickly():
