@@ -10,31 +10,27 @@ The cluster (:mod:`_emulated_cluster`)
     gloo's store listens on node0.
 
 CPU: every rank host gets the same budget, the slow one a third of it
-    A 2-core machine cannot give each of 4-8 ranks and the hub a core: uncapped ranks compete,
-    their speed follows the machine's load, and a quota of a third of a core barely slows a rank
-    that waits on the network most of the time anyway (measured: 67 vs 69 it/s). So each rank
+    A 2-core machine cannot give each of 4-8 ranks and the hub a core: uncapped ranks compete
+    and a third of a core barely slows a rank that mostly waits (67 vs 69 it/s). So each rank
     host's processes share ``--host-cpu`` of one core (default 0.25; the hub is not limited),
     and the slow host (the last) gets 1/``--slowdown`` of that: 3x slow by construction, and
     the same whatever else runs on the machine while the budgets fit in it. One cgroup per host:
     cgroup v1's cpu controller (``/sys/fs/cgroup/cpu/NAME``: ``cpu.cfs_period_us`` 30000,
     ``cpu.cfs_quota_us`` period x cores; a short period, so a rank is throttled evenly) or v2's
-    ``cpu.max`` where ``/sys/fs/cgroup`` is unified. This script writes each rank's pid to its
-    host's ``cgroup.procs`` once it has imported torch and gradstar and says so (``ip netns
-    exec`` execs the rank, so the pid is the rank's; all its threads move; a rank cannot join
-    from inside its namespace, whose /sys has no cgroup file systems), then lets it go on to
-    join its group. Before the runs a fixed
-    pure-Python loop is timed outside, on a host and on the slow host (medians of 3): printed,
-    with the slowdown seen in the runs (it/s, slow host against the others). The cgroups are
-    removed at the end. ``--scenarios even``: the slow host gets the others' budget.
+    ``cpu.max`` where ``/sys/fs/cgroup`` is unified. Each rank's pid goes into its host's
+    ``cgroup.procs`` once it has imported torch and gradstar (``ip netns exec`` execs: the pid
+    is the rank's; its namespace's /sys has no cgroups), then it joins its group. A fixed
+    Python loop timed outside, on a host and on the slow host (medians of 3) is printed.
+    ``--scenarios even``: the slow host gets the others' budget.
 
 The task
     The demo's spirals MLP (:func:`spirals`: ``gradstar.worker.demo.spirals``), ``--samples``
     points, rank r trains on every n-th training sample from r, ``--batch`` rows per iteration;
-    ``--iters`` iterations on every rank (1200: the model has converged at lr 0.05, so a final
-    accuracy measures where training ends, not how far up a steep curve a run got, as at 600;
-    equal data per rank; a time budget would instead cut
-    the straggler's share, and "equal data" is what a data-parallel epoch means), torch SGD
-    with ``--lr`` and momentum 0.9, the same for every mode. Quorum closes a step with
+    ``--iters`` iterations on every rank (equal data per rank: a time budget would cut the
+    straggler's share), torch SGD with ``--lr`` and momentum 0.9 and (``--schedule``) a cosine
+    decay to 0 stepped per iteration, every mode alike: at a constant rate the stale modes'
+    accuracy swings by points from one snapshot to the next, so their final accuracy would be
+    wherever a swing ended; 1200 iterations converge. Quorum closes a step with
     ``min_ranks`` = n - ranks per host (every host but one; the slow one's late gradients are
     dropped) and ``timeout=0``; BoundedStaleness with ``--max-staleness`` (2).
 
@@ -93,9 +89,8 @@ def spirals():
 
 
 class HostCpu:
-    """One cgroup per rank host, each limited to ``cores`` of one core (see the module);
-    :meth:`limit` changes a host's limit, :meth:`add` moves a process into a host's cgroup,
-    :meth:`remove` deletes them all."""
+    """One cgroup per rank host, each limited to ``cores`` of one core (see the module):
+    :meth:`limit` a host, :meth:`add` a process to one, :meth:`remove` them all."""
 
     PERIOD_US = 30_000  # short: a rank is throttled evenly; quota >= 1000 us, the kernel's least
 
@@ -146,9 +141,7 @@ class HostCpu:
         for path in self.paths.values():
             for _ in range(100):
                 try:
-                    path.rmdir()
-                    break
-                except FileNotFoundError:
+                    path.exists() and path.rmdir()
                     break
                 except OSError:
                     time.sleep(0.1)
@@ -182,6 +175,8 @@ def rank_main(spec: dict) -> int:
     y = torch.from_numpy(data.train.y[rank::n])
     model = task.make_model(data.features, data.classes, spec["hidden"])
     opt = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=0.9)
+    decay = torch.optim.lr_scheduler.CosineAnnealingLR(opt, spec["iters"]) if (
+        spec["schedule"] == "cosine") else None  # stepped per own iteration, as users do
     import torch.distributed as dist
 
     import gradstar
@@ -213,6 +208,8 @@ def rank_main(spec: dict) -> int:
                                                  y[start:start + spec["batch"]])
         loss.backward()
         opt.step()
+        if decay is not None:
+            decay.step()
         if snaps and (i + 1) % spec["snap_every"] == 0:
             snapshot(f"{i + 1:06d}")
     loop_seconds = time.time() - began
@@ -255,6 +252,7 @@ def run_mode(run: Run, mode: str, cpu: HostCpu, slow: bool, tmp: Path) -> dict:
             spec = {"mode": mode, "rank": rank, "world_size": layout.world_size,
                     "ranks_per_host": layout.ranks_per_host, "iters": args.iters,
                     "batch": args.batch, "hidden": args.hidden, "lr": args.lr,
+                    "schedule": args.schedule,
                     "samples": args.samples, "max_staleness": args.max_staleness,
                     "snap_every": args.snap_every, "snapshots": str(snapshots),
                     "timeout": args.timeout,
@@ -370,6 +368,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=64, help="rows per rank and iteration")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--lr", type=float, default=0.05, help="SGD's, every mode (momentum 0.9)")
+    parser.add_argument("--schedule", choices=["cosine", "constant"], default="cosine",
+                        help="the learning rate over the run (cosine: to 0 at the end)")
     parser.add_argument("--samples", type=int, default=24_000)
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--snap-every", type=int, default=10, help="rank 0's iterations")
@@ -433,7 +433,7 @@ def main() -> int:
     print(f"\n{layout.hosts} hosts x {layout.ranks_per_host} ranks + hub, {args.rate} each "
           f"way, {args.host_cpu:g} core per rank host (the slow one / {args.slowdown:g}); "
           f"spirals MLP hidden {args.hidden}, {args.iters} iterations x {args.batch} rows per "
-          f"rank, SGD lr {args.lr} momentum 0.9; load {loadavg()}")
+          f"rank, SGD lr {args.lr} ({args.schedule}) momentum 0.9; load {loadavg()}")
     print("\n".join(tables))
     for failure in failures:
         print(f"\nFAILED {failure}")
