@@ -24,6 +24,7 @@ from gradstar.errors import CollectiveTimeoutError, ConfigurationError
 from .convert import (
     BITWISE_OPS,
     bitwise_reduce,
+    caller_waits,
     check_dense,
     check_numel,
     for_bitwise,
@@ -56,21 +57,21 @@ class Collectives:
 
     def _reduce(self, tensors: list[torch.Tensor], op: str, timeout: float | None,
                 write: Callable[[int, torch.Tensor], None], *, in_place: bool = False,
-                wire: str | None = None):
+                wire: str | None = None, waited: bool = False):
         """All_reduce each of ``tensors`` and ``write(i, result)``. ``in_place``: the result
         may overwrite the tensor itself (all_reduce, not reduce), so a contiguous CPU tensor
         of a dtype the hub reduces receives it straight from the wire (``out=``): no result
         array to allocate and fault in, no copy (and ``write``'s copy_ is then a no-op).
-        ``wire``: a compressed wire format (float tensors, not the bitwise ops)."""
+        ``wire``: a compressed wire format (float tensors, not the bitwise ops). ``waited``:
+        the caller waits at once (see ``_launch``)."""
         if op in BITWISE_OPS:
             return self._gather(
                 [for_bitwise(t, op) for t in tensors], timeout,
                 lambda i, parts: write(i, bitwise_reduce(parts, op).reshape(tensors[i].shape)),
-                tensors)
+                tensors, waited=waited)
         prepared = [for_reduction(t, op) for t in tensors]
-        starts = [lambda w=w, t=t: self.gradstar_group.all_reduce(
-                      w, op, async_op=True, timeout=timeout,
-                      out=w if in_place and w is t and _viewable(t) else None, wire=wire)
+        starts = [self._call("all_reduce", w, op, timeout=timeout,
+                             out=w if in_place and w is t and _viewable(t) else None, wire=wire)
                   for (w, _), t in zip(prepared, tensors, strict=True)]
 
         def finish(results):
@@ -78,23 +79,23 @@ class Collectives:
                 write(i, restore(result))
             return tensors
 
-        return self._launch(starts, finish, tensors)
+        return self._launch(starts, finish, tensors, waited=waited)
 
     def _gather(self, inputs: list[torch.Tensor], timeout: float | None,
-                write: Callable[[int, list[torch.Tensor]], None], result):
+                write: Callable[[int, list[torch.Tensor]], None], result, *,
+                waited: bool = False):
         prepared = [for_transfer(t) for t in inputs]
-        starts = [lambda w=w: self.gradstar_group.all_gather(w, async_op=True, timeout=timeout)
-                  for w, _ in prepared]
+        starts = [self._call("all_gather", w, timeout=timeout) for w, _ in prepared]
 
         def finish(results):
             for i, ((_, restore), parts) in enumerate(zip(prepared, results, strict=True)):
                 write(i, [restore(p) for p in parts])
             return result
 
-        return self._launch(starts, finish, [inputs, result])
+        return self._launch(starts, finish, [inputs, result], waited=waited)
 
     def _scatter_reduce(self, outputs: list[torch.Tensor], flats: list[torch.Tensor], op: str,
-                        timeout: float | None):
+                        timeout: float | None, waited: bool = False):
         world = self.size()
         for out, flat in zip(outputs, flats, strict=True):
             check_dense(flat)  # before reshape(), whose own error would not say why
@@ -107,25 +108,24 @@ class Collectives:
                 outputs[i].copy_(whole[me].reshape(outputs[i].shape))
 
             return self._gather([for_bitwise(flat, op) for flat in flats], timeout, write,
-                                outputs)
+                                outputs, waited=waited)
         prepared = [for_reduction(flat.reshape(world, -1), op) for flat in flats]
-        starts = [lambda w=w: self.gradstar_group.reduce_scatter(w, op, async_op=True,
-                                                                 timeout=timeout)
-                  for w, _ in prepared]
+        starts = [self._call("reduce_scatter", w, op, timeout=timeout) for w, _ in prepared]
 
         def finish(results):
             for out, (_, restore), shard in zip(outputs, prepared, results, strict=True):
                 out.copy_(restore(shard).reshape(out.shape))
             return outputs
 
-        return self._launch(starts, finish, [outputs, flats])
+        return self._launch(starts, finish, [outputs, flats], waited=waited)
 
     def allreduce(self, tensors, opts=None):
         tensors = tensor_list(tensors)
         if any(t.layout == torch.sparse_coo for t in tensors):
             return self._sparse_allreduce(tensors, reduce_op_name(opts), seconds_of(opts))
         return self._reduce(tensors, reduce_op_name(opts), seconds_of(opts),
-                            lambda i, r: tensors[i].copy_(r), in_place=True)
+                            lambda i, r: tensors[i].copy_(r), in_place=True,
+                            waited=caller_waits(opts))
 
     def allreduce_wire(self, tensor: torch.Tensor, op: str = "mean", *, wire: str,
                        timeout: float | None = None):
@@ -204,19 +204,20 @@ class Collectives:
             if self.rank() == root:
                 tensors[i].copy_(r)
 
-        return self._reduce(tensors, reduce_op_name(opts), seconds_of(opts), write)
+        return self._reduce(tensors, reduce_op_name(opts), seconds_of(opts), write,
+                            waited=caller_waits(opts))
 
     def broadcast(self, tensors, opts=None):
         tensors = tensor_list(tensors)
         return self._broadcast(tensors, getattr(opts, "rootRank", 0), seconds_of(opts),
-                               lambda i, r: tensors[i].copy_(r), tensors)
+                               lambda i, r: tensors[i].copy_(r), tensors,
+                               waited=caller_waits(opts))
 
     def _broadcast(self, tensors: list[torch.Tensor], root: int, timeout: float | None,
-                   write: Callable[[int, torch.Tensor], None], result):
+                   write: Callable[[int, torch.Tensor], None], result, *,
+                   waited: bool = False):
         prepared = [for_transfer(t) for t in tensors]
-        starts = [lambda w=w: self.gradstar_group.broadcast(w, root, async_op=True,
-                                                            timeout=timeout)
-                  for w, _ in prepared]
+        starts = [self._call("broadcast", w, root, timeout=timeout) for w, _ in prepared]
 
         def finish(results):
             if self.rank() != root:
@@ -224,7 +225,7 @@ class Collectives:
                     write(i, restore(r))
             return result
 
-        return self._launch(starts, finish, [tensors, result])
+        return self._launch(starts, finish, [tensors, result], waited=waited)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         inputs = tensor_list(input_tensors)
@@ -322,8 +323,8 @@ class Collectives:
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def barrier(self, opts=None):
-        return self._launch([lambda: self.gradstar_group.barrier(
-            async_op=True, timeout=seconds_of(opts))], lambda _results: [], [])
+        return self._launch([self._call("barrier", timeout=seconds_of(opts))],
+                            lambda _results: [], [], waited=caller_waits(opts))
 
     def monitored_barrier(self, timeout: timedelta | None = None,
                           wait_all_ranks: bool = False) -> None:
