@@ -54,6 +54,29 @@ CONFIGS = ("gloo", "sdk", "backend")
 # -- rank bodies (spawned processes) -----------------------------------------------------------
 
 
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of each of this process's threads so far, from /proc, summed
+    by name (Python's thread name, else the OS's, e.g. gRPC's ``event_engine``) with digits
+    dropped."""
+    import os
+    import re
+    import threading
+
+    python = {t.native_id: t.name for t in threading.enumerate()}
+    ticks, out = os.sysconf("SC_CLK_TCK"), {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = re.sub(r"\d+", "_", python.get(int(tid)) or f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
 def _loop(rank: int, world_size: int, x, all_reduce, barrier, warmup: int, iters: int,
           sync, profile: str | None) -> dict:
     """Warm up, then time ``iters`` calls of ``all_reduce()`` on ``x`` (restored before each
@@ -79,7 +102,7 @@ def _loop(rank: int, world_size: int, x, all_reduce, barrier, warmup: int, iters
     if sync is not None:
         sync.reach(0)
     profiler = cProfile.Profile() if profile and rank == 0 else None
-    times, cpu_s = [], 0.0
+    times, cpu_s, threads0 = [], 0.0, _thread_cpu()
     for _ in range(iters):
         x.copy_(base)  # neither timed nor counted: not communication
         cpu0 = time.process_time()
@@ -91,12 +114,13 @@ def _loop(rank: int, world_size: int, x, all_reduce, barrier, warmup: int, iters
             all_reduce()
         times.append(time.perf_counter() - t0)
         cpu_s += time.process_time() - cpu0
+    threads = {name: cpu - threads0.get(name, 0.0) for name, cpu in _thread_cpu().items()}
     if sync is not None:
         sync.reach(1)
     check("last")
     if profiler is not None:
         profiler.dump_stats(profile)
-    return {"times": times, "cpu_s": cpu_s, "join_s": 0.0}
+    return {"times": times, "cpu_s": cpu_s, "join_s": 0.0, "threads": threads}
 
 
 def gloo_rank(rank: int, world_size: int, init_method: str, elements: int, warmup: int,
@@ -173,9 +197,9 @@ def run_one(config: str, ranks: int, elements: int, warmup: int, iters: int, tim
     label = f"{config} {elements * 4 / MiB:g}MiB"
     if config == "gloo":
         args = (f"tcp://127.0.0.1:{free_port()}", elements, warmup, iters, profile)
-        summary = summarize(run_ranks(gloo_rank, ranks, args, timeout=timeout, label=label),
-                            elements * 4, iters)
-        return summary | {"hub_cpu_s_per_gb": 0.0}
+        results = run_ranks(gloo_rank, ranks, args, timeout=timeout, label=label)
+        summary = summarize(results, elements * 4, iters)
+        return summary | {"hub_cpu_s_per_gb": 0.0, "rank0_threads": results[0]["threads"]}
     target = sdk_rank if config == "sdk" else backend_rank
     job = f"bench-backend-cost-{config}-{uuid.uuid4().hex[:8]}"
     run = run_sampled(target, ranks, lambda address, sync: (address, job, elements, warmup,
@@ -183,7 +207,8 @@ def run_one(config: str, ranks: int, elements: int, warmup: int, iters: int, tim
                       shards=0, path="stream", nbytes=elements * 4, timeout=timeout,
                       label=label)
     summary = summarize(run.results, elements * 4, iters)
-    return summary | hub_cpu(run.samples, summary["gb_moved"])
+    return summary | hub_cpu(run.samples, summary["gb_moved"]) | {
+        "rank0_threads": run.results[0]["threads"]}
 
 
 def _total(result: dict) -> float | None:
@@ -231,6 +256,23 @@ def table(rows: dict) -> str:
                         lines)
 
 
+def thread_lines(rows: dict) -> list[str]:
+    """Rank 0's CPU per call by thread (median over repeats; the main thread's includes the
+    untimed restore of the tensor), the busiest threads first."""
+    lines = []
+    for size, by_config in rows.items():
+        for config, runs in by_config.items():
+            calls = len(runs[0]["rank0_times_ms"])
+            names = {name for r in runs for name in r["rank0_threads"]}
+            per_call = {name: median([r["rank0_threads"].get(name, 0.0) for r in runs])
+                        / calls * 1e3 for name in names}
+            busy = sorted(((ms, name) for name, ms in per_call.items() if ms >= 0.05),
+                          reverse=True)
+            lines.append(f"{size:g} MiB {config}: " + ", ".join(
+                f"{name} {ms:.2f}" for ms, name in busy))
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="CPU per byte: torch.distributed backend 'gradstar' vs the SDK vs gloo.")
@@ -275,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
     print()
     print(table(rows))
+    print("\nrank 0's CPU ms per call by thread (from /proc; the main thread's includes the "
+          "untimed restore of the tensor):")
+    for line in thread_lines(rows):
+        print("  " + line)
     print(f"\nmedians over {args.repeats} alternated runs of rank 0's median ms and of CPU s/GB "
           f"(ranks: process_time of every rank; hub: the coordinator's user+system; GB = bytes "
           f"per rank x ranks x calls, 1e9); CPU / sdk, ms / gloo, ...: ratios of those medians. "
