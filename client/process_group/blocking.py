@@ -103,8 +103,9 @@ class ProcessGroup:
         as the blocking call does; a larger one on the loop, waited for here.
 
         Raises:
-            What ``method`` raises before the collective is issued (bad arguments, a closed
-            or failed group); the collective's own failure is the Work's, raised by ``wait``.
+            GradstarError: what ``method`` raises before the collective is issued (bad
+                arguments, a closed or failed group); the collective's own failure is the
+                Work's, raised by ``wait``.
         """
         awaitable = getattr(self._group, method)(*args, **kwargs)
         if isinstance(awaitable, DirectCall):
