@@ -192,8 +192,9 @@ class Collectives:
                 t.copy_(restore(r))
             return tensors
 
-        return self._launch([lambda: self.gradstar_group.all_reduce_coalesced(
-            [w for w, _ in prepared], op, async_op=True, timeout=timeout)], finish, tensors)
+        return self._launch([self._call("all_reduce_coalesced", [w for w, _ in prepared], op,
+                                        timeout=timeout)], finish, tensors,
+                            waited=caller_waits(opts))
 
     def reduce(self, tensors, opts=None):
         """torch's reduce, as an all_reduce whose result only the root keeps."""
@@ -238,7 +239,8 @@ class Collectives:
             for out, part in zip(output_tensors[i], parts, strict=True):
                 out.copy_(part.reshape(out.shape))
 
-        return self._gather(inputs, seconds_of(opts), write, output_tensors)
+        return self._gather(inputs, seconds_of(opts), write, output_tensors,
+                            waited=caller_waits(opts))
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """torch's all_gather_coalesced: ``output_lists[rank][i]`` receives input ``i`` of
@@ -254,7 +256,8 @@ class Collectives:
             for outs, part in zip(output_lists, parts, strict=True):
                 outs[i].copy_(part.reshape(outs[i].shape))
 
-        return self._gather(inputs, seconds_of(opts), write, output_lists)
+        return self._gather(inputs, seconds_of(opts), write, output_lists,
+                            waited=caller_waits(opts))
 
     def all_gather_single(self, output_tensor, input_tensor, opts=None):
         return self.all_gather_single_coalesced([output_tensor], [input_tensor], opts)
@@ -266,7 +269,8 @@ class Collectives:
         for out, t in zip(outputs, inputs, strict=True):
             check_numel("all_gather_into_tensor's output", out.numel(), t.numel() * self.size())
         return self._gather(inputs, seconds_of(opts),
-                            lambda i, parts: write_rows(outputs[i], parts), outputs)
+                            lambda i, parts: write_rows(outputs[i], parts), outputs,
+                            waited=caller_waits(opts))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -280,7 +284,8 @@ class Collectives:
                 for out, part in zip(output_tensors[i], parts, strict=True):
                     out.copy_(part.reshape(out.shape))
 
-        return self._gather(inputs, seconds_of(opts), write, output_tensors)
+        return self._gather(inputs, seconds_of(opts), write, output_tensors,
+                            waited=caller_waits(opts))
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         """torch's scatter, as a broadcast of the root's inputs of which each rank keeps its own."""
@@ -299,7 +304,8 @@ class Collectives:
             for out, whole in zip(outputs, stacked, strict=True):
                 out.copy_(whole[me])
         return self._broadcast(stacked, root, seconds_of(opts),
-                               lambda i, whole: outputs[i].copy_(whole[me]), outputs)
+                               lambda i, whole: outputs[i].copy_(whole[me]), outputs,
+                               waited=caller_waits(opts))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         outputs = tensor_list(output_tensors)
@@ -309,7 +315,8 @@ class Collectives:
                 check_dense(part)
                 check_numel("a reduce_scatter input", part.numel(), out.numel())
         flats = [torch.cat([p.reshape(-1) for p in parts]) for parts in input_tensors]
-        return self._scatter_reduce(outputs, flats, reduce_op_name(opts), seconds_of(opts))
+        return self._scatter_reduce(outputs, flats, reduce_op_name(opts), seconds_of(opts),
+                                    caller_waits(opts))
 
     def reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
         return self.reduce_scatter_single_coalesced([output_tensor], [input_tensor], opts)
@@ -318,7 +325,8 @@ class Collectives:
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         outputs, inputs = tensor_list(outputs), tensor_list(inputs)
-        return self._scatter_reduce(outputs, inputs, reduce_op_name(opts), seconds_of(opts))
+        return self._scatter_reduce(outputs, inputs, reduce_op_name(opts), seconds_of(opts),
+                                    caller_waits(opts))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 

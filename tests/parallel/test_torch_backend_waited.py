@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 import gradstar
 from gradstar.client.torch_backend.group import ProcessGroupGradstar
@@ -48,6 +49,14 @@ def rank_body(address: str, rank: int, job: str, finished: threading.Event) -> d
                             "exact": bool((t == 3.0).all()), "wait": work.wait()}
         work = pg.barrier(_opts(dist.BarrierOptions, waited=True))
         report["barrier"] = work.is_completed() and work.wait()
+        gathered = torch.zeros(2 * TINY)
+        work = pg._allgather_base(gathered, torch.full((TINY,), float(rank)),
+                                  _opts(c10d.AllgatherOptions, waited=True))
+        report["all_gather"] = (work.is_completed(), gathered[TINY - 1:TINY + 1].tolist())
+        shard = torch.zeros(TINY)
+        work = pg._reduce_scatter_base(shard, torch.arange(2.0 * TINY),
+                                       _opts(c10d.ReduceScatterOptions, waited=True))
+        report["reduce_scatter"] = (work.is_completed(), shard[:1].tolist())
         report["threads_after_waited"] = _completion_threads(prefix)
         # Ranks disagree on the shape: the Work fails with the hub's error, labelled.
         bad = pg.allreduce([torch.ones(4 + rank)], _opts(dist.AllreduceOptions, waited=True))
@@ -87,6 +96,8 @@ async def test_a_waited_collective_is_settled_on_the_callers_thread(start_coordi
         for name in ("tiny", "large"):
             assert report[name] == {"settled_at_return": True, "exact": True, "wait": True}
         assert report["barrier"] is True
+        assert report["all_gather"] == (True, [0.0, 1.0])
+        assert report["reduce_scatter"] == (True, [2.0 * TINY * rank])  # 2 x arange, shard r
         assert report["threads_after_waited"] == [], report  # no completion thread started
         settled, message = report["mismatch"]
         assert settled and message.startswith(f"[Rank {rank}] ranks disagree"), message
