@@ -3,14 +3,17 @@
 A pure-Python subclass of ``torch.distributed.ProcessGroup`` wrapping one blocking gradstar
 :class:`~gradstar.client.process_group.ProcessGroup` (one gradstar job). torch uses it directly
 as the group: ``dist.all_reduce``, DDP's reducer and FSDP2 call the methods below, each of which
-starts gradstar collectives with ``async_op=True`` and returns a
-:class:`~gradstar.client.torch_backend.work.GradstarWork`. The group itself (here) is what torch
-asks about it, the machinery that starts collectives and its shutdown; the calls are in two
-mixins, :mod:`.collectives` (what goes through the hub) and :mod:`.point_to_point` (send, recv
-and all_to_all, over peer streams).
+starts gradstar collectives (with ``async_op=True``, or to their end for a waited call) and
+returns a :class:`~gradstar.client.torch_backend.work.GradstarWork`. The group itself (here) is
+what torch asks about it, the machinery that starts collectives and its shutdown; the calls are
+in two mixins, :mod:`.collectives` (what goes through the hub) and :mod:`.point_to_point`
+(send, recv and all_to_all, over peer streams).
 
 * **Order.** Every gradstar collective takes its sequence number when it is started, here, in
   the caller's thread, so collectives match on the hub in the order torch issued them.
+* **Waited calls.** A call torch waits for at once (``opts.asyncOp`` False: ``dist.all_reduce(t)``
+  without ``async_op=True``) runs its gradstar collective to its end in the caller's thread and
+  returns a settled Work (see ``_launch``); the others return at once.
 * **In place.** As with torch's own backends the results land in the tensors torch passed
   (all_reduce, broadcast, the output tensors of gathers and scatters), written when the Work is
   settled: by ``wait()`` or by a completion thread, whichever comes first.
