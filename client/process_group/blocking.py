@@ -95,6 +95,30 @@ class ProcessGroup:
         return self._call(self._group.all_to_all_single(
             x, output_split_sizes, input_split_sizes, timeout=timeout), async_op)
 
+    def settled(self, method: str, *args, **kwargs) -> Work:
+        """Collective ``method`` (``"all_reduce"``, ``"barrier"``, ...; the arguments as that
+        method's, without ``async_op``) run to its end now, as a settled Work: for a caller
+        that waits at once but wants the collective's failure as the Work's, as torch's
+        ``dist.all_reduce(t)`` does. A small collective runs on this thread (the direct lane),
+        as the blocking call does; a larger one on the loop, waited for here.
+
+        Raises:
+            GradstarError: what ``method`` raises before the collective is issued (bad
+                arguments, a closed or failed group); the collective's own failure is the
+                Work's, raised by ``wait``.
+        """
+        awaitable = getattr(self._group, method)(*args, **kwargs)
+        if isinstance(awaitable, DirectCall):
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                future.set_result(awaitable.run())
+            except Exception as error:  # the collective's failure, kept for wait()
+                future.set_exception(error)
+        else:
+            future = self._runner.submit(awaitable)
+            concurrent.futures.wait([future])
+        return Work(future)
+
     def submit(self, coro) -> concurrent.futures.Future:
         """Run ``coro`` on the group's event-loop thread: gradstar's wrappers make their own
         calls there (grpc.aio serves one event loop per process).

@@ -24,6 +24,7 @@ from gradstar.errors import CollectiveTimeoutError, ConfigurationError
 from .convert import (
     BITWISE_OPS,
     bitwise_reduce,
+    caller_waits,
     check_dense,
     check_numel,
     for_bitwise,
@@ -56,21 +57,21 @@ class Collectives:
 
     def _reduce(self, tensors: list[torch.Tensor], op: str, timeout: float | None,
                 write: Callable[[int, torch.Tensor], None], *, in_place: bool = False,
-                wire: str | None = None):
+                wire: str | None = None, waited: bool = False):
         """All_reduce each of ``tensors`` and ``write(i, result)``. ``in_place``: the result
         may overwrite the tensor itself (all_reduce, not reduce), so a contiguous CPU tensor
         of a dtype the hub reduces receives it straight from the wire (``out=``): no result
         array to allocate and fault in, no copy (and ``write``'s copy_ is then a no-op).
-        ``wire``: a compressed wire format (float tensors, not the bitwise ops)."""
+        ``wire``: a compressed wire format (float tensors, not the bitwise ops). ``waited``:
+        the caller waits at once (see ``_launch``)."""
         if op in BITWISE_OPS:
             return self._gather(
                 [for_bitwise(t, op) for t in tensors], timeout,
                 lambda i, parts: write(i, bitwise_reduce(parts, op).reshape(tensors[i].shape)),
-                tensors)
+                tensors, waited=waited)
         prepared = [for_reduction(t, op) for t in tensors]
-        starts = [lambda w=w, t=t: self.gradstar_group.all_reduce(
-                      w, op, async_op=True, timeout=timeout,
-                      out=w if in_place and w is t and _viewable(t) else None, wire=wire)
+        starts = [self._call("all_reduce", w, op, timeout=timeout,
+                             out=w if in_place and w is t and _viewable(t) else None, wire=wire)
                   for (w, _), t in zip(prepared, tensors, strict=True)]
 
         def finish(results):
@@ -78,23 +79,23 @@ class Collectives:
                 write(i, restore(result))
             return tensors
 
-        return self._launch(starts, finish, tensors)
+        return self._launch(starts, finish, tensors, waited=waited)
 
     def _gather(self, inputs: list[torch.Tensor], timeout: float | None,
-                write: Callable[[int, list[torch.Tensor]], None], result):
+                write: Callable[[int, list[torch.Tensor]], None], result, *,
+                waited: bool = False):
         prepared = [for_transfer(t) for t in inputs]
-        starts = [lambda w=w: self.gradstar_group.all_gather(w, async_op=True, timeout=timeout)
-                  for w, _ in prepared]
+        starts = [self._call("all_gather", w, timeout=timeout) for w, _ in prepared]
 
         def finish(results):
             for i, ((_, restore), parts) in enumerate(zip(prepared, results, strict=True)):
                 write(i, [restore(p) for p in parts])
             return result
 
-        return self._launch(starts, finish, [inputs, result])
+        return self._launch(starts, finish, [inputs, result], waited=waited)
 
     def _scatter_reduce(self, outputs: list[torch.Tensor], flats: list[torch.Tensor], op: str,
-                        timeout: float | None):
+                        timeout: float | None, waited: bool = False):
         world = self.size()
         for out, flat in zip(outputs, flats, strict=True):
             check_dense(flat)  # before reshape(), whose own error would not say why
@@ -107,25 +108,24 @@ class Collectives:
                 outputs[i].copy_(whole[me].reshape(outputs[i].shape))
 
             return self._gather([for_bitwise(flat, op) for flat in flats], timeout, write,
-                                outputs)
+                                outputs, waited=waited)
         prepared = [for_reduction(flat.reshape(world, -1), op) for flat in flats]
-        starts = [lambda w=w: self.gradstar_group.reduce_scatter(w, op, async_op=True,
-                                                                 timeout=timeout)
-                  for w, _ in prepared]
+        starts = [self._call("reduce_scatter", w, op, timeout=timeout) for w, _ in prepared]
 
         def finish(results):
             for out, (_, restore), shard in zip(outputs, prepared, results, strict=True):
                 out.copy_(restore(shard).reshape(out.shape))
             return outputs
 
-        return self._launch(starts, finish, [outputs, flats])
+        return self._launch(starts, finish, [outputs, flats], waited=waited)
 
     def allreduce(self, tensors, opts=None):
         tensors = tensor_list(tensors)
         if any(t.layout == torch.sparse_coo for t in tensors):
             return self._sparse_allreduce(tensors, reduce_op_name(opts), seconds_of(opts))
         return self._reduce(tensors, reduce_op_name(opts), seconds_of(opts),
-                            lambda i, r: tensors[i].copy_(r), in_place=True)
+                            lambda i, r: tensors[i].copy_(r), in_place=True,
+                            waited=caller_waits(opts))
 
     def allreduce_wire(self, tensor: torch.Tensor, op: str = "mean", *, wire: str,
                        timeout: float | None = None):
@@ -192,8 +192,9 @@ class Collectives:
                 t.copy_(restore(r))
             return tensors
 
-        return self._launch([lambda: self.gradstar_group.all_reduce_coalesced(
-            [w for w, _ in prepared], op, async_op=True, timeout=timeout)], finish, tensors)
+        return self._launch([self._call("all_reduce_coalesced", [w for w, _ in prepared], op,
+                                        timeout=timeout)], finish, tensors,
+                            waited=caller_waits(opts))
 
     def reduce(self, tensors, opts=None):
         """torch's reduce, as an all_reduce whose result only the root keeps."""
@@ -204,19 +205,20 @@ class Collectives:
             if self.rank() == root:
                 tensors[i].copy_(r)
 
-        return self._reduce(tensors, reduce_op_name(opts), seconds_of(opts), write)
+        return self._reduce(tensors, reduce_op_name(opts), seconds_of(opts), write,
+                            waited=caller_waits(opts))
 
     def broadcast(self, tensors, opts=None):
         tensors = tensor_list(tensors)
         return self._broadcast(tensors, getattr(opts, "rootRank", 0), seconds_of(opts),
-                               lambda i, r: tensors[i].copy_(r), tensors)
+                               lambda i, r: tensors[i].copy_(r), tensors,
+                               waited=caller_waits(opts))
 
     def _broadcast(self, tensors: list[torch.Tensor], root: int, timeout: float | None,
-                   write: Callable[[int, torch.Tensor], None], result):
+                   write: Callable[[int, torch.Tensor], None], result, *,
+                   waited: bool = False):
         prepared = [for_transfer(t) for t in tensors]
-        starts = [lambda w=w: self.gradstar_group.broadcast(w, root, async_op=True,
-                                                            timeout=timeout)
-                  for w, _ in prepared]
+        starts = [self._call("broadcast", w, root, timeout=timeout) for w, _ in prepared]
 
         def finish(results):
             if self.rank() != root:
@@ -224,7 +226,7 @@ class Collectives:
                     write(i, restore(r))
             return result
 
-        return self._launch(starts, finish, [tensors, result])
+        return self._launch(starts, finish, [tensors, result], waited=waited)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         inputs = tensor_list(input_tensors)
@@ -237,7 +239,8 @@ class Collectives:
             for out, part in zip(output_tensors[i], parts, strict=True):
                 out.copy_(part.reshape(out.shape))
 
-        return self._gather(inputs, seconds_of(opts), write, output_tensors)
+        return self._gather(inputs, seconds_of(opts), write, output_tensors,
+                            waited=caller_waits(opts))
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """torch's all_gather_coalesced: ``output_lists[rank][i]`` receives input ``i`` of
@@ -253,7 +256,8 @@ class Collectives:
             for outs, part in zip(output_lists, parts, strict=True):
                 outs[i].copy_(part.reshape(outs[i].shape))
 
-        return self._gather(inputs, seconds_of(opts), write, output_lists)
+        return self._gather(inputs, seconds_of(opts), write, output_lists,
+                            waited=caller_waits(opts))
 
     def all_gather_single(self, output_tensor, input_tensor, opts=None):
         return self.all_gather_single_coalesced([output_tensor], [input_tensor], opts)
@@ -265,7 +269,8 @@ class Collectives:
         for out, t in zip(outputs, inputs, strict=True):
             check_numel("all_gather_into_tensor's output", out.numel(), t.numel() * self.size())
         return self._gather(inputs, seconds_of(opts),
-                            lambda i, parts: write_rows(outputs[i], parts), outputs)
+                            lambda i, parts: write_rows(outputs[i], parts), outputs,
+                            waited=caller_waits(opts))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -279,7 +284,8 @@ class Collectives:
                 for out, part in zip(output_tensors[i], parts, strict=True):
                     out.copy_(part.reshape(out.shape))
 
-        return self._gather(inputs, seconds_of(opts), write, output_tensors)
+        return self._gather(inputs, seconds_of(opts), write, output_tensors,
+                            waited=caller_waits(opts))
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         """torch's scatter, as a broadcast of the root's inputs of which each rank keeps its own."""
@@ -298,7 +304,8 @@ class Collectives:
             for out, whole in zip(outputs, stacked, strict=True):
                 out.copy_(whole[me])
         return self._broadcast(stacked, root, seconds_of(opts),
-                               lambda i, whole: outputs[i].copy_(whole[me]), outputs)
+                               lambda i, whole: outputs[i].copy_(whole[me]), outputs,
+                               waited=caller_waits(opts))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         outputs = tensor_list(output_tensors)
@@ -308,7 +315,8 @@ class Collectives:
                 check_dense(part)
                 check_numel("a reduce_scatter input", part.numel(), out.numel())
         flats = [torch.cat([p.reshape(-1) for p in parts]) for parts in input_tensors]
-        return self._scatter_reduce(outputs, flats, reduce_op_name(opts), seconds_of(opts))
+        return self._scatter_reduce(outputs, flats, reduce_op_name(opts), seconds_of(opts),
+                                    caller_waits(opts))
 
     def reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
         return self.reduce_scatter_single_coalesced([output_tensor], [input_tensor], opts)
@@ -317,13 +325,14 @@ class Collectives:
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         outputs, inputs = tensor_list(outputs), tensor_list(inputs)
-        return self._scatter_reduce(outputs, inputs, reduce_op_name(opts), seconds_of(opts))
+        return self._scatter_reduce(outputs, inputs, reduce_op_name(opts), seconds_of(opts),
+                                    caller_waits(opts))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def barrier(self, opts=None):
-        return self._launch([lambda: self.gradstar_group.barrier(
-            async_op=True, timeout=seconds_of(opts))], lambda _results: [], [])
+        return self._launch([self._call("barrier", timeout=seconds_of(opts))],
+                            lambda _results: [], [], waited=caller_waits(opts))
 
     def monitored_barrier(self, timeout: timedelta | None = None,
                           wait_all_ranks: bool = False) -> None:

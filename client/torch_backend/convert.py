@@ -77,6 +77,13 @@ def seconds_of(opts) -> float | None:
     return None
 
 
+def caller_waits(opts) -> bool:
+    """Whether torch's caller waits for the Work at once: ``opts.asyncOp`` is False (torch's
+    ``dist.all_reduce(t)``, ``dist.barrier()``, ... without ``async_op=True``; torch's options
+    default to True, as DDP's and FSDP's own calls leave them)."""
+    return getattr(opts, "asyncOp", True) is False
+
+
 def tensor_list(tensors) -> list[torch.Tensor]:
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
@@ -223,6 +230,7 @@ __all__ = [
     "BITWISE_OPS",
     "Restore",
     "bitwise_reduce",
+    "caller_waits",
     "check_dense",
     "check_numel",
     "cuda_devices",

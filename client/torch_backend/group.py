@@ -3,14 +3,17 @@
 A pure-Python subclass of ``torch.distributed.ProcessGroup`` wrapping one blocking gradstar
 :class:`~gradstar.client.process_group.ProcessGroup` (one gradstar job). torch uses it directly
 as the group: ``dist.all_reduce``, DDP's reducer and FSDP2 call the methods below, each of which
-starts gradstar collectives with ``async_op=True`` and returns a
-:class:`~gradstar.client.torch_backend.work.GradstarWork`. The group itself (here) is what torch
-asks about it, the machinery that starts collectives and its shutdown; the calls are in two
-mixins, :mod:`.collectives` (what goes through the hub) and :mod:`.point_to_point` (send, recv
-and all_to_all, over peer streams).
+starts gradstar collectives (with ``async_op=True``, or to their end for a waited call) and
+returns a :class:`~gradstar.client.torch_backend.work.GradstarWork`. The group itself (here) is
+what torch asks about it, the machinery that starts collectives and its shutdown; the calls are
+in two mixins, :mod:`.collectives` (what goes through the hub) and :mod:`.point_to_point`
+(send, recv and all_to_all, over peer streams).
 
 * **Order.** Every gradstar collective takes its sequence number when it is started, here, in
   the caller's thread, so collectives match on the hub in the order torch issued them.
+* **Waited calls.** A call torch waits for at once (``opts.asyncOp`` False: ``dist.all_reduce(t)``
+  without ``async_op=True``) runs its gradstar collective to its end in the caller's thread and
+  returns a settled Work (see ``_launch``); the others return at once.
 * **In place.** As with torch's own backends the results land in the tensors torch passed
   (all_reduce, broadcast, the output tensors of gathers and scatters), written when the Work is
   settled: by ``wait()`` or by a completion thread, whichever comes first.
@@ -42,6 +45,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
@@ -53,6 +57,24 @@ from .collectives import Collectives, MonitoredBarrierError
 from .convert import cuda_devices, tensors_in
 from .point_to_point import AnySourceWork, BackendUnsupportedError, PointToPoint
 from .work import CompletionThreads, GradstarWork
+
+
+@dataclass(frozen=True)
+class Call:
+    """A start for :meth:`ProcessGroupGradstar._launch`: the gradstar ProcessGroup's collective
+    ``method`` with these arguments, started with ``async_op=True`` (calling it) or run to its
+    end now (:meth:`settled`)."""
+
+    group: ProcessGroup
+    method: str
+    args: tuple
+    kwargs: dict
+
+    def __call__(self):
+        return getattr(self.group, self.method)(*self.args, async_op=True, **self.kwargs)
+
+    def settled(self):
+        return self.group.settled(self.method, *self.args, **self.kwargs)
 
 
 class ProcessGroupGradstar(Collectives, PointToPoint, dist.ProcessGroup):
@@ -105,10 +127,21 @@ class ProcessGroupGradstar(Collectives, PointToPoint, dist.ProcessGroup):
 
     # -- machinery -----------------------------------------------------------------------------
 
+    def _call(self, method: str, *args, **kwargs) -> Call:
+        """A start for :meth:`_launch`: ``gradstar_group.<method>(*args, **kwargs)``."""
+        return Call(self.gradstar_group, method, args, kwargs)
+
     def _launch(self, starts: Sequence[Callable[[], object]],
                 finish: Callable[[list], object], tensors,
-                work_type: type[GradstarWork] = GradstarWork) -> GradstarWork:
+                work_type: type[GradstarWork] = GradstarWork, *,
+                waited: bool = False) -> GradstarWork:
         """Start gradstar collectives (in order, here) and wrap them in one Work.
+
+        ``waited``: the caller waits for the Work at once (torch's ``async_op=False``,
+        :func:`.convert.caller_waits`). One collective on CPU tensors (a :class:`Call`) then
+        runs to its end here and the Work comes back settled (:meth:`~gradstar.client.
+        process_group.ProcessGroup.settled`): a small one on this thread over gradstar's direct
+        lane, and no completion thread either way -- the same collective, checks and errors.
 
         ``tensors`` (nested lists allowed) are every tensor the collectives read or write. On a
         CUDA device, what the caller queued on its current stream is finished before anything
@@ -126,15 +159,19 @@ class ProcessGroupGradstar(Collectives, PointToPoint, dist.ProcessGroup):
         devices = cuda_devices(every)
         for device in devices:
             synchronize(device)
+        here = (waited and not devices and len(starts) == 1 and isinstance(starts[0], Call)
+                and work_type is GradstarWork)
         try:
-            pending = [start() for start in starts]
+            pending = [starts[0].settled()] if here else [start() for start in starts]
         except ValueError:
             raise
         except GradstarError as error:
             return GradstarWork.failed(error, self._completions, label=self._error_label)
         work = work_type(pending, finish, self._completions, label=self._error_label,
                          devices=devices,
-                         inference=any(t.is_inference() for t in every))
+                         inference=any(t.is_inference() for t in every), here=here)
+        if here:
+            return work  # settled: nothing left to abandon at shutdown
         with self._lock:
             self._in_flight.add(work)
         return work
@@ -163,5 +200,5 @@ class ProcessGroupGradstar(Collectives, PointToPoint, dist.ProcessGroup):
     abort = shutdown
 
 
-__all__ = ["AnySourceWork", "BackendUnsupportedError", "MonitoredBarrierError",
+__all__ = ["AnySourceWork", "BackendUnsupportedError", "Call", "MonitoredBarrierError",
            "ProcessGroupGradstar"]

@@ -10,7 +10,10 @@ Three rules, each learned from a failure on torch 2.13:
   future and throws.
 * Futures are completed on :class:`CompletionThreads`, never on gradstar's asyncio loop thread:
   a callback may issue a collective and wait for it (PowerSGD does), which deadlocks if it runs
-  on the thread that has to drive that collective.
+  on the thread that has to drive that collective. (A Work whose caller waits at once,
+  torch's ``async_op=False``, is settled on the caller's own thread before torch sees it: no
+  callback can be attached to it yet, and the hand-off to a completion thread cost each call
+  two thread wake-ups; see :mod:`.group`.)
 * :meth:`GradstarWork.wait` does not depend on the completion threads either: it settles the
   collective itself (waits for gradstar's result and writes it into torch's tensors) if no
   completion thread has yet, so a callback that waits for another collective cannot deadlock.
@@ -170,11 +173,17 @@ class GradstarWork(dist._Work):
     the torch future (the output tensors, as torch's own backends return). ``devices`` are the
     CUDA devices of the tensors the collective reads and writes (see the module docstring);
     the caller has synchronized their current streams before starting the collectives.
+
+    ``here``: the collectives have ended already (the caller waits at once and ran them to
+    their end, :meth:`gradstar.client.process_group.ProcessGroup.settled`), so the results are
+    written and the future completed on this thread, now, rather than on a completion thread
+    that this thread would wait for; CPU tensors only (no ``devices``).
     """
 
     def __init__(self, pending: Sequence, finish: Callable[[list], object],
                  completions: CompletionThreads, *, label: str = "",
-                 devices: Sequence[torch.device] = (), inference: bool = False) -> None:
+                 devices: Sequence[torch.device] = (), inference: bool = False,
+                 here: bool = False) -> None:
         super().__init__()
         self._label = label  # prefixes the messages of the gradstar errors it raises
         self._pending = list(pending)
@@ -197,6 +206,10 @@ class GradstarWork(dist._Work):
         self._record = None
         self._record_ended: threading.Event | None = None
         self._completing = False
+        if here:
+            # Settled already (see the class docstring): finish on this thread, no hand-off.
+            self._complete()
+            return
         if not self._pending:
             completions.submit(self._complete)
         for work in self._pending:

@@ -1,0 +1,108 @@
+"""Collectives whose torch caller waits at once (``dist.all_reduce(t)``: ``opts.asyncOp`` False)
+run to their end on the caller's thread and come back settled, with no completion thread
+(gradstar.client.torch_backend.group's ``_launch``), against a real coordinator: two ranks, each
+a real blocking gradstar ProcessGroup under the backend's ProcessGroupGradstar, on threads of
+this process. Exact results, the hub's errors labelled and raised by ``wait()`` as before, a
+finished rank named; an ``async_op=True`` call still completes on a completion thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+import gradstar
+from gradstar.client.torch_backend.group import ProcessGroupGradstar
+from gradstar.client.torch_backend.work import CompletionThreads
+from gradstar.errors import CollectiveMismatchError, RankFinishedError
+
+pytestmark = pytest.mark.timeout(120)
+TINY, LARGE = 25, 1 << 18  # float32 elements: 100 bytes (the direct lane), 1 MiB (the loop)
+
+
+def _opts(cls, waited: bool):
+    opts = cls()
+    opts.asyncOp = not waited
+    return opts
+
+
+def _completion_threads(prefix: str) -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(prefix)]
+
+
+def rank_body(address: str, rank: int, job: str, finished: threading.Event) -> dict:
+    prefix = f"waited-test-{job}-{rank}"
+    completions = CompletionThreads(name=prefix)
+    group = gradstar.init_process_group(coordinator=address, job=job, world_size=2, rank=rank,
+                                        timeout=20, join_timeout=20)
+    pg = ProcessGroupGradstar(group, completions)
+    report: dict = {}
+    try:
+        for name, n in (("tiny", TINY), ("large", LARGE)):
+            t = torch.full((n,), float(rank + 1))
+            work = pg.allreduce([t], _opts(dist.AllreduceOptions, waited=True))
+            report[name] = {"settled_at_return": work.is_completed(),
+                            "exact": bool((t == 3.0).all()), "wait": work.wait()}
+        work = pg.barrier(_opts(dist.BarrierOptions, waited=True))
+        report["barrier"] = work.is_completed() and work.wait()
+        gathered = torch.zeros(2 * TINY)
+        work = pg._allgather_base(gathered, torch.full((TINY,), float(rank)),
+                                  _opts(c10d.AllgatherOptions, waited=True))
+        report["all_gather"] = (work.is_completed(), gathered[TINY - 1:TINY + 1].tolist())
+        shard = torch.zeros(TINY)
+        work = pg._reduce_scatter_base(shard, torch.arange(2.0 * TINY),
+                                       _opts(c10d.ReduceScatterOptions, waited=True))
+        report["reduce_scatter"] = (work.is_completed(), shard[:1].tolist())
+        report["threads_after_waited"] = _completion_threads(prefix)
+        # Ranks disagree on the shape: the Work fails with the hub's error, labelled.
+        bad = pg.allreduce([torch.ones(4 + rank)], _opts(dist.AllreduceOptions, waited=True))
+        try:
+            bad.wait()
+        except CollectiveMismatchError as error:
+            report["mismatch"] = (bad.is_completed(), str(error))
+        t = torch.full((TINY,), float(rank + 1))
+        pg.allreduce([t], _opts(dist.AllreduceOptions, waited=True)).wait()
+        report["after"] = t[:2].tolist()
+        t = torch.full((TINY,), float(rank + 1))
+        pg.allreduce([t], _opts(dist.AllreduceOptions, waited=False)).get_future().wait()
+        report["async"] = (t[:2].tolist(), len(_completion_threads(prefix)) > 0)
+        if rank == 1:
+            pg.shutdown()
+            finished.set()
+        else:
+            assert finished.wait(30)
+            lost = pg.allreduce([torch.ones(TINY)], _opts(dist.AllreduceOptions, waited=True))
+            try:
+                lost.wait()
+            except RankFinishedError as error:
+                report["finished"] = str(error)
+    finally:
+        pg.shutdown()
+        completions.close()
+    return report
+
+
+async def test_a_waited_collective_is_settled_on_the_callers_thread(start_coordinator):
+    coordinator = await start_coordinator()
+    finished = threading.Event()
+    reports = await asyncio.wait_for(asyncio.gather(*(
+        asyncio.to_thread(rank_body, coordinator.address, rank, "waited", finished)
+        for rank in (0, 1))), 90)
+    for rank, report in enumerate(reports):
+        for name in ("tiny", "large"):
+            assert report[name] == {"settled_at_return": True, "exact": True, "wait": True}
+        assert report["barrier"] is True
+        assert report["all_gather"] == (True, [0.0, 1.0])
+        assert report["reduce_scatter"] == (True, [2.0 * TINY * rank])  # 2 x arange, shard r
+        assert report["threads_after_waited"] == [], report  # no completion thread started
+        settled, message = report["mismatch"]
+        assert settled and message.startswith(f"[Rank {rank}] ranks disagree"), message
+        assert "(shape differs)" in message
+        assert report["after"] == [3.0, 3.0]
+        assert report["async"] == ([3.0, 3.0], True)
+    message = reports[0]["finished"]
+    assert message.startswith("[Rank 0] rank 1 of job 'waited' finished"), message
