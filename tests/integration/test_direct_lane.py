@@ -5,16 +5,12 @@ the asyncio path, never a hang."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import signal
-import sys
-import time
 
 import pytest
 
 from .conftest import finish, spawn_ranks
-from .test_multiprocess import last_json, survivors_of_a_lost_rank
+from .test_multiprocess import last_json, ranks_named_a_lost_coordinator, survivors_of_a_lost_rank
 
 TINY = "25"  # float32 elements: a 100-byte all_reduce
 
@@ -62,25 +58,4 @@ async def test_a_lost_coordinator_gives_small_collectives_a_named_error_quickly(
     """Killed: the stream breaks and the session names the hub. Frozen: nothing breaks; the
     session notices the silence on its control connection and the lane's watch ends the
     collectives in flight with that error."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gradstar", "coordinator", "--host", "127.0.0.1", "--port", "0",
-        "--log-level", "WARNING", stdout=asyncio.subprocess.PIPE)
-    address = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode().split()[-1]
-    ranks = await spawn_ranks("allreduce_until_error", address, 2, "direct-orphans", TINY)
-    try:
-        await asyncio.wait_for(ranks[0].stdout.readline(), 60)
-        proc.send_signal(how)
-        lost_at = time.time()
-        for code, out, err in [await finish(r, 40) for r in ranks]:
-            assert code == 0, err[-2000:]
-            report = last_json(out)
-            assert report["error"] == "CoordinatorUnavailableError", report
-            assert address in report["message"]
-            assert report["failed_at"] - lost_at < 15.0, report
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
-        for r in ranks:
-            with contextlib.suppress(ProcessLookupError):
-                r.kill()
+    await ranks_named_a_lost_coordinator(how, TINY, within=15.0)

@@ -103,21 +103,28 @@ async def survivors_of_a_lost_rank(procs: list[asyncio.subprocess.Process], vict
 
 
 async def test_coordinator_death_gives_ranks_a_named_error_quickly():
+    await ranks_named_a_lost_coordinator(signal.SIGKILL, within=5.0)
+
+
+async def ranks_named_a_lost_coordinator(how: signal.Signals, *args: str, within: float) -> None:
+    """A coordinator process with 2 ``allreduce_until_error`` ranks (``args`` passed on) is
+    killed or frozen with ``how`` mid-loop: every rank must end cleanly, reporting
+    CoordinatorUnavailableError naming its address within ``within`` seconds."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gradstar", "coordinator", "--host", "127.0.0.1", "--port", "0",
         "--log-level", "WARNING", stdout=asyncio.subprocess.PIPE)
     address = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode().split()[-1]
-    ranks = await spawn_ranks("allreduce_until_error", address, 2, "orphans")
+    ranks = await spawn_ranks("allreduce_until_error", address, 2, "orphans", *args)
     try:
         await asyncio.wait_for(ranks[0].stdout.readline(), 60)
-        proc.kill()
-        killed_at = time.time()
-        for code, out, err in [await finish(r, 30) for r in ranks]:
+        proc.send_signal(how)
+        lost_at = time.time()
+        for code, out, err in [await finish(r, 30 + within) for r in ranks]:
             assert code == 0, err[-2000:]
             report = last_json(out)
             assert report["error"] == "CoordinatorUnavailableError", report
             assert address in report["message"]
-            assert report["failed_at"] - killed_at < 5.0, report
+            assert report["failed_at"] - lost_at < within, report
     finally:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
