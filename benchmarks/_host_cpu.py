@@ -70,7 +70,8 @@ class HostCpu:
         for path in self.paths.values():
             for _ in range(100):
                 try:
-                    path.exists() and path.rmdir()
+                    if path.exists():
+                        path.rmdir()
                     break
                 except OSError:
                     time.sleep(0.1)

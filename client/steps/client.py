@@ -68,11 +68,11 @@ class StepsClient:
                        hyper: tuple[float, ...] = (),
                        ) -> tuple[pb.Contributed, Aggregates | None]:
         """:meth:`contribute`, and in the same call the aggregates closed after ``base`` (at
-        most ``fetch_limit``; 0: none), after waiting (up to :data:`POLL_SECONDS`) for the
-        step the gradient joined if ``await_step``; ``hyper``: the rank's optimizer
+        most ``fetch_limit``; 0: none), after the hub waited up to ``await_step`` seconds (0:
+        not at all) for the step the gradient joined to close; ``hyper``: the rank's optimizer
         hyperparameters (every step is applied with its contributions' weighted mean of them).
-        None instead of aggregates: not asked for,
-        the step still open, or the hub lacks some (:meth:`fetch` then says why)."""
+        None instead of aggregates: not asked for, or the hub lacks some (:meth:`fetch` then
+        says why)."""
         header = pb.ContributionHeader(key=self.key, mode=mode.message(), mode_epoch=mode_epoch,
                                        numel=grad.shape[0], base=base, weight=weight,
                                        wire=WIRE_NONE if wire is None else wire.wire,

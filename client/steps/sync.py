@@ -307,16 +307,20 @@ class StepSync:
             min_steps = 0
 
     def _apply(self, got) -> None:
+        # Each step runs with its own hyperparameters; the rank's (its scheduler's) come back
+        # after each, so they are read once here.
+        own = read_hyper(self._optimizer)
         for record, values in zip(got.records, got.values, strict=True):
             if record.step != self.have + 1:
                 raise StepError(f"the hub sent step {record.step} to a rank at step "
                                 f"{self.have}; aggregates must be applied in order")
             self._write_grads(values)
-            own = read_hyper(self._optimizer)
-            if len(record.hyper) == len(own):  # the step's values, then the rank's own again
+            if len(record.hyper) == len(own):
                 write_hyper(self._optimizer, own, record.hyper)
-            self._optimizer_step()
-            write_hyper(self._optimizer, own, [v for _, _, v in own])
+                self._optimizer_step()
+                write_hyper(self._optimizer, own, [v for _, _, v in own])
+            else:
+                self._optimizer_step()
             self._write_buffers(values)
             self.have = self.stats.step = record.step
             self.stats.steps_applied += 1
