@@ -21,7 +21,6 @@ with each host's ranks side by side. Then, reported as ``OUT_DIR/PHASE-RANK.json
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 import gradstar
+from tests.cluster.report import write_report
 
 ROWS = 4 * 3 * 5  # divisible by any world size of the test
 
@@ -114,9 +114,7 @@ def main() -> int:
     interleaved = places.index((local, number))
 
     def report(phase: str, rank: int, data: dict) -> None:
-        path = out / f"{phase}-{rank}.json"
-        path.with_suffix(".tmp").write_text(json.dumps({**data, "host": host}))
-        path.with_suffix(".tmp").rename(path)  # whole files only, for the test to read
+        write_report(out, phase, rank, {**data, "host": host})
 
     options = {"timeout": 60, "join_timeout": 60}
     with gradstar.init_process_group(rank=interleaved, **options) as pg, \

@@ -17,7 +17,6 @@ Phases, each reported as ``OUT_DIR/PHASE-RANK.json`` (the coordinator assigns ra
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -27,6 +26,7 @@ import numpy as np
 
 import gradstar
 from gradstar.errors import GradstarError
+from tests.cluster.report import write_report
 
 N = 12_345  # not a multiple of any chunk: the last chunk is short
 
@@ -96,9 +96,7 @@ def main() -> int:
     host = os.environ["CLUSTER_HOST"]
 
     def report(phase: str, rank: int, data: dict) -> None:
-        path = out / f"{phase}-{rank}.json"
-        path.with_suffix(".tmp").write_text(json.dumps({**data, "host": host}))
-        path.with_suffix(".tmp").rename(path)  # whole files only, for the test to read
+        write_report(out, phase, rank, {**data, "host": host})
 
     pg = gradstar.init_process_group(timeout=60, join_timeout=60)
     try:

@@ -7,7 +7,6 @@ host). Then each writes ``OUT_DIR/stats-RANK.json``: the job's straggler summary
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 import gradstar
+from tests.cluster.report import write_report
 
 
 def main() -> int:
@@ -36,7 +36,7 @@ def main() -> int:
             time.sleep(0.3)
         report = {"rank": pg.rank, "host": os.environ.get("CLUSTER_HOST", ""),
                   "stats": stats.as_dict()}
-        (out / f"stats-{pg.rank}.json").write_text(json.dumps(report))
+        write_report(out, "stats", pg.rank, report)
         pg.barrier()  # nobody leaves before every rank has read the summary
     return 0
 

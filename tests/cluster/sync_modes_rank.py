@@ -12,7 +12,6 @@ environment sets ``STRAGGLER_DELAY`` sleep that long before each backward. Each 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 import gradstar
+from tests.cluster.report import write_report
 from tests.parallel import sync_modes_script as script
 
 
@@ -56,7 +56,7 @@ def main() -> int:
                        "staleness": list(s.staleness)} for s in stats.recent_steps],
             "dropped": stats.dropped, "replacement": pg.replacement,
         }
-        (out / f"result-{rank}.json").write_text(json.dumps(report))
+        write_report(out, "result", rank, report)
         pg.barrier()
     return 0
 

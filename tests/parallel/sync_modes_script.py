@@ -83,6 +83,19 @@ def mode_of(args):
     return gradstar.Synchronous()
 
 
+def full_record(steps_of: dict[int, list[dict]]) -> list[dict]:
+    """The hub's record of steps 1..N out of the steps each rank applied (rank -> its
+    ``recent_steps``): the longest, which must number its steps 1..N; every other rank's must be
+    the end of it (a rank that started from the hub's snapshot, in a lost rank's place or after
+    other ranks of its start had stepped, applied only the steps after the snapshot)."""
+    full = max(steps_of.values(), key=len)
+    assert [s["step"] for s in full] == list(range(1, len(full) + 1)), (
+        f"no rank applied every step from the first: {[s['step'] for s in full][:5]}...")
+    for rank, steps in steps_of.items():
+        assert steps == full[len(full) - len(steps):], f"rank {rank} applied other steps"
+    return full
+
+
 def replay(contributions: dict[int, list[dict]], steps: list[dict], wire: str | None = None,
            residuals: dict[int, torch.Tensor] | None = None,
            batchnorm: bool = False) -> nn.Module:

@@ -83,6 +83,11 @@ async def run_modes(*args: str, stopped: int = -1, restart: bool = False,
     return reports
 
 
+def record(reports: dict[int, dict]) -> list[dict]:
+    """The hub's record of every step, from the finished ranks' (see ``script.full_record``)."""
+    return script.full_record({rank: r["steps"] for rank, r in reports.items() if "params" in r})
+
+
 def assert_identical_and_replayed(reports: dict[int, dict], rtol=1e-6, atol=1e-7,
                                   wire: str | None = None, batchnorm: bool = False) -> dict:
     """Every rank the same parameters, bit for bit, after synchronize(); the same steps; and
@@ -92,13 +97,10 @@ def assert_identical_and_replayed(reports: dict[int, dict], rtol=1e-6, atol=1e-7
     first = next(r for r in finished.values() if not r["replacement"])
     for rank, report in finished.items():
         assert report["params"] == first["params"], f"rank {rank} differs"
-        # A rank that joined from a snapshot applied only the steps after it.
-        assert report["steps"] == first["steps"][len(first["steps"]) - len(report["steps"]):], (
-            f"rank {rank} applied other steps")
-    assert [s["step"] for s in first["steps"]] == list(range(1, len(first["steps"]) + 1))
+    steps = record(finished)
     contributions = {rank: r["contributions"] for rank, r in reports.items()}
     residuals: dict = {}
-    replayed = script.params_of(script.replay(contributions, first["steps"], wire, residuals,
+    replayed = script.params_of(script.replay(contributions, steps, wire, residuals,
                                               batchnorm))
     for name, values in replayed.items():
         np.testing.assert_allclose(first["params"][name], values, rtol=rtol, atol=atol,
@@ -118,11 +120,11 @@ def test_quorum_replicas_identical_and_equal_the_replay(quorum_run):
 
 
 def test_quorum_drops_the_slow_ranks_late_gradients_and_takes_current_ones_only(quorum_run):
-    first = quorum_run[0]
+    steps = record(quorum_run)
     assert quorum_run[3]["dropped"] >= 1  # its gradients came after the others' steps closed
-    assert all(s == 0 for step in first["steps"] for s in step["staleness"])
+    assert all(s == 0 for step in steps for s in step["staleness"])
     # Before the fast ranks finished, every step closed with at least min_ranks gradients.
-    fast_steps = [s for s in first["steps"] if s["step"] <= 10]
+    fast_steps = [s for s in steps if s["step"] <= 10]
     assert all(len(s["ranks"]) >= 3 for s in fast_steps)
     assert all(c["step"] is None or c["staleness"] == 0
                for r in quorum_run.values() for c in r["contributions"])
@@ -132,7 +134,7 @@ def test_bounded_staleness_stays_within_its_bound_and_replicas_agree():
     reports = asyncio.run(run_modes("bounded", "--max-staleness", "2",
                                     "--delays", "0.01,0.03,0.02,0.2", "--steps", "10"))
     assert_identical_and_replayed(reports)
-    every = [s for step in reports[0]["steps"] for s in step["staleness"]]
+    every = [s for step in record(reports) for s in step["staleness"]]
     assert max(every) <= 2
     assert max(every) >= 1  # the slow rank's gradients were stale: the bound was exercised
 
@@ -141,10 +143,10 @@ def test_asynchronous_weighted_contributions_equal_the_weighted_replay():
     reports = asyncio.run(run_modes("async", "--delays", "0,0.01,0.02,0.05",
                                     "--weights", "1,2,3,0.5", "--steps", "8"))
     assert_identical_and_replayed(reports)
-    weights = {r: w for s in reports[0]["steps"]
+    weights = {r: w for s in record(reports)
                for r, w in zip(s["ranks"], s["weights"], strict=True)}
     assert weights == {0: 1.0, 1: 2.0, 2: 3.0, 3: 0.5}
-    assert sum(len(s["ranks"]) for s in reports[0]["steps"]) == WORLD * 8  # none dropped
+    assert sum(len(s["ranks"]) for s in record(reports)) == WORLD * 8  # none dropped
 
 
 def test_buffers_travel_with_the_steps_and_stay_identical():
@@ -168,7 +170,7 @@ def test_a_learning_rate_schedule_stepped_per_rank_keeps_the_replicas_identical(
     reports = asyncio.run(run_modes("async", "--delays", "0,0.01,0.03,0.06", "--schedule",
                                     "--steps", "8"))
     assert_identical_and_replayed(reports)
-    lrs = [step["hyper"][0] for step in reports[0]["steps"]]
+    lrs = [step["hyper"][0] for step in record(reports)]
     assert lrs[0] == pytest.approx(script.LR) and lrs[-1] < 0.5 * script.LR
     assert len(set(lrs)) > 3  # the schedule moved it step by step
 
@@ -179,7 +181,7 @@ def test_synchronous_weighted_steps_are_the_weighted_mean_of_every_rank():
     assert_identical_and_replayed(reports, rtol=1e-5, atol=1e-6)
     unweighted = script.params_of(script.replay(
         {r: reports[r]["contributions"] for r in reports},
-        [{**s, "weights": [1.0] * WORLD} for s in reports[0]["steps"]]))
+        [{**s, "weights": [1.0] * WORLD} for s in record(reports)]))
     assert any(not np.allclose(reports[0]["params"][k], v, rtol=1e-4)
                for k, v in unweighted.items())  # the weights made a difference
 
@@ -193,7 +195,7 @@ def test_a_rank_that_dies_or_stalls_holds_nobody(mode, how):
                                     stopped=3))
     assert [r for r in reports if "params" in reports[r]] == [0, 1, 2]  # no survivor raised
     assert_identical_and_replayed(reports)
-    steps = reports[0]["steps"]
+    steps = record(reports)
     assert 3 not in steps[-1]["ranks"]  # the last steps closed without the dead rank
 
 

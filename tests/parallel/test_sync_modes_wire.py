@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from . import sync_modes_script as script
-from .test_sync_modes import WORLD, assert_identical_and_replayed, run_modes
+from .test_sync_modes import WORLD, assert_identical_and_replayed, record, run_modes
 
 
 def assert_residuals(reports: dict[int, dict], replayed: dict) -> None:
@@ -34,7 +34,7 @@ def quorum_int8() -> dict[int, dict]:
 def test_quorum_int8_replicas_identical_and_equal_the_rounded_replay(quorum_int8):
     replayed = assert_identical_and_replayed(quorum_int8, wire="int8")
     assert_residuals(quorum_int8, replayed)
-    assert all(s == 0 for step in quorum_int8[0]["steps"] for s in step["staleness"])
+    assert all(s == 0 for step in record(quorum_int8) for s in step["staleness"])
 
 
 def test_a_dropped_contribution_leaves_the_residual_as_it_was_before_it(quorum_int8):
@@ -54,12 +54,12 @@ def test_asynchronous_bf16_weighted_contributions_equal_the_rounded_replay():
                                     "--weights", "1,2,3,0.5", "--steps", "8", "--wire", "bf16"))
     replayed = assert_identical_and_replayed(reports, wire="bf16")
     assert_residuals(reports, replayed)
-    weights = {r: w for s in reports[0]["steps"]
+    weights = {r: w for s in record(reports)
                for r, w in zip(s["ranks"], s["weights"], strict=True)}
     assert weights == {0: 1.0, 1: 2.0, 2: 3.0, 3: 0.5}
-    assert sum(len(s["ranks"]) for s in reports[0]["steps"]) == WORLD * 8  # none dropped
+    assert sum(len(s["ranks"]) for s in record(reports)) == WORLD * 8  # none dropped
     # Some gradients were taken late (carried): their residuals counted as sent.
-    assert any(s > 0 for step in reports[0]["steps"] for s in step["staleness"])
+    assert any(s > 0 for step in record(reports) for s in step["staleness"])
 
 
 def test_asynchronous_int8_replicas_identical_and_equal_the_rounded_replay():
@@ -68,7 +68,7 @@ def test_asynchronous_int8_replicas_identical_and_equal_the_rounded_replay():
     replayed = assert_identical_and_replayed(reports, wire="int8")
     assert_residuals(reports, replayed)
     float32 = script.params_of(script.replay(
-        {r: reports[r]["contributions"] for r in reports}, reports[0]["steps"]))
+        {r: reports[r]["contributions"] for r in reports}, record(reports)))
     assert any(not np.array_equal(reports[0]["params"][k], v) for k, v in float32.items()), (
         "the int8 run trained exactly as float32 would: nothing was rounded")
 
