@@ -10,7 +10,7 @@ single-process reference on the whole batch with the same code.
 
 from __future__ import annotations
 
-import json
+import functools
 import sys
 from pathlib import Path
 
@@ -18,7 +18,11 @@ import torch
 from torch import nn
 
 import gradstar
-from gradstar.errors import GradstarError
+
+try:
+    from .scenarios import run_scenarios
+except ImportError:  # run as a script
+    from scenarios import run_scenarios
 
 SCRIPT = Path(__file__)
 IN, HIDDEN, OUT = 6, 16, 3
@@ -122,17 +126,8 @@ SCENARIOS = {
 def main() -> int:
     devices = sys.argv[1].split(",")
     torch.set_num_threads(1)  # the processes share the machine's cores with the hub
-    with gradstar.init_process_group(timeout=30, join_timeout=60) as pg:
-        for name, scenario in SCENARIOS.items():
-            try:
-                result = scenario(pg, devices)
-            except GradstarError as error:
-                result = {"fatal": type(error).__name__, "message": str(error)}
-            print(json.dumps({"scenario": name, "rank": pg.rank, **result}), flush=True)
-            if "fatal" in result:
-                return 3
-        pg.barrier()  # nobody leaves while a peer is still in its last collective
-    return 0
+    return run_scenarios({name: functools.partial(scenario, devices=devices)
+                          for name, scenario in SCENARIOS.items()}, list(SCENARIOS))
 
 
 if __name__ == "__main__":

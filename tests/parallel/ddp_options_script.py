@@ -8,7 +8,6 @@ data and steps of ``ddp_script.py``).
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -18,12 +17,14 @@ from torch import nn
 
 import gradstar
 from gradstar.client import device
-from gradstar.errors import BucketCapMismatchError, ConfigurationError, GradstarError
+from gradstar.errors import BucketCapMismatchError, ConfigurationError
 
 try:
     from . import ddp_script as base
+    from .scenarios import run_scenarios
 except ImportError:  # run as a script
     import ddp_script as base
+    from scenarios import run_scenarios
 
 SCRIPT = Path(__file__)
 STEPS = 7
@@ -274,18 +275,7 @@ SCENARIOS = {"view_keep": view_keep, "view_none": view_none, "view_no_sync": vie
 
 
 def main() -> int:
-    names = sys.argv[1:] or list(SCENARIOS)
-    with gradstar.init_process_group(timeout=30, join_timeout=60) as pg:
-        for name in names:
-            try:
-                result = SCENARIOS[name](pg)
-            except GradstarError as error:
-                result = {"fatal": type(error).__name__, "message": str(error)}
-            print(json.dumps({"scenario": name, "rank": pg.rank, **result}), flush=True)
-            if "fatal" in result:
-                return 3
-        pg.barrier()  # nobody leaves while a peer is still in its last collective
-    return 0
+    return run_scenarios(SCENARIOS, sys.argv[1:] or list(SCENARIOS))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ which trains the single-process reference with the same code on the whole batch.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,11 @@ from torch import nn
 import gradstar
 from gradstar.client import device
 from gradstar.errors import ConfigurationError, GradstarError
+
+try:
+    from .scenarios import run_scenarios
+except ImportError:  # run as a script
+    from scenarios import run_scenarios
 
 SCRIPT = Path(__file__)
 IN, HIDDEN, OUT = 6, 16, 3
@@ -320,18 +324,7 @@ SCENARIOS = {"sgd": sgd, "adam": adam, "no_sync": no_sync, "sync_by_hand": sync_
 
 
 def main() -> int:
-    names = sys.argv[1:] or list(SCENARIOS)
-    with gradstar.init_process_group(timeout=30, join_timeout=60) as pg:
-        for name in names:
-            try:
-                result = SCENARIOS[name](pg)
-            except GradstarError as error:
-                result = {"fatal": type(error).__name__, "message": str(error)}
-            print(json.dumps({"scenario": name, "rank": pg.rank, **result}), flush=True)
-            if "fatal" in result:
-                return 3
-        pg.barrier()  # nobody leaves while a peer is still in its last collective
-    return 0
+    return run_scenarios(SCENARIOS, sys.argv[1:] or list(SCENARIOS))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,11 @@ import gradstar
 from gradstar.client import device
 from gradstar.errors import ConfigurationError, GradstarError
 
+try:
+    from .scenarios import run_scenario
+except ImportError:  # run as a script
+    from scenarios import run_scenario
+
 SCRIPT = Path(__file__)
 WIDTHS = (5, 9, 13, 17, 3)  # every unit's size is 2 mod 4: padding with 4 ranks
 BATCH = 16  # per step over all ranks
@@ -463,14 +468,11 @@ def main() -> int:
                                          world_size=int(world), rank=rank, timeout=60,
                                          join_timeout=60) as pg:
             for name in names.split(","):
-                started = time.monotonic()
-                try:
-                    result = SCENARIOS[name](pg, out)
-                except GradstarError as error:
-                    result = {"fatal": type(error).__name__, "message": str(error)}
-                print(json.dumps({"scenario": name, "world": pg.world_size, "rank": rank,
-                                  **result, "took": time.monotonic() - started}), flush=True)
-                if "fatal" in result:
+                def timed(scenario=SCENARIOS[name]) -> dict:
+                    started = time.monotonic()
+                    return {**scenario(pg, out), "took": time.monotonic() - started}
+
+                if not run_scenario(name, rank, timed, world=pg.world_size):
                     return 3
                 if name == "rank_death":
                     return 0  # the generation is over: no barrier

@@ -24,6 +24,11 @@ from torch import nn
 import gradstar
 from gradstar.errors import ConfigurationError, GradstarError
 
+try:
+    from .scenarios import run_scenario
+except ImportError:  # run as a script
+    from scenarios import run_scenario
+
 SCRIPT = Path(__file__)
 STAGES = 4
 IN, HIDDEN, OUT = 5, 12, 3
@@ -234,12 +239,7 @@ def main() -> int:
             if name == "until_killed":  # the last scenario: it ends when a stage is killed
                 print(json.dumps({"scenario": name, **until_killed(pg)}), flush=True)
                 return 0
-            try:
-                result = SCENARIOS[name](pg)
-            except GradstarError as error:
-                result = {"fatal": type(error).__name__, "message": str(error)}
-            print(json.dumps({"scenario": name, "rank": pg.rank, **result}), flush=True)
-            if "fatal" in result:
+            if not run_scenario(name, pg.rank, lambda f=SCENARIOS[name]: f(pg)):
                 return 3
         pg.barrier()  # nobody leaves while a neighbour still waits for its last message
     return 0
