@@ -12,7 +12,7 @@ Each part is a module of its own, every name re-exported here (``from _harness i
 * :mod:`_paths`: the data paths (:data:`PATHS`: shared memory or the gRPC stream), set with
   :func:`path_env`, reported by :func:`shm_report`, checked by :func:`check_path`.
 * :mod:`_report`: tables (:func:`format_table`), figures (:func:`median`), :func:`environment`,
-  the ``--timeout`` / ``--json`` options and :func:`run_configs`.
+  the ``--timeout`` / ``--json`` options, :func:`run_configs` and a run's end (:func:`finish`).
 * :mod:`_collective_runs`: a timed collective against a fresh hub, its CPU sampled around the
   ranks' timed loop (``allreduce.py``, ``gpu.py``).
 
@@ -31,7 +31,7 @@ from _processes import (
     loadavg,
 )
 from _ranks import DriverSync, RankFailure, SyncPoints, run_ranks
-from _report import MiB, add_run_arguments, format_table, median, run_configs, write_json
+from _report import MiB, add_run_arguments, finish, format_table, median, run_configs, write_json
 
 __all__ = [
     "PATHS",
@@ -46,6 +46,7 @@ __all__ = [
     "check_path",
     "cpu_seconds_of",
     "descendants",
+    "finish",
     "format_table",
     "free_port",
     "loadavg",

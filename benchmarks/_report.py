@@ -119,5 +119,16 @@ def write_json(args: argparse.Namespace, benchmark: str, **payload: object) -> N
         "json": str(args.json)}, **payload}, indent=2) + "\n")
 
 
-__all__ = ["MiB", "add_run_arguments", "environment", "fmt", "format_table", "git_commit",
-           "median", "per_gb", "run_configs", "write_json"]
+def finish(args: argparse.Namespace, benchmark: str, summary: object,
+           failures: list[tuple[str, str]]) -> int:
+    """A benchmark's last words: each failed configuration printed with its error, the summary
+    written as JSON where ``--json`` asks (:func:`write_json`); the exit status (1: a failure)."""
+    for name, error in failures:
+        print(f"\nFAILED: {name}:\n{error}")
+    if args.json:
+        write_json(args, benchmark, results=summary)
+    return 1 if failures else 0
+
+
+__all__ = ["MiB", "add_run_arguments", "environment", "finish", "fmt", "format_table",
+           "git_commit", "median", "per_gb", "run_configs", "write_json"]

@@ -49,11 +49,11 @@ from _harness import (
     CoordinatorProcess,
     MiB,
     add_run_arguments,
+    finish,
     format_table,
     loadavg,
     median,
     run_ranks,
-    write_json,
 )
 
 COLLECTIVE_TIMEOUT = 120.0
@@ -240,11 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nrank 0's median over {args.iters} timed calls; GB/s: bytes each rank sends to "
           f"the others per second; CPU: per call, rank 0's process and the coordinator's; "
           f"load average at end {loadavg()}")
-    for name, error in failures:
-        print(f"\nFAILED: {name}:\n{error}")
-    if args.json:
-        write_json(args, "all_to_all", results=summary)
-    return 1 if failures else 0
+    return finish(args, "all_to_all", summary, failures)
 
 
 if __name__ == "__main__":

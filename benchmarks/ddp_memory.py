@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import (
     PATHS,
     MiB,
+    finish,
     format_table,
     free_port,
     loadavg,
@@ -57,7 +58,6 @@ from _harness import (
     run_configs,
     run_ranks,
     shm_report,
-    write_json,
 )
 from ddp_step import COLLECTIVE_TIMEOUT, SAMPLE_EVERY, _check_ranks_agree, _data, _model, run_on_hub
 
@@ -229,11 +229,7 @@ def main(argv: list[str] | None = None) -> int:
           "its peak resident memory during them (median of the rounds); ratios against "
           "gradstar with the same zero_grad, in this run; grads+buckets: distinct storages "
           f"after the last step; load average at end {loadavg()}")
-    for name, error in failures:
-        print(f"\nFAILED: {name}:\n{error}")
-    if args.json:
-        write_json(args, "ddp_memory", results=summary)
-    return 1 if failures else 0
+    return finish(args, "ddp_memory", summary, failures)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ from _harness import (
     add_paths_argument,
     add_run_arguments,
     check_path,
+    finish,
     format_table,
     free_port,
     loadavg,
@@ -64,7 +65,6 @@ from _harness import (
     run_configs,
     run_ranks,
     shm_report,
-    write_json,
 )
 
 WIDTHS = [1024, 2048, 2048, 1024, 1024]
@@ -277,11 +277,7 @@ def main(argv: list[str] | None = None) -> int:
           f"same step without communication; gradstar's hub: coordinator --shards "
           f"{args.shards}; shm / stream: data path between ranks and hub (shared-memory "
           f"segments / gRPC stream); load average at end {loadavg()}")
-    for name, error in failures:
-        print(f"\nFAILED: {name}:\n{error}")
-    if args.json:
-        write_json(args, "ddp_step", results=summary)
-    return 1 if failures else 0
+    return finish(args, "ddp_step", summary, failures)
 
 
 if __name__ == "__main__":

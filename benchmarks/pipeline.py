@@ -50,11 +50,11 @@ from _harness import (
     CoordinatorProcess,
     MiB,
     add_run_arguments,
+    finish,
     format_table,
     loadavg,
     median,
     run_ranks,
-    write_json,
 )
 
 SAMPLE_EVERY = 997
@@ -240,11 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         summary["max_param_diff"] = diff
     print(f"last stage's median over {args.iters} timed steps; local = the unsplit model in one "
           f"process; load average at end {loadavg()}")
-    for name, error in failures:
-        print(f"\nFAILED: {name}:\n{error}")
-    if args.json:
-        write_json(args, "pipeline", results=summary)
-    return 1 if failures else 0
+    return finish(args, "pipeline", summary, failures)
 
 
 if __name__ == "__main__":

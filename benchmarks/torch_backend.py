@@ -42,13 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import (
     add_run_arguments,
+    finish,
     format_table,
     loadavg,
     median,
     run_configs,
     run_ranks,
     shm_report,
-    write_json,
 )
 from ddp_step import (
     COLLECTIVE_TIMEOUT,
@@ -156,11 +156,7 @@ def main(argv: list[str] | None = None) -> int:
           f"gradstar's own wrapper); local = the same step without communication; gradstar's "
           f"hub: coordinator --shards {args.shards}; shm / stream: data path between ranks and "
           f"hub (shared-memory segments / gRPC stream); load average at end {loadavg()}")
-    for name, error in failures:
-        print(f"\nFAILED: {name}:\n{error}")
-    if args.json:
-        write_json(args, "torch_backend", results=summary)
-    return 1 if failures else 0
+    return finish(args, "torch_backend", summary, failures)
 
 
 if __name__ == "__main__":
