@@ -40,20 +40,27 @@ MIN_STRIPED_CHUNK = 64 << 10
 #: (2 hosts x 1, node-local, 64 MiB, CPU-s/GB hub + ranks, two runs each on 2 loaded cores:
 #: 256 KiB 2.8-2.9, 512 KiB 1.9-2.3, 1 MiB 1.7-2.1): 512 KiB halves the messages and keeps
 #: the drain short at 200 Mbit/s (21 ms a chunk).
-#: Within one host (local shards, shared memory) chunks stay as large as configured.
+#: Within one host (local shards, shared memory) chunks stay as large as configured. A chunk
+#: size the user chose (``chunk_bytes``, ``GRADSTAR_CHUNK_BYTES``) is kept across hosts too:
+#: on links of 5 Gbit/s and more, where the CPU is the limit, 2 MiB chunks cost less
+#: (2 hosts x 1, 64 MiB at 10 Gbit/s, A/B on the 2-core machine: ranks + shards 2.11 ->
+#: 1.51 CPU-s/GB, 1.42x -> 0.88x gloo; 4 x 1 at 5 Gbit/s 1.95x -> 1.52x gloo) but the drain
+#: more at 200 Mbit/s (4 x 1, 64 MiB: 1.01-1.05x -> 1.03-1.10x gloo), so 512 KiB stays the
+#: default (docs/performance.md, "Fast links").
 MAX_CHUNK_ACROSS_HOSTS = 512 << 10
 
 
 def striped_chunk_bytes(configured: int, nbytes: int, stripes: int,
-                        spans_hosts: bool = False) -> int:
+                        spans_hosts: bool = False, chosen: bool = False) -> int:
     """The chunk size for a collective of ``nbytes`` over ``stripes`` targets: ``configured``,
     or smaller so that each stripe gets CHUNKS_PER_STRIPE chunks, and when the generation
-    ``spans_hosts`` at most MAX_CHUNK_ACROSS_HOSTS (every rank computes the same from the same
-    header fields and generation, as the hub checks)."""
+    ``spans_hosts`` at most MAX_CHUNK_ACROSS_HOSTS, unless the configured size is one the user
+    ``chosen`` (every rank computes the same from the same header fields and generation, as
+    the hub checks)."""
     if stripes <= 1:
         return configured
     wanted = -(-nbytes // (stripes * CHUNKS_PER_STRIPE))
-    if spans_hosts:
+    if spans_hosts and not chosen:
         wanted = min(wanted, MAX_CHUNK_ACROSS_HOSTS)
     return min(configured, max(MIN_STRIPED_CHUNK, wanted))
 

@@ -31,13 +31,7 @@ from ..coalesced import all_reduce_coalesced
 from ..collective.data_plane import DataPlane, striped_chunk_bytes
 from ..collective.direct import DirectCall, DirectLane
 from ..collective.stream import abandon_collective, give_up, issue, run_collective
-from ..convert import (
-    copies_to_device,
-    copying_to_device,
-    delivered,
-    is_cpu_tensor,
-    to_numpy,
-)
+from ..convert import copies_to_device, copying_to_device, delivered, is_cpu_tensor, to_numpy
 from ..hierarchy import HostHierarchy
 from ..peer import Identity, PeerEndpoint
 from ..session import Session
@@ -75,8 +69,10 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         #: This rank took a lost rank's place in a running generation (an elastic join).
         self.replacement: bool = joined.replacement
         self.peers: dict[int, str] = {p.rank: p.address for p in joined.peers}
-        #: Whether the generation's ranks are on several hosts (by the keys they joined with).
+        #: Whether the generation's ranks are on several hosts (by the keys they joined with),
+        #: and whether the user chose the chunk size (kept across hosts then: striped_chunk_bytes).
         self._spans_hosts = len({p.host for p in joined.peers if p.host}) > 1
+        self._chunk_chosen = "chunk_bytes" in settings.model_fields_set
         self._member_id = joined.member_id
         self._channel = channel
         self._session = session
@@ -327,7 +323,8 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
             dtype=dtype_info(arr.dtype).wire, shape=arr.shape, root=root,
             chunk_bytes=aligned_wire_chunk_bytes(aligned_chunk_bytes(striped_chunk_bytes(
                 self.settings.chunk_bytes, arr.nbytes,
-                len(self._plane.targets(averaging=averaging is not None)), self._spans_hosts),
+                len(self._plane.targets(averaging=averaging is not None)), self._spans_hosts,
+                self._chunk_chosen),
                 arr.dtype.itemsize), arr.dtype.itemsize, fmt),
             timeout_seconds=timeout, averaging=averaging, wire=fmt.wire if fmt else 0,
         )

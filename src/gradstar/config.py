@@ -237,7 +237,12 @@ class ClientSettings(BaseSettings):
                            "others go on without them")
     timeout: float = Field(300.0, gt=0, description="default collective timeout in seconds")
     connect_timeout: float = Field(10.0, gt=0)
-    chunk_bytes: int = Field(DEFAULT_CHUNK_BYTES, gt=0, le=MAX_CHUNK_BYTES)
+    chunk_bytes: int = Field(
+        DEFAULT_CHUNK_BYTES, gt=0, le=MAX_CHUNK_BYTES,
+        description="largest chunk of a collective; striped ones are cut into at least 16 "
+                    "chunks a stripe, and across hosts into chunks of at most 512 KiB unless "
+                    "this is set (every rank the same): on links of 5 Gbit/s and more, 2 MiB "
+                    "costs less CPU per GB (docs/performance.md, 'Fast links')")
     tune_allocator: bool = Field(
         True, description="raise glibc's mmap threshold so chunk buffers are reused "
                           "(see gradstar.allocator)")
