@@ -30,35 +30,31 @@ from .targets import SharedMemoryOffer, Target
 #: 4696 in 0.5 MiB; 1 MiB over 4 shards-extra-hosts 320 ms in one chunk, 84 in 64 KiB ones.
 CHUNKS_PER_STRIPE = 16
 MIN_STRIPED_CHUNK = 64 << 10
-#: Across hosts, striped chunks are at most this big, and a stripe gets at least
-#: CHUNKS_PER_STRIPE_ACROSS_HOSTS of them: a shard can send a chunk's result only once every
-#: rank's chunk arrived, so the last chunk's round trip is the pipeline's drain, while at 5-10
-#: Gbit/s the CPU is the limit and every message costs both ends far more than its bytes
-#: (gRPC's threads hand each one over: wakeups and context switches were a quarter of a rank's
-#: and a shard's CPU under perf). Measured through torch.distributed under torchrun
-#: (benchmarks/cluster_torch.py, 64 MiB, node-local shards, 2 loaded cores, two runs each),
-#: ranks' + shards' CPU-s/GB: 2 hosts at 10 Gbit/s 1.72-1.78 in 512 KiB chunks, 1.54-1.70 in
-#: 1 MiB, 1.43-1.47 in 2 MiB, 1.41 in 4 MiB; 4 hosts at 5 Gbit/s 2.24-2.38 in 512 KiB, 2.20-2.36
-#: in 1 MiB (16 a stripe), 2.07-2.19 in 2 MiB (8 a stripe), 2.06-2.17 in 4 MiB. Eight chunks a
-#: stripe bound the drain to about an eighth of a stripe's time whatever the link; a 2 MiB chunk
-#: takes 84 ms at 200 Mbit/s, 17 ms at 1 Gbit/s. (Earlier, at 200 Mbit/s, 4 extra-host shards:
-#: 64 MiB took 3107 ms in 1 MiB chunks and 2936 ms in 256 KiB ones; node-local shards the same
-#: in 1 MiB and 256 KiB chunks, 4265 / 4285 ms.)
+#: Across hosts, striped chunks are at most this big: a shard can send a chunk's result only
+#: once every rank's chunk arrived, so the first and last chunks' round trips are the
+#: pipeline's fill and drain, while at 5-10 Gbit/s the CPU is the limit and every message costs
+#: both ends far more than its bytes (gRPC hands each one between its threads and the event
+#: loop: wakeups and context switches were a quarter of a rank's and a shard's CPU under perf).
+#: Measured on the emulated cluster (64 MiB, node-local shards, 2 loaded cores; A/B runs
+#: against 512 KiB): 2 hosts x 1 at 10 Gbit/s, now 2 MiB chunks, through torch.distributed
+#: under torchrun (benchmarks/cluster_torch.py) ranks' + shards' CPU-s/GB 1.69 -> 1.37 and
+#: 1.78x -> 1.46x gloo; 4 hosts x 1 at 5 Gbit/s, now 1 MiB (CHUNKS_PER_STRIPE), the SDK's
+#: node-local row 385 -> 303 ms; at 200 Mbit/s unchanged (1.00-1.02x gloo). Eight 2 MiB chunks
+#: a stripe there saved more CPU (shards 1.12 -> 1.01 CPU-s/GB) but cost 200 Mbit/s 5-11%
+#: (4 hosts x 1: 4273-4701 ms against gloo's 4230) in their longer fill and drain.
 #: Within one host (local shards, shared memory) chunks stay as large as configured.
-CHUNKS_PER_STRIPE_ACROSS_HOSTS = 8
 MAX_CHUNK_ACROSS_HOSTS = 2 << 20
 
 
 def striped_chunk_bytes(configured: int, nbytes: int, stripes: int,
                         spans_hosts: bool = False) -> int:
     """The chunk size for a collective of ``nbytes`` over ``stripes`` targets: ``configured``,
-    or smaller so that each stripe gets CHUNKS_PER_STRIPE chunks (CHUNKS_PER_STRIPE_ACROSS_HOSTS
-    when the generation ``spans_hosts``, and then at most MAX_CHUNK_ACROSS_HOSTS); every rank
-    computes the same from the same header fields and generation, as the hub checks."""
+    or smaller so that each stripe gets CHUNKS_PER_STRIPE chunks, and when the generation
+    ``spans_hosts`` at most MAX_CHUNK_ACROSS_HOSTS (every rank computes the same from the same
+    header fields and generation, as the hub checks)."""
     if stripes <= 1:
         return configured
-    per_stripe = CHUNKS_PER_STRIPE_ACROSS_HOSTS if spans_hosts else CHUNKS_PER_STRIPE
-    wanted = -(-nbytes // (stripes * per_stripe))
+    wanted = -(-nbytes // (stripes * CHUNKS_PER_STRIPE))
     if spans_hosts:
         wanted = min(wanted, MAX_CHUNK_ACROSS_HOSTS)
     return min(configured, max(MIN_STRIPED_CHUNK, wanted))

@@ -7,7 +7,6 @@ import pytest
 
 from gradstar.client.collective.data_plane import (
     CHUNKS_PER_STRIPE,
-    CHUNKS_PER_STRIPE_ACROSS_HOSTS,
     MAX_CHUNK_ACROSS_HOSTS,
     MIN_STRIPED_CHUNK,
     striped_chunk_bytes,
@@ -29,18 +28,17 @@ def test_within_one_host_a_stripe_gets_enough_chunks_up_to_the_configured_size()
 
 
 def test_across_hosts_chunks_stay_small_enough_for_a_short_drain():
-    assert striped_chunk_bytes(CONFIGURED, 64 * MiB, 4, True) == 2 * MiB
     assert striped_chunk_bytes(16 * MiB, 64 * MiB, 2, True) == MAX_CHUNK_ACROSS_HOSTS
     assert striped_chunk_bytes(16 * MiB, 4 << 30, 8, True) == MAX_CHUNK_ACROSS_HOSTS
-    assert striped_chunk_bytes(CONFIGURED, 16 * MiB, 4, True) == 512 << 10
+    assert striped_chunk_bytes(16 * MiB, 4 << 30, 8) == 16 * MiB  # within a host: no cap
 
 
-def test_across_hosts_a_stripe_gets_fewer_larger_chunks_than_within_a_host():
-    # Per message the CPU costs more across hosts than the drain of a larger chunk.
-    assert CHUNKS_PER_STRIPE_ACROSS_HOSTS < CHUNKS_PER_STRIPE
-    within = striped_chunk_bytes(CONFIGURED, 16 * MiB, 4)
-    across = striped_chunk_bytes(CONFIGURED, 16 * MiB, 4, True)
-    assert across == 16 * MiB // (4 * CHUNKS_PER_STRIPE_ACROSS_HOSTS) == 2 * within
+def test_across_hosts_a_stripe_still_gets_its_chunks():
+    # 64 MiB over 2 hosts: 2 MiB chunks; over 4: 1 MiB; 16 MiB over 4: 256 KiB.
+    assert striped_chunk_bytes(CONFIGURED, 64 * MiB, 2, True) == 2 * MiB
+    assert striped_chunk_bytes(CONFIGURED, 64 * MiB, 4, True) == 64 * MiB // (
+        4 * CHUNKS_PER_STRIPE) == MiB
+    assert striped_chunk_bytes(CONFIGURED, 16 * MiB, 4, True) == 256 << 10
 
 
 def test_tiny_collectives_stop_at_the_smallest_chunk_and_a_smaller_configured_one_wins():
