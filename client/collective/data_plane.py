@@ -35,13 +35,13 @@ MIN_STRIPED_CHUNK = 64 << 10
 #: pipeline's fill and drain, while at 5-10 Gbit/s the CPU is the limit and every message costs
 #: both ends far more than its bytes (gRPC hands each one between its threads and the event
 #: loop: wakeups and context switches were a quarter of a rank's and a shard's CPU under perf).
-#: Measured on the emulated cluster (64 MiB, node-local shards, 2 loaded cores; A/B runs
-#: against 512 KiB): 2 hosts x 1 at 10 Gbit/s, now 2 MiB chunks, through torch.distributed
-#: under torchrun (benchmarks/cluster_torch.py) ranks' + shards' CPU-s/GB 1.69 -> 1.37 and
-#: 1.78x -> 1.46x gloo; 4 hosts x 1 at 5 Gbit/s, now 1 MiB (CHUNKS_PER_STRIPE), the SDK's
-#: node-local row 385 -> 303 ms; at 200 Mbit/s unchanged (1.00-1.02x gloo). Eight 2 MiB chunks
-#: a stripe there saved more CPU (shards 1.12 -> 1.01 CPU-s/GB) but cost 200 Mbit/s 5-11%
-#: (4 hosts x 1: 4273-4701 ms against gloo's 4230) in their longer fill and drain.
+#: Measured on the emulated cluster (64 MiB, node-local shards, 2 loaded cores; 3-4 A/B runs
+#: against 512 KiB, docs/performance.md): 2 hosts x 1 at 10 Gbit/s, now 2 MiB chunks, through
+#: torch.distributed under torchrun (benchmarks/cluster_torch.py) ranks' + shards' CPU-s/GB
+#: 1.65 -> 1.38 and 1.76x -> 1.54x gloo; 4 hosts x 1 at 5 Gbit/s, now 1 MiB (CHUNKS_PER_STRIPE),
+#: the SDK's node-local row 360 -> 300 ms; 1 Gbit/s and 200 Mbit/s unchanged (1.00x gloo).
+#: Eight 2 MiB chunks a stripe there saved more CPU (shards 1.12 -> 1.01 CPU-s/GB) but cost
+#: 200 Mbit/s 5-11% (4 hosts x 1: 4273-4701 ms against gloo's 4230), in a longer fill and drain.
 #: Within one host (local shards, shared memory) chunks stay as large as configured.
 MAX_CHUNK_ACROSS_HOSTS = 2 << 20
 
