@@ -30,38 +30,29 @@ from .targets import SharedMemoryOffer, Target
 #: 4696 in 0.5 MiB; 1 MiB over 4 shards-extra-hosts 320 ms in one chunk, 84 in 64 KiB ones.
 CHUNKS_PER_STRIPE = 16
 MIN_STRIPED_CHUNK = 64 << 10
-#: Across hosts, striped chunks are at most this big: a shard can send a chunk's result only
-#: once every rank's chunk arrived, so the last chunk's round trip is the pipeline's drain.
-#: Measured at 200 Mbit/s, 4 extra-host shards (benchmarks/cluster.py --chunk-mb, cubic):
-#: 64 MiB took 3107 ms in 1 MiB chunks and 2936 ms (91% of the link bound) in 256 KiB ones;
-#: 16 MiB 787-797 ms in 256 KiB chunks and 880 ms in 64 KiB ones (per-chunk CPU: 2x the
-#: CPU-s/GB); node-local shards the same in 1 MiB and 256 KiB chunks (4265 / 4285 ms).
-#: At 10 Gbit/s the CPU is the limit, and each message costs both ends far more than its bytes
-#: (2 hosts x 1, node-local, 64 MiB, CPU-s/GB hub + ranks, two runs each on 2 loaded cores:
-#: 256 KiB 2.8-2.9, 512 KiB 1.9-2.3, 1 MiB 1.7-2.1): 512 KiB halves the messages and keeps
-#: the drain short at 200 Mbit/s (21 ms a chunk).
-#: Within one host (local shards, shared memory) chunks stay as large as configured. A chunk
-#: size the user chose (``chunk_bytes``, ``GRADSTAR_CHUNK_BYTES``) is kept across hosts too:
-#: on links of 5 Gbit/s and more, where the CPU is the limit, 2 MiB chunks cost less
-#: (2 hosts x 1, 64 MiB at 10 Gbit/s, A/B on the 2-core machine: ranks + shards 2.11 ->
-#: 1.51 CPU-s/GB, 1.42x -> 0.88x gloo; 4 x 1 at 5 Gbit/s 1.95x -> 1.52x gloo) but the drain
-#: more at 200 Mbit/s (4 x 1, 64 MiB: 1.01-1.05x -> 1.03-1.10x gloo), so 512 KiB stays the
-#: default (docs/performance.md, "Fast links").
-MAX_CHUNK_ACROSS_HOSTS = 512 << 10
+#: The same holds across hosts (node-local shards, 64 MiB), where the chunks used to be at most
+#: 512 KiB: a shard can send a chunk's result only once every rank's chunk arrived, so the
+#: first and last chunks' round trips are the pipeline's fill and drain, while at 5-10 Gbit/s
+#: the CPU is the limit and every message costs both ends far more than its bytes (gRPC hands
+#: each one between its threads and the event loop: wakeups and context switches were a
+#: quarter of a rank's and a shard's CPU under perf). Measured on the emulated cluster (2
+#: loaded cores; 3-4 A/B runs against 512 KiB, docs/performance.md): 2 hosts x 1 at 10 Gbit/s,
+#: now 2 MiB chunks, through torch.distributed under torchrun (benchmarks/cluster_torch.py)
+#: ranks' + shards' CPU-s/GB 1.65 -> 1.38 and 1.76x -> 1.54x gloo; 4 hosts x 1 at 5 Gbit/s,
+#: now 1 MiB, the SDK's node-local row 360 -> 300 ms. At 200 Mbit/s, quiet (load < 1), 4 runs
+#: each: 4 hosts x 1 4234-4381 ms in 512 KiB chunks, 4250-4470 in 1 MiB (medians 4253 / 4320,
+#: +1.6%; gloo 4227-4238); 2 hosts x 1 2813-2818 ms in both; 1 Gbit/s 1.00x gloo. Eight 2 MiB
+#: chunks a stripe saved more CPU at 5 Gbit/s (shards 1.12 -> 1.01 CPU-s/GB) but cost 200
+#: Mbit/s 5-11% (4 hosts x 1: 4273-4701 ms against gloo's 4230) in a longer fill and drain.
 
 
-def striped_chunk_bytes(configured: int, nbytes: int, stripes: int,
-                        spans_hosts: bool = False, chosen: bool = False) -> int:
+def striped_chunk_bytes(configured: int, nbytes: int, stripes: int) -> int:
     """The chunk size for a collective of ``nbytes`` over ``stripes`` targets: ``configured``,
-    or smaller so that each stripe gets CHUNKS_PER_STRIPE chunks, and when the generation
-    ``spans_hosts`` at most MAX_CHUNK_ACROSS_HOSTS, unless the configured size is one the user
-    ``chosen`` (every rank computes the same from the same header fields and generation, as
-    the hub checks)."""
+    or smaller so that each stripe gets CHUNKS_PER_STRIPE chunks (every rank computes the same
+    from the same header fields and generation, as the hub checks)."""
     if stripes <= 1:
         return configured
     wanted = -(-nbytes // (stripes * CHUNKS_PER_STRIPE))
-    if spans_hosts and not chosen:
-        wanted = min(wanted, MAX_CHUNK_ACROSS_HOSTS)
     return min(configured, max(MIN_STRIPED_CHUNK, wanted))
 
 

@@ -69,10 +69,6 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         #: This rank took a lost rank's place in a running generation (an elastic join).
         self.replacement: bool = joined.replacement
         self.peers: dict[int, str] = {p.rank: p.address for p in joined.peers}
-        #: Whether the generation's ranks are on several hosts (by the keys they joined with),
-        #: and whether the user chose the chunk size (kept across hosts then: striped_chunk_bytes).
-        self._spans_hosts = len({p.host for p in joined.peers if p.host}) > 1
-        self._chunk_chosen = "chunk_bytes" in settings.model_fields_set
         self._member_id = joined.member_id
         self._channel = channel
         self._session = session
@@ -323,8 +319,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
             dtype=dtype_info(arr.dtype).wire, shape=arr.shape, root=root,
             chunk_bytes=aligned_wire_chunk_bytes(aligned_chunk_bytes(striped_chunk_bytes(
                 self.settings.chunk_bytes, arr.nbytes,
-                len(self._plane.targets(averaging=averaging is not None)), self._spans_hosts,
-                self._chunk_chosen),
+                len(self._plane.targets(averaging=averaging is not None))),
                 arr.dtype.itemsize), arr.dtype.itemsize, fmt),
             timeout_seconds=timeout, averaging=averaging, wire=fmt.wire if fmt else 0,
         )

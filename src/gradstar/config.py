@@ -239,10 +239,8 @@ class ClientSettings(BaseSettings):
     connect_timeout: float = Field(10.0, gt=0)
     chunk_bytes: int = Field(
         DEFAULT_CHUNK_BYTES, gt=0, le=MAX_CHUNK_BYTES,
-        description="largest chunk of a collective; striped ones are cut into at least 16 "
-                    "chunks a stripe, and across hosts into chunks of at most 512 KiB unless "
-                    "this is set (every rank the same): on links of 5 Gbit/s and more, 2 MiB "
-                    "costs less CPU per GB (docs/performance.md, 'Fast links')")
+        description="largest chunk of a collective (every rank the same); a striped one is "
+                    "cut into at least 16 chunks a stripe (docs/performance.md, 'Fast links')")
     tune_allocator: bool = Field(
         True, description="raise glibc's mmap threshold so chunk buffers are reused "
                           "(see gradstar.allocator)")

@@ -29,6 +29,9 @@ from gradstar.errors import GradstarError
 from tests.cluster.report import write_report
 
 N = 12_345  # not a multiple of any chunk: the last chunk is short
+#: Large enough that its chunks across hosts are over 512 KiB (3 hosts: 768 KiB; 2 hosts: the
+#: configured 2 MiB), and odd, so the last chunk is short.
+LARGE = (36 << 20) // 8 + 1
 
 
 def inputs(rank: int) -> tuple[np.ndarray, np.ndarray]:
@@ -48,6 +51,12 @@ def exact(pg) -> dict:
     got = pg.all_reduce(floats[rank], op="mean")
     assert np.allclose(got, want / world, rtol=1e-5, atol=1e-5), "float32 mean differs"
     assert np.array_equal(pg.all_reduce(ints[rank], op="max"), np.max(ints, axis=0))
+    big = np.arange(LARGE, dtype=np.int64)
+    got = pg.all_reduce(big * (rank + 1) + rank)
+    big *= world * (world + 1) // 2
+    big += world * (world - 1) // 2
+    assert np.array_equal(got, big), "a large int64 all_reduce differs"
+    del big, got
     # Several in flight at once, of different sizes: each must pair with the same call on
     # every rank (the two-level all_reduce issues its later stages in call order).
     works = [pg.all_reduce(ints[rank][:n], async_op=True) for n in (N, 7, N // 2, 1, N)]

@@ -3,7 +3,8 @@ host 0 and ``gradstar worker`` on every host (each runs its ranks and, by defaul
 node-local shard). Hosts are network namespaces on a bridge (:mod:`tests.runtime.netns`).
 
 - every collective equals numpy's result (int64 bit-identical), striped over one shard per
-  host, each advertised at its own host's address;
+  host, each advertised at its own host's address, a 36 MiB all_reduce among them (its chunks
+  across hosts over 512 KiB, the last one short);
 - the bytes over each host's link per all_reduce of S bytes stay within 1.1 x 2(H-1)/H·S each
   way, what a ring moves, however many ranks the host runs (the local stripe goes over shared
   memory; several ranks on a host combine there first, :mod:`gradstar.client.hierarchy`);
