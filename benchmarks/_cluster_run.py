@@ -1,6 +1,7 @@
 """Running benchmarks/cluster.py's topologies on an emulated cluster: its processes
-(:class:`Process`), one run's state (:class:`Run`), the hub of a placement (:func:`start_hub`)
-and the samples of link counters and hub CPU around a timed loop.
+(:class:`Process`), one run's state (:class:`Run`), the hub of a placement (:func:`start_hub`),
+the samples of link counters and hub CPU around a timed loop, and a driver's whole run
+(:func:`on_emulated_cluster`, :func:`print_failures`; cluster.py and cluster_torch.py).
 """
 
 from __future__ import annotations
@@ -9,16 +10,20 @@ import argparse
 import os
 import queue
 import secrets
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from _cluster_model import COORDINATOR_PORT, REPO, Layout, Placement
 from _emulated_cluster import (
+    ClusterUnavailable,
     EmulatedCluster,
     LinkBytes,
 )
@@ -146,3 +151,45 @@ class Sample:
 def sample(run: Run, hub: list[Process]) -> Sample:
     cpu = sum(cpu_seconds_of(p.proc.pid) or 0.0 for p in hub)
     return Sample(run.cluster.link_bytes(), cpu, time.monotonic())
+
+
+# -- a driver's run ------------------------------------------------------------------------------
+
+Outcome = tuple[list[dict], list[tuple[str, str]]]  # rows, and (what, error) of each failure
+
+
+def on_emulated_cluster(script: str, names: list[str], args: argparse.Namespace, layout: Layout,
+                        congestion: str | None, each: Callable[[Run], Outcome],
+                        ) -> tuple[list[dict], list[tuple[str, str]], Path]:
+    """Build hosts ``names`` linked at ``args.rate`` and run ``each`` on them; its rows and
+    failures, and the folder of every process's output (removed when nothing failed). Exits
+    with status 2 where no emulated cluster can be built here, 130 on Ctrl-C (after the
+    cluster's processes and namespaces are gone); SIGTERM and SIGHUP end it the same way."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda s, _: sys.exit(128 + s))
+    logs = Path(tempfile.mkdtemp(prefix=f"gradstar-{script}-"))
+    failures: list[tuple[str, str]] = []
+    try:
+        with EmulatedCluster(names, rate=args.rate, congestion_control=congestion) as cluster:
+            print(cluster.describe(), file=sys.stderr, flush=True)
+            rows, failures = each(Run(cluster, layout, args, logs))
+    except ClusterUnavailable as error:
+        print(f"benchmarks/{script}.py: no emulated cluster here: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print(f"benchmarks/{script}.py: interrupted; its processes and namespaces are gone",
+              file=sys.stderr)
+        raise SystemExit(130) from None
+    finally:
+        if not failures:
+            shutil.rmtree(logs, ignore_errors=True)
+    return rows, failures, logs
+
+
+def print_failures(failures: list[tuple[str, str]], logs: Path) -> None:
+    """Each failure with its error, and where every process's output was kept."""
+    for name, error in failures:
+        print(f"\nFAILED {name}:\n{error}")
+    if failures:
+        print(f"\nEvery process's output: {logs}")

@@ -89,11 +89,8 @@ import argparse
 import json
 import os
 import platform
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -113,11 +110,17 @@ from _cluster_model import (
     link_model,
 )
 from _cluster_rank import rank_main
-from _cluster_run import Process, Run, rank_env, sample, start_hub
+from _cluster_run import (
+    Process,
+    Run,
+    on_emulated_cluster,
+    print_failures,
+    rank_env,
+    sample,
+    start_hub,
+)
 from _emulated_cluster import (
     CONGESTION_CONTROL,
-    ClusterUnavailable,
-    EmulatedCluster,
     LinkBytes,
     rate_bytes_per_second,
 )
@@ -297,9 +300,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Ctrl-C (even where a shell started this with SIGINT ignored), SIGTERM and SIGHUP end the
     # run through the finally blocks that clean up.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, lambda s, _: sys.exit(128 + s))
     if args.workload == "ddp":  # one "size": the model's gradients
         from itertools import pairwise
 
@@ -308,29 +308,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         params = sum(a * b + b for a, b in pairwise(WIDTHS))
         args.sizes_mb = [params * 4 / MiB]
     layout = Layout(args.hosts, args.ranks_per_host)
-    names = layout.nodes + extra_hosts(args.topologies, layout)
-    rows: list[dict] = []
-    failures: list[tuple[str, str]] = []
-    logs = Path(tempfile.mkdtemp(prefix="gradstar-cluster-"))
-    try:
-        congestion = None if args.congestion_control == "inherit" else args.congestion_control
-        with EmulatedCluster(names, rate=args.rate, congestion_control=congestion) as cluster:
-            print(cluster.describe(), file=sys.stderr, flush=True)
-            run = Run(cluster, layout, args, logs)
-            for name in args.topologies:
-                got, failed = run_topology(run, name)
-                rows += got
-                failures += failed
-    except ClusterUnavailable as error:
-        print(f"benchmarks/cluster.py: no emulated cluster here: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("benchmarks/cluster.py: interrupted; its processes and namespaces are gone",
-              file=sys.stderr)
-        return 130
-    finally:
-        if not failures:
-            shutil.rmtree(logs, ignore_errors=True)
+
+    def each(run: Run) -> tuple[list[dict], list[tuple[str, str]]]:
+        rows, failures = [], []
+        for name in args.topologies:
+            got, failed = run_topology(run, name)
+            rows += got
+            failures += failed
+        return rows, failures
+
+    congestion = None if args.congestion_control == "inherit" else args.congestion_control
+    rows, failures, logs = on_emulated_cluster(
+        "cluster", layout.nodes + extra_hosts(args.topologies, layout), args, layout,
+        congestion, each)
     what = ("DDP step of benchmarks/ddp_step.py's MLP (MiB: its float32 gradients; ideal: "
             "their all_reduce alone)" if args.workload == "ddp" else "all_reduce, float32")
     print(f"\n{what}, {layout.hosts} hosts x {layout.ranks_per_host} ranks, each "
@@ -340,10 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           "rank 0's host (n-1)*S, hub on its own host n*S, K extra-host shards max(S, n*S/K), "
           "node-local shards 2(n-1)/n*S (one rank per host)\n")
     print(tables(rows))
-    for name, error in failures:
-        print(f"\nFAILED {name}:\n{error}")
-    if failures:
-        print(f"\nEvery process's output: {logs}")
+    print_failures(failures, logs)
     if args.json:
         args.json.write_text(json.dumps({
             "benchmark": "cluster", "args": vars(args) | {"json": str(args.json)},

@@ -37,10 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import signal
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,11 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cluster
 from _cluster_model import GB, MB, STORE_PORT, TOPOLOGIES, Layout, busiest, link_model
-from _cluster_run import Process, Run
+from _cluster_run import Process, Run, on_emulated_cluster, print_failures
 from _emulated_cluster import (
     CONGESTION_CONTROL,
-    ClusterUnavailable,
-    EmulatedCluster,
     LinkBytes,
     rate_bytes_per_second,
 )
@@ -182,40 +177,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     # What cluster.py's own rows read from its arguments.
     args.workload, args.bucket_cap_mb, args.chunk_mb, args.wire = "all_reduce", 25.0, None, \
         ["none"]
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, lambda s, _: sys.exit(128 + s))
     layout = Layout(args.hosts, args.ranks_per_host)
-    rows: list[dict] = []
-    failures: list[tuple[str, str]] = []
-    logs = Path(tempfile.mkdtemp(prefix="gradstar-cluster-torch-"))
-    try:
-        with EmulatedCluster(layout.nodes, rate=args.rate,
-                             congestion_control=CONGESTION_CONTROL) as emulated:
-            print(emulated.describe(), file=sys.stderr, flush=True)
-            run = Run(emulated, layout, args, logs)
-            for i, name in enumerate(args.rows):
-                got, failed = run_row(run, name, STORE_PORT + 10 * (i + 1))
-                rows += got
-                failures += failed
-    except ClusterUnavailable as error:
-        print(f"benchmarks/cluster_torch.py: no emulated cluster here: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("benchmarks/cluster_torch.py: interrupted; its processes and namespaces are gone",
-              file=sys.stderr)
-        return 130
-    finally:
-        if not failures:
-            shutil.rmtree(logs, ignore_errors=True)
+
+    def each(run: Run) -> tuple[list[dict], list[tuple[str, str]]]:
+        rows, failures = [], []
+        for i, name in enumerate(args.rows):
+            got, failed = run_row(run, name, STORE_PORT + 10 * (i + 1))
+            rows += got
+            failures += failed
+        return rows, failures
+
+    rows, failures, logs = on_emulated_cluster("cluster_torch", layout.nodes, args, layout,
+                                               CONGESTION_CONTROL, each)
     print(f"\nall_reduce, float32, {layout.hosts} hosts x {layout.ranks_per_host} ranks, each "
           f"host link {args.rate} each way; {args.iters} timed iterations (median), "
           f"{args.warmup} warm-up; load {loadavg()}\n")
     print(tables(rows))
-    for name, error in failures:
-        print(f"\nFAILED {name}:\n{error}")
-    if failures:
-        print(f"\nEvery process's output: {logs}")
+    print_failures(failures, logs)
     if args.json:
         args.json.write_text(json.dumps({
             "benchmark": "cluster_torch", "args": vars(args) | {"json": str(args.json)},
