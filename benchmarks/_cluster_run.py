@@ -1,7 +1,8 @@
 """Running benchmarks/cluster.py's topologies on an emulated cluster: its processes
 (:class:`Process`), one run's state (:class:`Run`), the hub of a placement (:func:`start_hub`),
 the samples of link counters and hub CPU around a timed loop, and a driver's whole run
-(:func:`on_emulated_cluster`, :func:`print_failures`; cluster.py and cluster_torch.py).
+(:func:`on_emulated_cluster`, :func:`measure_row`, :func:`print_failures`; cluster.py and
+cluster_torch.py).
 """
 
 from __future__ import annotations
@@ -185,6 +186,22 @@ def on_emulated_cluster(script: str, names: list[str], args: argparse.Namespace,
         if not failures:
             shutil.rmtree(logs, ignore_errors=True)
     return rows, failures, logs
+
+
+def measure_row(what: str, size_mb: float, timeout: float, measure: Callable[[float], dict],
+                rows: list[dict], failures: list[tuple[str, str]]) -> None:
+    """Run ``measure(deadline)`` for one row, say how it went on stderr, and add its row to
+    ``rows`` or its error to ``failures``."""
+    t0 = time.monotonic()
+    try:
+        row = measure(t0 + timeout)
+    except BenchmarkError as error:
+        failures.append((f"{what} {size_mb:g} MiB", str(error)))
+        print(f"  {what:30s} {size_mb:6g} MiB FAILED", file=sys.stderr, flush=True)
+        return
+    rows.append(row)
+    print(f"  {what:30s} {size_mb:6g} MiB median {row['median_s'] * 1e3:9.1f} ms "
+          f"({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
 
 
 def print_failures(failures: list[tuple[str, str]], logs: Path) -> None:

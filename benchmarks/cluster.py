@@ -113,6 +113,7 @@ from _cluster_rank import rank_main
 from _cluster_run import (
     Process,
     Run,
+    measure_row,
     on_emulated_cluster,
     print_failures,
     rank_env,
@@ -210,18 +211,11 @@ def run_topology(run: Run, name: str) -> tuple[list[dict], list[tuple[str, str]]
             None if w == "none" else w for w in run.args.wire]
         for size_mb in run.args.sizes_mb:
             for wire in wires:
-                what = name + (f" wire={wire}" if wire else "")
-                t0 = time.monotonic()
-                try:
-                    row = run_size(run, name, placement, hub, size_mb, t0 + run.args.timeout,
-                                   wire)
-                except BenchmarkError as error:
-                    failures.append((f"{what} {size_mb:g} MiB", str(error)))
-                    print(f"  {what:30s} {size_mb:6g} MiB FAILED", file=sys.stderr, flush=True)
-                    continue
-                rows.append(row)
-                print(f"  {what:30s} {size_mb:6g} MiB median {row['median_s'] * 1e3:9.1f} ms "
-                      f"({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
+                measure_row(name + (f" wire={wire}" if wire else ""), size_mb,
+                            run.args.timeout,
+                            lambda deadline, size_mb=size_mb, wire=wire: run_size(
+                                run, name, placement, hub, size_mb, deadline, wire),
+                            rows, failures)
     except BenchmarkError as error:
         failures.append((name, str(error)))
         print(f"  {name:20s} FAILED to start", file=sys.stderr, flush=True)

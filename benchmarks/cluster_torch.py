@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cluster
 from _cluster_model import GB, MB, STORE_PORT, TOPOLOGIES, Layout, busiest, link_model
-from _cluster_run import Process, Run, on_emulated_cluster, print_failures
+from _cluster_run import Process, Run, measure_row, on_emulated_cluster, print_failures
 from _emulated_cluster import (
     CONGESTION_CONTROL,
     LinkBytes,
@@ -122,16 +122,9 @@ def run_row(run: Run, name: str, port: int) -> tuple[list[dict], list[tuple[str,
         return cluster.run_topology(run, name)
     rows, failures = [], []
     for i, size_mb in enumerate(run.args.sizes_mb):
-        t0 = time.monotonic()
-        try:
-            row = run_torchrun(run, name.split()[1], size_mb, port + i, t0 + run.args.timeout)
-        except BenchmarkError as error:
-            failures.append((f"{name} {size_mb:g} MiB", str(error)))
-            print(f"  {name:30s} {size_mb:6g} MiB FAILED", file=sys.stderr, flush=True)
-            continue
-        rows.append(row)
-        print(f"  {name:30s} {size_mb:6g} MiB median {row['median_s'] * 1e3:9.1f} ms "
-              f"({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
+        measure_row(name, size_mb, run.args.timeout,
+                    lambda deadline, size_mb=size_mb, i=i: run_torchrun(
+                        run, name.split()[1], size_mb, port + i, deadline), rows, failures)
     return rows, failures
 
 
