@@ -23,8 +23,8 @@ from gradstar.errors import CollectiveTimeoutError, ConfigurationError
 
 from .convert import (
     BITWISE_OPS,
+    CallOptions,
     bitwise_reduce,
-    caller_waits,
     check_dense,
     check_numel,
     for_bitwise,
@@ -55,22 +55,22 @@ class Collectives:
     """torch's collective calls over gradstar's all_reduce, broadcast, all_gather,
     reduce_scatter and barrier (a mixin of the process group; see the module docstring)."""
 
-    def _reduce(self, tensors: list[torch.Tensor], op: str, timeout: float | None,
+    def _reduce(self, tensors: list[torch.Tensor], op: str, how: CallOptions,
                 write: Callable[[int, torch.Tensor], None], *, in_place: bool = False,
-                wire: str | None = None, waited: bool = False):
+                wire: str | None = None):
         """All_reduce each of ``tensors`` and ``write(i, result)``. ``in_place``: the result
         may overwrite the tensor itself (all_reduce, not reduce), so a contiguous CPU tensor
         of a dtype the hub reduces receives it straight from the wire (``out=``): no result
         array to allocate and fault in, no copy (and ``write``'s copy_ is then a no-op).
-        ``wire``: a compressed wire format (float tensors, not the bitwise ops). ``waited``:
-        the caller waits at once (see ``_launch``)."""
+        ``wire``: a compressed wire format (float tensors, not the bitwise ops). ``how``: the
+        call's timeout, and whether its caller waits at once (see ``_launch``)."""
         if op in BITWISE_OPS:
             return self._gather(
-                [for_bitwise(t, op) for t in tensors], timeout,
+                [for_bitwise(t, op) for t in tensors], how,
                 lambda i, parts: write(i, bitwise_reduce(parts, op).reshape(tensors[i].shape)),
-                tensors, waited=waited)
+                tensors)
         prepared = [for_reduction(t, op) for t in tensors]
-        starts = [self._call("all_reduce", w, op, timeout=timeout,
+        starts = [self._call("all_reduce", w, op, timeout=how.timeout,
                              out=w if in_place and w is t and _viewable(t) else None, wire=wire)
                   for (w, _), t in zip(prepared, tensors, strict=True)]
 
@@ -79,23 +79,22 @@ class Collectives:
                 write(i, restore(result))
             return tensors
 
-        return self._launch(starts, finish, tensors, waited=waited)
+        return self._launch(starts, finish, tensors, waited=how.waited)
 
-    def _gather(self, inputs: list[torch.Tensor], timeout: float | None,
-                write: Callable[[int, list[torch.Tensor]], None], result, *,
-                waited: bool = False):
+    def _gather(self, inputs: list[torch.Tensor], how: CallOptions,
+                write: Callable[[int, list[torch.Tensor]], None], result):
         prepared = [for_transfer(t) for t in inputs]
-        starts = [self._call("all_gather", w, timeout=timeout) for w, _ in prepared]
+        starts = [self._call("all_gather", w, timeout=how.timeout) for w, _ in prepared]
 
         def finish(results):
             for i, ((_, restore), parts) in enumerate(zip(prepared, results, strict=True)):
                 write(i, [restore(p) for p in parts])
             return result
 
-        return self._launch(starts, finish, [inputs, result], waited=waited)
+        return self._launch(starts, finish, [inputs, result], waited=how.waited)
 
     def _scatter_reduce(self, outputs: list[torch.Tensor], flats: list[torch.Tensor], op: str,
-                        timeout: float | None, waited: bool = False):
+                        how: CallOptions):
         world = self.size()
         for out, flat in zip(outputs, flats, strict=True):
             check_dense(flat)  # before reshape(), whose own error would not say why
@@ -107,25 +106,23 @@ class Collectives:
                 whole = bitwise_reduce([p.reshape(world, -1) for p in parts], op)
                 outputs[i].copy_(whole[me].reshape(outputs[i].shape))
 
-            return self._gather([for_bitwise(flat, op) for flat in flats], timeout, write,
-                                outputs, waited=waited)
+            return self._gather([for_bitwise(flat, op) for flat in flats], how, write, outputs)
         prepared = [for_reduction(flat.reshape(world, -1), op) for flat in flats]
-        starts = [self._call("reduce_scatter", w, op, timeout=timeout) for w, _ in prepared]
+        starts = [self._call("reduce_scatter", w, op, timeout=how.timeout) for w, _ in prepared]
 
         def finish(results):
             for out, (_, restore), shard in zip(outputs, prepared, results, strict=True):
                 out.copy_(restore(shard).reshape(out.shape))
             return outputs
 
-        return self._launch(starts, finish, [outputs, flats], waited=waited)
+        return self._launch(starts, finish, [outputs, flats], waited=how.waited)
 
     def allreduce(self, tensors, opts=None):
         tensors = tensor_list(tensors)
         if any(t.layout == torch.sparse_coo for t in tensors):
             return self._sparse_allreduce(tensors, reduce_op_name(opts), seconds_of(opts))
-        return self._reduce(tensors, reduce_op_name(opts), seconds_of(opts),
-                            lambda i, r: tensors[i].copy_(r), in_place=True,
-                            waited=caller_waits(opts))
+        return self._reduce(tensors, reduce_op_name(opts), CallOptions.of(opts),
+                            lambda i, r: tensors[i].copy_(r), in_place=True)
 
     def allreduce_wire(self, tensor: torch.Tensor, op: str = "mean", *, wire: str,
                        timeout: float | None = None):
@@ -140,7 +137,7 @@ class Collectives:
         if op not in ("sum", "mean", "min", "max", "prod"):
             raise ConfigurationError(
                 f"allreduce_wire reduces with sum, mean, min, max or prod, not {op!r}")
-        return self._reduce([tensor], op, timeout, lambda _i, r: tensor.copy_(r),
+        return self._reduce([tensor], op, CallOptions(timeout), lambda _i, r: tensor.copy_(r),
                             in_place=True, wire=wire)
 
     def _sparse_allreduce(self, tensors: list[torch.Tensor], op: str, timeout: float | None):
@@ -178,13 +175,14 @@ class Collectives:
                 total = torch.sparse_coo_tensor(every_index, every_value, t.shape).coalesce()
                 tensors[0].copy_(total.to(tensors[0].device))
 
-        return self._gather([padded_indices, padded_values], timeout, write, tensors)
+        return self._gather([padded_indices, padded_values], CallOptions(timeout), write, tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         tensors = tensor_list(tensors)
-        op, timeout = reduce_op_name(opts), seconds_of(opts)
+        op, how = reduce_op_name(opts), CallOptions.of(opts)
         if op in BITWISE_OPS:
-            return self._reduce(tensors, op, timeout, lambda i, r: tensors[i].copy_(r))
+            return self._reduce(tensors, op, CallOptions(how.timeout),
+                                lambda i, r: tensors[i].copy_(r))
         prepared = [for_reduction(t, op) for t in tensors]
 
         def finish(results):
@@ -193,8 +191,8 @@ class Collectives:
             return tensors
 
         return self._launch([self._call("all_reduce_coalesced", [w for w, _ in prepared], op,
-                                        timeout=timeout)], finish, tensors,
-                            waited=caller_waits(opts))
+                                        timeout=how.timeout)], finish, tensors,
+                            waited=how.waited)
 
     def reduce(self, tensors, opts=None):
         """torch's reduce, as an all_reduce whose result only the root keeps."""
@@ -205,20 +203,17 @@ class Collectives:
             if self.rank() == root:
                 tensors[i].copy_(r)
 
-        return self._reduce(tensors, reduce_op_name(opts), seconds_of(opts), write,
-                            waited=caller_waits(opts))
+        return self._reduce(tensors, reduce_op_name(opts), CallOptions.of(opts), write)
 
     def broadcast(self, tensors, opts=None):
         tensors = tensor_list(tensors)
-        return self._broadcast(tensors, getattr(opts, "rootRank", 0), seconds_of(opts),
-                               lambda i, r: tensors[i].copy_(r), tensors,
-                               waited=caller_waits(opts))
+        return self._broadcast(tensors, getattr(opts, "rootRank", 0), CallOptions.of(opts),
+                               lambda i, r: tensors[i].copy_(r), tensors)
 
-    def _broadcast(self, tensors: list[torch.Tensor], root: int, timeout: float | None,
-                   write: Callable[[int, torch.Tensor], None], result, *,
-                   waited: bool = False):
+    def _broadcast(self, tensors: list[torch.Tensor], root: int, how: CallOptions,
+                   write: Callable[[int, torch.Tensor], None], result):
         prepared = [for_transfer(t) for t in tensors]
-        starts = [self._call("broadcast", w, root, timeout=timeout) for w, _ in prepared]
+        starts = [self._call("broadcast", w, root, timeout=how.timeout) for w, _ in prepared]
 
         def finish(results):
             if self.rank() != root:
@@ -226,7 +221,7 @@ class Collectives:
                     write(i, restore(r))
             return result
 
-        return self._launch(starts, finish, [tensors, result], waited=waited)
+        return self._launch(starts, finish, [tensors, result], waited=how.waited)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         inputs = tensor_list(input_tensors)
@@ -239,8 +234,7 @@ class Collectives:
             for out, part in zip(output_tensors[i], parts, strict=True):
                 out.copy_(part.reshape(out.shape))
 
-        return self._gather(inputs, seconds_of(opts), write, output_tensors,
-                            waited=caller_waits(opts))
+        return self._gather(inputs, CallOptions.of(opts), write, output_tensors)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """torch's all_gather_coalesced: ``output_lists[rank][i]`` receives input ``i`` of
@@ -256,8 +250,7 @@ class Collectives:
             for outs, part in zip(output_lists, parts, strict=True):
                 outs[i].copy_(part.reshape(outs[i].shape))
 
-        return self._gather(inputs, seconds_of(opts), write, output_lists,
-                            waited=caller_waits(opts))
+        return self._gather(inputs, CallOptions.of(opts), write, output_lists)
 
     def all_gather_single(self, output_tensor, input_tensor, opts=None):
         return self.all_gather_single_coalesced([output_tensor], [input_tensor], opts)
@@ -268,9 +261,8 @@ class Collectives:
         outputs, inputs = tensor_list(outputs), tensor_list(inputs)
         for out, t in zip(outputs, inputs, strict=True):
             check_numel("all_gather_into_tensor's output", out.numel(), t.numel() * self.size())
-        return self._gather(inputs, seconds_of(opts),
-                            lambda i, parts: write_rows(outputs[i], parts), outputs,
-                            waited=caller_waits(opts))
+        return self._gather(inputs, CallOptions.of(opts),
+                            lambda i, parts: write_rows(outputs[i], parts), outputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -284,8 +276,7 @@ class Collectives:
                 for out, part in zip(output_tensors[i], parts, strict=True):
                     out.copy_(part.reshape(out.shape))
 
-        return self._gather(inputs, seconds_of(opts), write, output_tensors,
-                            waited=caller_waits(opts))
+        return self._gather(inputs, CallOptions.of(opts), write, output_tensors)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         """torch's scatter, as a broadcast of the root's inputs of which each rank keeps its own."""
@@ -303,9 +294,8 @@ class Collectives:
         if me == root:
             for out, whole in zip(outputs, stacked, strict=True):
                 out.copy_(whole[me])
-        return self._broadcast(stacked, root, seconds_of(opts),
-                               lambda i, whole: outputs[i].copy_(whole[me]), outputs,
-                               waited=caller_waits(opts))
+        return self._broadcast(stacked, root, CallOptions.of(opts),
+                               lambda i, whole: outputs[i].copy_(whole[me]), outputs)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         outputs = tensor_list(output_tensors)
@@ -315,8 +305,7 @@ class Collectives:
                 check_dense(part)
                 check_numel("a reduce_scatter input", part.numel(), out.numel())
         flats = [torch.cat([p.reshape(-1) for p in parts]) for parts in input_tensors]
-        return self._scatter_reduce(outputs, flats, reduce_op_name(opts), seconds_of(opts),
-                                    caller_waits(opts))
+        return self._scatter_reduce(outputs, flats, reduce_op_name(opts), CallOptions.of(opts))
 
     def reduce_scatter_single(self, output_tensor, input_tensor, opts=None):
         return self.reduce_scatter_single_coalesced([output_tensor], [input_tensor], opts)
@@ -325,14 +314,15 @@ class Collectives:
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         outputs, inputs = tensor_list(outputs), tensor_list(inputs)
-        return self._scatter_reduce(outputs, inputs, reduce_op_name(opts), seconds_of(opts),
-                                    caller_waits(opts))
+        return self._scatter_reduce(outputs, inputs, reduce_op_name(opts),
+                                    CallOptions.of(opts))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def barrier(self, opts=None):
-        return self._launch([self._call("barrier", timeout=seconds_of(opts))],
-                            lambda _results: [], [], waited=caller_waits(opts))
+        how = CallOptions.of(opts)
+        return self._launch([self._call("barrier", timeout=how.timeout)],
+                            lambda _results: [], [], waited=how.waited)
 
     def monitored_barrier(self, timeout: timedelta | None = None,
                           wait_all_ranks: bool = False) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -82,6 +83,20 @@ def caller_waits(opts) -> bool:
     ``dist.all_reduce(t)``, ``dist.barrier()``, ... without ``async_op=True``; torch's options
     default to True, as DDP's and FSDP's own calls leave them)."""
     return getattr(opts, "asyncOp", True) is False
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """What torch's options say of one call: its timeout in seconds (None: the group's,
+    :func:`seconds_of`) and whether the caller waits for the Work at once
+    (:func:`caller_waits`)."""
+
+    timeout: float | None = None
+    waited: bool = False
+
+    @classmethod
+    def of(cls, opts) -> CallOptions:
+        return cls(seconds_of(opts), caller_waits(opts))
 
 
 def tensor_list(tensors) -> list[torch.Tensor]:
@@ -228,6 +243,7 @@ def check_numel(what: str, got: int, want: int) -> None:
 
 __all__ = [
     "BITWISE_OPS",
+    "CallOptions",
     "Restore",
     "bitwise_reduce",
     "caller_waits",
