@@ -20,9 +20,9 @@ One ledger per (job, model). Protocol, per rank:
    fast rank's call waits (the only time a rank waits for another). Its *aggregate* is the
    weighted mean of its contributions, summed in rank order in float32, so it does not depend
    on arrival order; the hub computes it once and every rank gets the same bytes. Each
-   contribution carries its rank's
-   optimizer hyperparameters (lr, ...); a step records their weighted mean, and every rank
-   applies the step with those values (a per-rank LR schedule cannot split the replicas).
+   contribution carries its rank's optimizer hyperparameters (lr, ...); a step records their
+   weighted mean, and every rank applies the step with those values (a per-rank LR schedule
+   cannot split the replicas).
    **Wire formats**: a ledger's contributions travel in one wire format (DDP's ``wire=``, set
    by the first contribution; another is :class:`StepMismatchError` for its sender). The hub
    decodes each to float32 on receipt (its encoded size checked against ``numel``), adds in
