@@ -7,8 +7,8 @@ caller. For a tensor of a few KB that was most of the call (profiled on 2 cores:
 event loop spent ~250 us of CPU per 100-byte all_reduce on asyncio tasks, futures and grpc.aio's
 own hops, its caller ~70 us). A :class:`DirectLane` instead carries a *small* collective
 (:meth:`DirectLane.takes`) on a blocking gRPC stream from the caller's thread: the caller
-writes the rank's whole side as one message and waits on the stream itself, so the answer
-wakes it directly.
+writes the rank's whole side as one message and waits on the stream's own completion queue,
+so the answer wakes it directly (:mod:`.caller_stream`: no gRPC thread in between).
 
 What travels is exactly what :mod:`.stream` sends for a small collective on the stream path
 (:func:`.outgoing.in_one_message`: header, chunks and end marker in one message) and what
@@ -18,7 +18,7 @@ either side is the same. Shared memory is never offered on this path: for a payl
 :data:`~gradstar.wire.MAX_BATCHED_CHUNK_BYTES` the segment's offer and copies cost more than the
 bytes.
 
-Streams outlive collectives as on the asyncio path (:class:`BlockingStream`; idle ones are
+Streams outlive collectives as on the asyncio path (:mod:`.caller_stream`; idle ones are
 kept for the next call, any failure ends the stream). Failure, as on the asyncio path:
 
 - the hub's verdict (an ``ERROR`` frame: mismatch, timeout, lost rank, ...) is raised as the
@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -55,6 +54,7 @@ from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
 from gradstar.wire import MAX_BATCH_FRAMES, MAX_BATCHED_CHUNK_BYTES, as_byte_view
 
 from ..session import VERDICT_GRACE, Session
+from .caller_stream import BlockingStream, open_stream
 from .outgoing import in_one_message
 from .plan import CollectivePlan, Phase, StreamReceiver
 from .stream import DEADLINE_MARGIN
@@ -65,41 +65,6 @@ log = logging.getLogger(__name__)
 #: How often :meth:`DirectLane.watch` checks the deadlines of the collectives in flight (the
 #: session's failure it hears at once).
 WATCH_INTERVAL = 1.0
-
-
-class BlockingStream:
-    """A blocking Collective stream, kept open across collectives (one at a time)."""
-
-    def __init__(self, method: grpc.StreamStreamMultiCallable, metadata) -> None:
-        # grpc's own thread writes what is queued here; the caller reads the answers.
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self.call = method(iter(self._requests.get, None), metadata=metadata)
-        #: Why :meth:`end` ended the stream from outside (None: it did not).
-        self.ended_by: Exception | None = None
-
-    def send(self, message: bytes) -> None:
-        self._requests.put(message)
-
-    def read(self) -> bytes | None:
-        """The next message from the hub; None once the call ended with an OK status.
-
-        Raises:
-            grpc.RpcError: the call failed (or was cancelled).
-        """
-        return next(self.call, None)
-
-    def end(self, why: Exception) -> None:
-        """Cancel the call under a reader waiting in :meth:`read` (any thread), saying why."""
-        self.ended_by = why
-        self.call.cancel()
-
-    @property
-    def usable(self) -> bool:
-        return self.ended_by is None and self.call.is_active()
-
-    def close(self) -> None:
-        self._requests.put(None)
-        self.call.cancel()
 
 
 class DirectLane:
@@ -115,7 +80,7 @@ class DirectLane:
                  submit: Callable[[Coroutine], concurrent.futures.Future],
                  abandon: Callable[[ops.CollectiveCall], Coroutine]) -> None:
         self._channel = channel
-        self._method = channel.stream_stream(method)
+        self._method = method
         self.address = address
         self._metadata = metadata
         self._session = session
@@ -195,7 +160,7 @@ class DirectLane:
                 if stream.usable:
                     return stream
                 stream.close()
-        return BlockingStream(self._method, self._metadata)
+        return open_stream(self._channel, self._method, self._metadata)
 
     def _put_back(self, stream: BlockingStream, clean: bool) -> None:
         with self._lock:
@@ -275,4 +240,4 @@ class DirectCall:
         """Withdrawn before it ran (as a coroutine that never ran is closed): nothing to do."""
 
 
-__all__ = ["WATCH_INTERVAL", "BlockingStream", "DirectCall", "DirectLane"]
+__all__ = ["WATCH_INTERVAL", "DirectCall", "DirectLane"]
