@@ -35,7 +35,7 @@ collective it belongs to fails on its ranks, and other jobs' collectives go on.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 from gradstar.errors import HubCapacityError
 from gradstar.wire import tracker_bytes
@@ -84,9 +84,10 @@ class CollectiveBudget:
                 f"job {job!r} has {pending} collectives pending, its limit (coordinator setting "
                 "max_pending_per_job); the hub opens no more for it until some finish")
 
-    def charge(self, member: Hashable, nbytes: int, who: str, job: str = "") -> None:
-        """Charge ``nbytes`` for one more pending collective of ``member`` of ``job`` (``who``
-        names it and the collective in an error).
+    def charge(self, member: Hashable, nbytes: int, who: str | Callable[[], str],
+               job: str = "") -> None:
+        """Charge ``nbytes`` for one more pending collective of ``member`` of ``job`` (``who``,
+        or what it returns, names it and the collective in an error: built only for one).
 
         Raises:
             HubCapacityError: the member is at ``max_pending_per_member``, the charge would
@@ -94,11 +95,20 @@ class CollectiveBudget:
                 the hub over ``max_collective_state_bytes``.
         """
         pending = self._pending.get(member, 0)
+        held = self.job_used.get(job, 0)
+        if (pending >= self.max_per_member or held + nbytes > self.max_job_bytes < self.max_bytes
+                or self.used + nbytes > self.max_bytes):
+            self._refuse(pending, held, nbytes, who() if callable(who) else who, job)
+        self._pending[member] = pending + 1
+        self._job_of[member] = job
+        self.job_used[job] = held + nbytes
+        self.used += nbytes
+
+    def _refuse(self, pending: int, held: int, nbytes: int, who: str, job: str) -> None:
         if pending >= self.max_per_member:
             raise HubCapacityError(
                 f"{who} was refused: the rank has {pending} collectives pending, its limit "
                 "(coordinator setting max_pending_per_member); finish some first")
-        held = self.job_used.get(job, 0)
         if held + nbytes > self.max_job_bytes < self.max_bytes:  # a share of 1: the hub's
             raise HubCapacityError(
                 f"{who} was refused: it needs {nbytes} bytes of the hub's budget for pending "
@@ -112,10 +122,6 @@ class CollectiveBudget:
                 f"collectives, of which {self.max_bytes - self.used} of {self.max_bytes} are "
                 "left (coordinator setting max_collective_state_bytes); try again once "
                 "collectives finish")
-        self._pending[member] = pending + 1
-        self._job_of[member] = job
-        self.job_used[job] = held + nbytes
-        self.used += nbytes
 
     def give_back(self, member: Hashable, nbytes: int) -> None:
         """A collective ``member`` took part in ended: its charge of ``nbytes`` is free again."""

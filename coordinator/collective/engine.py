@@ -142,8 +142,8 @@ class PendingCollective:
         # Charged before anything is allocated for this rank's part.
         charge = participant_charge(self.layout.count)
         self.engine.budget.charge((self.gen, h.rank), charge,
-                                  f"rank {h.rank}'s {describe(s)} seq {s.seq} of job "
-                                  f"{self.gen.job.name!r}", self.gen.job.name)
+                                  lambda: f"rank {h.rank}'s {describe(s)} seq {s.seq} of job "
+                                          f"{self.gen.job.name!r}", self.gen.job.name)
         try:
             inputs = self._stripe((g.sends,))
             outputs = self._stripe(g.receives)

@@ -146,6 +146,14 @@ def _validate_wire(h: pb.CollectiveHeader, info) -> None:
             "frames")
 
 
+def _raw_fields(h: pb.CollectiveHeader) -> tuple:
+    """The header fields :func:`field_values` is made of, as they came: equal tuples mean equal
+    field values (the converse need not hold: an op may ignore a field)."""
+    a = h.averaging
+    return (h.op, h.reduce_op, h.dtype, h.shape, h.root, h.wire, h.chunk_bytes, h.stripe,
+            h.stripes, a.rule, a.model, a.outer_lr, a.outer_momentum)
+
+
 def check_agrees(h: pb.CollectiveHeader, first: pb.CollectiveHeader, job: str) -> None:
     """Check that rank ``h.rank``'s header agrees with the collective's first header.
 
@@ -153,6 +161,8 @@ def check_agrees(h: pb.CollectiveHeader, first: pb.CollectiveHeader, job: str) -
         CollectiveMismatchError: naming both ranks, both calls and the first field that
             differs (``op`` first: other fields mean different things for different ops).
     """
+    if _raw_fields(h) == _raw_fields(first):  # the usual case, without naming anything
+        return
     pairs = zip(field_values(h), field_values(first), strict=False)
     differing = "op" if h.op != first.op else next(
         (name for (name, mine), (_, theirs) in pairs if mine != theirs), None)
