@@ -92,3 +92,47 @@ def test_the_root_matters_only_for_broadcast():
     names = [name for name, _ in field_values(header(root=1))]
     assert "root" not in names
     assert "root" in [name for name, _ in field_values(header(op=pb.COLLECTIVE_OP_BROADCAST))]
+
+
+def _changed(h: pb.CollectiveHeader, target, field) -> pb.CollectiveHeader:
+    """``h`` with one scalar ``field`` of ``target`` (h or its averaging) set to another value."""
+    value = getattr(target, field.name)
+    if field.is_repeated:
+        getattr(target, field.name).append(7)
+    elif isinstance(value, bool):
+        setattr(target, field.name, not value)
+    elif isinstance(value, (int, float)):
+        setattr(target, field.name, value + 1)
+    else:
+        setattr(target, field.name, value + "x")
+    return h
+
+
+def _scalar_fields(descriptor):
+    return [f for f in descriptor.fields if f.message_type is None]
+
+
+@pytest.mark.parametrize("op", [pb.COLLECTIVE_OP_ALL_REDUCE, pb.COLLECTIVE_OP_BROADCAST,
+                                pb.COLLECTIVE_OP_ALL_GATHER])
+@pytest.mark.parametrize("where", ["header", "averaging"])
+def test_agreement_is_decided_by_the_named_fields_whichever_field_differs(op, where):
+    # check_agrees skips naming the fields when the raw fields are equal: every field that
+    # field_values reads must be among them, whatever field a later change adds.
+    descriptor = (pb.CollectiveHeader if where == "header" else pb.AveragingSpec).DESCRIPTOR
+    for field in _scalar_fields(descriptor):
+        first = header(op=op, averaging=pb.AveragingSpec(model="m", rule=1, outer_lr=0.5))
+        h = header(op=op, rank=1, averaging=pb.AveragingSpec(model="m", rule=1, outer_lr=0.5))
+        h = _changed(h, h if where == "header" else h.averaging, field)
+        disagree = h.op != first.op or field_values(h) != field_values(first)
+        if disagree:
+            with pytest.raises(errors.CollectiveMismatchError):
+                check_agrees(h, first, "j")
+        else:
+            check_agrees(h, first, "j")
+
+
+def test_a_field_the_op_ignores_may_differ():
+    check_agrees(header(rank=1, root=1), header(root=0), "j")
+    gather = pb.COLLECTIVE_OP_ALL_GATHER
+    check_agrees(header(op=gather, rank=1, reduce_op=pb.REDUCE_OP_MAX), header(op=gather), "j")
+    check_agrees(header(rank=1, stripes=0), header(stripes=1), "j")
