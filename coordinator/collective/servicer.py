@@ -39,6 +39,7 @@ from gradstar.wire import (
 
 from ..rendezvous.jobs import check_job_name
 from .engine import CLOSE, CollectiveEngine, Participant, PendingCollective, without_frames
+from .window import Outbox
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 _NOTHING = object()
 
 
-def _take_batch(item, outbox: asyncio.Queue) -> tuple[list, object]:
+def _take_batch(item, outbox: Outbox) -> tuple[list, object]:
     """``item`` and the small frames already queued behind it, to go in one message, and the
     first queued item that may not join them (``_NOTHING`` if none was taken)."""
     batch = [item]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import sys
 
@@ -26,6 +27,17 @@ TOP_PAD = 64 << 20
 _done = False
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """glibc, looked up once: ``ctypes.util.find_library`` runs ``ldconfig`` (a subprocess) on
+    every call, which the hub's sweep, trimming from its event loop, paid twice a second.
+
+    Raises:
+        OSError: no C library could be loaded.
+    """
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 def tune_allocator() -> bool:
     """Apply the thresholds once per process on glibc Linux; return whether they were applied."""
     global _done
@@ -34,8 +46,7 @@ def tune_allocator() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError):  # musl and other libcs have no mallopt
         return False
     ok = all(mallopt(param, value) == 1 for param, value in (
@@ -67,7 +78,7 @@ def share_malloc_arena() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError):  # musl and other libcs have no mallopt
         return False
     return mallopt(_M_ARENA_MAX, 1) == 1
@@ -80,7 +91,6 @@ def trim_heap() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.malloc_trim(0))
+        return bool(_libc().malloc_trim(0))
     except (OSError, AttributeError):
         return False
