@@ -69,7 +69,7 @@ from ..metrics import CollectiveMetrics
 from ..rendezvous.rendezvous import Generation, Rendezvous
 from ..rounds.averaging import AveragingRound, AveragingStore
 from .budget import CollectiveBudget, participant_charge
-from .matching import Limits, check_agrees, describe, validate
+from .matching import Limits, ValidatedCalls, check_agrees, describe
 from .reduce import BufferPool, reducer_for
 from .window import CLOSE, Participant, ReadWindow
 
@@ -385,6 +385,7 @@ class CollectiveEngine:
     ) -> None:
         self.rendezvous = rendezvous
         self.limits = Limits(max_tensor_bytes, max_chunk_bytes)
+        self.validated = ValidatedCalls(self.limits)
         #: What pending collectives may hold (:mod:`.budget`); unlimited unless given.
         self.budget = budget or CollectiveBudget(1 << 62, 1 << 62, 1 << 62)
         self.max_timeout = max_timeout
@@ -417,7 +418,7 @@ class CollectiveEngine:
             raise error
         coll = gen.collectives.get(key)
         try:
-            call = validate(h, gen.world_size, self.limits)
+            call = self.validated.call(h, gen.world_size)
             if coll is None:
                 self.budget.check_open(len(gen.collectives), gen.job.name)
                 coll = PendingCollective(self, gen, call)

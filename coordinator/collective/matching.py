@@ -150,8 +150,41 @@ def _raw_fields(h: pb.CollectiveHeader) -> tuple:
     """The header fields :func:`field_values` is made of, as they came: equal tuples mean equal
     field values (the converse need not hold: an op may ignore a field)."""
     a = h.averaging
-    return (h.op, h.reduce_op, h.dtype, h.shape, h.root, h.wire, h.chunk_bytes, h.stripe,
-            h.stripes, a.rule, a.model, a.outer_lr, a.outer_momentum)
+    return (h.op, h.reduce_op, h.dtype, tuple(h.shape), h.root, h.wire, h.chunk_bytes,
+            h.stripe, h.stripes, a.rule, a.model, a.outer_lr, a.outer_momentum)
+
+
+#: How many distinct valid headers :class:`ValidatedCalls` remembers (per engine).
+VALIDATED_HEADERS = 1024
+
+
+class ValidatedCalls:
+    """:func:`validate`'s successes, remembered by everything they depend on (the fields of
+    :func:`_raw_fields`, the rank, the world size, whether shared memory is offered; the limits
+    are the engine's): a training loop issues the same few collectives every step, and
+    deriving each header's call again was ~10% of the hub's Python per tiny collective. A
+    header seen before gets the remembered call with its own header; an invalid one is checked
+    (and refused) every time. At most :data:`VALIDATED_HEADERS`, the oldest forgotten first."""
+
+    def __init__(self, limits: Limits, size: int = VALIDATED_HEADERS) -> None:
+        self.limits = limits
+        self.size = size
+        self._calls: dict[tuple, ops.CollectiveCall] = {}
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def call(self, h: pb.CollectiveHeader, world_size: int) -> ops.CollectiveCall:
+        """What :func:`validate` returns for ``h``; raises what it raises."""
+        key = (_raw_fields(h), h.rank, world_size, h.HasField("shm"))
+        known = self._calls.get(key)
+        if known is not None:
+            return known.for_header(h)
+        call = validate(h, world_size, self.limits)
+        if len(self._calls) >= self.size:
+            del self._calls[next(iter(self._calls))]
+        self._calls[key] = call
+        return call
 
 
 def check_agrees(h: pb.CollectiveHeader, first: pb.CollectiveHeader, job: str) -> None:

@@ -51,8 +51,10 @@ def _take_batch(item, outbox: Outbox) -> tuple[list, object]:
     """``item`` and the small frames already queued behind it, to go in one message, and the
     first queued item that may not join them (``_NOTHING`` if none was taken)."""
     batch = [item]
-    size = len(item) if batchable(item) else 0
-    while batchable(batch[-1]) and len(batch) < MAX_BATCH_FRAMES and not outbox.empty():
+    if not batchable(item):
+        return batch, _NOTHING
+    size = len(item)
+    while len(batch) < MAX_BATCH_FRAMES and not outbox.empty():
         following = outbox.get_nowait()
         if not batchable(following) or size + len(following) > MAX_BATCH_BYTES:
             return batch, following

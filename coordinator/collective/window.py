@@ -138,6 +138,7 @@ class Windowed(Protocol):
     finished: bool
     reducer: object | None
     participants: dict[int, Participant]
+    layout: ChunkLayout  # of the input chunks
 
     @property
     def matched(self) -> bool: ...
@@ -172,6 +173,10 @@ class ReadWindow:
     def may_read(self, c: Windowed, p: Participant) -> bool:
         """Whether the hub should read ``p``'s next chunk of collective ``c`` now."""
         if c.finished:
+            return True
+        if c.reducer is not None and c.layout.count < READ_AHEAD_CHUNKS:
+            # Fewer chunks than a window: no rank can read, nor have queued, a window ahead
+            # (a rank's results are at most the input's chunks), so the checks below all pass.
             return True
         if c.reducer is None:
             if not c.matched:

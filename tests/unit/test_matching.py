@@ -7,6 +7,7 @@ import pytest
 from gradstar import errors
 from gradstar.coordinator.collective.matching import (
     Limits,
+    ValidatedCalls,
     check_agrees,
     describe,
     field_values,
@@ -136,3 +137,41 @@ def test_a_field_the_op_ignores_may_differ():
     gather = pb.COLLECTIVE_OP_ALL_GATHER
     check_agrees(header(op=gather, rank=1, reduce_op=pb.REDUCE_OP_MAX), header(op=gather), "j")
     check_agrees(header(rank=1, stripes=0), header(stripes=1), "j")
+
+
+def test_a_header_seen_before_gets_the_remembered_call_with_its_own_header():
+    calls = ValidatedCalls(LIMITS)
+    first = calls.call(header(seq=1), 2)
+    again = calls.call(header(seq=2, timeout_seconds=9), 2)
+    assert again.header.seq == 2 and again.header.timeout_seconds == 9
+    assert again.geometry is first.geometry and len(calls) == 1
+    assert again == validate(header(seq=2, timeout_seconds=9), 2, LIMITS)
+
+
+@pytest.mark.parametrize("fields", [{"rank": 1}, {"shape": [4, 7]}, {"chunk_bytes": 512},
+                                    {"op": pb.COLLECTIVE_OP_BROADCAST, "root": 1}])
+def test_what_a_call_depends_on_is_derived_again(fields):
+    calls = ValidatedCalls(LIMITS)
+    calls.call(header(), 2)
+    call = calls.call(header(**fields), 2)
+    assert call == validate(header(**fields), 2, LIMITS) and len(calls) == 2
+    assert calls.call(header(), 3).world_size == 3
+
+
+def test_an_invalid_header_is_refused_every_time_and_not_remembered():
+    calls = ValidatedCalls(LIMITS)
+    calls.call(header(), 2)
+    for _ in range(2):
+        with pytest.raises(errors.InvalidCollectiveError):
+            calls.call(header(chunk_bytes=1023), 2)
+        with pytest.raises(errors.InvalidCollectiveError):
+            calls.call(header(op=pb.COLLECTIVE_OP_BROADCAST, root=5), 2)
+    assert len(calls) == 1
+
+
+def test_at_most_size_headers_are_remembered():
+    calls = ValidatedCalls(LIMITS, size=4)
+    for n in range(1, 10):
+        calls.call(header(shape=[n]), 2)
+    assert len(calls) == 4
+    assert calls.call(header(shape=[9]), 2).header.shape == [9]

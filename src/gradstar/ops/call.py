@@ -99,6 +99,12 @@ class CollectiveCall:
                      header.root, encoding, encode_out=not header.averaging.rule)
         return cls(header, op, dtype, encoding, g, nbytes, world_size)
 
+    def for_header(self, header: pb.CollectiveHeader) -> CollectiveCall:
+        """This call for ``header``, which describes the same collective of the same rank (it
+        differs in its sequence number, timeout, job or group only; the caller knows)."""
+        return CollectiveCall(header, self.op, self.dtype, self.encoding, self.geometry,
+                              self.nbytes, self.world_size)
+
     @property
     def facts(self) -> Facts:
         """What the op's preconditions read (:func:`gradstar.ops.check_preconditions`)."""
