@@ -23,7 +23,7 @@ from gradstar.config import ClientSettings
 from gradstar.errors import ConfigurationError, InvalidCollectiveError, ProcessGroupClosedError
 from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.transport.channels import call_metadata, open_blocking_channel
-from gradstar.wire import COLLECTIVE_METHOD, aligned_chunk_bytes, dtype_info
+from gradstar.wire import COLLECTIVE_METHOD, aligned_chunk_bytes, dtype_info, numpy_dtype_name
 from gradstar.wire.encoded import aligned_wire_chunk_bytes
 from gradstar.wire.formats import WireFormat
 
@@ -78,6 +78,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         #: The hub shards this generation's collectives are striped over (empty: none).
         self.shards: list[str] = self._plane.addresses
         self._seq = itertools.count(1)
+        self._calls = ops.CallCache()  # the calls this rank issued, derived once per kind
         #: The blocking API's lane for small collectives from its caller's thread (None: every
         #: collective runs on the loop): :meth:`open_direct_lane`.
         self.direct: DirectLane | None = None
@@ -292,8 +293,8 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
             InvalidCollectiveError: a precondition of the op's record does not hold.
         """
         fmt = ops.check_encoding(wire, arr.dtype, op, reduce_op)
-        ops.check_preconditions(op, ops.Facts(arr.shape, str(arr.dtype), self.world_size,
-                                              root, self.rank))
+        ops.check_preconditions(op, ops.Facts(arr.shape, numpy_dtype_name(arr.dtype),
+                                              self.world_size, root, self.rank))
         return fmt
 
     def _run(self, op: int, arr: np.ndarray, send: np.ndarray | None, out: np.ndarray, restore,
@@ -323,7 +324,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
                 arr.dtype.itemsize), arr.dtype.itemsize, fmt),
             timeout_seconds=timeout, averaging=averaging, wire=fmt.wire if fmt else 0,
         )
-        return ops.CollectiveCall.of(header, self.world_size), timeout
+        return self._calls.call(header, self.world_size), timeout
 
     def _targets(self, call: ops.CollectiveCall):
         return self._plane.targets(averaging=bool(call.header.averaging.rule))

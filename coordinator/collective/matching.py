@@ -146,45 +146,13 @@ def _validate_wire(h: pb.CollectiveHeader, info) -> None:
             "frames")
 
 
-def _raw_fields(h: pb.CollectiveHeader) -> tuple:
-    """The header fields :func:`field_values` is made of, as they came: equal tuples mean equal
-    field values (the converse need not hold: an op may ignore a field)."""
-    a = h.averaging
-    return (h.op, h.reduce_op, h.dtype, tuple(h.shape), h.root, h.wire, h.chunk_bytes,
-            h.stripe, h.stripes, a.rule, a.model, a.outer_lr, a.outer_momentum)
+class ValidatedCalls(ops.CallCache):
+    """:func:`validate`'s successes, remembered (:class:`gradstar.ops.CallCache`; the limits
+    are the engine's): a header seen before is not derived nor checked again."""
 
-
-#: How many distinct valid headers :class:`ValidatedCalls` remembers (per engine).
-VALIDATED_HEADERS = 1024
-
-
-class ValidatedCalls:
-    """:func:`validate`'s successes, remembered by everything they depend on (the fields of
-    :func:`_raw_fields`, the rank, the world size, whether shared memory is offered; the limits
-    are the engine's): a training loop issues the same few collectives every step, and
-    deriving each header's call again was ~10% of the hub's Python per tiny collective. A
-    header seen before gets the remembered call with its own header; an invalid one is checked
-    (and refused) every time. At most :data:`VALIDATED_HEADERS`, the oldest forgotten first."""
-
-    def __init__(self, limits: Limits, size: int = VALIDATED_HEADERS) -> None:
+    def __init__(self, limits: Limits, size: int = ops.CACHED_CALLS) -> None:
+        super().__init__(lambda h, world_size: validate(h, world_size, limits), size)
         self.limits = limits
-        self.size = size
-        self._calls: dict[tuple, ops.CollectiveCall] = {}
-
-    def __len__(self) -> int:
-        return len(self._calls)
-
-    def call(self, h: pb.CollectiveHeader, world_size: int) -> ops.CollectiveCall:
-        """What :func:`validate` returns for ``h``; raises what it raises."""
-        key = (_raw_fields(h), h.rank, world_size, h.HasField("shm"))
-        known = self._calls.get(key)
-        if known is not None:
-            return known.for_header(h)
-        call = validate(h, world_size, self.limits)
-        if len(self._calls) >= self.size:
-            del self._calls[next(iter(self._calls))]
-        self._calls[key] = call
-        return call
 
 
 def check_agrees(h: pb.CollectiveHeader, first: pb.CollectiveHeader, job: str) -> None:
@@ -194,7 +162,7 @@ def check_agrees(h: pb.CollectiveHeader, first: pb.CollectiveHeader, job: str) -
         CollectiveMismatchError: naming both ranks, both calls and the first field that
             differs (``op`` first: other fields mean different things for different ops).
     """
-    if _raw_fields(h) == _raw_fields(first):  # the usual case, without naming anything
+    if ops.call_fields(h) == ops.call_fields(first):  # the usual case, naming nothing
         return
     pairs = zip(field_values(h), field_values(first), strict=False)
     differing = "op" if h.op != first.op else next(

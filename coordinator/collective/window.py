@@ -168,7 +168,8 @@ class ReadWindow:
     """
 
     def __init__(self) -> None:
-        self._progress = asyncio.Event()
+        # Made by the first wait: most collectives (every small one) never hold a read back.
+        self._progress: asyncio.Event | None = None
 
     def may_read(self, c: Windowed, p: Participant) -> bool:
         """Whether the hub should read ``p``'s next chunk of collective ``c`` now."""
@@ -201,9 +202,12 @@ class ReadWindow:
     async def wait(self, c: Windowed, p: Participant) -> None:
         """Hold ``p``'s stream until it may read."""
         while not self.may_read(c, p):
+            if self._progress is None:
+                self._progress = asyncio.Event()
             self._progress.clear()
             await self._progress.wait()
 
     def progressed(self) -> None:
         """Something moved (a chunk in, a chunk delivered, the end): re-check the waits."""
-        self._progress.set()
+        if self._progress is not None:
+            self._progress.set()

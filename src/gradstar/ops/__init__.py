@@ -11,7 +11,7 @@ ops``; every name below is re-exported here):
   engine and the rank's stream both carry, and :func:`check_encoding`.
 """
 
-from .call import CollectiveCall, check_encoding, geometry_of
+from .call import CACHED_CALLS, CallCache, CollectiveCall, call_fields, check_encoding, geometry_of
 from .geometry import (
     Exchange,
     Geometry,
@@ -52,9 +52,10 @@ from .table import (
 
 __all__ = [
     "ALL_GATHER", "ALL_REDUCE", "ALL_TO_ALL", "AVERAGING_RULES", "BARRIER", "BROADCAST",
-    "OPS", "OP_NAMES", "REDUCE_OPS", "REDUCE_OP_NAMES", "REDUCE_SCATTER", "REDUCING",
-    "RULE_NAMES", "CollectiveCall", "Exchange", "Facts", "Geometry", "Indices", "Layout", "Op",
-    "Precondition", "active_shards", "averaging_rule", "check_encoding", "check_preconditions",
-    "geometry", "geometry_of", "in_stripe", "input_layout", "op_name", "op_record",
-    "plan_length", "reduce_op", "routes", "stripe_indices", "stripe_of",
+    "CACHED_CALLS", "OPS", "OP_NAMES", "REDUCE_OPS", "REDUCE_OP_NAMES", "REDUCE_SCATTER",
+    "REDUCING", "RULE_NAMES", "CallCache", "CollectiveCall", "Exchange", "Facts", "Geometry",
+    "Indices", "Layout", "Op", "Precondition", "active_shards", "averaging_rule", "call_fields",
+    "check_encoding", "check_preconditions", "geometry", "geometry_of", "in_stripe",
+    "input_layout", "op_name", "op_record", "plan_length", "reduce_op", "routes",
+    "stripe_indices", "stripe_of"
 ]

@@ -7,6 +7,7 @@ holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gradstar.errors import ConfigurationError, GradstarError
@@ -139,4 +140,50 @@ def geometry_of(header: pb.CollectiveHeader, world_size: int) -> Geometry:
     return CollectiveCall.of(header, world_size).geometry
 
 
-__all__ = ["CollectiveCall", "check_encoding", "geometry_of"]
+def call_fields(h: pb.CollectiveHeader) -> tuple:
+    """The fields of a header that say which collective it is, as they came (hashable): its
+    op, reduce op, dtype, shape, root, wire format, chunk size, stripe and averaging spec; not
+    which rank sends it, nor its job, group, seq or timeout."""
+    a = h.averaging
+    return (h.op, h.reduce_op, h.dtype, tuple(h.shape), h.root, h.wire, h.chunk_bytes,
+            h.stripe, h.stripes, a.rule, a.model, a.outer_lr, a.outer_momentum)
+
+
+#: How many distinct headers a :class:`CallCache` remembers.
+CACHED_CALLS = 1024
+
+
+class CallCache:
+    """Calls derived from headers (``derive(header, world_size)``, :meth:`CollectiveCall.of`
+    by default; the hub's derives with its checks), remembered by everything a call depends
+    on: :func:`call_fields`, the rank, the world size and whether shared memory is offered. A
+    training loop issues the same few collectives every step, and deriving each call again was
+    ~10% of the Python a tiny collective costs the hub (and ~6 us of a rank's). A header seen
+    before gets the remembered call with its own header; one that ``derive`` refuses is
+    derived (and refused) every time. At most ``size``, the oldest forgotten first."""
+
+    def __init__(self, derive: Callable[[pb.CollectiveHeader, int], CollectiveCall] | None = None,
+                 size: int = CACHED_CALLS) -> None:
+        self._derive = derive or CollectiveCall.of
+        self.size = size
+        self._calls: dict[tuple, CollectiveCall] = {}
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def call(self, h: pb.CollectiveHeader, world_size: int) -> CollectiveCall:
+        """The call ``h`` describes in a world of ``world_size``; raises what ``derive``
+        raises."""
+        key = (call_fields(h), h.rank, world_size, h.HasField("shm"))
+        known = self._calls.get(key)
+        if known is not None:
+            return known.for_header(h)
+        call = self._derive(h, world_size)
+        if len(self._calls) >= self.size:
+            del self._calls[next(iter(self._calls))]
+        self._calls[key] = call
+        return call
+
+
+__all__ = ["CACHED_CALLS", "CallCache", "CollectiveCall", "call_fields", "check_encoding",
+           "geometry_of"]

@@ -40,6 +40,7 @@ from .dtypes import (
     check_shape,
     dtype_from_wire,
     dtype_info,
+    numpy_dtype_name,
     payload_bytes,
 )
 from .frames import (
@@ -124,6 +125,7 @@ __all__ = [
     "frame_kind",
     "frames_of",
     "iter_chunk_frames",
+    "numpy_dtype_name",
     "payload_bytes",
     "place_chunk",
     "receive_chunk",

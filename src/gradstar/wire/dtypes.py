@@ -74,6 +74,13 @@ def dtype_info(dtype: np.dtype) -> DTypeInfo:
         ) from None
 
 
+def numpy_dtype_name(dtype: np.dtype) -> str:
+    """A numpy dtype's name: its :class:`DTypeInfo`'s for a supported one (a lookup; numpy's
+    own ``str(dtype)`` runs Python code each time), numpy's for any other."""
+    info = _BY_NUMPY.get(dtype)
+    return info.name if info is not None else str(dtype)
+
+
 def dtype_from_wire(wire: int) -> DTypeInfo:
     """The :class:`DTypeInfo` of a wire enum value; raises ProtocolError if unknown."""
     try:
@@ -84,4 +91,4 @@ def dtype_from_wire(wire: int) -> DTypeInfo:
 
 
 __all__ = ["MAX_NDIM", "SUPPORTED_DTYPES", "DTypeInfo", "check_shape", "dtype_from_wire",
-           "dtype_info", "payload_bytes"]
+           "dtype_info", "numpy_dtype_name", "payload_bytes"]
