@@ -6,6 +6,8 @@ every small collective down)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from concurrent import futures
@@ -120,3 +122,34 @@ def test_close_frees_an_idle_stream_and_a_closed_one_can_be_closed_again(channel
         in_time(stream.close)
         assert not stream.usable
         in_time(stream.close)
+
+
+class Interrupted(Exception):
+    """What this test's SIGINT handler raises (not KeyboardInterrupt, which would stop pytest)."""
+
+
+def _interrupt(signum, frame):
+    raise Interrupted
+
+
+def test_a_signal_while_waiting_interrupts_the_read_and_leaves_the_stream_closed(channel):
+    # gRPC checks for signals every 200 ms while the caller waits in its completion queue;
+    # a handler's exception ends the wait, and gRPC frees the call and its queue: the stream
+    # must not poll that queue again (close() and usable must not touch it).
+    stream = CallerStream(channel, METHOD, ())
+    stream.send(b"hold")
+    previous = signal.signal(signal.SIGINT, _interrupt)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(Interrupted):
+            stream.read()  # on the main thread: only there does Python run signal handlers
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+    assert not stream.usable
+    in_time(stream.close)
+    fresh = CallerStream(channel, METHOD, ())
+    fresh.send(b"after")
+    assert in_time(fresh.read) == b"after"
+    fresh.close()
