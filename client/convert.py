@@ -33,7 +33,7 @@ def _is_torch_tensor(x) -> bool:
 
 def is_cpu_tensor(x) -> bool:
     """Whether ``x`` is a torch tensor whose memory numpy can view (on the CPU, not staged)."""
-    return _is_torch_tensor(x) and x.device.type == "cpu" and not is_staged(x)
+    return _is_torch_tensor(x) and x.is_cpu and not is_staged(x)
 
 
 def to_numpy(x) -> tuple[np.ndarray, Restore]:

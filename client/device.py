@@ -54,15 +54,17 @@ def check_device(t, what: str = "this tensor") -> None:
     Raises:
         ConfigurationError: ``t`` lives on another device (mps, xpu, meta, ...), named.
     """
-    kind = t.device.type
-    if kind != "cpu" and kind not in STAGED_DEVICES:
+    if t.is_cpu:  # the common case, without making a torch.device
+        return
+    if t.device.type not in STAGED_DEVICES:
         raise ConfigurationError(
             f"gradstar moves CPU and CUDA tensors; {what} is on {t.device}: call .cpu() first")
 
 
 def is_staged(t) -> bool:
     """Whether ``t`` lives on a device gradstar stages through host memory."""
-    return t.device.type in STAGED_DEVICES
+    # t.is_cpu first: a CPU tensor's answer without making a torch.device
+    return ("cpu" if t.is_cpu else t.device.type) in STAGED_DEVICES
 
 
 class PinnedBudget:

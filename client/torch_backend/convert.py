@@ -116,7 +116,7 @@ def cuda_devices(value) -> list[torch.device]:
     """The CUDA devices of the tensors in ``value`` (see :func:`tensors_in`), each once, in
     index order: where a collective over them must order its copies with the caller's streams
     and synchronize its results."""
-    devices = {t.device for t in tensors_in(value) if t.device.type == "cuda"}
+    devices = {t.device for t in tensors_in(value) if t.is_cuda}
     return sorted(devices, key=lambda device: device.index)
 
 
