@@ -9,20 +9,28 @@ import signal
 
 import pytest
 
+from .certs import make_pki
 from .conftest import finish, spawn_ranks
 from .test_multiprocess import last_json, ranks_named_a_lost_coordinator, survivors_of_a_lost_rank
 
 TINY = "25"  # float32 elements: a 100-byte all_reduce
 
 
-@pytest.mark.parametrize("token", [None, "job-token"], ids=["open", "job token"])
+@pytest.mark.parametrize("mode", ["open", "job token", "TLS"])
 async def test_small_collectives_run_on_the_callers_thread_and_are_exact(start_coordinator,
-                                                                          token):
+                                                                          tmp_path, mode):
     # With a job token, every call on the lane must present it (the hub's interceptor refuses
-    # any call without it).
-    coordinator = await start_coordinator(**({"token": token} if token else {}))
-    procs = await spawn_ranks("small_collectives", coordinator.address, 3, "direct",
-                              **({"GRADSTAR_TOKEN": token} if token else {}))
+    # any call without it); with TLS, the lane's streams (each on a completion queue of its
+    # own) ride the channel's TLS as every other call.
+    settings, env = {}, {}
+    if mode == "job token":
+        settings["token"] = env["GRADSTAR_TOKEN"] = "job-token"
+    if mode == "TLS":
+        pki = make_pki(tmp_path)
+        settings = {"tls_cert": pki["server"], "tls_key": pki["server_key"]}
+        env["GRADSTAR_TLS_CA"] = str(pki["ca"])
+    coordinator = await start_coordinator(**settings)
+    procs = await spawn_ranks("small_collectives", coordinator.address, 3, "direct", **env)
     reports = []
     for code, out, err in [await finish(p, 120) for p in procs]:
         assert code == 0, err[-2000:]
