@@ -120,9 +120,7 @@ class CallerStream:
                 self._next()
             if self._received is not None:
                 return self._received
-        while self._due and not self._ended:  # the stream ended: its status says how
-            self._next()
-        self._drain()
+        self._drain()  # the stream ended: its status (among what is due) says how
         if self._status is not None:
             raise self._status
         if not self._ended:  # the wait was interrupted before the status came
@@ -140,7 +138,7 @@ class CallerStream:
 
     @property
     def usable(self) -> bool:
-        return self.ended_by is None and not self._ended and _STATUS in self._due
+        return self.ended_by is None and _STATUS in self._due  # its status has not come
 
     def close(self) -> None:
         """End the call and free it (on the thread that reads; never while it reads)."""

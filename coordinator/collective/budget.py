@@ -54,6 +54,10 @@ def participant_charge(chunks: int) -> int:
     return PARTICIPANT_BYTES + tracker_bytes(chunks)
 
 
+def _named(who: str | Callable[[], str]) -> str:
+    return who() if callable(who) else who
+
+
 class CollectiveBudget:
     """Charges and gives back the bookkeeping of pending collectives (one per hub process)."""
 
@@ -96,32 +100,32 @@ class CollectiveBudget:
         """
         pending = self._pending.get(member, 0)
         held = self.job_used.get(job, 0)
-        if (pending >= self.max_per_member or held + nbytes > self.max_job_bytes < self.max_bytes
-                or self.used + nbytes > self.max_bytes):
-            self._refuse(pending, held, nbytes, who() if callable(who) else who, job)
+        self._check(pending, held, nbytes, who, job)
         self._pending[member] = pending + 1
         self._job_of[member] = job
         self.job_used[job] = held + nbytes
         self.used += nbytes
 
-    def _refuse(self, pending: int, held: int, nbytes: int, who: str, job: str) -> None:
+    def _check(self, pending: int, held: int, nbytes: int, who: str | Callable[[], str],
+               job: str) -> None:
+        """Refuse a charge that may not be made (see :meth:`charge`), naming ``who`` then."""
         if pending >= self.max_per_member:
             raise HubCapacityError(
-                f"{who} was refused: the rank has {pending} collectives pending, its limit "
-                "(coordinator setting max_pending_per_member); finish some first")
+                f"{_named(who)} was refused: the rank has {pending} collectives pending, its "
+                "limit (coordinator setting max_pending_per_member); finish some first")
         if held + nbytes > self.max_job_bytes < self.max_bytes:  # a share of 1: the hub's
             raise HubCapacityError(
-                f"{who} was refused: it needs {nbytes} bytes of the hub's budget for pending "
-                f"collectives, and job {job!r} already holds {held} of its share of "
+                f"{_named(who)} was refused: it needs {nbytes} bytes of the hub's budget for "
+                f"pending collectives, and job {job!r} already holds {held} of its share of "
                 f"{self.max_job_bytes} bytes ({self.job_share:g} of max_collective_state_bytes; "
                 "coordinator setting collective_state_job_share), which keeps the rest for other "
                 "jobs; try again once this job's collectives finish")
         if self.used + nbytes > self.max_bytes:
             raise HubCapacityError(
-                f"{who} was refused: it needs {nbytes} bytes of the hub's budget for pending "
-                f"collectives, of which {self.max_bytes - self.used} of {self.max_bytes} are "
-                "left (coordinator setting max_collective_state_bytes); try again once "
-                "collectives finish")
+                f"{_named(who)} was refused: it needs {nbytes} bytes of the hub's budget for "
+                f"pending collectives, of which {self.max_bytes - self.used} of "
+                f"{self.max_bytes} are left (coordinator setting max_collective_state_bytes); "
+                "try again once collectives finish")
 
     def give_back(self, member: Hashable, nbytes: int) -> None:
         """A collective ``member`` took part in ended: its charge of ``nbytes`` is free again."""

@@ -152,7 +152,6 @@ class ValidatedCalls(ops.CallCache):
 
     def __init__(self, limits: Limits, size: int = ops.CACHED_CALLS) -> None:
         super().__init__(lambda h, world_size: validate(h, world_size, limits), size)
-        self.limits = limits
 
 
 def check_agrees(h: pb.CollectiveHeader, first: pb.CollectiveHeader, job: str) -> None:
