@@ -171,7 +171,7 @@ class Coordinator:
              partial(rounds_pb2_grpc.add_RoundsServicer_to_server, rounds),
              partial(steps_pb2_grpc.add_StepsServicer_to_server, self._steps)),
             what="the coordinator's collective port", token=token, admin_token=admin,
-            credentials=creds, bulk=True)
+            credentials=creds, bulk=True, stream_window_bytes=s.stream_window_bytes)
         rounds.bulk_address = f":{self.collective_port}"
         self._health = health.aio.HealthServicer()
         # grpc's servicer answers SERVING for "" until told otherwise: not before the shards.
@@ -195,7 +195,8 @@ class Coordinator:
                                     (*SERVICE_NAMES, health.SERVICE_NAME,
                                      reflection.SERVICE_NAME)))
         server, port = serve(f"{s.host}:{s.port}", services, what="the coordinator",
-                             token=token, admin_token=admin, credentials=creds)
+                             token=token, admin_token=admin, credentials=creds,
+                             stream_window_bytes=s.stream_window_bytes)
         if s.metrics_port is not None:
             routes = {"/metrics": self._metrics_page, **status_routes(self.status.snapshot)}
             self._metrics_server = await serve_http(s.metrics_host, s.metrics_port, routes)

@@ -44,6 +44,7 @@ class LocalShards:
                    "--advertise-host", "", "--log-level", s.log_level,
                    "--max-tensor-bytes", str(s.max_tensor_bytes),
                    "--max-chunk-bytes", str(s.max_chunk_bytes),
+                   "--stream-window-bytes", str(s.stream_window_bytes),
                    "--max-collective-timeout", str(s.max_collective_timeout)]
         if s.tls_cert is not None:
             command += ["--tls-cert", str(s.tls_cert), "--tls-key", str(s.tls_key),

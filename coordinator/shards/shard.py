@@ -136,7 +136,8 @@ class Shard:
             f"{s.host}:{s.port}",
             (self.collectives.handler(),
              partial(health_pb2_grpc.add_HealthServicer_to_server, self._health)),
-            what="the shard", token=token, admin_token=admin, credentials=creds, bulk=True)
+            what="the shard", token=token, admin_token=admin, credentials=creds, bulk=True,
+            stream_window_bytes=s.stream_window_bytes)
         await server.start()
         self._server, self.port = server, port
         self.address = self._advertised(port)

@@ -93,6 +93,18 @@ class CoordinatorSettings(BaseSettings):
         True, description="attach the shared-memory segments ranks on this host offer, so "
                           "their payloads skip the network stack (see gradstar.transport.shm)")
     max_chunk_bytes: int = Field(MAX_CHUNK_BYTES, gt=0, le=MAX_CHUNK_BYTES)
+    # gRPC's own windows follow its estimate of the bandwidth-delay product (BDP probing), which
+    # a loaded host inflates: on 2 busy cores the hub's estimate per connection reached 18 MB
+    # (1.5-4 MB in quiet runs), and a 4 x 64 MiB all_gather with one rank 3 s late grew the hub
+    # by 65-178 MiB; with 4 MiB windows by 65-78 (tests/robustness/test_memory.py). 4 MiB covers a
+    # link's bandwidth-delay product up to 3.3 Gbit/s at 10 ms round trip, and is close to
+    # Linux's own largest TCP receive buffer (tcp_rmem, 6 MiB), which bounds gloo on that link.
+    stream_window_bytes: int = Field(
+        4 << 20, ge=0, le=(1 << 31) - 1,
+        description="bytes of each rank's stream the hub's gRPC accepts ahead of what the hub "
+                    "has read (its HTTP/2 receive window per stream), so what a stream the hub "
+                    "holds back costs it besides; raise it for links whose bandwidth x round "
+                    "trip exceeds it; 0: gRPC's own windows, sized by probing, unbounded")
     collective_port: int = Field(
         0, ge=0, le=65535,
         description="the port for collectives' tensors (0 picks a free one): a server of their "

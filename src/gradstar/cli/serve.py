@@ -81,6 +81,10 @@ def coordinator_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
 
 
 def _capacity_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stream-window-bytes", type=int,
+                   help="bytes of each rank's stream gRPC takes in ahead of what the hub has "
+                        "read (4 MiB); raise it for links whose bandwidth x round trip is "
+                        "larger; 0: gRPC's own windows, unbounded")
     p.add_argument("--max-collective-state-bytes", type=int,
                    help="budget for the bookkeeping of all pending collectives (256 MiB); a "
                         "header beyond it is refused with HubCapacityError")

@@ -90,6 +90,21 @@ SERVER_OPTIONS = [*_SERVER_COMMON, *_keepalive(KEEPALIVE_TIMEOUT_MS)]
 BULK_SERVER_OPTIONS = [*_SERVER_COMMON, *_keepalive(BULK_KEEPALIVE_TIMEOUT_MS)]
 
 
+def stream_window_options(window_bytes: int) -> list[tuple[str, int]]:
+    """gRPC server options that fix each stream's receive window at ``window_bytes`` (0: gRPC's
+    own windows, sized by BDP probing, unbounded in advance).
+
+    The window is what gRPC accepts of a peer's stream ahead of what the server has read, so a
+    stream the hub holds back (its read window, :mod:`gradstar.coordinator.collective.window`)
+    costs the hub up to this much besides. Left to gRPC it follows gRPC's estimate of the link's
+    bandwidth-delay product, which a loaded host inflates (see
+    :attr:`gradstar.config.CoordinatorSettings.stream_window_bytes`)."""
+    if window_bytes <= 0:
+        return []
+    # Without BDP probing the window stays at the lookahead (the HTTP/2 initial window size).
+    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window_bytes)]
+
+
 def _read(path: Path | None) -> bytes | None:
     return Path(path).read_bytes() if path is not None else None
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 import grpc
 
 from .auth import TokenAuthInterceptor
-from .channels import BULK_SERVER_OPTIONS, SERVER_OPTIONS
+from .channels import BULK_SERVER_OPTIONS, SERVER_OPTIONS, stream_window_options
 
 #: What a server serves: a generic handler, or a function that adds a servicer to the server
 #: (``functools.partial(add_XServicer_to_server, servicer)``, a health servicer's adder).
@@ -23,20 +23,23 @@ Service = grpc.GenericRpcHandler | Callable[[grpc.aio.Server], object]
 
 def serve(address: str, services: Iterable[Service], *, what: str, token: str | None,
           admin_token: str | None = None, credentials: grpc.ServerCredentials | None = None,
-          bulk: bool = False) -> tuple[grpc.aio.Server, int]:
+          bulk: bool = False, stream_window_bytes: int = 0) -> tuple[grpc.aio.Server, int]:
     """A server of ``services`` bound to ``address`` (TLS with ``credentials``), not started
     yet (``await server.start()``, once the caller has everything else in place), and its
     bound port.
 
     ``token`` / ``admin_token``: what the interceptor asks of every call (None: open).
     ``bulk``: the server carries tensors (:data:`.channels.BULK_SERVER_OPTIONS`).
+    ``stream_window_bytes``: each stream's receive window, fixed (0: gRPC sizes it;
+    :func:`.channels.stream_window_options`).
 
     Raises:
         OSError: ``address`` could not be bound (in use, or no such address here), naming
             ``what``.
     """
     server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token, admin_token)],
-                             options=BULK_SERVER_OPTIONS if bulk else SERVER_OPTIONS)
+                             options=[*(BULK_SERVER_OPTIONS if bulk else SERVER_OPTIONS),
+                                      *stream_window_options(stream_window_bytes)])
     for service in services:
         if isinstance(service, grpc.GenericRpcHandler):
             server.add_generic_rpc_handlers((service,))
