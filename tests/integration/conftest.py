@@ -90,6 +90,20 @@ async def communicate_or_kill(proc: asyncio.subprocess.Process,
     return out, err, False
 
 
+async def listening_address(stdout: asyncio.StreamReader, timeout: float) -> str:
+    """The address in ``gradstar coordinator``'s "listening on" line, read off its ``stdout``
+    (a shard it starts prints a line of its own first, on a machine where ``--shards auto`` is
+    not 0)."""
+    async def read() -> str:
+        while True:
+            line = (await stdout.readline()).decode()
+            assert line, "the coordinator exited before it listened"
+            if line.startswith("gradstar coordinator listening on "):
+                return line.split()[-1]
+
+    return await asyncio.wait_for(read(), timeout)
+
+
 async def finish(proc: asyncio.subprocess.Process, timeout: float) -> tuple[int, str, str]:
     """Wait for a rank process; kill it if it outlives ``timeout``."""
     out, err, hung = await communicate_or_kill(proc, timeout)

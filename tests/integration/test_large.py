@@ -16,7 +16,7 @@ import pytest
 
 from tests.robustness.test_memory import RssSampler
 
-from .conftest import finish, spawn_ranks
+from .conftest import finish, listening_address, spawn_ranks
 
 MIB = 1 << 20
 
@@ -25,9 +25,8 @@ MIB = 1 << 20
 async def coordinator_process():
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gradstar", "coordinator", "--host", "127.0.0.1", "--port", "0",
-        "--log-level", "WARNING", stdout=asyncio.subprocess.PIPE)
-    line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
-    yield proc, line.split()[-1]
+        "--shards", "0", "--log-level", "WARNING", stdout=asyncio.subprocess.PIPE)
+    yield proc, await listening_address(proc.stdout, 20)
     proc.terminate()
     await asyncio.wait_for(proc.wait(), 20)
 

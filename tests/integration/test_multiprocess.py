@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .conftest import finish, spawn_ranks
+from .conftest import finish, listening_address, spawn_ranks
 
 
 def last_json(stdout: str) -> dict:
@@ -112,8 +112,8 @@ async def ranks_named_a_lost_coordinator(how: signal.Signals, *args: str, within
     CoordinatorUnavailableError naming its address within ``within`` seconds."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gradstar", "coordinator", "--host", "127.0.0.1", "--port", "0",
-        "--log-level", "WARNING", stdout=asyncio.subprocess.PIPE)
-    address = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode().split()[-1]
+        "--shards", "0", "--log-level", "WARNING", stdout=asyncio.subprocess.PIPE)
+    address = await listening_address(proc.stdout, 20)
     ranks = await spawn_ranks("allreduce_until_error", address, 2, "orphans", *args)
     try:
         await asyncio.wait_for(ranks[0].stdout.readline(), 60)

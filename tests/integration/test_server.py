@@ -45,7 +45,7 @@ async def test_cli_coordinator_serves_health_reflection_and_hides_its_token():
     env = {**os.environ, "GRADSTAR_TOKEN": TOKEN}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gradstar", "coordinator", "--host", "127.0.0.1", "--port", "0",
-        "--reflection", "--log-level", "DEBUG", env=env,
+        "--shards", "0", "--reflection", "--log-level", "DEBUG", env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()

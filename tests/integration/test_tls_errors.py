@@ -201,3 +201,12 @@ async def test_a_shard_that_cannot_verify_its_coordinator_says_why(start_coordin
                                  "plaintext: set coordinator_ca (GRADSTAR_COORDINATOR_CA) to "
                                  "the CA of its certificate"), line
     assert not hub.shards.slots
+
+
+async def test_an_address_the_check_cannot_parse_still_fails_as_unavailable():
+    # The handshake by hand needs HOST:PORT; an address without one (a stray character after
+    # the port) must end in the named error, not in a ValueError from the check.
+    with pytest.raises(errors.CoordinatorUnavailableError) as failed:
+        await gradstar.init_process_group_async(
+            coordinator="127.0.0.1:1)", job="tls", world_size=1, connect_timeout=2)
+    assert "127.0.0.1:1)" in str(failed.value)

@@ -18,7 +18,12 @@ import gradstar
 from gradstar.errors import ConfigurationError
 from gradstar.proto.v1 import admin_pb2, admin_pb2_grpc
 from gradstar.wire.formats import roundtrip
-from tests.integration.conftest import finish, rank_env, start_coordinator  # noqa: F401
+from tests.integration.conftest import (  # noqa: F401
+    finish,
+    listening_address,
+    rank_env,
+    start_coordinator,
+)
 
 from . import local_sgd_script as script
 from .conftest import on_thread
@@ -208,9 +213,9 @@ async def test_a_module_on_another_device_is_refused_naming_the_device(solo):
 async def coordinator_process(state_dir: Path):
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gradstar", "coordinator", "--host", "127.0.0.1", "--port", "0",
-        "--state-dir", str(state_dir), "--log-level", "WARNING", stdout=asyncio.subprocess.PIPE)
-    line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
-    return proc, line.split()[-1]
+        "--shards", "0", "--state-dir", str(state_dir), "--log-level", "WARNING",
+        stdout=asyncio.subprocess.PIPE)
+    return proc, await listening_address(proc.stdout, 20)
 
 
 @pytest.mark.timeout(180)

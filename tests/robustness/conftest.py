@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tests.integration.conftest import listening_address
+
 
 @pytest.fixture
 async def start_hub():
@@ -19,11 +21,10 @@ async def start_hub():
     async def start(*flags: str) -> tuple[asyncio.subprocess.Process, str]:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "gradstar", "coordinator", "--host", "127.0.0.1", "--port",
-            "0", "--log-level", "WARNING", *flags, stdout=asyncio.subprocess.PIPE)
+            "0", "--shards", "0", "--log-level", "WARNING", *flags,
+            stdout=asyncio.subprocess.PIPE)
         procs.append(proc)
-        line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
-        assert "listening on" in line, f"the coordinator printed {line!r}"
-        return proc, line.split()[-1]
+        return proc, await listening_address(proc.stdout, 20)
 
     yield start
     for proc in procs:

@@ -80,7 +80,7 @@ def test_histogram_buckets_are_cumulative_and_bounds_inclusive():
 async def test_the_coordinator_command_serves_metrics():
     proc = await asyncio.create_subprocess_exec(
         *GRADSTAR, "coordinator", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-        "--log-level", "WARNING", env=clean_env(), stdout=asyncio.subprocess.PIPE)
+        "--shards", "0", "--log-level", "WARNING", env=clean_env(), stdout=asyncio.subprocess.PIPE)
     try:
         first = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
         second = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()

@@ -51,6 +51,10 @@ def _handshake(target: str, context: ssl.SSLContext, timeout: float) -> bool:
 
 def _diagnose(target: str, ca: Path | None, cert: Path | None, key: Path | None,
               timeout: float, ca_setting: str) -> str | None:
+    try:
+        _split(target)
+    except ValueError:  # no HOST:PORT to connect to by hand (a malformed address): no diagnosis
+        return None
     if ca is None and cert is None:
         # The client speaks plaintext: does the server speak TLS?
         probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
