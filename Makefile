@@ -48,7 +48,7 @@ compose-check:
 
 ## The test suite (unit + integration with real servers and processes).
 test: need-torch $(STAMP) chromium
-	$(PY) -m pytest -q
+	$(PY) scripts/crash_report.py -- $(PY) -m pytest -q
 
 ## The CUDA tests alone (tests/cuda/), on a machine with a GPU: `make TORCH=cuda test-cuda`.
 ## Without a CUDA device each is reported as skipped, "needs a CUDA device" (they also run, and
