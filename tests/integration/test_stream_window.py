@@ -19,13 +19,13 @@ from gradstar.coordinator.shards import Shard
 from gradstar.transport.channels import stream_window_options
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-SETTINGS, INITIAL_WINDOW_SIZE = 0x4, 0x4
+SETTINGS, INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE = 0x4, 0x4, 0x5
 #: HTTP/2's initial window when a server says nothing of it (RFC 9113, 6.5.2).
 HTTP2_DEFAULT_WINDOW = 65_535
 
 
-async def advertised_window(port: int) -> int:
-    """The SETTINGS_INITIAL_WINDOW_SIZE of the server on 127.0.0.1:``port``: its first frame,
+async def advertised_settings(port: int) -> dict[int, int]:
+    """The HTTP/2 settings of the server on 127.0.0.1:``port`` by identifier: its first frame,
     after a client's preface and empty SETTINGS."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
     try:
@@ -37,16 +37,22 @@ async def advertised_window(port: int) -> int:
         body = await asyncio.wait_for(reader.readexactly(length), 5)
     finally:
         writer.close()
-    settings = dict(struct.unpack(">HI", body[i:i + 6]) for i in range(0, length, 6))
-    return settings.get(INITIAL_WINDOW_SIZE, HTTP2_DEFAULT_WINDOW)
+    return dict(struct.unpack(">HI", body[i:i + 6]) for i in range(0, length, 6))
+
+
+async def advertised_window(port: int) -> int:
+    """The SETTINGS_INITIAL_WINDOW_SIZE of the server on 127.0.0.1:``port``."""
+    return (await advertised_settings(port)).get(INITIAL_WINDOW_SIZE, HTTP2_DEFAULT_WINDOW)
 
 
 @pytest.mark.parametrize("window", [1 << 20, 16 << 20])
 async def test_stream_window_bytes_is_the_window_both_ports_advertise(start_coordinator, window):
     hub = await start_coordinator(stream_window_bytes=window)
     # Both ports carry collectives (the sessions' port for ranks of an earlier version).
-    assert await advertised_window(hub.collective_port) == window
-    assert await advertised_window(int(hub.address.rsplit(":", 1)[1])) == window
+    for port in (hub.collective_port, int(hub.address.rsplit(":", 1)[1])):
+        settings = await advertised_settings(port)
+        assert settings[INITIAL_WINDOW_SIZE] == window
+        assert settings[MAX_FRAME_SIZE] == min(window, (1 << 24) - 1)
 
 
 def test_a_fixed_window_turns_grpcs_probing_off_and_zero_leaves_it_on():
@@ -54,7 +60,11 @@ def test_a_fixed_window_turns_grpcs_probing_off_and_zero_leaves_it_on():
     # grows the window with gRPC's bandwidth estimate, is off.
     assert CoordinatorSettings().stream_window_bytes == 4 << 20
     assert stream_window_options(4 << 20) == [("grpc.http2.bdp_probe", 0),
-                                              ("grpc.http2.lookahead_bytes", 4 << 20)]
+                                              ("grpc.http2.lookahead_bytes", 4 << 20),
+                                              ("grpc.http2.max_frame_size", 4 << 20)]
+    # Frames as large as the window, within what HTTP/2 allows (as gRPC's probing sizes them).
+    assert dict(stream_window_options(64 << 20))["grpc.http2.max_frame_size"] == (1 << 24) - 1
+    assert dict(stream_window_options(1024))["grpc.http2.max_frame_size"] == 1 << 14
     assert stream_window_options(0) == []
 
 
