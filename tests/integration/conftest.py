@@ -90,18 +90,32 @@ async def communicate_or_kill(proc: asyncio.subprocess.Process,
     return out, err, False
 
 
-async def listening_address(stdout: asyncio.StreamReader, timeout: float) -> str:
-    """The address in ``gradstar coordinator``'s "listening on" line, read off its ``stdout``
-    (a shard it starts prints a line of its own first, on a machine where ``--shards auto`` is
-    not 0)."""
-    async def read() -> str:
+async def spawn_coordinator(*flags: str, timeout: float = 20) -> tuple[
+        asyncio.subprocess.Process, str]:
+    """``gradstar coordinator`` on 127.0.0.1:0 as a process of its own (stdout piped), with
+    ``flags`` after the defaults, and the address of its "listening on" line.
+
+    ``--shards 0`` by default, so that it is one process on any machine (``--shards auto``
+    starts one per two cores beyond two, whose own lines would come first).
+    """
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gradstar", "coordinator", "--host", "127.0.0.1", "--port", "0",
+        "--shards", "0", "--log-level", "WARNING", *flags, stdout=asyncio.subprocess.PIPE)
+
+    async def address() -> str:
         while True:
-            line = (await stdout.readline()).decode()
+            line = (await proc.stdout.readline()).decode()
             assert line, "the coordinator exited before it listened"
             if line.startswith("gradstar coordinator listening on "):
                 return line.split()[-1]
 
-    return await asyncio.wait_for(read(), timeout)
+    try:
+        return proc, await asyncio.wait_for(address(), timeout)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        raise
 
 
 async def finish(proc: asyncio.subprocess.Process, timeout: float) -> tuple[int, str, str]:

@@ -10,23 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 
 import pytest
 
 from tests.robustness.test_memory import RssSampler
 
-from .conftest import finish, listening_address, spawn_ranks
+from .conftest import finish, spawn_coordinator, spawn_ranks
 
 MIB = 1 << 20
 
 
 @pytest.fixture
 async def coordinator_process():
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gradstar", "coordinator", "--host", "127.0.0.1", "--port", "0",
-        "--shards", "0", "--log-level", "WARNING", stdout=asyncio.subprocess.PIPE)
-    yield proc, await listening_address(proc.stdout, 20)
+    proc, address = await spawn_coordinator()
+    yield proc, address
     proc.terminate()
     await asyncio.wait_for(proc.wait(), 20)
 

@@ -6,14 +6,13 @@ import asyncio
 import contextlib
 import json
 import signal
-import sys
 import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .conftest import finish, listening_address, spawn_ranks
+from .conftest import finish, spawn_coordinator, spawn_ranks
 
 
 def last_json(stdout: str) -> dict:
@@ -110,10 +109,7 @@ async def ranks_named_a_lost_coordinator(how: signal.Signals, *args: str, within
     """A coordinator process with 2 ``allreduce_until_error`` ranks (``args`` passed on) is
     killed or frozen with ``how`` mid-loop: every rank must end cleanly, reporting
     CoordinatorUnavailableError naming its address within ``within`` seconds."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gradstar", "coordinator", "--host", "127.0.0.1", "--port", "0",
-        "--shards", "0", "--log-level", "WARNING", stdout=asyncio.subprocess.PIPE)
-    address = await listening_address(proc.stdout, 20)
+    proc, address = await spawn_coordinator()
     ranks = await spawn_ranks("allreduce_until_error", address, 2, "orphans", *args)
     try:
         await asyncio.wait_for(ranks[0].stdout.readline(), 60)

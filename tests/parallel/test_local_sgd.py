@@ -20,8 +20,8 @@ from gradstar.proto.v1 import admin_pb2, admin_pb2_grpc
 from gradstar.wire.formats import roundtrip
 from tests.integration.conftest import (  # noqa: F401
     finish,
-    listening_address,
     rank_env,
+    spawn_coordinator,
     start_coordinator,
 )
 
@@ -211,11 +211,7 @@ async def test_a_module_on_another_device_is_refused_naming_the_device(solo):
 
 
 async def coordinator_process(state_dir: Path):
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gradstar", "coordinator", "--host", "127.0.0.1", "--port", "0",
-        "--shards", "0", "--state-dir", str(state_dir), "--log-level", "WARNING",
-        stdout=asyncio.subprocess.PIPE)
-    return proc, await listening_address(proc.stdout, 20)
+    return await spawn_coordinator("--state-dir", str(state_dir))
 
 
 @pytest.mark.timeout(180)

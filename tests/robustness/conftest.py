@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 
 import pytest
 
-from tests.integration.conftest import listening_address
+from tests.integration.conftest import spawn_coordinator
 
 
 @pytest.fixture
@@ -19,12 +18,9 @@ async def start_hub():
     procs: list[asyncio.subprocess.Process] = []
 
     async def start(*flags: str) -> tuple[asyncio.subprocess.Process, str]:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gradstar", "coordinator", "--host", "127.0.0.1", "--port",
-            "0", "--shards", "0", "--log-level", "WARNING", *flags,
-            stdout=asyncio.subprocess.PIPE)
+        proc, address = await spawn_coordinator(*flags)
         procs.append(proc)
-        return proc, await listening_address(proc.stdout, 20)
+        return proc, address
 
     yield start
     for proc in procs:
