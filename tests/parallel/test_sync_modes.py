@@ -155,11 +155,16 @@ def test_buffers_travel_with_the_steps_and_stay_identical():
     reports = asyncio.run(run_modes("async", "--delays", "0,0.01,0.02,0.05", "--batchnorm",
                                     "--weights", "1,2,3,0.5", "--steps", "8"))
     assert_identical_and_replayed(reports, batchnorm=True)
+    assert sum(len(s["ranks"]) for s in record(reports)) == WORLD * 8  # none dropped
     params = reports[0]["params"]
-    # An integer again (rounded), at least each rank's 8 forward passes (a rank that made two
-    # before its first step was applied counts both).
+    # An integer again (rounded). Not a rank's own count of forward passes: each step's count is
+    # the weighted mean of its contributions' counts, and a stale contribution's count is its
+    # base's plus one, so the count can end below 8 (CI saw 7; the replay above, which rounds
+    # the same way, is what pins its value). A bound that holds for any timing: the last step
+    # holds each of its ranks' last forward pass, whose count is its base step's count (at
+    # least 1) plus one, or 8 if the rank applied no step in all its 8 iterations; so >= 2.
     [batches] = params["1.num_batches_tracked"]
-    assert isinstance(batches, int) and batches >= 8
+    assert isinstance(batches, int) and batches >= 2
     assert any(abs(v) > 1e-3 for v in params["1.running_mean"])  # the statistics moved
 
 
