@@ -265,10 +265,13 @@ class StepSync:
     def _send_snapshot(self) -> None:
         """Copy this rank's state now (at ``have`` aggregates) and send it in the background:
         training goes on meanwhile; a failed upload is logged, and the hub asks again. While
-        an upload is still in flight the request is dropped (the hub asks again)."""
-        self._snapshot_due = False
+        an upload is still in flight the request waits (one upload at a time): the state goes
+        at the first step after that upload is done. Dropped instead, it would leave the hub's
+        snapshot a whole ``SNAPSHOT_EVERY`` steps staler, since the hub asks again only that
+        many steps later (a slow disk on the hub made it keep a step-1 snapshot to step 20)."""
         if self._uploads:
             return
+        self._snapshot_due = False
         layout, data = pack(self.module, self._optimizer)
         upload = self._submit(self._client.put_snapshot(self.have, layout, data, self.timeout))
         self._uploads.add(upload)

@@ -1,8 +1,9 @@
 """A rank's state as a snapshot (gradstar.client.steps.snapshot): no pickle, every tensor and
-optimizer setting back bit for bit, a malformed layout named."""
+optimizer setting back bit for bit, a malformed layout named; and when a rank sends one."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from gradstar.client.steps.snapshot import pack, unpack
+from gradstar.client.steps.sync import StepSync
 from gradstar.errors import ConfigurationError, ProtocolError
 
 
@@ -62,3 +64,41 @@ def test_state_that_is_not_tensors_numbers_or_strings_is_refused():
     opt.param_groups[0]["hook"] = object()
     with pytest.raises(ConfigurationError, match="cannot carry"):
         pack(model, opt)
+
+
+class _Uploads:
+    """What StepSync's snapshot sending needs of its process group and hub client: each
+    put_snapshot recorded, each upload a future this test completes."""
+
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+        self.futures: list[concurrent.futures.Future] = []
+
+    def put_snapshot(self, steps, layout, data, timeout):
+        self.sent.append(steps)
+        return steps  # what _submit is given
+
+    def submit(self, _call) -> concurrent.futures.Future:
+        self.futures.append(concurrent.futures.Future())
+        return self.futures[-1]
+
+
+def test_a_snapshot_asked_for_during_an_upload_goes_once_that_upload_is_done():
+    # The hub asks again only SNAPSHOT_EVERY steps after asking: a request dropped because the
+    # previous upload was still going would leave its snapshot that many steps staler.
+    model, opt = trained(0)
+    hub = _Uploads()
+    sync = StepSync.__new__(StepSync)
+    sync.module, sync._optimizer, sync.timeout = model, opt, 5.0
+    sync._client, sync._submit = hub, hub.submit
+    sync._snapshot_due, sync._uploads = True, set()
+    sync.have = 1
+    sync._send_snapshot()
+    assert hub.sent == [1] and not sync._snapshot_due
+    sync.have, sync._snapshot_due = 17, True  # asked again while step 1's upload is going
+    sync._send_snapshot()
+    assert hub.sent == [1] and sync._snapshot_due  # one upload at a time; still due
+    hub.futures[0].set_result(None)
+    sync.have = 18
+    sync._send_snapshot()  # the next step after it is done
+    assert hub.sent == [1, 18] and not sync._snapshot_due
