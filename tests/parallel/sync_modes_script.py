@@ -4,7 +4,8 @@
 Trains a small MLP for ``--steps`` iterations with ``gradstar.DDP(sync_mode=...)`` and SGD with
 momentum; before each backward the rank sleeps its entry of ``--delays`` (seconds, per rank), and
 ``--stop-at`` makes a rank stop itself (``kill``: os._exit mid-training; ``stall``: SIGSTOP)
-at that iteration. After each backward it prints its contribution (base, step joined) as a JSON
+at that iteration (``--await-replacement``: the others wait for the process that takes its
+place before their last iteration). After each backward it prints its contribution (base, step joined) as a JSON
 line (with ``--wire``, also its contribution residual after it); at the end it synchronizes and
 prints its parameters, the steps it applied (who made each) and its stats.
 
@@ -217,6 +218,11 @@ def main() -> None:
     parser.add_argument("--batchnorm", action="store_true", help="make_mlp(batchnorm=True)")
     parser.add_argument("--schedule", action="store_true",
                         help="an LR schedule stepped every iteration: lr x 0.8 each time")
+    parser.add_argument("--await-replacement", default=None, metavar="PATH",
+                        help="a replacement process (an elastic join) creates PATH once a "
+                             "contribution of its own was accepted; every other rank waits for "
+                             "PATH (up to 120 s) before its last iteration, so the replacement "
+                             "joins the steps however slowly it started")
     args = parser.parse_args()
 
     import gradstar
@@ -234,7 +240,12 @@ def main() -> None:
                 else None)
     if args.print_states:
         print(json.dumps({"rank": rank, "start": state_of(ddp, model, opt)}), flush=True)
+    ready = Path(args.await_replacement) if args.await_replacement else None
     for i in range(args.steps):
+        if ready is not None and not pg.replacement and i == args.steps - 1:
+            deadline = time.monotonic() + 120
+            while not ready.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
         if rank == args.stop_rank and i == args.stop_at:
             if args.stop_how == "kill":
                 os._exit(3)
@@ -254,6 +265,8 @@ def main() -> None:
             residual = ddp.contribution_residual
             c["residual"] = None if residual is None else residual.tolist()
         print(json.dumps({"rank": rank, "contribution": {**c, "iteration": i}}), flush=True)
+        if ready is not None and pg.replacement and c["step"] is not None:
+            ready.touch()
         opt.step()
         if schedule is not None:
             schedule.step()

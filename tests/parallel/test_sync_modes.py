@@ -204,12 +204,13 @@ def test_a_rank_that_dies_or_stalls_holds_nobody(mode, how):
     assert 3 not in steps[-1]["ranks"]  # the last steps closed without the dead rank
 
 
-def test_a_restarted_rank_joins_from_the_hub_and_ends_identical():
+def test_a_restarted_rank_joins_from_the_hub_and_ends_identical(tmp_path):
     # Rank 3 dies at its 4th iteration; a new process takes its place (GRADSTAR_ELASTIC, as
     # the agent restarts it), starts from the hub's snapshot while the others train on, and
     # contributes again; at the end all four agree bit for bit.
     reports = asyncio.run(run_modes("quorum", "--min-ranks", "3", "--timeout", "0.0",
                                     "--delays", "0.3,0.3,0.3,0.3", "--steps", "30",
+                                    "--await-replacement", str(tmp_path / "joined"),
                                     "--stop-rank", "3", "--stop-at", "3", "--stop-how", "kill",
                                     stopped=3, restart=True, timeout=150))
     assert reports[3]["replacement"] and not reports[0]["replacement"]

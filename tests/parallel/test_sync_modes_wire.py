@@ -73,12 +73,13 @@ def test_asynchronous_int8_replicas_identical_and_equal_the_rounded_replay():
         "the int8 run trained exactly as float32 would: nothing was rounded")
 
 
-def test_a_restarted_rank_joins_with_a_zero_residual_and_ends_identical():
+def test_a_restarted_rank_joins_with_a_zero_residual_and_ends_identical(tmp_path):
     # As test_sync_modes' restart, in int8: the new process starts from the hub's snapshot
     # and a zero residual (the replay resets its rank's residual where its iterations restart).
     reports = asyncio.run(run_modes("quorum", "--min-ranks", "3", "--timeout", "0.0",
                                     "--delays", "0.3,0.3,0.3,0.3", "--steps", "30",
                                     "--wire", "int8",  # before --stop-*: the restart keeps it
+                                    "--await-replacement", str(tmp_path / "joined"),
                                     "--stop-rank", "3", "--stop-at", "3", "--stop-how", "kill",
                                     stopped=3, restart=True, timeout=150))
     assert reports[3]["replacement"]
