@@ -164,7 +164,8 @@ async def test_a_wrong_encoded_size_or_another_format_is_named_and_the_step_goes
                                   roundtrip(int8, (ones + threes) / np.float32(2)))
 
 
-async def test_a_contribution_answer_brings_the_aggregates_the_rank_lacks(ranks):
+async def test_a_contribution_answer_brings_the_aggregates_the_rank_lacks(coordinator,
+                                                                         ranks):
     """One round trip per training step: the answer carries every aggregate after the
     contribution's base (at most fetch_limit); with await_step it first waits for the step the
     gradient joined, and says how long it waited."""
@@ -188,10 +189,24 @@ async def test_a_contribution_answer_brings_the_aggregates_the_rank_lacks(ranks)
     q0.key.model, q1.key.model = "quorum", "quorum"
     waiting = asyncio.create_task(q0.exchange(slow, 0, 0, 2.0, g(2, 4), T, fetch_limit=16,
                                               await_step=5.0))
+    # The hub's wait starts when it holds q0's gradient (a new client connects first): watched
+    # on the hub's own loop (the coordinator runs in this process), it began between the last
+    # look that missed it and the first that saw it.
+    loop = asyncio.get_running_loop()
+    missed = loop.time()
+    async with asyncio.timeout(T):
+        while True:
+            looked = loop.time()
+            ledger = coordinator.steps.ledgers.get(("j", "quorum"))
+            if ledger is not None and 0 in ledger.open.contributions:
+                break
+            missed = looked
+            await asyncio.sleep(0.01)
     await asyncio.sleep(0.3)
     assert not waiting.done()  # its step is open until q1's gradient arrives
     await q1.contribute(slow, 0, 0, 2.0, g(4, 8), T)
     verdict, got = await asyncio.wait_for(waiting, T)
-    assert verdict.step == 1 and verdict.waited_seconds >= 0.2
+    assert verdict.step == 1
+    assert 0.3 - 1e-6 <= verdict.waited_seconds <= loop.time() - missed  # asyncio's timers
     assert [r.step for r in got.records] == [1]
     np.testing.assert_array_equal(got.values[0], g(3, 6))
