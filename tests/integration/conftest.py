@@ -17,6 +17,18 @@ from gradstar.coordinator import Coordinator
 RANK_SCRIPT = Path(__file__).with_name("rank_script.py")
 
 
+async def until(predicate, what: str = "the condition", seconds: float = 10.0) -> None:
+    """Wait until ``predicate()`` holds (polled every 5 ms; the in-process hub runs between
+    looks), for at most ``seconds`` of the loop's time; AssertionError naming ``what`` past it.
+    Tests wait for the hub's state this way instead of sleeping and hoping it got there."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"not within {seconds:g} s: {what}")
+        await asyncio.sleep(0.005)
+
+
 @pytest.fixture
 async def start_coordinator():
     """Factory: ``await start_coordinator(**settings)`` -> a started Coordinator, stopped after."""

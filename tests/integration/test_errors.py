@@ -16,7 +16,7 @@ from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
 from gradstar.wire import KIND_END, KIND_HEADER, encode_batch, encode_chunk, encode_message
 
-from .conftest import close_all, join_all
+from .conftest import close_all, join_all, until
 
 
 @pytest.fixture
@@ -221,7 +221,7 @@ async def test_admin_calls_need_the_admin_token(start_coordinator):
 async def test_duplicate_rank_is_refused(coordinator):
     first = asyncio.ensure_future(gradstar.init_process_group_async(
         coordinator=coordinator.address, job="dup", world_size=2, rank=0, join_timeout=10))
-    await asyncio.sleep(0.3)
+    await until(lambda: "dup" in coordinator.rendezvous.jobs, "the first join is waiting")
     with pytest.raises(errors.DuplicateRankError, match="rank 0 of job 'dup'"):
         await gradstar.init_process_group_async(
             coordinator=coordinator.address, job="dup", world_size=2, rank=0, join_timeout=10)
@@ -235,7 +235,7 @@ async def test_duplicate_rank_is_refused(coordinator):
 async def test_world_size_disagreement_is_refused_and_the_waiting_rank_told(coordinator):
     first = asyncio.ensure_future(gradstar.init_process_group_async(
         coordinator=coordinator.address, job="ws", world_size=2, join_timeout=60))
-    await asyncio.sleep(0.3)
+    await until(lambda: "ws" in coordinator.rendezvous.jobs, "the first join is waiting")
     with pytest.raises(errors.WorldSizeMismatchError, match=r"world_size 2.*asked for 3"):
         await gradstar.init_process_group_async(
             coordinator=coordinator.address, job="ws", world_size=3, join_timeout=10)

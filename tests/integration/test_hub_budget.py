@@ -21,7 +21,7 @@ from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.transport.status import status_code
 from gradstar.wire import KIND_HEADER, decode_error, encode_message
 
-from .conftest import close_all, join_all
+from .conftest import close_all, join_all, until
 
 MIB = 1 << 20
 #: A header at the chunk limit: 2^20 chunks of 2 bytes (float16), 128 KiB of tracker and 4 KiB
@@ -61,14 +61,6 @@ class PendingHeaders:
         self._hold.set()
         for call in self.calls:
             call.cancel()
-
-
-async def until(predicate, what: str, seconds: float = 10.0) -> None:
-    for _ in range(int(seconds / 0.02)):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"not within {seconds:g} s: {what}")
 
 
 async def bystander_all_reduce(groups) -> None:

@@ -37,7 +37,7 @@ from gradstar.wire import (
 )
 
 from .certs import make_pki
-from .conftest import close_all, join_all
+from .conftest import close_all, join_all, until
 
 TOKEN = "peer-tok-41c7"
 DTYPES = {name: np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
@@ -50,15 +50,6 @@ async def pair(coordinator):
     groups = await join_all(coordinator.address, 2, job="peer", chunk_bytes=1024)
     yield groups
     await close_all(groups)
-
-
-async def until(predicate, timeout: float = 10.0) -> None:
-    """Wait until ``predicate()`` holds, polling every 5 ms for at most ``timeout`` seconds."""
-    for _ in range(int(timeout / 0.005)):
-        if predicate():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"still not true after {timeout:g} s")
 
 
 def sample(dtype: np.dtype, shape: tuple) -> np.ndarray:

@@ -20,7 +20,7 @@ from gradstar.proto.v1 import admin_pb2, admin_pb2_grpc
 from gradstar.proto.v1 import collective_pb2 as pb
 
 from .certs import make_pki
-from .conftest import close_all, join_all
+from .conftest import close_all, join_all, until
 
 TOKEN = "tok-3f9a7c1e5d"
 
@@ -93,7 +93,10 @@ async def test_admin_shows_members_in_flight_ranks_and_counters(coordinator):
         assert [(j.job, j.world_size, j.members, j.state) for j in jobs.jobs] == \
             [("watched", 3, 3, "running")]
         pending = [asyncio.ensure_future(g.all_reduce(np.ones(1000))) for g in groups[:2]]
-        await asyncio.sleep(0.3)
+        # Until the hub (in this process) holds both ranks' arrivals, then ask the admin view.
+        gen = coordinator.rendezvous.jobs["watched"].generation
+        await until(lambda: [sorted(c.participants) for c in gen.collectives.values()] == [[0, 1]],
+                    "ranks 0 and 1 arrived at the hub")
         detail = await admin.GetJob(admin_pb2.GetJobRequest(job="watched"), timeout=5)
         assert [m.rank for m in detail.members] == [0, 1, 2]
         (in_flight,) = detail.in_flight
