@@ -56,7 +56,12 @@ def timeouts(rank: int, world: int) -> dict:
         "monitored_barrier": lambda g: g.monitored_barrier(timedelta(seconds=GROUP_TIMEOUT),
                                                            wait_all_ranks=True),
     }
-    groups = {name: dist.new_group(timeout=timedelta(seconds=GROUP_TIMEOUT)) for name in ops}
+    # The joins get the default's patience (pg_options): torch's timeout bounds a new group's
+    # join too, and a 1 s join would need both ranks to reach each new_group within 1 s of
+    # each other, which a loaded machine does not promise; the collectives keep the 1 s.
+    groups = {name: dist.new_group(timeout=timedelta(seconds=GROUP_TIMEOUT),
+                                   pg_options={"join_timeout": DEFAULT_TIMEOUT})
+              for name in ops}
     if rank == 0:
         for name, call in ops.items():
             out[name] = timed(lambda call=call, name=name: call(groups[name]))
