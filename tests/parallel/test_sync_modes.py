@@ -201,7 +201,10 @@ def test_a_rank_that_dies_or_stalls_holds_nobody(mode, how):
     assert [r for r in reports if "params" in reports[r]] == [0, 1, 2]  # no survivor raised
     assert_identical_and_replayed(reports)
     steps = record(reports)
-    assert 3 not in steps[-1]["ranks"]  # the last steps closed without the dead rank
+    # The steps closed without it: it is in at most its 3 iterations before it stopped (not
+    # "absent from the last step": a rank that started late can have its 3 gradients arrive
+    # after the others' 8, and close the last step itself).
+    assert sum(3 in step["ranks"] for step in steps) <= 3
 
 
 def test_a_restarted_rank_joins_from_the_hub_and_ends_identical(tmp_path):
