@@ -210,7 +210,9 @@ async def test_late_replica_catches_up_and_ends_with_the_same_global_model(
     await replicas[0].reach(12)
     gate.touch()
     results = [await r.result() for r in replicas]
-    assert 8 <= results[2]["joined_at"] < 40  # it took up the schedule, not step 0
+    # It took up the schedule, not step 0; and joined before the others' last step (where it
+    # joins in between is how fast it started: the others' 36 steps after the gate are ~3 s).
+    assert 8 <= results[2]["joined_at"] < 48
     assert results[2]["rounds"] == results[0]["rounds"] == results[1]["rounds"] == [12, 12]
     assert results[2]["global"] == results[0]["global"] == results[1]["global"]
     view = rounds_view(coordinator.rounds, "sdl")

@@ -50,29 +50,32 @@ async def run_then_kill_stage(victim: int, timeout: float = 100) -> dict:
                 sys.executable, str(script.SCRIPT), *script.SCENARIOS, "until_killed",
                 env=rank_env(hub.address, "pipeline", S, rank),
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE))
-        victim_lines, progress = [], 0
-        async with asyncio.timeout(timeout):
-            while progress < 2:
-                line = await procs[victim].stdout.readline()
+        # Every stage's lines as they come; the kill once every stage finished two steps (the
+        # victim's two steps alone leave the others still finishing their second).
+        lines: list[list[dict]] = [[] for _ in procs]
+
+        async def two_steps(rank: int) -> None:
+            while sum("progress" in line for line in lines[rank]) < 2:
+                line = await procs[rank].stdout.readline()
                 if not line:
-                    _, err = await procs[victim].communicate()
-                    raise AssertionError(f"stage {victim} ended early:\n{victim_lines[-3:]}\n"
+                    _, err = await procs[rank].communicate()
+                    raise AssertionError(f"stage {rank} ended early:\n{lines[rank][-3:]}\n"
                                          f"{err.decode()[-3000:]}")
-                report = json.loads(line)
-                victim_lines.append(report)
-                progress += "progress" in report
+                if line.startswith(b"{"):
+                    lines[rank].append(json.loads(line))
+
+        async with asyncio.timeout(timeout):
+            await asyncio.gather(*(two_steps(rank) for rank in range(S)))
         await asyncio.sleep(0.1)  # into the third step
         procs[victim].kill()
         killed_at = time.time()
         await procs[victim].wait()
-        lines = []
         for rank, proc in enumerate(procs):
             if rank == victim:
-                lines.append(victim_lines)
                 continue
             code, out, err = await finish(proc, 60)
             assert code == 0, f"stage {rank} exited with {code}:\n{out[-2000:]}\n{err[-3000:]}"
-            lines.append([json.loads(x) for x in out.splitlines() if x.startswith("{")])
+            lines[rank] += [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     finally:
         await kill_all(procs)
         await hub.stop(grace=0)
