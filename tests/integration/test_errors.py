@@ -11,6 +11,7 @@ import pytest
 
 import gradstar
 from gradstar import errors
+from gradstar.config import ClientSettings
 from gradstar.proto.v1 import admin_pb2, admin_pb2_grpc, rendezvous_pb2_grpc
 from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
@@ -48,10 +49,9 @@ MISMATCHES = {
 @pytest.mark.parametrize("field", MISMATCHES)
 async def test_mismatch_fails_every_rank_naming_rank_and_values(trio, field):
     same, odd, values = MISMATCHES[field]
-    started = time.monotonic()
+    # At once, not by a timeout (the collectives' 300 s default, far past gather_outcomes'
+    # 10 s; a timeout would be CollectiveTimeoutError): no wall-clock claim needed.
     outcomes = await gather_outcomes(*(odd(g) if g.rank == 2 else same(g) for g in trio))
-    elapsed = time.monotonic() - started
-    assert elapsed < 1.0, f"mismatch took {elapsed:.2f} s to surface"
     for outcome in outcomes:
         assert isinstance(outcome, errors.CollectiveMismatchError), outcome
         message = str(outcome)
@@ -185,7 +185,9 @@ async def test_unreachable_coordinator_fails_fast():
     with pytest.raises(errors.CoordinatorUnavailableError, match=f"127.0.0.1:{port}"):
         await gradstar.init_process_group_async(coordinator=f"127.0.0.1:{port}", job="j",
                                                 world_size=2, connect_timeout=2)
-    assert time.monotonic() - started < 5
+    # Within its connect_timeout, not the default's 10 s (a bound far from both: load only
+    # adds a little to 2 s).
+    assert time.monotonic() - started < ClientSettings.model_fields["connect_timeout"].default
 
 
 async def list_jobs(address: str, token: str | None) -> list[str]:
@@ -266,7 +268,8 @@ async def test_join_timeout_names_who_joined(coordinator):
         await gradstar.init_process_group_async(
             coordinator=coordinator.address, job="lonely", world_size=3, rank=1,
             join_timeout=0.5)
-    assert time.monotonic() - started < 3
+    # Its own 0.5 s, not the default join timeout's 300 s (the message names 0.5 s as well).
+    assert time.monotonic() - started < 60
 
 
 async def test_payload_over_limit_is_refused_on_every_rank(start_coordinator):
