@@ -36,12 +36,19 @@ async def health_status(address: str) -> int:
         return reply.status
 
 
-async def test_a_sender_killed_mid_message_fails_the_receive_with_rank_lost_within_5s(
+#: The hub's heartbeat timeout in these tests, and the bound on "at once": a lost rank or hub is
+#: named through its broken stream (or missed keepalive pings, ~3 s), which a loaded machine
+#: delays by a second or two; only a heartbeat timeout (or the collective's, 300 s) would take
+#: longer than SOON. (A wall-clock bound only as far as it tells those two apart.)
+HEARTBEAT = 30.0
+SOON = HEARTBEAT / 2
+
+async def test_a_sender_killed_mid_message_fails_the_receive_with_rank_lost_at_once(
         start_coordinator):
     # Without the kill landing mid-message the receive would fail the same way; with it, the
     # peer stream ends half-way through a message, which must read as the sender lost (not a
     # protocol error) and deliver nothing of the cut message.
-    coordinator = await start_coordinator(heartbeat_timeout=30.0)
+    coordinator = await start_coordinator(heartbeat_timeout=HEARTBEAT)
     procs = await spawn_ranks("recv_until_error", coordinator.address, 2, "kill-sender")
     sender = procs[1]
     try:
@@ -60,14 +67,14 @@ async def test_a_sender_killed_mid_message_fails_the_receive_with_rank_lost_with
     report = last_json(out)
     assert report["error"] == "RankLostError", report
     assert report["lost_rank"] == 1, report
-    assert report["failed_at"] - lost_at < 5.0, report
+    assert report["failed_at"] - lost_at < SOON, report
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
-async def test_rank_lost_mid_allreduce_fails_survivors_within_5s(start_coordinator, how):
+async def test_rank_lost_mid_allreduce_fails_survivors_before_any_timeout(start_coordinator, how):
     # A frozen (SIGSTOP) rank answers no keepalive ping: the transport is dropped within ~3 s,
     # long before the 30 s heartbeat timeout set here could fire.
-    coordinator = await start_coordinator(heartbeat_timeout=30.0)
+    coordinator = await start_coordinator(heartbeat_timeout=HEARTBEAT)
     procs = await spawn_ranks("allreduce_until_error", coordinator.address, 4, "kill")
     for report in await survivors_of_a_lost_rank(procs, 2, how):
         assert "rank 2" in report["message"]
@@ -77,8 +84,8 @@ async def test_rank_lost_mid_allreduce_fails_survivors_within_5s(start_coordinat
 async def survivors_of_a_lost_rank(procs: list[asyncio.subprocess.Process], victim: int,
                                    how: signal.Signals) -> list[dict]:
     """Once rank ``victim`` (an ``allreduce_until_error`` rank) is mid-loop, kill or freeze it
-    with ``how``; every other rank must end cleanly, reporting RankLostError naming it within
-    5 s. Their reports."""
+    with ``how``; every other rank must end cleanly, reporting RankLostError naming it
+    ``SOON`` (the hub's heartbeat timeout must be ``HEARTBEAT``). Their reports."""
     proc = procs[victim]
     assert b"progress" in await asyncio.wait_for(proc.stdout.readline(), 60)
     await asyncio.sleep(0.2)
@@ -96,13 +103,13 @@ async def survivors_of_a_lost_rank(procs: list[asyncio.subprocess.Process], vict
         report = last_json(out)
         assert report["error"] == "RankLostError", report
         assert report["lost_rank"] == victim, report
-        assert report["failed_at"] - lost_at < 5.0, report
+        assert report["failed_at"] - lost_at < SOON, report
         reports.append(report)
     return reports
 
 
 async def test_coordinator_death_gives_ranks_a_named_error_quickly():
-    await ranks_named_a_lost_coordinator(signal.SIGKILL, within=5.0)
+    await ranks_named_a_lost_coordinator(signal.SIGKILL, within=SOON)
 
 
 async def ranks_named_a_lost_coordinator(how: signal.Signals, *args: str, within: float) -> None:
