@@ -366,6 +366,9 @@ def parity_errors(rank: int, world: int) -> dict:
         except Exception as error:
             out[name] = [type(error).__name__, str(error)]
     # A 1 s timeout that only rank 0 waits out: the others arrive late and get the same verdict.
+    # Together first (the default group's timeout): else a rank 0 that reached this point over
+    # a second after the others would meet them here, and nothing would time out.
+    dist.barrier()
     opts = dist.AllreduceOptions()
     opts.timeout = timedelta(seconds=1)
     if rank != 0:
