@@ -311,7 +311,8 @@ async def test_closed_group_raises(coordinator):
         g.all_reduce(np.ones(2))
 
 
-async def test_a_collective_cancelled_before_its_header_left_fails_every_rank_promptly(trio):
+async def test_a_collective_cancelled_before_its_header_left_fails_every_rank_promptly(
+        coordinator, trio):
     g0, g1, g2 = trio
     real = g2._plane.coordinator
     calls = []
@@ -330,7 +331,10 @@ async def test_a_collective_cancelled_before_its_header_left_fails_every_rank_pr
     g2._plane.coordinator = type(real)(first_call_held_back, real.address, real.name)
     pending = [asyncio.ensure_future(g.all_reduce(np.ones(3), timeout=120)) for g in (g0, g1)]
     cancelled = asyncio.ensure_future(g2.all_reduce(np.ones(3), timeout=120))
-    await asyncio.sleep(0.3)
+    gen = coordinator.rendezvous.jobs["test"].generation
+    await until(lambda: [sorted(c.participants) for c in gen.collectives.values()] == [[0, 1]],
+                "ranks 0 and 1 arrived at the hub")
+    await until(lambda: calls, "rank 2's call opened (its header held back)")
     cancelled.cancel()
     for outcome in await gather_outcomes(*pending, timeout=10):  # not the 120 s timeout
         assert isinstance(outcome, errors.RankLostError), outcome
