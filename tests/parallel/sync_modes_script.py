@@ -5,9 +5,9 @@ Trains a small MLP for ``--steps`` iterations with ``gradstar.DDP(sync_mode=...)
 momentum; before each backward the rank sleeps its entry of ``--delays`` (seconds, per rank), and
 ``--stop-at`` makes a rank stop itself (``kill``: os._exit mid-training; ``stall``: SIGSTOP)
 at that iteration (``--await-replacement``: the others wait for the process that takes its
-place before their last iteration). After each backward it prints its contribution (base, step joined) as a JSON
-line (with ``--wire``, also its contribution residual after it); at the end it synchronizes and
-prints its parameters, the steps it applied (who made each) and its stats.
+place before their last iteration). After each backward it prints its contribution (base, step
+joined) as a JSON line (with ``--wire``, also its contribution residual after it); at the end it
+synchronizes and prints its parameters, the steps it applied (who made each) and its stats.
 
 :func:`replay` (used by the tests) trains the same model in one process from the hub's record
 of which contribution joined which step; with a wire format each contribution is
