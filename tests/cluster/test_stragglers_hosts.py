@@ -3,7 +3,8 @@ node-local shard (the default), the ranks of one host slowed by a fixed delay be
 all_reduce. With one rank per host the collectives stripe over the node shards (the shard of
 stripe 0 measures, the coordinator merges its report); with two per host they run in two
 levels (a host stage and a leaders' stage, folded into the job's view). Either way every rank's
-``pg.straggler_stats()`` names the slowed host's ranks, alone, with about the delay as lag.
+``pg.straggler_stats()`` names the slowed host's ranks first, with at least about the delay as
+lag, the others well below it, and flags as the flagging rule says.
 Needs root and iproute2 (CI runs as root); elsewhere it fails saying why."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 import pytest
 
 from tests.cluster.jobs import hosts_network, job_on_hosts, wait_reports
+from tests.integration.test_stragglers import as_rows, check_consistent
 
 pytestmark = pytest.mark.timeout(300)
 ROUNDS, DELAY = 20, 0.2
@@ -34,9 +36,13 @@ def test_the_slowed_hosts_ranks_are_named(tmp_path, per_host):
     for report in reports:
         ranks = report["stats"]["ranks"]
         assert sorted(r["rank"] for r in ranks) == list(range(world)), report
+        # Figures consistent with one another and flags as the flagging rule says, whatever
+        # the load (a quiet run flags the slowed host's ranks alone: see check_consistent).
+        check_consistent(as_rows(ranks))
         assert sorted(r["rank"] for r in ranks[:per_host]) == slow  # slowest first
-        assert sorted(r["rank"] for r in ranks if r["flagged"]) == slow, [
-            (r["rank"], r["ewma_lag_seconds"], r["median_lag_seconds"]) for r in ranks]
-        for r in ranks[:per_host]:  # a loose band: scheduling noise, not a timing claim
-            assert 0.6 * DELAY <= r["median_lag_seconds"] <= DELAY + 0.2, r
-        assert all(r["median_lag_seconds"] < DELAY / 2 for r in ranks[per_host:]), ranks
+        for r in ranks[:per_host]:  # a lower bound: a sleep cannot make them arrive sooner
+            assert 0.6 * DELAY <= r["median_lag_seconds"], r
+        # The others: relative to them (load delays every rank), with the flagging rule's
+        # margin: at most half their median lag.
+        least = min(r["median_lag_seconds"] for r in ranks[:per_host])
+        assert all(2 * r["median_lag_seconds"] <= least for r in ranks[per_host:]), ranks

@@ -250,20 +250,29 @@ def recv_until_error(pg) -> dict:
 
 
 def late_rank(pg) -> dict:
-    """``late_rank SLOW DELAY ROUNDS``: ``ROUNDS`` all_reduces, rank SLOW sleeping DELAY
-    seconds before each; then the job's straggler summary as this rank reads it (once the
-    hub shards' reports have caught up with the last collective)."""
+    """``late_rank SLOW DELAY ROUNDS``: a warm-up barrier (it takes what each rank's first
+    collective costs, so that the measured rounds start together), then ``ROUNDS`` all_reduces,
+    rank SLOW sleeping DELAY seconds before each; then the job's straggler summary as this rank
+    reads it (once the hub shards' reports have caught up with the last collective) and, under
+    ``durations``, how long each of its ROUNDS + 1 collectives took it (call to return,
+    seconds): the hub cannot see a rank arrive later after the first one than that first one
+    waited in the collective, so these bound the lags it measures."""
     slow, delay, rounds = int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
     x = np.full(1000, float(pg.rank), np.float32)
+    started = time.monotonic()
+    pg.barrier()
+    durations = [time.monotonic() - started]
     for _ in range(rounds):
         if pg.rank == slow:
             time.sleep(delay)
+        started = time.monotonic()
         pg.all_reduce(x)
+        durations.append(time.monotonic() - started)
     deadline = time.monotonic() + 10
     while True:
         stats = pg.straggler_stats()
-        if all(r.collectives >= rounds for r in stats.ranks) or time.monotonic() > deadline:
-            return stats.as_dict()
+        if all(r.collectives >= rounds + 1 for r in stats.ranks) or time.monotonic() > deadline:
+            return {**stats.as_dict(), "durations": durations}
         time.sleep(0.2)
 
 

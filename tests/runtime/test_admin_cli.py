@@ -9,6 +9,7 @@ import re
 import numpy as np
 
 from tests.integration.conftest import close_all, join_all
+from tests.integration.test_stragglers import FIELDS, as_rows, check_consistent
 
 from .conftest import clean_env, run_gradstar
 
@@ -86,10 +87,11 @@ async def test_stragglers_table_and_json_name_the_late_rank(start_coordinator):
 
         for _ in range(rounds):
             await asyncio.gather(*(step(g) for g in groups))
-        # A rank reads the same with its job token.
+        # A rank reads it with its job token: the whole view, and its slowest row alone.
+        full = await groups[0].straggler_stats()
         seen = await groups[0].straggler_stats(limit=1)
-        assert [r.rank for r in seen.ranks] == [1] and seen.ranks_total == 3
-        assert [r.rank for r in seen.stragglers] == [1]
+        assert seen.ranks_total == full.ranks_total == 3 and seen.ranks == full.ranks[:1]
+        assert seen.stragglers == tuple(r for r in full.ranks[:1] if r.flagged)
     finally:
         await close_all(groups)
 
@@ -98,33 +100,54 @@ async def test_stragglers_table_and_json_name_the_late_rank(start_coordinator):
                                         timeout=30)
     assert code == 0, err
     lines = out.splitlines()
-    assert lines[0] == "job late: 3 rank(s) measured; straggler(s): rank 1"
-    assert re.match(r"\s+RANK\s+HOST\s+MEDIAN LAG\s+P95 LAG\s+RECENT LAG\s+LAST\s+"
-                    r"OTHERS WAITED\s+COLLECTIVES", lines[1]), out
-    first = lines[2].split()
-    assert first[0] == "1" and first[-1] == "straggler" and "100%" in first, out
-    assert [line.split()[0] for line in lines[2:]] == ["1", "0", "2"] or \
-        [line.split()[0] for line in lines[2:]] == ["1", "2", "0"]
-    assert "straggler" not in "".join(lines[3:])
-
     code, out, err = await run_gradstar("admin", "stragglers", "--job", "late", "--json",
                                         *admin, timeout=30)
     assert code == 0, err
     data = json.loads(out)
     assert data["job"] == "late" and data["ranks_total"] == 3
-    slow, *others = data["ranks"]
-    assert (slow["rank"], slow["flagged"], slow["collectives"]) == (1, True, rounds)
-    assert late * 0.7 <= slow["median_lag_seconds"] <= late + 0.15
-    assert slow["last_share"] == 1.0 and slow["host"]
-    assert all(not r["flagged"] and r["median_lag_seconds"] < late / 2 for r in others)
-    assert set(slow) >= {"rank", "host", "median_lag_seconds", "p95_lag_seconds",
-                         "ewma_lag_seconds", "last_share", "waited_seconds"}
+    rows = data["ranks"]
+    assert set(rows[0]) == set(FIELDS)
+    # Each collective was measured as it matched, before the rank read the view: the rank and
+    # the admin command see the very same figures.
+    assert as_rows(rows) == as_rows(full.ranks)
+    # What the scenario makes of them, whatever the machine's load (see
+    # tests/integration/test_stragglers.py): consistent figures, flags as the rule says (rank 1
+    # alone in a quiet run), rank 1 first, each collective counted once, a lag of at least
+    # about the sleep, the others' below half its own (relative: load delays every rank), and
+    # last in most rounds (another rank is last only where it stalls longer than the sleep).
+    check_consistent(rows)
+    slow, *others = rows
+    assert (slow["rank"], sorted(r["rank"] for r in rows)) == (1, [0, 1, 2]) and slow["host"]
+    assert all(r["collectives"] == rounds for r in rows)
+    assert sum(r["last_arrivals"] for r in rows) == rounds
+    assert slow["median_lag_seconds"] >= late * 0.7
+    assert all(2 * r["median_lag_seconds"] <= slow["median_lag_seconds"] for r in others), rows
+    assert slow["last_arrivals"] > rounds / 2
+    # The table shows the same rows, in the same order, the flagged ones named in its head.
+    flagged = [r["rank"] for r in rows if r["flagged"]]
+    assert lines[0] == "job late: 3 rank(s) measured; " + (
+        f"straggler(s): {', '.join(f'rank {r}' for r in flagged)}" if flagged
+        else "no rank stands out")
+    assert re.match(r"\s+RANK\s+HOST\s+MEDIAN LAG\s+P95 LAG\s+RECENT LAG\s+LAST\s+"
+                    r"OTHERS WAITED\s+COLLECTIVES", lines[1]), out
+    assert len(lines) == 2 + len(rows), out
+    for line, r in zip(lines[2:], rows, strict=True):
+        assert line.split() == [
+            str(r["rank"]), r["host"] or "-", *_lag(r["median_lag_seconds"]),
+            *_lag(r["p95_lag_seconds"]), *_lag(r["ewma_lag_seconds"]),
+            f"{r['last_share'] * 100:.0f}%", *_lag(r["waited_seconds"]), str(r["collectives"]),
+            *(["straggler"] if r["flagged"] else [])], (line, r)
 
     code, _, err = await run_gradstar("admin", "stragglers", *admin, timeout=30)
     assert code == 2 and "--job" in err
     code, _, err = await run_gradstar("admin", "stragglers", "--job", "nope", *admin,
                                       timeout=30)
     assert code == 1 and "no job named 'nope'" in err
+
+
+def _lag(seconds: float) -> list[str]:
+    """How the table shows a lag, as words."""
+    return (f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s").split()
 
 
 async def test_health_and_drain(start_coordinator):

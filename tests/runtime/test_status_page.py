@@ -10,12 +10,14 @@ import json
 import shutil
 import socket
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.integration.conftest import close_all, communicate_or_kill, join_all, rank_env
+from tests.integration.test_stragglers import check_consistent
 from tests.unit.test_status_page import Cells
 
 from .conftest import GRADSTAR, Lines, clean_env, http_get, stop_process
@@ -100,11 +102,18 @@ async def test_the_page_shows_a_real_job_in_a_headless_browser(tmp_path):
         assert sorted(rows) == ["0", "1"]
         rank = {r: page.cells(data_ranks_of=JOB, data_rank=r) for r in rows}
         assert [rank[r]["state"][1] for r in "01"] == ["live", "live"]
-        # Rank 1 arrived LATE seconds after rank 0 at every all_reduce: the straggler.
-        assert float(rank["1"]["mean_lag_seconds"][0]) >= LATE / 2
-        assert float(rank["0"]["mean_lag_seconds"][0]) < LATE / 2
+        # Rank 1 arrived LATE seconds after rank 0 at every all_reduce: the straggler. Each
+        # collective counted once; rank 1's mean lag at least about the sleep (a lower bound),
+        # rank 0's at most half of it: relative (a loaded machine delays both ranks), with the
+        # margin of the page's own rule for "slowest", which so marks rank 1.
+        assert [rank[r]["collectives"][0] for r in "01"] == [str(ROUNDS)] * 2
+        means = {r: float(rank[r]["mean_lag_seconds"][0]) for r in "01"}
+        assert means["1"] >= LATE / 2 and 2 * means["0"] <= means["1"], means
         assert rows["1"].get("class") == "slowest" and rows["0"].get("class") is None
-        assert rank["1"]["last_arrivals"][0] == str(ROUNDS)
+        # Each all_reduce had one last rank: rank 1 in most (rank 0 only where it stalled
+        # longer than LATE).
+        lasts = {r: int(rank[r]["last_arrivals"][0]) for r in "01"}
+        assert sum(lasts.values()) == ROUNDS and lasts["1"] > ROUNDS / 2, lasts
         odd = page.cells(data_job=HOSTILE)
         assert odd["name"] == (None, HOSTILE) and odd["state"][1] == "running"
 
@@ -163,26 +172,50 @@ async def test_the_slowest_ranks_table_names_a_late_rank_behind_hub_shards(tmp_p
         outputs = [Lines(p.stdout) for p in ranks]
         for lines in outputs:
             await lines.wait_for(r"^ready$", 120)
-        await asyncio.sleep(1.5)  # the shards' next reports (every second)
+        # The shards report every second: wait (bounded) until the coordinator's view has
+        # every rank's every collective; from then on its figures no longer change.
+        deadline = time.monotonic() + 10
+        while True:
+            _, _, body = await http_get(int(page_port), "/status.json")
+            (mine,) = [j for j in json.loads(body)["jobs"] if j["name"] == job]
+            rows = mine["stragglers"]
+            complete = len(rows) == 3 and all(r["collectives"] == ROUNDS for r in rows)
+            if complete or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        # What the scenario makes of them, whatever the machine's load (see
+        # tests/integration/test_stragglers.py): consistent figures, flags as the rule says (rank
+        # 1 alone in a quiet run), rank 1 first, each collective counted once, a lag and a wait
+        # of at least about the sleep, last in most rounds (another rank is last only where it
+        # stalls longer than LATE), the others' lags below half its own (relative: load delays
+        # every rank).
+        check_consistent(rows)
+        assert sorted(r["rank"] for r in rows) == [0, 1, 2]
+        assert all(r["collectives"] == ROUNDS for r in rows), rows
+        assert sum(r["last_arrivals"] for r in rows) == ROUNDS, rows
+        slow, *others = rows
+        assert slow["rank"] == 1 and slow["host"] == socket.gethostname(), rows
+        assert slow["median_lag_seconds"] >= LATE * 0.7, slow
+        assert slow["waited_seconds"] >= LATE * 0.7 * ROUNDS, slow
+        assert slow["last_arrivals"] > ROUNDS / 2, slow
+        assert all(2 * r["median_lag_seconds"] <= slow["median_lag_seconds"] for r in others)
 
         page = await browse(browser, f"http://127.0.0.1:{page_port}/", tmp_path / "profile")
         assert refreshes(page) >= 1  # the table is part of what refreshes
         assert page.find("table", data_stragglers_of=job)
-        order = [a["data-straggler"] for a, _ in page.find("tr", in_data_stragglers_of=job)
-                 if "data-straggler" in a]
-        assert order[0] == "1" and sorted(order) == ["0", "1", "2"]
-        slow = page.cells(data_stragglers_of=job, data_straggler="1")
-        assert slow["host"][1] == socket.gethostname()
-        assert LATE * 0.7 <= float(slow["median_lag_seconds"][0]) <= LATE + 0.15
-        assert slow["last_share"][1] == "100%" and slow["collectives"][0] == str(ROUNDS)
-        assert LATE * 0.7 * ROUNDS <= float(slow["waited_seconds"][0]) <= (LATE + 0.15) * ROUNDS
-        assert slow["flag"][1] == "straggler"
-        for r in "02":
-            other = page.cells(data_stragglers_of=job, data_straggler=r)
-            assert other["flag"][1] == "" and float(other["median_lag_seconds"][0]) < LATE / 2
-        flagged = [a for a, _ in page.find("tr", in_data_stragglers_of=job)
-                   if a.get("class") == "slowest"]
-        assert [a["data-straggler"] for a in flagged] == ["1"]
+        # The table shows those rows, in that order, with the same figures and flags.
+        shown = [a for a, _ in page.find("tr", in_data_stragglers_of=job) if "data-straggler" in a]
+        assert [a["data-straggler"] for a in shown] == [str(r["rank"]) for r in rows]
+        for a, r in zip(shown, rows, strict=True):
+            cells = page.cells(data_stragglers_of=job, data_straggler=str(r["rank"]))
+            assert cells["host"][1] == r["host"]
+            for field in ("median_lag_seconds", "p95_lag_seconds", "last_share",
+                          "waited_seconds"):
+                assert cells[field][0] == f"{r[field]:.6g}", (field, cells, r)
+            assert cells["last_share"][1] == f"{r['last_share'] * 100:.0f}%"
+            assert cells["collectives"][0] == str(r["collectives"])
+            assert cells["flag"][1] == ("straggler" if r["flagged"] else "")
+            assert a.get("class") == ("slowest" if r["flagged"] else None)
         assert any("2 hub shards" in text for _, text in page.find("p"))
         for p in ranks:
             p.stdin.write(b"done\n")
