@@ -13,6 +13,7 @@ from .certs import make_pki
 from .conftest import finish, spawn_ranks
 from .test_multiprocess import (
     HEARTBEAT,
+    SOON,
     last_json,
     ranks_named_a_lost_coordinator,
     survivors_of_a_lost_rank,
@@ -72,4 +73,4 @@ async def test_a_lost_coordinator_gives_small_collectives_a_named_error_quickly(
     """Killed: the stream breaks and the session names the hub. Frozen: nothing breaks; the
     session notices the silence on its control connection and the lane's watch ends the
     collectives in flight with that error."""
-    await ranks_named_a_lost_coordinator(how, TINY, within=HEARTBEAT / 2)
+    await ranks_named_a_lost_coordinator(how, TINY, within=SOON)

@@ -20,6 +20,8 @@ from gradstar.sync_modes import Asynchronous, Quorum
 from gradstar.transport.status import error_from_rpc
 from gradstar.wire.formats import FORMATS, roundtrip
 
+from .conftest import until
+
 QUORUM = Quorum(min_ranks=2, timeout=30.0)
 T = 10.0  # every call's deadline
 
@@ -193,15 +195,15 @@ async def test_a_contribution_answer_brings_the_aggregates_the_rank_lacks(coordi
     # on the hub's own loop (the coordinator runs in this process), it began between the last
     # look that missed it and the first that saw it.
     loop = asyncio.get_running_loop()
-    missed = loop.time()
-    async with asyncio.timeout(T):
-        while True:
-            looked = loop.time()
-            ledger = coordinator.steps.ledgers.get(("j", "quorum"))
-            if ledger is not None and 0 in ledger.open.contributions:
-                break
-            missed = looked
-            await asyncio.sleep(0.01)
+    looks = [loop.time()]
+
+    def holds_it() -> bool:
+        looks.append(loop.time())
+        ledger = coordinator.steps.ledgers.get(("j", "quorum"))
+        return ledger is not None and 0 in ledger.open.contributions
+
+    await until(holds_it, "the hub holds q0's gradient", T)
+    missed = looks[-2]
     await asyncio.sleep(0.3)
     assert not waiting.done()  # its step is open until q1's gradient arrives
     await q1.contribute(slow, 0, 0, 2.0, g(4, 8), T)

@@ -94,19 +94,33 @@ def check_consistent(rows: list[dict]) -> None:
         assert 0 <= r["waited_seconds"] <= r["mean_lag_seconds"] * n + EPS, r
 
 
+
+def check_slow_first(rows: list[dict], slow: list[int], world: int, min_lag: float) -> None:
+    """One view's ``rows`` (slowest first) show the ranks ``slow``, which slept before every
+    collective: figures consistent and flags as the rule says (:func:`check_consistent`), every
+    rank of ``world`` once, ``slow`` first with a median lag of at least ``min_lag`` (a lower
+    bound: a sleep cannot make them arrive sooner), and every other rank's median at most half
+    the least of theirs (relative, as load delays every rank; the flagging rule's margin; a
+    median, as one stall of a fast rank must not decide it)."""
+    check_consistent(rows)
+    assert sorted(r["rank"] for r in rows) == list(range(world)), rows
+    first = rows[:len(slow)]
+    assert sorted(r["rank"] for r in first) == sorted(slow), rows
+    least = min(r["median_lag_seconds"] for r in first)
+    assert least >= min_lag, rows
+    assert all(2 * r["median_lag_seconds"] <= least for r in rows[len(slow):]), rows
+
 def check_ranks(rows: list[dict], durations: dict[int, list[float]]) -> None:
     """``rows`` (one view's, slowest first) show the scenario: SLOW first with its delay as lag,
     each collective counted once. ``durations``: per rank, how long each of its COLLECTIVES
     took it (call to return, on its own clock)."""
-    check_consistent(rows)
-    assert sorted(r["rank"] for r in rows) == list(range(WORLD))
+    # A rank that sleeps DELAY after the previous END reaches the next collective about DELAY
+    # after the others (less only where the others stall too: hence 0.7).
+    check_slow_first(rows, [SLOW], WORLD, 0.7 * DELAY)
     assert all(r["collectives"] == COLLECTIVES for r in rows), rows  # each collective once
     assert sum(r["last_arrivals"] for r in rows) == COLLECTIVES, rows  # one last rank in each
     slow, others = rows[0], rows[1:]
-    assert slow["rank"] == SLOW and slow["host"] == socket.gethostname(), rows
-    # Lower bounds: a rank that sleeps DELAY after the previous END reaches the next collective
-    # about DELAY after the others (less only where the others stall too: hence 0.7).
-    assert slow["median_lag_seconds"] >= 0.7 * DELAY, slow
+    assert slow["host"] == socket.gethostname(), rows
     assert slow["waited_seconds"] >= 0.7 * DELAY * ROUNDS, slow
     # Its weighted mean: the warm-up barrier's lag (about 0: nobody sleeps before it) keeps the
     # weight (1 - EWMA_WEIGHT) ** ROUNDS, the rounds' lags (each at least about DELAY) the rest.
@@ -123,11 +137,6 @@ def check_ranks(rows: list[dict], durations: dict[int, list[float]]) -> None:
                  for k in range(COLLECTIVES)]
         assert r["max_lag_seconds"] <= max(bound) + EPS, (r, bound)
         assert r["mean_lag_seconds"] * COLLECTIVES <= sum(bound) + EPS, (r, bound)
-    # The fast ranks: relative bounds (a loaded machine delays every rank), with the flagging
-    # rule's margin: at most half the late rank's median lag. A median, as one stall of a fast
-    # rank must not decide it.
-    for other in others:
-        assert 2 * other["median_lag_seconds"] <= slow["median_lag_seconds"], rows
     # The others together were waited for less than the late rank, but for the warm-up barrier
     # (its wait, at most its longest call, may be charged to any rank: start-up).
     barrier = max(d[0] for d in durations.values())

@@ -9,7 +9,7 @@ import re
 import numpy as np
 
 from tests.integration.conftest import close_all, join_all
-from tests.integration.test_stragglers import FIELDS, as_rows, check_consistent
+from tests.integration.test_stragglers import FIELDS, as_rows, check_slow_first
 
 from .conftest import clean_env, run_gradstar
 
@@ -115,13 +115,11 @@ async def test_stragglers_table_and_json_name_the_late_rank(start_coordinator):
     # alone in a quiet run), rank 1 first, each collective counted once, a lag of at least
     # about the sleep, the others' below half its own (relative: load delays every rank), and
     # last in most rounds (another rank is last only where it stalls longer than the sleep).
-    check_consistent(rows)
-    slow, *others = rows
-    assert (slow["rank"], sorted(r["rank"] for r in rows)) == (1, [0, 1, 2]) and slow["host"]
+    check_slow_first(rows, [1], 3, late * 0.7)
+    slow = rows[0]
+    assert slow["host"]
     assert all(r["collectives"] == rounds for r in rows)
     assert sum(r["last_arrivals"] for r in rows) == rounds
-    assert slow["median_lag_seconds"] >= late * 0.7
-    assert all(2 * r["median_lag_seconds"] <= slow["median_lag_seconds"] for r in others), rows
     assert slow["last_arrivals"] > rounds / 2
     # The table shows the same rows, in the same order, the flagged ones named in its head.
     flagged = [r["rank"] for r in rows if r["flagged"]]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.integration.conftest import close_all, communicate_or_kill, join_all, rank_env
-from tests.integration.test_stragglers import check_consistent
+from tests.integration.test_stragglers import check_slow_first
 from tests.unit.test_status_page import Cells
 
 from .conftest import GRADSTAR, Lines, clean_env, http_get, stop_process
@@ -189,16 +189,13 @@ async def test_the_slowest_ranks_table_names_a_late_rank_behind_hub_shards(tmp_p
         # of at least about the sleep, last in most rounds (another rank is last only where it
         # stalls longer than LATE), the others' lags below half its own (relative: load delays
         # every rank).
-        check_consistent(rows)
-        assert sorted(r["rank"] for r in rows) == [0, 1, 2]
+        check_slow_first(rows, [1], 3, LATE * 0.7)
         assert all(r["collectives"] == ROUNDS for r in rows), rows
         assert sum(r["last_arrivals"] for r in rows) == ROUNDS, rows
-        slow, *others = rows
-        assert slow["rank"] == 1 and slow["host"] == socket.gethostname(), rows
-        assert slow["median_lag_seconds"] >= LATE * 0.7, slow
+        slow = rows[0]
+        assert slow["host"] == socket.gethostname(), rows
         assert slow["waited_seconds"] >= LATE * 0.7 * ROUNDS, slow
         assert slow["last_arrivals"] > ROUNDS / 2, slow
-        assert all(2 * r["median_lag_seconds"] <= slow["median_lag_seconds"] for r in others)
 
         page = await browse(browser, f"http://127.0.0.1:{page_port}/", tmp_path / "profile")
         assert refreshes(page) >= 1  # the table is part of what refreshes
