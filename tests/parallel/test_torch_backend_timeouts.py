@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 from datetime import timedelta
 
@@ -54,7 +55,14 @@ async def run_probe(scenario: str, world: int, timeout: float, *extra: str,
         await hub.stop(grace=0)
     reports = []
     for rank, (code, out, err) in enumerate(results):
-        assert code == 0, f"rank {rank} exited with {code}:\n{out[-2000:]}\n{err[-3000:]}"
+        # The gloo reference is torch's own: once in CI its rank 0 aborted after its report was
+        # out, in destroy_process_group ("terminate called without an active exception", no
+        # gradstar process involved). What it reported still stands as the reference; a
+        # gradstar rank must exit cleanly.
+        torn_down = (gloo_init is not None and code == -signal.SIGABRT
+                     and "terminate called" in err and out.rstrip().endswith("}"))
+        assert code == 0 or torn_down, (
+            f"rank {rank} exited with {code}:\n{out[-2000:]}\n{err[-3000:]}")
         reports.append(json.loads(out.strip().splitlines()[-1]))
     return reports
 
