@@ -20,11 +20,13 @@ in two mixins, :mod:`.collectives` (what goes through the hub) and :mod:`.point_
 * **dtypes.** See :mod:`gradstar.client.torch_backend.convert`: every dtype moves, most reduce.
 * **Devices.** Tensors on the CPU or a CUDA device, as with gloo; others (mps, xpu, meta, ...)
   are refused with a :class:`~gradstar.errors.ConfigurationError` naming the device. A CUDA
-  collective first waits, in the caller's thread, for what the caller queued on its current
-  streams (the tensors' producers), then copies its inputs to host memory there (gradstar's
-  SDK does, see :mod:`gradstar.client.device`); its results are written on the device by the
-  thread that settles the Work and are complete for every stream by the time ``wait()`` returns
-  or the Work's future completes (see :mod:`.work`).
+  collective copies its inputs to host memory in the caller's thread, after what the caller
+  queued on its current streams (the tensors' producers; gradstar's SDK does, see
+  :mod:`gradstar.client.device`); its results are written on the device by the thread that
+  settles the Work and are complete for every stream by the time ``wait()`` returns or the
+  Work's future completes (see :mod:`.work`). A waited one (``async_op=False``) does all of it
+  on the caller's thread and its current streams; one that a completion thread settles first
+  waits, in the caller's thread, for what the caller queued on its current streams.
 * **Bitwise ops.** The hub reduces SUM, AVG, MIN, MAX and PRODUCT; BAND, BOR and BXOR run as an
   all_gather that every rank reduces itself (exact, and cheap for the small tensors they suit).
 * **Errors.** An invalid argument (unsupported reduce op or dtype, wrong sizes) raises at once,
@@ -138,15 +140,18 @@ class ProcessGroupGradstar(Collectives, PointToPoint, dist.ProcessGroup):
         """Start gradstar collectives (in order, here) and wrap them in one Work.
 
         ``waited``: the caller waits for the Work at once (torch's ``async_op=False``,
-        :func:`.convert.caller_waits`). One collective on CPU tensors (a :class:`Call`) then
-        runs to its end here and the Work comes back settled (:meth:`~gradstar.client.
-        process_group.ProcessGroup.settled`): a small one on this thread over gradstar's direct
-        lane, and no completion thread either way -- the same collective, checks and errors.
+        :func:`.convert.caller_waits`). One collective (a :class:`Call`) then runs to its end
+        here and the Work comes back settled (:meth:`~gradstar.client.process_group.
+        ProcessGroup.settled`): a small one on this thread over gradstar's direct lane, and no
+        completion thread either way -- the same collective, checks and errors. On CUDA
+        tensors its copies run on this thread's current streams, in order after what the
+        caller queued there.
 
         ``tensors`` (nested lists allowed) are every tensor the collectives read or write. On a
-        CUDA device, what the caller queued on its current stream is finished before anything
-        starts: results are written on another thread's stream, which would not wait for it
-        (an input's copy to the host waits for it too, but not every output is an input).
+        CUDA device, a Work that completes on a completion thread first finishes what the
+        caller queued on its current stream: results are written on that thread's stream,
+        which would not wait for it (an input's copy to the host waits for it too, but not
+        every output is an input).
 
         Raises:
             ConfigurationError: a tensor on a device other than the CPU or CUDA, named.
@@ -157,10 +162,11 @@ class ProcessGroupGradstar(Collectives, PointToPoint, dist.ProcessGroup):
         for t in every:
             check_device(t)
         devices = cuda_devices(every)
-        for device in devices:
-            synchronize(device)
-        here = (waited and not devices and len(starts) == 1 and isinstance(starts[0], Call)
+        here = (waited and len(starts) == 1 and isinstance(starts[0], Call)
                 and work_type is GradstarWork)
+        if not here:
+            for device in devices:
+                synchronize(device)
         try:
             pending = [starts[0].settled()] if here else [start() for start in starts]
         except ValueError:

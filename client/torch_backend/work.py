@@ -172,12 +172,14 @@ class GradstarWork(dist._Work):
     their results (in order), writes them into torch's output tensors and returns the value of
     the torch future (the output tensors, as torch's own backends return). ``devices`` are the
     CUDA devices of the tensors the collective reads and writes (see the module docstring);
-    the caller has synchronized their current streams before starting the collectives.
+    unless ``here``, the caller has synchronized their current streams before starting the
+    collectives.
 
     ``here``: the collectives have ended already (the caller waits at once and ran them to
     their end, :meth:`gradstar.client.process_group.ProcessGroup.settled`), so the results are
     written and the future completed on this thread, now, rather than on a completion thread
-    that this thread would wait for; CPU tensors only (no ``devices``).
+    that this thread would wait for. On CUDA tensors the writes then run on the caller's own
+    current streams, after everything it queued there, and are synchronized as above.
     """
 
     def __init__(self, pending: Sequence, finish: Callable[[list], object],

@@ -41,6 +41,7 @@ BATCH = 16  # per step, over all ranks
 STEPS = 5
 TINY_BUCKET_MB = 2000 / (1 << 20)  # a few KB: DDP splits the MLP into several buckets
 LARGE = 1 << 20  # elements of the tensors that race a busy stream (4 MB: many wire chunks)
+SMALL = 6  # ... and of the small ones (one message each way: the direct lane)
 BUSY_CYCLES = 50_000_000  # torch.cuda._sleep: keeps a stream busy for tens of milliseconds
 BITWISE = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}
 
@@ -225,12 +226,15 @@ def streams(rank: int, world: int, device: torch.device) -> dict:
     future's value read on a side stream is ready there."""
     checks = Checks()
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
-    with on_stream(side):
-        busy(device)
-        t = torch.full((LARGE,), float(rank + 1), device=device)
-        dist.all_reduce(t)
-    checks.add("input_behind_busy_stream", extremes(t),
-               torch.tensor([float(sum(range(1, world + 1)))] * 2))
+    # Both sizes: a small waited collective runs on the caller's thread over the direct lane,
+    # a large one on the group's loop (both settle on the caller's thread, on its streams).
+    for size, name in ((LARGE, ""), (SMALL, "small_")):
+        with on_stream(side):
+            busy(device)
+            t = torch.full((size,), float(rank + 1), device=device)
+            dist.all_reduce(t)
+        checks.add(f"{name}input_behind_busy_stream", extremes(t),
+                   torch.tensor([float(sum(range(1, world + 1)))] * 2))
 
     with on_stream(side):
         got = torch.empty(LARGE, device=device)
@@ -243,14 +247,15 @@ def streams(rank: int, world: int, device: torch.device) -> dict:
     if rank == 1:
         checks.add("recv_behind_busy_stream", extremes(got), torch.tensor([7.0, 7.0]))
 
-    with on_stream(side):
-        out = torch.empty(world * LARGE, device=device)
-        busy(device)
-        out.fill_(-1.0)
-        dist.all_gather_into_tensor(out, torch.full((LARGE,), float(rank), device=device))
-    checks.add("output_behind_busy_stream", torch.stack([extremes(part) for part in
-                                                         out.chunk(world)]),
-               torch.tensor([[float(r)] * 2 for r in range(world)]))
+    for size, name in ((LARGE, ""), (SMALL, "small_")):
+        with on_stream(side):
+            out = torch.empty(world * size, device=device)
+            busy(device)
+            out.fill_(-1.0)  # queued before the call: must not land after the results
+            dist.all_gather_into_tensor(out, torch.full((size,), float(rank), device=device))
+        checks.add(f"{name}output_behind_busy_stream",
+                   torch.stack([extremes(part) for part in out.chunk(world)]),
+                   torch.tensor([[float(r)] * 2 for r in range(world)]))
 
     t = torch.full((LARGE,), float(rank + 1), device=device)
     future = dist.all_reduce(t, async_op=True).get_future()

@@ -34,7 +34,9 @@ def _completion_threads(prefix: str) -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith(prefix)]
 
 
-def rank_body(address: str, rank: int, job: str, finished: threading.Event) -> dict:
+def rank_body(address: str, rank: int, job: str, finished: threading.Event,
+              device: str = "cpu") -> dict:
+    """One rank's calls on tensors on ``device`` (tests/cuda runs it on ``"cuda"``)."""
     prefix = f"waited-test-{job}-{rank}"
     completions = CompletionThreads(name=prefix)
     group = gradstar.init_process_group(coordinator=address, job=job, world_size=2, rank=rank,
@@ -43,31 +45,34 @@ def rank_body(address: str, rank: int, job: str, finished: threading.Event) -> d
     report: dict = {}
     try:
         for name, n in (("tiny", TINY), ("large", LARGE)):
-            t = torch.full((n,), float(rank + 1))
+            t = torch.full((n,), float(rank + 1), device=device)
             work = pg.allreduce([t], _opts(dist.AllreduceOptions, waited=True))
             report[name] = {"settled_at_return": work.is_completed(),
-                            "exact": bool((t == 3.0).all()), "wait": work.wait()}
+                            "exact": bool((t == 3.0).all()), "wait": work.wait(),
+                            "device": t.device.type}
         work = pg.barrier(_opts(dist.BarrierOptions, waited=True))
         report["barrier"] = work.is_completed() and work.wait()
-        gathered = torch.zeros(2 * TINY)
-        work = pg._allgather_base(gathered, torch.full((TINY,), float(rank)),
+        gathered = torch.zeros(2 * TINY, device=device)
+        work = pg._allgather_base(gathered,
+                                  torch.full((TINY,), float(rank), device=device),
                                   _opts(c10d.AllgatherOptions, waited=True))
         report["all_gather"] = (work.is_completed(), gathered[TINY - 1:TINY + 1].tolist())
-        shard = torch.zeros(TINY)
-        work = pg._reduce_scatter_base(shard, torch.arange(2.0 * TINY),
+        shard = torch.zeros(TINY, device=device)
+        work = pg._reduce_scatter_base(shard, torch.arange(2.0 * TINY, device=device),
                                        _opts(c10d.ReduceScatterOptions, waited=True))
         report["reduce_scatter"] = (work.is_completed(), shard[:1].tolist())
         report["threads_after_waited"] = _completion_threads(prefix)
         # Ranks disagree on the shape: the Work fails with the hub's error, labelled.
-        bad = pg.allreduce([torch.ones(4 + rank)], _opts(dist.AllreduceOptions, waited=True))
+        bad = pg.allreduce([torch.ones(4 + rank, device=device)],
+                           _opts(dist.AllreduceOptions, waited=True))
         try:
             bad.wait()
         except CollectiveMismatchError as error:
             report["mismatch"] = (bad.is_completed(), str(error))
-        t = torch.full((TINY,), float(rank + 1))
+        t = torch.full((TINY,), float(rank + 1), device=device)
         pg.allreduce([t], _opts(dist.AllreduceOptions, waited=True)).wait()
         report["after"] = t[:2].tolist()
-        t = torch.full((TINY,), float(rank + 1))
+        t = torch.full((TINY,), float(rank + 1), device=device)
         pg.allreduce([t], _opts(dist.AllreduceOptions, waited=False)).get_future().wait()
         report["async"] = (t[:2].tolist(), len(_completion_threads(prefix)) > 0)
         if rank == 1:
@@ -75,7 +80,8 @@ def rank_body(address: str, rank: int, job: str, finished: threading.Event) -> d
             finished.set()
         else:
             assert finished.wait(30)
-            lost = pg.allreduce([torch.ones(TINY)], _opts(dist.AllreduceOptions, waited=True))
+            lost = pg.allreduce([torch.ones(TINY, device=device)],
+                                _opts(dist.AllreduceOptions, waited=True))
             try:
                 lost.wait()
             except RankFinishedError as error:
@@ -86,15 +92,19 @@ def rank_body(address: str, rank: int, job: str, finished: threading.Event) -> d
     return report
 
 
-async def test_a_waited_collective_is_settled_on_the_callers_thread(start_coordinator):
-    coordinator = await start_coordinator()
+async def run_ranks(address: str, device: str = "cpu") -> list[dict]:
+    """Both ranks' reports of :func:`rank_body` (on threads of this process)."""
     finished = threading.Event()
-    reports = await asyncio.wait_for(asyncio.gather(*(
-        asyncio.to_thread(rank_body, coordinator.address, rank, "waited", finished)
+    return await asyncio.wait_for(asyncio.gather(*(
+        asyncio.to_thread(rank_body, address, rank, "waited", finished, device)
         for rank in (0, 1))), 90)
+
+
+def check_reports(reports: list[dict], device: str = "cpu") -> None:
     for rank, report in enumerate(reports):
         for name in ("tiny", "large"):
-            assert report[name] == {"settled_at_return": True, "exact": True, "wait": True}
+            assert report[name] == {"settled_at_return": True, "exact": True, "wait": True,
+                                    "device": device}
         assert report["barrier"] is True
         assert report["all_gather"] == (True, [0.0, 1.0])
         assert report["reduce_scatter"] == (True, [2.0 * TINY * rank])  # 2 x arange, shard r
@@ -106,3 +116,8 @@ async def test_a_waited_collective_is_settled_on_the_callers_thread(start_coordi
         assert report["async"] == ([3.0, 3.0], True)
     message = reports[0]["finished"]
     assert message.startswith("[Rank 0] rank 1 of job 'waited' finished"), message
+
+
+async def test_a_waited_collective_is_settled_on_the_callers_thread(start_coordinator):
+    coordinator = await start_coordinator()
+    check_reports(await run_ranks(coordinator.address))
