@@ -203,7 +203,7 @@ def to_device(host, device, *, stream=None):
         with torch.cuda.stream(stream):
             return _copied_to(host, device)
     # Already this thread's current stream (the blocking caller's own thread): no switch, which
-    # costs more than a tiny tensor's copy (13 us against 13 us on an H100 host,
+    # costs as much as a tiny tensor's copy (9-13 us each on an H100 host,
     # benchmarks/staging_cost.py).
     return _copied_to(host, device)
 
