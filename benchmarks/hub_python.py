@@ -1,0 +1,148 @@
+"""The hub's Python per tiny collective, without sockets (issue 36).
+
+What is measured
+    The coordinator's collective servicer (``CollectiveServicer.Stream``: frames, checks,
+    matching, the reduction, the straggler bookkeeping, the budget, the answers) driven by two
+    ranks' messages on one event loop, no gRPC and no sockets: each rank's stream yields,
+    collective after collective, exactly the one message gradstar's direct lane sends for a
+    ``--numel``-element float32 all_reduce (:func:`gradstar.client.collective.outgoing.
+    in_one_message`), the next one only after that rank's answer came out. Prints microseconds
+    per collective (the mean over ``--collectives``, after 1 untimed) for ``--repeats`` runs.
+    The small fake ranks (a queue each) are included; they cost a few microseconds.
+
+    What a tiny collective costs the running hub beyond this is gRPC's (its Cython, the two
+    ``sendmsg``, the hand-offs to the event loop): ``benchmarks/call_floor.py`` measures that
+    floor, ``benchmarks/allreduce.py`` the whole.
+
+How to reproduce
+    .venv/bin/python benchmarks/hub_python.py                       # 5000 collectives x 3
+    .venv/bin/python benchmarks/hub_python.py --profile /tmp/hub.prof   # cProfile of one run
+
+Not asserted: any timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from gradstar import ops
+from gradstar.client.collective.outgoing import in_one_message
+from gradstar.client.collective.plan import CollectivePlan
+from gradstar.config import CoordinatorSettings
+from gradstar.coordinator.collective import CollectiveEngine
+from gradstar.coordinator.collective.budget import CollectiveBudget
+from gradstar.coordinator.collective.servicer import CollectiveServicer
+from gradstar.coordinator.metrics import CollectiveMetrics
+from gradstar.coordinator.rendezvous import Rendezvous
+from gradstar.proto.v1 import collective_pb2 as pb
+
+WORLD = 2
+
+
+class _Context:
+    """What the servicer asks of a gRPC context on a collective that succeeds: nothing."""
+
+    async def abort(self, code, details):
+        raise RuntimeError(f"the hub aborted a stream: {code} {details}")
+
+
+def _engine() -> CollectiveEngine:
+    """An engine with the coordinator's default limits and budget, as ``gradstar coordinator``
+    builds it."""
+    s = CoordinatorSettings()
+    engine = CollectiveEngine(
+        Rendezvous(60), max_tensor_bytes=s.max_tensor_bytes, max_chunk_bytes=s.max_chunk_bytes,
+        max_timeout=s.max_collective_timeout, metrics=CollectiveMetrics(),
+        budget=CollectiveBudget(s.max_collective_state_bytes, s.max_pending_per_member,
+                                s.max_pending_per_job, s.collective_state_job_share))
+    engine.metrics.arrivals.enabled = s.measure_arrivals
+    return engine
+
+
+async def run(collectives: int, numel: int, profile: str | None) -> float:
+    """Seconds per collective of ``collectives`` all_reduces after one untimed."""
+    engine = _engine()
+    members = await asyncio.gather(*(engine.rendezvous.join("bench", WORLD, r, f"10.0.0.{r}:1",
+                                                           timeout=10) for r in range(WORLD)))
+    servicer = CollectiveServicer(engine, shared_memory=False)
+    inputs = [np.full(numel, r + 1.0, dtype=np.float32) for r in range(WORLD)]
+
+    def message(member, seq: int) -> bytes:
+        h = pb.CollectiveHeader(job="bench", generation=member.generation.number,
+                                group="default", seq=seq, rank=member.rank,
+                                member_id=member.member_id, op=pb.COLLECTIVE_OP_ALL_REDUCE,
+                                reduce_op=pb.REDUCE_OP_SUM, dtype=pb.DTYPE_FLOAT32,
+                                shape=[numel], chunk_bytes=1 << 18, timeout_seconds=60.0)
+        call = ops.CollectiveCall.of(h, WORLD)
+        plan = CollectivePlan.for_call(call, inputs[member.rank], np.empty_like(inputs[0]))
+        return in_one_message(h, plan, call.geometry.sends, None)
+
+    total = collectives + 1
+    messages = [[message(m, seq) for seq in range(1, total + 1)] for m in members]
+    answers = [asyncio.Queue() for _ in range(WORLD)]
+    turns = [asyncio.Queue() for _ in range(WORLD)]
+
+    async def requests(r: int):
+        for k in range(total):
+            if k:
+                await turns[r].get()
+            yield messages[r][k]
+
+    async def serve(r: int) -> None:
+        async for answer in servicer.Stream(requests(r), _Context()):
+            answers[r].put_nowait(answer)
+
+    async def rank(r: int, first: asyncio.Future) -> None:
+        for k in range(total):
+            await answers[r].get()
+            if k == 0:
+                first.set_result(None)
+            turns[r].put_nowait(None)
+
+    loop = asyncio.get_running_loop()
+    servers = [asyncio.create_task(serve(r)) for r in range(WORLD)]
+    firsts = [loop.create_future() for _ in range(WORLD)]
+    ranks = [asyncio.create_task(rank(r, firsts[r])) for r in range(WORLD)]
+    await asyncio.gather(*firsts)
+    profiler = None
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    began = time.perf_counter()
+    await asyncio.wait_for(asyncio.gather(*ranks), 600)
+    took = time.perf_counter() - began
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(profile)
+    await asyncio.wait_for(asyncio.gather(*servers), 10)  # each stream ended: the hub's END
+    return took / collectives
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--collectives", type=int, default=5000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--numel", type=int, default=25, help="float32 elements (default 25)")
+    parser.add_argument("--profile", help="write one run's cProfile stats here")
+    args = parser.parse_args()
+    times = []
+    for i in range(args.repeats):
+        t = asyncio.run(run(args.collectives, args.numel, args.profile if i == 0 else None))
+        times.append(t)
+        print(f"run {i + 1}: {t * 1e6:.1f} us per collective", flush=True)
+    print(f"median {statistics.median(times) * 1e6:.1f} us per collective of {args.numel} "
+          f"float32, {WORLD} ranks, {args.collectives} collectives per run"
+          + (" (run 1 under cProfile)" if args.profile else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
