@@ -11,9 +11,11 @@ torch's gloo backend does for CUDA tensors.
   (a Work or awaitable in hand), as with torch's backends.
 * **Results.** The copy back runs in the thread that completes the call and is waited for before
   the result is handed over, so the result is ready on every stream (no event to wait on, no
-  ``record_stream`` needed for the copy itself). A new result tensor is allocated on that
-  thread's current stream, the default stream: use it on another stream as any tensor made on
-  the default stream (``Tensor.record_stream`` before freeing it there).
+  ``record_stream`` needed for the copy itself). A new result tensor is allocated, and the copy
+  runs, on the stream that was the caller's current one when the call was made
+  (:func:`caller_stream`, :func:`to_device`), whichever thread completes the call: use it on
+  another stream as any tensor made on that stream (``Tensor.record_stream`` before freeing it
+  there).
 * **Host buffers.** Page-locked (pinned) memory copies at the bus's full speed and without a
   bounce through the driver's staging area. torch's caching host allocator reuses pinned blocks
   once their tensors are freed; gradstar bounds how much of it its own staging holds at once

@@ -24,9 +24,12 @@ in two mixins, :mod:`.collectives` (what goes through the hub) and :mod:`.point_
   queued on its current streams (the tensors' producers; gradstar's SDK does, see
   :mod:`gradstar.client.device`); its results are written on the device by the thread that
   settles the Work and are complete for every stream by the time ``wait()`` returns or the
-  Work's future completes (see :mod:`.work`). A waited one (``async_op=False``) does all of it
-  on the caller's thread and its current streams; one that a completion thread settles first
-  waits, in the caller's thread, for what the caller queued on its current streams.
+  Work's future completes (see :mod:`.work`). A waited one (``async_op=False``) is settled on
+  the caller's thread, its copies on the caller's current streams (over the direct lane all of
+  it runs on the caller's thread; a larger one runs on the group's loop and its result is
+  copied to the device on a worker thread, on the stream taken from the caller); one that a
+  completion thread settles first waits, in the caller's thread, for what the caller queued on
+  its current streams.
 * **Bitwise ops.** The hub reduces SUM, AVG, MIN, MAX and PRODUCT; BAND, BOR and BXOR run as an
   all_gather that every rank reduces itself (exact, and cheap for the small tensors they suit).
 * **Errors.** An invalid argument (unsupported reduce op or dtype, wrong sizes) raises at once,
@@ -144,7 +147,8 @@ class ProcessGroupGradstar(Collectives, PointToPoint, dist.ProcessGroup):
         here and the Work comes back settled (:meth:`~gradstar.client.process_group.
         ProcessGroup.settled`): a small one on this thread over gradstar's direct lane, and no
         completion thread either way -- the same collective, checks and errors. On CUDA
-        tensors its copies run on this thread's current streams, in order after what the
+        tensors its copies run on this thread's current streams (a large one's result copy on
+        a worker thread, on the stream taken from this thread), in order after what the
         caller queued there.
 
         ``tensors`` (nested lists allowed) are every tensor the collectives read or write. On a

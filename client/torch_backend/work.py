@@ -31,9 +31,10 @@ holds to torch's rules for them, as NCCL's and gloo's Works do:
 * Results are written into torch's tensors by whichever thread settles the Work, on its
   current streams, which are then **synchronized** before the Work counts as settled: when
   ``wait()`` returns and when the future completes, the results are there for every stream.
-* The future completes with the Work's first device current on the completion thread, so the
-  callbacks torch runs under that device do not open a CUDA context on device 0 in a process
-  that uses another device.
+* The future completes with the Work's first device current on the thread that settles it (a
+  completion thread, or the caller's for a Work settled ``here``), so the callbacks torch runs
+  under that device do not open a CUDA context on device 0 in a process that uses another
+  device.
 
 A Work may also carry the collective's profiler event (see :mod:`.profiling`): it ends on a
 completion thread when the collective ends, before ``wait()`` returns and before the future
