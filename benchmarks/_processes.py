@@ -170,6 +170,23 @@ def cpu_seconds_of(pid: int) -> float | None:
     return None if fields is None else _cpu_of(fields)
 
 
+def threads_cpu(pid: int | str = "self") -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of process ``pid`` (default: this one) so
+    far, from /proc, summed by name with digits dropped: the OS's thread name (gRPC's
+    ``event_engine``, the main thread's program name), or in this process Python's."""
+    python = ({t.native_id: t.name for t in threading.enumerate()} if pid == "self" else {})
+    out: dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = re.sub(r"\d+", "_", python.get(int(tid)) or comm)
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    return out
+
+
 # -- coordinator subprocess --------------------------------------------------------------------
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _collective_runs import COLLECTIVE_TIMEOUT, hub_cpu, run_sampled, summarize
-from _processes import free_port, loadavg
+from _processes import free_port, loadavg, threads_cpu
 from _ranks import run_ranks
 from _report import MiB, environment, fmt, format_table, git_commit, median, write_json
 
@@ -52,29 +52,6 @@ CONFIGS = ("gloo", "sdk", "backend")
 
 
 # -- rank bodies (spawned processes) -----------------------------------------------------------
-
-
-def _thread_cpu() -> dict[str, float]:
-    """CPU seconds (user + system) of each of this process's threads so far, from /proc, summed
-    by name (Python's thread name, else the OS's, e.g. gRPC's ``event_engine``) with digits
-    dropped."""
-    import os
-    import re
-    import threading
-
-    python = {t.native_id: t.name for t in threading.enumerate()}
-    ticks, out = os.sysconf("SC_CLK_TCK"), {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = re.sub(r"\d+", "_", python.get(int(tid)) or f.read().strip())
-        except OSError:  # the thread ended meanwhile
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
-    return out
 
 
 def _loop(rank: int, world_size: int, x, all_reduce, barrier, warmup: int, iters: int,
@@ -102,7 +79,7 @@ def _loop(rank: int, world_size: int, x, all_reduce, barrier, warmup: int, iters
     if sync is not None:
         sync.reach(0)
     profiler = cProfile.Profile() if profile and rank == 0 else None
-    times, cpu_s, threads0 = [], 0.0, _thread_cpu()
+    times, cpu_s, threads0 = [], 0.0, threads_cpu()
     for _ in range(iters):
         x.copy_(base)  # neither timed nor counted: not communication
         cpu0 = time.process_time()
@@ -114,7 +91,7 @@ def _loop(rank: int, world_size: int, x, all_reduce, barrier, warmup: int, iters
             all_reduce()
         times.append(time.perf_counter() - t0)
         cpu_s += time.process_time() - cpu0
-    threads = {name: cpu - threads0.get(name, 0.0) for name, cpu in _thread_cpu().items()}
+    threads = {name: cpu - threads0.get(name, 0.0) for name, cpu in threads_cpu().items()}
     if sync is not None:
         sync.reach(1)
     check("last")

@@ -36,9 +36,7 @@ from gradstar.client.collective.outgoing import in_one_message
 from gradstar.client.collective.plan import CollectivePlan
 from gradstar.config import CoordinatorSettings
 from gradstar.coordinator.collective import CollectiveEngine
-from gradstar.coordinator.collective.budget import CollectiveBudget
 from gradstar.coordinator.collective.servicer import CollectiveServicer
-from gradstar.coordinator.metrics import CollectiveMetrics
 from gradstar.coordinator.rendezvous import Rendezvous
 from gradstar.proto.v1 import collective_pb2 as pb
 
@@ -55,14 +53,7 @@ class _Context:
 def _engine() -> CollectiveEngine:
     """An engine with the coordinator's default limits and budget, as ``gradstar coordinator``
     builds it."""
-    s = CoordinatorSettings()
-    engine = CollectiveEngine(
-        Rendezvous(60), max_tensor_bytes=s.max_tensor_bytes, max_chunk_bytes=s.max_chunk_bytes,
-        max_timeout=s.max_collective_timeout, metrics=CollectiveMetrics(),
-        budget=CollectiveBudget(s.max_collective_state_bytes, s.max_pending_per_member,
-                                s.max_pending_per_job, s.collective_state_job_share))
-    engine.metrics.arrivals.enabled = s.measure_arrivals
-    return engine
+    return CollectiveEngine.from_settings(Rendezvous(60), CoordinatorSettings())
 
 
 async def run(collectives: int, numel: int, profile: str | None) -> float:

@@ -6,9 +6,10 @@ What is measured
     gradstar (a fresh ``gradstar coordinator --shards 0``, the blocking ProcessGroup, every
     byte on the gRPC stream: ``GRADSTAR_SHARED_MEMORY=0``). Prints per call: the slower rank's
     wall microseconds, each rank's CPU (``process_time``), rank 0's CPU by thread and the hub's
-    CPU by thread (user + system from /proc, summed by thread name; the hub's over the whole
-    run, warm-up and joins included). A thread whose CPU per call approaches the wall time per
-    call is the one that sets the pace. Run it under ``taskset`` to compare core counts.
+    CPU by thread (user + system from /proc, summed by thread name: ``_processes.threads_cpu``;
+    the hub's over the whole run, warm-up and joins included). A thread whose CPU per call
+    approaches the wall time per call is the one that sets the pace. Run it under ``taskset``
+    to compare core counts.
 
 How to reproduce
     .venv/bin/python benchmarks/tiny_threads.py
@@ -32,25 +33,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _processes import free_port
+from _processes import free_port, threads_cpu
 
 WARMUP = 200
-
-
-def threads_cpu(pid: int | str = "self") -> dict[str, float]:
-    """CPU seconds of each thread of process ``pid`` so far, summed by the OS's thread name
-    (digits dropped)."""
-    ticks, out = os.sysconf("SC_CLK_TCK"), {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                raw = f.read()
-        except OSError:  # the thread ended meanwhile
-            continue
-        name = raw[raw.index("(") + 1:raw.rindex(")")].rstrip("0123456789_-") or "?"
-        fields = raw.rsplit(")", 1)[1].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
-    return out
 
 
 def _gloo_rank(rank: int, port: int, calls: int, numel: int, results) -> None:

@@ -31,7 +31,7 @@ from gradstar.transport.channels import server_credentials
 from gradstar.transport.http import bound_port, serve_http
 from gradstar.transport.serve import serve
 
-from .collective import CollectiveBudget, CollectiveEngine, CollectiveServicer
+from .collective import CollectiveEngine, CollectiveServicer
 from .metrics import render_async
 from .rendezvous import Rendezvous, RendezvousServicer
 from .rounds import AveragingStore, RoundsServicer, RoundsTable
@@ -144,14 +144,8 @@ class Coordinator:
         self.status = CoordinatorStatus(self.rendezvous, self.shards,
                                         serving=lambda: self._serving and self.shards.healthy,
                                         rounds=self.rounds, steps=self.steps)
-        self.engine = CollectiveEngine(
-            self.rendezvous, max_tensor_bytes=s.max_tensor_bytes,
-            max_chunk_bytes=s.max_chunk_bytes, max_timeout=s.max_collective_timeout,
-            averaging=self.averaging, metrics=self.status.metrics,
-            budget=CollectiveBudget(s.max_collective_state_bytes, s.max_pending_per_member,
-                                    s.max_pending_per_job, s.collective_state_job_share),
-        )
-        self.engine.metrics.arrivals.enabled = s.measure_arrivals
+        self.engine = CollectiveEngine.from_settings(self.rendezvous, s, averaging=self.averaging,
+                                                     metrics=self.status.metrics)
         token = s.token.get_secret_value() if s.token else None
         admin = s.admin_token.get_secret_value() if s.admin_token else None
         creds = (server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca) if self._tls

@@ -58,7 +58,7 @@ from gradstar.transport.status import error_from_rpc
 from gradstar.transport.tls_check import wait_connected
 from gradstar.wire import COLLECTIVE_SERVICE, MAX_NDIM, payload_bytes
 
-from ..collective import CollectiveBudget, CollectiveEngine, CollectiveServicer
+from ..collective import CollectiveEngine, CollectiveServicer
 from ..metrics.arrivals import to_fields
 from ..rendezvous.rendezvous import Rendezvous
 
@@ -81,15 +81,7 @@ class Shard:
         self.settings = settings
         self.rendezvous = Rendezvous(settings.heartbeat_timeout,
                                      on_generation_failed=self._generation_failed)
-        self.engine = CollectiveEngine(
-            self.rendezvous, max_tensor_bytes=settings.max_tensor_bytes,
-            max_chunk_bytes=settings.max_chunk_bytes,
-            max_timeout=settings.max_collective_timeout,
-            budget=CollectiveBudget(settings.max_collective_state_bytes,
-                                    settings.max_pending_per_member,
-                                    settings.max_pending_per_job,
-                                    settings.collective_state_job_share))
-        self.engine.metrics.arrivals.enabled = settings.measure_arrivals
+        self.engine = CollectiveEngine.from_settings(self.rendezvous, settings)
         #: (job, generation) -> (this shard's stripe position, shards in the generation).
         self.positions: dict[tuple[str, int], tuple[int, int]] = {}
         self.slot: int | None = None
