@@ -37,6 +37,7 @@ from gradstar.client.collective.plan import CollectivePlan
 from gradstar.config import CoordinatorSettings
 from gradstar.coordinator.collective import CollectiveEngine
 from gradstar.coordinator.collective.servicer import CollectiveServicer
+from gradstar.coordinator.collective.settings import engine_from_settings
 from gradstar.coordinator.rendezvous import Rendezvous
 from gradstar.proto.v1 import collective_pb2 as pb
 
@@ -53,7 +54,7 @@ class _Context:
 def _engine() -> CollectiveEngine:
     """An engine with the coordinator's default limits and budget, as ``gradstar coordinator``
     builds it."""
-    return CollectiveEngine.from_settings(Rendezvous(60), CoordinatorSettings())
+    return engine_from_settings(Rendezvous(60), CoordinatorSettings())
 
 
 async def run(collectives: int, numel: int, profile: str | None) -> float:

@@ -32,6 +32,7 @@ from gradstar.transport.http import bound_port, serve_http
 from gradstar.transport.serve import serve
 
 from .collective import CollectiveEngine, CollectiveServicer
+from .collective.settings import engine_from_settings
 from .metrics import render_async
 from .rendezvous import Rendezvous, RendezvousServicer
 from .rounds import AveragingStore, RoundsServicer, RoundsTable
@@ -144,8 +145,8 @@ class Coordinator:
         self.status = CoordinatorStatus(self.rendezvous, self.shards,
                                         serving=lambda: self._serving and self.shards.healthy,
                                         rounds=self.rounds, steps=self.steps)
-        self.engine = CollectiveEngine.from_settings(self.rendezvous, s, averaging=self.averaging,
-                                                     metrics=self.status.metrics)
+        self.engine = engine_from_settings(self.rendezvous, s, averaging=self.averaging,
+                                           metrics=self.status.metrics)
         token = s.token.get_secret_value() if s.token else None
         admin = s.admin_token.get_secret_value() if s.admin_token else None
         creds = (server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca) if self._tls

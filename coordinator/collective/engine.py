@@ -394,23 +394,6 @@ class CollectiveEngine:
         self.averaging = averaging or AveragingStore()
         self.metrics = metrics or CollectiveMetrics()
 
-    @classmethod
-    def from_settings(cls, rendezvous: Rendezvous, settings, *,
-                      averaging: AveragingStore | None = None,
-                      metrics: CollectiveMetrics | None = None) -> CollectiveEngine:
-        """The engine a hub process runs: limits, budget and arrival measurement as
-        ``settings`` (a :class:`~gradstar.config.CoordinatorSettings` or
-        :class:`~gradstar.config.ShardSettings`) say."""
-        s = settings
-        engine = cls(rendezvous, max_tensor_bytes=s.max_tensor_bytes,
-                     max_chunk_bytes=s.max_chunk_bytes, max_timeout=s.max_collective_timeout,
-                     averaging=averaging, metrics=metrics,
-                     budget=CollectiveBudget(s.max_collective_state_bytes,
-                                             s.max_pending_per_member, s.max_pending_per_job,
-                                             s.collective_state_job_share))
-        engine.metrics.arrivals.enabled = s.measure_arrivals
-        return engine
-
     def arrive(self, h: pb.CollectiveHeader,
                shm: memoryview | None = None) -> tuple[PendingCollective, Participant]:
         """Admit a rank's header (and its attached shared-memory segment, if any).
