@@ -31,3 +31,25 @@ class Work:
 
     def exception(self) -> BaseException | None:
         return self._future.exception() if self._future.done() else None
+
+
+class SettledWork(Work):
+    """A collective that ran to its end before its Work was made (on the caller's thread, by
+    the blocking API's direct lane): its result, or its error, held for ``wait()``. No future:
+    nothing is left to run or to wait for."""
+
+    def __init__(self, value=None, error: BaseException | None = None) -> None:
+        self._value = value
+        self._error = error
+
+    def wait(self, timeout: float | None = None):
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def is_completed(self) -> bool:
+        return True
+
+    def exception(self) -> BaseException | None:
+        return self._error
+

@@ -14,7 +14,7 @@ from gradstar.errors import ProcessGroupClosedError
 
 from ..collective.direct import DirectCall
 from ..loop_thread import LoopThread as _LoopThread
-from ..work import Work
+from ..work import SettledWork, Work
 from .group import AsyncProcessGroup
 from .join import init_process_group_async
 
@@ -109,14 +109,12 @@ class ProcessGroup:
         """
         awaitable = getattr(self._group, method)(*args, **kwargs)
         if isinstance(awaitable, DirectCall):
-            future: concurrent.futures.Future = concurrent.futures.Future()
             try:
-                future.set_result(awaitable.run())
+                return SettledWork(awaitable.run())
             except Exception as error:  # the collective's failure, kept for wait()
-                future.set_exception(error)
-        else:
-            future = self._runner.submit(awaitable)
-            concurrent.futures.wait([future])
+                return SettledWork(error=error)
+        future = self._runner.submit(awaitable)
+        concurrent.futures.wait([future])
         return Work(future)
 
     def submit(self, coro) -> concurrent.futures.Future:

@@ -201,8 +201,6 @@ class GradstarWork(dist._Work):
         # Outputs made under torch.inference_mode() (Lightning's validation metrics) may only be
         # written in place under it, and the thread that settles is not the caller's.
         self._inference = inference
-        self._raw = torch.futures.Future(devices=self._devices)
-        self._future = self._raw.then(_reraise)
         self._remaining = len(self._pending)
         self._count_lock = threading.Lock()
         # The profiler event (see record_until_done), ended as the collective completes.
@@ -211,8 +209,14 @@ class GradstarWork(dist._Work):
         self._completing = False
         if here:
             # Settled already (see the class docstring): finish on this thread, no hand-off.
-            self._complete()
+            # Its future is made when asked for (get_future): torch's waited calls never ask.
+            self._raw = self._future = None
+            self._completing = True
+            with _on_device(self._devices):
+                self._settle()
             return
+        self._raw = torch.futures.Future(devices=self._devices)
+        self._future = self._raw.then(_reraise)
         if not self._pending:
             completions.submit(self._complete)
         for work in self._pending:
@@ -328,7 +332,14 @@ class GradstarWork(dist._Work):
 
     def get_future(self) -> torch.futures.Future:
         """A future of the output tensors; it fails with the collective's error."""
-        return self._future
+        with self._lock:
+            if self._future is None:  # settled here: completed now, as _complete would have
+                with _on_device(self._devices):
+                    raw = torch.futures.Future(devices=self._devices)
+                    self._future = raw.then(_reraise)
+                    raw.set_result(self._value if self._error is None
+                                   else _Failure(self._error))
+            return self._future
 
     def is_completed(self) -> bool:
         return self._settled

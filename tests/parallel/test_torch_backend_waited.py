@@ -50,6 +50,11 @@ def rank_body(address: str, rank: int, job: str, finished: threading.Event,
             report[name] = {"settled_at_return": work.is_completed(),
                             "exact": bool((t == 3.0).all()), "wait": work.wait(),
                             "device": t.device.type}
+            # A settled Work's future is made when asked for: done, of the output tensors.
+            future = work.get_future()
+            value = future.wait()
+            report[name]["future"] = (future.done(), future is work.get_future(),
+                                      value[0] is t, value[0][:1].tolist())
         work = pg.barrier(_opts(dist.BarrierOptions, waited=True))
         report["barrier"] = work.is_completed() and work.wait()
         gathered = torch.zeros(2 * TINY, device=device)
@@ -69,6 +74,10 @@ def rank_body(address: str, rank: int, job: str, finished: threading.Event,
             bad.wait()
         except CollectiveMismatchError as error:
             report["mismatch"] = (bad.is_completed(), str(error))
+        try:
+            bad.get_future().wait()
+        except RuntimeError as error:  # torch raises the callback's error from C++
+            report["mismatch_future"] = str(error)
         t = torch.full((TINY,), float(rank + 1), device=device)
         pg.allreduce([t], _opts(dist.AllreduceOptions, waited=True)).wait()
         report["after"] = t[:2].tolist()
@@ -104,7 +113,7 @@ def check_reports(reports: list[dict], device: str = "cpu") -> None:
     for rank, report in enumerate(reports):
         for name in ("tiny", "large"):
             assert report[name] == {"settled_at_return": True, "exact": True, "wait": True,
-                                    "device": device}
+                                    "device": device, "future": (True, True, True, [3.0])}
         assert report["barrier"] is True
         assert report["all_gather"] == (True, [0.0, 1.0])
         assert report["reduce_scatter"] == (True, [2.0 * TINY * rank])  # 2 x arange, shard r
@@ -112,6 +121,7 @@ def check_reports(reports: list[dict], device: str = "cpu") -> None:
         settled, message = report["mismatch"]
         assert settled and message.startswith(f"[Rank {rank}] ranks disagree"), message
         assert "(shape differs)" in message
+        assert "ranks disagree" in report["mismatch_future"], report["mismatch_future"]
         assert report["after"] == [3.0, 3.0]
         assert report["async"] == ([3.0, 3.0], True)
     message = reports[0]["finished"]
