@@ -32,9 +32,9 @@ holds to torch's rules for them, as NCCL's and gloo's Works do:
   current streams, which are then **synchronized** before the Work counts as settled: when
   ``wait()`` returns and when the future completes, the results are there for every stream.
 * The future completes with the Work's first device current on the thread that settles it (a
-  completion thread, or the caller's for a Work settled ``here``), so the callbacks torch runs
-  under that device do not open a CUDA context on device 0 in a process that uses another
-  device.
+  completion thread; for a Work settled ``here``, the thread that first asks for the future,
+  after its results were synchronized), so the callbacks torch runs under that device do not
+  open a CUDA context on device 0 in a process that uses another device.
 
 A Work may also carry the collective's profiler event (see :mod:`.profiling`): it ends on a
 completion thread when the collective ends, before ``wait()`` returns and before the future
@@ -178,9 +178,12 @@ class GradstarWork(dist._Work):
 
     ``here``: the collectives have ended already (the caller waits at once and ran them to
     their end, :meth:`gradstar.client.process_group.ProcessGroup.settled`), so the results are
-    written and the future completed on this thread, now, rather than on a completion thread
-    that this thread would wait for. On CUDA tensors the writes then run on the caller's own
-    current streams, after everything it queued there, and are synchronized as above.
+    written on this thread, now, rather than on a completion thread that this thread would wait
+    for. On CUDA tensors the writes then run on the caller's own current streams, after
+    everything it queued there, and are synchronized as above. Its torch future is made, and
+    completed, only when :meth:`get_future` first asks (torch's waited calls never do): its
+    event is then recorded on the asking thread's current streams, after results that are
+    already there.
     """
 
     def __init__(self, pending: Sequence, finish: Callable[[list], object],
@@ -332,13 +335,19 @@ class GradstarWork(dist._Work):
 
     def get_future(self) -> torch.futures.Future:
         """A future of the output tensors; it fails with the collective's error."""
-        with self._lock:
-            if self._future is None:  # settled here: completed now, as _complete would have
+        future = self._future
+        if future is not None:  # at once, even while another thread settles the Work
+            return future
+        # Settled here (see the class docstring): made and completed now, once. Not under
+        # self._lock, which _settle holds while it waits.
+        with self._count_lock:
+            if self._future is None:
                 with _on_device(self._devices):
                     raw = torch.futures.Future(devices=self._devices)
-                    self._future = raw.then(_reraise)
+                    future = raw.then(_reraise)
                     raw.set_result(self._value if self._error is None
                                    else _Failure(self._error))
+                self._future = future
             return self._future
 
     def is_completed(self) -> bool:

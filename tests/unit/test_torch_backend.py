@@ -33,7 +33,7 @@ from gradstar.client.torch_backend.convert import (
 )
 from gradstar.client.torch_backend.group import ProcessGroupGradstar
 from gradstar.client.torch_backend.work import CompletionThreads, GradstarWork
-from gradstar.client.work import Work
+from gradstar.client.work import SettledWork, Work
 from gradstar.errors import (
     CollectiveMismatchError,
     ConfigurationError,
@@ -304,6 +304,48 @@ def test_wait_with_a_timeout_leaves_the_collective_running(completions):
     assert not work.is_completed()
     loop.complete(future, None)
     assert work.wait() is True and work.result() == "done"
+
+
+def test_the_future_is_handed_out_at_once_while_another_thread_waits(completions):
+    loop = FakeLoop()
+    work_of_gradstar, future = loop.work()
+    work = GradstarWork([work_of_gradstar], lambda results: "done", completions)
+    waiter = threading.Thread(target=work.wait, name="waits")
+    waiter.start()
+    try:
+        for _ in range(5000):  # until the waiter holds the settle lock (blocked in its wait)
+            if work._lock.locked():
+                break
+            threading.Event().wait(0.001)
+        assert work._lock.locked()
+        handed = []
+        asker = threading.Thread(target=lambda: handed.append(work.get_future()))
+        asker.start()
+        asker.join(2)
+        assert handed and not handed[0].done(), "get_future() waited for the collective"
+    finally:
+        loop.complete(future, None)
+        waiter.join(5)
+    assert handed[0].wait() == "done"
+
+
+def test_a_work_settled_here_makes_its_future_only_when_asked(completions):
+    out = torch.zeros(3)
+    work = GradstarWork([SettledWork(torch.ones(3))],
+                        lambda results: [out.copy_(results[0])], completions, here=True)
+    assert work.is_completed() and out.tolist() == [1.0, 1.0, 1.0]  # written at construction
+    assert work._future is None
+    future = work.get_future()
+    assert future.done() and future is work.get_future()
+    assert [t.tolist() for t in future.wait()] == [[1.0, 1.0, 1.0]]
+    error = CollectiveMismatchError("ranks disagree", rank=1, field="dtype")
+    failed = GradstarWork([SettledWork(error=error)], lambda results: results, completions,
+                          here=True, label="[Rank 0] ")
+    with pytest.raises(CollectiveMismatchError, match=r"^\[Rank 0\] ranks disagree"):
+        failed.wait()
+    with pytest.raises(RuntimeError, match=r"\[Rank 0\] ranks disagree"):
+        failed.get_future().wait()
+    assert not failed.is_success() and completions._threads == []  # no completion thread
 
 
 def test_a_work_of_several_collectives_completes_after_the_last(completions):
