@@ -14,8 +14,14 @@ What is measured
     ``sendmsg``, the hand-offs to the event loop): ``benchmarks/call_floor.py`` measures that
     floor, ``benchmarks/allreduce.py`` the whole.
 
+    ``--engine-only`` leaves the servicer out: each rank's message is split, its header decoded
+    and admitted and its frames taken on this thread, then every answer frame taken from the
+    outboxes -- the engine's synchronous part alone, so that the difference is the servicer's
+    async generators, outbox waits and task switches.
+
 How to reproduce
     .venv/bin/python benchmarks/hub_python.py                       # 5000 collectives x 3
+    .venv/bin/python benchmarks/hub_python.py --engine-only         # the engine alone
     .venv/bin/python benchmarks/hub_python.py --profile /tmp/hub.prof   # cProfile of one run
 
 Not asserted: any timing.
@@ -36,10 +42,12 @@ from gradstar.client.collective.outgoing import in_one_message
 from gradstar.client.collective.plan import CollectivePlan
 from gradstar.config import CoordinatorSettings
 from gradstar.coordinator.collective import CollectiveEngine
+from gradstar.coordinator.collective.engine import CLOSE
 from gradstar.coordinator.collective.servicer import CollectiveServicer
 from gradstar.coordinator.collective.settings import engine_from_settings
 from gradstar.coordinator.rendezvous import Rendezvous
 from gradstar.proto.v1 import collective_pb2 as pb
+from gradstar.wire import KIND_HEADER, decode_message, frames_of
 
 WORLD = 2
 
@@ -57,7 +65,8 @@ def _engine() -> CollectiveEngine:
     return engine_from_settings(Rendezvous(60), CoordinatorSettings())
 
 
-async def run(collectives: int, numel: int, profile: str | None) -> float:
+async def run(collectives: int, numel: int, profile: str | None,
+              engine_only: bool = False) -> float:
     """Seconds per collective of ``collectives`` all_reduces after one untimed."""
     engine = _engine()
     members = await asyncio.gather(*(engine.rendezvous.join("bench", WORLD, r, f"10.0.0.{r}:1",
@@ -77,6 +86,8 @@ async def run(collectives: int, numel: int, profile: str | None) -> float:
 
     total = collectives + 1
     messages = [[message(m, seq) for seq in range(1, total + 1)] for m in members]
+    if engine_only:
+        return _engine_only(engine, messages, collectives, profile)
     answers = [asyncio.Queue() for _ in range(WORLD)]
     turns = [asyncio.Queue() for _ in range(WORLD)]
 
@@ -118,20 +129,62 @@ async def run(collectives: int, numel: int, profile: str | None) -> float:
     return took / collectives
 
 
+def _engine_only(engine: CollectiveEngine, messages: list[list[bytes]], collectives: int,
+                 profile: str | None) -> float:
+    """The same collectives without the servicer's generators and waits: each rank's message
+    split into frames, its header decoded and admitted, its frames taken (what the servicer's
+    ``_collective`` does before its first wait), every answer frame taken from the outboxes,
+    one rank after the other on this thread."""
+
+    def one(k: int) -> None:
+        arrived = []
+        for r in range(WORLD):
+            frames = frames_of(messages[r][k])
+            header = decode_message(frames[0], KIND_HEADER, pb.CollectiveHeader)
+            coll, me = engine.arrive(header, None)
+            if CollectiveServicer._take_arrived(coll, me, frames[1:]) is not None:
+                raise RuntimeError("a one-message collective left frames for a reader")
+            arrived.append(me)
+        for me in arrived:
+            while me.outbox.get_nowait() is not CLOSE:
+                pass
+
+    one(0)
+    profiler = None
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    began = time.perf_counter()
+    for k in range(1, collectives + 1):
+        one(k)
+    took = time.perf_counter() - began
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(profile)
+    return took / collectives
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--collectives", type=int, default=5000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--numel", type=int, default=25, help="float32 elements (default 25)")
     parser.add_argument("--profile", help="write one run's cProfile stats here")
+    parser.add_argument("--engine-only", action="store_true",
+                        help="without the servicer: the engine's synchronous part alone (frames, "
+                             "header, matching, reduction, bookkeeping, answers queued)")
     args = parser.parse_args()
     times = []
     for i in range(args.repeats):
-        t = asyncio.run(run(args.collectives, args.numel, args.profile if i == 0 else None))
+        t = asyncio.run(run(args.collectives, args.numel, args.profile if i == 0 else None,
+                            args.engine_only))
         times.append(t)
         print(f"run {i + 1}: {t * 1e6:.1f} us per collective", flush=True)
     print(f"median {statistics.median(times) * 1e6:.1f} us per collective of {args.numel} "
           f"float32, {WORLD} ranks, {args.collectives} collectives per run"
+          + (", the engine alone" if args.engine_only else "")
           + (" (run 1 under cProfile)" if args.profile else ""))
     return 0
 
