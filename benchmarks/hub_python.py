@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import sys
 import time
@@ -113,20 +114,31 @@ async def run(collectives: int, numel: int, profile: str | None,
     firsts = [loop.create_future() for _ in range(WORLD)]
     ranks = [asyncio.create_task(rank(r, firsts[r])) for r in range(WORLD)]
     await asyncio.gather(*firsts)
+    with _timed(profile) as took:
+        await asyncio.wait_for(asyncio.gather(*ranks), 600)
+    await asyncio.wait_for(asyncio.gather(*servers), 10)  # each stream ended: the hub's END
+    return took[0] / collectives
+
+
+@contextlib.contextmanager
+def _timed(profile: str | None):
+    """Time the block (seconds in the yielded list's one item), under cProfile into
+    ``profile`` if one is named."""
     profiler = None
     if profile:
         import cProfile
 
         profiler = cProfile.Profile()
         profiler.enable()
+    took = [0.0]
     began = time.perf_counter()
-    await asyncio.wait_for(asyncio.gather(*ranks), 600)
-    took = time.perf_counter() - began
-    if profiler is not None:
-        profiler.disable()
-        profiler.dump_stats(profile)
-    await asyncio.wait_for(asyncio.gather(*servers), 10)  # each stream ended: the hub's END
-    return took / collectives
+    try:
+        yield took
+    finally:
+        took[0] = time.perf_counter() - began
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(profile)
 
 
 def _engine_only(engine: CollectiveEngine, messages: list[list[bytes]], collectives: int,
@@ -150,20 +162,10 @@ def _engine_only(engine: CollectiveEngine, messages: list[list[bytes]], collecti
                 pass
 
     one(0)
-    profiler = None
-    if profile:
-        import cProfile
-
-        profiler = cProfile.Profile()
-        profiler.enable()
-    began = time.perf_counter()
-    for k in range(1, collectives + 1):
-        one(k)
-    took = time.perf_counter() - began
-    if profiler is not None:
-        profiler.disable()
-        profiler.dump_stats(profile)
-    return took / collectives
+    with _timed(profile) as took:
+        for k in range(1, collectives + 1):
+            one(k)
+    return took[0] / collectives
 
 
 def main() -> int:

@@ -218,8 +218,7 @@ class GradstarWork(dist._Work):
             with _on_device(self._devices):
                 self._settle()
             return
-        self._raw = torch.futures.Future(devices=self._devices)
-        self._future = self._raw.then(_reraise)
+        self._raw, self._future = self._new_future()
         if not self._pending:
             completions.submit(self._complete)
         for work in self._pending:
@@ -307,7 +306,7 @@ class GradstarWork(dist._Work):
             self._end(record, self._record_ended)
         with _on_device(self._devices):
             self._settle()
-            self._raw.set_result(self._value if self._error is None else _Failure(self._error))
+            self._raw.set_result(self._outcome())
 
     # -- torch's Work interface ----------------------------------------------------------------
 
@@ -343,12 +342,19 @@ class GradstarWork(dist._Work):
         with self._count_lock:
             if self._future is None:
                 with _on_device(self._devices):
-                    raw = torch.futures.Future(devices=self._devices)
-                    future = raw.then(_reraise)
-                    raw.set_result(self._value if self._error is None
-                                   else _Failure(self._error))
+                    raw, future = self._new_future()
+                    raw.set_result(self._outcome())
                 self._future = future
             return self._future
+
+    def _new_future(self) -> tuple[torch.futures.Future, torch.futures.Future]:
+        """(the future ``_complete`` sets, the one torch gets: it, chained to raise a failure)."""
+        raw = torch.futures.Future(devices=self._devices)
+        return raw, raw.then(_reraise)
+
+    def _outcome(self):
+        """What the settled Work's future completes with: its value, or its error carried."""
+        return self._value if self._error is None else _Failure(self._error)
 
     def is_completed(self) -> bool:
         return self._settled
