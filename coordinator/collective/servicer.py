@@ -47,20 +47,29 @@ log = logging.getLogger(__name__)
 _NOTHING = object()
 
 
-def _take_batch(item, outbox: Outbox) -> tuple[list, object]:
-    """``item`` and the small frames already queued behind it, to go in one message, and the
-    first queued item that may not join them (``_NOTHING`` if none was taken)."""
+def _take_batch(item, outbox: Outbox) -> tuple[list, object, int]:
+    """``item`` and the small frames already queued behind it, to go in one message; the
+    first queued item that may not join them (``_NOTHING`` if none was taken); and how many
+    of the batch's frames are output chunks (in the frame or in a segment)."""
     batch = [item]
+    chunks = 1 if _is_chunk(item) else 0
     if not batchable(item):
-        return batch, _NOTHING
+        return batch, _NOTHING, chunks
     size = len(item)
     while len(batch) < MAX_BATCH_FRAMES and not outbox.empty():
         following = outbox.get_nowait()
         if not batchable(following) or size + len(following) > MAX_BATCH_BYTES:
-            return batch, following
+            return batch, following, chunks
         batch.append(following)
         size += len(following)
-    return batch, _NOTHING
+        if _is_chunk(following):
+            chunks += 1
+    return batch, _NOTHING, chunks
+
+
+def _is_chunk(frame) -> bool:
+    """Whether an outbox item is an output chunk (a frame or a segment announcement)."""
+    return isinstance(frame, bytes) and (frame[0] == KIND_CHUNK or frame[0] == KIND_SHM_CHUNK)
 
 # How long a failed collective's call stays open for the client to read the in-band error and
 # hang up. Ending a call while the client still writes can make grpc-python report INTERNAL to
@@ -93,7 +102,11 @@ class CollectiveServicer:
         """Serve collectives one after another on one stream: a rank keeps its stream to the
         hub open across collectives (one call set-up per stream, not per collective). The
         next header may follow only a collective that ended cleanly (both END markers); a
-        failed collective ends the call."""
+        failed collective ends the call.
+
+        One collective runs inline here, from its header to the hub's END, rather than in a
+        generator of its own: a tiny collective's hub paid a generator, its closing and a
+        pass-through of every answer for each rank (issue 36)."""
         frames = request_iterator.__aiter__()
         offered: set[int] = set()  # processes whose segments this stream offered
         try:
@@ -102,13 +115,70 @@ class CollectiveServicer:
                     first = await anext(frames)
                 except StopAsyncIteration:
                     return
-                # Closed on the way out, however that is: a call cancelled while this generator
-                # waits at a yield must still fail the collective at once (its finally), not
-                # when the inner generator is collected.
-                async with contextlib.aclosing(
-                        self._collective(first, frames, context, offered)) as one:
-                    async for message in one:
-                        yield message
+                verdict: list[bytes] = []  # the attach verdict, when the header offered one
+                try:
+                    # A small collective's header comes with the rest of the rank's side
+                    # (chunks or their announcements, end marker) in one message.
+                    arrived = frames_of(first)
+                    header = self._header(arrived[0])
+                    if self.admit is not None:
+                        await self.admit(header)
+                    coll, me, shm = self._arrive(header, offered, verdict)
+                except GradstarError as error:
+                    # Kept errors (a failed generation's, an ended collective's) are raised
+                    # again for every header that comes for them: each time, drop the frames
+                    # they went through.
+                    without_frames(error)
+                    shm = None  # nor may the abort's traceback keep the segment (see below)
+                    if verdict:
+                        yield verdict[0]  # the rank learns a refusal even from a failure
+                    yield encode_error(error)
+                    await self._linger(asyncio.ensure_future(self._drain(frames)))
+                    await abort(context, error)
+                # What came with the header is taken now, before any stream's writer runs:
+                # once the last rank's whole side is in, every rank's accept, result and end
+                # marker are queued together and leave in one message (no reader task at all
+                # when its end came too).
+                left = self._take_arrived(coll, me, arrived[1:])
+                reader = None if left is None else asyncio.create_task(
+                    self._read(coll, me, frames, left))
+                try:
+                    # An eager rank does not wait for the verdict on a segment this hub
+                    # attached: it goes with the accept. Any other verdict goes first, at once.
+                    eager = shm is not None and header.shm.eager
+                    held = verdict[0] if verdict and not eager else _NOTHING
+                    while True:
+                        item = await me.outbox.get() if held is _NOTHING else held
+                        held = _NOTHING
+                        if item is CLOSE:
+                            break
+                        if isinstance(item, GradstarError):
+                            yield encode_error(item)
+                            await self._linger(
+                                reader or asyncio.ensure_future(self._drain(frames)))
+                            await abort(context, item)
+                        batch, held, chunks = _take_batch(item, me.outbox)
+                        if eager:
+                            eager = False
+                            if batchable(item):
+                                batch.insert(0, verdict[0])
+                            else:
+                                yield verdict[0]
+                        yield batch[0] if len(batch) == 1 else encode_batch(batch)
+                        if chunks:
+                            me.delivered += chunks
+                            coll.progressed()
+                finally:
+                    if reader is not None:
+                        reader.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await reader
+                    coll.on_stream_closed(me, "disconnected")
+                    # An exception passing through here (the call cancelled or aborted) keeps
+                    # this frame in its traceback, and gRPC may keep that exception a while:
+                    # the frame must not keep the collective, or the rank's segment, alive
+                    # with it.
+                    del coll, me, shm, reader
         finally:
             # A rank's stream ends when it exits (or closes its group): let go of its segments
             # now if it let go of them, rather than at the next sweep.
@@ -120,84 +190,35 @@ class CollectiveServicer:
         if self.segments is not None:
             self.segments.sweep()
 
-    async def _collective(self, first: bytes, frames, context, offered: set[int]):
-        """One collective on the stream, from its header ``first`` to the hub's END (or an
-        abort of the call with the collective's error); adds the pid of a segment it attaches
-        to ``offered``."""
-        attach = None
-        try:
-            # A small collective's header comes with the rest of the rank's side (chunks or
-            # their announcements, end marker) in one message.
-            arrived = frames_of(first)
-            check_header_size(arrived[0], "a collective stream")
-            header = decode_message(arrived[0], KIND_HEADER, cpb.CollectiveHeader)
-            # Before anything quotes it: a header may carry a name of up to its own size.
-            check_job_name(header.job)
-            if self.admit is not None:
-                await self.admit(header)
-            shm, attach = self._attach(header)
-            if shm is not None:
-                offered.add(header.shm.pid)
-            coll, me = self.engine.arrive(header, shm)
-            if shm is None and attach is not None and header.shm.eager and (
-                    process_gone(header.shm.pid)):
-                # The rank wrote its chunks into a segment it expected this hub to hold, then
-                # died before the hub could open it: a lost rank (what every other rank must
-                # hear, to rejoin), not a protocol error (what its announced chunks would be).
-                coll.on_stream_closed(me, "exited before the hub could attach the shared-memory "
-                                          "segment holding its chunks")
-        except GradstarError as error:
-            # Kept errors (a failed generation's, an ended collective's) are raised again for
-            # every header that comes for them: each time, drop the frames they went through.
-            without_frames(error)
-            shm = None  # nor may the abort's traceback keep the segment (see below)
-            if attach is not None:
-                yield attach  # the rank learns a refusal even from a failed collective
-            yield encode_error(error)
-            await self._linger(asyncio.ensure_future(self._drain(frames)))
-            await abort(context, error)
-        # What came with the header is taken now, before any stream's writer runs: once the
-        # last rank's whole side is in, every rank's accept, result and end marker are queued
-        # together and leave in one message (no reader task at all when its end came too).
-        left = self._take_arrived(coll, me, arrived[1:])
-        reader = None if left is None else asyncio.create_task(
-            self._read(coll, me, frames, left))
-        try:
-            # An eager rank does not wait for the verdict on a segment this hub attached: it
-            # goes with the accept. Any other verdict goes first, at once.
-            eager = shm is not None and header.shm.eager
-            held = _NOTHING if attach is None or eager else attach
-            while True:
-                item = await me.outbox.get() if held is _NOTHING else held
-                held = _NOTHING
-                if item is CLOSE:
-                    break
-                if isinstance(item, GradstarError):
-                    yield encode_error(item)
-                    await self._linger(reader or asyncio.ensure_future(self._drain(frames)))
-                    await abort(context, item)
-                batch, held = _take_batch(item, me.outbox)
-                if eager:
-                    eager = False
-                    if batchable(item):
-                        batch.insert(0, attach)
-                    else:
-                        yield attach
-                yield batch[0] if len(batch) == 1 else encode_batch(batch)
-                for frame in batch:
-                    if frame[0] == KIND_CHUNK or frame[0] == KIND_SHM_CHUNK:
-                        me.delivered += 1
-                        coll.progressed()
-        finally:
-            if reader is not None:
-                reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await reader
-            coll.on_stream_closed(me, "disconnected")
-            # An exception passing through here (the call cancelled or aborted) keeps this frame
-            # in its traceback, and gRPC may keep that exception a while: the frame must not keep
-            # the collective, or the rank's segment, alive with it.
-            del coll, me, shm, reader
+    @staticmethod
+    def _header(frame: bytes) -> cpb.CollectiveHeader:
+        """The header a collective's first frame carries, checked before anything quotes it."""
+        check_header_size(frame, "a collective stream")
+        header = decode_message(frame, KIND_HEADER, cpb.CollectiveHeader)
+        # Before anything quotes it: a header may carry a name of up to its own size.
+        check_job_name(header.job)
+        return header
+
+    def _arrive(self, header: cpb.CollectiveHeader, offered: set[int],
+                verdict: list[bytes]) -> tuple[PendingCollective, Participant, memoryview | None]:
+        """Admit ``header``'s rank to its collective: (the collective, the rank's part, the
+        segment mapped for it or None). Appends the attach verdict frame to ``verdict`` (first
+        thing, so that a failure still sends it) and the pid of an attached segment to
+        ``offered``."""
+        shm, attach = self._attach(header)
+        if attach is not None:
+            verdict.append(attach)
+        if shm is not None:
+            offered.add(header.shm.pid)
+        coll, me = self.engine.arrive(header, shm)
+        if shm is None and attach is not None and header.shm.eager and (
+                process_gone(header.shm.pid)):
+            # The rank wrote its chunks into a segment it expected this hub to hold, then
+            # died before the hub could open it: a lost rank (what every other rank must
+            # hear, to rejoin), not a protocol error (what its announced chunks would be).
+            coll.on_stream_closed(me, "exited before the hub could attach the shared-memory "
+                                      "segment holding its chunks")
+        return coll, me, shm
 
     def _attach(self, header: cpb.CollectiveHeader) -> tuple[memoryview | None, bytes | None]:
         """Map the segment ``header`` offers, if any: (its data or None, the attach verdict
@@ -283,25 +304,41 @@ class CollectiveServicer:
             coll.on_stream_closed(me, "closed its stream before its end marker")
 
 
-@contextlib.contextmanager
-def _failing(coll: PendingCollective, me: Participant):
-    """Whatever goes wrong reading ``me``'s side ends the collective (on every rank)."""
-    # An error's traceback holds this frame and the reader's, so the collective: the
-    # collective keeps a ProtocolError, and grpc's call state the AbortError it raised. Each
-    # traceback is dropped, or the collective would outlive its end in a reference cycle
-    # until the cyclic collector runs (tests/integration/test_collective_lifetime.py).
-    try:
-        yield
-    except ProtocolError as error:
-        coll.fail(error.with_traceback(None))
-    except (grpc.RpcError, grpc.aio.AbortError) as error:
-        # AbortError: the call was aborted under the reader (the rank's stream ended or
-        # this side sent its verdict); either way the rank is gone from the collective.
-        error.__traceback__ = None
-        coll.on_stream_closed(me, "disconnected")
-    except Exception as error:
-        # A bug must cost one collective, never the hub or a silent hang of the other ranks.
-        log.exception("internal error in collective seq %d", coll.spec.seq)
-        coll.fail(GradstarError(
-            f"the coordinator hit an internal error in collective seq {coll.spec.seq}: "
-            f"{type(error).__name__}: {error}"))
+class _failing:
+    """Whatever goes wrong reading ``me``'s side ends the collective (on every rank).
+
+    A class rather than a generator-based context manager: it is entered for every message a
+    rank sends, and a generator costs more than the two calls."""
+
+    __slots__ = ("coll", "me")
+
+    def __init__(self, coll: PendingCollective, me: Participant) -> None:
+        self.coll, self.me = coll, me
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        # An error's traceback holds this frame and the reader's, so the collective: the
+        # collective keeps a ProtocolError, and grpc's call state the AbortError it raised.
+        # Each traceback is dropped, or the collective would outlive its end in a reference
+        # cycle until the cyclic collector runs (tests/integration/test_collective_lifetime.py).
+        if error is None or not isinstance(error, Exception):
+            return False  # nothing went wrong, or a cancellation / exit passing through
+        coll, me = self.coll, self.me
+        if isinstance(error, ProtocolError):
+            coll.fail(error.with_traceback(None))
+        elif isinstance(error, (grpc.RpcError, grpc.aio.AbortError)):
+            # AbortError: the call was aborted under the reader (the rank's stream ended or
+            # this side sent its verdict); either way the rank is gone from the collective.
+            error.__traceback__ = None
+            coll.on_stream_closed(me, "disconnected")
+        else:
+            # A bug must cost one collective, never the hub or a silent hang of the other
+            # ranks.
+            log.error("internal error in collective seq %d", coll.spec.seq,
+                      exc_info=(kind, error, traceback))
+            coll.fail(GradstarError(
+                f"the coordinator hit an internal error in collective seq {coll.spec.seq}: "
+                f"{type(error).__name__}: {error}"))
+        return True

@@ -53,6 +53,11 @@ def check_job_name(job: str, what: str = "a job name") -> None:
             f"{what} is at most {MAX_JOB_NAME_CHARS} characters, got one of {len(job)} "
             f"starting {job[:40]!r}"
         )
+    if job.isprintable():
+        # Python's printable excludes every Other and Separator category (but the space), so
+        # none of _UNPRINTABLE is in it: the usual name is done without a look at each
+        # character (a collective's header is checked on every arrival).
+        return
     bad = next((c for c in job if unicodedata.category(c) in _UNPRINTABLE), None)
     if bad is not None:
         raise ConfigurationError(

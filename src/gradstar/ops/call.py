@@ -83,6 +83,9 @@ class CollectiveCall:
     geometry: Geometry
     nbytes: int
     world_size: int
+    #: The header's :func:`call_fields`, computed once (the same for every header of the
+    #: collective that agrees with this one: :meth:`for_header` keeps them).
+    fields: tuple = ()
 
     @classmethod
     def of(cls, header: pb.CollectiveHeader, world_size: int) -> CollectiveCall:
@@ -98,13 +101,13 @@ class CollectiveCall:
         nbytes = payload_bytes(header.shape, header.dtype)
         g = geometry(header.op, world_size, header.rank, nbytes, header.chunk_bytes,
                      header.root, encoding, encode_out=not header.averaging.rule)
-        return cls(header, op, dtype, encoding, g, nbytes, world_size)
+        return cls(header, op, dtype, encoding, g, nbytes, world_size, call_fields(header))
 
     def for_header(self, header: pb.CollectiveHeader) -> CollectiveCall:
         """This call for ``header``, which describes the same collective of the same rank (it
         differs in its sequence number, timeout, job or group only; the caller knows)."""
         return CollectiveCall(header, self.op, self.dtype, self.encoding, self.geometry,
-                              self.nbytes, self.world_size)
+                              self.nbytes, self.world_size, self.fields)
 
     @property
     def facts(self) -> Facts:
@@ -174,7 +177,8 @@ class CallCache:
     def call(self, h: pb.CollectiveHeader, world_size: int) -> CollectiveCall:
         """The call ``h`` describes in a world of ``world_size``; raises what ``derive``
         raises."""
-        key = (call_fields(h), h.rank, world_size, h.HasField("shm"))
+        fields = call_fields(h)
+        key = (fields, h.rank, world_size, h.HasField("shm"))
         known = self._calls.get(key)
         if known is not None:
             return known.for_header(h)
