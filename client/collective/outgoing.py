@@ -13,13 +13,13 @@ from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.transport import shm
 from gradstar.wire import (
     CHUNK_HEADER_BYTES,
-    KIND_END,
     KIND_HEADER,
     MAX_BATCH_FRAMES,
     MAX_BATCHED_CHUNK_BYTES,
     encode_batch,
     encode_message,
     encode_shm_chunk,
+    end_frame,
 )
 
 from .plan import CollectivePlan
@@ -50,13 +50,13 @@ async def frames(header: pb.CollectiveHeader, plan: CollectivePlan, sends: Seque
             segment.data[offset:offset + length] = send[offset:offset + length]
             sent += length
             last = encode_shm_chunk(index)
-        end = encode_message(KIND_END, pb.CollectiveEnd(chunks=len(sends), bytes=sent))
+        end = end_frame(len(sends), sent)
         yield end if last is None else encode_batch([last, end])
         return
     for frame in plan.chunk_frames(sends):
         sent += len(frame) - CHUNK_HEADER_BYTES
         yield frame
-    yield encode_message(KIND_END, pb.CollectiveEnd(chunks=len(sends), bytes=sent))
+    yield end_frame(len(sends), sent)
 
 
 def in_one_message(header: pb.CollectiveHeader, plan: CollectivePlan, sends: Sequence[int],
@@ -87,7 +87,7 @@ def in_one_message(header: pb.CollectiveHeader, plan: CollectivePlan, sends: Seq
             return None
         frames = list(plan.chunk_frames(sends))
         sent = sum(len(frame) - CHUNK_HEADER_BYTES for frame in frames)
-    end = encode_message(KIND_END, pb.CollectiveEnd(chunks=len(sends), bytes=sent))
+    end = end_frame(len(sends), sent)
     return encode_batch([encode_message(KIND_HEADER, header), *frames, end])
 
 

@@ -31,6 +31,7 @@ from gradstar.wire import (
     as_byte_view,
     decode_error,
     decode_message,
+    decode_shared,
     decode_shm_chunk,
     frame_kind,
     frames_of,
@@ -163,7 +164,7 @@ class StreamReceiver:
             answer = decode_message(frame, KIND_SHM_ATTACH, pb.ShmAttach)
             self.attached, self.refusal = answer.attached, answer.reason
         elif kind == KIND_ACCEPT and self.phase is Phase.AWAITING_ACCEPT:
-            accept = decode_message(frame, KIND_ACCEPT, pb.CollectiveAccept)
+            accept = decode_shared(frame, KIND_ACCEPT, pb.CollectiveAccept)
             if accept.output_chunks != self.tracker.expected:
                 raise ProtocolError(
                     f"{self.what}: the coordinator will send {accept.output_chunks} chunks, "
@@ -173,7 +174,7 @@ class StreamReceiver:
         elif kind == KIND_ERROR:
             raise decode_error(frame)
         elif kind == KIND_END and self.phase is Phase.RECEIVING:
-            self.end = decode_message(frame, KIND_END, pb.CollectiveEnd)
+            self.end = decode_shared(frame, KIND_END, pb.CollectiveEnd)
             self.tracker.finish(self.end)
             self.phase = Phase.COMPLETE
         else:

@@ -52,16 +52,16 @@ from gradstar.errors import (
 from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.wire import (
     CHUNK_HEADER_BYTES,
-    KIND_ACCEPT,
     KIND_END,
     ChunkTracker,
+    accept_frame,
     chunk_frame_buffer,
     decode_chunk,
-    decode_message,
+    decode_shared,
     decode_shm_chunk,
     encode_chunk,
-    encode_message,
     encode_shm_chunk,
+    end_frame,
     seal_chunk_frame,
 )
 
@@ -183,8 +183,7 @@ class PendingCollective:
         self.late = self.engine.metrics.matched(self.gen.job.name, self.spec.stripe, [
             (p.rank, p.arrived) for p in self.participants.values()])  # in arrival order
         for p in self.participants.values():
-            accept = pb.CollectiveAccept(output_chunks=p.output_count)
-            p.outbox.put_nowait(encode_message(KIND_ACCEPT, accept))
+            p.outbox.put_nowait(accept_frame(p.output_count))
         held, self._held = self._held, []
         for sender, index, payload, frame in held:
             self._forward(sender, index, payload, frame)
@@ -290,7 +289,7 @@ class PendingCollective:
     def on_end(self, p: Participant, frame: bytes) -> None:
         """``p``'s end marker; raises ProtocolError if its counts disagree with what arrived."""
         try:
-            end = decode_message(frame, KIND_END, pb.CollectiveEnd)
+            end = decode_shared(frame, KIND_END, pb.CollectiveEnd)
         except ProtocolError as error:
             raise ProtocolError(f"rank {p.rank}: {error}") from None
         p.tracker.finish(end, p.input_count)
@@ -313,8 +312,7 @@ class PendingCollective:
                 return
         self._finish(None)
         for p in self.participants.values():
-            p.outbox.put_nowait(encode_message(KIND_END, pb.CollectiveEnd(
-                chunks=p.queued, bytes=p.queued_bytes, late=self.late)))
+            p.outbox.put_nowait(end_frame(p.queued, p.queued_bytes, self.late))
             p.outbox.put_nowait(CLOSE)
 
     # -- failure -------------------------------------------------------------------------------

@@ -32,14 +32,17 @@ from gradstar.wire import (
     SUPPORTED_DTYPES,
     ChunkLayout,
     ChunkTracker,
+    accept_frame,
     aligned_chunk_bytes,
     as_byte_view,
     decode_chunk,
     decode_message,
+    decode_shared,
     dtype_from_wire,
     dtype_info,
     encode_chunk,
     encode_message,
+    end_frame,
     frame_kind,
     iter_chunk_frames,
     tracker_bytes,
@@ -94,10 +97,6 @@ def chunk_sizes(itemsize: int):
     """Aligned chunk sizes: mostly a few elements, sometimes bigger than any test tensor."""
     raw = st.one_of(st.integers(1, 96), st.sampled_from([DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES]))
     return raw.map(lambda n: aligned_chunk_bytes(n, itemsize))
-
-
-def end_frame(chunks: int, nbytes: int) -> bytes:
-    return encode_message(KIND_END, pb.CollectiveEnd(chunks=chunks, bytes=nbytes))
 
 
 def end_frame_for(layout: ChunkLayout) -> bytes:
@@ -485,6 +484,40 @@ def test_control_messages_round_trip(kind, message):
 
     assert frame_kind(frame) == kind
     assert decode_message(frame, kind, type(message)) == message
+
+
+@pytest.mark.parametrize("late", [[], [pb.LateRank(rank=3, lag_seconds=0.25)]],
+                         ids=["on-time", "late-rank"])
+def test_the_made_once_control_frames_are_the_encoded_messages(late):
+    assert accept_frame(7) == encode_message(KIND_ACCEPT, pb.CollectiveAccept(output_chunks=7))
+    assert accept_frame(7) is accept_frame(7)  # made once
+    assert end_frame(3, 300, late) == encode_message(
+        KIND_END, pb.CollectiveEnd(chunks=3, bytes=300, late=late))
+    assert end_frame(3, 301) != end_frame(3, 300)
+
+
+@pytest.mark.parametrize("message", [
+    pb.CollectiveEnd(chunks=2, bytes=200),
+    pb.CollectiveEnd(chunks=2, bytes=200, late=[pb.LateRank(rank=r, lag_seconds=r / 10)
+                                                for r in range(8)]),  # past the shared size
+], ids=["small", "large"])
+def test_decode_shared_reads_what_decode_message_reads(message):
+    frame = encode_message(KIND_END, message)
+
+    assert decode_shared(frame, KIND_END, pb.CollectiveEnd) == message
+    # An equal frame (another bytes object) of the small kind gets the same, shared message.
+    again = decode_shared(bytes(bytearray(frame)), KIND_END, pb.CollectiveEnd)
+    assert again == message
+    assert (again is decode_shared(frame, KIND_END, pb.CollectiveEnd)) == (len(frame) <= 32)
+
+
+def test_decode_shared_refuses_a_bad_frame_every_time():
+    frame = bytes((KIND_END,)) + b"\x08"  # a varint cut short
+    for _ in range(2):  # a refusal is not remembered as an answer
+        with pytest.raises(ProtocolError, match="corrupt CollectiveEnd frame"):
+            decode_shared(frame, KIND_END, pb.CollectiveEnd)
+    with pytest.raises(ProtocolError, match="expected a frame of kind 2, got 4"):
+        decode_shared(end_frame(1, 4), KIND_ACCEPT, pb.CollectiveAccept)
 
 
 def test_decode_message_of_the_wrong_kind_raises():

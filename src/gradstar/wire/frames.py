@@ -21,6 +21,7 @@ Any frame that is short, long, corrupt or of the wrong kind raises
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import struct
 from collections.abc import Sequence
@@ -109,6 +110,49 @@ def decode_message(frame: bytes, kind: int, message_type):
     except Exception as exc:  # protobuf raises DecodeError or RuntimeWarning-derived errors
         raise ProtocolError(f"corrupt {message_type.__name__} frame: {exc}") from None
     return message
+
+
+# The control frames of a collective are the same few bytes step after step (an accept of one
+# chunk, an end marker of one chunk of 100 bytes): each is encoded once and shared (an immutable
+# bytes object), and decoded once and shared (:func:`decode_shared`: read, never changed). A
+# tiny collective encoded and decoded six of them on the hub and two on each rank (issue 36).
+# 256 distinct ones each, the oldest forgotten.
+
+@functools.lru_cache(maxsize=256)
+def accept_frame(output_chunks: int) -> bytes:
+    """The ``ACCEPT`` frame announcing ``output_chunks`` result chunks."""
+    return encode_message(KIND_ACCEPT, pb.CollectiveAccept(output_chunks=output_chunks))
+
+
+def end_frame(chunks: int, nbytes: int, late: Sequence[pb.LateRank] = ()) -> bytes:
+    """The ``END`` frame of a stream of ``chunks`` chunks of ``nbytes`` payload bytes in all
+    (a hub's names the ranks its collective waited for, ``late``)."""
+    if late:
+        return encode_message(KIND_END, pb.CollectiveEnd(chunks=chunks, bytes=nbytes, late=late))
+    return _end_frame(chunks, nbytes)
+
+
+@functools.lru_cache(maxsize=256)
+def _end_frame(chunks: int, nbytes: int) -> bytes:
+    return encode_message(KIND_END, pb.CollectiveEnd(chunks=chunks, bytes=nbytes))
+
+
+def decode_shared(frame: bytes, kind: int, message_type):
+    """:func:`decode_message` for the small control frames that repeat (accept, end marker):
+    the message is shared by every equal frame, so read it, never change it. A refused frame
+    is not kept (it raises each time)."""
+    if len(frame) > _SHARED_FRAME_BYTES:
+        return decode_message(frame, kind, message_type)
+    return _decode_shared(frame, kind, message_type)
+
+
+# Counts alone are a few bytes; an end marker naming several late ranks is decoded each time.
+_SHARED_FRAME_BYTES = 32
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_shared(frame: bytes, kind: int, message_type):
+    return decode_message(frame, kind, message_type)
 
 
 def encode_error(error: GradstarError) -> bytes:
@@ -255,8 +299,8 @@ __all__ = [
     "CHUNK_HEADER_BYTES", "COLLECTIVE_METHOD", "COLLECTIVE_SERVICE", "KIND_ACCEPT", "KIND_BATCH",
     "KIND_CHUNK", "KIND_END", "KIND_ERROR", "KIND_HEADER", "KIND_SHM_ATTACH", "KIND_SHM_CHUNK",
     "MAX_BATCHED_CHUNK_BYTES", "MAX_BATCH_BYTES", "MAX_BATCH_FRAMES", "MAX_HEADER_BYTES",
-    "PEER_METHOD", "PEER_SERVICE", "batchable",
-    "check_header_size", "chunk_frame_buffer", "decode_chunk", "decode_error",
-    "decode_message", "decode_shm_chunk", "encode_batch", "encode_chunk", "encode_error",
-    "encode_message", "encode_shm_chunk", "frame_kind", "frames_of", "seal_chunk_frame",
+    "PEER_METHOD", "PEER_SERVICE", "accept_frame", "batchable", "check_header_size",
+    "chunk_frame_buffer", "decode_chunk", "decode_error", "decode_message", "decode_shared",
+    "decode_shm_chunk", "encode_batch", "encode_chunk", "encode_error", "encode_message",
+    "encode_shm_chunk", "end_frame", "frame_kind", "frames_of", "seal_chunk_frame",
 ]
