@@ -314,17 +314,23 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         already checked), derived once from its header, and its timeout."""
         self._check_usable()
         timeout = self.settings.timeout if timeout is None else timeout
+        dtype, wire = dtype_info(arr.dtype).wire, fmt.wire if fmt else 0
+        chunk_bytes = aligned_wire_chunk_bytes(aligned_chunk_bytes(striped_chunk_bytes(
+            self.settings.chunk_bytes, arr.nbytes,
+            len(self._plane.targets(averaging=averaging is not None))),
+            arr.dtype.itemsize), arr.dtype.itemsize, fmt)
         header = pb.CollectiveHeader(
             job=self.job, generation=self.generation, group="default", seq=next(self._seq),
             rank=self.rank, member_id=self._member_id, op=op, reduce_op=reduce_op,
-            dtype=dtype_info(arr.dtype).wire, shape=arr.shape, root=root,
-            chunk_bytes=aligned_wire_chunk_bytes(aligned_chunk_bytes(striped_chunk_bytes(
-                self.settings.chunk_bytes, arr.nbytes,
-                len(self._plane.targets(averaging=averaging is not None))),
-                arr.dtype.itemsize), arr.dtype.itemsize, fmt),
-            timeout_seconds=timeout, averaging=averaging, wire=fmt.wire if fmt else 0,
+            dtype=dtype, shape=arr.shape, root=root, chunk_bytes=chunk_bytes,
+            timeout_seconds=timeout, averaging=averaging, wire=wire,
         )
-        return self._calls.call(header, self.world_size), timeout
+        # The calls of this rank differ in these alone (rank and world size are the group's;
+        # no header here offers a segment yet); an averaging round is told apart by its
+        # header's fields.
+        key = None if averaging is not None else (op, reduce_op, dtype, arr.shape, root,
+                                                  chunk_bytes, wire)
+        return self._calls.call(header, self.world_size, key), timeout
 
     def _targets(self, call: ops.CollectiveCall):
         return self._plane.targets(averaging=bool(call.header.averaging.rule))

@@ -158,6 +158,21 @@ def test_what_a_call_depends_on_is_derived_again(fields):
     assert calls.call(header(), 3).world_size == 3
 
 
+def test_a_callers_key_stands_for_the_headers_fields():
+    # A rank's group names each call by what it built the header from (ops.CallCache.call's
+    # key): the same key gets the remembered call with its own header, another key a new one,
+    # and a header without a key is remembered apart.
+    calls = ValidatedCalls(LIMITS)
+    first = calls.call(header(seq=1), 2, key=("allreduce", 24))
+    again = calls.call(header(seq=2), 2, key=("allreduce", 24))
+    other = calls.call(header(seq=3, shape=[5]), 2, key=("allreduce", 5))
+    plain = calls.call(header(seq=4), 2)
+    assert again.header.seq == 2 and again.geometry is first.geometry
+    assert other.header.shape == [5] and other.nbytes == 20
+    assert plain.geometry is not first.geometry and len(calls) == 3
+    assert again.fields == plain.fields  # the header's own fields, whatever the key
+
+
 def test_an_invalid_header_is_refused_every_time_and_not_remembered():
     calls = ValidatedCalls(LIMITS)
     calls.call(header(), 2)

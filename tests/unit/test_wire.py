@@ -224,6 +224,20 @@ def test_as_byte_view_shares_memory_with_the_array():
     assert bytes(view[-4:]) == np.int32(-1).tobytes()
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(), (0,), (5,), (2, 3), (3, 0)], ids=str)
+def test_as_byte_view_is_the_arrays_bytes_flat_and_writable(dtype, shape):
+    array = np.arange(math.prod(shape), dtype=np.float32).astype(dtype).reshape(shape)
+
+    view = as_byte_view(array)
+
+    assert (view.ndim, view.format, view.nbytes) == (1, "B", array.nbytes)
+    assert bytes(view) == array.tobytes()
+    if array.size:
+        view[:] = bytes(array.nbytes)  # writes reach the array
+        assert not array.any()
+
+
 def test_as_byte_view_of_a_scalar_array_is_its_bytes():
     scalar = np.array(1.5, dtype=ml_dtypes.bfloat16)
 

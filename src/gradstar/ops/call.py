@@ -174,11 +174,15 @@ class CallCache:
     def __len__(self) -> int:
         return len(self._calls)
 
-    def call(self, h: pb.CollectiveHeader, world_size: int) -> CollectiveCall:
+    def call(self, h: pb.CollectiveHeader, world_size: int, key: tuple | None = None
+             ) -> CollectiveCall:
         """The call ``h`` describes in a world of ``world_size``; raises what ``derive``
-        raises."""
-        fields = call_fields(h)
-        key = (fields, h.rank, world_size, h.HasField("shm"))
+        raises. ``key``: what the caller built ``h`` from, when it knows that this alone
+        tells its calls apart (a rank's group: the fields it set, in place of reading them
+        back from the header) -- a tuple of another length than the four items of the key
+        made here, so that the two kinds never meet."""
+        if key is None:
+            key = (call_fields(h), h.rank, world_size, h.HasField("shm"))
         known = self._calls.get(key)
         if known is not None:
             return known.for_header(h)

@@ -203,6 +203,12 @@ def take_part(data: bytes, view: memoryview, filled: int, max_part: int, what: s
 
 def as_byte_view(array: np.ndarray) -> memoryview:
     """A flat byte view of a C-contiguous array (no copy)."""
+    if array.dtype.isbuiltin == 1 and array.flags.c_contiguous and array.size:
+        # numpy's own dtypes export a buffer: cast it (a quarter of the time of the two views
+        # below, which a tiny collective's rank paid three times per call).
+        return memoryview(array).cast("B")
+    # ml_dtypes' bfloat16 cannot describe itself in a buffer, nor can an empty array be cast;
+    # a uint8 view of the bytes can.
     return memoryview(array.reshape(-1).view(np.uint8))
 
 
