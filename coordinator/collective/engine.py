@@ -37,7 +37,6 @@ that arrived, and on every rank that arrives later for the same seq.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import numpy as np
@@ -69,6 +68,7 @@ from ..metrics import CollectiveMetrics
 from ..rendezvous.rendezvous import Generation, Rendezvous
 from ..rounds.averaging import AveragingRound, AveragingStore
 from .budget import CollectiveBudget, participant_charge
+from .deadlines import Deadlines
 from .matching import Limits, ValidatedCalls, check_agrees, describe
 from .reduce import BufferPool, reducer_for
 from .window import CLOSE, Participant, ReadWindow
@@ -117,7 +117,7 @@ class PendingCollective:
             self.round = engine.averaging.open_round(gen.job.name, header.averaging,
                                                      self.nbytes // self.dtype.numpy.itemsize)
         timeout = min(header.timeout_seconds or engine.max_timeout, engine.max_timeout)
-        self._timer = asyncio.get_running_loop().call_later(timeout, self._on_timeout, timeout)
+        self._due = engine.deadlines.add(self, timeout)  # calls expired() unless it ends first
 
     # -- arrival -------------------------------------------------------------------------------
 
@@ -326,7 +326,8 @@ class PendingCollective:
             rank=p.rank, generation=self.gen.number,
         ))
 
-    def _on_timeout(self, timeout: float) -> None:
+    def expired(self, timeout: float) -> None:
+        """Its ``timeout`` passed before it ended (:mod:`.deadlines`): fail it."""
         if self.finished:
             return
         absent = [r for r in range(self.world) if r not in self.participants]
@@ -355,7 +356,7 @@ class PendingCollective:
     def _finish(self, error: GradstarError | None) -> None:
         self.finished = True
         self.window.progressed()
-        self._timer.cancel()
+        self.engine.deadlines.remove(self._due, self)
         for slot in self._slots.values():
             self.reducer.release(slot)
         self._slots.clear()
@@ -392,6 +393,7 @@ class CollectiveEngine:
         self.pool = pool or BufferPool()
         self.averaging = averaging or AveragingStore()
         self.metrics = metrics or CollectiveMetrics()
+        self.deadlines = Deadlines()  # when pending collectives time out
 
     def arrive(self, h: pb.CollectiveHeader,
                shm: memoryview | None = None) -> tuple[PendingCollective, Participant]:
