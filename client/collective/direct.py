@@ -103,7 +103,7 @@ class DirectLane:
             return False
         if len(g.sends) + 2 > MAX_BATCH_FRAMES:
             return False
-        return sum(g.layout.span(i)[1] for i in g.sends) <= MAX_BATCHED_CHUNK_BYTES
+        return g.send_bytes <= MAX_BATCHED_CHUNK_BYTES
 
     def run(self, call: ops.CollectiveCall, send: np.ndarray | None, out: np.ndarray,
             timeout: float) -> np.ndarray:

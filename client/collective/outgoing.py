@@ -83,10 +83,11 @@ def in_one_message(header: pb.CollectiveHeader, plan: CollectivePlan, sends: Seq
             frames.append(encode_shm_chunk(index))
             sent += length
     else:
-        if sum(layout.span(i)[1] for i in sends) > MAX_BATCHED_CHUNK_BYTES:
+        sent = plan.geometry.send_bytes if sends is plan.geometry.sends else sum(
+            layout.span(i)[1] for i in sends)
+        if sent > MAX_BATCHED_CHUNK_BYTES:
             return None
         frames = list(plan.chunk_frames(sends))
-        sent = sum(len(frame) - CHUNK_HEADER_BYTES for frame in frames)
     end = end_frame(len(sends), sent)
     return encode_batch([encode_message(KIND_HEADER, header), *frames, end])
 

@@ -32,6 +32,15 @@ def test_every_collective_op_has_a_record(name, value):
     assert geometry.op == value
 
 
+@pytest.mark.parametrize(("name", "value"), values(pb.CollectiveOp, "COLLECTIVE_OP_"))
+@pytest.mark.parametrize("rank", [0, 2])
+@pytest.mark.parametrize(("nbytes", "chunk_bytes"), [(4 * 64, 64), (4 * 100, 48), (0, 64)])
+def test_send_bytes_is_what_the_sent_chunks_hold(name, value, rank, nbytes, chunk_bytes):
+    g = ops.geometry(value, 4, rank, nbytes, chunk_bytes, root=2)
+    assert g.send_bytes == sum(g.layout.span(i)[1] for i in g.sends)
+    assert g.send_bytes == g.send_bytes  # derived once, the same after
+
+
 def test_the_records_name_each_op_once():
     assert len({op.name for op in ops.OPS.values()}) == len(ops.OPS)
     assert ops.REDUCING == {op.wire for op in ops.OPS.values() if op.reduces}

@@ -106,8 +106,12 @@ class CollectiveCall:
     def for_header(self, header: pb.CollectiveHeader) -> CollectiveCall:
         """This call for ``header``, which describes the same collective of the same rank (it
         differs in its sequence number, timeout, job or group only; the caller knows)."""
-        return CollectiveCall(header, self.op, self.dtype, self.encoding, self.geometry,
-                              self.nbytes, self.world_size, self.fields)
+        # A copy of this frozen record's fields with its own header: what the dataclass's
+        # __init__ would build, at half its cost (it sets each field through
+        # object.__setattr__), once per collective on the hub and on each rank.
+        twin = object.__new__(CollectiveCall)
+        twin.__dict__.update(self.__dict__, header=header)
+        return twin
 
     @property
     def facts(self) -> Facts:

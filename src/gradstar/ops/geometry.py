@@ -32,6 +32,7 @@ small tensor costs one round trip to one shard.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -91,6 +92,12 @@ class Geometry:
     @property
     def receive_count(self) -> int:
         return sum(len(r) for r in self.receives)
+
+    @functools.cached_property
+    def send_bytes(self) -> int:
+        """Payload bytes of the chunks the rank sends (of the layout's chunks: encoded ones
+        with a wire format), derived once: a small collective's lane asks on every call."""
+        return sum(self.layout.span(i)[1] for i in self.sends)
 
 
 def values_layout(layout: Layout, world_size: int, nbytes: int,
