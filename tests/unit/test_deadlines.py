@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
-from gradstar.coordinator.collective.deadlines import Deadlines
+from gradstar.coordinator.collective.deadlines import SPAN, Deadlines
 
 BOUND = 5.0  # no test waits longer than this for a deadline
 
@@ -14,15 +15,17 @@ BOUND = 5.0  # no test waits longer than this for a deadline
 class Entry:
     def __init__(self) -> None:
         self.fired: list[tuple[float, float]] = []  # (timeout, loop time when told)
+        self.told = asyncio.Event()
 
     def expired(self, timeout: float) -> None:
         self.fired.append((timeout, asyncio.get_running_loop().time()))
+        self.told.set()
 
 
-async def _until(condition, bound: float = BOUND) -> None:
-    async with asyncio.timeout(bound):
-        while not condition():
-            await asyncio.sleep(0.005)
+async def _told(*entries: Entry) -> None:
+    async with asyncio.timeout(BOUND):
+        for entry in entries:
+            await entry.told.wait()
 
 
 @pytest.mark.asyncio
@@ -33,7 +36,7 @@ async def test_an_entry_expires_after_its_timeout_and_at_most_a_tick_later():
     for entry, timeout in zip(entries, (0.1, 0.1, 0.2), strict=True):
         deadlines.add(entry, timeout)
 
-    await _until(lambda: all(e.fired for e in entries))
+    await _told(*entries)
 
     for entry, timeout in zip(entries, (0.1, 0.1, 0.2), strict=True):
         assert [t for t, _ in entry.fired] == [timeout]  # told once, with its own timeout
@@ -50,7 +53,7 @@ async def test_a_removed_entry_never_expires_and_is_not_kept():
     deadlines.remove(ticket, gone)
     assert len(deadlines) == 1  # the ended entry is not held until its deadline
 
-    await _until(lambda: bool(stays.fired))
+    await _told(stays)
     await asyncio.sleep(0.1)
 
     assert gone.fired == [] and len(stays.fired) == 1
@@ -68,7 +71,56 @@ def test_deadlines_set_on_a_closed_loop_do_not_hold_a_new_loops_entries():
 
     async def add_and_wait():
         deadlines.add(second, 0.05)
-        await _until(lambda: bool(second.fired))
+        await _told(second)
 
     asyncio.run(add_and_wait())
     assert first.fired == [] and len(second.fired) == 1
+
+
+@pytest.mark.asyncio
+async def test_an_infinite_timeout_is_never_due_and_a_nan_one_at_once():
+    deadlines = Deadlines(tick=0.05)
+    never, nan, negative = Entry(), Entry(), Entry()
+    ticket = deadlines.add(never, math.inf)
+    deadlines.add(nan, math.nan)
+    deadlines.add(negative, -1.0)
+
+    await _told(nan, negative)
+    await asyncio.sleep(0.1)
+
+    assert never.fired == [] and len(deadlines) == 0
+    assert math.isnan(nan.fired[0][0]) and negative.fired[0][0] == -1.0
+    deadlines.remove(ticket, never)
+
+
+@pytest.mark.asyncio
+async def test_an_entry_that_fails_costs_no_other_entry_its_timeout(caplog):
+    class Broken(Entry):
+        def expired(self, timeout: float) -> None:
+            raise RuntimeError("a bug in one collective's failure")
+
+    deadlines = Deadlines(tick=0.05)
+    entries = [Entry(), Broken(), Entry()]
+    for entry in entries:
+        deadlines.add(entry, 0.05)
+
+    await _told(entries[0], entries[2])
+    assert "a collective's timeout failed" in caplog.text
+
+
+@pytest.mark.asyncio
+async def test_a_long_timeout_shares_coarser_ticks_within_a_bounded_lateness():
+    tick = 0.001
+    deadlines = Deadlines(tick=tick)
+    loop = asyncio.get_running_loop()
+    timeout = tick * SPAN * 3  # three spans: ticks of four
+    entries = []
+    for _ in range(40):
+        entries.append(Entry())
+        start = loop.time()
+        deadlines.add(entries[-1], timeout)
+        await asyncio.sleep(tick)
+    # 40 adds a tick apart fall on ~10 ticks of 4 (and never more than a span of them).
+    assert deadlines.ticks <= 40 // 4 + 2
+    await _told(*entries)
+    assert entries[-1].fired[0][1] >= start + timeout
