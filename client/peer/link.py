@@ -17,14 +17,12 @@ from gradstar.errors import (
     GradstarError,
     ProtocolError,
 )
-from gradstar.proto.v1 import collective_pb2 as cpb
 from gradstar.proto.v1 import peer_pb2 as ppb
 from gradstar.transport.channels import client_credentials
 from gradstar.transport.channels import secure_or_insecure_channel as open_channel
 from gradstar.transport.tls_check import connect_or_diagnose
 from gradstar.wire import (
     KIND_ACCEPT,
-    KIND_END,
     KIND_ERROR,
     KIND_HEADER,
     PEER_METHOD,
@@ -35,6 +33,7 @@ from gradstar.wire import (
     decode_message,
     dtype_info,
     encode_message,
+    end_frame,
     frame_kind,
     iter_chunk_frames,
 )
@@ -184,8 +183,7 @@ class PeerLink:
                 await self._call.write(encode_message(KIND_HEADER, header))
                 for frame in iter_chunk_frames(data, layout):
                     await self._call.write(frame)
-                await self._call.write(encode_message(
-                    KIND_END, cpb.CollectiveEnd(chunks=layout.count, bytes=arr.nbytes)))
+                await self._call.write(end_frame(layout.count, arr.nbytes))
             except asyncio.CancelledError:
                 self._fail(LinkLost(self.dst, f"a send to rank {self.dst} was abandoned "
                                               "mid-message, which ends the stream"))
@@ -203,7 +201,7 @@ class PeerLink:
         if say_goodbye and self.error is None and self._call is not None:
             async def goodbye():
                 async with self._write_lock:
-                    await self._call.write(encode_message(KIND_END, cpb.CollectiveEnd()))
+                    await self._call.write(end_frame(0, 0))
                     await self._call.done_writing()
                 # Cancelling at once could discard the goodbye before the receiver reads it;
                 # the receiver ends the call once it has.

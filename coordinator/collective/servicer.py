@@ -51,8 +51,8 @@ def _take_batch(item, outbox: Outbox) -> tuple[list, object, int]:
     """``item`` and the small frames already queued behind it, to go in one message; the
     first queued item that may not join them (``_NOTHING`` if none was taken); and how many
     of the batch's frames are output chunks (in the frame or in a segment)."""
-    batch = [item]
-    chunks = 1 if _is_chunk(item) else 0
+    batch = [item]  # outbox bytes: CLOSE and errors are the writer's before this
+    chunks = 1 if item[0] in _CHUNK_KINDS else 0
     if not batchable(item):
         return batch, _NOTHING, chunks
     size = len(item)
@@ -62,14 +62,13 @@ def _take_batch(item, outbox: Outbox) -> tuple[list, object, int]:
             return batch, following, chunks
         batch.append(following)
         size += len(following)
-        if _is_chunk(following):
+        if following[0] in _CHUNK_KINDS:
             chunks += 1
     return batch, _NOTHING, chunks
 
 
-def _is_chunk(frame) -> bool:
-    """Whether an outbox item is an output chunk (a frame or a segment announcement)."""
-    return isinstance(frame, bytes) and (frame[0] == KIND_CHUNK or frame[0] == KIND_SHM_CHUNK)
+# An output chunk's kinds: in the frame, or in the rank's segment.
+_CHUNK_KINDS = frozenset((KIND_CHUNK, KIND_SHM_CHUNK))
 
 # How long a failed collective's call stays open for the client to read the in-band error and
 # hang up. Ending a call while the client still writes can make grpc-python report INTERNAL to
@@ -115,7 +114,7 @@ class CollectiveServicer:
                     first = await anext(frames)
                 except StopAsyncIteration:
                     return
-                verdict: list[bytes] = []  # the attach verdict, when the header offered one
+                attach = None  # the attach verdict, when the header offered a segment
                 try:
                     # A small collective's header comes with the rest of the rank's side
                     # (chunks or their announcements, end marker) in one message.
@@ -123,15 +122,16 @@ class CollectiveServicer:
                     header = self._header(arrived[0])
                     if self.admit is not None:
                         await self.admit(header)
-                    coll, me, shm = self._arrive(header, offered, verdict)
+                    shm, attach = self._attach(header)
+                    coll, me = self._arrive(header, shm, attach, offered)
                 except GradstarError as error:
                     # Kept errors (a failed generation's, an ended collective's) are raised
                     # again for every header that comes for them: each time, drop the frames
                     # they went through.
                     without_frames(error)
                     shm = None  # nor may the abort's traceback keep the segment (see below)
-                    if verdict:
-                        yield verdict[0]  # the rank learns a refusal even from a failure
+                    if attach is not None:
+                        yield attach  # the rank learns a refusal even from a failure
                     yield encode_error(error)
                     await self._linger(asyncio.ensure_future(self._drain(frames)))
                     await abort(context, error)
@@ -146,7 +146,7 @@ class CollectiveServicer:
                     # An eager rank does not wait for the verdict on a segment this hub
                     # attached: it goes with the accept. Any other verdict goes first, at once.
                     eager = shm is not None and header.shm.eager
-                    held = verdict[0] if verdict and not eager else _NOTHING
+                    held = _NOTHING if attach is None or eager else attach
                     while True:
                         item = await me.outbox.get() if held is _NOTHING else held
                         held = _NOTHING
@@ -161,9 +161,9 @@ class CollectiveServicer:
                         if eager:
                             eager = False
                             if batchable(item):
-                                batch.insert(0, verdict[0])
+                                batch.insert(0, attach)
                             else:
-                                yield verdict[0]
+                                yield attach
                         yield batch[0] if len(batch) == 1 else encode_batch(batch)
                         if chunks:
                             me.delivered += chunks
@@ -199,15 +199,12 @@ class CollectiveServicer:
         check_job_name(header.job)
         return header
 
-    def _arrive(self, header: cpb.CollectiveHeader, offered: set[int],
-                verdict: list[bytes]) -> tuple[PendingCollective, Participant, memoryview | None]:
-        """Admit ``header``'s rank to its collective: (the collective, the rank's part, the
-        segment mapped for it or None). Appends the attach verdict frame to ``verdict`` (first
-        thing, so that a failure still sends it) and the pid of an attached segment to
-        ``offered``."""
-        shm, attach = self._attach(header)
-        if attach is not None:
-            verdict.append(attach)
+    def _arrive(self, header: cpb.CollectiveHeader, shm: memoryview | None,
+                attach: bytes | None,
+                offered: set[int]) -> tuple[PendingCollective, Participant]:
+        """Admit ``header``'s rank, with the segment :meth:`_attach` mapped for it (or None)
+        and its verdict ``attach``, to its collective: (the collective, the rank's part); adds
+        the pid of an attached segment to ``offered``."""
         if shm is not None:
             offered.add(header.shm.pid)
         coll, me = self.engine.arrive(header, shm)
@@ -218,7 +215,7 @@ class CollectiveServicer:
             # hear, to rejoin), not a protocol error (what its announced chunks would be).
             coll.on_stream_closed(me, "exited before the hub could attach the shared-memory "
                                       "segment holding its chunks")
-        return coll, me, shm
+        return coll, me
 
     def _attach(self, header: cpb.CollectiveHeader) -> tuple[memoryview | None, bytes | None]:
         """Map the segment ``header`` offers, if any: (its data or None, the attach verdict
