@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import increment_version
 
 from gradstar.client.convert import is_cpu_tensor
 from gradstar.client.device import check_device
@@ -31,7 +32,6 @@ from .convert import (
     for_reduction,
     for_transfer,
     reduce_op_name,
-    seconds_of,
     tensor_list,
     write_rows,
 )
@@ -40,6 +40,25 @@ from .profiling import record_collectives
 
 class MonitoredBarrierError(CollectiveTimeoutError, RuntimeError):
     """Some ranks did not reach a ``monitored_barrier`` in time (a RuntimeError, as gloo's)."""
+
+
+#: dtypes numpy views as they are that the hub reduces (bfloat16 needs ml_dtypes' view).
+_NUMPY_REDUCED = {torch.float32, torch.float64, torch.float16, torch.int32, torch.int64}
+
+
+def _numpy_in_place(tensors: list[torch.Tensor], op: str):
+    """The numpy view of the one tensor of a waited all_reduce that the SDK can reduce in
+    place, its result written straight into the tensor's memory (``out=``) with nothing to
+    write afterwards: a dense, contiguous CPU tensor of a dtype in :data:`_NUMPY_REDUCED`,
+    not requiring grad (nor a negated view), reduced by the hub (not a bitwise op). None for
+    anything else, which takes the general path."""
+    if len(tensors) != 1 or op in BITWISE_OPS:
+        return None
+    t = tensors[0]
+    if (t.dtype in _NUMPY_REDUCED and t.layout == torch.strided and is_cpu_tensor(t)
+            and t.is_contiguous() and not t.requires_grad and not t.is_neg()):
+        return t.numpy()
+    return None
 
 
 def _viewable(t: torch.Tensor) -> bool:
@@ -119,10 +138,18 @@ class Collectives:
 
     def allreduce(self, tensors, opts=None):
         tensors = tensor_list(tensors)
+        op, how = reduce_op_name(opts), CallOptions.of(opts)
+        if how.waited and (arr := _numpy_in_place(tensors, op)) is not None:
+            # dist.all_reduce(t) of a CPU tensor: the SDK reduces into t's memory, and the
+            # Work comes back ended. The write is counted as torch's own in-place ops count
+            # theirs (the version autograd checks), failed or not: a failure may have written
+            # part of a result.
+            work = self._run_here(tensors, "all_reduce", arr, op, timeout=how.timeout, out=arr)
+            increment_version(tensors[0])
+            return work
         if any(t.layout == torch.sparse_coo for t in tensors):
-            return self._sparse_allreduce(tensors, reduce_op_name(opts), seconds_of(opts))
-        return self._reduce(tensors, reduce_op_name(opts), CallOptions.of(opts),
-                            lambda i, r: tensors[i].copy_(r), in_place=True)
+            return self._sparse_allreduce(tensors, op, how.timeout)
+        return self._reduce(tensors, op, how, lambda i, r: tensors[i].copy_(r), in_place=True)
 
     def allreduce_wire(self, tensor: torch.Tensor, op: str = "mean", *, wire: str,
                        timeout: float | None = None):
@@ -321,6 +348,8 @@ class Collectives:
 
     def barrier(self, opts=None):
         how = CallOptions.of(opts)
+        if how.waited:  # dist.barrier(): run to its end here, the Work back ended
+            return self._run_here([], "barrier", timeout=how.timeout)
         return self._launch([self._call("barrier", timeout=how.timeout)],
                             lambda _results: [], [], waited=how.waited)
 

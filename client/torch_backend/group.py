@@ -186,6 +186,20 @@ class ProcessGroupGradstar(Collectives, PointToPoint, dist.ProcessGroup):
             self._in_flight.add(work)
         return work
 
+    def _run_here(self, value, method: str, *args, **kwargs) -> GradstarWork:
+        """``gradstar_group.<method>(*args, **kwargs)`` run to its end on this thread, for a
+        call torch waits for at once whose collective touches no CUDA tensor and leaves
+        nothing to write afterwards (it writes its result into the tensor's memory itself, or
+        has none): the Work comes back ended (:meth:`GradstarWork.ended`) with ``value``, for
+        a fraction of :meth:`_launch`'s cost per call. Raises as ``_launch`` does."""
+        try:
+            ended = self.gradstar_group.settled(method, *args, **kwargs)
+        except ValueError:
+            raise
+        except GradstarError as error:
+            return GradstarWork.failed(error, self._completions, label=self._error_label)
+        return GradstarWork.ended(ended, value, self._completions, label=self._error_label)
+
     # -- lifecycle -----------------------------------------------------------------------------
 
     def shutdown(self) -> None:

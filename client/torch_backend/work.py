@@ -215,8 +215,9 @@ class GradstarWork(dist._Work):
             # Its future is made when asked for (get_future): torch's waited calls never ask.
             self._raw = self._future = None
             self._completing = True
-            with _on_device(self._devices):
-                self._settle()
+            if finish is not None:  # None: ended() settles it
+                with _on_device(self._devices):
+                    self._settle()
             return
         self._raw, self._future = self._new_future()
         if not self._pending:
@@ -235,6 +236,28 @@ class GradstarWork(dist._Work):
             raise error
 
         return cls([], finish, completions, label=label)
+
+    @classmethod
+    def ended(cls, gradstar_work, value, completions: CompletionThreads, *,
+              label: str = "") -> GradstarWork:
+        """A Work settled at once from one gradstar collective that has ended already
+        (``gradstar_work``, from :meth:`gradstar.client.process_group.ProcessGroup.settled`)
+        and left nothing to write into torch's tensors: its result is in their memory already,
+        or it has none (a barrier). ``value`` is what the Work's future completes with; if the
+        collective failed, its error (labelled) is the Work's.
+
+        The cheap form of ``here`` for torch's waited calls on CPU tensors: no finish to run
+        under ``torch.no_grad()``, no devices to synchronize."""
+        work = cls((), None, completions, label=label, here=True)
+        work._count = 1
+        try:
+            gradstar_work.wait()
+        except BaseException as error:
+            work._error = labelled(error, label)
+        else:
+            work._value = value
+        work._settled = True
+        return work
 
     def _one_done(self, _future: concurrent.futures.Future) -> None:
         with self._count_lock:

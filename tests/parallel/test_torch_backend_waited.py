@@ -55,6 +55,20 @@ def rank_body(address: str, rank: int, job: str, finished: threading.Event,
             value = future.wait()
             report[name]["future"] = (future.done(), future is work.get_future(),
                                       value[0] is t, value[0][:1].tolist())
+        # The result is written into t's memory by the SDK itself (no copy_ of torch's): the
+        # write still counts as an in-place op, once, so autograd refuses a graph that saved t.
+        x = torch.ones(TINY, device=device, requires_grad=True)
+        t = torch.full((TINY,), float(rank + 1), device=device)
+        y = (x * t).sum()
+        before = t._version
+        pg.allreduce([t], _opts(dist.AllreduceOptions, waited=True)).wait()
+        try:
+            y.backward()
+            backward = "ran"
+        except RuntimeError as error:
+            backward = "refused" if "modified by an inplace operation" in str(error) else str(
+                error)
+        report["in_place"] = (t._version - before, backward, t[:1].tolist())
         work = pg.barrier(_opts(dist.BarrierOptions, waited=True))
         report["barrier"] = work.is_completed() and work.wait()
         gathered = torch.zeros(2 * TINY, device=device)
@@ -114,6 +128,7 @@ def check_reports(reports: list[dict], device: str = "cpu") -> None:
         for name in ("tiny", "large"):
             assert report[name] == {"settled_at_return": True, "exact": True, "wait": True,
                                     "device": device, "future": (True, True, True, [3.0])}
+        assert report["in_place"] == (1, "refused", [3.0])
         assert report["barrier"] is True
         assert report["all_gather"] == (True, [0.0, 1.0])
         assert report["reduce_scatter"] == (True, [2.0 * TINY * rank])  # 2 x arange, shard r

@@ -348,6 +348,26 @@ def test_a_work_settled_here_makes_its_future_only_when_asked(completions):
     assert not failed.is_success() and completions._threads == []  # no completion thread
 
 
+def test_an_ended_work_carries_its_value_or_its_collective_s_error(completions):
+    out = torch.ones(3)
+    work = GradstarWork.ended(SettledWork(out.numpy()), [out], completions, label="[Rank 1] ")
+    assert work.is_completed() and work.is_success() and work.wait() is True
+    assert work.result() == [out] and work.exception() is None and work._future is None
+    future = work.get_future()
+    assert future.done() and future is work.get_future() and future.wait()[0] is out
+    assert repr(work) == "GradstarWork(done, 1 gradstar collective(s))"
+    error = CollectiveMismatchError("ranks disagree", rank=0, field="shape")
+    failed = GradstarWork.ended(SettledWork(error=error), [out], completions,
+                                label="[Rank 1] ")
+    assert failed.is_completed() and not failed.is_success()
+    with pytest.raises(CollectiveMismatchError, match=r"^\[Rank 1\] ranks disagree"):
+        failed.wait()
+    with pytest.raises(RuntimeError, match=r"\[Rank 1\] ranks disagree"):
+        failed.get_future().wait()
+    assert str(error) == "ranks disagree"  # the caller's error object is not relabelled
+    assert completions._threads == []  # settled on this thread: no completion thread
+
+
 def test_a_work_of_several_collectives_completes_after_the_last(completions):
     loop = FakeLoop()
     pairs = [loop.work() for _ in range(3)]
