@@ -141,11 +141,12 @@ class Collectives:
         op, how = reduce_op_name(opts), CallOptions.of(opts)
         if how.waited and (arr := _numpy_in_place(tensors, op)) is not None:
             # dist.all_reduce(t) of a CPU tensor: the SDK reduces into t's memory, and the
-            # Work comes back ended. The write is counted as torch's own in-place ops count
-            # theirs (the version autograd checks), failed or not: a failure may have written
-            # part of a result.
+            # Work comes back ended. A result written counts as an in-place op (t's version,
+            # which autograd checks), once; a failed call leaves the version as it was, as
+            # the general path's copy_ and torch's own failed in-place ops do.
             work = self._run_here(tensors, "all_reduce", arr, op, timeout=how.timeout, out=arr)
-            increment_version(tensors[0])
+            if work.is_success():
+                increment_version(tensors[0])
             return work
         if any(t.layout == torch.sparse_coo for t in tensors):
             return self._sparse_allreduce(tensors, op, how.timeout)

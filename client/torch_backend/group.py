@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from gradstar.client.device import check_device, synchronize
 from gradstar.client.process_group import ProcessGroup
+from gradstar.client.work import SettledWork
 from gradstar.errors import GradstarError, ProcessGroupClosedError
 
 from .collectives import Collectives, MonitoredBarrierError
@@ -176,6 +177,9 @@ class ProcessGroupGradstar(Collectives, PointToPoint, dist.ProcessGroup):
         except ValueError:
             raise
         except GradstarError as error:
+            if here:  # failed already, as a waited call's Work comes back settled
+                return GradstarWork.ended(SettledWork(error=error), None, self._completions,
+                                          label=self._error_label)
             return GradstarWork.failed(error, self._completions, label=self._error_label)
         work = work_type(pending, finish, self._completions, label=self._error_label,
                          devices=devices,
@@ -190,14 +194,16 @@ class ProcessGroupGradstar(Collectives, PointToPoint, dist.ProcessGroup):
         """``gradstar_group.<method>(*args, **kwargs)`` run to its end on this thread, for a
         call torch waits for at once whose collective touches no CUDA tensor and leaves
         nothing to write afterwards (it writes its result into the tensor's memory itself, or
-        has none): the Work comes back ended (:meth:`GradstarWork.ended`) with ``value``, for
-        a fraction of :meth:`_launch`'s cost per call. Raises as ``_launch`` does."""
+        has none): the Work comes back ended (:meth:`GradstarWork.ended`) with ``value``, or
+        with the collective's error -- also one raised as it was issued (a closed group), for
+        a fraction of :meth:`_launch`'s cost per call. A ``ValueError`` (invalid arguments,
+        nothing sent) is raised, as ``_launch`` does."""
         try:
             ended = self.gradstar_group.settled(method, *args, **kwargs)
         except ValueError:
             raise
         except GradstarError as error:
-            return GradstarWork.failed(error, self._completions, label=self._error_label)
+            ended = SettledWork(error=error)
         return GradstarWork.ended(ended, value, self._completions, label=self._error_label)
 
     # -- lifecycle -----------------------------------------------------------------------------

@@ -186,7 +186,7 @@ class GradstarWork(dist._Work):
     already there.
     """
 
-    def __init__(self, pending: Sequence, finish: Callable[[list], object],
+    def __init__(self, pending: Sequence, finish: Callable[[list], object] | None,
                  completions: CompletionThreads, *, label: str = "",
                  devices: Sequence[torch.device] = (), inference: bool = False,
                  here: bool = False) -> None:

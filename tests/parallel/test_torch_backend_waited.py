@@ -82,12 +82,13 @@ def rank_body(address: str, rank: int, job: str, finished: threading.Event,
         report["reduce_scatter"] = (work.is_completed(), shard[:1].tolist())
         report["threads_after_waited"] = _completion_threads(prefix)
         # Ranks disagree on the shape: the Work fails with the hub's error, labelled.
-        bad = pg.allreduce([torch.ones(4 + rank, device=device)],
-                           _opts(dist.AllreduceOptions, waited=True))
+        mismatched = torch.ones(4 + rank, device=device)
+        bad = pg.allreduce([mismatched], _opts(dist.AllreduceOptions, waited=True))
         try:
             bad.wait()
         except CollectiveMismatchError as error:
-            report["mismatch"] = (bad.is_completed(), str(error))
+            # Nothing written: the tensor's version stays (as for torch's failed in-place ops)
+            report["mismatch"] = (bad.is_completed(), str(error), mismatched._version)
         try:
             bad.get_future().wait()
         except RuntimeError as error:  # torch raises the callback's error from C++
@@ -101,6 +102,15 @@ def rank_body(address: str, rank: int, job: str, finished: threading.Event,
         if rank == 1:
             pg.shutdown()
             finished.set()
+            # Issued on a closed group: the Work comes back failed, at once, version kept.
+            t = torch.ones(TINY, device=device)
+            closed = pg.allreduce([t], _opts(dist.AllreduceOptions, waited=True))
+            report["closed"] = (closed.is_completed(), type(closed.exception()).__name__,
+                                t._version)
+            # ... and through the general path (bfloat16: no numpy view), alike.
+            closed = pg.allreduce([t.bfloat16()], _opts(dist.AllreduceOptions, waited=True))
+            report["closed_general"] = (closed.is_completed(),
+                                        type(closed.exception()).__name__)
         else:
             assert finished.wait(30)
             lost = pg.allreduce([torch.ones(TINY, device=device)],
@@ -133,12 +143,15 @@ def check_reports(reports: list[dict], device: str = "cpu") -> None:
         assert report["all_gather"] == (True, [0.0, 1.0])
         assert report["reduce_scatter"] == (True, [2.0 * TINY * rank])  # 2 x arange, shard r
         assert report["threads_after_waited"] == [], report  # no completion thread started
-        settled, message = report["mismatch"]
+        settled, message, version = report["mismatch"]
         assert settled and message.startswith(f"[Rank {rank}] ranks disagree"), message
+        assert version == 0
         assert "(shape differs)" in message
         assert "ranks disagree" in report["mismatch_future"], report["mismatch_future"]
         assert report["after"] == [3.0, 3.0]
         assert report["async"] == ([3.0, 3.0], True)
+    assert reports[1]["closed"] == (True, "ProcessGroupClosedError", 0), reports[1]["closed"]
+    assert reports[1]["closed_general"] == (True, "ProcessGroupClosedError")
     message = reports[0]["finished"]
     assert message.startswith("[Rank 0] rank 1 of job 'waited' finished"), message
 
