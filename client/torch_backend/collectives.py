@@ -49,14 +49,15 @@ _NUMPY_REDUCED = {torch.float32, torch.float64, torch.float16, torch.int32, torc
 def _numpy_in_place(tensors: list[torch.Tensor], op: str):
     """The numpy view of the one tensor of a waited all_reduce that the SDK can reduce in
     place, its result written straight into the tensor's memory (``out=``) with nothing to
-    write afterwards: a dense, contiguous CPU tensor of a dtype in :data:`_NUMPY_REDUCED`,
-    not requiring grad (nor a negated view), reduced by the hub (not a bitwise op). None for
-    anything else, which takes the general path."""
+    write afterwards: a dense tensor the wire may write into (:func:`_viewable`) of a dtype in
+    :data:`_NUMPY_REDUCED`, not a negated view, reduced by the hub (not a bitwise op). None
+    for anything else, which takes the general path."""
     if len(tensors) != 1 or op in BITWISE_OPS:
         return None
     t = tensors[0]
-    if (t.dtype in _NUMPY_REDUCED and t.layout == torch.strided and is_cpu_tensor(t)
-            and t.is_contiguous() and not t.requires_grad and not t.is_neg()):
+    # dtype and layout first: a sparse tensor has no is_contiguous() to ask.
+    if (t.dtype in _NUMPY_REDUCED and t.layout == torch.strided and _viewable(t)
+            and not t.is_neg()):
         return t.numpy()
     return None
 

@@ -84,8 +84,9 @@ class CollectiveCall:
     nbytes: int
     world_size: int
     #: The header's :func:`call_fields`, computed once (the same for every header of the
-    #: collective that agrees with this one: :meth:`for_header` keeps them).
-    fields: tuple = ()
+    #: collective that agrees with this one: :meth:`for_header` keeps them). No default: a
+    #: call built without them would pass any later header as agreeing.
+    fields: tuple
 
     @classmethod
     def of(cls, header: pb.CollectiveHeader, world_size: int) -> CollectiveCall:
