@@ -59,6 +59,91 @@ def test_a_malformed_or_lying_layout_is_a_named_error():
         unpack(json.dumps(tree), data, model, opt)
 
 
+def _state(model, opt):
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            json.dumps(opt.state_dict(), default=lambda t: t.tolist()))
+
+
+def _unchanged(model, opt, before) -> bool:
+    params, optimizer = before
+    return (all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
+            and json.dumps(opt.state_dict(), default=lambda t: t.tolist()) == optimizer)
+
+
+def _entries(node):
+    """The layout's tensor entries (dicts), in the order pack wrote them."""
+    if "tensor" in node:
+        yield node
+    for pair in node.get("dict", ()):
+        yield from _entries(pair[1])
+    for item in node.get("list", ()):
+        yield from _entries(item)
+
+
+def _lies():
+    """Layouts a joiner may receive, each a lie about the data or the module, and the words
+    its error must say (the entry it names)."""
+    def relabelled(tree):  # float32 -> int32: same size, other values (1.05e9 for 0.25)
+        tree["module"]["dict"][0][1]["tensor"] = "int32"
+
+    def reshaped(tree):
+        entry = tree["module"]["dict"][0][1]
+        entry["shape"] = [entry["shape"][1], entry["shape"][0]]
+
+    def overlapping(tree):  # every entry over the first one's bytes
+        first = next(_entries(tree["module"]))
+        for entry in _entries(tree["optimizer"]):
+            entry["offset"] = first["offset"]
+
+    def oversized(tree):
+        tree["module"]["dict"][0][1]["nbytes"] += 4
+
+    def renamed(tree):
+        tree["module"]["dict"][0][0] = {"value": "not.a.parameter"}
+
+    def not_a_dict(tree):
+        tree["module"] = {"list": []}
+
+    def deep(tree):  # too deep for json itself (written out: json.dumps cannot either)
+        nested = '{"list": [' * 10_000 + '{"value": 1}' + "]}" * 10_000
+        return f'{{"module": {json.dumps(tree["module"])}, "optimizer": {nested}}}'
+
+    def moderately_deep(tree):  # parsed by json, refused by the layout's own bound
+        node = {"value": 1}
+        for _ in range(100):
+            node = {"list": [node]}
+        tree["optimizer"]["dict"][0][1] = node
+
+    def momentum_of_another_shape(tree):
+        state = tree["optimizer"]["dict"][0][1]["dict"][0][1]  # parameter 0's state
+        for _, value in state["dict"]:
+            if "tensor" in value and value["shape"]:
+                value["shape"] = [value["shape"][0] + 1, *value["shape"][1:]]
+                value["nbytes"] = 4 * value["shape"][0] * (
+                    value["shape"][1] if len(value["shape"]) > 1 else 1)
+                return
+
+    return [(relabelled, r"module\['0.weight'\] is int32"),
+            (reshaped, r"module\['0.weight'\] is float32 \[4, 8\]"),
+            (overlapping, "overlap"), (oversized, r"module\['0.weight'\].*takes 128 bytes"),
+            (renamed, "unexpected \\['not.a.parameter'\\]"), (not_a_dict, "not a dict"),
+            (deep, "nests deeper"), (moderately_deep, "nests deeper"),
+            (momentum_of_another_shape, r"optimizer\['state'\]\[0\]\['exp_avg'\]")]
+
+
+@pytest.mark.parametrize(("lie", "words"), _lies(), ids=[f.__name__ for f, _ in _lies()])
+def test_a_snapshot_that_does_not_fit_the_module_is_named_and_changes_nothing(lie, words):
+    model, opt = trained(0)
+    layout, data = pack(model, opt)
+    joiner, joiner_opt = trained(1)
+    before = _state(joiner, joiner_opt)
+    tree = json.loads(layout)
+    told = lie(tree) or json.dumps(tree)
+    with pytest.raises(ProtocolError, match=words):
+        unpack(told, data, joiner, joiner_opt)
+    assert _unchanged(joiner, joiner_opt, before)
+
+
 def test_state_that_is_not_tensors_numbers_or_strings_is_refused():
     model, opt = trained(0)
     opt.param_groups[0]["hook"] = object()
