@@ -21,8 +21,9 @@ import asyncio
 
 import numpy as np
 
+import gradstar
 from gradstar.client.steps import StepsClient
-from gradstar.config import ClientSettings, CoordinatorSettings
+from gradstar.config import CoordinatorSettings
 from gradstar.coordinator import Coordinator
 from gradstar.sync_modes import Quorum
 from gradstar.wire.formats import FORMATS
@@ -34,9 +35,12 @@ async def measure(name: str, numel: int, ranks: int, steps: int) -> dict:
     fmt = FORMATS.get(name)
     hub = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0))
     await hub.start()
-    address = f"127.0.0.1:{hub.collective_port}"
-    clients = [StepsClient(ClientSettings(coordinator=hub.address, job=f"w-{name}"), address,
-                           "m", rank, ranks) for rank in range(ranks)]
+    # The Steps service takes calls from the job's members only: join them first.
+    groups = sorted(await asyncio.gather(*(
+        gradstar.init_process_group_async(coordinator=hub.address, job=f"w-{name}",
+                                          world_size=ranks, rank=rank, timeout=T)
+        for rank in range(ranks))), key=lambda g: g.rank)
+    clients = [StepsClient.for_group(pg, "m") for pg in groups]
     mode, errors = Quorum(min_ranks=ranks), []
     try:
         for step in range(steps):
@@ -52,6 +56,7 @@ async def measure(name: str, numel: int, ranks: int, steps: int) -> dict:
     finally:
         for c in clients:
             await c.close()
+        await asyncio.gather(*(pg.close() for pg in groups))
         await hub.stop(grace=0)
     return {"format": name, "sent": clients[0].bytes_sent / steps,
             "received": clients[0].bytes_received / steps, "held": held,

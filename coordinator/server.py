@@ -129,6 +129,7 @@ class Coordinator:
         store = SnapshotStore(s.state_dir) if s.state_dir is not None else None
         self.steps = StepsTable(max_numel=s.max_tensor_bytes // 4,
                                 max_held_bytes=s.max_steps_bytes,
+                                job_share=s.steps_job_share,
                                 lease=s.heartbeat_timeout,
                                 load=store.load if store is not None else None)
         self.rendezvous = Rendezvous(
@@ -159,7 +160,8 @@ class Coordinator:
         # Outer rounds carry tensors too: served there (named in Seed replies) and here.
         rounds = RoundsServicer(self.rounds, s.max_chunk_bytes)
         # DDP's sync-mode steps carry whole gradients: on the collective port only.
-        self._steps = StepsServicer(self.steps, s.max_chunk_bytes, store)
+        self._steps = StepsServicer(self.steps, s.max_chunk_bytes, store,
+                                    members=self.rendezvous.bound_member)
         bulk, self.collective_port = serve(
             f"{s.host}:{s.collective_port}",
             (self.collectives.handler(),

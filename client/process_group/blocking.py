@@ -41,6 +41,7 @@ class ProcessGroup:
     settings = property(lambda self: self._group.settings)
     replacement = property(lambda self: self._group.replacement)
     collective_address = property(lambda self: self._group.collective_address)
+    member_id = property(lambda self: self._group.member_id)
 
     def _call(self, awaitable, async_op: bool):
         if isinstance(awaitable, DirectCall):  # small: on this thread, unless async_op

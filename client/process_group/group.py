@@ -94,6 +94,12 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
                                         tuple(joined.peer_keys)), self.peers, session)
 
     @property
+    def member_id(self) -> str:
+        """The id the rendezvous gave this member at join: with (job, generation, rank), what
+        binds this rank's calls outside the collectives (the Steps service) to it."""
+        return self._member_id
+
+    @property
     def collective_address(self) -> str:
         """Where this rank reaches the coordinator's collective port (tensors ride there)."""
         return self._plane.collectives

@@ -42,17 +42,30 @@ class StepsClient:
         CoordinatorUnavailableError, AuthenticationError: as any call to the coordinator.
     """
 
-    def __init__(self, settings: ClientSettings, address: str, model: str, rank: int,
-                 world_size: int) -> None:
+    def __init__(self, settings: ClientSettings, address: str, model: str, *, job: str,
+                 rank: int, generation: int, member_id: str) -> None:
+        """One rank's client of ``model``'s ledger in ``job``, calling as the member (rank,
+        generation, member id) its join made it: the hub refuses any other caller."""
         self.settings = settings
         self.address = address
         self._channel = open_channel(settings, address, bulk=True)
         self._stub = steps_pb2_grpc.StepsStub(self._channel)
         self._metadata = call_metadata(settings)
-        self.key = pb.StepsKey(job=settings.job, model=model, rank=rank, world_size=world_size)
+        self.key = pb.StepsKey(job=job, model=model, rank=rank, generation=generation,
+                               member_id=member_id)
         #: Payload bytes sent and received.
         self.bytes_sent = 0
         self.bytes_received = 0
+        #: The ledger's mode epoch as the last snapshot fetched found it.
+        self.mode_epoch = 0
+
+    @classmethod
+    def for_group(cls, pg, model: str) -> StepsClient:
+        """The client of ``model``'s ledger for ``pg``'s rank (a gradstar process group, sync
+        or async: its settings, job, rank, generation, member id and collective address).
+        Made on the loop its calls run on: grpc.aio binds a channel to the loop it is made on."""
+        return cls(pg.settings, pg.collective_address, model, job=pg.job, rank=pg.rank,
+                   generation=pg.generation, member_id=pg.member_id)
 
     async def contribute(self, mode: SyncMode, mode_epoch: int, base: int, weight: float,
                          grad: np.ndarray, timeout: float, wire: WireFormat | None = None,
@@ -119,14 +132,19 @@ class StepsClient:
                                                      metadata=self._metadata),
                                 "a steps heartbeat", timeout)
 
-    async def synchronize(self, barrier: int, timeout: float) -> int:
-        """Wait until every live rank reached barrier ``barrier``: the step count to apply."""
-        async def ask(wait: float) -> int | None:
-            request = pb.SynchronizeRequest(key=self.key, barrier=barrier, wait_seconds=wait)
+    async def synchronize(self, barrier: int, timeout: float,
+                          next_mode: SyncMode | None = None) -> pb.SynchronizeReply:
+        """Wait until every live rank reached barrier ``barrier``, asking to switch to
+        ``next_mode`` there (None: no switch): the hub's answer (the step count to apply up to,
+        the mode and its epoch from there on, and why a switch asked was refused)."""
+        async def ask(wait: float) -> pb.SynchronizeReply | None:
+            request = pb.SynchronizeRequest(
+                key=self.key, barrier=barrier, wait_seconds=wait,
+                next_mode=next_mode.message() if next_mode is not None else None)
             reply = await self._call(self._stub.Synchronize(
                 request, timeout=wait + 10.0, metadata=self._metadata), "synchronize()",
                 wait + 10.0)
-            return reply.steps if reply.ready else None
+            return reply if reply.ready else None
 
         return await _poll(ask, timeout, f"Timed out: synchronize() of model "
                                          f"{self.key.model!r} waited {timeout:g} s for the "
@@ -142,7 +160,8 @@ class StepsClient:
         self.bytes_sent += len(data)
 
     async def get_snapshot(self, timeout: float) -> tuple[int, str, bytes]:
-        """The hub's latest snapshot (steps, layout, data), waiting for one up to ``timeout``.
+        """The hub's latest snapshot (steps, layout, data), waiting for one up to ``timeout``;
+        the ledger's mode epoch at that time is left in :attr:`mode_epoch`.
 
         Raises:
             StepTimeoutError: the hub held none within ``timeout`` seconds.
@@ -167,6 +186,7 @@ class StepsClient:
         if head is None or len(data) != head.nbytes:
             raise ProtocolError("a snapshot answer was cut or malformed")
         self.bytes_received += len(data)
+        self.mode_epoch = head.mode_epoch
         return head.steps, head.layout, bytes(data)
 
     async def _read_fetch(self, request: pb.FetchStepsRequest, timeout: float,

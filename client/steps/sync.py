@@ -53,7 +53,7 @@ from gradstar.errors import (
     StepError,
     StepMismatchError,
 )
-from gradstar.sync_modes import Quorum, SyncMode
+from gradstar.sync_modes import Quorum, SyncMode, from_message
 from gradstar.wire.formats import WireFormat
 
 from ..error_feedback import ErrorFeedback
@@ -117,8 +117,7 @@ class StepSync:
         # Calls run on the process group's loop thread (grpc.aio binds a channel to the loop it
         # is made on, and serves one loop per process); closed with the group.
         self._submit = pg.submit
-        self._client = self._run(_make_client(pg.settings, pg.collective_address, model,
-                                              pg.rank, pg.world_size))
+        self._client = self._run(_make_client(pg, model))
         self._beating = self._submit(self._beat())
         pg.on_close(self._close)
         self._optimizer = optimizer
@@ -250,6 +249,7 @@ class StepSync:
         """
         steps, layout, data = self._run(self._client.get_snapshot(self.timeout))
         unpack(layout, data, self.module, self._optimizer)
+        self.mode_epoch = self._client.mode_epoch  # the ledger's switches before this process
         self._restore(None)  # a joiner's residual starts at zero
         self.have = self.stats.step = steps
         self._catch_up_to(0)
@@ -283,20 +283,35 @@ class StepSync:
 
         upload.add_done_callback(done)
 
-    def synchronize(self) -> None:
-        """Every live rank's contributions aggregated and applied (every rank calls it)."""
+    def synchronize(self, next_mode: SyncMode | None = None) -> None:
+        """Every live rank's contributions aggregated and applied (every rank calls it); with
+        ``next_mode``, the ledger switches to it there, as every live rank asks.
+
+        Raises:
+            StepMismatchError: a switch was asked and the hub refused it (the ranks asked for
+                different modes); the mode stays as it was.
+        """
         self._barriers += 1
-        steps = self._run(self._client.synchronize(self._barriers, self.timeout))
-        if steps > self.have:
-            self._catch_up_to(steps)
+        reply = self._run(self._client.synchronize(self._barriers, self.timeout, next_mode))
+        if reply.steps > self.have:
+            self._catch_up_to(reply.steps)
         self._pending, self._joined, self._fetched = False, None, None
+        if next_mode is None:
+            return
+        if reply.switch_refused or not reply.HasField("mode") or (
+                from_message(reply.mode) != next_mode):
+            why = reply.switch_refused or "the hub kept its mode"
+            raise StepMismatchError(
+                f"set_sync_mode({next_mode}) was refused at barrier {self._barriers}: every "
+                f"rank must switch to the same mode at the same step ({why}); the mode stays "
+                f"{self.mode}")
+        self.mode, self.mode_epoch = next_mode, reply.mode_epoch
+        self.stats.mode = str(next_mode)
 
     def set_mode(self, mode: SyncMode) -> None:
-        """Switch at a barrier: every rank switches at the same step."""
-        self.synchronize()
-        self.mode = mode
-        self.mode_epoch += 1
-        self.stats.mode = str(mode)
+        """Switch at a barrier: every rank switches at the same step, at the epoch the hub
+        hands out there."""
+        self.synchronize(next_mode=mode)
 
     def _catch_up_to(self, min_steps: int) -> None:
         """Once ``min_steps`` steps closed, apply every closed aggregate, fetched
@@ -375,8 +390,8 @@ class StepSync:
         self.detach()
 
 
-async def _make_client(*args) -> StepsClient:
-    return StepsClient(*args)
+async def _make_client(pg, model: str) -> StepsClient:
+    return StepsClient.for_group(pg, model)  # on the group's loop
 
 
 def _catch_up_step(sync_ref: weakref.ref):

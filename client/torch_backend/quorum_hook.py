@@ -86,8 +86,7 @@ class QuorumHookState:
                 pg.on_close(self._close)
             # Made on the group's loop: grpc.aio binds a channel to the loop it is made on.
             client = self._clients[key] = pg.submit(_make_client(
-                pg.settings, pg.collective_address, f"torch-ddp-bucket-{key[0]}-{key[1]}",
-                pg.rank, pg.world_size)).result()
+                pg, f"torch-ddp-bucket-{key[0]}-{key[1]}")).result()
         return client
 
     async def _round(self, client: StepsClient, key: tuple[int, int], grad) -> torch.Tensor:
@@ -126,8 +125,8 @@ def quorum_hook(state: QuorumHookState,
     return out
 
 
-async def _make_client(*args) -> StepsClient:
-    return StepsClient(*args)  # on the thread's loop: grpc.aio binds a channel to its loop
+async def _make_client(pg, model: str) -> StepsClient:
+    return StepsClient.for_group(pg, model)  # on the thread's loop: grpc.aio binds a channel
 
 
 __all__ = ["QuorumHookState", "quorum_hook"]

@@ -21,6 +21,7 @@ servicers drive it and tests can drive it directly.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import secrets
 import time
@@ -56,6 +57,10 @@ __all__ = ["MAX_JOB_NAME_CHARS", "Generation", "Job", "JobCounters", "Member", "
 
 
 log = logging.getLogger(__name__)
+
+#: Most ranks a job may have: what every per-rank table of the hub is sized for at most.
+MAX_WORLD_SIZE = 1 << 16
+
 
 class Rendezvous:
     """Forms generations of jobs and tracks the liveness of their members.
@@ -134,8 +139,9 @@ class Rendezvous:
                 "the coordinator is draining and accepts no new joins; use another coordinator"
             )
         check_job_name(job)
-        if world_size < 1:
-            raise ConfigurationError(f"world_size must be at least 1, got {world_size}")
+        if not 1 <= world_size <= MAX_WORLD_SIZE:
+            raise ConfigurationError(f"world_size must be between 1 and {MAX_WORLD_SIZE}, got "
+                                     f"{world_size}")
         if rank is not None and not 0 <= rank < world_size:
             raise ConfigurationError(f"rank {rank} is out of range for world_size {world_size}")
         state = self.jobs.get(job)
@@ -288,6 +294,31 @@ class Rendezvous:
                                   f"{generation}")
         if gen.failure is not None:
             raise gen.failure
+        return gen
+
+    def bound_member(self, job: str, generation: int, rank: int, member_id: str) -> Generation:
+        """The current generation of ``job`` if (``rank``, ``member_id``) is its member there:
+        what binds a call outside the collectives (the Steps service) to its caller. Unlike
+        :meth:`member` a failed generation still answers: a sync-mode DDP's steps go on
+        without a lost rank. An elastic replacement holds its rank's place from its join on,
+        so the member it replaced is refused from then on.
+
+        Raises:
+            RendezvousError: no such job, a generation that is not the job's current one, or
+                a rank and member id that are not a member of it.
+        """
+        state = self.jobs.get(job)
+        gen = state.generation if state is not None else None
+        if gen is None:
+            raise RendezvousError(f"job {job!r} has no generation on this coordinator: only "
+                                  "its joined ranks may call for it (join the job first)")
+        m = gen.members.get(rank)
+        if gen.number != generation or m is None or not hmac.compare_digest(
+                m.member_id.encode(), member_id.encode("utf-8", "replace")):
+            raise RendezvousError(
+                f"the caller is not rank {rank} of job {job!r} generation {generation} (the "
+                f"job is at generation {gen.number}): only a member of the job's current "
+                "generation may call for it, with the member id its join gave it")
         return gen
 
     def lost(self, member: Member, reason: str) -> None:

@@ -45,7 +45,10 @@ One ledger per (job, model). Protocol, per rank:
    the latest snapshot and replays the aggregates after it from the log: no peer waits.
 6. **Synchronize** (a barrier, ``barrier`` = the rank's count of calls): once every live rank
    reached it the open step closes whatever the mode, and every rank applies up to the same
-   step count: replicas bitwise identical. Mode switches happen there (``mode_epoch``).
+   step count: replicas bitwise identical. Mode switches happen there and only there: a rank
+   asks for its next mode with its Synchronize, and the hub switches once every live rank
+   asked for the same one, handing out the next ``mode_epoch``; a contribution must carry the
+   ledger's mode and epoch, and no refused call changes either.
 
 A contribution is held whole from its arrival until its step closes; a rank that dies
 mid-upload never reaches this table (the servicer takes complete vectors only). Nothing here
@@ -85,6 +88,8 @@ class RankState:
     pending: bool = False
     #: synchronize() calls it reached.
     barrier: int = 0
+    #: The mode it asked to switch to at that barrier (None: no switch).
+    next_mode: SyncMode | None = None
     contributed: int = 0
     dropped: int = 0
     staleness: Counter = field(default_factory=Counter)
@@ -114,6 +119,18 @@ class Snapshot:
     steps: int
     layout: str
     data: bytes
+
+
+@dataclass(frozen=True)
+class BarrierOutcome:
+    """What a completed barrier answers every rank: the step count to apply up to, and the
+    mode (and its epoch) from there on; ``refused`` says who asked for what when a switch
+    asked there was not made."""
+
+    steps: int
+    mode: SyncMode | None
+    mode_epoch: int
+    refused: str = ""
 
 
 @dataclass(frozen=True)
@@ -148,7 +165,8 @@ class StepLedger:
         # that never calls leaves the live set after the lease like any silent rank.
         self.ranks = {r: RankState(last_seen=now) for r in range(world_size)}
         self.barrier_done = 0
-        self.barrier_steps: dict[int, int] = {}
+        #: The recent completed barriers' outcomes, by barrier number.
+        self.barriers: dict[int, BarrierOutcome] = {}
         self.dropped = 0
         self.staleness: Counter = Counter()
         self.snapshot: Snapshot | None = None
@@ -223,19 +241,32 @@ def hyper_mismatch(ledger: StepLedger, hyper) -> str:
     return ""
 
 
+def shares(weights: list[float]) -> list[float]:
+    """Each weight's share of their sum, in float64 and scaled by the largest first, so that
+    any finite weights >= 0 give finite shares summing to 1 (weights of 1 and 1e39, or two of
+    1e-46, which float32 turns into inf or 0); every weight 0: equal shares."""
+    top = max(weights, default=0.0)
+    if top <= 0:
+        return [1.0 / len(weights)] * len(weights)
+    scaled = [w / top for w in weights]
+    total = math.fsum(scaled)
+    return [w / total for w in scaled]
+
+
 def aggregate(parts: list[Contribution], numel: int) -> tuple[np.ndarray, tuple[float, ...]]:
-    """The weighted mean of ``parts`` (summed in the given order in float32: the same bytes
-    whichever rank arrived first), and their hyperparameters' weighted mean (float64; the
-    plain mean when every weight is 0)."""
-    total = sum(c.weight for c in parts)
+    """The weighted mean of ``parts``: each contribution times its share of the weights
+    (:func:`shares`, rounded to float32), summed in the given order in float32 (the same bytes
+    whichever rank arrived first); zeros when every weight is 0. And their hyperparameters'
+    weighted mean (float64; the plain mean when every weight is 0)."""
     out = np.zeros(numel, dtype=np.float32)
-    if total > 0:
+    if not parts:
+        return out, ()
+    weighted = shares([c.weight for c in parts])
+    if any(c.weight > 0 for c in parts):
         scratch = np.empty_like(out)
-        for c in parts:
-            np.multiply(c.data, np.float32(c.weight), out=scratch)
+        for c, share in zip(parts, weighted, strict=True):
+            np.multiply(c.data, np.float32(share), out=scratch)
             np.add(out, scratch, out=out)
-        np.divide(out, np.float32(total), out=out)
-    weights = [c.weight for c in parts] if total > 0 else [1.0] * len(parts)
-    hyper = tuple(sum(w * c.hyper[i] for w, c in zip(weights, parts, strict=True)) / sum(weights)
-                  for i in range(len(parts[0].hyper))) if parts else ()
+    hyper = tuple(math.fsum(w * c.hyper[i] for w, c in zip(weighted, parts, strict=True))
+                  for i in range(len(parts[0].hyper)))
     return out, hyper

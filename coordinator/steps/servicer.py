@@ -1,7 +1,15 @@
 """gRPC servicer of the Steps service: streams in, :class:`.ledger.StepsTable` calls, streams
 out, gradstar errors to statuses. Contribute answers with the aggregates the rank lacks (one
 round trip per training step); it, Fetch and Synchronize wait (bounded) for a step or a barrier.
-The rank's half is ``gradstar.client.steps.client``."""
+The rank's half is ``gradstar.client.steps.client``.
+
+Who may call: every call names its caller as a member of the job's current generation
+(``StepsKey``: generation, rank, member id, as the rendezvous issued them), checked before
+anything else; the ledger's world size is the generation's. A caller that is not that member
+(of another job, of no job, an old generation, a replaced rank) is refused with
+:class:`~gradstar.errors.RendezvousError`, and no ledger is made for it. Uploads (gradients,
+snapshots) reserve their declared size in the table's memory account before a byte of them is
+allocated."""
 
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import numpy as np
 
+from gradstar.allocator import trim_heap
 from gradstar.errors import GradstarError, HubCapacityError, ProtocolError
 from gradstar.proto.v1 import steps_pb2 as pb
 from gradstar.proto.v1 import steps_pb2_grpc
@@ -43,8 +52,15 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
     steps at their deadlines."""
 
     def __init__(self, table: StepsTable, max_chunk_bytes: int,
-                 store: SnapshotStore | None = None) -> None:
+                 store: SnapshotStore | None = None, *,
+                 members: Callable[[str, int, int, str], object]) -> None:
+        """``members(job, generation, rank, member_id)``: the caller's generation (its
+        ``world_size`` sizes the ledger), or a raised gradstar error when it is not that
+        member (the rendezvous' ``bound_member``)."""
         self.table = table
+        self.members = members
+        # Many ranks lost together settle each ledger once, on the next loop turn.
+        table.defer = lambda settle: asyncio.get_running_loop().call_soon(settle)
         self.max_chunk_bytes = max_chunk_bytes
         self.store = store
         self._saving: dict[tuple[str, str], asyncio.Lock] = {}
@@ -64,16 +80,24 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             # Refused before any memory is taken for it.
             self.table.check_header(ledger, h.key.rank, mode, h.mode_epoch, h.numel, h.base,
                                     h.weight, h.wire, tuple(h.hyper))
-            data = await self._read(first, parts, h.numel, format_from_wire(h.wire),
-                                    f"rank {h.key.rank}")
-            # BoundedStaleness: a fast rank's next gradient waits while closing the step its
-            # previous one is in would leave a live rank too far behind.
-            began = asyncio.get_running_loop().time()
-            while self.table.must_wait(ledger, h.key.rank):
-                await self._wait(lambda: not self.table.must_wait(ledger, h.key.rank), MAX_WAIT)
-            accepted, step, staleness, reason = self.table.contribute(
-                ledger, h.key.rank, mode, h.mode_epoch, h.base, h.weight, data, h.wire,
-                tuple(h.hyper))
+            fmt = format_from_wire(h.wire)
+            # The received bytes, and the float32 values an encoded gradient decodes to.
+            size = 4 * h.numel if fmt is None else fmt.encoded_nbytes(h.numel) + 4 * h.numel
+            reservation = self.table.reserve(ledger, h.key.rank, "contribution", size)
+            try:
+                data = await self._read(first, parts, h.numel, fmt, f"rank {h.key.rank}")
+                # BoundedStaleness: a fast rank's next gradient waits while closing the step
+                # its previous one is in would leave a live rank too far behind.
+                began = asyncio.get_running_loop().time()
+                while self.table.must_wait(ledger, h.key.rank):
+                    await self._wait(lambda: not self.table.must_wait(ledger, h.key.rank),
+                                     MAX_WAIT)
+                reservation.release()  # the step holds it from here (no await in between)
+                accepted, step, staleness, reason = self.table.contribute(
+                    ledger, h.key.rank, mode, h.mode_epoch, h.base, h.weight, data, h.wire,
+                    tuple(h.hyper))
+            finally:
+                reservation.release()
             self._arm_timer()
             contributed = pb.Contributed(
                 accepted=accepted, step=step, staleness=staleness, steps=ledger.steps,
@@ -123,11 +147,18 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
         try:
             ledger = self._ledger(request.key)
             rank, barrier = request.key.rank, request.barrier
-            steps = self.table.synchronize(ledger, rank, barrier)
-            if steps is None:
-                await self._wait(lambda: barrier in ledger.barrier_steps, request.wait_seconds)
-                steps = self.table.synchronize(ledger, rank, barrier)
-            return pb.SynchronizeReply(ready=steps is not None, steps=steps or 0)
+            next_mode = (from_message(request.next_mode) if request.HasField("next_mode")
+                         else None)
+            outcome = self.table.synchronize(ledger, rank, barrier, next_mode)
+            if outcome is None:
+                await self._wait(lambda: barrier in ledger.barriers, request.wait_seconds)
+                outcome = self.table.synchronize(ledger, rank, barrier, next_mode)
+            if outcome is None:
+                return pb.SynchronizeReply(ready=False)
+            return pb.SynchronizeReply(
+                ready=True, steps=outcome.steps, mode_epoch=outcome.mode_epoch,
+                mode=outcome.mode.message() if outcome.mode is not None else None,
+                switch_refused=outcome.refused)
         except GradstarError as error:
             await abort(context, error)
 
@@ -143,15 +174,14 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
                 raise HubCapacityError(
                     f"rank {h.key.rank}'s snapshot of {h.nbytes} bytes (layout "
                     f"{len(h.layout)} characters) is over this coordinator's limits")
-            data = bytearray(h.nbytes)
-            view = memoryview(data)
-            filled = take_part(first.data, view, 0, self.max_chunk_bytes, "a Steps")
-            async for part in parts:
-                filled = take_part(part.data, view, filled, self.max_chunk_bytes, "a Steps")
-            if filled != h.nbytes:
-                raise ProtocolError(f"rank {h.key.rank} announced a snapshot of {h.nbytes} "
-                                    f"bytes but sent {filled}; nothing was kept")
-            self.table.put_snapshot(ledger, h.key.rank, h.steps, h.layout, bytes(data))
+            reservation = self.table.reserve(ledger, h.key.rank, "snapshot",
+                                             h.nbytes + len(h.layout))
+            try:
+                data = await self._read_snapshot(first, parts, h.nbytes, h.key.rank)
+                reservation.release()  # the ledger holds it from here (no await in between)
+                self.table.put_snapshot(ledger, h.key.rank, h.steps, h.layout, data)
+            finally:
+                reservation.release()
             await self._save(ledger)
             return _state(ledger)
         except GradstarError as error:
@@ -174,9 +204,10 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             return
         yield pb.SnapshotPart(header=pb.SnapshotHeader(
             key=request.key, steps=snapshot.steps, layout=snapshot.layout,
-            nbytes=len(snapshot.data)))
-        for start in range(0, len(snapshot.data), PART_BYTES):
-            yield pb.SnapshotPart(data=snapshot.data[start:start + PART_BYTES])
+            nbytes=len(snapshot.data), mode_epoch=ledger.mode_epoch))
+        data = memoryview(snapshot.data)
+        for start in range(0, len(data), PART_BYTES):
+            yield pb.SnapshotPart(data=bytes(data[start:start + PART_BYTES]))
 
     async def _save(self, ledger: StepLedger) -> None:
         """Write the ledger's snapshot to the state directory (if any), off the event loop;
@@ -201,11 +232,34 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
         """Take silent ranks out of the live sets (the coordinator's sweep calls this)."""
         self.table.expire()
         self.table.close_due()
+        if self.table.should_trim():  # a burst of uploads or steps is over: give it back
+            trim_heap()
+            self.table.trimmed()
 
     def _ledger(self, key: pb.StepsKey) -> StepLedger:
+        """The ledger ``key`` names, once its caller is bound to a member (see the module
+        docstring); nothing is made for a caller that is not one."""
         check_job_name(key.job)
         check_job_name(key.model, "a model name")
-        return self.table.ledger(key.job, key.model, key.world_size)
+        gen = self.members(key.job, key.generation, key.rank, key.member_id)
+        return self.table.ledger(key.job, key.model, gen.world_size)
+
+    async def _read_snapshot(self, first: pb.SnapshotPart, parts, nbytes: int,
+                             rank: int) -> bytearray:
+        """A PutSnapshot stream's ``nbytes`` bytes (reserved by the caller).
+
+        Raises:
+            ProtocolError: a part too large, or data of another length than announced.
+        """
+        data = bytearray(nbytes)
+        view = memoryview(data)
+        filled = take_part(first.data, view, 0, self.max_chunk_bytes, "a Steps")
+        async for part in parts:
+            filled = take_part(part.data, view, filled, self.max_chunk_bytes, "a Steps")
+        if filled != nbytes:
+            raise ProtocolError(f"rank {rank} announced a snapshot of {nbytes} bytes but sent "
+                                f"{filled}; nothing was kept")
+        return data
 
     async def _read(self, first: pb.ContributionPart, parts, numel: int,
                     fmt: WireFormat | None, who: str) -> np.ndarray:

@@ -85,6 +85,12 @@ class CoordinatorSettings(BaseSettings):
         description="memory for the sync-mode DDP steps of all jobs (open steps' gradients, "
                     "the aggregate logs, the snapshots); a gradient or snapshot beyond it is "
                     "refused (HubCapacityError) once no aggregate a rank still needs can go")
+    steps_job_share: float = Field(
+        0.5, gt=0, le=1,
+        description="the part of max_steps_bytes one job may hold (its open steps, aggregate "
+                    "logs, snapshots and uploads in flight), alone on the hub or not, so that "
+                    "one job that fills its share leaves room for the others (1: no per-job "
+                    "limit)")
     max_pending_per_member: int = Field(
         1024, gt=0, description="collectives one rank may have pending on the hub at once")
     max_pending_per_job: int = Field(

@@ -20,20 +20,27 @@ from gradstar.sync_modes import Asynchronous, Quorum
 from gradstar.transport.status import error_from_rpc
 from gradstar.wire.formats import FORMATS, roundtrip
 
-from .conftest import until
+from .conftest import close_all, join_all, until
 
 QUORUM = Quorum(min_ranks=2, timeout=30.0)
 T = 10.0  # every call's deadline
 
 
 @pytest.fixture
-async def ranks(coordinator):
+async def members(coordinator):
+    """The two members of job "j" (real joins): the Steps service takes calls from members
+    only."""
+    groups = await join_all(coordinator.address, 2, job="j")
+    yield groups
+    await close_all(groups)
+
+
+@pytest.fixture
+async def ranks(members):
     made: list[StepsClient] = []
 
-    def make(rank: int, world: int = 2, **settings) -> StepsClient:
-        address = f"127.0.0.1:{coordinator.collective_port}"
-        made.append(StepsClient(ClientSettings(coordinator=coordinator.address, job="j",
-                                               **settings), address, "m", rank, world))
+    def make(rank: int) -> StepsClient:
+        made.append(StepsClient.for_group(members[rank], "m"))
         return made[-1]
 
     yield make
@@ -102,8 +109,9 @@ async def test_synchronize_closes_the_open_step_for_every_rank(ranks):
     r0, r1 = ranks(0), ranks(1)
     slow = Quorum(min_ranks=2, timeout=600.0)
     await r0.contribute(slow, 0, 0, 1.0, g(4), T)
-    steps = await asyncio.gather(r0.synchronize(1, T), r1.synchronize(1, T))
-    assert steps == [1, 1]  # rank 1 contributed nothing: the step closed with rank 0 alone
+    replies = await asyncio.gather(r0.synchronize(1, T), r1.synchronize(1, T))
+    # Rank 1 contributed nothing: the step closed with rank 0 alone.
+    assert [r.steps for r in replies] == [1, 1]
     got = await r1.fetch(0, 1, T)
     np.testing.assert_array_equal(got.values[0], g(4))
 
@@ -111,7 +119,8 @@ async def test_synchronize_closes_the_open_step_for_every_rank(ranks):
 async def test_a_steps_call_without_the_job_token_is_refused(start_coordinator):
     hub = await start_coordinator(token="steps-token-123456")
     address = f"127.0.0.1:{hub.collective_port}"
-    stranger = StepsClient(ClientSettings(coordinator=hub.address, job="j"), address, "m", 0, 1)
+    stranger = StepsClient(ClientSettings(coordinator=hub.address, job="j"), address, "m",
+                           job="j", rank=0, generation=1, member_id="not-a-member")
     try:
         with pytest.raises(AuthenticationError):
             await stranger.heartbeat(0)
@@ -187,7 +196,7 @@ async def test_a_contribution_answer_brings_the_aggregates_the_rank_lacks(coordi
     assert [r.step for r in got.records] == [2] and got.steps == 3
     np.testing.assert_array_equal(got.values[0], g(5, 5))
 
-    slow, q0, q1 = Quorum(min_ranks=2, timeout=30.0), ranks(0, world=2), ranks(1, world=2)
+    slow, q0, q1 = Quorum(min_ranks=2, timeout=30.0), ranks(0), ranks(1)
     q0.key.model, q1.key.model = "quorum", "quorum"
     waiting = asyncio.create_task(q0.exchange(slow, 0, 0, 2.0, g(2, 4), T, fetch_limit=16,
                                               await_step=5.0))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -166,6 +167,9 @@ def _replay_wire(contributions, steps, wire: str, residuals: dict) -> nn.Module:
     for entry in steps:
         aggregate = np.zeros(sum(p.numel() for p in model.parameters()), np.float32)
         scratch = np.empty_like(aggregate)
+        # As the hub: each weight's share of their sum in float64 (scaled by the largest).
+        top = max(entry["weights"])
+        total = math.fsum(w / top for w in entry["weights"]) if top > 0 else 0.0
         for rank, weight in zip(entry["ranks"], entry["weights"], strict=True):
             iteration, base, life = joined[(rank, entry["step"])]
             if lives.setdefault(rank, life) != life:
@@ -178,10 +182,10 @@ def _replay_wire(contributions, steps, wire: str, residuals: dict) -> nn.Module:
             sent += residuals.get(rank, torch.zeros_like(sent))
             rounded = roundtrip(wire, sent.numpy())
             residuals[rank] = torch.nan_to_num(sent - torch.from_numpy(rounded), 0.0, 0.0, 0.0)
-            # As the hub: weighted in float32, summed in rank order, divided by the weights.
-            np.multiply(rounded, np.float32(weight), out=scratch)
-            np.add(aggregate, scratch, out=aggregate)
-        np.divide(aggregate, np.float32(sum(entry["weights"])), out=aggregate)
+            # As the hub: times its share in float32, summed in rank order (all 0: zeros).
+            if top > 0:
+                np.multiply(rounded, np.float32(weight / top / total), out=scratch)
+                np.add(aggregate, scratch, out=aggregate)
         values = torch.from_numpy(roundtrip(wire, aggregate))
         offset = 0
         for p in model.parameters():

@@ -9,8 +9,8 @@ import json
 import numpy as np
 
 from gradstar.client.steps import StepsClient
-from gradstar.config import ClientSettings
 from gradstar.sync_modes import Quorum
+from tests.integration.conftest import close_all, join_all
 
 from .conftest import http_get, run_gradstar
 from .test_metrics import samples
@@ -20,9 +20,8 @@ MODE = Quorum(min_ranks=2, timeout=0.0)
 
 async def test_steps_are_in_metrics_status_and_admin(start_coordinator):
     hub = await start_coordinator(metrics_port=0)
-    address = f"127.0.0.1:{hub.collective_port}"
-    ranks = [StepsClient(ClientSettings(coordinator=hub.address, job="sm"), address, "ddp", r, 3)
-             for r in range(3)]
+    groups = await join_all(hub.address, 3, job="sm")
+    ranks = [StepsClient.for_group(pg, "ddp") for pg in groups]
     try:
         g = np.ones(4, np.float32)
         await ranks[0].contribute(MODE, 0, 0, 1.0, g, 10)
@@ -63,3 +62,4 @@ async def test_steps_are_in_metrics_status_and_admin(start_coordinator):
     finally:
         for r in ranks:
             await r.close()
+        await close_all(groups)

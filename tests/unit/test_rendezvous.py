@@ -161,7 +161,8 @@ async def test_world_size_may_change_once_the_generation_has_failed(rdv):
 
 
 @pytest.mark.parametrize(("world_size", "rank", "message"), [
-    (0, None, "world_size must be at least 1, got 0"),
+    (0, None, "world_size must be between 1 and 65536, got 0"),
+    (2**32 - 1, None, "world_size must be between 1 and 65536, got 4294967295"),
     (2, 2, "rank 2 is out of range for world_size 2"),
     (2, -1, "rank -1 is out of range for world_size 2"),
 ])

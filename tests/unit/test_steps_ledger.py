@@ -211,8 +211,8 @@ def test_synchronize_closes_the_open_step_once_every_live_rank_arrived():
     assert t.synchronize(ledger, 1, 1) is None
     assert ledger.steps == 0
     t.rank_gone("j", 2, "lost")  # the last one dies: the barrier completes without it
-    assert ledger.steps == 1 and ledger.barrier_steps[1] == 1
-    assert t.synchronize(ledger, 0, 1) == 1
+    assert ledger.steps == 1 and ledger.barriers[1].steps == 1
+    assert t.synchronize(ledger, 0, 1).steps == 1
 
 
 def test_bad_contributions_are_named_and_leave_the_open_step_alone():
@@ -241,16 +241,82 @@ def test_bad_contributions_are_named_and_leave_the_open_step_alone():
     np.testing.assert_array_equal(ledger.log[-1].aggregate, grad(2.0))
 
 
-def test_a_mode_switch_takes_effect_only_at_an_empty_step():
+def test_a_mode_switches_only_at_a_barrier_every_live_rank_asked_it_at():
     t = table()
     ledger = t.ledger("j", "m", 2)
-    give(t, ledger, 0, Quorum(min_ranks=2), 1.0)
-    with pytest.raises(StepMismatchError, match="switch"):
-        t.contribute(ledger, 1, Asynchronous(), 1, 0, 1.0, grad(1.0))
-    give(t, ledger, 1, Quorum(min_ranks=2), 1.0)
+    q = Quorum(min_ranks=2)
+    give(t, ledger, 0, q, 1.0)
+    # A contribution never switches: another mode, or a later epoch, is refused as it is.
+    for mode, epoch in ((Asynchronous(), 0), (Asynchronous(), 1), (q, 2**64 - 1)):
+        with pytest.raises(StepMismatchError, match="switch"):
+            t.contribute(ledger, 1, mode, epoch, 0, 1.0, grad(1.0))
+        assert (ledger.mode, ledger.mode_epoch) == (q, 0)
+    give(t, ledger, 1, q, 1.0)
     catch_up(t, ledger, 0)
-    t.contribute(ledger, 0, Asynchronous(), 1, 1, 1.0, grad(1.0))
-    assert ledger.mode == Asynchronous() and list(ledger.open.contributions) == [0]
+    catch_up(t, ledger, 1)
+    # Rank 0 asks for Asynchronous at barrier 1, rank 1 for nothing: no switch, said so.
+    assert t.synchronize(ledger, 0, 1, Asynchronous()) is None
+    outcome = t.synchronize(ledger, 1, 1)
+    assert (outcome.mode, outcome.mode_epoch) == (q, 0)
+    assert "rank 0: Asynchronous" in outcome.refused and "rank 1: no switch" in outcome.refused
+    # Both ask at barrier 2: the hub switches and hands out epoch 1.
+    assert t.synchronize(ledger, 0, 2, Asynchronous()) is None
+    outcome = t.synchronize(ledger, 1, 2, Asynchronous())
+    assert (outcome.mode, outcome.mode_epoch, outcome.refused) == (Asynchronous(), 1, "")
+    assert t.synchronize(ledger, 0, 2, Asynchronous()) == outcome  # asked again: the same
+    with pytest.raises(StepMismatchError, match="switch"):
+        t.contribute(ledger, 0, Asynchronous(), 0, ledger.steps, 1.0, grad(1.0))
+    t.contribute(ledger, 0, Asynchronous(), 1, ledger.steps, 1.0, grad(1.0))
+    assert list(ledger.open.contributions) == [0]
+
+
+def test_extreme_finite_weights_give_the_exact_weighted_mean():
+    t = table()
+    ledger = t.ledger("j", "m", 2)
+    mode = Quorum(min_ranks=2)
+    cases = [((1.0, 1e39), 2.0), ((1e-46, 1e-46), 1.5), ((1e308, 1e308), 1.5),
+             ((0.0, 5e-324), 2.0), ((3.0, 1.0), 1.25)]
+    for (w0, w1), expected in cases:
+        t.contribute(ledger, 0, mode, 0, ledger.steps, w0, grad(1.0))
+        t.contribute(ledger, 1, mode, 0, ledger.steps, w1, grad(2.0))
+        got = ledger.log[-1].aggregate
+        assert np.isfinite(got).all(), (w0, w1)
+        np.testing.assert_allclose(got, grad(expected), rtol=1e-6)
+
+
+def test_a_refused_header_leaves_the_ledger_as_it_was():
+    t = table()
+    ledger = t.ledger("j", "m", 2)
+    before = (ledger.mode, ledger.mode_epoch, ledger.numel, ledger.wire, ledger.hyper_len)
+    # A header the check passes, then data that never comes (the servicer reads it after):
+    t.check_header(ledger, 1, Asynchronous(), 0, N, 0, 1.0)
+    with pytest.raises(StepMismatchError):
+        t.check_header(ledger, 1, Asynchronous(), 2**64 - 1, N, 0, 1.0)
+    assert (ledger.mode, ledger.mode_epoch, ledger.numel, ledger.wire,
+            ledger.hyper_len) == before
+    give(t, ledger, 0, Quorum(min_ranks=2), 1.0)  # an honest rank still names the mode
+    assert ledger.mode == Quorum(min_ranks=2)
+
+
+def test_ranks_expiring_together_settle_each_ledger_once(monkeypatch):
+    clock = Clock()
+    t = table(clock)
+    ledger = t.ledger("j", "m", 8000)
+    settles = []
+    real = t._settle
+    monkeypatch.setattr(t, "_settle", lambda led: (settles.append(led), real(led)))
+    clock.now = 100.0
+    t.expire()
+    assert not ledger.live() and len(settles) == 1
+    # Lost through the rendezvous one by one, with settling put off as the servicer does.
+    other = t.ledger("j2", "m", 4000)
+    put_off = []
+    t.defer = put_off.append
+    for rank in range(4000):
+        t.rank_gone("j2", rank, "lost")
+    assert len(put_off) == 1 and not other.live()
+    put_off[0]()
+    assert len(settles) == 2
 
 
 def test_history_and_memory_are_bounded():
@@ -290,7 +356,7 @@ def test_a_rank_waiting_at_a_barrier_catches_up_past_the_history():
     for have in range(20):  # rank 1 steps on alone, far past the history
         assert table.contribute(ledger, 1, Asynchronous(), 0, have, 1.0, grad(1.0))[0]
         assert [s.number for s in table.fetch(ledger, 1, have)] == [have + 1]
-    assert table.synchronize(ledger, 1, 1) == 20
+    assert table.synchronize(ledger, 1, 1).steps == 20
     assert [s.number for s in table.fetch(ledger, 0, 0)] == list(range(1, 21))
     # Once every live rank applied them, the log is back to its history.
     for rank in (0, 1):

@@ -49,6 +49,9 @@ def coordinator_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     p.add_argument("--max-steps-bytes", type=int,
                    help="memory for sync-mode DDP steps: open steps' gradients, aggregate logs, "
                         "snapshots (4 GiB); past it HubCapacityError")
+    p.add_argument("--steps-job-share", type=float,
+                   help="the part of --max-steps-bytes one job may hold (0.5), so that one job "
+                        "cannot refuse the others' steps")
     p.add_argument("--heartbeat-timeout", type=float, help="seconds without heartbeat = lost")
     p.add_argument("--job-retention", type=float,
                    help="seconds a job without members is kept before it is dropped (600)")

@@ -34,16 +34,20 @@ class SyncMode(_message.Message):
     def __init__(self, kind: _Optional[_Union[SyncModeKind, str]] = ..., min_ranks: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class StepsKey(_message.Message):
-    __slots__ = ("job", "model", "rank", "world_size")
+    __slots__ = ("job", "model", "rank", "world_size", "generation", "member_id")
     JOB_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     job: str
     model: str
     rank: int
     world_size: int
-    def __init__(self, job: _Optional[str] = ..., model: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    generation: int
+    member_id: str
+    def __init__(self, job: _Optional[str] = ..., model: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., member_id: _Optional[str] = ...) -> None: ...
 
 class ContributionHeader(_message.Message):
     __slots__ = ("key", "mode", "mode_epoch", "numel", "base", "weight", "wire", "fetch_limit", "await_step", "wait_seconds", "hyper")
@@ -172,34 +176,44 @@ class StepsState(_message.Message):
     def __init__(self, steps: _Optional[int] = ..., live: _Optional[_Iterable[int]] = ..., has_snapshot: _Optional[bool] = ..., snapshot_steps: _Optional[int] = ...) -> None: ...
 
 class SynchronizeRequest(_message.Message):
-    __slots__ = ("key", "barrier", "wait_seconds")
+    __slots__ = ("key", "barrier", "wait_seconds", "next_mode")
     KEY_FIELD_NUMBER: _ClassVar[int]
     BARRIER_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_MODE_FIELD_NUMBER: _ClassVar[int]
     key: StepsKey
     barrier: int
     wait_seconds: float
-    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., barrier: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    next_mode: SyncMode
+    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., barrier: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., next_mode: _Optional[_Union[SyncMode, _Mapping]] = ...) -> None: ...
 
 class SynchronizeReply(_message.Message):
-    __slots__ = ("ready", "steps")
+    __slots__ = ("ready", "steps", "mode", "mode_epoch", "switch_refused")
     READY_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MODE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_REFUSED_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     steps: int
-    def __init__(self, ready: _Optional[bool] = ..., steps: _Optional[int] = ...) -> None: ...
+    mode: SyncMode
+    mode_epoch: int
+    switch_refused: str
+    def __init__(self, ready: _Optional[bool] = ..., steps: _Optional[int] = ..., mode: _Optional[_Union[SyncMode, _Mapping]] = ..., mode_epoch: _Optional[int] = ..., switch_refused: _Optional[str] = ...) -> None: ...
 
 class SnapshotHeader(_message.Message):
-    __slots__ = ("key", "steps", "layout", "nbytes")
+    __slots__ = ("key", "steps", "layout", "nbytes", "mode_epoch")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    MODE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     key: StepsKey
     steps: int
     layout: str
     nbytes: int
-    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., steps: _Optional[int] = ..., layout: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    mode_epoch: int
+    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., steps: _Optional[int] = ..., layout: _Optional[str] = ..., nbytes: _Optional[int] = ..., mode_epoch: _Optional[int] = ...) -> None: ...
 
 class SnapshotPart(_message.Message):
     __slots__ = ("header", "data")
