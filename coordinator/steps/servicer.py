@@ -17,6 +17,7 @@ from gradstar.errors import GradstarError, HubCapacityError, ProtocolError
 from gradstar.proto.v1 import steps_pb2 as pb
 from gradstar.proto.v1 import steps_pb2_grpc
 from gradstar.sync_modes import from_message
+from gradstar.transport.auth import check_job_access
 from gradstar.transport.channels import PART_BYTES
 from gradstar.transport.status import abort
 from gradstar.wire.chunks import take_part
@@ -205,6 +206,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
     def _ledger(self, key: pb.StepsKey) -> StepLedger:
         check_job_name(key.job)
         check_job_name(key.model, "a model name")
+        check_job_access(key.job)  # before the table makes or touches the job's ledger
         return self.table.ledger(key.job, key.model, key.world_size)
 
     async def _read(self, first: pb.ContributionPart, parts, numel: int,
