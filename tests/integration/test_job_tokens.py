@@ -272,7 +272,7 @@ async def test_a_jobs_own_token_reaches_its_job_only(start_coordinator, secret_f
     assert answers and set(answers) == {"SERVING"}, answers
 
 
-async def test_with_a_job_secret_and_no_shared_token_every_job_call_needs_a_job_token(
+async def test_without_a_shared_token_every_job_call_needs_a_job_token_of_its_job(
         start_coordinator, secret_file):
     hub = await start_coordinator(admin_token=ADMIN, job_secret_file=secret_file)
     for wrong in (None, "guess", JobSecret(b"another operator's secret!!").token_for("A")):
@@ -287,6 +287,22 @@ async def test_with_a_job_secret_and_no_shared_token_every_job_call_needs_a_job_
             join_timeout=T) as g:
         np.testing.assert_array_equal(await g.all_reduce(X), X)
         assert (await stragglers(hub.address, bearer(ADMIN), "A")).job == "A"
+    # The groups a job's ranks join as jobs of their own (torch's new_group, the two-level
+    # all_reduce's per-host groups) are named under it: its token opens them, and no job
+    # whose name merely starts the same.
+    async with await gradstar.init_process_group_async(
+            coordinator=hub.address, job="A/group1", world_size=1, token=token("A"),
+            join_timeout=T) as g:
+        np.testing.assert_array_equal(await g.all_reduce(X), X)
+    for other in ("AB", "A-2", "B/A"):
+        with pytest.raises(JobAccessError, match=f"not job {other!r}"):
+            await gradstar.init_process_group_async(
+                coordinator=hub.address, job=other, world_size=1, token=token("A"),
+                join_timeout=T, connect_timeout=T)
+    with pytest.raises(JobAccessError, match="not job 'A'"):
+        await gradstar.init_process_group_async(
+            coordinator=hub.address, job="A", world_size=1, token=token("A/group1"),
+            join_timeout=T, connect_timeout=T)
 
 
 async def test_hub_shards_take_job_tokens_for_their_own_job_only(start_coordinator,

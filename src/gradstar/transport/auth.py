@@ -84,15 +84,18 @@ _CALLER_JOB: ContextVar[str | None] = ContextVar("gradstar_caller_job", default=
 def check_job_access(job: str) -> None:
     """Refuse the current call if its token opens another job than ``job``.
 
-    Every servicer that names a job in its request calls this before it reads or changes any
-    state of the job, so a refused call leaves the job as it was. With the shared token, the
-    admin token or no job secret, it allows every job.
+    A job's token opens the job and the jobs named under it, ``JOB/...``: the groups its ranks
+    join as jobs of their own (torch's ``new_group``, ``JOB/groupN``; the two-level
+    all_reduce's per-host groups, ``JOB/gN/host-KEY``), as a node-local shard for the job
+    serves them too. Every servicer that names a job in its request calls this before it reads
+    or changes any state of the job, so a refused call leaves the job as it was. With the
+    shared token, the admin token or no job secret, it allows every job.
 
     Raises:
         JobAccessError: the call's token is another job's own token.
     """
     caller = _CALLER_JOB.get()
-    if caller is not None and caller != job:
+    if caller is not None and caller != job and not job.startswith(caller + "/"):
         raise JobAccessError(
             f"this call's token is the job token of job {caller!r}, which opens that job "
             f"only, not job {job!r}; job {job!r} needs its own token or the coordinator's "
