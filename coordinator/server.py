@@ -29,6 +29,7 @@ from gradstar.proto.v1 import (
 )
 from gradstar.transport.channels import server_credentials
 from gradstar.transport.http import bound_port, serve_http
+from gradstar.transport.job_tokens import load_job_secret
 from gradstar.transport.serve import serve
 
 from .collective import CollectiveEngine, CollectiveServicer
@@ -111,7 +112,8 @@ class Coordinator:
         Raises:
             OSError: the address could not be bound.
             ConfigurationError: a placeholder token, or a non-loopback address without a job
-                token and without ``insecure`` (see CoordinatorSettings.check_protected).
+                token and without ``insecure`` (see CoordinatorSettings.check_protected), or
+                a job secret file that cannot be read, is empty or too short.
         """
         s = self.settings
         s.check_protected()
@@ -150,6 +152,8 @@ class Coordinator:
                                            metrics=self.status.metrics)
         token = s.token.get_secret_value() if s.token else None
         admin = s.admin_token.get_secret_value() if s.admin_token else None
+        # Both ports take each job's own token: the collective port carries the job's tensors.
+        job_secret = load_job_secret(s.job_secret_file)
         creds = (server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca) if self._tls
                  else None)
         self.collectives = CollectiveServicer(self.engine, admit=self._admit,
@@ -168,7 +172,8 @@ class Coordinator:
              partial(rounds_pb2_grpc.add_RoundsServicer_to_server, rounds),
              partial(steps_pb2_grpc.add_StepsServicer_to_server, self._steps)),
             what="the coordinator's collective port", token=token, admin_token=admin,
-            credentials=creds, bulk=True, stream_window_bytes=s.stream_window_bytes)
+            credentials=creds, bulk=True, stream_window_bytes=s.stream_window_bytes,
+            job_secret=job_secret)
         rounds.bulk_address = f":{self.collective_port}"
         self._health = health.aio.HealthServicer()
         # grpc's servicer answers SERVING for "" until told otherwise: not before the shards.
@@ -193,7 +198,7 @@ class Coordinator:
                                      reflection.SERVICE_NAME)))
         server, port = serve(f"{s.host}:{s.port}", services, what="the coordinator",
                              token=token, admin_token=admin, credentials=creds,
-                             stream_window_bytes=s.stream_window_bytes)
+                             stream_window_bytes=s.stream_window_bytes, job_secret=job_secret)
         if s.metrics_port is not None:
             routes = {"/metrics": self._metrics_page, **status_routes(self.status.snapshot)}
             self._metrics_server = await serve_http(s.metrics_host, s.metrics_port, routes)
@@ -227,8 +232,9 @@ class Coordinator:
                           f"registered within {s.shard_wait:g} s")
         self._serving = True
         await self._set_health(True)
-        log.info("coordinator serving on %s:%d (tls=%s, auth=%s, shards=%d)", s.host, self.port,
-                 self._tls, bool(s.token), len(self.shards.up))
+        log.info("coordinator serving on %s:%d (tls=%s, auth=%s, job tokens=%s, shards=%d)",
+                 s.host, self.port, self._tls, bool(s.token), s.job_secret_file is not None,
+                 len(self.shards.up))
 
     @staticmethod
     async def _admit(header) -> None:

@@ -16,6 +16,7 @@ import grpc
 
 from gradstar.errors import GradstarError, ProtocolError
 from gradstar.proto.v1 import collective_pb2 as cpb
+from gradstar.transport.auth import check_job_access
 from gradstar.transport.shm import SegmentMapper, ShmRefused, host_id, process_gone
 from gradstar.transport.status import abort
 from gradstar.wire import (
@@ -192,11 +193,18 @@ class CollectiveServicer:
 
     @staticmethod
     def _header(frame: bytes) -> cpb.CollectiveHeader:
-        """The header a collective's first frame carries, checked before anything quotes it."""
+        """The header a collective's first frame carries, checked before anything quotes it
+        or acts on it: its size, its job's name, and that the call's token opens that job.
+
+        Raises:
+            ProtocolError, ConfigurationError: a malformed header or job name.
+            JobAccessError: the call's token is another job's own token.
+        """
         check_header_size(frame, "a collective stream")
         header = decode_message(frame, KIND_HEADER, cpb.CollectiveHeader)
         # Before anything quotes it: a header may carry a name of up to its own size.
         check_job_name(header.job)
+        check_job_access(header.job)
         return header
 
     def _arrive(self, header: cpb.CollectiveHeader, shm: memoryview | None,

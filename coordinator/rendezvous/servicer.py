@@ -15,6 +15,7 @@ import grpc
 from gradstar.errors import GradstarError, ProtocolError, RankFinishedError
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
 from gradstar.proto.v1 import rendezvous_pb2_grpc
+from gradstar.transport.auth import check_job_access
 from gradstar.transport.status import abort
 
 from .rendezvous import Member, Rendezvous
@@ -47,6 +48,7 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
             await abort(context, ProtocolError("a session must start with a join request"))
         j = first.join
         try:
+            check_job_access(j.job)  # before the join makes the job or takes a place in it
             member = await self.rendezvous.join(
                 j.job, j.world_size, j.rank if j.rank >= 0 else None, j.peer_address,
                 min(j.timeout_seconds or self.max_join, self.max_join), host=j.host,

@@ -15,6 +15,7 @@ import numpy as np
 from gradstar.errors import ConfigurationError, GradstarError, ProtocolError
 from gradstar.proto.v1 import rounds_pb2 as pb
 from gradstar.proto.v1 import rounds_pb2_grpc
+from gradstar.transport.auth import check_job_access
 from gradstar.transport.channels import PART_BYTES
 from gradstar.transport.status import abort
 from gradstar.wire.chunks import take_part
@@ -179,10 +180,17 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
 
 
 def _check_key(key: pb.RoundsKey) -> None:
-    """Raises: ConfigurationError: an empty, overlong or unprintable job, model or replica."""
+    """Check a key before any state of its job is read or changed. Replicas form no
+    generation: the call's token is what binds it to its job.
+
+    Raises:
+        ConfigurationError: an empty, overlong or unprintable job, model or replica.
+        JobAccessError: the call's token is another job's own token.
+    """
     check_job_name(key.job)
     check_job_name(key.model, "a model name")
     check_job_name(key.replica, "a replica name")
+    check_job_access(key.job)
 
 
 def _wire(header: pb.TensorHeader, contribution: bool) -> WireFormat | None:

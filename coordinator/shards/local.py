@@ -51,6 +51,8 @@ class LocalShards:
                         "--coordinator-ca", str(s.tls_cert)]
             if s.tls_client_ca is not None:
                 command += ["--tls-client-ca", str(s.tls_client_ca)]
+        if s.job_secret_file is not None:  # its ranks' own job tokens open the shards too
+            command += ["--job-secret-file", str(s.job_secret_file.resolve())]
         if s.insecure:  # a coordinator allowed to serve unprotected: its shards are too
             command.append("--insecure")
         return command

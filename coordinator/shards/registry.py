@@ -45,6 +45,7 @@ from gradstar.errors import GradstarError, ProtocolError, ShardLostError
 from gradstar.node_shard import HOST_GROUP
 from gradstar.proto.v1 import shard_pb2 as spb
 from gradstar.proto.v1 import shard_pb2_grpc
+from gradstar.transport.auth import check_job_access
 from gradstar.transport.status import abort
 
 from ..metrics.arrivals import MAX_ENTRIES, RankArrivals, from_message
@@ -291,6 +292,9 @@ class ShardControlServicer(shard_pb2_grpc.ShardControlServicer):
             if for_job and not first.hello.job:
                 raise ProtocolError("RegisterForJob is for a shard started for one job; its "
                                     "hello names no job")
+            # A job's own token registers a shard for that job only (Register needs the admin
+            # token, which opens every job).
+            check_job_access(first.hello.job)
             record = self.registry.register(first.hello, job_scoped=for_job)
         except GradstarError as error:
             await abort(context, error)

@@ -52,6 +52,7 @@ from gradstar.transport.channels import (
     secure_or_insecure_channel,
     server_credentials,
 )
+from gradstar.transport.job_tokens import load_job_secret
 from gradstar.transport.serve import serve
 from gradstar.transport.shm import host_key
 from gradstar.transport.status import error_from_rpc
@@ -110,7 +111,8 @@ class Shard:
                 client certificate, or TLS is on one side only.
             CoordinatorUnavailableError / AuthenticationError: registration failed.
             ConfigurationError: a placeholder token, or a non-loopback address without a job
-                token and without ``insecure`` (see CoordinatorSettings.check_protected).
+                token and without ``insecure`` (see CoordinatorSettings.check_protected), or
+                a job secret file that cannot be read, is empty or too short.
         """
         s = self.settings
         s.check_protected()
@@ -130,7 +132,9 @@ class Shard:
             (self.collectives.handler(),
              partial(health_pb2_grpc.add_HealthServicer_to_server, self._health)),
             what="the shard", token=token, admin_token=admin, credentials=creds, bulk=True,
-            stream_window_bytes=s.stream_window_bytes)
+            stream_window_bytes=s.stream_window_bytes,
+            # Ranks send their stripes with the token they joined with: their job's own too.
+            job_secret=load_job_secret(s.job_secret_file))
         await server.start()
         self._server, self.port = server, port
         self.address = self._advertised(port)

@@ -26,6 +26,7 @@ from gradstar.errors import GradstarError, HubCapacityError, ProtocolError
 from gradstar.proto.v1 import steps_pb2 as pb
 from gradstar.proto.v1 import steps_pb2_grpc
 from gradstar.sync_modes import from_message
+from gradstar.transport.auth import check_job_access
 from gradstar.transport.channels import PART_BYTES
 from gradstar.transport.status import abort
 from gradstar.wire.chunks import take_part
@@ -241,6 +242,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
         docstring); nothing is made for a caller that is not one."""
         check_job_name(key.job)
         check_job_name(key.model, "a model name")
+        check_job_access(key.job)  # the caller's token opens this job (per-job tokens)
         gen = self.members(key.job, key.generation, key.rank, key.member_id)
         return self.table.ledger(key.job, key.model, gen.world_size)
 

@@ -64,6 +64,12 @@ class CoordinatorSettings(BaseSettings):
     port: int = Field(DEFAULT_PORT, ge=0, le=65535)
     token: SecretStr | None = None
     admin_token: SecretStr | None = None
+    # A file only: the secret opens every job, and a command line is visible in ps.
+    job_secret_file: Path | None = Field(
+        None, description="file holding the operator's job secret: each job's own token, "
+                          "derived from it (gradstar admin job-token), then opens that job "
+                          "only (gradstar.transport.job_tokens); the shared token still opens "
+                          "every job")
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_client_ca: Path | None = Field(
@@ -188,11 +194,12 @@ class CoordinatorSettings(BaseSettings):
     def check_protected(self) -> None:
         """Refuse settings that would serve without protection by mistake, the way Redis'
         protected mode does: loopback without a token is fine for local use; any other address
-        needs a job token (or mutual TLS), or ``insecure`` said explicitly.
+        needs a job token or a job secret (or mutual TLS), or ``insecure`` said explicitly.
 
         Raises:
-            ConfigurationError: a token is a placeholder from an example file, or the server
-                would listen on a non-loopback address unprotected without ``insecure``.
+            ConfigurationError: a token is a placeholder from an example file, a job secret
+                comes without an admin or shared token, or the server would listen on a
+                non-loopback address unprotected without ``insecure``.
         """
         for secret, name in ((self.token, "job token (GRADSTAR_TOKEN)"),
                              (self.admin_token, "admin token (GRADSTAR_ADMIN_TOKEN)")):
@@ -201,8 +208,14 @@ class CoordinatorSettings(BaseSettings):
                     f"the {name} is a placeholder from an example, not a secret; set it to a "
                     "long random string, e.g. python3 -c 'import secrets; "
                     "print(secrets.token_urlsafe(32))'")
-        if (self.token is None and self.tls_client_ca is None and not self.insecure
-                and not is_loopback(self.host)):
+        if self.job_secret_file is not None and self.token is None and self.admin_token is None:
+            raise ConfigurationError(
+                "a job secret (GRADSTAR_JOB_SECRET_FILE) needs an admin token "
+                "(GRADSTAR_ADMIN_TOKEN, --admin-token-file) or a shared job token too: without "
+                "either, Admin calls (every job's views, drain) would be open to anyone, every "
+                "job's ranks included")
+        if (self.token is None and self.job_secret_file is None and self.tls_client_ca is None
+                and not self.insecure and not is_loopback(self.host)):
             raise ConfigurationError(
                 f"refusing to listen on {self.host or '0.0.0.0'} without a job token: anyone "
                 "who reaches the port could join jobs and read their tensors; set "

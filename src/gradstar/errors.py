@@ -6,6 +6,7 @@ Every error a rank can see derives from :class:`GradstarError`::
     ├── ConfigurationError            a setting or argument is invalid (also a ValueError)
     │   └── BucketCapMismatchError    ranks changed DDP's bucket_cap_mb to different values
     ├── AuthenticationError           the coordinator refused the token
+    │   └── JobAccessError            a job's own token was used for another job
     ├── CoordinatorUnavailableError   the coordinator cannot be reached or went away
     │   └── ShardLostError            a hub shard carrying the generation's collectives went away
     ├── ProcessGroupClosedError       the process group was closed
@@ -55,6 +56,7 @@ __all__ = [
     "GradstarError",
     "HubCapacityError",
     "InvalidCollectiveError",
+    "JobAccessError",
     "JoinTimeoutError",
     "PayloadTooLargeError",
     "ProcessGroupClosedError",
@@ -97,6 +99,19 @@ class BucketCapMismatchError(ConfigurationError):
 
 class AuthenticationError(GradstarError):
     """The coordinator refused the job or admin token."""
+
+
+class JobAccessError(AuthenticationError):
+    """A call named a job that its token does not open: a job's own token (derived from the
+    coordinator's job secret) opens that job only; nothing of the other job was read or
+    changed."""
+
+    def __init__(self, message: str, *, job: str = "") -> None:
+        super().__init__(message)
+        self.job = job
+
+    def fields(self) -> dict:
+        return {"job": self.job}
 
 
 class CoordinatorUnavailableError(GradstarError):

@@ -123,3 +123,57 @@ async def test_a_rank_reads_its_token_from_the_file_gradstar_token_file_names(
         with pytest.raises(errors.ConfigurationError, match=why):
             await gradstar.init_process_group_async(coordinator=hub.address, job="rank-file",
                                                     world_size=1, connect_timeout=5)
+
+
+async def test_a_coordinator_with_a_job_secret_and_its_local_shard_take_a_jobs_own_token(
+        secrets, tmp_path):
+    # From the command line end to end: the coordinator and the local shard it starts read the
+    # secret file, the operator prints a job's token offline, and launch hands it to its ranks
+    # unchanged; the token opens its own job only.
+    _, admin = secrets
+    secret = tmp_path / "job-secret"
+    secret.write_text("a-job-secret-of-32-characters-xx\n")
+    code, printed, err = await run_gradstar("admin", "job-token", "--job", "tf",
+                                            "--job-secret-file", str(secret), timeout=30)
+    assert code == 0, err
+    job_token = tmp_path / "tf-token"
+    job_token.write_text(printed)
+    proc = await asyncio.create_subprocess_exec(
+        *GRADSTAR, "coordinator", "--host", "127.0.0.1", "--port", "0", "--shards", "1",
+        "--job-secret-file", str(secret), "--admin-token-file", str(admin),
+        "--log-level", "WARNING", env=clean_env(), stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT)
+    try:
+        out = Lines(proc.stdout)
+        address = (await out.wait_for(r"listening on (\S+)$", 60))[1]
+        await out.wait_for(r"data plane: 1 shards", 10)
+        script = str(Path(__file__).with_name("rank_script.py"))
+        code, ran, err = await run_gradstar(
+            "launch", "--nproc", "2", "--coordinator", address, "--token-file", str(job_token),
+            "--job", "tf", script, "sum", timeout=90)
+        assert code == 0, err[-3000:]
+        assert ran.count('"sum": 3.0') == 2, ran[-3000:]  # both ranks, through the shard
+        assert printed.strip() not in ran + err
+        code, _, err = await run_gradstar(
+            "launch", "--nproc", "1", "--coordinator", address, "--token-file", str(job_token),
+            "--job", "other", script, "sum", timeout=90)
+        assert code != 0 and "JobAccessError" in err and "not job 'other'" in err, err[-3000:]
+    finally:
+        await stop_process(proc)
+
+
+async def test_an_empty_or_short_job_secret_file_is_one_line(tmp_path, secrets):
+    _, admin = secrets
+    empty, short = tmp_path / "empty", tmp_path / "short"
+    empty.write_text("\n")
+    short.write_text("guessable\n")
+    for command in ("coordinator", "shard"):
+        code, _, err = await run_gradstar(command, "--job-secret-file", str(empty),
+                                          "--admin-token-file", str(admin), timeout=30)
+        assert code == 2 and f"the job secret file {empty} is empty" in err, (command, err)
+        code, _, err = await run_gradstar(command, "--job-secret-file", str(short),
+                                          "--admin-token-file", str(admin), timeout=30)
+        assert code == 2 and "needs at least 16 bytes, got 9" in err, (command, err)
+    code, _, err = await run_gradstar("coordinator", "--host", "127.0.0.1",
+                                      "--job-secret-file", str(short), timeout=30)
+    assert code == 2 and "needs an admin token" in err, err

@@ -1,11 +1,13 @@
 """``gradstar admin``: the operator's views of a running coordinator (status, jobs, shards,
-rounds, stragglers, drain, health); the calls and tables are
-:mod:`gradstar.worker.admin.command`."""
+rounds, stragglers, drain, health), whose calls and tables are
+:mod:`gradstar.worker.admin.command`; and ``job-token``, which prints a job's own token from the
+job secret, offline (:mod:`gradstar.transport.job_tokens`)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 from pathlib import Path
@@ -29,9 +31,11 @@ def admin_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "collectives wait for, ranks slowest first (host, median and p95 arrival "
                     "lag, share of collectives last, seconds the others waited). drain: "
                     "refuse new joins (running jobs finish). health: exit 0 if the "
-                    "coordinator is SERVING (for container health checks).")
+                    "coordinator is SERVING (for container health checks). job-token: print "
+                    "--job's own token, made from --job-secret-file without asking any "
+                    "coordinator; give it to that job's ranks as GRADSTAR_TOKEN.")
     p.add_argument("action", choices=("status", "jobs", "shards", "rounds", "steps",
-                                      "stragglers", "drain", "health"))
+                                      "stragglers", "drain", "health", "job-token"))
     p.add_argument("--coordinator",
                    default=os.environ.get("GRADSTAR_COORDINATOR", f"127.0.0.1:{DEFAULT_PORT}"),
                    help="HOST:PORT (env GRADSTAR_COORDINATOR, default 127.0.0.1:29400)")
@@ -40,9 +44,13 @@ def admin_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                              "GRADSTAR_TOKEN); visible in ps")
     token.add_argument("--admin-token-file", type=Path,
                        help="file holding the admin token (env GRADSTAR_ADMIN_TOKEN_FILE)")
+    p.add_argument("--job-secret-file", type=Path,
+                   default=os.environ.get("GRADSTAR_JOB_SECRET_FILE"),
+                   help="job-token: the file holding the coordinator's job secret (env "
+                        "GRADSTAR_JOB_SECRET_FILE)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--job", help="status: only this job; rounds, steps, stragglers: the job "
-                                 "(required)")
+    p.add_argument("--job", help="status: only this job; rounds, steps, stragglers, job-token: "
+                                 "the job (required)")
     p.add_argument("--limit", type=int, default=0,
                    help="stragglers: at most this many ranks, slowest first (default 0: all)")
     p.add_argument("--interval", type=float, default=1.0,
@@ -63,6 +71,9 @@ def admin_command(args: argparse.Namespace) -> int:
     from gradstar.errors import GradstarError
     from gradstar.worker.admin.command import run_admin
 
+    if args.action == "job-token":
+        return job_token_command(args)
+
     problem = unreadable({"--tls-ca": args.tls_ca, "--tls-cert": args.tls_cert,
                            "--tls-key": args.tls_key})
     if problem is not None:
@@ -73,3 +84,21 @@ def admin_command(args: argparse.Namespace) -> int:
     except GradstarError as error:
         print(f"gradstar admin: {error}", file=sys.stderr)
         return 1
+
+
+def job_token_command(args: argparse.Namespace) -> int:
+    """``gradstar admin job-token --job J --job-secret-file PATH``: J's own token on stdout."""
+    from gradstar.errors import ConfigurationError
+    from gradstar.transport.job_tokens import load_job_secret
+
+    if args.job is None or args.job_secret_file is None:
+        print("gradstar admin job-token: name the job with --job and the secret with "
+              "--job-secret-file (or GRADSTAR_JOB_SECRET_FILE)", file=sys.stderr)
+        return USAGE_ERROR
+    try:
+        token = load_job_secret(args.job_secret_file).token_for(args.job)
+    except ConfigurationError as error:
+        print(f"gradstar admin job-token: {error}", file=sys.stderr)
+        return USAGE_ERROR
+    print(json.dumps({"job": args.job, "token": token}) if args.json else token)
+    return 0

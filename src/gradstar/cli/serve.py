@@ -38,6 +38,7 @@ def coordinator_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
                                   "only, no token needed; env GRADSTAR_HOST)")
     p.add_argument("--port", type=int, help="port; 0 picks a free one (default 29400)")
     _token_args(p, on_command_line=True)
+    _job_secret_arg(p)
     _insecure_arg(p)
     p.add_argument("--tls-cert", help="PEM certificate chain; enables TLS")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
@@ -129,6 +130,14 @@ def _token_args(p: argparse.ArgumentParser, *, on_command_line: bool) -> None:
                        help="file holding the admin token (env GRADSTAR_ADMIN_TOKEN_FILE)")
 
 
+def _job_secret_arg(p: argparse.ArgumentParser) -> None:
+    # A file only, never the value: the secret makes every job's token.
+    p.add_argument("--job-secret-file", type=Path,
+                   help="file holding the operator's job secret: each job's own token "
+                        "(gradstar admin job-token) then opens that job only, beside the "
+                        "shared token, which opens every job (env GRADSTAR_JOB_SECRET_FILE)")
+
+
 def _shard_count(text: str) -> int:
     from gradstar.config import default_shard_count
 
@@ -161,6 +170,7 @@ def shard_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--tls-client-ca", help="CA that client certificates must chain to (mTLS)")
     p.add_argument("--coordinator-ca", help="CA to verify the coordinator's certificate with")
     _token_args(p, on_command_line=False)
+    _job_secret_arg(p)
     _insecure_arg(p)
     p.add_argument("--max-tensor-bytes", type=int, help="largest payload a rank may send")
     _capacity_args(p)
@@ -325,6 +335,7 @@ def _can_serve(settings: CoordinatorSettings, command: str) -> bool:
     their ports can be bound; prints why not, in one line."""
     from gradstar.errors import ConfigurationError
     from gradstar.transport.bind import bind_problem
+    from gradstar.transport.job_tokens import load_job_secret
 
     try:
         settings.check_protected()
@@ -337,6 +348,11 @@ def _can_serve(settings: CoordinatorSettings, command: str) -> bool:
     if problem is not None:
         print(f"gradstar {command}: {problem}", file=sys.stderr)
         return False
+    try:
+        load_job_secret(settings.job_secret_file)  # read again when serving; refused here first
+    except ConfigurationError as error:
+        print(f"gradstar {command}: {error}", file=sys.stderr)
+        return False
     ports = [(settings.host, settings.port, "--port")]
     if getattr(settings, "collective_port", None):
         ports.append((settings.host, settings.collective_port, "--collective-port"))
@@ -347,7 +363,8 @@ def _can_serve(settings: CoordinatorSettings, command: str) -> bool:
         if problem is not None:
             print(f"gradstar {command}: {problem}", file=sys.stderr)
             return False
-    if (settings.insecure and settings.token is None and settings.tls_client_ca is None
+    if (settings.insecure and settings.token is None and settings.job_secret_file is None
+            and settings.tls_client_ca is None
             and not is_loopback(settings.host)):
         print(f"gradstar {command}: warning: --insecure: serving on {settings.host} without "
               "authentication; anyone who reaches the port can join jobs", file=sys.stderr,

@@ -9,6 +9,15 @@ that shard carries only the job's generations, nothing a rank of the job could n
 reflection stay open so orchestrators can probe the coordinator. Tokens are compared in
 constant time and never logged.
 
+Per-job tokens (:mod:`.job_tokens`): a server given the operator's job secret also admits, to
+every call the job token opens, a token made for one job. The interceptor records that job for
+the call (:data:`_CALLER_JOB`, a context variable of the call's task, which the servicer's
+handler runs in), and every servicer that reads a job from its request asks
+:func:`check_job_access` before it reads or changes anything of that job: a job's token then
+reaches its own job only. A call admitted by the shared token or the admin token records
+nothing and reaches every job, as without a secret; without a secret the check is one context
+variable read.
+
 A refused call whose client streams requests is answered only once the client has
 half-closed or stopped writing (bounded by :data:`DENIAL_DRAIN_SECONDS`): ending the call while
 the client is still writing fails the client's pending write, and grpc-python then reports
@@ -29,8 +38,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+from contextvars import ContextVar
 
 import grpc
+
+from gradstar.errors import JobAccessError
+
+from .job_tokens import JobSecret
 
 AUTH_KEY = "authorization"
 ADMIN_PREFIXES = ("/gradstar.proto.v1.Admin/", "/gradstar.proto.v1.ShardControl/")
@@ -58,6 +72,34 @@ DENIAL_QUIET_SECONDS = 1.0
 #: Quiet is counted in ticks of this length; a tick that ends over a tick late means the loop
 #: stalled, and the count starts again.
 _QUIET_TICK = 0.05
+_BEARER = "Bearer "
+
+#: The one job the current call may act for (its token is that job's own), or None: every job
+#: (the shared or admin token, or a server without a job secret). Set by the interceptor in
+#: the call's task, before its handler runs there; each call is a task of its own, so a value
+#: never outlives its call.
+_CALLER_JOB: ContextVar[str | None] = ContextVar("gradstar_caller_job", default=None)
+
+
+def check_job_access(job: str) -> None:
+    """Refuse the current call if its token opens another job than ``job``.
+
+    A job's token opens the job and the jobs named under it, ``JOB/...``: the groups its ranks
+    join as jobs of their own (torch's ``new_group``, ``JOB/groupN``; the two-level
+    all_reduce's per-host groups, ``JOB/gN/host-KEY``), as a node-local shard for the job
+    serves them too. Every servicer that names a job in its request calls this before it reads
+    or changes any state of the job, so a refused call leaves the job as it was. With the
+    shared token, the admin token or no job secret, it allows every job.
+
+    Raises:
+        JobAccessError: the call's token is another job's own token.
+    """
+    caller = _CALLER_JOB.get()
+    if caller is not None and caller != job and not job.startswith(caller + "/"):
+        raise JobAccessError(
+            f"this call's token is the job token of job {caller!r}, which opens that job "
+            f"only, not job {job!r}; job {job!r} needs its own token or the coordinator's "
+            "shared job token", job=job)
 
 
 def bearer(token: str) -> tuple[tuple[str, str], ...]:
@@ -66,12 +108,20 @@ def bearer(token: str) -> tuple[tuple[str, str], ...]:
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects calls without the right token with UNAUTHENTICATED before any handler runs."""
+    """Rejects calls without the right token with UNAUTHENTICATED before any handler runs.
 
-    def __init__(self, job_token: str | None, admin_token: str | None) -> None:
+    With ``job_secret``, a job token of any job (:class:`~.job_tokens.JobSecret`) is admitted
+    wherever the shared job token is (and to ``RANKS_READ``), bound to its job for
+    :func:`check_job_access`; job calls then need one of the two even when no shared token is
+    set.
+    """
+
+    def __init__(self, job_token: str | None, admin_token: str | None,
+                 job_secret: JobSecret | None = None) -> None:
         admin = admin_token or job_token
         self._job = bearer(job_token)[0][1].encode() if job_token else None
         self._admin = bearer(admin)[0][1].encode() if admin else None
+        self._secret = job_secret
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
@@ -79,23 +129,33 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
             return await continuation(handler_call_details)
         is_admin = method.startswith(ADMIN_PREFIXES) and method not in JOB_SCOPED
         expected = self._admin if is_admin else self._job
-        if expected is None:
+        if expected is None and self._secret is None:
             return await continuation(handler_call_details)
         presented = ""
         for key, value in handler_call_details.invocation_metadata or ():
             if key == AUTH_KEY:
                 presented = value if isinstance(value, str) else value.decode("latin-1")
         token = presented.encode("utf-8", "replace")
-        if hmac.compare_digest(token, expected):
+        if expected is not None and hmac.compare_digest(token, expected):
             return await continuation(handler_call_details)
-        if method in RANKS_READ and (self._job is None or hmac.compare_digest(token, self._job)):
+        ranks_read = method in RANKS_READ
+        if ranks_read and ((self._job is None and self._secret is None) or (
+                self._job is not None and hmac.compare_digest(token, self._job))):
             return await continuation(handler_call_details)
+        if (self._secret is not None and (ranks_read or not is_admin)
+                and presented.startswith(_BEARER)):
+            job = self._secret.job_of(presented[len(_BEARER):])
+            if job is not None:
+                _CALLER_JOB.set(job)
+                return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
         what = "admin token" if is_admin else "job token"
         reason = "missing" if not presented else "wrong"
         var = "GRADSTAR_ADMIN_TOKEN" if is_admin else "GRADSTAR_TOKEN"
-        return _denying(handler, f"{what} {reason}: pass the coordinator's {what} "
-                                 f"({var} or {var}_FILE)")
+        whose = ("the coordinator's admin token" if is_admin
+                 else "the coordinator's job token or your job's own token" if self._secret
+                 else "the coordinator's job token")
+        return _denying(handler, f"{what} {reason}: pass {whose} ({var} or {var}_FILE)")
 
 
 def _denying(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:

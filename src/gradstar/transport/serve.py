@@ -15,6 +15,7 @@ import grpc
 
 from .auth import TokenAuthInterceptor
 from .channels import BULK_SERVER_OPTIONS, SERVER_OPTIONS, stream_window_options
+from .job_tokens import JobSecret
 
 #: What a server serves: a generic handler, or a function that adds a servicer to the server
 #: (``functools.partial(add_XServicer_to_server, servicer)``, a health servicer's adder).
@@ -23,12 +24,14 @@ Service = grpc.GenericRpcHandler | Callable[[grpc.aio.Server], object]
 
 def serve(address: str, services: Iterable[Service], *, what: str, token: str | None,
           admin_token: str | None = None, credentials: grpc.ServerCredentials | None = None,
-          bulk: bool = False, stream_window_bytes: int = 0) -> tuple[grpc.aio.Server, int]:
+          bulk: bool = False, stream_window_bytes: int = 0,
+          job_secret: JobSecret | None = None) -> tuple[grpc.aio.Server, int]:
     """A server of ``services`` bound to ``address`` (TLS with ``credentials``), not started
     yet (``await server.start()``, once the caller has everything else in place), and its
     bound port.
 
     ``token`` / ``admin_token``: what the interceptor asks of every call (None: open).
+    ``job_secret``: also admit each job's own token, to its job only (:mod:`.job_tokens`).
     ``bulk``: the server carries tensors (:data:`.channels.BULK_SERVER_OPTIONS`).
     ``stream_window_bytes``: each stream's receive window, fixed (0: gRPC sizes it;
     :func:`.channels.stream_window_options`).
@@ -37,7 +40,8 @@ def serve(address: str, services: Iterable[Service], *, what: str, token: str | 
         OSError: ``address`` could not be bound (in use, or no such address here), naming
             ``what``.
     """
-    server = grpc.aio.server(interceptors=[TokenAuthInterceptor(token, admin_token)],
+    interceptor = TokenAuthInterceptor(token, admin_token, job_secret)
+    server = grpc.aio.server(interceptors=[interceptor],
                              options=[*(BULK_SERVER_OPTIONS if bulk else SERVER_OPTIONS),
                                       *stream_window_options(stream_window_bytes)])
     for service in services:

@@ -22,6 +22,8 @@ from gradstar.errors import (
 )
 
 _CODES: list[tuple[type[e.GradstarError], grpc.StatusCode]] = [
+    # Before its base class: the caller is known (a valid job token), only not for this job.
+    (e.JobAccessError, grpc.StatusCode.PERMISSION_DENIED),
     (e.AuthenticationError, grpc.StatusCode.UNAUTHENTICATED),
     (e.CollectiveMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
     (e.WorldSizeMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
