@@ -69,7 +69,8 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         #: This rank took a lost rank's place in a running generation (an elastic join).
         self.replacement: bool = joined.replacement
         self.peers: dict[int, str] = {p.rank: p.address for p in joined.peers}
-        self._member_id = joined.member_id
+        #: The rendezvous' id of this member: with job, generation and rank, what binds its calls.
+        self.member_id: str = joined.member_id
         self._channel = channel
         self._session = session
         session.stragglers = StragglerLog.for_group(settings, joined)
@@ -92,12 +93,6 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         if peer_endpoint is not None:
             peer_endpoint.bind(Identity(self.job, self.generation, self.rank, self.world_size,
                                         tuple(joined.peer_keys)), self.peers, session)
-
-    @property
-    def member_id(self) -> str:
-        """The id the rendezvous gave this member at join: with (job, generation, rank), what
-        binds this rank's calls outside the collectives (the Steps service) to it."""
-        return self._member_id
 
     @property
     def collective_address(self) -> str:
@@ -327,7 +322,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
             arr.dtype.itemsize), arr.dtype.itemsize, fmt)
         header = pb.CollectiveHeader(
             job=self.job, generation=self.generation, group="default", seq=next(self._seq),
-            rank=self.rank, member_id=self._member_id, op=op, reduce_op=reduce_op,
+            rank=self.rank, member_id=self.member_id, op=op, reduce_op=reduce_op,
             dtype=dtype, shape=arr.shape, root=root, chunk_bytes=chunk_bytes,
             timeout_seconds=timeout, averaging=averaging, wire=wire,
         )
