@@ -14,7 +14,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 EXTRAS := $(if $(filter none,$(TORCH)),,[dev,torch,plot])
 
 .PHONY: setup demo test lint protos protos-check wheel-check bench compose-check clean \
-	need-torch FORCE chromium torch-suite test-cuda docs
+	need-torch FORCE chromium nftables torch-suite test-cuda docs
 
 $(STAMP): pyproject.toml constraints.txt $(TORCH_FILE)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -47,7 +47,7 @@ compose-check:
 	bash scripts/check_compose.sh
 
 ## The test suite (unit + integration with real servers and processes).
-test: need-torch $(STAMP) chromium
+test: need-torch $(STAMP) chromium nftables
 	$(PY) scripts/crash_report.py -- $(PY) -m pytest -q
 
 ## The CUDA tests alone (tests/cuda/), on a machine with a GPU: `make TORCH=cuda test-cuda`.
@@ -60,6 +60,11 @@ test-cuda: need-torch $(STAMP)
 ## (about 2 minutes); elsewhere a one-line hint, and that test fails saying the same.
 chromium:
 	-@bash scripts/ensure_chromium.sh
+
+## nftables for the emulated cluster's outbound-only hosts (tests/cluster): installed with
+## apt-get as root when missing; elsewhere a one-line hint, and those tests fail saying so.
+nftables:
+	-@bash scripts/ensure_nftables.sh
 
 lint: need-torch $(STAMP)
 	$(VENV)/bin/ruff check .

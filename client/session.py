@@ -112,7 +112,8 @@ class Session:
         return self._failure or self._finished.get(peer)
 
     async def join(self, job: str, world_size: int, rank: int | None, peer_address: str,
-                   timeout: float, elastic: bool = False) -> rpb.Joined:
+                   timeout: float, elastic: bool = False, *,
+                   outbound_only: bool = False) -> rpb.Joined:
         """Join ``job`` and wait for its generation to form.
 
         Raises:
@@ -122,7 +123,7 @@ class Session:
         self._outbox.put_nowait(rpb.SessionRequest(join=rpb.JoinRequest(
             job=job, world_size=world_size, rank=-1 if rank is None else rank,
             peer_address=peer_address, timeout_seconds=timeout, host=shm.host_key(),
-            elastic=elastic,
+            elastic=elastic, outbound_only=outbound_only,
             hostname=socket.gethostname(),
         )))
         # No deadline on the call itself: it lives as long as the rank. The join is bounded by

@@ -181,7 +181,8 @@ class Coordinator:
         services = [
             partial(rendezvous_pb2_grpc.add_RendezvousServicer_to_server, RendezvousServicer(
                 self.rendezvous, s.heartbeat_interval, s.max_collective_timeout,
-                collectives=f":{self.collective_port}")),
+                collectives=f":{self.collective_port}",
+                outbound_hosts=lambda job: self.shards.outbound_hosts(job))),
             # Still served here too: a rank of an earlier version sends its collectives here.
             self.collectives.handler(),
             partial(rounds_pb2_grpc.add_RoundsServicer_to_server, rounds),

@@ -84,6 +84,8 @@ class PeerEndpoint:
         self._session = None
         self.identity: Identity | None = None
         self.peers: dict[int, str] = {}
+        #: Ranks on other hosts that take no inbound connections (rank -> host key).
+        self.closed_to_me: dict[int, str] = {}
         self.address = ""
         #: Set by :meth:`close`: what operations still waiting raise.
         self.closed: ProcessGroupClosedError | None = None
@@ -107,8 +109,15 @@ class PeerEndpoint:
         self.address = advertise or host_port(host, port)
         return self.address
 
-    def bind(self, identity: Identity, peers: dict[int, str], session) -> None:
-        self.identity, self.peers, self._session = identity, peers, session
+    def bind(self, identity: Identity, peers, session) -> None:
+        """Take the generation's peer table (``Joined.peers``): each rank's address, and which
+        ranks on other hosts than this one take no inbound connections."""
+        self.identity, self._session = identity, session
+        self.peers = {p.rank: p.address for p in peers}
+        here = next((p.host for p in peers if p.rank == identity.rank), "")
+        self.closed_to_me = {p.rank: p.host for p in peers
+                             if p.outbound_only and p.rank != identity.rank
+                             and not (here and p.host == here)}
         self.server.bind(identity)
 
     async def _link(self, dst: int) -> PeerLink:
@@ -117,6 +126,14 @@ class PeerEndpoint:
             if self.closed is not None:  # no new stream once the goodbyes are said
                 raise self.closed
             address = self.peers.get(dst, "")
+            if dst in self.closed_to_me:
+                raise ConfigurationError(
+                    f"rank {dst} runs on a host that takes no inbound connections (outbound-only: "
+                    f"behind NAT or a firewall, or GRADSTAR_OUTBOUND_ONLY), so rank "
+                    f"{self.identity.rank} on another host cannot open the peer stream that "
+                    f"send/recv and Pipeline stages use to reach it (its peer server at "
+                    f"{address or 'no address'}); run the ranks that receive from other hosts "
+                    "where they can be dialed, or on the same host as their senders")
             if not address:
                 raise ConfigurationError(
                     f"rank {dst} registered no peer address, so rank {self.identity.rank} "

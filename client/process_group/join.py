@@ -86,7 +86,8 @@ async def open_group(settings: ClientSettings, peer_address: str = "", *,
                              settings.tls_ca, settings.tls_cert, settings.tls_key)
         session = Session(channel, call_metadata(settings), settings.coordinator)
         await session.join(settings.job, settings.world_size, settings.rank,
-                           peer_address, settings.join_timeout, settings.elastic)
+                           peer_address, settings.join_timeout, settings.elastic,
+                           outbound_only=settings.outbound_only)
     except BaseException:
         await channel.close()
         if peer_endpoint is not None:

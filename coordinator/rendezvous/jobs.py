@@ -88,6 +88,8 @@ class Member:
     finished: bool = False
     #: Took the place of a lost member of a running generation (an elastic join).
     replacement: bool = False
+    #: Its host takes no inbound connections from other hosts (JoinRequest.outbound_only).
+    outbound_only: bool = False
 
     def touch(self) -> None:
         self.last_seen = time.monotonic()

@@ -97,6 +97,7 @@ class Rendezvous:
     async def join(
         self, job: str, world_size: int, rank: int | None, peer_address: str, timeout: float,
         *, host: str = "", hostname: str = "", elastic: bool = False,
+        outbound_only: bool = False,
     ) -> Member:
         """Wait until the job's next generation forms; return this caller's member record.
 
@@ -110,6 +111,7 @@ class Rendezvous:
         """
         member = self.offer(job, world_size, rank, peer_address, host=host, hostname=hostname,
                             elastic=elastic)
+        member.outbound_only = outbound_only  # before anyone hears of its generation
         try:
             await asyncio.wait_for(asyncio.shield(member.joined), timeout)
         except TimeoutError:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -30,8 +30,12 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
     """One session stream per member: join, heartbeats, and failure notices."""
 
     def __init__(self, rendezvous: Rendezvous, heartbeat_interval: float, max_join: float,
-                 collectives: str = "") -> None:
+                 collectives: str = "",
+                 outbound_hosts: Callable[[str], set[str]] = lambda job: set()) -> None:
+        """``outbound_hosts(job)``: the host keys of ``job`` that take no inbound connections
+        (its node-local shards the coordinator could not dial)."""
         self.rendezvous = rendezvous
+        self.outbound_hosts = outbound_hosts
         self.heartbeat_interval = heartbeat_interval
         self.max_join = max_join
         #: Where members send collectives (``Joined.collectives``): ``:PORT`` or empty.
@@ -52,20 +56,22 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
             member = await self.rendezvous.join(
                 j.job, j.world_size, j.rank if j.rank >= 0 else None, j.peer_address,
                 min(j.timeout_seconds or self.max_join, self.max_join), host=j.host,
-                elastic=j.elastic,
+                elastic=j.elastic, outbound_only=j.outbound_only,
                 hostname=j.hostname,
             )
         except GradstarError as error:
             await abort(context, error)
         gen = member.generation
         log.info("job %r generation %d: rank %d joined", j.job, gen.number, member.rank)
+        closed = self.outbound_hosts(j.job)
         reader = asyncio.create_task(self._read(member, requests))
         try:
             yield rpb.SessionEvent(joined=rpb.Joined(
                 shards=gen.shards, collectives=self.collectives,
                 job=j.job, generation=gen.number, rank=member.rank, world_size=gen.world_size,
                 member_id=member.member_id,
-                peers=[rpb.Peer(rank=r, address=m.peer_address, host=m.host, hostname=m.hostname)
+                peers=[rpb.Peer(rank=r, address=m.peer_address, host=m.host, hostname=m.hostname,
+                                outbound_only=m.outbound_only or m.host in closed)
                        for r, m in sorted(gen.members.items())],
                 heartbeat_interval_seconds=self.heartbeat_interval,
                 # This member's keys only, on its own session stream (32 bytes per rank).

@@ -45,6 +45,7 @@ from gradstar.errors import GradstarError, ProtocolError, ShardLostError
 from gradstar.node_shard import HOST_GROUP
 from gradstar.proto.v1 import shard_pb2 as spb
 from gradstar.proto.v1 import shard_pb2_grpc
+from gradstar.transport.addresses import split_host_port
 from gradstar.transport.auth import check_job_access
 from gradstar.transport.status import abort
 
@@ -62,7 +63,27 @@ STATS_INTERVAL = 1.0
 STALE_AFTER = 1.5 * STATS_INTERVAL
 #: Arrival summaries (job, rank) kept per shard at most.
 MAX_SHARD_ARRIVALS = MAX_ENTRIES
+#: How long the coordinator's probe of a registering shard's address may take: a host that
+#: drops inbound connections (NAT, an outbound-only firewall) never answers the SYN.
+PROBE_SECONDS = 1.0
 _END = object()
+
+
+async def probe(address: str, seconds: float = PROBE_SECONDS) -> bool:
+    """Whether a TCP connection to ``address`` (HOST:PORT) opens within ``seconds``: what
+    tells the coordinator that ranks on other hosts can dial a shard there. An address without
+    a host (":PORT") is on the coordinator's own host, which every rank reaches."""
+    host, port = split_host_port(address)
+    if not host:
+        return True
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), seconds)
+    except (OSError, ValueError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
 
 
 @dataclass(eq=False)
@@ -84,6 +105,9 @@ class ShardRecord:
     #: job -> rank -> arrival summary, the latest the shard reported (ShardStats.arrivals).
     arrivals: dict[str, dict[int, RankArrivals]] = field(default_factory=dict)
     arrival_entries: int = 0
+    #: Ranks on other hosts can dial it: not said to be outbound-only, and the coordinator's
+    #: probe of its address connected (:func:`probe`).
+    reachable: bool = True
 
     def send(self, command: spb.ShardCommand) -> None:
         if self.state == "up":
@@ -123,9 +147,11 @@ class ShardRegistry:
                 await asyncio.wait_for(self._changed.wait(), left)
         return True
 
-    def register(self, hello: spb.ShardHello, job_scoped: bool = False) -> ShardRecord:
+    def register(self, hello: spb.ShardHello, job_scoped: bool = False,
+                 reachable: bool = True) -> ShardRecord:
         """Give a shard a slot. A ``job_scoped`` one (registered with the job token) takes a
-        free slot, or one a shard of its own job left, never another lost shard's.
+        free slot, or one a shard of its own job left, never another lost shard's. One not
+        ``reachable`` from other hosts carries only its own host's group.
 
         Raises:
             ProtocolError: the hello names no address.
@@ -140,11 +166,13 @@ class ShardRegistry:
         else:
             slot = next(s for s in range(len(self.slots) + 1) if s not in taken)
         record = self.slots[slot] = ShardRecord(slot, hello.address, hello.job[:256],
-                                                hello.host[:64])
+                                                hello.host[:64], reachable=reachable)
         record.send(spb.ShardCommand(accepted=spb.ShardAccepted(
             slot=slot, stats_interval_seconds=STATS_INTERVAL)))
-        log.info("shard %d registered at %s%s", slot, hello.address,
-                 f" for job {hello.job!r}" if hello.job else "")
+        log.info("shard %d registered at %s%s%s", slot, hello.address,
+                 f" for job {hello.job!r}" if hello.job else "",
+                 "" if reachable else (" (outbound-only: its host takes no inbound "
+                                       "connections, so it carries its own host's ranks only)"))
         self._health_changed()
         return record
 
@@ -207,8 +235,19 @@ class ShardRegistry:
         own = [r for r in up if r.job and (job == r.job or job.startswith(r.job + "/"))]
         host = job.rpartition(HOST_GROUP)[2] if HOST_GROUP in job else ""
         if host:  # a per-host group (gradstar.client.hierarchy): that host's shard alone
-            own = [r for r in own if r.host == host] or own
-        return own or [r for r in up if not r.job]
+            mine = [r for r in own if r.host == host]
+            if mine:  # reached from its own host, outbound-only or not
+                return mine
+        # Across hosts, only shards every rank can dial: an outbound-only host's shard would
+        # leave the other hosts' ranks unable to reach their stripe.
+        own = [r for r in own if r.reachable]
+        return own or [r for r in up if not r.job and r.reachable]
+
+    def outbound_hosts(self, job: str) -> set[str]:
+        """Host keys of ``job``'s node-local shards that other hosts cannot dial: the ranks on
+        those hosts take no inbound connections either."""
+        return {r.host for r in self.up if r.host and not r.reachable
+                and (job == r.job or job.startswith(r.job + "/"))}
 
     def on_formed(self, gen: Generation) -> None:
         up = self.stripes_for(gen.job.name)
@@ -295,7 +334,9 @@ class ShardControlServicer(shard_pb2_grpc.ShardControlServicer):
             # A job's own token registers a shard for that job only (Register needs the admin
             # token, which opens every job).
             check_job_access(first.hello.job)
-            record = self.registry.register(first.hello, job_scoped=for_job)
+            hello = first.hello
+            reachable = not hello.outbound_only and await probe(hello.address)
+            record = self.registry.register(hello, job_scoped=for_job, reachable=reachable)
         except GradstarError as error:
             await abort(context, error)
         reader = asyncio.create_task(self._read(record, reports))

@@ -170,7 +170,8 @@ class Shard:
                              ca_setting="coordinator_ca")
         stub = shard_pb2_grpc.ShardControlStub(self._channel)
         self._reports.put_nowait(spb.ShardReport(hello=spb.ShardHello(
-            address=self.address, slot=s.slot, job=s.for_job, host=host_key())))
+            address=self.address, slot=s.slot, job=s.for_job, host=host_key(),
+            outbound_only=s.outbound_only)))
         # A shard for one job registers with the job token, as its job's ranks hold it (a
         # coordinator with an admin token of its own opens Register to that token only).
         token = (s.token or s.admin_token) if s.for_job else (s.admin_token or s.token)

@@ -242,6 +242,11 @@ class ShardSettings(CoordinatorSettings):
                     "shard; '' serves every job")
     coordinator_ca: Path | None = Field(
         None, description="CA bundle to verify the coordinator with (TLS to the coordinator)")
+    outbound_only: bool = Field(
+        False, description="this host takes no inbound connections from other hosts (behind "
+                           "NAT, a firewall that only lets connections out): the shard serves "
+                           "its own host's ranks only. Unset, the coordinator probes the "
+                           "shard's address before it accepts it")
 
 
 class ClientSettings(BaseSettings):
@@ -292,6 +297,12 @@ class ClientSettings(BaseSettings):
         None, description="network interface whose IPv4 address this rank advertises, as "
                           "GLOO_SOCKET_IFNAME does for gloo (several networks on one host)")
     peer_port: int = Field(0, ge=0, le=65535, description="peer server port; 0 picks a free one")
+    outbound_only: bool = Field(
+        False, description="this host takes no inbound connections from other hosts (behind "
+                           "NAT, a firewall that only lets connections out): collectives "
+                           "avoid its shard, and a send to this rank from another host fails "
+                           "at once, naming why. Where a node-local shard runs, the "
+                           "coordinator's probe of it says so without this")
     hierarchical: bool = Field(
         True, description="all_reduce, broadcast, all_gather and reduce_scatter in two levels "
                           "when a generation spans hosts and some host runs several ranks: the "

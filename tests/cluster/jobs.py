@@ -102,3 +102,45 @@ def job_on_hosts(network, tmp_path: Path, per_host: int | Sequence[int], rank_ar
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+SCRIPT = REPO / "tests" / "tools" / "torchrun_script.py"
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+#: torch's store on the first host: a fixed port is safe here, each host is a fresh namespace.
+TORCHRUN_PORT = 29531
+
+
+def _torchrun_env(backend: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("GRADSTAR_", "MASTER_", "TORCHELASTIC_", "GLOO_"))}
+    env["PYTHONPATH"] = str(REPO)
+    if backend == "gloo":
+        env["GLOO_SOCKET_IFNAME"] = "eth0"  # what gloo needs across hosts
+    return env
+
+
+def torchrun_on_hosts(network, out: Path, backend: str, hosts: Sequence[str],
+                      nproc: int) -> list[subprocess.CompletedProcess]:
+    """``tests/tools/torchrun_script.py BACKEND OUT`` under torchrun on every host of
+    ``hosts`` (``nproc`` ranks each, the store on the first), with nothing of gradstar's set:
+    each host's finished process, in host order (killed if one outlives 180 s)."""
+    master = network.addresses[hosts[0]]
+    procs = []
+    for node, host in enumerate(hosts):
+        command = [str(TORCHRUN), f"--nnodes={len(hosts)}", f"--node-rank={node}",
+                   f"--nproc-per-node={nproc}", f"--master-addr={master}",
+                   f"--master-port={TORCHRUN_PORT}", str(SCRIPT), backend, str(out)]
+        procs.append(subprocess.Popen(network.argv(host, command), env=_torchrun_env(backend),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      cwd=REPO))
+    done = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=180)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    return done

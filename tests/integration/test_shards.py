@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -21,6 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gradstar import errors
+from gradstar.coordinator.shards.registry import probe
 from gradstar.proto.v1 import admin_pb2, admin_pb2_grpc
 from gradstar.transport.auth import bearer
 
@@ -382,3 +384,17 @@ async def test_a_stalled_shard_fails_every_rank_with_a_named_error_within_5_s(st
         shard.send_signal(signal.SIGCONT)
         shard.kill()
         await asyncio.wait_for(shard.wait(), 10)
+
+
+async def test_the_probe_finds_an_outbound_only_address_and_a_reachable_one():
+    """The coordinator's probe, against a listener and a port that drops the connection."""
+    async def run() -> tuple[bool, bool]:
+        server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        with socket.socket() as unused:
+            unused.bind(("127.0.0.1", 0))
+            closed = unused.getsockname()[1]  # bound, not listening: refused
+        async with server:
+            return (await probe(f"127.0.0.1:{port}"), await probe(f"127.0.0.1:{closed}"))
+
+    assert await run() == (True, False)

@@ -48,3 +48,22 @@ def test_a_job_stripes_over_its_node_shards_and_a_host_group_over_its_hosts_alon
         assert addresses("unrelated") == ["10.0.0.0:1"]
 
     asyncio.run(main())
+
+
+def test_outbound_only_shards_carry_their_own_host_only():
+    """A shard other hosts cannot dial (NAT) takes no stripe of a collective across hosts; its
+    own host's group still goes to it, and its host is named outbound-only for peer sends."""
+    async def main():
+        registry = ShardRegistry(Rendezvous(heartbeat_timeout=10.0))
+        for index, (host, reachable) in enumerate([("h0", True), ("h1", False),
+                                                   ("h2", False)]):
+            registry.register(spb.ShardHello(address=f"10.0.0.{index}:1", job="j", host=host),
+                              job_scoped=True, reachable=reachable)
+        addresses = lambda job: [r.address for r in registry.stripes_for(job)]  # noqa: E731
+        assert addresses("j") == ["10.0.0.0:1"]
+        assert addresses("j/g1/leaders") == ["10.0.0.0:1"]
+        assert addresses(f"j/g1{HOST_GROUP}h1") == ["10.0.0.1:1"]
+        assert registry.outbound_hosts("j") == {"h1", "h2"}
+        assert registry.outbound_hosts("other") == set()
+
+    asyncio.run(main())

@@ -165,6 +165,10 @@ def shard_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="serve only this job (a node-local shard beside its ranks); default: "
                         "every job")
     p.add_argument("--slot", type=int, help="slot to ask for (default: any free one)")
+    p.add_argument("--outbound-only", action="store_true", default=None,
+                   help="this host takes no inbound connections from other hosts (NAT): "
+                        "serve its own ranks only (default: the coordinator probes; env "
+                        "GRADSTAR_OUTBOUND_ONLY)")
     p.add_argument("--tls-cert", help="PEM certificate chain to serve with; enables TLS")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="CA that client certificates must chain to (mTLS)")

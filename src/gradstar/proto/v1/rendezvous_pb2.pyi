@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job", "world_size", "rank", "peer_address", "timeout_seconds", "host", "hostname", "elastic")
+    __slots__ = ("job", "world_size", "rank", "peer_address", "timeout_seconds", "host", "hostname", "elastic", "outbound_only")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class JoinRequest(_message.Message):
     HOST_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     ELASTIC_FIELD_NUMBER: _ClassVar[int]
+    OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
     job: str
     world_size: int
     rank: int
@@ -24,7 +25,8 @@ class JoinRequest(_message.Message):
     host: str
     hostname: str
     elastic: bool
-    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., peer_address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., host: _Optional[str] = ..., hostname: _Optional[str] = ..., elastic: _Optional[bool] = ...) -> None: ...
+    outbound_only: bool
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., peer_address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., host: _Optional[str] = ..., hostname: _Optional[str] = ..., elastic: _Optional[bool] = ..., outbound_only: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("sent_unix_ms",)
@@ -43,16 +45,18 @@ class SessionRequest(_message.Message):
     def __init__(self, join: _Optional[_Union[JoinRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., leave: _Optional[bool] = ...) -> None: ...
 
 class Peer(_message.Message):
-    __slots__ = ("rank", "address", "host", "hostname")
+    __slots__ = ("rank", "address", "host", "hostname", "outbound_only")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
     rank: int
     address: str
     host: str
     hostname: str
-    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., hostname: _Optional[str] = ...) -> None: ...
+    outbound_only: bool
+    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., hostname: _Optional[str] = ..., outbound_only: _Optional[bool] = ...) -> None: ...
 
 class Joined(_message.Message):
     __slots__ = ("job", "generation", "rank", "world_size", "member_id", "peers", "heartbeat_interval_seconds", "shards", "peer_keys", "collectives", "replacement")

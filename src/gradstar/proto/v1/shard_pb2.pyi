@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ShardHello(_message.Message):
-    __slots__ = ("address", "slot", "job", "host")
+    __slots__ = ("address", "slot", "job", "host", "outbound_only")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
     address: str
     slot: int
     job: str
     host: str
-    def __init__(self, address: _Optional[str] = ..., slot: _Optional[int] = ..., job: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
+    outbound_only: bool
+    def __init__(self, address: _Optional[str] = ..., slot: _Optional[int] = ..., job: _Optional[str] = ..., host: _Optional[str] = ..., outbound_only: _Optional[bool] = ...) -> None: ...
 
 class ShardJob(_message.Message):
     __slots__ = ("job", "bytes_in", "bytes_out", "completed", "failed", "active")

@@ -1,0 +1,98 @@
+"""Hosts that can only dial out (behind NAT, a firewall that lets connections out only), as
+nftables rules in their namespaces make them: new inbound TCP on ``eth0`` is dropped, replies
+to what the host dialed pass. The coordinator's host takes connections; the others do not.
+
+torchrun with ``backend="gradstar"`` and nothing set trains like gloo does on the same hosts
+with nothing blocked: the coordinator probes each node-local shard as it registers, finds the
+outbound-only ones, and stripes the job's collectives over the shards every host can dial. A
+send to a rank on an outbound-only host from another host fails at once with a named error
+(the receiver's peer server cannot be dialed); sends the other way work.
+
+Needs root, iproute2 and nftables (``make test`` installs it); elsewhere it fails saying why.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.cluster.jobs import hosts_network, job_on_hosts, torchrun_on_hosts, wait_reports
+
+HOSTS = ["host0", "host1", "host2"]
+pytestmark = pytest.mark.timeout(420)
+
+#: What each outbound-only host's namespace loads: drop new inbound TCP on its link.
+RULES = """table inet gradstar_outbound {
+    chain input {
+        type filter hook input priority 0; policy accept;
+        iifname "eth0" tcp flags syn / syn,ack,rst ct state new drop
+    }
+}
+"""
+
+
+def block_inbound(network, host: str) -> None:
+    """Make ``host`` outbound-only (its namespace goes away with the test's network)."""
+    try:
+        subprocess.run(network.argv(host, ["nft", "-f", "-"]), input=RULES, text=True,
+                       check=True, capture_output=True, timeout=30)
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or str(error)
+        pytest.fail(f"cannot build the outbound-only rules on {host} (nftables: `make test` "
+                    f"installs it): {detail.strip()[:300]}", pytrace=False)
+
+
+def connects(network, src: str, dst: str) -> bool:
+    """Whether a TCP connection from ``src`` to a listener on ``dst`` opens within 2 s."""
+    listener = subprocess.Popen(network.argv(dst, [
+        sys.executable, "-c", "import socket,sys,time; s=socket.create_server(('0.0.0.0', "
+        "29999)); print('up', flush=True); time.sleep(30)"]), stdout=subprocess.PIPE, text=True)
+    try:
+        assert listener.stdout.readline().strip() == "up"
+        probe = subprocess.run(network.argv(src, [
+            sys.executable, "-c", f"import socket; socket.create_connection(("
+            f"'{network.addresses[dst]}', 29999), timeout=2)"]), capture_output=True, timeout=30)
+        return probe.returncode == 0
+    finally:
+        listener.kill()
+        listener.wait(10)
+
+
+def test_outbound_only_hosts_train_through_torchrun_and_name_what_they_cannot_take(tmp_path):
+    with hosts_network(HOSTS) as network:
+        gloo = tmp_path / "gloo"
+        gloo.mkdir()
+        for node, run in enumerate(torchrun_on_hosts(network, gloo, "gloo", HOSTS, 1)):
+            assert run.returncode == 0, f"gloo on host{node}: {run.stderr[-3000:]}"
+        for host in HOSTS[1:]:
+            block_inbound(network, host)
+        assert connects(network, "host1", "host0") and not connects(network, "host0", "host1")
+        assert not connects(network, "host2", "host1")  # gloo's full mesh cannot form now
+        ours = tmp_path / "gradstar"
+        ours.mkdir()
+        for node, run in enumerate(torchrun_on_hosts(network, ours, "gradstar", HOSTS, 1)):
+            assert run.returncode == 0, f"gradstar on host{node}: {run.stderr[-3000:]}"
+        reports = [json.loads((ours / f"gradstar-rank{r}.json").read_text()) for r in range(3)]
+        for rank, report in enumerate(reports):
+            theirs = json.loads((gloo / f"gloo-rank{rank}.json").read_text())
+            for a, b in zip(report["params"], theirs["params"], strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        # The job striped over host 0's node-local shard only: the one every host can dial.
+        (shard,) = reports[0]["shards"]
+        assert shard.split(":")[0] == network.addresses["host0"]
+
+        # Point to point, through gradstar worker (a node-local shard on every host).
+        out = tmp_path / "p2p"
+        out.mkdir()
+        with job_on_hosts(network, out, 1, [sys.executable, "-m",
+                                            "tests.cluster.outbound_rank", str(out)]) as (procs, _):
+            got = {r["rank"]: r for r in wait_reports(out, "outbound", 3, procs, 180)}
+        assert all(r["exact"] for r in got.values())
+        assert [s.split(":")[0] for s in got[0]["shards"]] == [network.addresses["host0"]]
+        assert got[0]["received"] == [7.0] * 8  # outbound-only rank 1 -> reachable rank 0
+        assert "rank 1 runs on a host that takes no inbound connections" in got[0]["send_error"]
+        assert got[0]["send_seconds"] < 5  # at once: not after a connect timeout
