@@ -35,6 +35,7 @@ from gradstar.transport.serve import serve
 from .collective import CollectiveEngine, CollectiveServicer
 from .collective.settings import engine_from_settings
 from .metrics import render_async
+from .relay import RelayServicer
 from .rendezvous import Rendezvous, RendezvousServicer
 from .rounds import AveragingStore, RoundsServicer, RoundsTable
 from .shards import LocalShards, ShardControlServicer, ShardRegistry
@@ -170,7 +171,9 @@ class Coordinator:
             f"{s.host}:{s.collective_port}",
             (self.collectives.handler(),
              partial(rounds_pb2_grpc.add_RoundsServicer_to_server, rounds),
-             partial(steps_pb2_grpc.add_StepsServicer_to_server, self._steps)),
+             partial(steps_pb2_grpc.add_StepsServicer_to_server, self._steps),
+             # Peer streams to ranks on outbound-only hosts ride here, relayed.
+             RelayServicer(self.rendezvous.bound_member).handler()),
             what="the coordinator's collective port", token=token, admin_token=admin,
             credentials=creds, bulk=True, stream_window_bytes=s.stream_window_bytes,
             job_secret=job_secret)

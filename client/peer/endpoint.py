@@ -38,9 +38,12 @@ from gradstar.transport.addresses import (
     is_loopback,
     split_host_port,
 )
+from gradstar.transport.channels import open_channel
 
 from .. import session
+from ..collective.data_plane import resolve
 from .link import PeerLink
+from .relay import RelayListener, relayed_link
 from .server import Identity, LinkLost, PeerServer
 
 #: How long closing the group waits for sends still in flight (issued, not yet held by their
@@ -84,8 +87,12 @@ class PeerEndpoint:
         self._session = None
         self.identity: Identity | None = None
         self.peers: dict[int, str] = {}
-        #: Ranks on other hosts that take no inbound connections (rank -> host key).
+        #: Ranks on other hosts that take no inbound connections (rank -> host key): their
+        #: streams go through the coordinator's relay (:mod:`.relay`) at ``relay``.
         self.closed_to_me: dict[int, str] = {}
+        self.relay = ""
+        self._member_id = ""
+        self._listener: RelayListener | None = None
         self.address = ""
         #: Set by :meth:`close`: what operations still waiting raise.
         self.closed: ProcessGroupClosedError | None = None
@@ -109,16 +116,28 @@ class PeerEndpoint:
         self.address = advertise or host_port(host, port)
         return self.address
 
-    def bind(self, identity: Identity, peers, session) -> None:
-        """Take the generation's peer table (``Joined.peers``): each rank's address, and which
-        ranks on other hosts than this one take no inbound connections."""
+    def bind(self, identity: Identity, joined, session) -> None:
+        """Take the generation's peer table (``joined``: the rank's ``Joined``): each rank's
+        address, and which ranks on other hosts than this one take no inbound connections
+        (reached through the coordinator's relay). A rank that is such a rank itself keeps a
+        relay listener open for the others' streams."""
         self.identity, self._session = identity, session
+        peers = joined.peers
         self.peers = {p.rank: p.address for p in peers}
-        here = next((p.host for p in peers if p.rank == identity.rank), "")
+        mine = next((p for p in peers if p.rank == identity.rank), None)
+        here = mine.host if mine is not None else ""
         self.closed_to_me = {p.rank: p.host for p in peers
                              if p.outbound_only and p.rank != identity.rank
                              and not (here and p.host == here)}
+        self._member_id = joined.member_id
+        self.relay = (resolve(joined.collectives, self.settings.coordinator)
+                      if joined.collectives else self.settings.coordinator)
         self.server.bind(identity)
+        if mine is not None and mine.outbound_only and len(peers) > 1:
+            self._listener = RelayListener(open_channel(self.settings, self.relay, bulk=True),
+                                           self.server, identity, joined.member_id,
+                                           self._metadata)
+            self._listener.start()
 
     async def _link(self, dst: int) -> PeerLink:
         opening = self._links.get(dst)
@@ -126,14 +145,11 @@ class PeerEndpoint:
             if self.closed is not None:  # no new stream once the goodbyes are said
                 raise self.closed
             address = self.peers.get(dst, "")
-            if dst in self.closed_to_me:
-                raise ConfigurationError(
-                    f"rank {dst} runs on a host that takes no inbound connections (outbound-only: "
-                    f"behind NAT or a firewall, or GRADSTAR_OUTBOUND_ONLY), so rank "
-                    f"{self.identity.rank} on another host cannot open the peer stream that "
-                    f"send/recv and Pipeline stages use to reach it (its peer server at "
-                    f"{address or 'no address'}); run the ranks that receive from other hosts "
-                    "where they can be dialed, or on the same host as their senders")
+            if dst in self.closed_to_me:  # behind NAT: through the coordinator's relay
+                link = relayed_link(self.identity, dst, self.relay, self.settings,
+                                    self._metadata, self._member_id)
+                opening = self._links[dst] = asyncio.ensure_future(self._open(link))
+                return await asyncio.shield(opening)
             if not address:
                 raise ConfigurationError(
                     f"rank {dst} registered no peer address, so rank {self.identity.rank} "
@@ -351,3 +367,5 @@ class PeerEndpoint:
                 f"rank {me.rank} of job {me.job!r} finished (closed its process group) and "
                 "takes no more messages", rank=me.rank, generation=me.generation)
         await self.server.stop(self.closed, farewell)
+        if self._listener is not None:  # after the farewells, which relayed streams carry too
+            await self._listener.stop()

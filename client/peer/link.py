@@ -58,8 +58,11 @@ class PeerLink:
     """
 
     def __init__(self, identity: Identity, dst: int, address: str, settings: ClientSettings,
-                 metadata) -> None:
+                 metadata, method: str = PEER_METHOD) -> None:
+        """A link to ``dst``'s peer server at ``address``; with ``method`` RELAY_METHOD,
+        ``address`` is the coordinator's relay (:mod:`.relay`)."""
         self.identity = identity
+        self._method = method
         self.dst = dst
         self.address = address
         self.settings = settings
@@ -100,7 +103,7 @@ class PeerLink:
             # Not LinkLost: the peer is alive and retrying cannot help, so it must not be
             # reported as a lost rank.
             raise ConfigurationError(f"rank {me.rank} could not connect to {server}: {problem}")
-        self._call = self._channel.stream_stream(PEER_METHOD)(metadata=self._metadata)
+        self._call = self._channel.stream_stream(self._method)(metadata=self._metadata)
         try:
             await self._call.write(encode_message(KIND_HEADER, sign(
                 me.key_for(self.dst), ppb.PeerHello(job=me.job, generation=me.generation,

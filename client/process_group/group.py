@@ -92,7 +92,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         self._hosts = HostHierarchy(self, {p.rank: p.host for p in joined.peers}, subgroup)
         if peer_endpoint is not None:
             peer_endpoint.bind(Identity(self.job, self.generation, self.rank, self.world_size,
-                                        tuple(joined.peer_keys)), joined.peers, session)
+                                        tuple(joined.peer_keys)), joined, session)
 
     @property
     def collective_address(self) -> str:
