@@ -190,6 +190,9 @@ class DistributedDataParallel(SyncModes, nn.Module):
         self._require_forward_param_sync = True  # as torch: sync buffers in the next forward
         self._expect_hooks = False  # armed by a synchronising forward
         self._step = None  # the SyncStep of the backward pass under way
+        # True from a completed synchronisation until a gradient accumulates again: then
+        # .grad holds the means and sync_gradients() has nothing to send.
+        self._grads_synced = False
         self.last_step_timeline: StepTimeline | None = None
 
         mode = check_mode(sync_mode or Synchronous())
@@ -256,8 +259,10 @@ class DistributedDataParallel(SyncModes, nn.Module):
         the end-of-backward step run by hand, with the same rules: a parameter whose ``.grad``
         is None contributes zeros; with ``find_unused_parameters=True`` it stays None if no
         rank has a gradient for it, otherwise it is an error once the means are written.
-        Calling it after a synchronised backward reduces the (identical) means again, which
-        leaves them unchanged up to rounding.
+        A no-op right after a synchronising backward (or another ``sync_gradients()``): the
+        means are already in ``.grad``, so nothing is sent, as with FSDP. It sends again once a
+        gradient accumulates into a parameter (any backward reaching it, synchronising or not);
+        a ``.grad`` assigned or zeroed by hand in between is not seen, and stays as it is.
 
         Raises:
             ConfigurationError: some ``.grad`` is None and ``find_unused_parameters`` is off.
@@ -265,14 +270,17 @@ class DistributedDataParallel(SyncModes, nn.Module):
             CollectiveError and subclasses: a bucket's all_reduce failed.
         """
         self._drop_unfinished_step()
+        if self._grads_synced:
+            return  # every rank's last backward synchronised too: none of them sends
         if self.sync_mode.on_ledger:
             self._steps.contribute(self.contribution_weight)
-            return
-        step = self.reducer.new_step()
-        self.reducer.launch_rest(step, "sync_gradients", self._weight)
-        missing = [i for i, p in enumerate(self._params)
-                   if p.grad is None and not step.ready[i]]
-        self._finish(step, missing, "when sync_gradients() was called")
+        else:
+            step = self.reducer.new_step()
+            self.reducer.launch_rest(step, "sync_gradients", self._weight)
+            missing = [i for i, p in enumerate(self._params)
+                       if p.grad is None and not step.ready[i]]
+            self._finish(step, missing, "when sync_gradients() was called")
+        self._grads_synced = True
 
     def broadcast_parameters(self, src: int = 0) -> None:
         """Overwrite every parameter and buffer with rank ``src``'s (blocking; every rank must
@@ -348,6 +356,7 @@ class DistributedDataParallel(SyncModes, nn.Module):
 
     def _on_grad_ready(self, index: int) -> None:
         """A parameter's hook: its gradient is accumulated. Launch what became launchable."""
+        self._grads_synced = False
         if not self._expect_hooks:
             return
         step = self._step
@@ -374,10 +383,11 @@ class DistributedDataParallel(SyncModes, nn.Module):
         step.timeline.backward_end = time.perf_counter()
         if self.sync_mode.on_ledger:
             self._steps.contribute(self.contribution_weight)
-            return
-        self.reducer.launch_rest(step, "end of backward", self._weight)
-        self._finish(step, [i for i, ready in enumerate(step.ready) if not ready],
-                     "in this backward pass")
+        else:
+            self.reducer.launch_rest(step, "end of backward", self._weight)
+            self._finish(step, [i for i, ready in enumerate(step.ready) if not ready],
+                         "in this backward pass")
+        self._grads_synced = True
 
     def _finish(self, step, missing: list[int], when: str) -> None:
         requested = self.reducer.requested_cap is not None

@@ -151,6 +151,36 @@ async def test_only_a_synchronising_forward_arms_the_hooks(solo):
     await on_thread(body, solo)
 
 
+async def test_sync_gradients_after_a_synchronising_backward_sends_nothing(coordinator, solo):
+    # The loop the documents showed: backward through the wrapper, then sync_gradients(). The
+    # means are already in .grad; a second reduction would double the traffic for nothing.
+    # The hub counts a payload's bytes as they arrive, before it answers: read after a wait,
+    # the count is complete.
+    counters = coordinator.rendezvous.jobs["solo"].counters
+
+    def body(pg):
+        ddp = gradstar.DDP(mlp(), pg, bucket_cap_mb=100 / (1 << 20))
+        x = torch.randn(6, 4)
+        before = counters.bytes_in
+        ddp(x).square().sum().backward()
+        after_backward = counters.bytes_in
+        one_step = after_backward - before
+        assert one_step >= sum(p.numel() * 4 for p in ddp.parameters())  # the counter counts
+        means = [p.grad.clone() for p in ddp.parameters()]
+        ddp.sync_gradients()
+        ddp.sync_gradients()
+        assert counters.bytes_in == after_backward
+        for mean, p in zip(means, ddp.parameters(), strict=True):
+            assert torch.equal(p.grad, mean)
+        # A gradient accumulated since (a no_sync backward) makes it send again.
+        with ddp.no_sync():
+            ddp(x).square().sum().backward()
+        ddp.sync_gradients()
+        assert counters.bytes_in - after_backward == one_step
+
+    await on_thread(body, solo)
+
+
 async def test_sync_gradients_follows_the_unused_parameter_rules(solo):
     def body(pg):
         model = mlp()
