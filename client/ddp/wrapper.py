@@ -45,8 +45,12 @@ Sync modes. ``sync_mode=gradstar.Quorum(...)``, ``BoundedStaleness(...)`` or ``A
 (with ``optimizer=``) sends each backward's whole gradient to the hub's step ledger when
 backward ends, and ``optimizer.step()`` applies the hub's aggregates in step order (see
 :mod:`gradstar.client.steps.sync` and :mod:`gradstar.sync_modes`): a slow or dead rank holds
-nobody, and replicas stay bitwise identical. Buffers are not broadcast in these modes (each
-rank keeps its own), and the gradient travels after backward, in float32, not in buckets.
+nobody, and replicas stay bitwise identical. Buffers are not broadcast in forward in these
+modes: with ``broadcast_buffers=True`` they travel with each contribution instead, each step's
+aggregate carries their weighted mean and every rank writes it into its buffers as it applies
+the step (integer buffers rounded; bool buffers stay each rank's), so they stay identical; with
+``broadcast_buffers=False`` each rank keeps its own. The gradient travels after backward, in
+float32, not in buckets.
 
 ``gradient_compression="bf16"|"fp16"`` is the older, narrower knob: it makes the buckets
 themselves half precision (half the bucket memory on the rank, no feedback; on one host they
@@ -98,7 +102,8 @@ class DistributedDataParallel(SyncModes, nn.Module):
         pg: the blocking :class:`gradstar.ProcessGroup` (hooks run synchronously in autograd).
         bucket_cap_mb: bucket size bound in MB (2**20 bytes) of parameter data; can be
             assigned later, on every rank (see :attr:`bucket_cap_mb`).
-        broadcast_buffers: re-broadcast rank 0's buffers at the start of each forward (as torch).
+        broadcast_buffers: re-broadcast rank 0's buffers at the start of each forward (as torch);
+            in the other sync modes, send them with each contribution (module docstring).
         find_unused_parameters: allow parameters that get no gradient on some steps.
         gradient_compression: "bf16" or "fp16" makes the buckets that dtype (the hub sums in
             float32, the mean is cast back to each parameter's dtype); None keeps the
