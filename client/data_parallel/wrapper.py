@@ -22,6 +22,9 @@ A training step (the protocol, per process):
    (``find_unused_parameters``): those no process used keep ``grad=None``, as they would
    without a process group.
 
+:meth:`DataParallel.forward_parallel` is steps 1 and 4 left to the caller: one input per
+device in, one output per device out, not split or gathered.
+
 Where this differs from torch's DataParallel: CPU replicas are allowed and a device may be
 named more than once (:mod:`~gradstar.client.data_parallel.devices`); the split
 differs by at most one row between shards (torch's ``chunk`` may leave devices idle); a
@@ -31,7 +34,7 @@ process group turns it into one DDP rank per process.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -42,7 +45,7 @@ from gradstar.errors import ConfigurationError
 
 from .devices import DeviceLike, resolve_device, resolve_devices
 from .replicas import parallel_apply, replicate
-from .scatter import gather, scatter
+from .scatter import Shard, gather, place, scatter
 
 
 class DataParallel(nn.Module):
@@ -110,6 +113,24 @@ class DataParallel(nn.Module):
             return self._ddp(*inputs, **kwargs)
         return self._replicated(*inputs, **kwargs)
 
+    def forward_parallel(self, inputs: Sequence, kwargs: Sequence[Mapping] | None = None) -> list:
+        """One forward per device, each on its own input: ``inputs[i]`` (a tuple or list of
+        positional arguments, or one argument) and ``kwargs[i]`` go to the replica on
+        ``device_ids[i]``, and output ``i`` comes back on that device, not gathered: torch's
+        ``parallel_apply(replicate(module, device_ids), inputs, kwargs)`` in one call, for
+        inputs that are not one batch to split. Tensors in an input are copied to its device.
+        Backward through the outputs sums every replica's gradient into the wrapped module's
+        ``.grad``, as after :meth:`forward`; with a process group the backward also averages
+        over processes (every process calls it likewise, with as many devices).
+
+        Raises:
+            ConfigurationError: ``inputs`` or ``kwargs`` has not one entry per device.
+            CollectiveError and subclasses: with a process group, the buffer broadcast failed.
+            Exception: whatever the module raised, with a note naming the replica and device.
+        """
+        shards = _Placed(place(inputs, kwargs, self.device_ids))
+        return self._ddp(shards) if self._ddp is not None else self._replicated(shards)
+
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes of forwards run inside accumulate gradients in this process only
@@ -147,10 +168,23 @@ class _ReplicatedForward(nn.Module):
         self.output_device = wrapper.output_device
 
     def forward(self, *inputs, **kwargs):
-        shards = scatter(inputs, kwargs, self.device_ids)
+        # forward_parallel's inputs come through DDP's forward (which arms its hooks) as one
+        # _Placed argument: already one per device, and their outputs stay apart.
+        placed = inputs[0] if len(inputs) == 1 and isinstance(inputs[0], _Placed) else None
+        shards = placed.shards if placed is not None else scatter(inputs, kwargs,
+                                                                  self.device_ids)
         devices = self.device_ids[:len(shards)]
         replicas = [self.module, *replicate(self.module, devices[1:])]
-        return gather(parallel_apply(replicas, shards, devices), self.output_device)
+        outputs = parallel_apply(replicas, shards, devices)
+        return outputs if placed is not None else gather(outputs, self.output_device)
+
+
+class _Placed:
+    """forward_parallel's inputs, one (args, kwargs) per device (an object DDP's forward passes
+    on untouched)."""
+
+    def __init__(self, shards: list[Shard]) -> None:
+        self.shards = shards
 
 
 __all__ = ["DataParallel"]
