@@ -223,6 +223,39 @@ class FullyShardedDataParallel(nn.Module):
         self._unwrapped = True
         return self.module
 
+    def update_shards(self, flat: torch.Tensor) -> None:
+        """Set this rank's shards from one flat buffer: the units' shards end to end, in
+        ``units`` order, the layout of ``torch.nn.utils.parameters_to_vector(
+        fsdp.parameters())`` (padding included), so the two round-trip. Each piece is copied,
+        cast to its shard's dtype and moved to its device; the optimizer keeps its state (the
+        shards are the same Parameters). No communication: each rank sets its own, and what
+        the ranks set together is the model (after the same update on every rank, the
+        replicas agree). Between steps only.
+
+        Raises:
+            ConfigurationError: ``flat`` is not a 1-D floating-point torch tensor of this
+                rank's shard size (named, with the size it has); called during a forward or
+                backward pass, or after :meth:`into_inner`.
+        """
+        self._check_wrapped("update_shards")
+        sizes = [unit.layout.shard_numel for unit in self.units]
+        if not (isinstance(flat, torch.Tensor) and flat.dim() == 1 and flat.is_floating_point()
+                and flat.numel() == sum(sizes)):
+            got = (f"a {flat.dim()}-D {flat.dtype} tensor of {flat.numel()} elements"
+                   if isinstance(flat, torch.Tensor) else type(flat).__name__)
+            raise ConfigurationError(
+                f"FSDP.update_shards(flat) takes a 1-D floating-point tensor of rank "
+                f"{self.process_group.rank}'s {sum(sizes)} shard elements ({len(sizes)} units: "
+                f"{', '.join(map(str, sizes))}), as parameters_to_vector(fsdp.parameters()) "
+                f"gives; got {got}")
+        if self.runtime.in_backward or any(unit.holding for unit in self.units):
+            raise ConfigurationError(
+                "FSDP.update_shards() was called during a forward or backward pass; call it "
+                "between steps")
+        with torch.no_grad():
+            for unit, piece in zip(self.units, torch.split(flat, sizes), strict=True):
+                unit.shard.copy_(piece)
+
     def _check_wrapped(self, call: str) -> None:
         if self._unwrapped:
             raise ConfigurationError(
