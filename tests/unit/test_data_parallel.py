@@ -298,3 +298,15 @@ def test_forward_parallel_checks_the_count_by_name(inputs, kwargs, message):
     with pytest.raises(ConfigurationError,
                        match=r"DataParallel\.forward_parallel takes " + message):
         model.forward_parallel(inputs, kwargs)
+
+
+def test_sync_modes_need_a_process_group():
+    hint = (r"needs a process_group: a sync mode decides when a step of several processes is "
+            r"complete")
+    with pytest.raises(ConfigurationError, match=r"DataParallel\.sync_mode= or optimizer= " + hint):
+        gradstar.DataParallel(mlp(), device_ids=CPU2, sync_mode=gradstar.Quorum(min_ranks=1))
+    model = gradstar.DataParallel(mlp(), device_ids=CPU2)
+    assert model.sync_mode == gradstar.Synchronous() and model.sync_stats() is None
+    with pytest.raises(ConfigurationError, match=r"DataParallel\.set_sync_mode\(\) " + hint):
+        model.set_sync_mode(gradstar.Asynchronous())
+    model.synchronize()  # nothing to wait for
