@@ -41,7 +41,7 @@ def place(inputs: Sequence, kwargs: Sequence[Mapping] | None,
           devices: Sequence[torch.device]) -> list[Shard]:
     """One (args, kwargs) per device from inputs already split by the caller: ``inputs[i]``
     (a tuple or list of positional arguments, or one argument, as torch's ``parallel_apply``
-    reads it) and ``kwargs[i]`` go whole to ``devices[i]``, their tensors copied there.
+    reads it) and ``kwargs[i]`` go whole to ``devices[i]``, their tensors moved there.
 
     Raises:
         ConfigurationError: ``inputs`` or ``kwargs`` has not one entry per device.

@@ -129,7 +129,7 @@ class DataParallel(nn.Module):
         positional arguments, or one argument) and ``kwargs[i]`` go to the replica on
         ``device_ids[i]``, and output ``i`` comes back on that device, not gathered: torch's
         ``parallel_apply(replicate(module, device_ids), inputs, kwargs)`` in one call, for
-        inputs that are not one batch to split. Tensors in an input are copied to its device.
+        inputs that are not one batch to split. Tensors in an input are moved to its device.
         Backward through the outputs sums every replica's gradient into the wrapped module's
         ``.grad``, as after :meth:`forward`; with a process group the backward also averages
         over processes (every process calls it likewise, with as many devices).

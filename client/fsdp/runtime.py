@@ -191,9 +191,11 @@ class UnitRuntime:
             raise error
 
     def _kept_for_backward(self, unit: ShardingUnit) -> bool:
-        """find_unused: a unit forwarded with grad stays gathered until backward frees it."""
-        return (self.unused is not None and torch.is_grad_enabled() and unit.shard.requires_grad
-                and unit.full is not None and unit.index in self._forward_seen)
+        """find_unused: a unit forwarded with grad stays gathered until backward frees it (a
+        frozen one too: its weights may be needed for an input's gradient, and a gather in
+        backward would be issued only on the ranks that reach it)."""
+        return (self.unused is not None and torch.is_grad_enabled() and unit.full is not None
+                and unit.index in self._forward_seen)
 
     # -- gathering -----------------------------------------------------------------------------
 
@@ -255,8 +257,8 @@ class UnitRuntime:
         if unit is None or tensor.dtype != unit.full.dtype or tensor.device != unit.full.device:
             return tensor
         return SavedParam(unit, tensor.shape, tensor.stride(),
-                           tensor.storage_offset() - unit.full.storage_offset(),
-                           unit.shard._version)
+                          tensor.storage_offset() - unit.full.storage_offset(),
+                          unit.shard._version)
 
     def _unpack(self, saved):
         if not isinstance(saved, SavedParam):

@@ -7,9 +7,9 @@ in backward is gathered then: a rank that skips a unit skips its collectives and
 out of step. With it, :class:`~gradstar.client.fsdp.runtime.UnitRuntime` issues no collective
 whose presence depends on the graph:
 
-1. A unit forwarded with grad stays gathered until its backward (or the end of backward) frees
-   it, so backward gathers nothing (the memory of torch's ``reshard_after_forward=False``: every
-   such unit is whole from its forward to its backward).
+1. A unit forwarded with grad (a frozen one too) stays gathered until its backward (or the end
+   of backward) frees it, so backward gathers nothing (the memory of torch's
+   ``reshard_after_forward=False``: every such unit is whole from its forward to its backward).
 2. A unit's gradient is held when its backward ends (:meth:`UnusedUnits.hold`), not reduced.
 3. When backward ends (and in ``sync_gradients()``), one small all_reduce (op max) of a "this
    rank has a gradient" flag per unit tells every rank which units some rank has a gradient
@@ -21,8 +21,9 @@ whose presence depends on the graph:
    over the world size, as if this rank had computed a zero gradient for it.
 
 Every rank must still run the same forwards (a unit's forward gathers it; call an expert with
-an empty batch rather than not at all), and every rank's synchronising backward must reach at
-least one unit. The reductions do not overlap backward.
+an empty batch rather than not at all), and every rank's synchronising backward (and every
+``no_sync()`` backward before a ``sync_gradients()``) must reach at least one trainable unit:
+a rank that holds no gradient at all sends no flags. The reductions do not overlap backward.
 """
 
 from __future__ import annotations

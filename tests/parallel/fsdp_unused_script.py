@@ -33,14 +33,16 @@ STEPS = len(BRANCH_USERS)
 
 
 class BranchNet(nn.Module):
-    """Units (each child with parameters): ``trunk``, ``head``, ``branch``; the root unit holds
-    ``scale`` and ``never``, which no forward uses (zeros inside a reached unit)."""
+    """Units (each child with parameters): ``trunk``, ``head``, ``frozen`` (no gradient of its
+    own, but its weight is needed for the branch's input gradient), ``branch``; the root unit
+    holds ``scale`` and ``never``, which no forward uses (zeros inside a reached unit)."""
 
     def __init__(self, seed: int) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.trunk = nn.Linear(IN, HIDDEN)
         self.head = nn.Linear(HIDDEN, OUT)
+        self.frozen = nn.Linear(HIDDEN, HIDDEN).requires_grad_(False)
         self.branch = nn.Linear(HIDDEN, OUT)
         self.scale = nn.Parameter(1 + 0.1 * torch.randn(OUT))
         self.never = nn.Parameter(torch.randn(4))
@@ -49,7 +51,7 @@ class BranchNet(nn.Module):
         hidden = torch.tanh(self.trunk(x))
         out = self.head(hidden) * self.scale
         # The branch runs on every rank (its forward gathers it); only some ranks' loss uses it.
-        side = self.branch(hidden)
+        side = self.branch(torch.tanh(self.frozen(hidden)))
         return out + side if use_branch else out
 
 

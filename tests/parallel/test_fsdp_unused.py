@@ -40,7 +40,7 @@ def reference(micro_steps: int) -> torch.nn.Module:
                        for r in range(script.WORLD)) / script.WORLD
             loss.backward()
         for name, p in model.named_parameters():
-            if p.grad is None and not name.startswith("branch."):
+            if p.requires_grad and p.grad is None and not name.startswith("branch."):
                 p.grad = torch.zeros_like(p)
         opt.step()
     return model
