@@ -1,6 +1,7 @@
-"""An LR scheduler made before ``gradstar.DDP(optimizer=..., sync_mode=...)``, the order
-``benchmarks/sync_modes.py`` uses: torch must not warn that ``optimizer.step()`` was
-overridden, and the schedule still applies. One rank on a real coordinator in this process."""
+"""DDP in a sync mode on one rank, on a real coordinator in this process: an LR scheduler made
+before ``gradstar.DDP(optimizer=..., sync_mode=...)`` (the order ``benchmarks/sync_modes.py``
+uses) makes torch warn nothing and still applies; ``sync_gradients()`` after a synchronising
+backward sends no second contribution."""
 
 from __future__ import annotations
 
@@ -52,5 +53,22 @@ async def test_a_scheduler_made_before_a_sync_mode_warns_nothing_and_still_appli
         assert ddp.sync_stats().steps_applied == STEPS
         for a, b in zip(model.parameters(), plain.parameters(), strict=True):
             torch.testing.assert_close(a, b)
+
+    await on_thread(body, solo)
+
+
+async def test_sync_gradients_after_a_backward_contributes_nothing_more(solo):
+    def body(pg):
+        model = mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        ddp = gradstar.DDP(model, pg, sync_mode=gradstar.Quorum(min_ranks=1), optimizer=opt)
+        for step in range(2):
+            opt.zero_grad()
+            ddp(batch(step)).square().sum().backward()
+            ddp.sync_gradients()  # the backward already contributed: nothing to send
+            opt.step()
+        ddp.synchronize()
+        stats = ddp.sync_stats()
+        assert (stats.contributions, stats.steps_applied) == (2, 2)
 
     await on_thread(body, solo)
