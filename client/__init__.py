@@ -21,6 +21,7 @@ __all__ = [
     "ProcessGroup",
     "StreamingDiLoCo",
     "Work",
+    "create_distributed_data_parallel",
     "init_process_group",
     "init_process_group_async",
 ]
@@ -29,7 +30,7 @@ __all__ = [
 def __getattr__(name: str):
     # DDP needs torch, which is optional (numpy users install gradstar without it): import it
     # on first use so `import gradstar` works without torch.
-    if name in ("DistributedDataParallel", "DDP"):
+    if name in ("DistributedDataParallel", "DDP", "create_distributed_data_parallel"):
         from . import ddp
 
         return getattr(ddp, name)

@@ -35,7 +35,9 @@ from .scatter import Shard
 
 
 def replicate(module: nn.Module, devices: Sequence[torch.device]) -> list[nn.Module]:
-    """One fresh replica of ``module`` per entry of ``devices`` (see the module docstring)."""
+    """One fresh replica of ``module`` per entry of ``devices`` (see the module docstring):
+    autograd copies of its parameters, copies of its buffers, its submodules shallow-copied.
+    ``module`` itself (replica 0 of DataParallel) is not among them."""
     params = {id(p): p for p in module.parameters()}
     buffers = {id(b): b for b in module.buffers()}
     replicas = []
@@ -69,7 +71,10 @@ def _shallow_copy(root: nn.Module, tensors: dict[int, torch.Tensor]) -> nn.Modul
 
 def parallel_apply(replicas: Sequence[nn.Module], shards: Sequence[Shard],
                    devices: Sequence[torch.device]) -> list:
-    """``replicas[i](*args_i, **kwargs_i)`` for every shard at once, replica 0 on this thread.
+    """``replicas[i](*args_i, **kwargs_i)`` for every ``shards[i] = (args_i, kwargs_i)`` at once,
+    on ``devices[i]``, replica 0 on this thread and each other on a thread of its own with the
+    caller's grad mode, autocast and CUDA streams; the outputs in replica order. (torch's
+    ``parallel_apply`` takes the inputs and the kwargs as two lists instead.)
 
     Raises:
         BaseException: the first replica's error (by replica index), with a note naming it.

@@ -37,6 +37,26 @@ def scatter(inputs: tuple, kwargs: dict, devices: Sequence[torch.device]) -> lis
             for i in range(count)]
 
 
+def place(inputs: Sequence, kwargs: Sequence[Mapping] | None,
+          devices: Sequence[torch.device]) -> list[Shard]:
+    """One (args, kwargs) per device from inputs already split by the caller: ``inputs[i]``
+    (a tuple or list of positional arguments, or one argument, as torch's ``parallel_apply``
+    reads it) and ``kwargs[i]`` go whole to ``devices[i]``, their tensors moved there.
+
+    Raises:
+        ConfigurationError: ``inputs`` or ``kwargs`` has not one entry per device.
+    """
+    kwargs = [{}] * len(inputs) if kwargs is None else list(kwargs)
+    for name, given in (("inputs", len(inputs)), ("kwargs", len(kwargs))):
+        if given != len(devices):
+            raise ConfigurationError(
+                f"DataParallel.forward_parallel takes one entry of {name} per device: got "
+                f"{given} for {len(devices)} devices ({', '.join(map(str, devices))})")
+    return [(_shard(tuple(args) if isinstance(args, tuple | list) else (args,), 0, 1, device),
+             _shard(dict(kw), 0, 1, device))
+            for args, kw, device in zip(inputs, kwargs, devices, strict=True)]
+
+
 def _tensors(obj):
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -111,4 +131,4 @@ def _is_namedtuple(obj) -> bool:
     return isinstance(obj, tuple) and hasattr(obj, "_fields")
 
 
-__all__ = ["Shard", "gather", "scatter"]
+__all__ = ["Shard", "gather", "place", "scatter"]

@@ -45,8 +45,12 @@ Sync modes. ``sync_mode=gradstar.Quorum(...)``, ``BoundedStaleness(...)`` or ``A
 (with ``optimizer=``) sends each backward's whole gradient to the hub's step ledger when
 backward ends, and ``optimizer.step()`` applies the hub's aggregates in step order (see
 :mod:`gradstar.client.steps.sync` and :mod:`gradstar.sync_modes`): a slow or dead rank holds
-nobody, and replicas stay bitwise identical. Buffers are not broadcast in these modes (each
-rank keeps its own), and the gradient travels after backward, in float32, not in buckets.
+nobody, and replicas stay bitwise identical. Buffers are not broadcast in forward in these
+modes: with ``broadcast_buffers=True`` they travel with each contribution instead, each step's
+aggregate carries their weighted mean and every rank writes it into its buffers as it applies
+the step (integer buffers rounded; bool buffers stay each rank's), so they stay identical; with
+``broadcast_buffers=False`` each rank keeps its own. The gradient travels after backward, in
+float32, not in buckets.
 
 ``gradient_compression="bf16"|"fp16"`` is the older, narrower knob: it makes the buckets
 themselves half precision (half the bucket memory on the rank, no feedback; on one host they
@@ -98,7 +102,8 @@ class DistributedDataParallel(SyncModes, nn.Module):
         pg: the blocking :class:`gradstar.ProcessGroup` (hooks run synchronously in autograd).
         bucket_cap_mb: bucket size bound in MB (2**20 bytes) of parameter data; can be
             assigned later, on every rank (see :attr:`bucket_cap_mb`).
-        broadcast_buffers: re-broadcast rank 0's buffers at the start of each forward (as torch).
+        broadcast_buffers: re-broadcast rank 0's buffers at the start of each forward (as torch);
+            in the other sync modes, send them with each contribution (module docstring).
         find_unused_parameters: allow parameters that get no gradient on some steps.
         gradient_compression: "bf16" or "fp16" makes the buckets that dtype (the hub sums in
             float32, the mean is cast back to each parameter's dtype); None keeps the
@@ -190,6 +195,9 @@ class DistributedDataParallel(SyncModes, nn.Module):
         self._require_forward_param_sync = True  # as torch: sync buffers in the next forward
         self._expect_hooks = False  # armed by a synchronising forward
         self._step = None  # the SyncStep of the backward pass under way
+        # True from a completed synchronisation until a gradient accumulates again: then
+        # .grad holds the means and sync_gradients() has nothing to send.
+        self._grads_synced = False
         self.last_step_timeline: StepTimeline | None = None
 
         mode = check_mode(sync_mode or Synchronous())
@@ -256,8 +264,10 @@ class DistributedDataParallel(SyncModes, nn.Module):
         the end-of-backward step run by hand, with the same rules: a parameter whose ``.grad``
         is None contributes zeros; with ``find_unused_parameters=True`` it stays None if no
         rank has a gradient for it, otherwise it is an error once the means are written.
-        Calling it after a synchronised backward reduces the (identical) means again, which
-        leaves them unchanged up to rounding.
+        A no-op right after a synchronising backward (or another ``sync_gradients()``): the
+        means are already in ``.grad``, so nothing is sent, as with FSDP. It sends again once a
+        gradient accumulates into a parameter (any backward reaching it, synchronising or not);
+        a ``.grad`` assigned or zeroed by hand in between is not seen, and stays as it is.
 
         Raises:
             ConfigurationError: some ``.grad`` is None and ``find_unused_parameters`` is off.
@@ -265,14 +275,17 @@ class DistributedDataParallel(SyncModes, nn.Module):
             CollectiveError and subclasses: a bucket's all_reduce failed.
         """
         self._drop_unfinished_step()
+        if self._grads_synced:
+            return  # every rank's last backward synchronised too: none of them sends
         if self.sync_mode.on_ledger:
             self._steps.contribute(self.contribution_weight)
-            return
-        step = self.reducer.new_step()
-        self.reducer.launch_rest(step, "sync_gradients", self._weight)
-        missing = [i for i, p in enumerate(self._params)
-                   if p.grad is None and not step.ready[i]]
-        self._finish(step, missing, "when sync_gradients() was called")
+        else:
+            step = self.reducer.new_step()
+            self.reducer.launch_rest(step, "sync_gradients", self._weight)
+            missing = [i for i, p in enumerate(self._params)
+                       if p.grad is None and not step.ready[i]]
+            self._finish(step, missing, "when sync_gradients() was called")
+        self._grads_synced = True
 
     def broadcast_parameters(self, src: int = 0) -> None:
         """Overwrite every parameter and buffer with rank ``src``'s (blocking; every rank must
@@ -348,6 +361,7 @@ class DistributedDataParallel(SyncModes, nn.Module):
 
     def _on_grad_ready(self, index: int) -> None:
         """A parameter's hook: its gradient is accumulated. Launch what became launchable."""
+        self._grads_synced = False
         if not self._expect_hooks:
             return
         step = self._step
@@ -374,10 +388,11 @@ class DistributedDataParallel(SyncModes, nn.Module):
         step.timeline.backward_end = time.perf_counter()
         if self.sync_mode.on_ledger:
             self._steps.contribute(self.contribution_weight)
-            return
-        self.reducer.launch_rest(step, "end of backward", self._weight)
-        self._finish(step, [i for i, ready in enumerate(step.ready) if not ready],
-                     "in this backward pass")
+        else:
+            self.reducer.launch_rest(step, "end of backward", self._weight)
+            self._finish(step, [i for i, ready in enumerate(step.ready) if not ready],
+                         "in this backward pass")
+        self._grads_synced = True
 
     def _finish(self, step, missing: list[int], when: str) -> None:
         requested = self.reducer.requested_cap is not None

@@ -43,6 +43,9 @@ Devices. Units live on the module's device (the CPU or one CUDA device). The pro
 copies a CUDA shard or gradient to host memory when its collective is issued and returns the
 result on the same device, so gathered buffers and ``shard.grad`` are always on the unit's
 device.
+
+Branches (``find_unused_parameters``): units stay gathered from forward to backward and are
+reduced when backward ends, in unit order, as :mod:`~gradstar.client.fsdp.unused` describes.
 """
 
 from __future__ import annotations
@@ -52,47 +55,16 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
+from .records import BackwardPass, SavedParam, UnitCollective
 from .unit import ShardingUnit
+from .unused import UnusedUnits
 
 # Each reduction in flight holds a whole unit's gradient until the hub has taken it; backward
 # computes faster than the hub reduces, so without a bound every unit's gradient would pile up.
 REDUCTIONS_IN_FLIGHT = 2
-
-
-@dataclass(frozen=True)
-class UnitCollective:
-    """One collective FSDP issued for a unit: ``op`` is "all_gather" or "reduce_scatter",
-    ``during`` is "forward", "forward prefetch", "backward" or "backward prefetch", ``dtype``
-    the dtype it carried."""
-
-    op: str
-    unit: int
-    during: str
-    dtype: str
-
-
-@dataclass(frozen=True)
-class _SavedParam:
-    """What autograd keeps, instead of the tensor, of a tensor inside a gathered buffer."""
-
-    unit: ShardingUnit
-    size: torch.Size
-    stride: tuple[int, ...]
-    offset: int  # elements from the start of the unit's gathered buffer
-    version: int  # the shard's version counter when it was saved
-
-
-@dataclass
-class _BackwardPass:
-    in_flight: deque = field(default_factory=deque)  # (unit, Work) of reductions, oldest first
-    means: list = field(default_factory=list)  # (unit, this rank's mean gradient) when done
-    gathered: set[int] = field(default_factory=set)
-    reduced: set[int] = field(default_factory=set)
-    order: list[int] = field(default_factory=list)  # units in the order backward needed them
 
 
 class _UnitGather(torch.autograd.Function):
@@ -125,7 +97,7 @@ class UnitRuntime:
     """
 
     def __init__(self, units: list[ShardingUnit], pg, *, prefetch: bool,
-                 wire: str | None = None) -> None:
+                 wire: str | None = None, find_unused: bool = False) -> None:
         self.units = units
         self.process_group = pg
         self.prefetch = prefetch
@@ -133,11 +105,12 @@ class UnitRuntime:
         self.last_collectives: list[UnitCollective] = []
         self.peak_gathered_numel = 0
         self.require_sync = True  # False inside FSDP.no_sync(): backward keeps gradients
+        self.unused = UnusedUnits(units, pg, self._start_reduction) if find_unused else None
         self._by_storage: dict[int, ShardingUnit] = {}  # gathered buffers, by storage address
         self._forward_next: dict[int, int] | None = None  # recorded orders, as successor maps
         self._backward_next: dict[int, int] | None = None
         self._forward_seen: list[int] = []
-        self._backward: _BackwardPass | None = None
+        self._backward: BackwardPass | None = None
         me = weakref.ref(self)  # the hooks must not keep a discarded runtime alive
         self._hook_handles = []
         for unit in units:
@@ -198,7 +171,8 @@ class UnitRuntime:
         unit.active -= 1
         if unit.active == 0:
             unit.unbind()
-            self._release(unit)  # reshard after forward
+            if not self._kept_for_backward(unit):
+                self._release(unit)  # reshard after forward
 
     def _end_forward(self, finished: bool) -> None:
         """Free what is still gathered: prefetches nobody used, or everything after a failure
@@ -209,11 +183,19 @@ class UnitRuntime:
                 unit.active = 0
                 unit.unbind()
             try:
-                self._release(unit, wait=finished)
+                if not (finished and self._kept_for_backward(unit)):
+                    self._release(unit, wait=finished)
             except BaseException as exc:
                 error = error or exc
         if error is not None:
             raise error
+
+    def _kept_for_backward(self, unit: ShardingUnit) -> bool:
+        """find_unused: a unit forwarded with grad stays gathered until backward frees it (a
+        frozen one too: its weights may be needed for an input's gradient, and a gather in
+        backward would be issued only on the ranks that reach it)."""
+        return (self.unused is not None and torch.is_grad_enabled() and unit.full is not None
+                and unit.index in self._forward_seen)
 
     # -- gathering -----------------------------------------------------------------------------
 
@@ -274,12 +256,12 @@ class UnitRuntime:
         # Addresses are only unique within one device's memory: the device must match too.
         if unit is None or tensor.dtype != unit.full.dtype or tensor.device != unit.full.device:
             return tensor
-        return _SavedParam(unit, tensor.shape, tensor.stride(),
-                           tensor.storage_offset() - unit.full.storage_offset(),
-                           unit.shard._version)
+        return SavedParam(unit, tensor.shape, tensor.stride(),
+                          tensor.storage_offset() - unit.full.storage_offset(),
+                          unit.shard._version)
 
     def _unpack(self, saved):
-        if not isinstance(saved, _SavedParam):
+        if not isinstance(saved, SavedParam):
             return saved
         unit = saved.unit
         if unit.shard._version != saved.version:
@@ -301,7 +283,7 @@ class UnitRuntime:
 
     # -- backward ------------------------------------------------------------------------------
 
-    def _backward_pass(self) -> _BackwardPass | None:
+    def _backward_pass(self) -> BackwardPass | None:
         """This backward pass's bookkeeping; the first call queues its end-of-backward
         callback. None outside a backward pass (a saved tensor read by hand)."""
         if self._backward is None:
@@ -309,13 +291,15 @@ class UnitRuntime:
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             except RuntimeError:
                 return None
-            self._backward = _BackwardPass()
+            self._backward = BackwardPass()
         return self._backward
 
     def reduce_unit_gradient(self, unit: ShardingUnit, grad: torch.Tensor) -> None:
         """``_UnitGather.backward``: free the unit, start reducing its gradient."""
         bw = self._backward_pass()
         self._release(unit)  # reshard after backward
+        if self.unused is not None:
+            return self.unused.hold(bw.held, unit, grad)  # reduced when backward ends
         kept, unit.kept_grad = unit.kept_grad, None
         grad = grad.detach() if kept is None else kept.add_(grad)
         bw.in_flight.append((unit, self._start_reduction(unit, grad, "backward")))
@@ -337,6 +321,10 @@ class UnitRuntime:
     def sync_kept_gradients(self) -> None:
         """Reduce-scatter every unit's kept gradient, in unit order, and add the means to
         ``shard.grad``; nothing (no collective) when no unit keeps one."""
+        if self.unused is not None:
+            held = {u.index: u.kept_grad for u in self.units if u.kept_grad is not None}
+            self.drop_kept_gradients()
+            return self._add_means(self.unused.reduce(held, "sync_gradients") if held else [])
         means, in_flight = [], deque()
         for unit in self.units:
             grad, unit.kept_grad = unit.kept_grad, None
@@ -389,6 +377,8 @@ class UnitRuntime:
             raise error
         if self._backward_next is None:
             self._backward_next = _successors(bw.order)
+        if bw.held:
+            means = self.unused.reduce(bw.held, "backward")
         self._add_means(means)
 
     def _add_means(self, means: list) -> None:
@@ -440,4 +430,4 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-__all__ = ["UnitCollective", "UnitRuntime"]
+__all__ = ["UnitRuntime"]

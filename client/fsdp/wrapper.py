@@ -27,12 +27,15 @@ carry them).
 
 Rules. Every rank must construct FSDP from the same module structure and settings, run the
 same forwards and backwards, and reach the same units in each backward (as DDP without
-``find_unused_parameters``). A unit's parameters exist only during its module's forward
-(called as ``module(...)``, which runs hooks); outside it they are empty placeholders (size 0),
-as with torch's FSDP. Differences between ranks end in a CollectiveMismatchError or
-CollectiveTimeoutError, a lost rank in RankLostError, raised from forward or backward; after
-one, the process group should be considered broken, as in torch.distributed. Double backward
-through the parameters (``create_graph=True``) is not supported.
+``find_unused_parameters``; with it, the units reached may differ, see
+:mod:`~gradstar.client.fsdp.unused`). A parameter inside a unit that takes no part in the loss
+gets zeros in the unit's flat gradient, and so the mean of the others' gradients. A unit's
+parameters exist only during its module's forward (called as ``module(...)``, which runs
+hooks); outside it they are empty placeholders (size 0), as with torch's FSDP. Differences
+between ranks end in a CollectiveMismatchError or CollectiveTimeoutError, a lost rank in
+RankLostError, raised from forward or backward; after one, the process group should be
+considered broken, as in torch.distributed. Double backward through the parameters
+(``create_graph=True``) is not supported.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ from gradstar.wire.formats import wire_format
 
 from . import state_dict as checkpoint
 from .plan import AutoWrapPolicy, UnitPlan, plan_units
-from .runtime import UnitCollective, UnitRuntime
+from .records import UnitCollective
+from .runtime import UnitRuntime
 from .unit import ShardingUnit
 
 
@@ -91,6 +95,12 @@ class FullyShardedDataParallel(nn.Module):
         prefetch: gather the next unit while the current one computes, in forward and backward.
         sync_module_states: start every rank from rank 0's parameters (broadcast unit by
             unit) and buffers.
+        find_unused_parameters: allow backward passes that reach different units on different
+            ranks (branches, conditional heads, experts): units stay gathered from forward to
+            backward and are reduced when backward ends, those some rank reached, in unit
+            order, with zeros from the ranks that did not; a unit no rank reached keeps its
+            ``shard.grad`` (:mod:`~gradstar.client.fsdp.unused`). Costs one small all_reduce
+            per backward, the memory of every unit gathered at once, and the overlap.
 
     Raises:
         ConfigurationError: ``pg`` is not a blocking process group, an argument is invalid, the
@@ -103,7 +113,7 @@ class FullyShardedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, pg: ProcessGroup, *,
                  auto_wrap_policy: AutoWrapPolicy = None, mixed_precision: str | None = None,
                  prefetch: bool = True, sync_module_states: bool = True,
-                 wire: str | None = None) -> None:
+                 wire: str | None = None, find_unused_parameters: bool = False) -> None:
         super().__init__()
         self.device = check_wrapper_arguments("FullyShardedDataParallel", module, pg,
                                               ("all_gather", "reduce_scatter", "broadcast"))
@@ -142,7 +152,9 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self.units:
             unit.detach_parameters()
         self.flat_shards = nn.ParameterList([unit.shard for unit in self.units])
-        self.runtime = UnitRuntime(self.units, pg, prefetch=bool(prefetch), wire=self.wire)
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.runtime = UnitRuntime(self.units, pg, prefetch=bool(prefetch), wire=self.wire,
+                                   find_unused=self.find_unused_parameters)
         self._unwrapped = False
 
     # -- the nn.Module surface -----------------------------------------------------------------
@@ -223,6 +235,39 @@ class FullyShardedDataParallel(nn.Module):
         self._unwrapped = True
         return self.module
 
+    def update_shards(self, flat: torch.Tensor) -> None:
+        """Set this rank's shards from one flat buffer: the units' shards end to end, in
+        ``units`` order, the layout of ``torch.nn.utils.parameters_to_vector(
+        fsdp.parameters())`` (padding included), so the two round-trip. Each piece is copied,
+        cast to its shard's dtype and moved to its device; the optimizer keeps its state (the
+        shards are the same Parameters). No communication: each rank sets its own, and what
+        the ranks set together is the model (after the same update on every rank, the
+        replicas agree). Between steps only.
+
+        Raises:
+            ConfigurationError: ``flat`` is not a 1-D floating-point torch tensor of this
+                rank's shard size (named, with the size it has); called during a forward or
+                backward pass, or after :meth:`into_inner`.
+        """
+        self._check_wrapped("update_shards")
+        sizes = [unit.layout.shard_numel for unit in self.units]
+        if not (isinstance(flat, torch.Tensor) and flat.dim() == 1 and flat.is_floating_point()
+                and flat.numel() == sum(sizes)):
+            got = (f"a {flat.dim()}-D {flat.dtype} tensor of {flat.numel()} elements"
+                   if isinstance(flat, torch.Tensor) else type(flat).__name__)
+            raise ConfigurationError(
+                f"FSDP.update_shards(flat) takes a 1-D floating-point tensor of rank "
+                f"{self.process_group.rank}'s {sum(sizes)} shard elements ({len(sizes)} units: "
+                f"{', '.join(map(str, sizes))}), as parameters_to_vector(fsdp.parameters()) "
+                f"gives; got {got}")
+        if self.runtime.in_backward or any(unit.holding for unit in self.units):
+            raise ConfigurationError(
+                "FSDP.update_shards() was called during a forward or backward pass; call it "
+                "between steps")
+        with torch.no_grad():
+            for unit, piece in zip(self.units, torch.split(flat, sizes), strict=True):
+                unit.shard.copy_(piece)
+
     def _check_wrapped(self, call: str) -> None:
         if self._unwrapped:
             raise ConfigurationError(
@@ -253,7 +298,8 @@ class FullyShardedDataParallel(nn.Module):
         sizes = ", ".join(f"{u.label}:{u.layout.numel}" for u in self.units)
         return (f"world_size={self.process_group.world_size}, units=[{sizes}], "
                 f"mixed_precision={self.mixed_precision!r}, wire={self.wire!r}, "
-                f"prefetch={self.prefetch}")
+                f"prefetch={self.prefetch}, "
+                f"find_unused_parameters={self.find_unused_parameters}")
 
     # -- state dicts (see gradstar.client.fsdp.state_dict) -------------------------------------
 

@@ -131,8 +131,9 @@ class StepSync:
         first ledger mode, or one after Synchronous steps (switched at a barrier)."""
         if self._optimizer_step is None:
             self._optimizer_step = self._optimizer.step
-            self._optimizer.step = types.MethodType(_catch_up_step(weakref.ref(self)),
-                                                    self._optimizer)
+            scheduled = hasattr(self._optimizer_step, "_wrapped_by_lr_sched")
+            self._optimizer.step = types.MethodType(
+                _catch_up_step(weakref.ref(self), scheduled), self._optimizer)
         if self._attached_before:
             self.set_mode(mode)  # every rank does: the same barrier on every rank
         self._attached_before = True
@@ -394,17 +395,26 @@ async def _make_client(pg, model: str) -> StepsClient:
     return StepsClient.for_group(pg, model)  # on the group's loop
 
 
-def _catch_up_step(sync_ref: weakref.ref):
+def _catch_up_step(sync_ref: weakref.ref, scheduled: bool):
     """``optimizer.step`` while a :class:`StepSync` owns the optimizer: a bound method (torch's
-    LR schedulers wrap ``step.__func__``)."""
+    LR schedulers wrap ``step.__func__``).
+
+    ``scheduled``: a scheduler made earlier had wrapped the step this one replaces. Its
+    ``step()`` warns that ``optimizer.step()`` was overridden unless the step carries its mark,
+    and that it ran before ``optimizer.step()`` unless the optimizer says a step was called;
+    this one keeps both true (a call may apply no aggregate yet, but it is the user's step)."""
 
     def step(optimizer, closure=None):
         if closure is not None:
             raise ConfigurationError(
                 "optimizer.step(closure) re-evaluates the loss, which a sync mode cannot "
                 "replay on other ranks; call optimizer.step() without a closure")
+        if scheduled:
+            optimizer._opt_called = True
         sync = sync_ref()
         if sync is not None:
             sync.catch_up()
 
+    if scheduled:
+        step._wrapped_by_lr_sched = True  # read through the bound method's __func__
     return step

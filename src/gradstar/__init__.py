@@ -45,6 +45,7 @@ __all__ = [
     "Synchronous",
     "Work",
     "__version__",
+    "create_distributed_data_parallel",
     "errors",
     "init_process_group",
     "init_process_group_async",
@@ -54,7 +55,7 @@ __all__ = [
 def __getattr__(name: str):
     # DistributedDataParallel imports torch (optional): resolved lazily, see gradstar.client.
     if name in ("DistributedDataParallel", "DDP", "Pipeline", "FullyShardedDataParallel",
-                "FSDP", "DataParallel"):
+                "FSDP", "DataParallel", "create_distributed_data_parallel"):
         from gradstar import client
 
         return getattr(client, name)

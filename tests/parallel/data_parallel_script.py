@@ -115,8 +115,28 @@ def run(pg, devices: list[str], kind: str, micro_steps: int = 1, by_hand: bool =
             "replicas": len(model.device_ids)}
 
 
+def per_device(pg, devices: list[str]) -> dict:
+    """``sgd`` through ``forward_parallel``: the process splits its part of the batch itself,
+    one input per device, and the loss over the outputs is the mean over its part."""
+    module = Net(pg.rank).to(devices[0])
+    model = gradstar.DataParallel(module, device_ids=devices, process_group=pg)
+    opt = optimizer("sgd", model.parameters())
+    for step in range(STEPS):
+        x, y = (t.chunk(pg.world_size)[pg.rank] for t in batch(step))
+        opt.zero_grad()
+        outputs = model.forward_parallel([({"x": part},) for part in x.tensor_split(
+            len(devices))], [{"scale": 0.5}] * len(devices))
+        out = torch.cat([o.to(devices[0]) for o, _ in outputs])
+        nn.functional.mse_loss(out, y.to(devices[0])).backward()
+        opt.step()
+    return {"params": params_of(module), "shift": module.shift.tolist(),
+            "devices": sorted({str(p.device) for p in module.parameters()}),
+            "replicas": len(model.device_ids), "outputs": len(outputs)}
+
+
 SCENARIOS = {
     "sgd": lambda pg, devices: run(pg, devices, "sgd"),
+    "per_device": per_device,
     "adam": lambda pg, devices: run(pg, devices, "adam"),
     "no_sync": lambda pg, devices: run(pg, devices, "sgd", micro_steps=2),
     "sync_by_hand": lambda pg, devices: run(pg, devices, "sgd", micro_steps=2, by_hand=True),

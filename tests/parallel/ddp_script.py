@@ -10,6 +10,7 @@ which trains the single-process reference with the same code on the whole batch.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -158,6 +159,21 @@ def no_sync(pg) -> dict:
     train_plain(ddp, optimizer("sgd", ddp.parameters()), pg.rank, pg.world_size, micro_steps=2,
                 no_sync=ddp.no_sync)
     return {"params": params_of(ddp.module)}
+
+
+def one_call(pg) -> dict:
+    """``sgd`` through ``create_distributed_data_parallel``: it joins a job of its own (the
+    GRADSTAR_* variables, the job renamed) and wraps the model."""
+    ddp = gradstar.create_distributed_data_parallel(
+        make_mlp(pg.rank), job=os.environ["GRADSTAR_JOB"] + "-one-call",
+        pg_options={"timeout": 30, "join_timeout": 60}, bucket_cap_mb=SMALL_BUCKET_MB)
+    try:
+        train_plain(ddp, optimizer("sgd", ddp.parameters()), pg.rank, pg.world_size)
+        joined = [ddp.process_group.rank, ddp.process_group.world_size]
+        ddp.process_group.barrier()  # nobody closes while a peer is in its last collective
+    finally:
+        ddp.process_group.close()
+    return {"params": params_of(ddp.module), "buckets": len(ddp.bucket_plan), "joined": joined}
 
 
 def sync_by_hand(pg) -> dict:
@@ -316,8 +332,9 @@ def buffers(pg) -> dict:
             "tracked": int(model[1].num_batches_tracked), "training": ddp.module.training}
 
 
-SCENARIOS = {"sgd": sgd, "adam": adam, "no_sync": no_sync, "sync_by_hand": sync_by_hand,
-             "unused": unused, "unused_error": unused_error, "bf16": bf16, "staged": staged,
+SCENARIOS = {"sgd": sgd, "one_call": one_call, "adam": adam, "no_sync": no_sync,
+             "sync_by_hand": sync_by_hand, "unused": unused, "unused_error": unused_error,
+             "bf16": bf16, "staged": staged,
              "buffers": buffers, "int8_ef": int8_ef, "int8_no_ef": int8_no_ef,
              "int4_ef": int4_ef, "int4_no_ef": int4_no_ef, "int8_unused": int8_unused,
              "staged_int8": staged_int8, "wire_mismatch": wire_mismatch}

@@ -1,7 +1,8 @@
 """A DDP rank in a sync mode, for tests: ``python sync_modes_script.py MODE [options]``
 (settings from GRADSTAR_* env vars).
 
-Trains a small MLP for ``--steps`` iterations with ``gradstar.DDP(sync_mode=...)`` and SGD with
+Trains a small MLP for ``--steps`` iterations with ``gradstar.DDP(sync_mode=...)`` (or
+``gradstar.DataParallel(process_group=..., sync_mode=...)`` with ``--data-parallel``) and SGD with
 momentum; before each backward the rank sleeps its entry of ``--delays`` (seconds, per rank), and
 ``--stop-at`` makes a rank stop itself (``kill``: os._exit mid-training; ``stall``: SIGSTOP)
 at that iteration (``--await-replacement``: the others wait for the process that takes its
@@ -220,6 +221,8 @@ def main() -> None:
                              "after every optimizer step")
     parser.add_argument("--wire", default=None, help="DDP's wire format (error feedback on)")
     parser.add_argument("--batchnorm", action="store_true", help="make_mlp(batchnorm=True)")
+    parser.add_argument("--data-parallel", type=int, default=0, metavar="N",
+                        help="gradstar.DataParallel over N CPU replicas instead of DDP")
     parser.add_argument("--schedule", action="store_true",
                         help="an LR schedule stepped every iteration: lr x 0.8 each time")
     parser.add_argument("--await-replacement", default=None, metavar="PATH",
@@ -237,7 +240,12 @@ def main() -> None:
     weights = [float(w) for w in args.weights.split(",")] if args.weights else []
     model = make_mlp(args.batchnorm)
     opt = make_optimizer(model)
-    ddp = gradstar.DDP(model, pg, sync_mode=mode_of(args), optimizer=opt, wire=args.wire)
+    if args.data_parallel:  # the whole batch on each process, split over its replicas
+        torch.set_num_threads(1)  # the replicas' threads share the cores with the other ranks
+        ddp = gradstar.DataParallel(model, device_ids=["cpu"] * args.data_parallel,
+                                    process_group=pg, sync_mode=mode_of(args), optimizer=opt)
+    else:
+        ddp = gradstar.DDP(model, pg, sync_mode=mode_of(args), optimizer=opt, wire=args.wire)
     if weights:
         ddp.contribution_weight = weights[rank]
     schedule = (torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.8 ** i) if args.schedule

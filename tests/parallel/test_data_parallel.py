@@ -59,6 +59,13 @@ def test_two_processes_of_two_replicas_match_one_process_on_the_whole_batch(runs
     assert all(r["shift"] == [0.0] * script.OUT for r in runs[kind])
 
 
+def test_forward_parallel_over_a_process_group_matches_one_process(runs):
+    # One input per replica in, one output per replica out; backward still averages over
+    # processes (DDP's hooks armed by forward_parallel as by forward).
+    assert all(r["outputs"] == 2 for r in runs["per_device"])
+    assert_params_match(runs["per_device"], reference("sgd"))
+
+
 def test_no_sync_accumulation_matches_one_process(runs):
     assert_params_match(runs["no_sync"], reference("sgd", micro_steps=2))
 

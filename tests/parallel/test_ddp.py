@@ -57,6 +57,16 @@ def test_sgd_over_several_buckets_matches_one_process(runs):
     assert_params_match(runs["sgd"], reference_mlp("sgd"))
 
 
+def test_the_one_call_constructor_trains_like_init_process_group_and_ddp(runs):
+    # Its own job (joined from the GRADSTAR_* variables), same model, buckets and training.
+    assert [r["joined"] for r in runs["one_call"]] == [[rank, WORLD] for rank in range(WORLD)]
+    assert [r["buckets"] for r in runs["one_call"]] == [r["buckets"] for r in runs["sgd"]]
+    assert_params_match(runs["one_call"], reference_mlp("sgd"))
+    for mine, theirs in zip(runs["one_call"], runs["sgd"], strict=True):
+        for name, values in theirs["params"].items():
+            np.testing.assert_allclose(mine["params"][name], values, rtol=RTOL, atol=ATOL)
+
+
 def test_adam_matches_one_process(runs):
     assert_params_match(runs["adam"], reference_mlp("adam"))
 

@@ -151,6 +151,58 @@ async def test_only_a_synchronising_forward_arms_the_hooks(solo):
     await on_thread(body, solo)
 
 
+async def test_the_one_call_constructor_refuses_a_non_module_before_joining(coordinator):
+    def body():
+        with pytest.raises(ConfigurationError, match=r"create_distributed_data_parallel wraps a "
+                           r"torch\.nn\.Module, got dict; nothing was joined"):
+            gradstar.create_distributed_data_parallel({}, coordinator.address, "never", 1, 0)
+
+    await on_thread(body)
+    assert "never" not in coordinator.rendezvous.jobs
+
+
+async def test_the_one_call_constructor_closes_its_group_when_ddp_refuses(coordinator):
+    def body():
+        with pytest.raises(ConfigurationError, match="bucket_cap_mb must be a positive number"):
+            gradstar.create_distributed_data_parallel(
+                mlp(), coordinator.address, "refused", 1, 0, bucket_cap_mb=0,
+                pg_options={"timeout": 20, "join_timeout": 20})
+
+    await on_thread(body)
+    # The rank left as a finished member: the job is completed, not left with a live rank.
+    assert coordinator.rendezvous.jobs["refused"].state == "completed"
+
+
+async def test_sync_gradients_after_a_synchronising_backward_sends_nothing(coordinator, solo):
+    # The loop the documents showed: backward through the wrapper, then sync_gradients(). The
+    # means are already in .grad; a second reduction would double the traffic for nothing.
+    # The hub counts a payload's bytes as they arrive, before it answers: read after a wait,
+    # the count is complete.
+    counters = coordinator.rendezvous.jobs["solo"].counters
+
+    def body(pg):
+        ddp = gradstar.DDP(mlp(), pg, bucket_cap_mb=100 / (1 << 20))
+        x = torch.randn(6, 4)
+        before = counters.bytes_in
+        ddp(x).square().sum().backward()
+        after_backward = counters.bytes_in
+        one_step = after_backward - before
+        assert one_step >= sum(p.numel() * 4 for p in ddp.parameters())  # the counter counts
+        means = [p.grad.clone() for p in ddp.parameters()]
+        ddp.sync_gradients()
+        ddp.sync_gradients()
+        assert counters.bytes_in == after_backward
+        for mean, p in zip(means, ddp.parameters(), strict=True):
+            assert torch.equal(p.grad, mean)
+        # A gradient accumulated since (a no_sync backward) makes it send again.
+        with ddp.no_sync():
+            ddp(x).square().sum().backward()
+        ddp.sync_gradients()
+        assert counters.bytes_in - after_backward == one_step
+
+    await on_thread(body, solo)
+
+
 async def test_sync_gradients_follows_the_unused_parameter_rules(solo):
     def body(pg):
         model = mlp()

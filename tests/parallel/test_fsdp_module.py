@@ -282,3 +282,41 @@ async def test_into_inner_returns_the_plain_module_and_retires_the_wrapper(solo)
                 call()
 
     await on_thread(body, solo)
+
+
+async def test_update_shards_round_trips_a_flat_buffer_and_refuses_a_wrong_size(solo):
+    def body(pg):
+        fsdp = gradstar.FSDP(script.MLP(0), pg)
+        opt = torch.optim.Adam(fsdp.parameters(), lr=0.01)
+        fsdp(x_of()).sum().backward()
+        opt.step()
+        shards = list(fsdp.parameters())
+        flat = torch.nn.utils.parameters_to_vector(shards)
+        new = torch.randn(flat.shape, dtype=torch.float64)  # cast to the shards' float32
+        fsdp.update_shards(new)
+        assert list(fsdp.parameters()) == shards and opt.state[shards[0]]  # same Parameters
+        torch.testing.assert_close(torch.nn.utils.parameters_to_vector(fsdp.parameters()),
+                                   new.float())
+        # The model is the new values: a plain MLP loaded from the full state dict agrees.
+        plain = script.MLP(1)
+        plain.load_state_dict(fsdp.full_state_dict())
+        named = dict(plain.named_parameters())
+        for unit in fsdp.units:  # one rank: its shard is the whole flat buffer, then padding
+            want = unit.flatten([named[n] for n in unit.param_names])[:unit.layout.numel]
+            torch.testing.assert_close(unit.shard.detach()[:unit.layout.numel], want)
+        with torch.no_grad():
+            torch.testing.assert_close(fsdp(x_of()), plain(x_of()))
+        sizes = ", ".join(str(u.layout.shard_numel) for u in fsdp.units)
+        for wrong, got in [(flat[:-1], f"a 1-D torch.float32 tensor of {flat.numel() - 1}"),
+                           (flat.view(1, -1), "a 2-D torch.float32 tensor"),
+                           (flat.long(), "a 1-D torch.int64 tensor"),
+                           (flat.tolist(), "got list")]:
+            with pytest.raises(ConfigurationError, match=(
+                    rf"FSDP\.update_shards\(flat\) takes a 1-D floating-point tensor of rank 0's "
+                    rf"{flat.numel()} shard elements \({len(fsdp.units)} units: {sizes}\).*"
+                    rf"{got}")):
+                fsdp.update_shards(wrong)
+        torch.testing.assert_close(torch.nn.utils.parameters_to_vector(fsdp.parameters()),
+                                   new.float())  # a refused call changed nothing
+
+    await on_thread(body, solo)

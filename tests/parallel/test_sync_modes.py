@@ -130,6 +130,17 @@ def test_quorum_drops_the_slow_ranks_late_gradients_and_takes_current_ones_only(
                for r in quorum_run.values() for c in r["contributions"])
 
 
+def test_data_parallel_with_a_process_group_in_quorum_equals_the_replay():
+    # Each process splits its batch over 2 CPU replicas and contributes their summed gradient;
+    # rank 3 is slow, as in quorum_run. Replicas sum in another order than one process: the
+    # replay agrees to float32 rounding.
+    reports = asyncio.run(run_modes("quorum", "--min-ranks", "3", "--timeout", "0.02",
+                                    "--delays", "0,0,0,0.3", "--steps", "6",
+                                    "--data-parallel", "2"))
+    assert_identical_and_replayed(reports, rtol=1e-5, atol=1e-6)
+    assert any(len(step["ranks"]) < WORLD for step in record(reports))  # quorum closed steps
+
+
 def test_bounded_staleness_stays_within_its_bound_and_replicas_agree():
     reports = asyncio.run(run_modes("bounded", "--max-staleness", "2",
                                     "--delays", "0.01,0.03,0.02,0.2", "--steps", "10"))

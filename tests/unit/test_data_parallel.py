@@ -255,3 +255,58 @@ def test_a_module_on_another_kind_of_device_is_refused():
     with pytest.raises(ConfigurationError, match=r"DataParallel runs on the CPU or a CUDA "
                                                  r"device; parameter 0.weight is on meta"):
         gradstar.DataParallel(copy.deepcopy(mlp()).to("meta"), CPU2)
+
+
+class Scaled(nn.Module):
+    """An MLP whose forward takes a keyword too, to see kwargs reach their replica."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x, scale=1.0):
+        return self.net(x) * scale
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_forward_parallel_equals_the_plain_module_per_input(replicas):
+    plain, wrapped = Scaled(), Scaled()
+    model = gradstar.DataParallel(wrapped, device_ids=["cpu"] * replicas)
+    # Inputs of different sizes, none split: one per device, each as the plain module sees it.
+    xs = [data(i, rows)[0] for i, rows in enumerate([4, 1, 7][:replicas])]
+    inputs = [x if i % 2 else (x,) for i, x in enumerate(xs)]  # one argument, or a tuple
+    kwargs = [{"scale": 0.5 + i} for i in range(replicas)]
+    outputs = model.forward_parallel(inputs, kwargs)
+    assert len(outputs) == replicas
+    wants = [plain(x, scale=0.5 + i) for i, x in enumerate(xs)]
+    for got, want in zip(outputs, wants, strict=True):
+        torch.testing.assert_close(got, want)
+    # Backward sums each replica's gradient into the wrapped module, as the plain sum does.
+    sum(o.square().sum() for o in outputs).backward()
+    sum(w.square().sum() for w in wants).backward()
+    for (name, p), q in zip(wrapped.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.parametrize(("inputs", "kwargs", "message"), [
+    ([torch.ones(2, 5)], None, r"one entry of inputs per device: got 1 for 2 devices \(cpu, cpu\)"),
+    ([torch.ones(2, 5)] * 3, None, "one entry of inputs per device: got 3 for 2 devices"),
+    ([torch.ones(2, 5)] * 2, [{}], "one entry of kwargs per device: got 1 for 2 devices"),
+])
+def test_forward_parallel_checks_the_count_by_name(inputs, kwargs, message):
+    model = gradstar.DataParallel(mlp(), device_ids=CPU2)
+    with pytest.raises(ConfigurationError,
+                       match=r"DataParallel\.forward_parallel takes " + message):
+        model.forward_parallel(inputs, kwargs)
+
+
+def test_sync_modes_need_a_process_group():
+    hint = (r"needs a process_group: a sync mode decides when a step of several processes is "
+            r"complete")
+    with pytest.raises(ConfigurationError, match=r"DataParallel\.sync_mode= or optimizer= " + hint):
+        gradstar.DataParallel(mlp(), device_ids=CPU2, sync_mode=gradstar.Quorum(min_ranks=1))
+    model = gradstar.DataParallel(mlp(), device_ids=CPU2)
+    assert model.sync_mode == gradstar.Synchronous() and model.sync_stats() is None
+    with pytest.raises(ConfigurationError, match=r"DataParallel\.set_sync_mode\(\) " + hint):
+        model.set_sync_mode(gradstar.Asynchronous())
+    model.synchronize()  # nothing to wait for

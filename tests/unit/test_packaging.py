@@ -47,6 +47,7 @@ EXPECTED_ALL = [
     "Synchronous",
     "Work",
     "__version__",
+    "create_distributed_data_parallel",
     "errors",
     "init_process_group",
     "init_process_group_async",
