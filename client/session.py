@@ -113,7 +113,7 @@ class Session:
 
     async def join(self, job: str, world_size: int, rank: int | None, peer_address: str,
                    timeout: float, elastic: bool = False, *,
-                   outbound_only: bool = False) -> rpb.Joined:
+                   outbound_only: bool = False, max_world_size: int = 0) -> rpb.Joined:
         """Join ``job`` and wait for its generation to form.
 
         Raises:
@@ -123,7 +123,7 @@ class Session:
         self._outbox.put_nowait(rpb.SessionRequest(join=rpb.JoinRequest(
             job=job, world_size=world_size, rank=-1 if rank is None else rank,
             peer_address=peer_address, timeout_seconds=timeout, host=shm.host_key(),
-            elastic=elastic, outbound_only=outbound_only,
+            elastic=elastic, outbound_only=outbound_only, max_world_size=max_world_size,
             hostname=socket.gethostname(),
         )))
         # No deadline on the call itself: it lives as long as the rank. The join is bounded by

@@ -87,7 +87,8 @@ async def open_group(settings: ClientSettings, peer_address: str = "", *,
         session = Session(channel, call_metadata(settings), settings.coordinator)
         await session.join(settings.job, settings.world_size, settings.rank,
                            peer_address, settings.join_timeout, settings.elastic,
-                           outbound_only=settings.outbound_only)
+                           outbound_only=settings.outbound_only,
+                           max_world_size=settings.max_world_size or 0)
     except BaseException:
         await channel.close()
         if peer_endpoint is not None:

@@ -56,8 +56,9 @@ class StepsClient:
         #: Payload bytes sent and received.
         self.bytes_sent = 0
         self.bytes_received = 0
-        #: The ledger's mode epoch as the last snapshot fetched found it.
-        self.mode_epoch = 0
+        #: The ledger's mode epoch and completed barriers as the last snapshot fetched found
+        #: them.
+        self.mode_epoch = self.barriers = 0
 
     @classmethod
     def for_group(cls, pg, model: str) -> StepsClient:
@@ -186,7 +187,7 @@ class StepsClient:
         if head is None or len(data) != head.nbytes:
             raise ProtocolError("a snapshot answer was cut or malformed")
         self.bytes_received += len(data)
-        self.mode_epoch = head.mode_epoch
+        self.mode_epoch, self.barriers = head.mode_epoch, head.barriers
         return head.steps, head.layout, bytes(data)
 
     async def _read_fetch(self, request: pb.FetchStepsRequest, timeout: float,

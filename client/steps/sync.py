@@ -250,7 +250,8 @@ class StepSync:
         """
         steps, layout, data = self._run(self._client.get_snapshot(self.timeout))
         unpack(layout, data, self.module, self._optimizer)
-        self.mode_epoch = self._client.mode_epoch  # the ledger's switches before this process
+        # The ledger's switches and barriers before this process: its own count starts there.
+        self.mode_epoch, self._barriers = self._client.mode_epoch, self._client.barriers
         self._restore(None)  # a joiner's residual starts at zero
         self.have = self.stats.step = steps
         self._catch_up_to(0)

@@ -162,6 +162,9 @@ class Job:
     counters: JobCounters = field(default_factory=JobCounters)
     #: When the job was first seen with no live or joining member (None while it has some).
     idle_since: float | None = None
+    #: Most ranks the running generation may grow to by elastic joins (JoinRequest
+    #: max_world_size; the largest its members asked for); ``world_size`` when it is fixed.
+    max_world_size: int = 0
 
     @property
     def formed(self) -> bool:

@@ -97,7 +97,7 @@ class Rendezvous:
     async def join(
         self, job: str, world_size: int, rank: int | None, peer_address: str, timeout: float,
         *, host: str = "", hostname: str = "", elastic: bool = False,
-        outbound_only: bool = False,
+        outbound_only: bool = False, max_world_size: int = 0,
     ) -> Member:
         """Wait until the job's next generation forms; return this caller's member record.
 
@@ -110,7 +110,7 @@ class Rendezvous:
             JoinTimeoutError: not every rank joined within ``timeout`` seconds.
         """
         member = self.offer(job, world_size, rank, peer_address, host=host, hostname=hostname,
-                            elastic=elastic)
+                            elastic=elastic, max_world_size=max_world_size)
         member.outbound_only = outbound_only  # before anyone hears of its generation
         try:
             await asyncio.wait_for(asyncio.shield(member.joined), timeout)
@@ -133,9 +133,11 @@ class Rendezvous:
 
     def offer(self, job: str, world_size: int, rank: int | None, peer_address: str, *,
               host: str = "", hostname: str = "",
-              elastic: bool = False) -> Member:
+              elastic: bool = False, max_world_size: int = 0) -> Member:
         """Register a joiner; its ``joined`` future completes when the generation forms, or at
-        once when it is ``elastic`` and takes the place of a lost member of the running one."""
+        once when it is ``elastic`` and takes the place of a lost member of the running one,
+        or, with no such place, joins it as one more rank while the job may grow
+        (``max_world_size``, as torchrun's ``--nnodes MIN:MAX``: see :meth:`_grow`)."""
         if self.draining:
             raise CoordinatorDrainingError(
                 "the coordinator is draining and accepts no new joins; use another coordinator"
@@ -144,12 +146,22 @@ class Rendezvous:
         if not 1 <= world_size <= MAX_WORLD_SIZE:
             raise ConfigurationError(f"world_size must be between 1 and {MAX_WORLD_SIZE}, got "
                                      f"{world_size}")
+        if max_world_size and not world_size <= max_world_size <= MAX_WORLD_SIZE:
+            raise ConfigurationError(
+                f"max_world_size must be between world_size ({world_size}) and "
+                f"{MAX_WORLD_SIZE}, got {max_world_size}")
+        state = self.jobs.get(job)
+        current = state.generation if state is not None else None
+        if (elastic and rank is None and current is not None and current.live_members
+                and current.world_size < state.max_world_size
+                and not any(m.left and not m.finished for m in current.members.values())):
+            return self._grow(state, peer_address, host, hostname)
         if rank is not None and not 0 <= rank < world_size:
             raise ConfigurationError(f"rank {rank} is out of range for world_size {world_size}")
-        state = self.jobs.get(job)
         if state is None:
             self._make_room(job)
             state = self.jobs[job] = Job(job, world_size)
+        state.max_world_size = max(state.max_world_size, max_world_size, state.world_size)
         busy = state.forming or (state.generation is not None and state.generation.healthy
                                  and state.generation.live_members)
         if state.world_size != world_size:
@@ -204,6 +216,31 @@ class Rendezvous:
         member.joined.set_result(gen)
         log.info("job %r: rank %d joined generation %d in the place of its lost member",
                  state.name, member.rank, gen.number)
+        return member
+
+    def _grow(self, state: Job, peer_address: str, host: str, hostname: str) -> Member:
+        """One more rank in the job's running generation (an elastic join past its world size,
+        within ``max_world_size``): rank ``world_size``, which grows by one. The generation's
+        collectives span a fixed set of ranks, so they are over, failed with a named error;
+        what the ranks do without them (a sync-mode DDP's steps, on the hub's ledger, which
+        counts the new rank from its first call) goes on, and the newcomer starts from the
+        hub's state (it joins as a replacement does)."""
+        gen = state.generation
+        member = Member(job=state.name, requested_rank=gen.world_size, peer_address=peer_address,
+                        host=host[:64], hostname=hostname[:255])
+        member.rank, member.generation, member.replacement = gen.world_size, gen, True
+        gen.members[member.rank] = member
+        gen.world_size += 1
+        state.world_size = gen.world_size
+        member.touch()
+        member.joined = asyncio.get_running_loop().create_future()
+        member.joined.set_result(gen)
+        log.info("job %r grew to %d ranks: rank %d joined generation %d", state.name,
+                 gen.world_size, member.rank, gen.number)
+        self.fail(gen, RendezvousError(
+            f"job {state.name!r} grew to {gen.world_size} ranks (an elastic join past its world "
+            f"size), so generation {gen.number}'s collectives are over; its sync-mode steps "
+            "go on"))
         return member
 
     def _make_room(self, job: str) -> None:

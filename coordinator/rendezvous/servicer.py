@@ -57,6 +57,7 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
                 j.job, j.world_size, j.rank if j.rank >= 0 else None, j.peer_address,
                 min(j.timeout_seconds or self.max_join, self.max_join), host=j.host,
                 elastic=j.elastic, outbound_only=j.outbound_only,
+                max_world_size=j.max_world_size,
                 hostname=j.hostname,
             )
         except GradstarError as error:

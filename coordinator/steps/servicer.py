@@ -205,7 +205,8 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             return
         yield pb.SnapshotPart(header=pb.SnapshotHeader(
             key=request.key, steps=snapshot.steps, layout=snapshot.layout,
-            nbytes=len(snapshot.data), mode_epoch=ledger.mode_epoch))
+            nbytes=len(snapshot.data), mode_epoch=ledger.mode_epoch,
+            barriers=ledger.barrier_done))
         data = memoryview(snapshot.data)
         for start in range(0, len(data), PART_BYTES):
             yield pb.SnapshotPart(data=bytes(data[start:start + PART_BYTES]))

@@ -126,6 +126,15 @@ class StepsTable:
             saved = self.load(job, model) if self.load is not None else None
             if saved is not None:
                 self._resume(ledger, saved)
+        elif ledger.world_size < world_size:  # the job grew (an elastic join past its size)
+            for rank in range(ledger.world_size, world_size):
+                # Out of the live set until its first call: a rank that has not started yet
+                # holds no step back.
+                ledger.ranks[rank] = RankState(last_seen=self.clock(), live=False,
+                                               base=ledger.steps, barrier=ledger.barrier_done)
+            log.info("job %r: the steps of model %r count %d ranks now (%d before)", job, model,
+                     world_size, ledger.world_size)
+            ledger.world_size = world_size
         elif ledger.world_size != world_size:
             raise StepMismatchError(
                 f"model {model!r} of job {job!r} steps with {ledger.world_size} ranks, not "

@@ -270,7 +270,13 @@ class ClientSettings(BaseSettings):
         False, description="join in the place of a lost rank of the job's running generation "
                            "when there is one, instead of waiting for a new generation: for "
                            "restarted ranks of sync-mode DDP jobs (gradstar.sync_modes), whose "
-                           "others go on without them")
+                           "others go on without them; with no such place, and no rank given, "
+                           "join it as one more rank while the job may grow (max_world_size)")
+    max_world_size: int | None = Field(
+        None, gt=0, description="the most ranks the job may grow to while it runs, by elastic "
+                                "joins (as torchrun's --nnodes MIN:MAX): each one past the "
+                                "world size ends the running generation's collectives, and "
+                                "a sync-mode DDP's steps go on with the new rank")
     timeout: float = Field(300.0, gt=0, description="default collective timeout in seconds")
     connect_timeout: float = Field(10.0, gt=0)
     chunk_bytes: int = Field(

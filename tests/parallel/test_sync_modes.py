@@ -18,6 +18,7 @@ import pytest
 
 from gradstar.config import CoordinatorSettings
 from gradstar.coordinator import Coordinator
+from tests.integration.conftest import until
 
 from . import sync_modes_script as script
 from .conftest import finish, kill_all, rank_env, rank_lines
@@ -26,7 +27,7 @@ WORLD = 4
 
 
 async def run_modes(*args: str, stopped: int = -1, restart: bool = False,
-                    timeout: float = 90) -> dict[int, dict]:
+                    timeout: float = 90, grow: bool = False) -> dict[int, dict]:
     """A coordinator (8 s heartbeat timeout: a stalled rank leaves the live sets within the test,
     and a rank of a loaded machine is not taken for a stalled one) and
     WORLD ranks of the script; each rank's report by rank, with its ``contributions`` (the
@@ -34,20 +35,29 @@ async def run_modes(*args: str, stopped: int = -1, restart: bool = False,
     --stop-rank): it is killed at the end and reports its contributions only; with
     ``restart`` a new process takes its place as soon as it died (an elastic join, as the agent
     restarts it; the --stop-* arguments come last, and it runs without them) and reports as
-    that rank, with both processes' contributions."""
+    that rank, with both processes' contributions. With ``grow`` the job may grow by one
+    (GRADSTAR_MAX_WORLD_SIZE) and one more process joins it, elastic and without a rank, once
+    its generation formed; it reports as rank WORLD."""
     hub = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0, heartbeat_timeout=8.0))
     await hub.start()
     procs = []
 
     def start(rank: int, argv) -> asyncio.Future:
+        env = rank_env(hub.address, "modes", WORLD, rank, GRADSTAR_ELASTIC="1",
+                       GRADSTAR_MAX_WORLD_SIZE=WORLD + grow)
+        if rank >= WORLD:
+            del env["GRADSTAR_RANK"]  # the hub gives it the next one
         return asyncio.create_subprocess_exec(
-            sys.executable, str(script.SCRIPT), *argv,
-            env=rank_env(hub.address, "modes", WORLD, rank, GRADSTAR_ELASTIC="1"),
+            sys.executable, str(script.SCRIPT), *argv, env=env,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
 
     try:
         for rank in range(WORLD):
             procs.append(await start(rank, args))
+        if grow:
+            await until(lambda: getattr(hub.rendezvous.jobs.get("modes"), "generation", None),
+                        "the job's generation formed", timeout)
+            procs.append(await start(WORLD, args))
         first_life, restarted = "", stopped if restart else -1
         if restart:
             out, _ = await asyncio.wait_for(procs[stopped].communicate(), timeout)
@@ -66,7 +76,7 @@ async def run_modes(*args: str, stopped: int = -1, restart: bool = False,
     finally:
         await kill_all(procs)
         await hub.stop(grace=0)
-    ranks = [r for r in range(WORLD) if r != stopped]
+    ranks = [r for r in range(WORLD + grow) if r != stopped]
     lines = {r: rank_lines(r, res) for r, res in zip(ranks, results, strict=True)}
     if first_life:
         lines[restarted] = [json.loads(line) for line in first_life.splitlines()
@@ -216,6 +226,24 @@ def test_a_rank_that_dies_or_stalls_holds_nobody(mode, how):
     # "absent from the last step": a rank that started late can have its 3 gradients arrive
     # after the others' 8, and close the last step itself).
     assert sum(3 in step["ranks"] for step in steps) <= 3
+
+
+def test_a_job_grows_by_a_rank_while_it_trains_and_ends_identical(tmp_path):
+    # Four ranks train in Quorum; a fifth process joins past the world size (GRADSTAR_ELASTIC,
+    # no rank, GRADSTAR_MAX_WORLD_SIZE 5), starts from the hub's snapshot and contributes;
+    # no process restarts, and at the end all five agree bit for bit with the hub's record.
+    reports = asyncio.run(run_modes("quorum", "--min-ranks", "3", "--timeout", "0.0",
+                                    "--delays", "0.3,0.3,0.3,0.3,0.3", "--steps", "30",
+                                    "--await-replacement", str(tmp_path / "joined"),
+                                    grow=True, timeout=150))
+    assert sorted(reports) == [0, 1, 2, 3, 4]
+    assert reports[4]["replacement"] and not reports[0]["replacement"]
+    assert_identical_and_replayed(reports)
+    grown = [c for c in reports[4]["contributions"] if c["step"] is not None]
+    assert grown, "the new rank never contributed"
+    assert grown[0]["base"] > 0  # it computed on the hub's state, not from the start
+    steps = record({r: rep for r, rep in reports.items() if "params" in rep})
+    assert any(4 in step["ranks"] for step in steps)
 
 
 def test_a_restarted_rank_joins_from_the_hub_and_ends_identical(tmp_path):

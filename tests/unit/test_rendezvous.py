@@ -560,3 +560,37 @@ async def test_draining_leaves_running_generations_alone(rdv):
     assert rdv.member("job", 1, 0, members[0].member_id).healthy
     with pytest.raises(CoordinatorDrainingError):
         rdv.offer("job", 2, None, "c:1")
+
+
+# -- growing while it runs ---------------------------------------------------------------------
+
+
+async def test_an_elastic_join_past_the_world_size_grows_the_running_generation(rdv, failures):
+    joins = [rdv.join("grow", 2, r, f"10.0.0.{r}:7000", timeout=BOUND, max_world_size=3)
+             for r in (0, 1)]
+    first = await asyncio.wait_for(asyncio.gather(*joins), BOUND)
+    gen = first[0].generation
+    grown = await asyncio.wait_for(rdv.join("grow", 2, None, "10.0.0.9:7000", timeout=BOUND,
+                                            elastic=True), BOUND)
+    assert (grown.rank, grown.generation, grown.replacement) == (2, gen, True)
+    assert gen.world_size == 3 and rdv.jobs["grow"].world_size == 3
+    # Its collectives span a fixed set of ranks: over, on every rank, with the reason.
+    assert failures.calls == [gen] and "grew to 3 ranks" in str(gen.failure)
+    assert rdv.bound_member("grow", gen.number, 2, grown.member_id) is gen
+    # At the limit an elastic join finds no place in it: it waits for a next generation, as
+    # any join does, and the running one stays as it is.
+    waiting = rdv.offer("grow", 3, None, "10.0.0.8:7000", elastic=True)
+    assert not waiting.joined.done() and gen.world_size == 3
+    rdv.withdraw(waiting)
+
+
+async def test_a_fixed_size_job_does_not_grow(rdv):
+    members = await join_all(rdv, "fixed", [0, 1])
+    with pytest.raises(DuplicateRankError):
+        rdv.offer("fixed", 2, None, "10.0.0.9:7000", elastic=True)
+    assert members[0].generation.world_size == 2 and members[0].generation.healthy
+
+
+async def test_max_world_size_below_the_world_size_is_refused(rdv):
+    with pytest.raises(ConfigurationError, match="max_world_size must be between"):
+        rdv.offer("bad", 4, None, "10.0.0.1:7000", max_world_size=3)

@@ -229,7 +229,7 @@ def test_bad_contributions_are_named_and_leave_the_open_step_alone():
          "values"),
         (lambda: give(t, ledger, 1, Quorum(min_ranks=1), 2.0), "same mode"),
         (lambda: give(t, ledger, 1, Asynchronous(), 2.0), "same mode"),
-        (lambda: t.ledger("j", "m", 3), "2 ranks"),
+        (lambda: t.ledger("j", "m", 1), "2 ranks"),  # a job shrinks by ranks leaving
         (lambda: t.fetch(ledger, 1, 3), "only 0 steps"),
         (lambda: t.seen(ledger, 7), "not in"),
     ]
@@ -425,3 +425,25 @@ def test_a_step_carries_its_contributions_weighted_mean_hyperparameters():
         with pytest.raises(StepMismatchError, match=match):
             t.contribute(ledger, 0, q, 0, 1, 1.0, grad(1), hyper=bad)
     assert not ledger.open.contributions  # the refused ones left nothing
+
+
+def test_a_ledger_grows_with_its_job_and_counts_the_new_rank_from_its_first_call():
+    t = table()
+    ledger = t.ledger("j", "m", 2)
+    q = Quorum(min_ranks=3)  # as many as are live, while fewer are
+    give(t, ledger, 0, q, 1.0)
+    give(t, ledger, 1, q, 3.0)
+    assert ledger.steps == 1
+    assert t.ledger("j", "m", 3) is ledger and ledger.world_size == 3
+    assert not ledger.ranks[2].live and ledger.ranks[2].base == 1  # holds no step back yet
+    for r in (0, 1):
+        catch_up(t, ledger, r)
+    give(t, ledger, 0, q, 1.0)
+    give(t, ledger, 1, q, 1.0)
+    assert ledger.steps == 2  # closed by the two live ranks
+    catch_up(t, ledger, 2)  # its first call: live from here
+    for r, value in ((0, 1.0), (1, 2.0), (2, 6.0)):
+        catch_up(t, ledger, r)
+        give(t, ledger, r, q, value)
+    assert ledger.steps == 3 and ledger.log[-1].ranks == (0, 1, 2)
+    np.testing.assert_array_equal(ledger.log[-1].aggregate, grad(3.0))

@@ -202,18 +202,20 @@ class SynchronizeReply(_message.Message):
     def __init__(self, ready: _Optional[bool] = ..., steps: _Optional[int] = ..., mode: _Optional[_Union[SyncMode, _Mapping]] = ..., mode_epoch: _Optional[int] = ..., switch_refused: _Optional[str] = ...) -> None: ...
 
 class SnapshotHeader(_message.Message):
-    __slots__ = ("key", "steps", "layout", "nbytes", "mode_epoch")
+    __slots__ = ("key", "steps", "layout", "nbytes", "mode_epoch", "barriers")
     KEY_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     MODE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BARRIERS_FIELD_NUMBER: _ClassVar[int]
     key: StepsKey
     steps: int
     layout: str
     nbytes: int
     mode_epoch: int
-    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., steps: _Optional[int] = ..., layout: _Optional[str] = ..., nbytes: _Optional[int] = ..., mode_epoch: _Optional[int] = ...) -> None: ...
+    barriers: int
+    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., steps: _Optional[int] = ..., layout: _Optional[str] = ..., nbytes: _Optional[int] = ..., mode_epoch: _Optional[int] = ..., barriers: _Optional[int] = ...) -> None: ...
 
 class SnapshotPart(_message.Message):
     __slots__ = ("header", "data")
