@@ -191,3 +191,25 @@ async def test_a_replaced_ranks_identity_moves_to_its_replacement(coordinator):
         await old.close()
         await keep.close()
         await close_all(groups)
+
+
+async def test_a_refused_header_changes_neither_mode_nor_epoch(coordinator, two_jobs):
+    """A member's header saying Asynchronous at mode epoch 2^64-1, then too few bytes: refused
+    (ProtocolError), and the honest ranks go on in their mode at their epoch."""
+    _, b, clients = two_jobs
+    async with grpc.aio.insecure_channel(b[1].collective_address) as channel:
+        stub = steps_pb2_grpc.StepsStub(channel)
+
+        async def parts():
+            yield pb.ContributionPart(header=pb.ContributionHeader(
+                key=key_of(b[1]), mode=Asynchronous().message(), mode_epoch=2**64 - 1,
+                numel=2, base=0, weight=1.0), data=b"\0" * 3)
+
+        with pytest.raises(grpc.RpcError) as raised:
+            [p async for p in stub.Contribute(parts(), timeout=T)]
+    assert raised.value.code() != grpc.StatusCode.OK
+    ledger = coordinator.steps.ledgers.get(("b", "m"))
+    assert ledger is None or (ledger.mode, ledger.mode_epoch) in ((None, 0), (MODE, 0))
+    np.testing.assert_array_equal(await honest_step(clients), g(2, 2))
+    ledger = coordinator.steps.ledgers[("b", "m")]
+    assert (ledger.mode, ledger.mode_epoch, ledger.steps) == (MODE, 0, 1)
