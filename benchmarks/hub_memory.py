@@ -198,7 +198,7 @@ async def headers(args) -> dict:
         for seq in range(args.headers):
             frame = encode_message(KIND_HEADER, pb.CollectiveHeader(
                 job=g.job, generation=g.generation, group="hostile", seq=seq, rank=0,
-                member_id=g._member_id, op=pb.COLLECTIVE_OP_ALL_REDUCE,
+                member_id=g.member_id, op=pb.COLLECTIVE_OP_ALL_REDUCE,
                 reduce_op=pb.REDUCE_OP_SUM, timeout_seconds=600, dtype=pb.DTYPE_FLOAT16,
                 shape=[1 << 20], chunk_bytes=2))
 

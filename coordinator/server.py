@@ -35,8 +35,8 @@ from gradstar.transport.serve import serve
 from .collective import CollectiveEngine, CollectiveServicer
 from .collective.settings import engine_from_settings
 from .metrics import render_async
-from .relay import RelayServicer
 from .rendezvous import Rendezvous, RendezvousServicer
+from .rendezvous.relay import RelayServicer
 from .rounds import AveragingStore, RoundsServicer, RoundsTable
 from .shards import LocalShards, ShardControlServicer, ShardRegistry
 from .steps import SnapshotStore, StepsServicer, StepsTable

@@ -1,6 +1,6 @@
 """A rank's half of the coordinator's peer relay (the hub's half is
-``gradstar.coordinator.relay``, whose docstring has the protocol): how peer streams reach a
-rank on a host that takes no inbound connections, over calls both ranks dial.
+``gradstar.coordinator.rendezvous.relay``, whose docstring has the protocol): how peer streams
+reach a rank on a host that takes no inbound connections, over calls both ranks dial.
 
 - The receiver (:class:`RelayListener`, started when its own peer-table entry says it is
   outbound-only) keeps a ``listen`` call open on the coordinator's collective port. For each

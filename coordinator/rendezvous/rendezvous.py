@@ -40,6 +40,8 @@ from gradstar.errors import (
     WorldSizeMismatchError,
 )
 
+from .elastic import grow, replace
+
 # The records live in .jobs; named here too, where the servicers, the engine and tests import
 # them from.
 from .jobs import (
@@ -137,7 +139,7 @@ class Rendezvous:
         """Register a joiner; its ``joined`` future completes when the generation forms, or at
         once when it is ``elastic`` and takes the place of a lost member of the running one,
         or, with no such place, joins it as one more rank while the job may grow
-        (``max_world_size``, as torchrun's ``--nnodes MIN:MAX``: see :meth:`_grow`)."""
+        (``max_world_size``, as torchrun's ``--nnodes MIN:MAX``: see :func:`.elastic.grow`)."""
         if self.draining:
             raise CoordinatorDrainingError(
                 "the coordinator is draining and accepts no new joins; use another coordinator"
@@ -155,7 +157,7 @@ class Rendezvous:
         if (elastic and rank is None and current is not None and current.live_members
                 and current.world_size < state.max_world_size
                 and not any(m.left and not m.finished for m in current.members.values())):
-            return self._grow(state, peer_address, host, hostname)
+            return grow(state, peer_address, host, hostname, self.fail)
         if rank is not None and not 0 <= rank < world_size:
             raise ConfigurationError(f"rank {rank} is out of range for world_size {world_size}")
         if state is None:
@@ -179,7 +181,7 @@ class Rendezvous:
                 f"job {job!r} generation {current.number} is running and {held} is held by a "
                 "live member; a restarted rank can join once the old one is declared lost"
             )
-        if elastic and (replaced := self._replace(state, rank, peer_address, host, hostname)):
+        if elastic and (replaced := replace(state, rank, peer_address, host, hostname)):
             return replaced
         if rank is not None and any(m.requested_rank == rank for m in state.forming):
             raise DuplicateRankError(
@@ -191,56 +193,6 @@ class Rendezvous:
         state.forming.append(member)
         if len(state.forming) == world_size:
             self._form(state)
-        return member
-
-    def _replace(self, state: Job, rank: int | None, peer_address: str, host: str,
-                 hostname: str) -> Member | None:
-        """A member in the place of the lost ``rank`` (None: the lowest lost one) of the job's
-        running generation, while others of it are live; None when there is no such place.
-        The generation stays failed for collectives; what the newcomer does without them (a
-        sync-mode DDP's steps) goes on."""
-        gen = state.generation
-        if gen is None or not gen.live_members or state.world_size != gen.world_size:
-            return None
-        lost = sorted(r for r, m in gen.members.items() if m.left and not m.finished)
-        if rank is not None:
-            lost = [r for r in lost if r == rank]
-        if not lost:
-            return None
-        member = Member(job=state.name, requested_rank=lost[0], peer_address=peer_address,
-                        host=host[:64], hostname=hostname[:255])
-        member.rank, member.generation, member.replacement = lost[0], gen, True
-        gen.members[member.rank] = member
-        member.touch()
-        member.joined = asyncio.get_running_loop().create_future()
-        member.joined.set_result(gen)
-        log.info("job %r: rank %d joined generation %d in the place of its lost member",
-                 state.name, member.rank, gen.number)
-        return member
-
-    def _grow(self, state: Job, peer_address: str, host: str, hostname: str) -> Member:
-        """One more rank in the job's running generation (an elastic join past its world size,
-        within ``max_world_size``): rank ``world_size``, which grows by one. The generation's
-        collectives span a fixed set of ranks, so they are over, failed with a named error;
-        what the ranks do without them (a sync-mode DDP's steps, on the hub's ledger, which
-        counts the new rank from its first call) goes on, and the newcomer starts from the
-        hub's state (it joins as a replacement does)."""
-        gen = state.generation
-        member = Member(job=state.name, requested_rank=gen.world_size, peer_address=peer_address,
-                        host=host[:64], hostname=hostname[:255])
-        member.rank, member.generation, member.replacement = gen.world_size, gen, True
-        gen.members[member.rank] = member
-        gen.world_size += 1
-        state.world_size = gen.world_size
-        member.touch()
-        member.joined = asyncio.get_running_loop().create_future()
-        member.joined.set_result(gen)
-        log.info("job %r grew to %d ranks: rank %d joined generation %d", state.name,
-                 gen.world_size, member.rank, gen.number)
-        self.fail(gen, RendezvousError(
-            f"job {state.name!r} grew to {gen.world_size} ranks (an elastic join past its world "
-            f"size), so generation {gen.number}'s collectives are over; its sync-mode steps "
-            "go on"))
         return member
 
     def _make_room(self, job: str) -> None:

@@ -74,6 +74,8 @@ log = logging.getLogger(__name__)
 HISTORY = 64
 #: Steps between the snapshots the hub asks a live rank for (a joiner replays at most these).
 SNAPSHOT_EVERY = 16
+#: Seconds a rank asked for a snapshot has to send it before another may be asked.
+SNAPSHOT_PATIENCE = 30.0
 
 
 @dataclass
@@ -184,6 +186,32 @@ class StepLedger:
         """Whether a joiner can start from the snapshot: the log still holds every aggregate
         after it (the hub asks for a fresh one when it does not)."""
         return self.snapshot is not None and self.snapshot.steps + 1 >= self.first_logged()
+
+    def wants_snapshot(self, rank: int, now: float) -> bool:
+        """Whether to ask ``rank`` for its state now (and mark it asked): it is the lowest live
+        rank, and the latest snapshot is ``SNAPSHOT_EVERY`` steps old or missing."""
+        asked = self.snapshot_asked
+        if asked is not None and (now - asked[1] < SNAPSHOT_PATIENCE
+                                  and self.steps - asked[2] < SNAPSHOT_EVERY):
+            return False  # asked recently: in time and in steps
+        fresh = self.snapshot is not None and self.steps - self.snapshot.steps < SNAPSHOT_EVERY
+        if fresh or rank != min(self.live(), default=None):
+            return False
+        self.snapshot_asked = (rank, now, self.steps)
+        return True
+
+    def within_bound(self) -> bool:
+        """Whether the open step may close now without leaving any live rank that has not
+        contributed to it (and is not at a barrier, nor about to fetch) more than the bound
+        behind (BoundedStaleness): its next gradient, on its current parameters, joins the next
+        step at best."""
+        mode = self.mode
+        if not isinstance(mode, BoundedStaleness):
+            return True
+        after = self.steps + 1
+        return all(after - s.base <= mode.max_staleness for r, s in self.ranks.items()
+                   if s.live and r not in self.open.contributions and not s.pending
+                   and s.barrier <= self.barrier_done)
 
     def summary(self) -> dict:
         """What operators see of it: mode, steps closed, live ranks, contributions dropped,

@@ -84,7 +84,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             fmt = format_from_wire(h.wire)
             # The received bytes, and the float32 values an encoded gradient decodes to.
             size = 4 * h.numel if fmt is None else fmt.encoded_nbytes(h.numel) + 4 * h.numel
-            reservation = self.table.reserve(ledger, h.key.rank, "contribution", size)
+            reservation = self.table.account.reserve(ledger, h.key.rank, "contribution", size)
             try:
                 data = await self._read(first, parts, h.numel, fmt, f"rank {h.key.rank}")
                 # BoundedStaleness: a fast rank's next gradient waits while closing the step
@@ -102,7 +102,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             self._arm_timer()
             contributed = pb.Contributed(
                 accepted=accepted, step=step, staleness=staleness, steps=ledger.steps,
-                reason=reason, want_snapshot=self.table.wants_snapshot(ledger, h.key.rank))
+                reason=reason, want_snapshot=ledger.wants_snapshot(h.key.rank, self.table.clock()))
         except GradstarError as error:
             await abort(context, error)
             return
@@ -175,7 +175,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
                 raise HubCapacityError(
                     f"rank {h.key.rank}'s snapshot of {h.nbytes} bytes (layout "
                     f"{len(h.layout)} characters) is over this coordinator's limits")
-            reservation = self.table.reserve(ledger, h.key.rank, "snapshot",
+            reservation = self.table.account.reserve(ledger, h.key.rank, "snapshot",
                                              h.nbytes + len(h.layout))
             try:
                 data = await self._read_snapshot(first, parts, h.nbytes, h.key.rank)
@@ -234,9 +234,9 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
         """Take silent ranks out of the live sets (the coordinator's sweep calls this)."""
         self.table.expire()
         self.table.close_due()
-        if self.table.should_trim():  # a burst of uploads or steps is over: give it back
+        if self.table.account.should_trim():  # a burst of uploads or steps is over: give it back
             trim_heap()
-            self.table.trimmed()
+            self.table.account.trimmed()
 
     def _ledger(self, key: pb.StepsKey) -> StepLedger:
         """The ledger ``key`` names, once its caller is bound to a member (see the module

@@ -106,7 +106,7 @@ def raw_all_reduce_header(g, elements: int) -> pb.CollectiveHeader:
     """The header ``g``'s next all_reduce would send, for tests that speak the wire by hand."""
     return pb.CollectiveHeader(
         job=g.job, generation=g.generation, group="default", seq=next(g._seq), rank=g.rank,
-        member_id=g._member_id, op=pb.COLLECTIVE_OP_ALL_REDUCE, reduce_op=pb.REDUCE_OP_SUM,
+        member_id=g.member_id, op=pb.COLLECTIVE_OP_ALL_REDUCE, reduce_op=pb.REDUCE_OP_SUM,
         dtype=pb.DTYPE_FLOAT32, shape=[elements], chunk_bytes=g.settings.chunk_bytes,
         timeout_seconds=10,
     )

@@ -150,7 +150,7 @@ def loop_report(request):
 
 def header(g, **fields) -> pb.CollectiveHeader:
     base = dict(job=g.job, generation=g.generation, group="default", seq=next(g._seq),
-                rank=g.rank, member_id=g._member_id, op=pb.COLLECTIVE_OP_ALL_REDUCE,
+                rank=g.rank, member_id=g.member_id, op=pb.COLLECTIVE_OP_ALL_REDUCE,
                 reduce_op=pb.REDUCE_OP_SUM, dtype=pb.DTYPE_FLOAT32, shape=[4],
                 chunk_bytes=1 << 20, timeout_seconds=10)
     base.update(fields)

@@ -34,7 +34,7 @@ SMALL = dict(dtype=pb.DTYPE_FLOAT32, shape=[4], chunk_bytes=1 << 20)
 def header(g, seq: int, **fields) -> bytes:
     h = pb.CollectiveHeader(
         job=g.job, generation=g.generation, group="hostile", seq=seq, rank=g.rank,
-        member_id=g._member_id, op=pb.COLLECTIVE_OP_ALL_REDUCE, reduce_op=pb.REDUCE_OP_SUM,
+        member_id=g.member_id, op=pb.COLLECTIVE_OP_ALL_REDUCE, reduce_op=pb.REDUCE_OP_SUM,
         timeout_seconds=60, **fields)
     return encode_message(KIND_HEADER, h)
 

@@ -109,7 +109,7 @@ async def collective_verdict(address: str, metadata, header: cpb.CollectiveHeade
 def header_of(g, **fields) -> cpb.CollectiveHeader:
     """A header of ``g``'s next all_reduce of 4 float32 values, with ``fields`` changed."""
     base = dict(job=g.job, generation=g.generation, group="default", seq=10_000, rank=g.rank,
-                member_id=g._member_id, op=cpb.COLLECTIVE_OP_ALL_REDUCE,
+                member_id=g.member_id, op=cpb.COLLECTIVE_OP_ALL_REDUCE,
                 reduce_op=cpb.REDUCE_OP_SUM, dtype=cpb.DTYPE_FLOAT32, shape=[4],
                 chunk_bytes=1 << 20, timeout_seconds=T)
     return cpb.CollectiveHeader(**{**base, **fields})

@@ -377,11 +377,11 @@ def test_a_rank_asked_for_a_snapshot_that_dies_hands_the_request_on():
     ledger = t.ledger("j", "m", 3)
     mode = Quorum(min_ranks=2, timeout=0.0)
     step_all(t, ledger, [0, 1, 2], mode)
-    assert t.wants_snapshot(ledger, 0)  # the lowest live rank
-    assert not t.wants_snapshot(ledger, 0)  # asked already
+    assert ledger.wants_snapshot(0, t.clock())  # the lowest live rank
+    assert not ledger.wants_snapshot(0, t.clock())  # asked already
     t.rank_gone("j", 0, "lost")  # before it sent anything
-    assert not t.wants_snapshot(ledger, 2)
-    assert t.wants_snapshot(ledger, 1)  # the next lowest, at once, not after the patience
+    assert not ledger.wants_snapshot(2, t.clock())
+    assert ledger.wants_snapshot(1, t.clock())  # the next lowest, at once, not after the patience
 
 
 def test_a_rank_that_does_not_send_is_asked_again_after_a_snapshot_interval_of_steps():
@@ -391,12 +391,12 @@ def test_a_rank_that_does_not_send_is_asked_again_after_a_snapshot_interval_of_s
     ledger = t.ledger("j", "m", 2)
     mode = Quorum(min_ranks=2, timeout=0.0)
     step_all(t, ledger, [0, 1], mode)
-    assert t.wants_snapshot(ledger, 0)
+    assert ledger.wants_snapshot(0, t.clock())
     for _ in range(SNAPSHOT_EVERY - 1):
         step_all(t, ledger, [0, 1], mode)
-        assert not t.wants_snapshot(ledger, 0)
+        assert not ledger.wants_snapshot(0, t.clock())
     step_all(t, ledger, [0, 1], mode)
-    assert t.wants_snapshot(ledger, 0)  # well within the patience in seconds
+    assert ledger.wants_snapshot(0, t.clock())  # well within the patience in seconds
 
 
 def test_a_snapshot_older_than_the_log_is_not_joinable_until_a_fresh_one_comes():

@@ -1,6 +1,6 @@
 """What both halves of the coordinator's peer relay agree on (the hub's half is
-``gradstar.coordinator.relay``, the rank's ``gradstar.client.peer.relay``): the call metadata
-that names a relay call's caller and role, and the listener's notices."""
+``gradstar.coordinator.rendezvous.relay``, the rank's ``gradstar.client.peer.relay``): the
+call metadata that names a relay call's caller and role, and the listener's notices."""
 
 from __future__ import annotations
 

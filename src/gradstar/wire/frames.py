@@ -45,7 +45,8 @@ COLLECTIVE_METHOD = f"/{COLLECTIVE_SERVICE}/Stream"
 PEER_SERVICE = "gradstar.proto.v1.PeerStream"
 PEER_METHOD = f"/{PEER_SERVICE}/Stream"
 #: The coordinator's relay of peer streams to ranks that take no inbound connections
-#: (``gradstar.coordinator.relay``): the same frames, carried over connections both ranks dial.
+#: (``gradstar.coordinator.rendezvous.relay``): the same frames, carried over connections
+#: both ranks dial.
 RELAY_SERVICE = "gradstar.proto.v1.PeerRelay"
 RELAY_METHOD = f"/{RELAY_SERVICE}/Relay"
 
