@@ -14,12 +14,11 @@ import asyncio
 import sys
 from collections.abc import Callable
 
-import ml_dtypes
 import numpy as np
 
 from gradstar.errors import ConfigurationError
 from gradstar.proto.v1 import peer_pb2 as ppb
-from gradstar.wire import dtype_info
+from gradstar.wire import bfloat16, dtype_info
 
 from .device import caller_stream, check_device, is_staged, to_device, to_host_array
 
@@ -70,7 +69,7 @@ def _torch_to_numpy(t) -> tuple[np.ndarray, Restore]:
     t = t.detach().contiguous()
     if t.dtype == torch.bfloat16:
         # numpy has no bfloat16: reinterpret the same bits as ml_dtypes.bfloat16.
-        arr = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        arr = t.view(torch.int16).numpy().view(bfloat16())
 
         def restore(a: np.ndarray):
             a = a if a.flags.c_contiguous else a.copy(order="C")  # keeps 0-d arrays 0-d
@@ -89,7 +88,7 @@ def _staged_to_numpy(t) -> tuple[np.ndarray, Restore]:
     stream = caller_stream(device)
     arr = to_host_array(t)
     if bf16:
-        arr = arr.view(ml_dtypes.bfloat16)
+        arr = arr.view(bfloat16())
 
     def restore(a: np.ndarray):
         a = a if a.flags.c_contiguous else a.copy(order="C")
@@ -138,7 +137,7 @@ def restore_array(arr: np.ndarray, kind: int):
         import torch
     except ImportError:
         return arr
-    if arr.dtype == ml_dtypes.bfloat16:
+    if arr.dtype.name == "bfloat16":
         # numpy has no bfloat16: hand torch the same bits as int16 and reinterpret them.
         return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(arr)

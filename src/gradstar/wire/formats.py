@@ -67,11 +67,12 @@ import logging
 import math
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 
 from gradstar.errors import ConfigurationError, ProtocolError
 from gradstar.proto.v1 import collective_pb2 as pb
+
+from .dtypes import bfloat16
 
 logger = logging.getLogger(__name__)
 
@@ -92,14 +93,22 @@ class WireFormat:
     wire: int
     bits: int
     block: int
-    #: The numpy dtype of a plain cast; None for a block format.
-    cast: np.dtype | None = None
+    #: The numpy dtype of a plain cast, by name ("bfloat16": ml_dtypes', imported on first
+    #: use); None for a block format.
+    cast_name: str | None = None
     #: Finite magnitudes from here up round to ±Inf (a cast's range); inf: never.
     overflow: float = math.inf
     #: A cast's documented error bound, ``relative * |x| + absolute`` (half an ulp and the
     #: smallest subnormal); a block format's bound is computed per block (:func:`error_bound`).
     relative: float = 0.0
     absolute: float = 0.0
+
+    @property
+    def cast(self) -> np.dtype | None:
+        """The numpy dtype of a plain cast; None for a block format."""
+        if self.cast_name is None:
+            return None
+        return bfloat16() if self.cast_name == "bfloat16" else np.dtype(self.cast_name)
 
     @property
     def qmax(self) -> int:
@@ -124,9 +133,9 @@ class WireFormat:
 #: Every compressed format by name; ``wire`` values match collective.proto's ``WireFormat``.
 FORMATS: dict[str, WireFormat] = {
     f.name: f for f in (
-        WireFormat("bf16", pb.WIRE_FORMAT_BF16, 16, 0, np.dtype(ml_dtypes.bfloat16),
+        WireFormat("bf16", pb.WIRE_FORMAT_BF16, 16, 0, "bfloat16",
                    (2 - 2**-8) * 2.0**127, 2.0**-8, 2.0**-134),
-        WireFormat("fp16", pb.WIRE_FORMAT_FP16, 16, 0, np.dtype("<f2"), 65520.0, 2.0**-11,
+        WireFormat("fp16", pb.WIRE_FORMAT_FP16, 16, 0, "<f2", 65520.0, 2.0**-11,
                    2.0**-25),
         WireFormat("int8", pb.WIRE_FORMAT_INT8, 8, 64),
         WireFormat("int4", pb.WIRE_FORMAT_INT4, 4, 64),
