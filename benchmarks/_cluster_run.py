@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from _cluster_model import COORDINATOR_PORT, REPO, Layout, Placement
-from _emulated_cluster import (
-    ClusterUnavailable,
-    EmulatedCluster,
-    LinkBytes,
-)
 from _harness import (
     BenchmarkError,
     cpu_seconds_of,
+)
+from emulated_cluster import (
+    ClusterUnavailable,
+    EmulatedCluster,
+    LinkBytes,
 )
 
 # -- running a topology -------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """all_reduce across hosts at link speed: gloo's ring and gradstar's topologies on an emulated
 cluster, in one run.
 
-The cluster (:mod:`_emulated_cluster`)
+The cluster (:mod:`emulated_cluster`)
     Every host is a Linux network namespace with one interface on a shared bridge, its link
     limited to ``--rate`` (tc notation, default 200mbit) in BOTH directions by a token bucket
     (tbf on the host's eth0 and on its bridge port). The rank hosts are ``node0`` ..
@@ -120,17 +120,17 @@ from _cluster_run import (
     sample,
     start_hub,
 )
-from _emulated_cluster import (
-    CONGESTION_CONTROL,
-    LinkBytes,
-    rate_bytes_per_second,
-)
 from _harness import (
     BenchmarkError,
     MiB,
     format_table,
     loadavg,
     median,
+)
+from emulated_cluster import (
+    CONGESTION_CONTROL,
+    LinkBytes,
+    rate_bytes_per_second,
 )
 
 from gradstar.wire.formats import FORMATS

@@ -1,7 +1,7 @@
 """all_reduce across emulated hosts through torch.distributed under torchrun: backend "gloo"
 and backend "gradstar" with nothing set, beside gradstar's SDK rows, in one run.
 
-The cluster is benchmarks/cluster.py's (:mod:`_emulated_cluster`: a network namespace per
+The cluster is benchmarks/cluster.py's (:mod:`emulated_cluster`: a network namespace per
 host, each link limited to ``--rate`` both ways); the hosts are ``node0`` .. ``node{H-1}``.
 
 Rows (``--rows``)
@@ -47,13 +47,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cluster
 from _cluster_model import GB, MB, STORE_PORT, TOPOLOGIES, Layout, busiest, link_model
 from _cluster_run import Process, Run, measure_row, on_emulated_cluster, print_failures
-from _emulated_cluster import (
+from _harness import BenchmarkError, MiB, cpu_seconds_of, descendants, format_table, loadavg
+from _harness import median as median_of
+from emulated_cluster import (
     CONGESTION_CONTROL,
     LinkBytes,
     rate_bytes_per_second,
 )
-from _harness import BenchmarkError, MiB, cpu_seconds_of, descendants, format_table, loadavg
-from _harness import median as median_of
 
 RANK_SCRIPT = Path(__file__).resolve().with_name("_cluster_torch_rank.py")
 ROWS = ["torchrun gloo", "torchrun gradstar", "gloo", "node-local"]

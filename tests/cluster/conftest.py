@@ -1,4 +1,4 @@
-"""The ``cluster`` fixture: emulated clusters (:mod:`benchmarks._emulated_cluster`) for tests.
+"""The ``cluster`` fixture: emulated clusters (:mod:`benchmarks.emulated_cluster`) for tests.
 
 ``cluster(["node0", "node1"], rate="200mbit")`` builds hosts as network namespaces on a bridge,
 each host link shaped both ways, and returns the :class:`EmulatedCluster`; every cluster the
@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
-from benchmarks._emulated_cluster import ClusterUnavailable, EmulatedCluster
+from benchmarks.emulated_cluster import ClusterUnavailable, EmulatedCluster
 
 MakeCluster = Callable[..., EmulatedCluster]
 
