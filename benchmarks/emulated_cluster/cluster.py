@@ -54,18 +54,18 @@ What a caller does with it::
 
 Every process started with :meth:`EmulatedCluster.popen` is stopped (SIGTERM, then SIGKILL) when
 the cluster closes, and so is anything else still running in its namespaces (the delay lines
-among them); then the
-namespaces (which takes their interfaces with them) and the ``/etc/netns`` folders are removed.
+among them); then the namespaces (which takes their interfaces with them) and the
+``/etc/netns`` folders are removed.
 A cluster that fails half-way through building removes what it made before it raises. Only a
 SIGKILL of the process holding the cluster leaves namespaces behind; their names start with
 ``gs-`` and a random tag (``ip netns list``).
 
 It needs root, ``ip`` (iproute2), to shape links ``tc``, and for a delay line gcc (it is
 compiled on first use): :func:`unavailable_reason` says which is missing (or that this system
-forbids namespaces, or lacks the congestion control),
-and building raises :class:`ClusterUnavailable` with that reason. ``tests/cluster`` fails on it
-(a cluster test that cannot build its cluster proves nothing, so it must not pass as a skip);
-the benchmarks stop on it.
+forbids namespaces, or lacks the congestion control), and building raises
+:class:`ClusterUnavailable` with that reason. ``tests/cluster`` fails on it (a cluster test
+that cannot build its cluster proves nothing, so it must not pass as a skip); the benchmarks
+stop on it.
 
 Nothing here imports gradstar: the library must never depend on it.
 """

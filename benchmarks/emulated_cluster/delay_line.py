@@ -4,7 +4,7 @@ line started between two interfaces of a link namespace, and what it reports whi
 The binary is cached under ``build/`` beside this file (``.gitignore`` lists ``build/``), named
 by a hash of the source and the compiler flags, so an edited source builds afresh and two
 processes building at once cannot hand each other half a file (each compiles to a file of its
-own and renames it into place).
+own and renames it into place); a build removes the binaries of earlier sources.
 
 A :class:`DelayLine` forwards every frame between its ``host`` side and its ``core`` side a
 fixed one-way delay later, both ways. Its counters (:class:`DelayLineStats`) come from a file
@@ -74,6 +74,9 @@ def binary() -> Path:
         partial.unlink(missing_ok=True)
         raise DelayLineError(f"gcc could not build {SOURCE.name}:\n{built.stderr[-2000:]}")
     os.replace(partial, path)  # atomic: a concurrent build's rename wins, with the same bytes
+    for old in BUILD_DIR.glob("delay_line-*"):  # builds of earlier sources (running ones run on)
+        if old != path and not old.name.endswith(".partial"):
+            old.unlink(missing_ok=True)
     return path
 
 
