@@ -7,6 +7,8 @@
   off) carries about its window per round trip, while the same flow between two near hosts is
   far faster; the line drops nothing on the way.
 - A gradstar all_reduce across two far hosts is bit-identical to numpy's sum.
+- The convention itself (no cluster): ``rtt=MS`` gives each line MS/4 each way, a map MS/2,
+  and a bad round trip fails before anything is built.
 
 These are ratios of the emulated network's own behaviour (what the harness promises), not
 timings of the product.
@@ -19,6 +21,8 @@ import subprocess
 import sys
 
 import pytest
+
+from benchmarks.emulated_cluster import EmulatedCluster, one_way_delays, parse_rtt
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -181,3 +185,24 @@ def test_an_all_reduce_between_far_hosts_is_exact(cluster):
     for rank, proc in enumerate(ranks):
         out, err = proc.communicate(timeout=90)
         assert out.strip() == "exact", f"rank {rank}: {out} {err[-2000:]}"
+
+
+def test_the_round_trip_convention():
+    assert one_way_delays(["a", "b"], 50) == {"a": 0.0125, "b": 0.0125}
+    assert one_way_delays(["a", "b", "c"], {"a": 10, "c": 40}) == {
+        "a": 0.005, "b": 0.0, "c": 0.02}
+    assert one_way_delays(["a"], None) == {"a": 0.0}
+    assert parse_rtt(["50"]) == 50.0
+    assert parse_rtt(["a=10", "c=40"]) == {"a": 10.0, "c": 40.0}
+    for words in (["a=1", "2"], [], ["a=b=1"]):
+        with pytest.raises(ValueError, match="--rtt takes MS or HOST=MS"):
+            parse_rtt(words)
+    with pytest.raises(ValueError, match="rtt names hosts the cluster does not have"):
+        EmulatedCluster(["a"], rtt={"z": 5})
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="round trips must be finite"):
+            EmulatedCluster(["a"], rtt=bad)
+    # Nothing at 0: no host gets a line unless it is forced.
+    assert all(h.line_namespace is None for h in EmulatedCluster(["a", "b"], rtt=0).hosts.values())
+    assert all(h.line_namespace for h in EmulatedCluster(
+        ["a", "b"], rtt=0, force_delay_line=True).hosts.values())
