@@ -14,7 +14,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 EXTRAS := $(if $(filter none,$(TORCH)),,[dev,torch,plot])
 
 .PHONY: setup demo test lint protos protos-check wheel-check bench compose-check clean \
-	need-torch FORCE chromium nftables torch-suite test-cuda docs
+	need-torch FORCE chromium nftables gcc torch-suite test-cuda docs
 
 $(STAMP): pyproject.toml constraints.txt $(TORCH_FILE)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,7 +29,7 @@ $(TORCH_FILE): FORCE
 
 FORCE:
 
-setup: $(STAMP)
+setup: $(STAMP) gcc
 
 need-torch:
 	@test "$(TORCH)" != none || { echo "make: TORCH=none sets up gradstar alone (numpy only);" \
@@ -47,7 +47,7 @@ compose-check:
 	bash scripts/check_compose.sh
 
 ## The test suite (unit + integration with real servers and processes).
-test: need-torch $(STAMP) chromium nftables
+test: need-torch $(STAMP) chromium nftables gcc
 	$(PY) scripts/crash_report.py -- $(PY) -m pytest -q
 
 ## The CUDA tests alone (tests/cuda/), on a machine with a GPU: `make TORCH=cuda test-cuda`.
@@ -65,6 +65,12 @@ chromium:
 ## apt-get as root when missing; elsewhere a one-line hint, and those tests fail saying so.
 nftables:
 	-@bash scripts/ensure_nftables.sh
+
+## gcc for the emulated cluster's delay line (benchmarks/emulated_cluster/delay_line.c, built on
+## first use): installed with apt-get as root when missing; elsewhere a one-line hint, and a
+## cluster with a round trip fails saying the same.
+gcc:
+	-@bash scripts/ensure_gcc.sh
 
 lint: need-torch $(STAMP)
 	$(VENV)/bin/ruff check .

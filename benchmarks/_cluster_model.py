@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from _emulated_cluster import (
+from emulated_cluster import (
     LinkBytes,
 )
 

@@ -23,14 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from _cluster_model import COORDINATOR_PORT, REPO, Layout, Placement
-from _emulated_cluster import (
-    ClusterUnavailable,
-    EmulatedCluster,
-    LinkBytes,
-)
 from _harness import (
     BenchmarkError,
     cpu_seconds_of,
+)
+from emulated_cluster import (
+    ClusterUnavailable,
+    EmulatedCluster,
+    LinkBytes,
+    parse_rtt,
 )
 
 # -- running a topology -------------------------------------------------------------------------
@@ -144,14 +145,61 @@ def rank_env(run: Run, placement: Placement, job: str) -> dict[str, str]:
 
 @dataclass
 class Sample:
+    """Counters read at one moment: link bytes, the hub's CPU seconds, each delay line's CPU
+    seconds and the frames the lines lost so far."""
+
     links: dict[str, LinkBytes]
     hub_cpu: float
     at: float
+    line_cpu: dict[str, float] = field(default_factory=dict)
+    line_lost: int = 0
 
 
 def sample(run: Run, hub: list[Process]) -> Sample:
     cpu = sum(cpu_seconds_of(p.proc.pid) or 0.0 for p in hub)
-    return Sample(run.cluster.link_bytes(), cpu, time.monotonic())
+    lost = sum(s.upload.lost + s.download.lost for s in run.cluster.delay_line_stats().values())
+    return Sample(run.cluster.link_bytes(), cpu, time.monotonic(),
+                  run.cluster.delay_line_cpu(), lost)
+
+
+def line_columns(before: Sample, after: Sample) -> dict:
+    """A row's delay-line fields over the interval: ``line_cpu`` the busiest line's CPU in
+    cores (None without lines), ``line_cpu_s`` each line's CPU seconds, ``line_lost`` the
+    frames the lines dropped."""
+    spent = {h: after.line_cpu[h] - before.line_cpu[h] for h in after.line_cpu}
+    cores = max(spent.values()) / (after.at - before.at) if spent else None
+    return {"line_cpu": cores, "line_cpu_s": spent,
+            "line_lost": after.line_lost - before.line_lost}
+
+
+def add_far_link_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--rtt`` and ``--delay-line``, which :func:`on_emulated_cluster` reads."""
+    parser.add_argument("--rtt", nargs="+", metavar="MS|HOST=MS",
+                        help="round trips through a packet-level delay line: MS between every "
+                             "two hosts, or HOST=MS ... each host's round trip to the core "
+                             "(two hosts: the sum); default none, no delay line")
+    parser.add_argument("--delay-line", action="store_true",
+                        help="a delay line on every host link even at 0 ms (to measure it)")
+
+
+def far_description(args: argparse.Namespace) -> str:
+    """The run's far links in words, for its header ("" without delay lines)."""
+    if isinstance(args.rtt, dict):
+        return ", round trips to the core (delay lines) " + ", ".join(
+            f"{host} {ms:g} ms" for host, ms in args.rtt.items())
+    if args.rtt or args.delay_line:
+        return f", {args.rtt or 0:g} ms round trip between every two hosts (delay lines)"
+    return ""
+
+
+def far_links(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Replace ``args.rtt``'s words by the round trip they say; a usage error if they say
+    none."""
+    if args.rtt is not None:
+        try:
+            args.rtt = parse_rtt(args.rtt)
+        except ValueError as error:
+            parser.error(str(error))
 
 
 # -- a driver's run ------------------------------------------------------------------------------
@@ -162,17 +210,24 @@ Outcome = tuple[list[dict], list[tuple[str, str]]]  # rows, and (what, error) of
 def on_emulated_cluster(script: str, names: list[str], args: argparse.Namespace, layout: Layout,
                         congestion: str | None, each: Callable[[Run], Outcome],
                         ) -> tuple[list[dict], list[tuple[str, str]], Path]:
-    """Build hosts ``names`` linked at ``args.rate`` and run ``each`` on them; its rows and
-    failures, and the folder of every process's output (removed when nothing failed). Exits
-    with status 2 where no emulated cluster can be built here, 130 on Ctrl-C (after the
-    cluster's processes and namespaces are gone); SIGTERM and SIGHUP end it the same way."""
+    """Build hosts ``names`` linked at ``args.rate``, ``args.rtt`` apart (:func:`far_links`),
+    and run ``each`` on them; its rows and failures, and the folder of every process's output
+    (removed when nothing failed). Exits with status 2 where no emulated cluster can be built
+    here or ``--rtt`` names a host the run has not, 130 on Ctrl-C (after the cluster's
+    processes and namespaces are gone); SIGTERM and SIGHUP end it the same way."""
+    try:
+        made = EmulatedCluster(names, rate=args.rate, rtt=args.rtt,
+                               force_delay_line=args.delay_line, congestion_control=congestion)
+    except ValueError as error:
+        print(f"benchmarks/{script}.py: {error} (hosts: {' '.join(names)})", file=sys.stderr)
+        raise SystemExit(2) from None
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda s, _: sys.exit(128 + s))
     logs = Path(tempfile.mkdtemp(prefix=f"gradstar-{script}-"))
     failures: list[tuple[str, str]] = []
     try:
-        with EmulatedCluster(names, rate=args.rate, congestion_control=congestion) as cluster:
+        with made as cluster:
             print(cluster.describe(), file=sys.stderr, flush=True)
             rows, failures = each(Run(cluster, layout, args, logs))
     except ClusterUnavailable as error:

@@ -1,7 +1,7 @@
 """all_reduce across hosts at link speed: gloo's ring and gradstar's topologies on an emulated
 cluster, in one run.
 
-The cluster (:mod:`_emulated_cluster`)
+The cluster (:mod:`emulated_cluster`)
     Every host is a Linux network namespace with one interface on a shared bridge, its link
     limited to ``--rate`` (tc notation, default 200mbit) in BOTH directions by a token bucket
     (tbf on the host's eth0 and on its bridge port). The rank hosts are ``node0`` ..
@@ -63,6 +63,14 @@ What is measured
     * CPU-s/GB: CPU seconds over the timed loop per GB (1e9 bytes) of payload, S x n x iters.
       hub: the coordinator and its shards (user + system from /proc/PID/stat); ranks: the sum
       of the ranks' ``time.process_time()`` over the loop.
+    * line CPU: with ``--rtt`` (or ``--delay-line``), the busiest delay line's CPU over the
+      timed loop, in cores (user + system, /proc): the harness's own cost, beside the
+      product's.
+
+Far links (``--rtt``): ``--rtt MS`` puts a packet-level delay line on every host's link so
+that every two hosts are MS apart; ``--rtt node0=5 node1=5 node2=45 node3=45`` gives each host
+its round trip to the core (two hosts: the sum), a host left out none
+(:mod:`emulated_cluster`). Without ``--rtt`` there is no delay line: the topology above.
 
 Shared memory: a gradstar rank reaches a hub or shard on its own host through shared memory,
 and streams to the others: gradstar tells hosts apart by boot id and network namespace
@@ -81,6 +89,9 @@ How to reproduce (as root)::
     # compressed wire formats against gloo and gloo + bf16 hook (issue 25's targets)
     .venv/bin/python benchmarks/cluster.py --hosts 4 --sizes-mb 64 --iters 3 \\
         --topologies gloo gloo-bf16-hook node-local --wire none bf16 int8 int4
+    # far links: every two hosts 100 ms apart, through delay lines
+    .venv/bin/python benchmarks/cluster.py --hosts 4 --sizes-mb 4 64 --iters 3 \\
+        --topologies gloo node-local --rtt 100
 """
 
 from __future__ import annotations
@@ -113,6 +124,10 @@ from _cluster_rank import rank_main
 from _cluster_run import (
     Process,
     Run,
+    add_far_link_arguments,
+    far_description,
+    far_links,
+    line_columns,
     measure_row,
     on_emulated_cluster,
     print_failures,
@@ -120,17 +135,17 @@ from _cluster_run import (
     sample,
     start_hub,
 )
-from _emulated_cluster import (
-    CONGESTION_CONTROL,
-    LinkBytes,
-    rate_bytes_per_second,
-)
 from _harness import (
     BenchmarkError,
     MiB,
     format_table,
     loadavg,
     median,
+)
+from emulated_cluster import (
+    CONGESTION_CONTROL,
+    LinkBytes,
+    rate_bytes_per_second,
 )
 
 from gradstar.wire.formats import FORMATS
@@ -196,7 +211,8 @@ def run_size(run: Run, name: str, placement: Placement, hub: list[Process], size
             "model": {h: vars(b) for h, b in model.items()},
             "hub_cpu_s_per_gb": (after.hub_cpu - before.hub_cpu) / gb if hub else None,
             "ranks_cpu_s_per_gb": sum(r["cpu_s"] for r in results) / gb,
-            "shards": results[0]["shards"], "sample": results[0]["sample"]}
+            "shards": results[0]["shards"], "sample": results[0]["sample"],
+            **line_columns(before, after)}
 
 
 def run_topology(run: Run, name: str) -> tuple[list[dict], list[tuple[str, str]]]:
@@ -241,9 +257,10 @@ def tables(rows: list[dict]) -> str:
              f"{r['ideal_s'] * 1e3:.0f}", f"{r['ideal_s'] / r['median_s']:.0%}",
              mb(busiest({h: LinkBytes(**b) for h, b in r["links"].items()})),
              mb(busiest({h: LinkBytes(**b) for h, b in r["model"].items()})),
-             cpu(r["hub_cpu_s_per_gb"]), cpu(r["ranks_cpu_s_per_gb"])] for r in rows]
+             cpu(r["hub_cpu_s_per_gb"]), cpu(r["ranks_cpu_s_per_gb"]),
+             cpu(r.get("line_cpu"))] for r in rows]
     out = format_table(["topology", "MiB", "ms", "x gloo", "ideal ms", "eff", "link MB",
-                        "model MB", "hub CPU-s/GB", "ranks CPU-s/GB"], main)
+                        "model MB", "hub CPU-s/GB", "ranks CPU-s/GB", "line CPU"], main)
     hosts = sorted({h for r in rows for h, b in r["links"].items() if b["rx"] + b["tx"] > 1e5},
                    key=lambda h: (not h.startswith("node"), h))
     per_host = [[r["topology"], f"{r['size_mb']:g}",
@@ -280,11 +297,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--wire", nargs="+", default=["none"],
                         choices=["none", *FORMATS],
                         help="gradstar rows per wire format (default: none, float32)")
+    add_far_link_arguments(parser)
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--rank-spec", help=argparse.SUPPRESS)  # a rank process of this script
     args = parser.parse_args(argv)
     if args.rank_spec:
         return rank_main(json.loads(args.rank_spec))
+    far_links(parser, args)
     if args.hosts < 2 or args.ranks_per_host < 1 or args.iters < 1:
         parser.error("--hosts must be at least 2, --ranks-per-host and --iters at least 1")
     rate_bytes_per_second(args.rate)
@@ -318,12 +337,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     what = ("DDP step of benchmarks/ddp_step.py's MLP (MiB: its float32 gradients; ideal: "
             "their all_reduce alone)" if args.workload == "ddp" else "all_reduce, float32")
     print(f"\n{what}, {layout.hosts} hosts x {layout.ranks_per_host} ranks, each "
-          f"host link {args.rate} each way; {args.iters} timed iterations (median), "
-          f"{args.warmup} warm-up; load {loadavg()}")
+          f"host link {args.rate} each way{far_description(args)}; {args.iters} timed "
+          f"iterations (median), {args.warmup} warm-up; load {loadavg()}")
     print("ideal = busiest host link's bytes in one direction / rate: ring 2(n-1)/n*S, hub on "
           "rank 0's host (n-1)*S, hub on its own host n*S, K extra-host shards max(S, n*S/K), "
           "node-local shards 2(n-1)/n*S (one rank per host)\n")
     print(tables(rows))
+    lost = sum(r.get("line_lost", 0) for r in rows)
+    if lost:
+        print(f"\nThe delay lines dropped {lost} frames over the timed loops (queue full, "
+              "oversize or refused: see --json)")
     print_failures(failures, logs)
     if args.json:
         args.json.write_text(json.dumps({

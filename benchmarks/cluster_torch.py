@@ -1,7 +1,7 @@
 """all_reduce across emulated hosts through torch.distributed under torchrun: backend "gloo"
 and backend "gradstar" with nothing set, beside gradstar's SDK rows, in one run.
 
-The cluster is benchmarks/cluster.py's (:mod:`_emulated_cluster`: a network namespace per
+The cluster is benchmarks/cluster.py's (:mod:`emulated_cluster`: a network namespace per
 host, each link limited to ``--rate`` both ways); the hosts are ``node0`` .. ``node{H-1}``.
 
 Rows (``--rows``)
@@ -24,13 +24,15 @@ over ``gloo`` for cluster.py's), ideal ms and eff (the link-bound time of the ri
 node-local shards, :func:`_cluster_model.link_model`), link MB (the busiest host link per
 call, veth counters), and CPU seconds per GB of payload (S x n x iters) over the timed loop:
 ``ranks`` the sum of the ranks' ``time.process_time()``, ``hub`` gradstar's coordinator and
-shards (/proc; for the torchrun row, every process below a rank: the hub and node shards).
+shards (/proc; for the torchrun row, every process below a rank: the hub and node shards);
+line CPU, with ``--rtt``, the busiest delay line's CPU in cores (benchmarks/cluster.py's).
 
 How to reproduce (as root)::
 
     .venv/bin/python benchmarks/cluster_torch.py --hosts 2 --rate 10gbit --sizes-mb 64
     .venv/bin/python benchmarks/cluster_torch.py --hosts 4 --rate 5gbit --sizes-mb 64 \\
         --rows "torchrun gloo" "torchrun gradstar"
+    .venv/bin/python benchmarks/cluster_torch.py --hosts 2 --rate 1gbit --sizes-mb 64 --rtt 50
 """
 
 from __future__ import annotations
@@ -46,14 +48,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cluster
 from _cluster_model import GB, MB, STORE_PORT, TOPOLOGIES, Layout, busiest, link_model
-from _cluster_run import Process, Run, measure_row, on_emulated_cluster, print_failures
-from _emulated_cluster import (
+from _cluster_run import (
+    Process,
+    Run,
+    add_far_link_arguments,
+    far_description,
+    far_links,
+    line_columns,
+    measure_row,
+    on_emulated_cluster,
+    print_failures,
+    sample,
+)
+from _harness import BenchmarkError, MiB, cpu_seconds_of, descendants, format_table, loadavg
+from _harness import median as median_of
+from emulated_cluster import (
     CONGESTION_CONTROL,
     LinkBytes,
     rate_bytes_per_second,
 )
-from _harness import BenchmarkError, MiB, cpu_seconds_of, descendants, format_table, loadavg
-from _harness import median as median_of
 
 RANK_SCRIPT = Path(__file__).resolve().with_name("_cluster_torch_rank.py")
 ROWS = ["torchrun gloo", "torchrun gradstar", "gloo", "node-local"]
@@ -88,7 +101,7 @@ def run_torchrun(run: Run, backend: str, size_mb: float, port: int, deadline: fl
         samples = []
         for name in ("start", "end"):
             agents[0].wait_for(f'"phase": "{name}"', deadline)
-            samples.append((run.cluster.link_bytes(), below(pids)))
+            samples.append((sample(run, []), below(pids)))
             (go / name).touch()
         results = [json.loads(a.wait_for('"result"', deadline))["result"]
                    for a in agents for _ in range(layout.ranks_per_host)]
@@ -101,9 +114,10 @@ def run_torchrun(run: Run, backend: str, size_mb: float, port: int, deadline: fl
             from None
     finally:
         run.cluster.stop_processes([a.proc for a in agents])
-    (links0, cpu0), (links1, cpu1) = samples
-    links = {h: LinkBytes(round((links1[h] - links0[h]).rx / args.iters),
-                          round((links1[h] - links0[h]).tx / args.iters)) for h in links1}
+    (before, cpu0), (after, cpu1) = samples
+    links = {h: LinkBytes(round((after.links[h] - before.links[h]).rx / args.iters),
+                          round((after.links[h] - before.links[h]).tx / args.iters))
+             for h in after.links}
     gb = nbytes * layout.world_size * args.iters / GB
     placement = TOPOLOGIES["gloo" if backend == "gloo" else "node-local"](layout)
     model = link_model(placement, layout, nbytes)
@@ -114,7 +128,8 @@ def run_torchrun(run: Run, backend: str, size_mb: float, port: int, deadline: fl
             "links": {h: vars(b) for h, b in links.items()},
             "model": {h: vars(b) for h, b in model.items()},
             "hub_cpu_s_per_gb": (cpu1 - cpu0) / gb if backend != "gloo" else None,
-            "ranks_cpu_s_per_gb": sum(r["cpu_s"] for r in results) / gb}
+            "ranks_cpu_s_per_gb": sum(r["cpu_s"] for r in results) / gb,
+            **line_columns(before, after)}
 
 
 def run_row(run: Run, name: str, port: int) -> tuple[list[dict], list[tuple[str, str]]]:
@@ -141,11 +156,12 @@ def tables(rows: list[dict]) -> str:
 
     return format_table(
         ["row", "MiB", "ms", "x gloo", "ideal ms", "eff", "link MB", "hub CPU-s/GB",
-         "ranks CPU-s/GB"],
+         "ranks CPU-s/GB", "line CPU"],
         [[r["topology"], f"{r['size_mb']:g}", f"{r['median_s'] * 1e3:.0f}", ratio(r),
           f"{r['ideal_s'] * 1e3:.0f}", f"{r['ideal_s'] / r['median_s']:.0%}",
           f"{busiest({h: LinkBytes(**b) for h, b in r['links'].items()}) / MB:.1f}",
-          cpu(r["hub_cpu_s_per_gb"]), cpu(r["ranks_cpu_s_per_gb"])] for r in rows])
+          cpu(r["hub_cpu_s_per_gb"]), cpu(r["ranks_cpu_s_per_gb"]), cpu(r.get("line_cpu"))]
+         for r in rows])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -161,8 +177,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1, help="untimed iterations (default 1)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds allowed per row and size (default 300)")
+    add_far_link_arguments(parser)
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
+    far_links(parser, args)
     if args.hosts < 2 or args.ranks_per_host < 1 or args.iters < 1 or args.warmup < 1:
         parser.error("--hosts must be at least 2; --ranks-per-host, --iters and --warmup at "
                      "least 1")
@@ -183,8 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, failures, logs = on_emulated_cluster("cluster_torch", layout.nodes, args, layout,
                                                CONGESTION_CONTROL, each)
     print(f"\nall_reduce, float32, {layout.hosts} hosts x {layout.ranks_per_host} ranks, each "
-          f"host link {args.rate} each way; {args.iters} timed iterations (median), "
-          f"{args.warmup} warm-up; load {loadavg()}\n")
+          f"host link {args.rate} each way{far_description(args)}; {args.iters} timed "
+          f"iterations (median), {args.warmup} warm-up; load {loadavg()}\n")
     print(tables(rows))
     print_failures(failures, logs)
     if args.json:

@@ -254,7 +254,7 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         cluster = None
         if args.rate:
-            from _emulated_cluster import EmulatedCluster
+            from emulated_cluster import EmulatedCluster
             cluster = stack.enter_context(EmulatedCluster(["sender", "receiver"],
                                                           rate=args.rate))
         return report(args, cluster)

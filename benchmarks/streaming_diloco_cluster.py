@@ -5,7 +5,7 @@ DDP's accuracy, bytes and peak rate per host link. Needs root (network namespace
         [--epochs 20] [--sync-every 150] [--fragments 4] [--delay 5]
 
 One host per worker and one for the coordinator (``hub``), each link shaped to ``--rate`` both
-ways (:mod:`_emulated_cluster`). The workers run :func:`streaming_diloco.worker` (same task,
+ways (:mod:`emulated_cluster`). The workers run :func:`streaming_diloco.worker` (same task,
 same model, same steps as ``benchmarks/streaming_diloco.py``); worker 0 saves its view of the
 global model every ``--snap-every`` steps with the time since it began training, and the
 accuracy curve says when each method first reached the target: gloo DDP's final test accuracy
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _emulated_cluster import EmulatedCluster
+from emulated_cluster import EmulatedCluster
 from streaming_diloco import arguments, make_model
 
 PORT = 29400

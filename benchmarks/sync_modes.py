@@ -2,7 +2,7 @@
 BoundedStaleness and Asynchronous mode, on an emulated cluster, with one host slowed by a CPU
 quota and without (issue 32's targets). Needs root (namespaces, tc, cgroups).
 
-The cluster (:mod:`_emulated_cluster`)
+The cluster (:mod:`emulated_cluster`)
     Rank hosts ``node0`` .. ``node{H-1}`` (``--hosts``, ``--ranks-per-host``: rank i on
     node i // r) and ``hub``, each link ``--rate`` (default 200mbit) both ways, TCP cubic. The
     coordinator runs alone on ``hub`` (no shards): every mode's gradients cross the hub's link,
@@ -67,10 +67,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _emulated_cluster import ClusterUnavailable, EmulatedCluster
 from _harness import BenchmarkError, format_table, loadavg
 from _host_cpu import HostCpu
 from cluster import STORE_PORT, Layout, Placement, Run, rank_env, start_hub
+from emulated_cluster import ClusterUnavailable, EmulatedCluster
 
 MODES = ("gloo", "sync", "quorum", "bounded", "async")
 MB = 1e6

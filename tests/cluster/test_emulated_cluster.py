@@ -14,11 +14,11 @@ import sys
 
 import pytest
 
-from benchmarks import _emulated_cluster as emulated
-from benchmarks._emulated_cluster import (
+from benchmarks.emulated_cluster import (
     ClusterUnavailable,
     EmulatedCluster,
     allowing_congestion_control,
+    congestion,
     rate_bytes_per_second,
 )
 
@@ -124,8 +124,8 @@ def test_the_allowed_list_is_widened_in_the_block_and_restored_when_it_raises(
         tmp_path, monkeypatch):
     allowed = tmp_path / "allowed"  # the machine's list is never widened for this test
     allowed.write_text("reno bbr\n")
-    monkeypatch.setattr(emulated, "_ALLOWED", allowed)
-    monkeypatch.setattr(emulated, "_ALLOWED_LOCK", tmp_path / "lock")
+    monkeypatch.setattr(congestion, "_ALLOWED", allowed)
+    monkeypatch.setattr(congestion, "_ALLOWED_LOCK", tmp_path / "lock")
     with pytest.raises(RuntimeError, match="boom"), allowing_congestion_control("cubic"):
         assert allowed.read_text() == "reno bbr cubic\n"
         raise RuntimeError("boom")

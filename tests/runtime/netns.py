@@ -1,7 +1,7 @@
 """A compose-like network made of Linux network namespaces, for running services as processes.
 
 :func:`service_network` gives each named service a host of an unshaped emulated cluster
-(:mod:`benchmarks._emulated_cluster`): its own network namespace with one interface ``eth0`` on
+(:mod:`benchmarks.emulated_cluster`): its own network namespace with one interface ``eth0`` on
 a private bridge (itself in a namespace of its own, so nothing touches the host's network), an
 address in 10.213.0.0/24, and an ``/etc/hosts`` that resolves every service name, as compose's
 network DNS does. Where namespaces cannot be made (not root, no ``ip``, a sandbox that forbids
@@ -15,7 +15,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from benchmarks._emulated_cluster import ClusterUnavailable, EmulatedCluster
+from benchmarks.emulated_cluster import ClusterUnavailable, EmulatedCluster
 
 SUBNET = "10.213.0"
 

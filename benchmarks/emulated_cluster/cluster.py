@@ -1,5 +1,5 @@
 """An emulated cluster on one Linux machine: hosts as network namespaces on a bridge, each host's
-link rate-limited in both directions.
+link rate-limited in both directions and, if asked, as far from the others as a WAN.
 
 :class:`EmulatedCluster` builds H hosts. Each host is a network namespace with one interface,
 ``eth0``, the inside end of a veth pair whose other end (``pI``) is a port of the bridge ``br0``
@@ -16,27 +16,28 @@ keep the machine's host name, ``gethostname()``: the hosts share its UTS namespa
 bottleneck: the time a collective needs on such a cluster is bound by the bytes the busiest host
 link carries in one direction, divided by RATE.
 
-Each host runs the TCP congestion control it is given, by default ``cubic``, Linux's own
-default. It is set in every namespace because a new namespace inherits the machine's setting,
-and the development VM runs ``bbr``: BBR v1 estimates its bandwidth from delivery samples that
-tbf's burst inflates and its RTT floor from a veth with no queue (20 us), and ~every 10 s drops
-to 4 packets for 200 ms (ProbeRTT). Measured 2026-11-26, node-local 4x1 64 MiB: 93% of the
-link bound under cubic, 82% under bbr, with whole-host stalls of 0.2-0.5 s (veth counters
-sampled every 50 ms) and no retransmissions. ``congestion_control=None`` keeps the machine's.
+Far links (``rtt``). A host given a round trip gets a delay line on its access link: its
+``eth0``'s veth peer (``host``) and the bridge port's veth peer (``core``) sit in a third
+namespace (``NS_line``), where a delay line (:mod:`.delay_line`, a C program) forwards every
+frame between the two after a fixed one-way delay, both ways::
 
-Setting it inside a namespace needs the algorithm in the machine's
-``net.ipv4.tcp_allowed_congestion_control`` (a namespace other than the first gets EPERM
-otherwise, root or not); a machine that defaults to BBR may list only ``reno bbr``. Building
-then adds the algorithm to that list for as long as it sets the hosts' default, and puts the
-list back as it found it right after, also on errors (:func:`allowing_congestion_control`). That
-is enough: a namespace keeps the default it was given, and its new sockets, connecting or
-accepted, take it without the list being consulted again (measured 2026-11-27, kernel 6.18:
-``getsockopt(TCP_CONGESTION)`` says ``cubic`` with the list back to ``reno bbr``). So the list
-is widened for milliseconds, never for a cluster's life, and two clusters alive at once, in one
-process or several, cannot restore each other's change too early: a lock file
-(``/run/lock/gradstar-emulated-cluster.lock``, flock, released by the kernel if its holder dies)
-lets one build at a time widen and restore it. An algorithm this kernel does not offer at all
-(``tcp_available_congestion_control``) fails the build with :class:`ClusterUnavailable`.
+    NS: eth0 (tbf) <-veth-> NS_line: host ==delay line== core <-veth-> bridge: pI (tbf), br0
+
+It forwards Ethernet frames, so TCP runs end to end between the hosts and its windows, slow
+start and ACK clocking all see the round trip (a TCP proxy would hide them). The convention:
+
+* ``rtt=MS``: every two hosts are MS apart (each access link carries MS/2 of round trip, MS/4
+  each way);
+* ``rtt={host: MS}``: MS is that host's round trip to the core (the bridge), so two hosts are
+  the sum of theirs apart, and a host left out is at 0: ``{"near0": 5, "near1": 5, "far0": 45,
+  "far1": 45}`` puts the near hosts 10 ms apart, near from far 50 ms, the far hosts 90 ms.
+
+A host at 0 has no delay line: exactly the topology above (``force_delay_line=True`` puts a
+0 ms line on every link, to measure the line itself). The token buckets stay where they are,
+so a frame waits for its rate before or after its delay, never instead of it.
+
+Each host runs the TCP congestion control it is given, by default ``cubic`` (see
+:mod:`.congestion`, which also says how a namespace may pick one the machine does not allow).
 
 What a caller does with it::
 
@@ -47,57 +48,66 @@ What a caller does with it::
         cluster.link_bytes()                           # {"node0": LinkBytes(rx, tx), ...}
         cluster.link_down("node1"); cluster.link_up("node1")
         cluster.qdiscs("node1")                        # `tc qdisc show` of both ends
+    with EmulatedCluster(["a", "b"], rate="200mbit", rtt=50) as far:   # a and b 50 ms apart
+        far.delay_line_cpu()                           # {"a": 0.01, "b": 0.01} CPU seconds
+        far.delay_line_stats()["a"].upload.lost        # frames the line did not deliver
 
 Every process started with :meth:`EmulatedCluster.popen` is stopped (SIGTERM, then SIGKILL) when
-the cluster closes, and so is anything else still running in its namespaces; then the
-namespaces (which takes their interfaces with them) and the ``/etc/netns`` folders are removed.
+the cluster closes, and so is anything else still running in its namespaces (the delay lines
+among them); then the namespaces (which takes their interfaces with them) and the
+``/etc/netns`` folders are removed.
 A cluster that fails half-way through building removes what it made before it raises. Only a
 SIGKILL of the process holding the cluster leaves namespaces behind; their names start with
 ``gs-`` and a random tag (``ip netns list``).
 
-It needs root, ``ip`` (iproute2) and, to shape links, ``tc``: :func:`unavailable_reason` says
-which is missing (or that this system forbids namespaces, or lacks the congestion control),
-and building raises :class:`ClusterUnavailable` with that reason. ``tests/cluster`` fails on it
-(a cluster test that cannot build its cluster proves nothing, so it must not pass as a skip);
-the benchmarks stop on it.
+It needs root, ``ip`` (iproute2), to shape links ``tc``, and for a delay line gcc (it is
+compiled on first use): :func:`unavailable_reason` says which is missing (or that this system
+forbids namespaces, or lacks the congestion control), and building raises
+:class:`ClusterUnavailable` with that reason. ``tests/cluster`` fails on it (a cluster test
+that cannot build its cluster proves nothing, so it must not pass as a skip); the benchmarks
+stop on it.
 
 Nothing here imports gradstar: the library must never depend on it.
 """
+# Outbound-only hosts (issue 48: nftables rules in a host's namespace that let it dial out and
+# take no inbound connection) belong in a module of their own beside this one, applied by
+# _build_host once the host's eth0 is up.
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import delay_line
+from .congestion import (
+    CONGESTION_CONTROL,
+    allowing_congestion_control,
+    congestion_control_reason,
+)
+from .delay_line import DelayLine, DelayLineError, DelayLineStats
+from .links import LinkBytes, one_way_delays, rate_bytes_per_second
+
 #: The hosts' /24 unless a cluster is given another.
 SUBNET = "10.77.0"
-#: Each host's TCP congestion control unless a cluster is given another (see the module).
-CONGESTION_CONTROL = "cubic"
 #: The token bucket's defaults: BURST bounds the bytes sent at once above RATE (it must hold a
 #: GSO packet of 64 KiB), LATENCY how long a packet may wait for tokens before it is dropped.
 BURST = "800kbit"
 LATENCY = "50ms"
 NETNS_ETC = Path("/etc/netns")
-_ALLOWED = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
-_AVAILABLE = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
-#: One build at a time, across processes, widens and restores the allowed list.
-_ALLOWED_LOCK = Path("/run/lock/gradstar-emulated-cluster.lock")
 _RUN_TIMEOUT = 20.0
 #: Seconds a process gets between SIGTERM and SIGKILL when the cluster closes.
 STOP_GRACE = 5.0
-_RATE = re.compile(r"^(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)$")
-_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
 
 class ClusterUnavailable(OSError):
@@ -105,42 +115,20 @@ class ClusterUnavailable(OSError):
 
 
 @dataclass(frozen=True)
-class LinkBytes:
-    """Bytes a host's link carried so far, from the host's side: ``rx`` in, ``tx`` out."""
-
-    rx: int
-    tx: int
-
-    def __sub__(self, other: LinkBytes) -> LinkBytes:
-        return LinkBytes(self.rx - other.rx, self.tx - other.tx)
-
-
-@dataclass(frozen=True)
 class Host:
-    """One host: its name, network namespace, address, and bridge port (the far end of its
-    ``eth0``)."""
+    """One host: its name, network namespace, address, bridge port (the far end of its
+    ``eth0``), and its access link's one-way delay with the namespace of its delay line (None
+    where it has none)."""
 
     name: str
     namespace: str
     address: str
     port: str
+    one_way_s: float = 0.0
+    line_namespace: str | None = None
 
 
-def rate_bytes_per_second(rate: str) -> float:
-    """``tc``'s rate notation in bytes per second: ``200mbit`` -> 25e6 (tc's k, m, g are powers
-    of 1000; ``bps`` is bytes per second).
-
-    Raises:
-        ValueError: ``rate`` is not a number followed by [kmgt]bit or [kmgt]bps.
-    """
-    match = _RATE.match(rate.strip().lower())
-    if match is None:
-        raise ValueError(f"rate {rate!r} is not in tc's notation, e.g. 200mbit or 25mbps")
-    value = float(match[1]) * _UNITS[match[2]]
-    return value / 8 if match[3] == "bit" else value
-
-
-def unavailable_reason(shaped: bool = True) -> str | None:
+def unavailable_reason(shaped: bool = True, delayed: bool = False) -> str | None:
     """Why an emulated cluster cannot be built here, or None if it can (as far as can be told
     without building one: a sandbox may still forbid namespaces, which building reports)."""
     if os.geteuid() != 0:
@@ -149,36 +137,7 @@ def unavailable_reason(shaped: bool = True) -> str | None:
         return "the ip command (iproute2) is missing"
     if shaped and shutil.which("tc") is None:
         return "the tc command (iproute2) is missing, and links cannot be shaped without it"
-    return None
-
-
-def congestion_control_reason(name: str) -> str | None:
-    """Why hosts cannot run TCP congestion control ``name`` here, or None if they can."""
-    available = _AVAILABLE.read_text(encoding="ascii").split()
-    if name in available:
-        return None
-    return (f"this kernel does not offer TCP congestion control {name!r} (available: "
-            f"{' '.join(available)}); load its module (modprobe tcp_{name}) or build the "
-            f"cluster with congestion_control=None to keep the machine's")
-
-
-@contextlib.contextmanager
-def allowing_congestion_control(name: str) -> Iterator[None]:
-    """While the block runs, ``name`` is in the machine's allowed list (added if missing), so
-    a namespace may make it its default; after it, the list is what it was, also if the block
-    raised. Blocks of all processes on this machine take turns (see the module)."""
-    _ALLOWED_LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with _ALLOWED_LOCK.open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the kernel drops it when the file closes or we die
-        original = _ALLOWED.read_text(encoding="ascii")
-        if name in original.split():
-            yield
-            return
-        _ALLOWED.write_text(f"{original.strip()} {name}\n", encoding="ascii")
-        try:
-            yield
-        finally:
-            _ALLOWED.write_text(original, encoding="ascii")
+    return delay_line.unavailable_reason() if delayed else None
 
 
 def _run(argv: Sequence[str], timeout: float = _RUN_TIMEOUT) -> str:
@@ -189,16 +148,19 @@ def _run(argv: Sequence[str], timeout: float = _RUN_TIMEOUT) -> str:
 class EmulatedCluster:
     """Hosts ``names`` as network namespaces on one bridge; a context manager (see the module
     docstring). ``rate`` (tc notation, e.g. ``"200mbit"``; None: unshaped) limits every host's
-    link each way; ``subnet`` is the first three octets of the hosts' /24, ``first`` the last
-    octet of the first host's address.
+    link each way; ``rtt`` (milliseconds: one number for every pair of hosts, or a map of each
+    host's round trip to the core) puts delay lines on the links; ``subnet`` is the first three
+    octets of the hosts' /24, ``first`` the last octet of the first host's address.
 
     Raises:
-        ValueError: no hosts, a repeated or unusable name, a bad rate, or too many hosts.
-        ClusterUnavailable: not root, no ``ip``/``tc``, a congestion control this kernel does
-            not offer, or this system refused to build it.
+        ValueError: no hosts, a repeated or unusable name, a bad rate or round trip, or too
+            many hosts.
+        ClusterUnavailable: not root, no ``ip``/``tc``, no gcc for a delay line, a congestion
+            control this kernel does not offer, or this system refused to build it.
     """
 
     def __init__(self, names: Sequence[str], *, rate: str | None = "200mbit",
+                 rtt: float | Mapping[str, float] | None = None, force_delay_line: bool = False,
                  burst: str = BURST, latency: str = LATENCY, subnet: str = SUBNET,
                  first: int = 1, congestion_control: str | None = CONGESTION_CONTROL) -> None:
         names = list(names)
@@ -212,14 +174,21 @@ class EmulatedCluster:
             rate_bytes_per_second(rate)  # a bad rate fails here, not half-way through tc
         self.rate, self.burst, self.latency = rate, burst, latency
         self.congestion_control = congestion_control
+        delays = one_way_delays(names, rtt)
+        self.rtt = rtt
         self.tag = uuid.uuid4().hex[:6]
         self.bridge = f"gs-{self.tag}-br"
+        # "_line" cannot end a host name, so no host's namespace is another's line namespace.
         self.hosts: dict[str, Host] = {
-            name: Host(name, f"gs-{self.tag}-{name}", f"{subnet}.{first + i}", f"p{i}")
+            name: Host(name, f"gs-{self.tag}-{name}", f"{subnet}.{first + i}", f"p{i}",
+                       delays[name], f"gs-{self.tag}-{name}_line"
+                       if delays[name] > 0 or force_delay_line else None)
             for i, name in enumerate(names)}
         self._made: list[str] = []  # namespaces, in the order made
         self._etc: list[Path] = []
         self._processes: list[subprocess.Popen] = []
+        self._lines: dict[str, DelayLine] = {}
+        self._line_dir: Path | None = None  # the lines' counter files and logs
         self._closed = False
 
     # -- building and removing -----------------------------------------------------------------
@@ -237,13 +206,17 @@ class EmulatedCluster:
         Raises:
             ClusterUnavailable: see the class.
         """
-        reason = unavailable_reason(shaped=self.rate is not None)
+        reason = unavailable_reason(shaped=self.rate is not None, delayed=any(
+            h.line_namespace for h in self.hosts.values()))
         if reason is None and self.congestion_control is not None:
             reason = congestion_control_reason(self.congestion_control)
         if reason is not None:
             raise ClusterUnavailable(reason)
         try:
             self._build()
+        except DelayLineError as error:
+            self.close()
+            raise ClusterUnavailable(f"no delay line: {error}") from error
         except (OSError, subprocess.SubprocessError) as error:
             self.close()
             detail = (getattr(error, "stderr", None) or str(error)).strip()
@@ -260,27 +233,56 @@ class EmulatedCluster:
         hosts_file = "127.0.0.1 localhost\n" + "".join(
             f"{h.address} {h.name}\n" for h in self.hosts.values())
         for host in self.hosts.values():
-            ns = host.namespace
-            self._add_namespace(ns)
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-            if self.congestion_control is not None:
-                with allowing_congestion_control(self.congestion_control):
-                    _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
-                          f"net.ipv4.tcp_congestion_control={self.congestion_control}"])
+            self._build_host(host, hosts_file)
+
+    def _build_host(self, host: Host, hosts_file: str) -> None:
+        ns = host.namespace
+        self._add_namespace(ns)
+        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        if self.congestion_control is not None:
+            with allowing_congestion_control(self.congestion_control):
+                _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                      f"net.ipv4.tcp_congestion_control={self.congestion_control}"])
+        if host.line_namespace is None:
             _run(["ip", "-n", self.bridge, "link", "add", host.port, "type", "veth", "peer",
                   "name", "eth0", "netns", ns])
-            _run(["ip", "-n", self.bridge, "link", "set", host.port, "master", "br0"])
-            _run(["ip", "-n", self.bridge, "link", "set", host.port, "up"])
-            _run(["ip", "-n", ns, "addr", "add", f"{host.address}/24", "dev", "eth0"])
-            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
-            if self.rate is not None:
-                for where, dev in ((ns, "eth0"), (self.bridge, host.port)):
-                    _run(["tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                          self.rate, "burst", self.burst, "latency", self.latency])
-            folder = NETNS_ETC / ns
-            folder.mkdir(parents=True, exist_ok=True)
-            self._etc.append(folder)
-            (folder / "hosts").write_text(hosts_file, encoding="ascii")
+        else:
+            self._build_line(host)
+        _run(["ip", "-n", self.bridge, "link", "set", host.port, "master", "br0"])
+        _run(["ip", "-n", self.bridge, "link", "set", host.port, "up"])
+        _run(["ip", "-n", ns, "addr", "add", f"{host.address}/24", "dev", "eth0"])
+        _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+        if self.rate is not None:
+            for where, dev in ((ns, "eth0"), (self.bridge, host.port)):
+                _run(["tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+                      self.rate, "burst", self.burst, "latency", self.latency])
+        folder = NETNS_ETC / ns
+        folder.mkdir(parents=True, exist_ok=True)
+        self._etc.append(folder)
+        (folder / "hosts").write_text(hosts_file, encoding="ascii")
+
+    def _build_line(self, host: Host) -> None:
+        """Host ``host``'s eth0 and bridge port, each a veth whose peer is in its line
+        namespace, and the delay line between the peers, started."""
+        line = host.line_namespace
+        self._add_namespace(line)
+        # No IPv6 on the line's own interfaces: their router solicitations would cross the
+        # line into the cluster as traffic no host sent.
+        _run(["ip", "netns", "exec", line, "sysctl", "-q", "-w",
+              "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1"])
+        _run(["ip", "-n", line, "link", "add", "host", "type", "veth", "peer", "name", "eth0",
+              "netns", host.namespace])
+        _run(["ip", "-n", self.bridge, "link", "add", host.port, "type", "veth", "peer",
+              "name", "core", "netns", line])
+        for dev in ("host", "core"):
+            _run(["ip", "-n", line, "link", "set", dev, "up"])
+        if self._line_dir is None:
+            self._line_dir = Path(tempfile.mkdtemp(prefix=f"gs-{self.tag}-lines-"))
+        started = DelayLine.start(
+            lambda argv, **kwargs: self.popen_in(line, argv, **kwargs), "host", "core",
+            host.one_way_s, self._line_dir / f"{host.name}.stats",
+            self._line_dir / f"{host.name}.log")
+        self._lines[host.name] = started
 
     def _add_namespace(self, ns: str) -> None:
         _run(["ip", "netns", "add", ns])
@@ -293,6 +295,8 @@ class EmulatedCluster:
             return
         self._closed = True
         self.stop_processes(self._processes)
+        if self._line_dir is not None:
+            shutil.rmtree(self._line_dir, ignore_errors=True)
         for ns in reversed(self._made):
             self._kill_namespace_pids(ns)
             with contextlib.suppress(OSError, subprocess.SubprocessError):
@@ -325,12 +329,18 @@ class EmulatedCluster:
         """Start ``command`` in ``host``; it is stopped when the cluster closes. ``kwargs`` go
         to :class:`subprocess.Popen` (stdin defaults to /dev/null, start_new_session to
         True)."""
+        return self.popen_in(self.hosts[host].namespace, command, env=env, **kwargs)
+
+    def popen_in(self, namespace: str, command: Sequence[str], *,
+                 env: Mapping[str, str] | None = None, **kwargs: object) -> subprocess.Popen:
+        """:meth:`popen` in any of the cluster's namespaces (a host's, the bridge's, a
+        line's)."""
         if self._closed:
             raise RuntimeError("the cluster is closed")
         kwargs.setdefault("stdin", subprocess.DEVNULL)
         # Its own session: a Ctrl-C reaches only the caller, which stops it in order.
         kwargs.setdefault("start_new_session", True)
-        proc = subprocess.Popen(self.argv(host, command),
+        proc = subprocess.Popen(["ip", "netns", "exec", namespace, *command],
                                 env=None if env is None else dict(env), **kwargs)
         self._processes.append(proc)
         return proc
@@ -385,10 +395,26 @@ class EmulatedCluster:
         return {"upload": _run(["tc", "-n", h.namespace, "qdisc", "show", "dev", "eth0"]),
                 "download": _run(["tc", "-n", self.bridge, "qdisc", "show", "dev", h.port])}
 
+    # -- the delay lines -----------------------------------------------------------------------
+
+    def delay_line_cpu(self) -> dict[str, float]:
+        """CPU seconds (user + system) each host's delay line has used so far; hosts without
+        one are left out."""
+        return {name: line.cpu_seconds() for name, line in self._lines.items()}
+
+    def delay_line_stats(self) -> dict[str, DelayLineStats]:
+        """Each host's delay line's counters so far (:class:`DelayLineStats`); hosts without
+        one are left out."""
+        return {name: line.stats() for name, line in self._lines.items()}
+
     def describe(self) -> str:
-        where = ", ".join(f"{h.name} {h.address}" for h in self.hosts.values())
+        def far(h: Host) -> str:
+            return f" ({h.one_way_s * 2e3:g} ms to the core)" if h.line_namespace else ""
+
+        where = ", ".join(f"{h.name} {h.address}{far(h)}" for h in self.hosts.values())
         shaped = (f"each link {self.rate} each way (tbf)" if self.rate is not None
                   else "links unshaped")
         tcp = self.congestion_control or "the machine's congestion control"
-        return (f"{len(self.hosts)} hosts as network namespaces on a bridge, {shaped}, TCP "
-                f"{tcp}: {where}")
+        lines = (f", delay lines on {len(self._lines)} links" if self._lines else "")
+        return (f"{len(self.hosts)} hosts as network namespaces on a bridge, {shaped}{lines}, "
+                f"TCP {tcp}: {where}")
