@@ -180,6 +180,9 @@ def add_far_link_arguments(parser: argparse.ArgumentParser) -> None:
                              "(two hosts: the sum); default none, no delay line")
     parser.add_argument("--delay-line", action="store_true",
                         help="a delay line on every host link even at 0 ms (to measure it)")
+    parser.add_argument("--outbound-only", nargs="+", default=[], metavar="HOST",
+                        help="hosts that take no inbound connections, as behind NAT (nftables "
+                             "drops new inbound TCP on their links); gloo cannot run there")
 
 
 def far_description(args: argparse.Namespace) -> str:
@@ -228,7 +231,12 @@ def on_emulated_cluster(script: str, names: list[str], args: argparse.Namespace,
     failures: list[tuple[str, str]] = []
     try:
         with made as cluster:
+            for host in args.outbound_only:
+                cluster.block_inbound(host)
             print(cluster.describe(), file=sys.stderr, flush=True)
+            if args.outbound_only:
+                print(f"outbound-only (behind NAT): {' '.join(args.outbound_only)}",
+                      file=sys.stderr, flush=True)
             rows, failures = each(Run(cluster, layout, args, logs))
     except ClusterUnavailable as error:
         print(f"benchmarks/{script}.py: no emulated cluster here: {error}", file=sys.stderr)

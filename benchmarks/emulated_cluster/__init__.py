@@ -7,8 +7,8 @@ token buckets and, where asked, made far by a packet-level delay line. Benchmark
 - :mod:`.congestion`: each host's TCP congestion control, and the machine-wide list it needs;
 - :mod:`.delay_line` and ``delay_line.c``: the delay line, compiled on first use into
   ``build/``;
-- outbound-only hosts (nftables rules in a host's namespace) get a module of their own here,
-  applied where :mod:`.cluster` builds a host.
+- :mod:`.outbound`: outbound-only hosts, as behind NAT (nftables rules in a host's namespace),
+  applied by :meth:`EmulatedCluster.block_inbound`.
 
 Nothing here imports gradstar: the library must never depend on it.
 """

@@ -69,9 +69,6 @@ stop on it.
 
 Nothing here imports gradstar: the library must never depend on it.
 """
-# Outbound-only hosts (issue 48: nftables rules in a host's namespace that let it dial out and
-# take no inbound connection) belong in a module of their own beside this one, applied by
-# _build_host once the host's eth0 is up.
 
 from __future__ import annotations
 
@@ -97,6 +94,7 @@ from .congestion import (
 )
 from .delay_line import DelayLine, DelayLineError, DelayLineStats
 from .links import LinkBytes, one_way_delays, rate_bytes_per_second
+from .outbound import block_inbound
 
 #: The hosts' /24 unless a cluster is given another.
 SUBNET = "10.77.0"
@@ -318,6 +316,15 @@ class EmulatedCluster:
 
     def address(self, host: str) -> str:
         return self.hosts[host].address
+
+    def block_inbound(self, host: str) -> None:
+        """Make ``host`` outbound-only, as behind NAT (:mod:`.outbound`): new inbound TCP on
+        its link is dropped, what it dials is answered.
+
+        Raises:
+            ClusterUnavailable: nftables is missing or refused the rules.
+        """
+        block_inbound(lambda command: self.argv(host, command), host, ClusterUnavailable)
 
     def argv(self, host: str, command: Sequence[str]) -> list[str]:
         """``command`` wrapped to run in ``host`` (``ip netns exec`` execs it: the process

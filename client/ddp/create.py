@@ -17,7 +17,7 @@ from .wrapper import DistributedDataParallel
 def create_distributed_data_parallel(
     model: nn.Module, coordinator: str | None = None, job: str | None = None,
     world_size: int | None = None, rank: int | None = None, token: str | None = None, *,
-    pg_options: Mapping[str, Any] | None = None, **ddp_options,
+    pg_options: Mapping[str, Any] | None = None, **ddp_options: Any,
 ) -> DistributedDataParallel:
     """Join the job and wrap ``model``: :func:`gradstar.init_process_group` with the job
     arguments, then :class:`DistributedDataParallel` over that group, on the model's device
@@ -34,12 +34,15 @@ def create_distributed_data_parallel(
 
     Args:
         model: the module to wrap (as DDP's ``module``).
-        coordinator, job, world_size, rank, token: as :func:`gradstar.init_process_group`;
-            None reads the GRADSTAR_* environment variables.
+        coordinator: as :func:`gradstar.init_process_group` (None: GRADSTAR_COORDINATOR).
+        job: as :func:`gradstar.init_process_group` (None: GRADSTAR_JOB).
+        world_size: as :func:`gradstar.init_process_group` (None: GRADSTAR_WORLD_SIZE).
+        rank: as :func:`gradstar.init_process_group` (None: GRADSTAR_RANK).
+        token: as :func:`gradstar.init_process_group` (None: GRADSTAR_TOKEN).
         pg_options: further process-group settings (``timeout``, ``join_timeout``, ...), the
             keyword arguments :func:`gradstar.init_process_group` takes.
-        ddp_options: DDP's keyword arguments (``bucket_cap_mb``, ``find_unused_parameters``,
-            ``sync_mode``, ``optimizer``, ...).
+        **ddp_options (Any): DDP's keyword arguments (``bucket_cap_mb``,
+            ``find_unused_parameters``, ``sync_mode``, ``optimizer``, ...).
 
     Raises:
         ConfigurationError: ``model`` is not a torch.nn.Module (before joining), a setting is

@@ -20,30 +20,18 @@ import sys
 import numpy as np
 import pytest
 
+from benchmarks.emulated_cluster import ClusterUnavailable
 from tests.cluster.jobs import hosts_network, job_on_hosts, torchrun_on_hosts, wait_reports
 
 HOSTS = ["host0", "host1", "host2"]
 pytestmark = pytest.mark.timeout(420)
 
-#: What each outbound-only host's namespace loads: drop new inbound TCP on its link.
-RULES = """table inet gradstar_outbound {
-    chain input {
-        type filter hook input priority 0; policy accept;
-        iifname "eth0" tcp flags syn / syn,ack,rst ct state new drop
-    }
-}
-"""
-
-
 def block_inbound(network, host: str) -> None:
-    """Make ``host`` outbound-only (its namespace goes away with the test's network)."""
+    """Make ``host`` outbound-only; the test fails, saying why, where that cannot be done."""
     try:
-        subprocess.run(network.argv(host, ["nft", "-f", "-"]), input=RULES, text=True,
-                       check=True, capture_output=True, timeout=30)
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or str(error)
-        pytest.fail(f"cannot build the outbound-only rules on {host} (nftables: `make test` "
-                    f"installs it): {detail.strip()[:300]}", pytrace=False)
+        network.cluster.block_inbound(host)
+    except ClusterUnavailable as error:
+        pytest.fail(str(error), pytrace=False)
 
 
 def connects(network, src: str, dst: str) -> bool:
