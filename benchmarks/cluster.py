@@ -167,7 +167,9 @@ def run_size(run: Run, name: str, placement: Placement, hub: list[Process], size
                     "rank": rank,
                     "world_size": layout.world_size, "nbytes": nbytes,
                     "iters": args.iters, "warmup": args.warmup, "store": store,
-                    "timeout": args.timeout, "shards": len(placement.shard_hosts),
+                    # Stripes go to the shards every host can dial (not an outbound-only one).
+                    "timeout": args.timeout, "shards": len(
+                        [h for h in placement.shard_hosts if h not in args.outbound_only]),
                     "chunk_bytes": int(args.chunk_mb * MiB) if args.chunk_mb else None,
                     "wire": wire, "bf16_hook": placement.bf16_hook}
             ranks.append(run.start(host, f"{label}-rank{rank}",
