@@ -29,7 +29,7 @@ $(TORCH_FILE): FORCE
 
 FORCE:
 
-setup: $(STAMP) gcc
+setup: $(STAMP)
 
 need-torch:
 	@test "$(TORCH)" != none || { echo "make: TORCH=none sets up gradstar alone (numpy only);" \
