@@ -64,13 +64,13 @@ chromium:
 ## nftables for the emulated cluster's outbound-only hosts (tests/cluster): installed with
 ## apt-get as root when missing; elsewhere a one-line hint, and those tests fail saying so.
 nftables:
-	-@bash scripts/ensure_nftables.sh
+	-@bash scripts/ensure_package.sh nft nftables "the emulated cluster's outbound-only hosts"
 
 ## gcc for the emulated cluster's delay line (benchmarks/emulated_cluster/delay_line.c, built on
 ## first use): installed with apt-get as root when missing; elsewhere a one-line hint, and a
 ## cluster with a round trip fails saying the same.
 gcc:
-	-@bash scripts/ensure_gcc.sh
+	-@bash scripts/ensure_package.sh gcc "gcc libc6-dev" "the emulated cluster's delay line"
 
 lint: need-torch $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -44,8 +44,8 @@ def unavailable_reason() -> str | None:
     """Why no delay line can run here (no compiler and no binary built before), or None."""
     if shutil.which("gcc") is None and not _binary_path().is_file():
         return ("gcc is missing, and the delay line (benchmarks/emulated_cluster/delay_line.c) "
-                "is compiled on first use: install it (`make setup` does, as root: "
-                "scripts/ensure_gcc.sh)")
+                "is compiled on first use: install it (`make test` does, as root: "
+                "scripts/ensure_package.sh)")
     return None
 
 
