@@ -253,7 +253,7 @@ def _materialize(node, data: bytes):
     if isinstance(node, _Entry):
         if not node.nbytes:
             return torch.empty(node.shape, dtype=node.dtype)
-        raw = torch.frombuffer(bytearray(data[node.start:node.start + node.nbytes]),
+        raw = torch.frombuffer(bytearray(memoryview(data)[node.start:node.start + node.nbytes]),
                                dtype=torch.uint8)
         return raw.view(node.dtype).reshape(node.shape)
     if isinstance(node, dict):
