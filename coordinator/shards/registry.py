@@ -69,6 +69,18 @@ PROBE_SECONDS = 1.0
 _END = object()
 
 
+def probes_caller(address: str, peer: str | None) -> bool:
+    """Whether the coordinator may probe ``address`` for the shard calling from ``peer``
+    (grpc's ``ipv4:HOST:PORT`` / ``ipv6:[HOST]:PORT``): only an address on the caller's own
+    host, so that registering cannot make the coordinator dial anywhere else. A shard that
+    advertises another host (a DNS name, a NAT's public address) is taken as reachable, as
+    it says."""
+    host = split_host_port(address)[0]
+    kind, _, rest = (peer or "").partition(":")
+    caller = split_host_port(rest)[0] if kind in ("ipv4", "ipv6") else ""
+    return bool(host) and host == caller
+
+
 async def probe(address: str, seconds: float = PROBE_SECONDS) -> bool:
     """Whether a TCP connection to ``address`` (HOST:PORT) opens within ``seconds``: what
     tells the coordinator that ranks on other hosts can dial a shard there. An address without
@@ -335,7 +347,9 @@ class ShardControlServicer(shard_pb2_grpc.ShardControlServicer):
             # token, which opens every job).
             check_job_access(first.hello.job)
             hello = first.hello
-            reachable = not hello.outbound_only and await probe(hello.address)
+            reachable = not hello.outbound_only and (
+                not probes_caller(hello.address, context.peer())
+                or await probe(hello.address))
             record = self.registry.register(hello, job_scoped=for_job, reachable=reachable)
         except GradstarError as error:
             await abort(context, error)

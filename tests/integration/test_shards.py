@@ -22,7 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gradstar import errors
-from gradstar.coordinator.shards.registry import probe
+from gradstar.coordinator.shards.registry import probe, probes_caller
 from gradstar.proto.v1 import admin_pb2, admin_pb2_grpc
 from gradstar.transport.auth import bearer
 
@@ -398,3 +398,12 @@ async def test_the_probe_finds_an_outbound_only_address_and_a_reachable_one():
             return (await probe(f"127.0.0.1:{port}"), await probe(f"127.0.0.1:{closed}"))
 
     assert await run() == (True, False)
+
+
+def test_the_probe_dials_only_the_registering_shards_own_host():
+    assert probes_caller("10.0.0.2:4000", "ipv4:10.0.0.2:51234")
+    assert probes_caller("[::1]:4000", "ipv6:[::1]:51234")
+    assert not probes_caller("10.0.0.9:4000", "ipv4:10.0.0.2:51234")  # someone else's host
+    assert not probes_caller("shard.example:4000", "ipv4:10.0.0.2:51234")
+    assert not probes_caller(":4000", "ipv4:10.0.0.2:51234")  # the coordinator's own host
+    assert not probes_caller("10.0.0.2:4000", "unix:/tmp/s")
