@@ -20,7 +20,7 @@ import numpy as np
 
 from gradstar import ops
 from gradstar.config import ClientSettings
-from gradstar.errors import ConfigurationError, InvalidCollectiveError, ProcessGroupClosedError
+from gradstar.errors import InvalidCollectiveError, ProcessGroupClosedError
 from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.transport.channels import call_metadata, open_blocking_channel
 from gradstar.wire import COLLECTIVE_METHOD, aligned_chunk_bytes, dtype_info, numpy_dtype_name
@@ -31,7 +31,7 @@ from ..coalesced import all_reduce_coalesced
 from ..collective.data_plane import DataPlane, striped_chunk_bytes
 from ..collective.direct import DirectCall, DirectLane
 from ..collective.stream import abandon_collective, give_up, issue, run_collective
-from ..convert import copies_to_device, copying_to_device, delivered, is_cpu_tensor, to_numpy
+from ..convert import copies_to_device, copying_to_device, delivered, output_array, to_numpy
 from ..hierarchy import HostHierarchy
 from ..peer import Identity, PeerEndpoint
 from ..session import Session
@@ -68,6 +68,12 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         self.job: str = joined.job
         #: This rank took a lost rank's place in a running generation (an elastic join).
         self.replacement: bool = joined.replacement
+        #: The coordinator's answer to the join (sizes, a resize's boundary and newcomers).
+        self.joined = joined
+        #: Where the rank is in the job's step boundaries (:mod:`.membership`), or None; and
+        #: the peer address it asked to register (what a move registers again).
+        self.membership = session.membership
+        self.peer_address_given = ""
         self.peers: dict[int, str] = {p.rank: p.address for p in joined.peers}
         #: The rendezvous' id of this member: with job, generation and rank, what binds its calls.
         self.member_id: str = joined.member_id
@@ -142,7 +148,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         arr, restore = to_numpy(x)
         reduce_op = ops.reduce_op(op)
         fmt = self._check(ops.ALL_REDUCE, arr, reduce_op=reduce_op, wire=wire)
-        into = np.empty_like(arr) if out is None else _output_array(out, arr)
+        into = np.empty_like(arr) if out is None else output_array(out, arr)
         if self._hosts.takes(ops.ALL_REDUCE, arr, reduce_op):
             self._check_usable()
             return self._hosts.all_reduce(arr, reduce_op, into, restore if out is None
@@ -422,29 +428,6 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
 
 def _as_is(result: np.ndarray) -> np.ndarray:
     return result
-
-
-def _output_array(out, like: np.ndarray) -> np.ndarray:
-    """``out`` as a numpy array sharing its memory, checked against the input ``like``.
-
-    Raises:
-        ConfigurationError: not a writable C-contiguous numpy array or CPU tensor.
-        InvalidCollectiveError: another shape or dtype than ``like``.
-    """
-    arr = None
-    if isinstance(out, np.ndarray):
-        arr = out
-    elif is_cpu_tensor(out) and out.is_contiguous():
-        arr, _ = to_numpy(out)  # a view of the tensor's memory
-    if arr is None or not (arr.flags.c_contiguous and arr.flags.writeable):
-        raise ConfigurationError(
-            "out= takes a writable, C-contiguous numpy array or CPU tensor, got "
-            f"{type(out).__name__}" + (f" on {out.device}" if hasattr(out, "device") else ""))
-    if arr.shape != like.shape or arr.dtype != like.dtype:
-        raise InvalidCollectiveError(
-            f"out= must match the input: shape {like.shape} and dtype {like.dtype}, got shape "
-            f"{arr.shape} and dtype {arr.dtype}")
-    return arr
 
 
 __all__ = ["AsyncProcessGroup", "Reserved"]

@@ -276,7 +276,13 @@ class ClientSettings(BaseSettings):
         None, gt=0, description="the most ranks the job may grow to while it runs, by elastic "
                                 "joins (as torchrun's --nnodes MIN:MAX): each one past the "
                                 "world size ends the running generation's collectives, and "
-                                "a sync-mode DDP's steps go on with the new rank")
+                                "a sync-mode DDP's steps go on with the new rank; a "
+                                "Synchronous DDP's job moves to a new generation at the next "
+                                "step boundary instead")
+    min_world_size: int | None = Field(
+        None, gt=0, description="the fewest ranks the job may shrink to by departures "
+                                "(DDP.leave(); as torchrun's --nnodes MIN:MAX): a departure "
+                                "that would leave fewer is refused by name")
     timeout: float = Field(300.0, gt=0, description="default collective timeout in seconds")
     connect_timeout: float = Field(10.0, gt=0)
     chunk_bytes: int = Field(
