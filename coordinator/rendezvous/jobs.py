@@ -182,6 +182,14 @@ class Job:
     resizes: int = 0
 
     @property
+    def at_boundary(self) -> tuple[int, int]:
+        """(ranks waiting to join, members departing) at the next step boundary."""
+        r = self.resize
+        if r is None:
+            return 0, 0
+        return sum(1 for j in r.joiners if not j.joined.done()), len(r.departing)
+
+    @property
     def formed(self) -> bool:
         """Whether a generation of the job ever formed. A job that never formed holds nothing
         worth keeping (no counters, no metric series): it is only its joiners, and it leaves

@@ -45,6 +45,18 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def size_limits_text(world_size: int, min_world_size: int, max_world_size: int,
+                     resizes: int, joining: int, departing: int) -> str:
+    """A job's size limits as torchrun writes them ("fixed", or MIN..MAX), with the ranks
+    waiting to join or departing at its next step boundary: what the status page and
+    ``gradstar admin`` show."""
+    top = max(max_world_size, world_size)
+    if top <= world_size and not min_world_size and not resizes:
+        return "fixed"
+    text = f"{min_world_size or 1}..{top}"
+    return text + (f" (+{joining} -{departing} next step)" if joining or departing else "")
+
+
 def default_shard_count(cores: int | None = None) -> int:
     """``--shards auto``: one shard per two cores beyond the first two, at most 8.
 

@@ -154,3 +154,21 @@ async def test_size_limits_that_differ_from_the_jobs_are_refused_at_join(rdv):
         await rdv.join("r", 3, None, "x:1", timeout=BOUND, elastic=True, max_world_size=4,
                        min_world_size=1)
     assert rdv.jobs["r"].resize is None and rdv.jobs["r"].world_size == 3
+
+
+async def test_a_resize_is_visible_in_admin_metrics_and_the_status_page(rdv):
+    from gradstar.coordinator.metrics.prometheus import CollectiveMetrics, render
+    from gradstar.coordinator.views.admin import job_summary
+
+    await running(rdv, min_world_size=2)
+    joiner = asyncio.ensure_future(rdv.join("r", 3, None, "10.0.0.9:1", timeout=BOUND,
+                                            elastic=True))
+    await asyncio.sleep(0)
+    summary = job_summary(rdv.jobs["r"])
+    assert (summary.min_world_size, summary.max_world_size, summary.resizes,
+            summary.joining_at_boundary) == (2, 4, 0, 1)
+    text = render(rdv, CollectiveMetrics())
+    assert 'gradstar_job_joining_at_boundary{job="r"} 1' in text
+    assert 'gradstar_job_max_world_size{job="r"} 4' in text
+    assert 'gradstar_job_resizes_total{job="r"} 0' in text
+    joiner.cancel()
