@@ -87,14 +87,18 @@ class ProcessGroup:
                     f"rank {old.rank} of job {old.job!r} left the job at step boundary "
                     f"{membership.boundary} (depart()): run no more steps, close the group")
             new = self._move(old, membership)
+            arrived = tuple(new.joined.newcomers)
+            # Newcomers of an earlier move at this boundary keep their ranks while nobody left.
+            kept = (resized.newcomers if resized is not None
+                    and new.world_size - len(arrived) == old.world_size else ())
             resized = Resized(new.generation, new.world_size, new.rank,
                               resized.previous_world_size if resized else old.world_size,
                               resized.previous_rank if resized else old.rank,
-                              tuple(new.joined.newcomers), new.joined.boundary)
-            if not resized.newcomers or welcome is None or welcome(resized):
-                membership.begin()
-                return resized
-            membership.hold()  # a newcomer refused: the coordinator names this boundary again
+                              tuple(sorted({*kept, *arrived})), new.joined.boundary)
+            if arrived and welcome is not None and not welcome(resized):
+                membership.hold()  # a newcomer refused: the coordinator names this boundary again
+            # Crossing again: the step begins here, unless another resize (a joiner that came
+            # meanwhile, a refused newcomer) named this same boundary: then the rank moves again.
         return resized
 
     def _move(self, old: AsyncProcessGroup, membership) -> AsyncProcessGroup:
