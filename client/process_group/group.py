@@ -29,7 +29,7 @@ from gradstar.wire.formats import WireFormat
 
 from ..coalesced import all_reduce_coalesced
 from ..collective.data_plane import DataPlane, striped_chunk_bytes
-from ..collective.direct import DirectCall, DirectLane
+from ..collective.direct import DirectLane, SettledCall
 from ..collective.stream import abandon_collective, give_up, issue, run_collective
 from ..convert import copies_to_device, copying_to_device, delivered, is_cpu_tensor, to_numpy
 from ..hierarchy import HostHierarchy
@@ -345,7 +345,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
     def _start(self, call: ops.CollectiveCall, send: np.ndarray | None, out: np.ndarray,
                restore, timeout: float) -> Awaitable[Any]:
         """Issue ``call`` (:meth:`_issue`), or, on a blocking caller's thread (no running loop)
-        when the caller's :attr:`direct` lane takes it, return it as a :class:`DirectCall`
+        when the caller's :attr:`direct` lane takes it, return it as a :class:`SettledCall`
         that thread may run itself."""
 
         def started() -> Awaitable[Any]:
@@ -353,7 +353,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
 
         if self.direct is not None and self.direct.takes(call) and (
                 asyncio._get_running_loop() is None):
-            return DirectCall(self.direct, call, send, out, restore, timeout, started)
+            return SettledCall(self.direct, call, send, out, restore, timeout, started)
         return started()
 
     async def _collect(self, call: ops.CollectiveCall, send: np.ndarray | None,

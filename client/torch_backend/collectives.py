@@ -99,7 +99,7 @@ class Collectives:
                 write(i, restore(result))
             return tensors
 
-        return self._launch(starts, finish, tensors, waited=how.waited)
+        return self._launch(starts, finish, tensors, settle=how.settle)
 
     def _gather(self, inputs: list[torch.Tensor], how: CallOptions,
                 write: Callable[[int, list[torch.Tensor]], None], result):
@@ -111,7 +111,7 @@ class Collectives:
                 write(i, [restore(p) for p in parts])
             return result
 
-        return self._launch(starts, finish, [inputs, result], waited=how.waited)
+        return self._launch(starts, finish, [inputs, result], settle=how.settle)
 
     def _scatter_reduce(self, outputs: list[torch.Tensor], flats: list[torch.Tensor], op: str,
                         how: CallOptions):
@@ -135,17 +135,17 @@ class Collectives:
                 out.copy_(restore(shard).reshape(out.shape))
             return outputs
 
-        return self._launch(starts, finish, [outputs, flats], waited=how.waited)
+        return self._launch(starts, finish, [outputs, flats], settle=how.settle)
 
     def allreduce(self, tensors, opts=None):
         tensors = tensor_list(tensors)
         op, how = reduce_op_name(opts), CallOptions.of(opts)
-        if how.waited and (arr := _numpy_in_place(tensors, op)) is not None:
+        if how.settle and (arr := _numpy_in_place(tensors, op)) is not None:
             # dist.all_reduce(t) of a CPU tensor: the SDK reduces into t's memory, and the
-            # Work comes back ended. A result written counts as an in-place op (t's version,
+            # Work comes back settled. A result written counts as an in-place op (t's version,
             # which autograd checks), once; a failed call leaves the version as it was, as
             # the general path's copy_ and torch's own failed in-place ops do.
-            work = self._run_here(tensors, "all_reduce", arr, op, timeout=how.timeout, out=arr)
+            work = self._settled(tensors, "all_reduce", arr, op, timeout=how.timeout, out=arr)
             if work.is_success():
                 increment_version(tensors[0])
             return work
@@ -221,7 +221,7 @@ class Collectives:
 
         return self._launch([self._call("all_reduce_coalesced", [w for w, _ in prepared], op,
                                         timeout=how.timeout)], finish, tensors,
-                            waited=how.waited)
+                            settle=how.settle)
 
     def reduce(self, tensors, opts=None):
         """torch's reduce, as an all_reduce whose result only the root keeps."""
@@ -250,7 +250,7 @@ class Collectives:
                     write(i, restore(r))
             return result
 
-        return self._launch(starts, finish, [tensors, result], waited=how.waited)
+        return self._launch(starts, finish, [tensors, result], settle=how.settle)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         inputs = tensor_list(input_tensors)
@@ -350,10 +350,10 @@ class Collectives:
 
     def barrier(self, opts=None):
         how = CallOptions.of(opts)
-        if how.waited:  # dist.barrier(): run to its end here, the Work back ended
-            return self._run_here([], "barrier", timeout=how.timeout)
+        if how.settle:  # dist.barrier(): run to its end here, the Work back settled
+            return self._settled([], "barrier", timeout=how.timeout)
         return self._launch([self._call("barrier", timeout=how.timeout)],
-                            lambda _results: [], [], waited=how.waited)
+                            lambda _results: [], [], settle=how.settle)
 
     def monitored_barrier(self, timeout: timedelta | None = None,
                           wait_all_ranks: bool = False) -> None:

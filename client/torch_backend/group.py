@@ -56,7 +56,6 @@ import torch.distributed as dist
 
 from gradstar.client.device import check_device, synchronize
 from gradstar.client.process_group import ProcessGroup
-from gradstar.client.work import SettledWork
 from gradstar.errors import GradstarError, ProcessGroupClosedError
 
 from .collectives import Collectives, MonitoredBarrierError
@@ -140,10 +139,10 @@ class ProcessGroupGradstar(Collectives, PointToPoint, dist.ProcessGroup):
     def _launch(self, starts: Sequence[Callable[[], object]],
                 finish: Callable[[list], object], tensors,
                 work_type: type[GradstarWork] = GradstarWork, *,
-                waited: bool = False) -> GradstarWork:
+                settle: bool = False) -> GradstarWork:
         """Start gradstar collectives (in order, here) and wrap them in one Work.
 
-        ``waited``: the caller waits for the Work at once (torch's ``async_op=False``,
+        ``settle``: the caller waits for the Work at once (torch's ``async_op=False``,
         :func:`.convert.caller_waits`). One collective (a :class:`Call`) then runs to its end
         here and the Work comes back settled (:meth:`~gradstar.client.process_group.
         ProcessGroup.settled`): a small one on this thread over gradstar's direct lane, and no
@@ -167,44 +166,37 @@ class ProcessGroupGradstar(Collectives, PointToPoint, dist.ProcessGroup):
         for t in every:
             check_device(t)
         devices = cuda_devices(every)
-        here = (waited and len(starts) == 1 and isinstance(starts[0], Call)
-                and work_type is GradstarWork)
-        if not here:
-            for device in devices:
-                synchronize(device)
+        inference = any(t.is_inference() for t in every)
+        if (settle and len(starts) == 1 and isinstance(starts[0], Call)
+                and work_type is GradstarWork):
+            # Settled: nothing left to abandon at shutdown.
+            return GradstarWork([starts[0].settled()], finish, self._completions,
+                                label=self._error_label, devices=devices, inference=inference,
+                                settled=True)
+        for device in devices:
+            synchronize(device)
         try:
-            pending = [starts[0].settled()] if here else [start() for start in starts]
+            pending = [start() for start in starts]
         except ValueError:
             raise
         except GradstarError as error:
-            if here:  # failed already, as a waited call's Work comes back settled
-                return GradstarWork.ended(SettledWork(error=error), None, self._completions,
-                                          label=self._error_label)
             return GradstarWork.failed(error, self._completions, label=self._error_label)
         work = work_type(pending, finish, self._completions, label=self._error_label,
-                         devices=devices,
-                         inference=any(t.is_inference() for t in every), here=here)
-        if here:
-            return work  # settled: nothing left to abandon at shutdown
+                         devices=devices, inference=inference)
         with self._lock:
             self._in_flight.add(work)
         return work
 
-    def _run_here(self, value, method: str, *args, **kwargs) -> GradstarWork:
-        """``gradstar_group.<method>(*args, **kwargs)`` run to its end on this thread, for a
-        call torch waits for at once whose collective touches no CUDA tensor and leaves
-        nothing to write afterwards (it writes its result into the tensor's memory itself, or
-        has none): the Work comes back ended (:meth:`GradstarWork.ended`) with ``value``, or
-        with the collective's error -- also one raised as it was issued (a closed group), for
-        a fraction of :meth:`_launch`'s cost per call. A ``ValueError`` (invalid arguments,
-        nothing sent) is raised, as ``_launch`` does."""
-        try:
-            ended = self.gradstar_group.settled(method, *args, **kwargs)
-        except ValueError:
-            raise
-        except GradstarError as error:
-            ended = SettledWork(error=error)
-        return GradstarWork.ended(ended, value, self._completions, label=self._error_label)
+    def _settled(self, value, method: str, *args, **kwargs) -> GradstarWork:
+        """``gradstar_group.<method>(*args, **kwargs)`` settled on this thread, for a call
+        torch waits for at once whose collective touches no CUDA tensor and leaves nothing to
+        write afterwards (it writes its result into the tensor's memory itself, or has none):
+        the Work comes back settled (:meth:`GradstarWork.from_settled`) with ``value``, or with
+        the collective's error (:meth:`~gradstar.client.process_group.ProcessGroup.settled`
+        says which errors are the Work's), for a fraction of :meth:`_launch`'s cost per call.
+        A ``ValueError`` (invalid arguments, nothing sent) is raised, as ``_launch`` does."""
+        return GradstarWork.from_settled(self.gradstar_group.settled(method, *args, **kwargs),
+                                         value, self._completions, label=self._error_label)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
