@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from gradstar.client.device import check_device, synchronize
-from gradstar.client.process_group import ProcessGroup
+from gradstar.client.process_group.protocol import BackendGroup
 from gradstar.errors import GradstarError, ProcessGroupClosedError
 
 from .collectives import Collectives, MonitoredBarrierError
@@ -70,7 +70,7 @@ class Call:
     ``method`` with these arguments, started with ``async_op=True`` (calling it) or run to its
     end now (:meth:`settled`)."""
 
-    group: ProcessGroup
+    group: BackendGroup
     method: str
     args: tuple
     kwargs: dict
@@ -89,7 +89,7 @@ class ProcessGroupGradstar(Collectives, PointToPoint, dist.ProcessGroup):
     one per torch group; ``gradstar_group`` is the gradstar ProcessGroup it wraps.
     """
 
-    def __init__(self, group: ProcessGroup, completions: CompletionThreads, *,
+    def __init__(self, group: BackendGroup, completions: CompletionThreads, *,
                  options: dict | None = None,
                  on_shutdown: Callable[[ProcessGroupGradstar], None] | None = None) -> None:
         super().__init__(group.rank, group.world_size)
