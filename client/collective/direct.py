@@ -1,14 +1,13 @@
 """Small collectives from the caller's own thread: the blocking API's fast path.
 
 The blocking :class:`~gradstar.client.process_group.ProcessGroup` runs its asyncio group on a
-loop thread, so a collective used to cross threads four times on the rank alone: the caller
-to the loop, and on the way back gRPC's I/O thread to its poller thread to the loop to the
-caller. For a tensor of a few KB that was most of the call (profiled on 2 cores: a rank's
-event loop spent ~250 us of CPU per 100-byte all_reduce on asyncio tasks, futures and grpc.aio's
-own hops, its caller ~70 us). A :class:`DirectLane` instead carries a *small* collective
-(:meth:`DirectLane.takes`) on a blocking gRPC stream from the caller's thread: the caller
-writes the rank's whole side as one message and waits on the stream's own completion queue,
-so the answer wakes it directly (:mod:`.caller_stream`: no gRPC thread in between).
+loop thread, so a collective used to cross threads four times on the rank alone: the caller to
+the loop, and on the way back gRPC's I/O thread to its poller thread to the loop to the caller.
+For a tensor of a few KB those hops are most of the call (the profile: docs/performance.md,
+"Figures behind the code"). A :class:`DirectLane` instead carries a *small* collective
+(:meth:`DirectLane.takes`) on a blocking gRPC stream from the caller's thread: the caller writes
+the rank's whole side as one message and waits on the stream's own completion queue, so the
+answer wakes it directly (:mod:`.caller_stream`: no gRPC thread in between).
 
 What travels is exactly what :mod:`.stream` sends for a small collective on the stream path
 (:func:`.outgoing.in_one_message`: header, chunks and end marker in one message) and what

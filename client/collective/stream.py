@@ -31,11 +31,11 @@ a collective out itself. These rules, with the put-back and the abandon below, a
 
 Streams outlive collectives (:class:`OpenStream`): after the hub's ``END`` the stream goes back
 to its target's idle streams and the next collective's header follows on it, so a collective
-costs no call set-up (a new gRPC call cost the hub ~0.55 ms of CPU more per rank and collective
-than a message on an open one). Collectives issued at once each take a stream of their own.
-``ERROR`` and every other way a collective can end are final for its stream: the call is hung
-up without waiting for its gRPC status, which grpc-python may misreport as INTERNAL when the
-server finishes while this side is still writing. Closing the group ends the idle streams.
+costs no call set-up (:mod:`.targets` says why). Collectives issued at once each take a stream
+of their own. ``ERROR`` and every other way a collective can end are final for its stream: the
+call is hung up without waiting for its gRPC status, which grpc-python may misreport as INTERNAL
+when the server finishes while this side is still writing. Closing the group ends the idle
+streams.
 
 Cancellation: a collective cancelled on this rank (its task cancelled, ``asyncio.wait_for``
 expiring) fails on every rank. Once the hub holds the rank's header, hanging up does that: the
