@@ -86,6 +86,9 @@ class StreamEnding:
         GradstarError: the named error of the table, or the session's verdict.
     """
 
+    __slots__ = ("_abandon", "_end_stream", "_ended_by", "_receiver", "_verdict", "address",
+                 "what")
+
     def __init__(self, what: str, address: str, receiver: StreamReceiver, *,
                  end_stream: Callable[[bool], None], abandon: Callable[[], None],
                  verdict: Callable[[], Awaitable[GradstarError | None]]
