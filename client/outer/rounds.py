@@ -230,6 +230,13 @@ class RoundsClient:
                 self._data = self._stub  # the collective port may be gone with its coordinator
             await asyncio.sleep(RETRY_PAUSE)
 
+    async def leave(self, timeout: float) -> None:
+        """Leave the job's rounds for good: the hub's open and later rounds stop waiting for
+        this replica."""
+        key = pb.RoundsKey(job=self.job, replica=self.replica)
+        await self._retrying(lambda t: self._stub.Leave(key, timeout=t, metadata=self._metadata),
+                             "leaving the rounds", timeout)
+
     async def close(self) -> None:
         if self._bulk_channel is not None:
             await self._bulk_channel.close()

@@ -207,6 +207,20 @@ class StreamingDiLoCo:
                 t.copy_(source[offset:offset + n].view_as(t))
                 offset += n
 
+    def leave(self) -> None:
+        """Leave the job's rounds for good (a replica going away between steps, e.g. on a
+        spot instance's notice): merge the rounds in flight, tell the hub, which stops
+        waiting for this replica in its open rounds and expects it in no later one, then
+        close. The other replicas go on at once instead of at the rounds' timeout.
+
+        Raises:
+            RoundTimeoutError, CoordinatorUnavailableError: as :meth:`finish` and the call.
+        """
+        self.finish()
+        if self.client is not None:
+            self._run(self.client.leave(self.timeout))
+        self.close()
+
     def close(self) -> None:
         """Close the connection (rounds in flight are abandoned; the hub drops this replica
         from them at their deadline)."""

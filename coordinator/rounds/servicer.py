@@ -151,6 +151,18 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
         return header, out.astype(np.float32, copy=False)
 
 
+    async def Leave(self, request: pb.RoundsKey,
+                    context: grpc.aio.ServicerContext) -> pb.RoundStatus:
+        try:
+            check_job_name(request.job)
+            check_job_name(request.replica, "a replica name")
+            check_job_access(request.job)
+            self.table.leave(request.job, request.replica)
+        except GradstarError as error:
+            await abort(context, error)
+        self._arm_timer()
+        return pb.RoundStatus()
+
     def _round_closed(self, job: str, model: str, fragment: int) -> None:
         # Wake every waiting Fetch; each rechecks its own fragment.
         self._closed.set()

@@ -237,6 +237,25 @@ class RoundsTable:
         self._maybe_close(key, frag, now)
         return True, self._model(key).rounds
 
+    def leave(self, job: str, replica: str) -> list[tuple[str, str, int]]:
+        """``replica`` left for good: no open round of ``job`` waits for it any longer (each
+        closes now if every other expected replica contributed and there are enough); return
+        the rounds that closed."""
+        record = self.replica(job, replica)
+        record.active = False
+        record.seeded.clear()
+        now, closed = self.clock(), []
+        for key, frag in list(self.fragments.items()):
+            rnd = frag.open
+            if key[0] != job or rnd is None or replica not in rnd.expected:
+                continue
+            if replica not in rnd.contributions:
+                rnd.expected = rnd.expected - {replica}
+            if self._maybe_close(key, frag, now):
+                closed.append(key)
+        log.info("job %r: replica %r left its rounds", job, replica)
+        return closed
+
     def close_due(self) -> list[tuple[str, str, int]]:
         """Close the rounds whose deadline passed (with enough contributions); return them."""
         now = self.clock()

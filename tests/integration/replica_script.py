@@ -66,6 +66,9 @@ def main() -> None:
     index = int(os.environ.get("SDL_INDEX") or os.environ["GRADSTAR_RANK"])
     out = sys.argv[1].format(index=index)
     steps, pause = int(os.environ["SDL_STEPS"]), float(os.environ.get("SDL_SLEEP", "0"))
+    # SDL_LEAVE_AT: leave the rounds for good (StreamingDiLoCo.leave) after running that many
+    # steps of its own.
+    leave_at = int(os.environ.get("SDL_LEAVE_AT", "-1"))
     torch.set_num_threads(1)  # replicas share the machine's cores
     model = make_model().to(os.environ.get("SDL_DEVICE", "cpu"))
     gate = os.environ.get("SDL_WAIT_FOR")
@@ -74,14 +77,21 @@ def main() -> None:
     with gradstar.StreamingDiLoCo(model, **options()) as sdl:
         print(f"joined {sdl.joined_at_step} {sdl.rounds} pid {os.getpid()} in "
               f"{sdl.join_seconds:.3f} s", flush=True)
+        left, ran = False, 0
         while sdl.local_steps < steps:
+            if ran == leave_at:
+                sdl.leave()
+                left = True
+                break
             inner_step(model, index, sdl.local_steps)
             sdl.step()
+            ran += 1
             print(f"step {sdl.local_steps}", flush=True)
             time.sleep(pause)
-        sdl.finish()
-        result = {"replica": sdl.replica, "rounds": sdl.rounds, "late": sdl.late_rounds,
-                  "joined_at": sdl.joined_at_step,
+        if not left:
+            sdl.finish()
+        result = {"left": left, "replica": sdl.replica, "rounds": sdl.rounds,
+                  "late": sdl.late_rounds, "joined_at": sdl.joined_at_step,
                   "global": sdl.global_parameters.tolist(),
                   "device": str(next(model.parameters()).device),
                   "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])

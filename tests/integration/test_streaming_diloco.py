@@ -25,6 +25,7 @@ import pytest
 from gradstar.client.outer import RoundsClient, Schedule, split_fragments
 from gradstar.config import ClientSettings
 from gradstar.coordinator.views import rounds_view
+from tests.integration.conftest import until
 from tests.runtime.conftest import http_get
 
 SCRIPT = Path(__file__).with_name("replica_script.py")
@@ -316,3 +317,26 @@ async def test_replicas_train_through_a_coordinator_restart(start_coordinator, r
     assert results[0]["rounds"] == results[1]["rounds"] == [15, 15]
     assert results[0]["global"] == results[1]["global"]
     assert [f.rounds for f in rounds_view(second.rounds, "sdl").fragments] == [15, 15]
+
+
+async def test_a_replica_that_leaves_holds_no_round_back(coordinator, replicas, tmp_path):
+    """A replica's StreamingDiLoCo.leave() tells the hub: its open rounds close with the
+    others, and no later round waits for it. The rounds' timeout (10 min) is far past the
+    test's bound, so a round that still waited for it would fail the test."""
+    sdl = dict(h=4, p=2, tau=1, alpha=0.5, min_replicas=2, round_timeout=600, steps=24)
+    # The leaver joins first and pauses 0.2 s a step: every round it takes part in waits for
+    # it, so it is in the rounds when it leaves after 9 steps of its own.
+    replicas.append(await Replica.start(tmp_path, coordinator.address, 2, leave_at=9,
+                                        sleep=0.2, **sdl))
+    await until(lambda: any(line.startswith("joined") for line in replicas[0].lines),
+                "the leaver joined", 90)
+    for i in range(2):
+        replicas.append(await Replica.start(tmp_path, coordinator.address, i, **sdl))
+    leaver, *results = [await r.result() for r in replicas]
+    assert results[0]["global"] == results[1]["global"]
+    assert results[0]["rounds"] == results[1]["rounds"] and min(results[0]["rounds"]) >= 5
+    view = rounds_view(coordinator.rounds, "sdl")
+    by_name = {r.replica: r for r in view.replicas}
+    assert leaver["left"] and not results[0]["left"]
+    assert by_name["r2"].missed == 0 and by_name["r2"].contributed >= 2  # left, not missed
+    assert all(list(f.last_participants) == ["r0", "r1"] for f in view.fragments)

@@ -225,3 +225,24 @@ def test_an_idle_job_releases_what_its_open_round_held():
     clock.now += 10_000.0
     assert t.drop_idle(600.0) == ["j"]
     assert t.held_bytes == 0
+
+
+def test_a_replica_that_leaves_is_waited_for_by_no_round():
+    t, clock = seeded()
+    t.contribute("j", "m", 0, "a", 0, POLICY, vec(2, 2, 2, 2))
+    t.contribute("j", "m", 0, "b", 0, POLICY, vec(2, 2, 2, 2))
+    assert t.leave("j", "c") == [("j", "m", 0)]  # closed now, not at the deadline
+    last = t.fragments[("j", "m", 0)].history[-1]
+    assert last.participants == ("a", "b") and last.missed == ()  # it left: not missed
+    assert t.replicas["j"]["c"].missed == 0 and not t.replicas["j"]["c"].active
+    t.contribute("j", "m", 0, "a", 1, POLICY, vec(0, 0, 0, 0))  # the next one expects a, b
+    assert t.contribute("j", "m", 0, "b", 1, POLICY, vec(0, 0, 0, 0)) == (True, 2)
+    assert t.seed("j", "m", 0, "c", np.ones(4, np.float32)) == 2  # a seed joins it again
+    assert t.replicas["j"]["c"].active and t.replicas["j"]["c"].joins == 2
+
+
+def test_a_leave_keeps_a_round_open_below_min_replicas():
+    t, clock = seeded()
+    t.contribute("j", "m", 0, "a", 0, POLICY, vec(2, 2, 2, 2))
+    assert t.leave("j", "b") == []  # one contribution, min_replicas 2: it stays open
+    assert t.fragments[("j", "m", 0)].open.expected == frozenset({"a", "c"})

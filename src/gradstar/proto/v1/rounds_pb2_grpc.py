@@ -49,6 +49,11 @@ class RoundsStub:
                 request_serializer=gradstar_dot_proto_dot_v1_dot_rounds__pb2.FetchRequest.SerializeToString,
                 response_deserializer=gradstar_dot_proto_dot_v1_dot_rounds__pb2.FetchPart.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/gradstar.proto.v1.Rounds/Leave',
+                request_serializer=gradstar_dot_proto_dot_v1_dot_rounds__pb2.RoundsKey.SerializeToString,
+                response_deserializer=gradstar_dot_proto_dot_v1_dot_rounds__pb2.RoundStatus.FromString,
+                _registered_method=True)
 
 
 class RoundsServicer:
@@ -76,6 +81,15 @@ class RoundsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leave(self, request, context):
+        """The replica leaves the job's rounds for good (the key's model and fragment are ignored):
+        open rounds stop waiting for it and close if every other expected replica contributed;
+        later rounds do not expect it. A Seed joins it again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RoundsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +107,11 @@ def add_RoundsServicer_to_server(servicer, server):
                     servicer.Fetch,
                     request_deserializer=gradstar_dot_proto_dot_v1_dot_rounds__pb2.FetchRequest.FromString,
                     response_serializer=gradstar_dot_proto_dot_v1_dot_rounds__pb2.FetchPart.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=gradstar_dot_proto_dot_v1_dot_rounds__pb2.RoundsKey.FromString,
+                    response_serializer=gradstar_dot_proto_dot_v1_dot_rounds__pb2.RoundStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +195,33 @@ class Rounds:
             '/gradstar.proto.v1.Rounds/Fetch',
             gradstar_dot_proto_dot_v1_dot_rounds__pb2.FetchRequest.SerializeToString,
             gradstar_dot_proto_dot_v1_dot_rounds__pb2.FetchPart.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradstar.proto.v1.Rounds/Leave',
+            gradstar_dot_proto_dot_v1_dot_rounds__pb2.RoundsKey.SerializeToString,
+            gradstar_dot_proto_dot_v1_dot_rounds__pb2.RoundStatus.FromString,
             options,
             channel_credentials,
             insecure,
