@@ -56,7 +56,7 @@ def main() -> int:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(2, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
                           nn.Linear(32, 2))
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    opt = torch.optim.Adam(model.parameters(), lr=0.03)
     mode = gradstar.Quorum(min_ranks=2, timeout=0.02) if args.mode == "quorum" else None
     ddp = gradstar.DDP(model, pg, optimizer=opt, sync_mode=mode)
     emit({"built": time.time() - STARTED})
