@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from gradstar.errors import ConfigurationError
+from gradstar.errors import ConfigurationError, InvalidCollectiveError
 from gradstar.proto.v1 import peer_pb2 as ppb
 from gradstar.wire import bfloat16, dtype_info
 
@@ -141,3 +141,26 @@ def restore_array(arr: np.ndarray, kind: int):
         # numpy has no bfloat16: hand torch the same bits as int16 and reinterpret them.
         return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(arr)
+
+
+def output_array(out, like: np.ndarray) -> np.ndarray:
+    """``out`` as a numpy array sharing its memory, checked against the input ``like``.
+
+    Raises:
+        ConfigurationError: not a writable C-contiguous numpy array or CPU tensor.
+        InvalidCollectiveError: another shape or dtype than ``like``.
+    """
+    arr = None
+    if isinstance(out, np.ndarray):
+        arr = out
+    elif is_cpu_tensor(out) and out.is_contiguous():
+        arr, _ = to_numpy(out)  # a view of the tensor's memory
+    if arr is None or not (arr.flags.c_contiguous and arr.flags.writeable):
+        raise ConfigurationError(
+            "out= takes a writable, C-contiguous numpy array or CPU tensor, got "
+            f"{type(out).__name__}" + (f" on {out.device}" if hasattr(out, "device") else ""))
+    if arr.shape != like.shape or arr.dtype != like.dtype:
+        raise InvalidCollectiveError(
+            f"out= must match the input: shape {like.shape} and dtype {like.dtype}, got shape "
+            f"{arr.shape} and dtype {arr.dtype}")
+    return arr

@@ -20,7 +20,7 @@ import numpy as np
 
 from gradstar import ops
 from gradstar.config import ClientSettings
-from gradstar.errors import ConfigurationError, InvalidCollectiveError, ProcessGroupClosedError
+from gradstar.errors import InvalidCollectiveError, ProcessGroupClosedError
 from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.transport.channels import call_metadata, open_blocking_channel
 from gradstar.wire import COLLECTIVE_METHOD, aligned_chunk_bytes, dtype_info, numpy_dtype_name
@@ -30,13 +30,15 @@ from gradstar.wire.formats import WireFormat
 from ..coalesced import all_reduce_coalesced
 from ..collective.data_plane import DataPlane, striped_chunk_bytes
 from ..collective.direct import DirectCall, DirectLane
+from ..collective.reissue import Seqs
 from ..collective.stream import abandon_collective, give_up, issue, run_collective
-from ..convert import copies_to_device, copying_to_device, delivered, is_cpu_tensor, to_numpy
+from ..convert import copies_to_device, copying_to_device, delivered, output_array, to_numpy
 from ..hierarchy import HostHierarchy
 from ..peer import Identity, PeerEndpoint
 from ..session import Session
 from ..stragglers import StragglerLog, StragglerQueries
 from .point_to_point import PointToPoint
+from .ride import RidesThrough
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class Reserved:
         return self.call.header
 
 
-class AsyncProcessGroup(PointToPoint, StragglerQueries):
+class AsyncProcessGroup(PointToPoint, StragglerQueries, RidesThrough):
     """A rank of a job. Create with ``init_process_group_async``.
 
     Each collective is issued when it is called: it returns an ``asyncio.Task`` already
@@ -78,7 +80,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         self._plane = DataPlane(settings, list(joined.shards), joined.collectives)
         #: The hub shards this generation's collectives are striped over (empty: none).
         self.shards: list[str] = self._plane.addresses
-        self._seq = itertools.count(1)
+        self._seq = Seqs()
         self._calls = ops.CallCache()  # the calls this rank issued, derived once per kind
         #: The blocking API's lane for small collectives from its caller's thread (None: every
         #: collective runs on the loop): :meth:`open_direct_lane`.
@@ -93,6 +95,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         if peer_endpoint is not None:
             peer_endpoint.bind(Identity(self.job, self.generation, self.rank, self.world_size,
                                         tuple(joined.peer_keys)), joined, session)
+        self._ride_along(self._seq)
 
     @property
     def collective_address(self) -> str:
@@ -142,7 +145,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         arr, restore = to_numpy(x)
         reduce_op = ops.reduce_op(op)
         fmt = self._check(ops.ALL_REDUCE, arr, reduce_op=reduce_op, wire=wire)
-        into = np.empty_like(arr) if out is None else _output_array(out, arr)
+        into = np.empty_like(arr) if out is None else output_array(out, arr)
         if self._hosts.takes(ops.ALL_REDUCE, arr, reduce_op):
             self._check_usable()
             return self._hosts.all_reduce(arr, reduce_op, into, restore if out is None
@@ -353,7 +356,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
 
         if self.direct is not None and self.direct.takes(call) and (
                 asyncio._get_running_loop() is None):
-            return DirectCall(self.direct, call, send, out, restore, timeout, started)
+            return DirectCall(self._lane(), call, send, out, restore, timeout, started)
         return started()
 
     async def _collect(self, call: ops.CollectiveCall, send: np.ndarray | None,
@@ -361,9 +364,12 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         """Run ``call`` (in its wire format, if any: ``send`` encoded chunk by chunk as it is
         sent, the result decoded into ``out`` once it is proven complete, so a failure leaves
         ``out`` untouched) and hand ``restore`` the result."""
-        result = await run_collective(self._targets(call), call, send, out,
-                                      session=self._session, metadata=self._metadata,
-                                      timeout=timeout)
+        if self._session.ride is not None:  # held, and issued again after a restart
+            result = await self._run_riding(call, send, out, timeout)
+        else:
+            result = await run_collective(self._targets(call), call, send, out,
+                                          session=self._session, metadata=self._metadata,
+                                          timeout=timeout)
         return await delivered(restore, result)
 
     def open_direct_lane(self, submit) -> Coroutine | None:
@@ -373,7 +379,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         as behind hub shards, whose stripes stay on the loop)."""
         if self._plane.shards:
             return None
-        address = self._plane.collectives
+        self._submit, address = submit, self._plane.collectives
         self.direct = DirectLane(
             open_blocking_channel(self.settings, address), COLLECTIVE_METHOD, address,
             self._metadata, session=self._session, submit=submit,
@@ -422,29 +428,6 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
 
 def _as_is(result: np.ndarray) -> np.ndarray:
     return result
-
-
-def _output_array(out, like: np.ndarray) -> np.ndarray:
-    """``out`` as a numpy array sharing its memory, checked against the input ``like``.
-
-    Raises:
-        ConfigurationError: not a writable C-contiguous numpy array or CPU tensor.
-        InvalidCollectiveError: another shape or dtype than ``like``.
-    """
-    arr = None
-    if isinstance(out, np.ndarray):
-        arr = out
-    elif is_cpu_tensor(out) and out.is_contiguous():
-        arr, _ = to_numpy(out)  # a view of the tensor's memory
-    if arr is None or not (arr.flags.c_contiguous and arr.flags.writeable):
-        raise ConfigurationError(
-            "out= takes a writable, C-contiguous numpy array or CPU tensor, got "
-            f"{type(out).__name__}" + (f" on {out.device}" if hasattr(out, "device") else ""))
-    if arr.shape != like.shape or arr.dtype != like.dtype:
-        raise InvalidCollectiveError(
-            f"out= must match the input: shape {like.shape} and dtype {like.dtype}, got shape "
-            f"{arr.shape} and dtype {arr.dtype}")
-    return arr
 
 
 __all__ = ["AsyncProcessGroup", "Reserved"]

@@ -18,6 +18,7 @@ from gradstar.proto.v1 import rendezvous_pb2_grpc
 from gradstar.transport.auth import check_job_access
 from gradstar.transport.status import abort
 
+from .rebuild import claim_of
 from .rendezvous import Member, Rendezvous
 
 log = logging.getLogger(__name__)
@@ -53,13 +54,17 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
         j = first.join
         try:
             check_job_access(j.job)  # before the join makes the job or takes a place in it
-            member = await self.rendezvous.join(
-                j.job, j.world_size, j.rank if j.rank >= 0 else None, j.peer_address,
-                min(j.timeout_seconds or self.max_join, self.max_join), host=j.host,
-                elastic=j.elastic, outbound_only=j.outbound_only,
-                max_world_size=j.max_world_size,
-                hostname=j.hostname,
-            )
+            timeout = min(j.timeout_seconds or self.max_join, self.max_join)
+            replay: list[int] = []
+            if j.HasField("rejoin"):
+                member, replay = await self.rendezvous.rebuilds.rejoin(claim_of(j), timeout)
+                member.outbound_only = j.outbound_only
+            else:
+                member = await self.rendezvous.join(
+                    j.job, j.world_size, j.rank if j.rank >= 0 else None, j.peer_address,
+                    timeout, host=j.host, elastic=j.elastic, outbound_only=j.outbound_only,
+                    max_world_size=j.max_world_size, hostname=j.hostname,
+                )
         except GradstarError as error:
             await abort(context, error)
         gen = member.generation
@@ -77,6 +82,7 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
                 heartbeat_interval_seconds=self.heartbeat_interval,
                 # This member's keys only, on its own session stream (32 bytes per rank).
                 peer_keys=gen.peer_keys(member.rank), replacement=member.replacement,
+                replay=replay,
             ))
             while (notice := await member.notices.get()) is not _SESSION_END:
                 if isinstance(notice, RankFinishedError):

@@ -1,0 +1,200 @@
+"""Ranks ride through a restart of their coordinator (client/reconnect.py,
+coordinator/rendezvous/rebuild.py): real coordinators on 127.0.0.1, stopped and started again on
+the same port, with the groups of a job in this process. The kill -9 of a coordinator process
+under Synchronous DDP is tests/integration/test_ride_through_processes.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import numpy as np
+import pytest
+
+import gradstar
+from gradstar import errors
+from gradstar.config import CoordinatorSettings
+from gradstar.coordinator import Coordinator
+from gradstar.errors import ERROR_NAME_KEY
+from gradstar.proto.v1 import rendezvous_pb2 as rpb
+from gradstar.proto.v1 import rendezvous_pb2_grpc
+
+from .conftest import close_all, join_all
+
+
+async def restart(coordinator: Coordinator, pause: float = 0.5, **settings) -> Coordinator:
+    """Stop ``coordinator`` and start a new one on its port after ``pause`` seconds."""
+    port = coordinator.port
+    await coordinator.stop(grace=0)
+    await asyncio.sleep(pause)
+    again = Coordinator(CoordinatorSettings(host="127.0.0.1", port=port, **settings))
+    await again.start()
+    return again
+
+
+async def test_collectives_in_flight_complete_after_the_coordinator_restarts():
+    first = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0))
+    await first.start()
+    second = None
+    groups = await join_all(first.address, 3, "ride", reconnect_timeout=20)
+    try:
+        inputs = [np.arange(50_000, dtype=np.float32) * (g.rank + 1) for g in groups]
+        expected = sum(inputs)
+        assert all(np.array_equal(r, expected) for r in await asyncio.gather(
+            *(g.all_reduce(inputs[g.rank]) for g in groups)))
+        # Stopped with nothing in flight: the next collectives are issued while it is away.
+        port = first.port
+        await first.stop(grace=0)
+        in_place = [inputs[g.rank].copy() for g in groups]
+        works = [asyncio.ensure_future(asyncio.gather(
+            g.all_reduce(in_place[g.rank], out=in_place[g.rank]),
+            g.broadcast(np.full(7, g.rank, np.int64), src=2),
+            g.all_gather(np.full(3, g.rank, np.float64)))) for g in groups]
+        await asyncio.sleep(0.5)
+        second = Coordinator(CoordinatorSettings(host="127.0.0.1", port=port))
+        await second.start()
+        results = await asyncio.wait_for(asyncio.gather(*works), 40)
+        for g, (reduced, broadcast, gathered) in zip(groups, results, strict=True):
+            assert reduced is in_place[g.rank]
+            assert np.array_equal(reduced, expected), g.rank  # in place, yet every input whole
+            assert np.array_equal(broadcast, np.full(7, 2, np.int64))
+            assert [int(x[0]) for x in gathered] == [0, 1, 2]
+            assert len(g.reconnects) == 1 and g.reconnects[0] > 0.4
+            assert g.generation == 1 and g.collective_address.endswith(
+                f":{second.collective_port}")
+        # The rebuilt generation is the job's current one, and the next collective just works.
+        assert second.rendezvous.jobs["ride"].generation.number == 1
+        assert all(float(r[0]) == 6.0 for r in await asyncio.gather(
+            *(g.all_reduce(np.ones(4, np.float32) * 2) for g in groups)))
+    finally:
+        await close_all(groups)
+        await (second or first).stop(grace=0)
+
+
+async def test_a_coordinator_that_stays_away_fails_collectives_with_a_named_error():
+    coordinator = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0))
+    await coordinator.start()
+    groups = await join_all(coordinator.address, 2, "gone", reconnect_timeout=1.5)
+    try:
+        await coordinator.stop(grace=0)
+        outcomes = await asyncio.wait_for(asyncio.gather(
+            *(g.all_reduce(np.ones(8, np.float32)) for g in groups), return_exceptions=True), 30)
+        for outcome in outcomes:
+            assert isinstance(outcome, errors.CoordinatorLostError), outcome
+            assert "did not take rank" in str(outcome) and "1.5 s" in str(outcome)
+            assert coordinator.address in str(outcome)
+        with pytest.raises(errors.CoordinatorLostError):  # and every later one
+            await groups[0].barrier()
+    finally:
+        await close_all(groups)
+
+
+async def test_reconnect_timeout_zero_fails_at_once_as_before():
+    coordinator = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0))
+    await coordinator.start()
+    groups = await join_all(coordinator.address, 2, "off", reconnect_timeout=0)
+    try:
+        await coordinator.stop(grace=0)
+
+        async def reduce(g):
+            return await g.all_reduce(np.ones(8, np.float32))
+
+        outcomes = await asyncio.wait_for(asyncio.gather(
+            *(reduce(g) for g in groups), return_exceptions=True), 30)
+        for outcome in outcomes:
+            assert type(outcome) is errors.CoordinatorUnavailableError, outcome
+    finally:
+        await close_all(groups)
+
+
+async def rejoin(address: str, job: str, world_size: int, rank: int, claim: rpb.Rejoin,
+                 timeout: float = 5.0) -> tuple[str, str]:
+    """One raw rejoin on a session stream: the error class the coordinator names (or "joined")
+    and its message."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = rendezvous_pb2_grpc.RendezvousStub(channel)
+
+        async def requests():
+            yield rpb.SessionRequest(join=rpb.JoinRequest(
+                job=job, world_size=world_size, rank=rank, timeout_seconds=timeout,
+                rejoin=claim))
+            await asyncio.sleep(timeout + 5)
+
+        call = stub.Session(requests(), timeout=timeout + 5)
+        try:
+            event = await call.read()
+        except grpc.aio.AioRpcError as error:
+            trailing = dict(error.trailing_metadata() or ())
+            return trailing.get(ERROR_NAME_KEY, error.code().name), error.details()
+        finally:
+            call.cancel()
+        return event.WhichOneof("kind"), ""
+
+
+async def test_rejoins_a_coordinator_cannot_take_back_are_refused_by_name(coordinator):
+    address = coordinator.address
+    claim = rpb.Rejoin(generation=2, member_id="m0", next_seq=5, pending=[4], retained=[3])
+    # Sequence numbers that cannot be: a pending seq at the next seq, one pending and retained.
+    for bad in (rpb.Rejoin(generation=2, member_id="m0", next_seq=4, pending=[4]),
+                rpb.Rejoin(generation=2, member_id="m0", next_seq=5, pending=[3],
+                           retained=[3]),
+                rpb.Rejoin(generation=0, member_id="m0", next_seq=1)):
+        name, message = await rejoin(address, "seqs", 2, 0, bad)
+        assert name == "RejoinRefusedError", (name, message)
+    assert "job" not in json.dumps(list(coordinator.rendezvous.jobs))  # nothing was made
+    # Two ranks that disagree on the generation: the rebuild can never complete.
+    first = asyncio.ensure_future(rejoin(address, "split", 2, 0, claim, timeout=10))
+    await asyncio.sleep(0.3)
+    other = rpb.Rejoin(generation=3, member_id="m1", next_seq=5, pending=[4])
+    name, message = await rejoin(address, "split", 2, 1, other)
+    assert name == "RejoinRefusedError" and "generation 3" in message, message
+    assert (await first)[0] == "RejoinRefusedError"
+    # A rank completed seq 3 and dropped it, while the other still waits for it.
+    first = asyncio.ensure_future(rejoin(address, "dropped", 2, 0, claim, timeout=10))
+    await asyncio.sleep(0.3)
+    ahead = rpb.Rejoin(generation=2, member_id="m1", next_seq=9, pending=[8])
+    name, message = await rejoin(address, "dropped", 2, 1, ahead)
+    assert name == "RejoinRefusedError", message
+    assert "rank 1" in message and "seq 4" in message, message
+    assert (await first)[0] == "RejoinRefusedError"
+
+
+async def test_a_rejoin_to_a_coordinator_that_holds_the_job_is_refused(coordinator):
+    groups = await join_all(coordinator.address, 2, "held", reconnect_timeout=0)
+    try:
+        g = groups[0]
+        claim = rpb.Rejoin(generation=g.generation, member_id=g.member_id, next_seq=1)
+        name, message = await rejoin(coordinator.address, "held", 2, 0, claim)
+        assert name == "RejoinRefusedError" and "holds the job at generation 1" in message
+        assert all(float(r[0]) == 2.0 for r in await asyncio.gather(
+            *(x.all_reduce(np.ones(2, np.float32)) for x in groups)))  # untouched
+    finally:
+        await close_all(groups)
+
+
+async def test_the_direct_lane_rides_through_a_restart():
+    first = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0))
+    await first.start()
+    second = None
+    loop = asyncio.get_running_loop()
+    pgs = await asyncio.gather(*(loop.run_in_executor(None, lambda r=r: gradstar.init_process_group(
+        coordinator=first.address, job="direct", world_size=2, rank=r, timeout=20,
+        reconnect_timeout=20)) for r in range(2)))
+    try:
+        assert all(pg._group.direct is not None for pg in pgs)
+        port = first.port
+        await first.stop(grace=0)
+        calls = [loop.run_in_executor(None, lambda pg=pg: pg.all_reduce(
+            np.full(16, pg.rank + 1.0, np.float32))) for pg in pgs]
+        await asyncio.sleep(0.5)
+        second = Coordinator(CoordinatorSettings(host="127.0.0.1", port=port))
+        await second.start()
+        for result in await asyncio.wait_for(asyncio.gather(*calls), 40):
+            assert np.array_equal(result, np.full(16, 3.0, np.float32))
+        after = await asyncio.wait_for(asyncio.gather(*(loop.run_in_executor(
+            None, lambda pg=pg: pg.all_reduce(np.ones(4, np.float32))) for pg in pgs)), 30)
+        assert all(float(r[0]) == 2.0 for r in after)
+    finally:
+        await asyncio.gather(*(loop.run_in_executor(None, pg.close) for pg in pgs))
+        await (second or first).stop(grace=0)
