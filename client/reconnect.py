@@ -58,17 +58,20 @@ class Rejoinable(Protocol):
 
 
 class Ride:
-    """A session's rides through coordinator restarts (see the module docstring).
+    """A session's rides through coordinator restarts (see the module docstring); ``refused``
+    and ``lost`` fail the session when a rejoin is refused and when the time is up.
 
     ``claim()`` (set by the group) says what the rank holds of its generation;
     ``on_rejoined`` callbacks run with the coordinator's answer before any collective waiting
     in :meth:`until_back` goes on.
     """
 
-    def __init__(self, session: Rejoinable, timeout: float, fail: Callable[[GradstarError], None],
-                 target: str) -> None:
+    def __init__(self, session: Rejoinable, timeout: float, target: str, *,
+                 refused: Callable[[GradstarError], None],
+                 lost: Callable[[GradstarError], None]) -> None:
         self._session = session
-        self._fail = fail
+        self._fail = refused  # fails the session with a refusal (or its own account of it)
+        self._lost = lost  # fails it once the time is up
         self.timeout = timeout
         self.target = target
         self.claim: Callable[[], rpb.Rejoin] = rpb.Rejoin
@@ -164,7 +167,7 @@ class Ride:
                 return
             self._rejoined(joined)
             return
-        self._fail(CoordinatorLostError(
+        self._lost(CoordinatorLostError(
             f"the coordinator at {self.target} went away and did not take rank "
             f"{s.joined.rank} of job {s.joined.job!r} back within reconnect_timeout "
             f"({self.timeout:g} s): {last}"))

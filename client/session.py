@@ -66,7 +66,9 @@ class Session:
         self._beat_interval = 1.0
         self._stall: tuple[float, float] = (0.0, 0.0)
         #: Riding through a coordinator restart (:mod:`.reconnect`; None: timeout 0, off).
-        self.ride = (Ride(self, reconnect_timeout, self._fail, target)
+        # A refused rejoin after this process was stopped: the hub gave up on it (_stalled).
+        self.ride = (Ride(self, reconnect_timeout, target, lost=self._fail,
+                          refused=lambda e: self._fail(self._stalled() or e))
                      if reconnect_timeout > 0 else None)
         self._request: rpb.JoinRequest | None = None
 
@@ -239,12 +241,12 @@ class Session:
             ))
 
     def _broke(self, error: GradstarError) -> None:
-        """The session stream broke without the hub's verdict: this rank was stopped long
-        enough to be lost (:meth:`_stalled`), or the coordinator went away, which a session
-        that rides through restarts (:mod:`.reconnect`) waits out; anything else fails it."""
-        stalled = self._stalled()
-        if stalled is not None or self.ride is None or self._failure is not None:
-            self._fail(stalled or error)
+        """The session stream broke without the hub's verdict: the coordinator went away,
+        which a session that rides through restarts (:mod:`.reconnect`) waits out (a
+        coordinator that did not go away refuses its rejoin), or this rank was stopped long
+        enough to be lost (:meth:`_stalled`), which fails it."""
+        if self.ride is None or self._failure is not None:
+            self._fail(self._stalled() or error)
             return
         if self._beater is not None:
             self._beater.cancel()  # its heartbeats would queue for the dead stream

@@ -42,6 +42,7 @@ class ProcessGroup:
     replacement = property(lambda self: self._group.replacement)
     collective_address = property(lambda self: self._group.collective_address)
     member_id = property(lambda self: self._group.member_id)
+    reconnects = property(lambda self: self._group.reconnects)
 
     def _call(self, awaitable, async_op: bool):
         if isinstance(awaitable, DirectCall):  # small: on this thread, unless async_op

@@ -79,6 +79,12 @@ class Rebuild:
     done: asyncio.Future = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
 
+    def refuse(self, error: RejoinRefusedError) -> None:
+        """Fail the rebuild for every claim waiting on it (and any that comes)."""
+        if not self.done.done():
+            self.done.set_exception(error)
+            self.done.exception()  # its waiters get it; none waiting is no lost error
+
     @property
     def missing(self) -> list[int]:
         return [r for r in range(self.world_size) if r not in self.claims]
@@ -139,8 +145,7 @@ def gather(rebuild: Rebuild, claim: Claim) -> None:
     if error is not None:
         refusal = RejoinRefusedError(f"{error}: the generation cannot be taken back; join the "
                                      "job again")
-        if not rebuild.done.done():
-            rebuild.done.set_exception(refusal)
+        rebuild.refuse(refusal)
         raise refusal
     rebuild.claims[claim.rank] = claim  # the same member again (a retried rejoin) replaces it
 
@@ -200,33 +205,32 @@ class Rebuilds:
         gather(rebuild, claim)
         if not rebuild.missing:
             del self._gathering[claim.job]
+            try:
+                replay = replay_set(rebuild)
+            except RejoinRefusedError as error:
+                rebuild.refuse(error)
+                raise
             if claim.job not in self._jobs:
                 self._make_room(claim.job)
                 self._jobs[claim.job] = Job(claim.job, claim.world_size)
-            rebuilt(rebuild, self._jobs[claim.job], self._formed)
+            rebuilt(rebuild, self._jobs[claim.job], self._formed, replay)
         try:
             gen, replay = await asyncio.wait_for(asyncio.shield(rebuild.done), timeout)
         except TimeoutError:
+            missing = rebuild.missing
             if rebuild.claims.get(claim.rank) == claim:
                 del rebuild.claims[claim.rank]
             raise JoinTimeoutError(
-                f"Timed out: job {claim.job!r}: ranks {rebuild.missing} of generation "
+                f"Timed out: job {claim.job!r}: ranks {missing} of generation "
                 f"{claim.generation} did not rejoin within {timeout:g} s") from None
         return gen.members[claim.rank], replay
 
 
-def rebuilt(rebuild: Rebuild, job: Job, formed: Callable[[Generation], None]) -> Generation:
-    """The generation of ``rebuild`` formed again in ``job`` (every rank has rejoined), its
-    members waiting on ``rebuild.done``; ``formed(gen)`` runs before any of them hears of it.
-
-    Raises:
-        RejoinRefusedError: :func:`replay_set` refuses (every claim gets it too).
-    """
-    try:
-        replay = replay_set(rebuild)
-    except RejoinRefusedError as error:
-        rebuild.done.set_exception(error)
-        raise
+def rebuilt(rebuild: Rebuild, job: Job, formed: Callable[[Generation], None],
+            replay: list[int]) -> Generation:
+    """The generation of ``rebuild`` formed again in ``job`` (every rank has rejoined; its
+    :func:`replay_set` is ``replay``), its members waiting on ``rebuild.done``; ``formed(gen)``
+    runs before any of them hears of it."""
     members = {}
     for rank, c in rebuild.claims.items():
         members[rank] = Member(job=job.name, requested_rank=rank, peer_address=c.peer_address,

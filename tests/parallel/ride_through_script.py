@@ -1,0 +1,69 @@
+"""A rank of tests/parallel/test_ride_through_ddp.py: ``python ride_through_script.py STEPS
+PAUSE`` (settings from GRADSTAR_* env vars) trains a small MLP with Synchronous gradstar.DDP
+for STEPS optimizer steps, printing ``step N`` after each (PAUSE seconds apart), then one JSON
+line: its final parameters and how long each ride through a coordinator restart lasted.
+``python ride_through_script.py reference STEPS WORLD`` trains the same model in one process on
+every rank's batches (what WORLD ranks of DDP must end with) and prints its parameters."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+from torch import nn
+
+import gradstar
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                         nn.Linear(64, 4))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+def parameters(module: nn.Module) -> list[list[float]]:
+    return [p.detach().flatten().tolist() for p in module.parameters()]
+
+
+def reference(steps: int, world: int) -> None:
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(steps):
+        xs, ys = zip(*(batch(r, step) for r in range(world)), strict=True)
+        opt.zero_grad()
+        # Every rank's loss is a mean over a batch of the same size: DDP's averaged gradient
+        # is the gradient of the mean over all of them.
+        nn.functional.mse_loss(net(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+    print(json.dumps({"params": parameters(net)}))
+
+
+def main() -> None:
+    if sys.argv[1] == "reference":
+        reference(int(sys.argv[2]), int(sys.argv[3]))
+        return
+    steps, pause = int(sys.argv[1]), float(sys.argv[2])
+    with gradstar.init_process_group(timeout=60) as pg:
+        net = model()
+        # Small buckets: several all_reduce calls in flight in every backward.
+        ddp = gradstar.DDP(net, pg, bucket_cap_mb=0.005, broadcast_buffers=False)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(steps):
+            x, y = batch(pg.rank, step)
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+            print(f"step {step}", flush=True)
+            time.sleep(pause)
+        print(json.dumps({"params": parameters(net), "reconnects": pg.reconnects}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

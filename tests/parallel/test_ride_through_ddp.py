@@ -1,0 +1,78 @@
+"""A coordinator killed (SIGKILL) in the middle of a Synchronous DDP job and started again on the
+same port: no rank process exits or raises, each rides through once
+(client/reconnect.py), and every rank's final parameters are bitwise those of the others and,
+within float32 rounding, those of one process trained on every rank's batches — what an
+undisturbed run ends with. Three real ranks of ``ride_through_script.py``; the coordinator a
+process of its own (``gradstar coordinator``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tests.integration.conftest import spawn_coordinator
+
+from .conftest import finish, kill_all, rank_env, rank_lines
+
+SCRIPT = Path(__file__).with_name("ride_through_script.py")
+WORLD, STEPS, PAUSE = 3, 14, 0.05
+#: The step after which the coordinator is killed, and how long it stays away.
+KILL_AFTER, AWAY = 4, 1.0
+
+
+async def ride_through_a_kill() -> tuple[list[list[dict]], list[str]]:
+    """The run: each rank's JSON lines and its stderr."""
+    hub, address = await spawn_coordinator()
+    port = address.rsplit(":", 1)[1]
+    procs = []
+    try:
+        for rank in range(WORLD):
+            procs.append(await asyncio.create_subprocess_exec(
+                sys.executable, str(SCRIPT), str(STEPS), str(PAUSE),
+                env=rank_env(address, "ride-ddp", WORLD, rank, GRADSTAR_RECONNECT_TIMEOUT=60),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE))
+        for _ in range(KILL_AFTER + 1):
+            line = await asyncio.wait_for(procs[0].stdout.readline(), 90)
+            assert line.startswith(b"step"), line
+        hub.kill()
+        await hub.wait()
+        await asyncio.sleep(AWAY)
+        hub, again = await spawn_coordinator("--port", port)
+        assert again == address
+        results = await asyncio.gather(*(finish(p, 120) for p in procs),
+                                       return_exceptions=True)
+    finally:
+        await kill_all(procs)
+        with contextlib.suppress(ProcessLookupError):
+            hub.kill()
+        await hub.wait()
+    lines = [rank_lines(rank, result) for rank, result in enumerate(results)]
+    return lines, [result[2] for result in results]
+
+
+async def reference() -> list[np.ndarray]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(SCRIPT), "reference", str(STEPS), str(WORLD),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    code, out, err = await finish(proc, 60)
+    assert code == 0, err[-2000:]
+    return [np.array(p, np.float32) for p in json.loads(out.splitlines()[-1])["params"]]
+
+
+def test_synchronous_ddp_rides_through_a_coordinator_killed_mid_training():
+    lines, stderrs = asyncio.run(ride_through_a_kill())
+    finals = [[np.array(p, np.float32) for p in rank[-1]["params"]] for rank in lines]
+    for rank, (report, err) in enumerate(zip(lines, stderrs, strict=True)):
+        # One restart, one ride through, one log line (and no traceback: nothing raised).
+        assert len(report[-1]["reconnects"]) == 1, report[-1]["reconnects"]
+        assert err.count("rejoined the coordinator at") == 1, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+        assert all(np.array_equal(a, b) for a, b in zip(finals[0], finals[rank], strict=True))
+    expected = asyncio.run(reference())
+    for got, want in zip(finals[0], expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
