@@ -6,19 +6,21 @@ header (the rebuilt generation keeps its number and member ids), and so is every
 some *other* rank had not seen complete: the coordinator may have sent one rank its result and
 died before it sent the next one theirs. :class:`Reissue` keeps what that takes:
 
-- **A copy of each collective's input**, taken when it is issued. An in-place collective
-  (``all_reduce(x, out=x)``, as DDP's buckets run) overwrites its input chunk by chunk as the
-  result arrives, so one interrupted half-way has neither its input nor its result; the copy is
-  what it sends again. Cost: one copy of the input per collective (a memcpy, ~2.5 ms per
-  25 MB bucket at 10 GB/s) and the memory of the copies held, below.
-- **Completed collectives, until no rank can still need them.** A completed collective's copy
-  is kept until a collective issued *after* it completed has completed too: that one's
-  completion proves every rank issued it, and a rank that issues collectives in phases (DDP's
-  buckets of step n, then those of step n+1) issued it only after its own earlier ones
-  completed. So a data-parallel rank holds at most about two steps' inputs (those in flight and
-  those of the step before). A rank that ran ahead further and was asked for one it dropped is
-  refused by the coordinator (:class:`~gradstar.errors.RejoinRefusedError`): never a wrong
-  result.
+- **Its input until it completes.** An in-place collective (``all_reduce(x, out=x)``, as DDP
+  reduces its buckets) overwrites its input chunk by chunk as the result arrives, so one
+  interrupted half-way has neither its input nor its result: its input is copied when it is
+  issued, and the copy is what it sends again. Cost: one copy of the input per in-place
+  collective, and the memory of the copies held (below). Any other collective sends its input
+  itself again (the caller leaves it alone until the call resolves, as in torch.distributed).
+- **In-place collectives that completed, until no rank can still need them.** Their copy is
+  kept until a collective issued *after* it completed has completed too: that one's completion
+  proves every rank issued it, and a rank that issues collectives in phases (DDP's buckets of
+  step n, then those of step n+1) issued it only after its own earlier ones completed. So a
+  data-parallel rank holds at most about two steps' gradients (those in flight and those of
+  the step before). A completed collective that is not in place is not kept (its input is the
+  caller's again): should the coordinator die between sending its result to one rank and to
+  another, the rejoin is refused (:class:`~gradstar.errors.RejoinRefusedError`), as it is for
+  a rank that ran ahead further and dropped what another needs: never a wrong result.
 
 Sequence numbers are the group's (:class:`Seqs`: handed out in call order, as before); the
 rejoin claim (:meth:`Reissue.claim`) says which are pending and which retained.
@@ -72,6 +74,8 @@ class Held:
     out_dtype: np.dtype
     attempt: Attempt
     issued_at: int
+    #: ``send`` is a copy of the input, this rank's own (an in-place collective's).
+    owned: bool = False
     completed_at: int = -1
 
     @property
@@ -93,23 +97,27 @@ class Reissue:
 
     def hold(self, call: ops.CollectiveCall, send: np.ndarray | None, out: np.ndarray,
              attempt: Attempt) -> Held:
-        """Keep collective ``call`` (a copy of ``send``, its input) until no rank can need it
-        again."""
-        copy = None if send is None else np.array(send, copy=True)
+        """Keep collective ``call`` until no rank can need it again: its input ``send``
+        itself (the caller leaves it alone until the call resolves), or a copy of it when the
+        result ``out`` overwrites it."""
+        owned = send is not None and np.may_share_memory(send, out)
+        kept = np.array(send, copy=True) if owned else send
         with self._lock:
-            held = Held(call, copy, out.shape, out.dtype, attempt, self._completions)
+            held = Held(call, kept, out.shape, out.dtype, attempt, self._completions, owned)
             self.pending[held.seq] = held
         return held
 
     def completed(self, held: Held) -> None:
-        """``held`` completed on this rank: retain it, and drop what it proves no rank needs."""
+        """``held`` completed on this rank: retain it if its input is a copy of its own (the
+        caller's buffer is the caller's again), and drop what it proves no rank needs."""
         with self._lock:
             self.pending.pop(held.seq, None)
             held.completed_at = self._completions
             self._completions += 1
             self.retained = {s: h for s, h in self.retained.items()
                              if h.completed_at >= held.issued_at}
-            self.retained[held.seq] = held
+            if held.owned or held.send is None:
+                self.retained[held.seq] = held
 
     def dropped(self, held: Held) -> None:
         """``held`` failed for good (or was cancelled): nothing to issue again."""
@@ -128,7 +136,7 @@ class Reissue:
         """Bytes of input copies held now (what riding through restarts costs in memory)."""
         with self._lock:
             return sum(h.send.nbytes for h in (*self.pending.values(), *self.retained.values())
-                       if h.send is not None)
+                       if h.owned)
 
     async def run(self, held: Held, out: np.ndarray, ride: Ride) -> np.ndarray:
         """Run ``held`` into ``out`` until it completes, issuing it again (same seq) after each

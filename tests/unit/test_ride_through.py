@@ -133,3 +133,9 @@ def test_inputs_are_copied_and_completed_collectives_kept_until_a_later_one_comp
     assert sorted(reissue.retained) == [4, 5]
     reissue.dropped(reissue.hold(call(next(seqs)), None, x, None))
     assert reissue.claim(joined).next_seq == 7 and not reissue.pending
+    # Not in place: the input itself is sent again (no copy), and not kept once completed.
+    y = np.ones(4, np.float32)
+    f = reissue.hold(call(next(seqs)), y, np.empty_like(y), None)
+    assert f.send is y and not f.owned and reissue.held_bytes == 2 * x.nbytes
+    reissue.completed(f)
+    assert 8 not in reissue.retained and not reissue.pending
