@@ -198,3 +198,60 @@ async def test_the_direct_lane_rides_through_a_restart():
     finally:
         await asyncio.gather(*(loop.run_in_executor(None, pg.close) for pg in pgs))
         await (second or first).stop(grace=0)
+
+
+async def outer_round(groups, pseudo: list[np.ndarray], **kw):
+    return await asyncio.gather(*(g.sync_global_model(
+        pseudo[g.rank], model="m", rule="outer_sgd", outer_lr=0.5, **kw) for g in groups))
+
+
+async def test_outer_rounds_ride_through_a_restart_with_the_state_dir(tmp_path):
+    first = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0, state_dir=tmp_path))
+    await first.start()
+    second = None
+    groups = await join_all(first.address, 2, "outer", reconnect_timeout=20)
+    try:
+        seed = np.linspace(0, 1, 1000, dtype=np.float32)
+        await asyncio.gather(*(g.sync_global_model(seed, model="m", rule="seed")
+                               for g in groups))
+        pseudo = [np.full(1000, r + 1.0, np.float32) for r in range(2)]
+        after_one = (await outer_round(groups, pseudo))[0]
+        assert np.array_equal(after_one, seed - np.float32(0.5) * np.float32(1.5))
+        port = first.port
+        await first.stop(grace=0)
+        # A round issued while the coordinator is away completes on the restarted one, which
+        # read the global model from the state directory: one outer step on it, not two.
+        pending = asyncio.ensure_future(outer_round(groups, pseudo))
+        await asyncio.sleep(0.5)
+        second = Coordinator(CoordinatorSettings(host="127.0.0.1", port=port,
+                                                 state_dir=tmp_path))
+        await second.start()
+        results = await asyncio.wait_for(pending, 40)
+        want = after_one - np.float32(0.5) * np.float32(1.5)
+        assert all(np.array_equal(r, want) for r in results)
+        assert second.averaging.get("outer", "m").rounds == 2
+    finally:
+        await close_all(groups)
+        await (second or first).stop(grace=0)
+
+
+async def test_outer_rounds_without_a_state_dir_fail_by_name_after_a_restart():
+    first = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0))
+    await first.start()
+    second = None
+    groups = await join_all(first.address, 2, "no-state", reconnect_timeout=20)
+    try:
+        seed = np.zeros(10, np.float32)
+        await asyncio.gather(*(g.sync_global_model(seed, model="m", rule="seed")
+                               for g in groups))
+        second = await restart(first)
+        pseudo = [np.ones(10, np.float32)] * 2
+        outcomes = await asyncio.wait_for(asyncio.gather(*(g.sync_global_model(
+            pseudo[g.rank], model="m", rule="outer_sgd", outer_lr=0.5) for g in groups),
+            return_exceptions=True), 40)
+        for outcome in outcomes:
+            assert isinstance(outcome, errors.InvalidCollectiveError), outcome
+            assert "restarted without --state-dir" in str(outcome)
+    finally:
+        await close_all(groups)
+        await (second or first).stop(grace=0)

@@ -139,3 +139,27 @@ def test_inputs_are_copied_and_completed_collectives_kept_until_a_later_one_comp
     assert f.send is y and not f.owned and reissue.held_bytes == 2 * x.nbytes
     reissue.completed(f)
     assert 8 not in reissue.retained and not reissue.pending
+
+
+def test_an_outer_round_issued_again_after_a_restart_is_applied_once(tmp_path):
+    from gradstar.coordinator.rounds.averaging import AveragingStore, GlobalModel
+
+    spec = pb.AveragingSpec(model="m", rule=pb.AVERAGING_RULE_OUTER_SGD, outer_lr=0.5)
+    store = AveragingStore(tmp_path)
+    store.install(("j", "m"), GlobalModel(np.zeros(4, np.float32), None, 0))
+    step = store.open_round("j", spec, 4, made_by="1/7/abc")
+    mean = np.ones(4, np.float32)
+    step.apply(0, mean)
+    step.commit()  # persisted; say the coordinator died before any rank got its END
+    restarted = AveragingStore(tmp_path)
+    again = restarted.open_round("j", spec, 4, made_by="1/7/abc")
+    mean = np.ones(4, np.float32)
+    again.apply(0, mean)
+    assert np.array_equal(mean, np.full(4, -0.5, np.float32))  # the step taken once
+    assert again.commit().rounds == 1
+    # Another collective (the next seq, or the same seq of a generation formed anew) steps.
+    for made_by in ("1/8/abc", "1/7/other-members"):
+        fresh = restarted.open_round("j", spec, 4, made_by=made_by)
+        mean = np.ones(4, np.float32)
+        fresh.apply(0, mean)
+        assert np.array_equal(mean, np.full(4, -1.0, np.float32))
