@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Protocol
 
 from gradstar.errors import (
@@ -40,6 +40,17 @@ log = logging.getLogger(__name__)
 
 #: Pause between two rejoin attempts that found no coordinator answering.
 RETRY_PAUSE = 0.2
+
+
+async def first_of(*waits: Coroutine, timeout: float | None = None) -> None:
+    """Wait until the first of ``waits`` is done (or ``timeout`` seconds passed); the others
+    are cancelled."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 class Rejoinable(Protocol):
@@ -113,14 +124,7 @@ class Ride:
         waiting up to ``grace`` seconds for either; None if neither comes."""
         s = self._session
         if s.failure is None and not self.away:
-            failed = asyncio.ensure_future(s.wait_failed())
-            gone = asyncio.ensure_future(self._gone.wait())
-            try:
-                await asyncio.wait((failed, gone), timeout=grace,
-                                   return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                failed.cancel()
-                gone.cancel()
+            await first_of(s.wait_failed(), self._gone.wait(), timeout=grace)
         return s.failure or (self.away_error() if self.away else None)
 
     async def until_back(self, epoch: int) -> bool:
@@ -134,13 +138,7 @@ class Ride:
         s = self._session
         if not self.away and self.epoch == epoch:
             return False
-        back = asyncio.ensure_future(self._back.wait())
-        failed = asyncio.ensure_future(s.wait_failed())
-        try:
-            await asyncio.wait((back, failed), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            back.cancel()
-            failed.cancel()
+        await first_of(self._back.wait(), s.wait_failed())
         if s.failure is not None:
             raise s.failure
         return True
@@ -194,4 +192,4 @@ class Ride:
             self._task = None
 
 
-__all__ = ["RETRY_PAUSE", "Rejoinable", "Ride"]
+__all__ = ["RETRY_PAUSE", "Rejoinable", "Ride", "first_of"]

@@ -14,7 +14,6 @@ import pytest
 
 import gradstar
 from gradstar import errors
-from gradstar.config import CoordinatorSettings
 from gradstar.coordinator import Coordinator
 from gradstar.errors import ERROR_NAME_KEY
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
@@ -23,20 +22,18 @@ from gradstar.proto.v1 import rendezvous_pb2_grpc
 from .conftest import close_all, join_all
 
 
-async def restart(coordinator: Coordinator, pause: float = 0.5, **settings) -> Coordinator:
-    """Stop ``coordinator`` and start a new one on its port after ``pause`` seconds."""
+async def restart(start, coordinator: Coordinator, pause: float = 0.5,
+                  **settings) -> Coordinator:
+    """Stop ``coordinator`` and, ``pause`` seconds later, start another on its port with
+    ``start`` (the ``start_coordinator`` fixture, which stops it after the test)."""
     port = coordinator.port
     await coordinator.stop(grace=0)
     await asyncio.sleep(pause)
-    again = Coordinator(CoordinatorSettings(host="127.0.0.1", port=port, **settings))
-    await again.start()
-    return again
+    return await start(port=port, **settings)
 
 
-async def test_collectives_in_flight_complete_after_the_coordinator_restarts():
-    first = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0))
-    await first.start()
-    second = None
+async def test_collectives_in_flight_complete_after_the_coordinator_restarts(start_coordinator):
+    first = await start_coordinator()
     groups = await join_all(first.address, 3, "ride", reconnect_timeout=20)
     try:
         inputs = [np.arange(50_000, dtype=np.float32) * (g.rank + 1) for g in groups]
@@ -52,8 +49,7 @@ async def test_collectives_in_flight_complete_after_the_coordinator_restarts():
             g.broadcast(np.full(7, g.rank, np.int64), src=2),
             g.all_gather(np.full(3, g.rank, np.float64)))) for g in groups]
         await asyncio.sleep(0.5)
-        second = Coordinator(CoordinatorSettings(host="127.0.0.1", port=port))
-        await second.start()
+        second = await start_coordinator(port=port)
         results = await asyncio.wait_for(asyncio.gather(*works), 40)
         for g, (reduced, broadcast, gathered) in zip(groups, results, strict=True):
             assert reduced is in_place[g.rank]
@@ -69,41 +65,30 @@ async def test_collectives_in_flight_complete_after_the_coordinator_restarts():
             *(g.all_reduce(np.ones(4, np.float32) * 2) for g in groups)))
     finally:
         await close_all(groups)
-        await (second or first).stop(grace=0)
 
 
-async def test_a_coordinator_that_stays_away_fails_collectives_with_a_named_error():
-    coordinator = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0))
-    await coordinator.start()
-    groups = await join_all(coordinator.address, 2, "gone", reconnect_timeout=1.5)
-    try:
-        await coordinator.stop(grace=0)
-        outcomes = await asyncio.wait_for(asyncio.gather(
-            *(g.all_reduce(np.ones(8, np.float32)) for g in groups), return_exceptions=True), 30)
-        for outcome in outcomes:
-            assert isinstance(outcome, errors.CoordinatorLostError), outcome
-            assert "did not take rank" in str(outcome) and "1.5 s" in str(outcome)
-            assert coordinator.address in str(outcome)
-        with pytest.raises(errors.CoordinatorLostError):  # and every later one
-            await groups[0].barrier()
-    finally:
-        await close_all(groups)
-
-
-async def test_reconnect_timeout_zero_fails_at_once_as_before():
-    coordinator = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0))
-    await coordinator.start()
-    groups = await join_all(coordinator.address, 2, "off", reconnect_timeout=0)
+@pytest.mark.parametrize(("reconnect", "error"), [
+    (1.5, errors.CoordinatorLostError),  # rejoins for 1.5 s, then fails by name
+    (0.0, errors.CoordinatorUnavailableError),  # rides through nothing: at once, as before
+])
+async def test_a_coordinator_that_stays_away_fails_collectives_with_a_named_error(
+        coordinator, reconnect, error):
+    groups = await join_all(coordinator.address, 2, "gone", reconnect_timeout=reconnect)
     try:
         await coordinator.stop(grace=0)
 
-        async def reduce(g):
+        async def reduce(g):  # without reconnecting, the call itself may raise
             return await g.all_reduce(np.ones(8, np.float32))
 
         outcomes = await asyncio.wait_for(asyncio.gather(
             *(reduce(g) for g in groups), return_exceptions=True), 30)
         for outcome in outcomes:
-            assert type(outcome) is errors.CoordinatorUnavailableError, outcome
+            assert type(outcome) is error, outcome
+            assert coordinator.address in str(outcome)
+            if reconnect:
+                assert "did not take rank" in str(outcome) and "1.5 s" in str(outcome)
+        with pytest.raises(error):  # and every later one
+            await groups[0].barrier()
     finally:
         await close_all(groups)
 
@@ -173,10 +158,8 @@ async def test_a_rejoin_to_a_coordinator_that_holds_the_job_is_refused(coordinat
         await close_all(groups)
 
 
-async def test_the_direct_lane_rides_through_a_restart():
-    first = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0))
-    await first.start()
-    second = None
+async def test_the_direct_lane_rides_through_a_restart(start_coordinator):
+    first = await start_coordinator()
     loop = asyncio.get_running_loop()
     pgs = await asyncio.gather(*(loop.run_in_executor(None, lambda r=r: gradstar.init_process_group(
         coordinator=first.address, job="direct", world_size=2, rank=r, timeout=20,
@@ -188,8 +171,7 @@ async def test_the_direct_lane_rides_through_a_restart():
         calls = [loop.run_in_executor(None, lambda pg=pg: pg.all_reduce(
             np.full(16, pg.rank + 1.0, np.float32))) for pg in pgs]
         await asyncio.sleep(0.5)
-        second = Coordinator(CoordinatorSettings(host="127.0.0.1", port=port))
-        await second.start()
+        await start_coordinator(port=port)
         for result in await asyncio.wait_for(asyncio.gather(*calls), 40):
             assert np.array_equal(result, np.full(16, 3.0, np.float32))
         after = await asyncio.wait_for(asyncio.gather(*(loop.run_in_executor(
@@ -197,7 +179,6 @@ async def test_the_direct_lane_rides_through_a_restart():
         assert all(float(r[0]) == 2.0 for r in after)
     finally:
         await asyncio.gather(*(loop.run_in_executor(None, pg.close) for pg in pgs))
-        await (second or first).stop(grace=0)
 
 
 async def outer_round(groups, pseudo: list[np.ndarray], **kw):
@@ -205,10 +186,9 @@ async def outer_round(groups, pseudo: list[np.ndarray], **kw):
         pseudo[g.rank], model="m", rule="outer_sgd", outer_lr=0.5, **kw) for g in groups))
 
 
-async def test_outer_rounds_ride_through_a_restart_with_the_state_dir(tmp_path):
-    first = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0, state_dir=tmp_path))
-    await first.start()
-    second = None
+async def test_outer_rounds_ride_through_a_restart_with_the_state_dir(start_coordinator,
+                                                                      tmp_path):
+    first = await start_coordinator(state_dir=tmp_path)
     groups = await join_all(first.address, 2, "outer", reconnect_timeout=20)
     try:
         seed = np.linspace(0, 1, 1000, dtype=np.float32)
@@ -223,28 +203,24 @@ async def test_outer_rounds_ride_through_a_restart_with_the_state_dir(tmp_path):
         # read the global model from the state directory: one outer step on it, not two.
         pending = asyncio.ensure_future(outer_round(groups, pseudo))
         await asyncio.sleep(0.5)
-        second = Coordinator(CoordinatorSettings(host="127.0.0.1", port=port,
-                                                 state_dir=tmp_path))
-        await second.start()
+        second = await start_coordinator(port=port, state_dir=tmp_path)
         results = await asyncio.wait_for(pending, 40)
         want = after_one - np.float32(0.5) * np.float32(1.5)
         assert all(np.array_equal(r, want) for r in results)
         assert second.averaging.get("outer", "m").rounds == 2
     finally:
         await close_all(groups)
-        await (second or first).stop(grace=0)
 
 
-async def test_outer_rounds_without_a_state_dir_fail_by_name_after_a_restart():
-    first = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0))
-    await first.start()
-    second = None
+async def test_outer_rounds_without_a_state_dir_fail_by_name_after_a_restart(
+        start_coordinator):
+    first = await start_coordinator()
     groups = await join_all(first.address, 2, "no-state", reconnect_timeout=20)
     try:
         seed = np.zeros(10, np.float32)
         await asyncio.gather(*(g.sync_global_model(seed, model="m", rule="seed")
                                for g in groups))
-        second = await restart(first)
+        await restart(start_coordinator, first)
         pseudo = [np.ones(10, np.float32)] * 2
         outcomes = await asyncio.wait_for(asyncio.gather(*(g.sync_global_model(
             pseudo[g.rank], model="m", rule="outer_sgd", outer_lr=0.5) for g in groups),
@@ -254,4 +230,3 @@ async def test_outer_rounds_without_a_state_dir_fail_by_name_after_a_restart():
             assert "restarted without --state-dir" in str(outcome)
     finally:
         await close_all(groups)
-        await (second or first).stop(grace=0)
