@@ -150,7 +150,9 @@ class Ride:
         while (remaining := deadline - time.monotonic()) > 0:
             try:
                 await s.wait_ready(remaining)
-                joined = await s.rejoin(self.claim(), max(remaining, 1.0))
+                claim = self.claim()
+                claim.away_seconds = time.monotonic() - self.away_since
+                joined = await s.rejoin(claim, max(remaining, 1.0))
             except TimeoutError:
                 break
             except (CoordinatorUnavailableError, ProtocolError) as error:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -53,6 +54,8 @@ class Claim:
     peer_address: str = ""
     host: str = ""
     hostname: str = ""
+    #: How long the rank had been without its coordinator when it sent the claim (seconds).
+    away: float = 0.0
 
     def holds(self, seq: int) -> bool:
         """Whether this rank can issue collective ``seq`` again (or has yet to issue it)."""
@@ -64,7 +67,7 @@ def claim_of(join: rpb.JoinRequest) -> Claim:
     r = join.rejoin
     return Claim(join.job, join.world_size, join.rank, r.generation, r.member_id, r.next_seq,
                  frozenset(r.pending), frozenset(r.retained), join.peer_address, join.host,
-                 join.hostname)
+                 join.hostname, max(r.away_seconds, 0.0))
 
 
 @dataclass(eq=False)
@@ -75,6 +78,8 @@ class Rebuild:
     generation: int
     world_size: int
     claims: dict[int, Claim] = field(default_factory=dict)
+    #: When each claim arrived (monotonic).
+    arrived: dict[int, float] = field(default_factory=dict)
     #: Resolves to the rebuilt generation and its replay set, or fails for every claim.
     done: asyncio.Future = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -148,6 +153,7 @@ def gather(rebuild: Rebuild, claim: Claim) -> None:
         rebuild.refuse(refusal)
         raise refusal
     rebuild.claims[claim.rank] = claim  # the same member again (a retried rejoin) replaces it
+    rebuild.arrived[claim.rank] = time.monotonic()
 
 
 def replay_set(rebuild: Rebuild) -> list[int]:
@@ -237,6 +243,10 @@ def rebuilt(rebuild: Rebuild, job: Job, formed: Callable[[Generation], None],
                                member_id=c.member_id, host=c.host[:64],
                                hostname=c.hostname[:255], rank=rank)
     gen = Generation(job, rebuild.generation, rebuild.world_size, members)
+    now = time.monotonic()
+    job.counters.rebuilds += 1
+    job.counters.rejoin_wait_seconds = waited = max(
+        c.away + now - rebuild.arrived.get(r, now) for r, c in rebuild.claims.items())
     job.world_size = job.max_world_size = rebuild.world_size
     job.generations_formed = max(job.generations_formed, rebuild.generation)
     job.generation = gen
@@ -244,9 +254,9 @@ def rebuilt(rebuild: Rebuild, job: Job, formed: Callable[[Generation], None],
     for m in members.values():
         m.generation = gen
         m.touch()
-    log.info("job %r: generation %d rebuilt from its %d rejoining ranks (collectives to issue "
-             "again: %s)", job.name, gen.number, gen.world_size,
-             ", ".join(map(str, replay)) or "none")
+    log.info("job %r: generation %d rebuilt from its %d rejoining ranks, the longest away "
+             "%.2f s (collectives to issue again: %s)", job.name, gen.number, gen.world_size,
+             waited, ", ".join(map(str, replay)) or "none")
     rebuild.done.set_result((gen, replay))
     return gen
 

@@ -18,6 +18,9 @@ from gradstar.coordinator import Coordinator
 from gradstar.errors import ERROR_NAME_KEY
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
 from gradstar.proto.v1 import rendezvous_pb2_grpc
+from gradstar.worker.admin.client import AdminClient
+from gradstar.worker.admin.tables import job_status
+from tests.runtime.conftest import http_get
 
 from .conftest import close_all, join_all
 
@@ -49,7 +52,7 @@ async def test_collectives_in_flight_complete_after_the_coordinator_restarts(sta
             g.broadcast(np.full(7, g.rank, np.int64), src=2),
             g.all_gather(np.full(3, g.rank, np.float64)))) for g in groups]
         await asyncio.sleep(0.5)
-        second = await start_coordinator(port=port)
+        second = await start_coordinator(port=port, metrics_port=0)
         results = await asyncio.wait_for(asyncio.gather(*works), 40)
         for g, (reduced, broadcast, gathered) in zip(groups, results, strict=True):
             assert reduced is in_place[g.rank]
@@ -63,6 +66,19 @@ async def test_collectives_in_flight_complete_after_the_coordinator_restarts(sta
         assert second.rendezvous.jobs["ride"].generation.number == 1
         assert all(float(r[0]) == 6.0 for r in await asyncio.gather(
             *(g.all_reduce(np.ones(4, np.float32) * 2) for g in groups)))
+        # What operators see of it: the status page, the metrics, gradstar admin.
+        waited = max(w for g in groups for w in g.reconnects)
+        _, _, status = await http_get(second.metrics_port, "/status.json")
+        job = next(j for j in json.loads(status)["jobs"] if j["name"] == "ride")
+        assert job["rebuilds"] == 1 and 0.4 < job["rejoin_wait_seconds"] <= waited + 0.5
+        _, _, html = await http_get(second.metrics_port, "/")
+        assert b'data-rebuilds-of="ride"' in html
+        _, _, page = await http_get(second.metrics_port, "/metrics")
+        assert b'gradstar_job_rebuilds_total{job="ride"} 1' in page
+        async with AdminClient(second.address) as admin:
+            detail = await admin.job("ride")
+        assert detail.rebuilds == 1 and detail.rejoin_wait_seconds == job["rejoin_wait_seconds"]
+        assert "rebuilt      1 time(s) after coordinator restarts" in job_status(detail)
     finally:
         await close_all(groups)
 

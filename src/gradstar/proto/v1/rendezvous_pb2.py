@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"gradstar/proto/v1/rendezvous.proto\x12\x11gradstar.proto.v1\"\xf6\x01\n\x0bJoinRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x14\n\x0cpeer_address\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\x12\x0c\n\x04host\x18\x06 \x01(\t\x12\x10\n\x08hostname\x18\x07 \x01(\t\x12\x0f\n\x07\x65lastic\x18\x08 \x01(\x08\x12\x15\n\routbound_only\x18\t \x01(\x08\x12\x16\n\x0emax_world_size\x18\n \x01(\r\x12)\n\x06rejoin\x18\x0b \x01(\x0b\x32\x19.gradstar.proto.v1.Rejoin\"d\n\x06Rejoin\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x10\n\x08next_seq\x18\x03 \x01(\x04\x12\x0f\n\x07pending\x18\x04 \x03(\x04\x12\x10\n\x08retained\x18\x05 \x03(\x04\"!\n\tHeartbeat\x12\x14\n\x0csent_unix_ms\x18\x01 \x01(\x04\"\x8c\x01\n\x0eSessionRequest\x12.\n\x04join\x18\x01 \x01(\x0b\x32\x1e.gradstar.proto.v1.JoinRequestH\x00\x12\x31\n\theartbeat\x18\x02 \x01(\x0b\x32\x1c.gradstar.proto.v1.HeartbeatH\x00\x12\x0f\n\x05leave\x18\x03 \x01(\x08H\x00\x42\x06\n\x04kind\"\\\n\x04Peer\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x15\n\routbound_only\x18\x05 \x01(\x08\"\x97\x02\n\x06Joined\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x11\n\tmember_id\x18\x05 \x01(\t\x12&\n\x05peers\x18\x06 \x03(\x0b\x32\x17.gradstar.proto.v1.Peer\x12\"\n\x1aheartbeat_interval_seconds\x18\x07 \x01(\x01\x12\x0e\n\x06shards\x18\x08 \x03(\t\x12\x11\n\tpeer_keys\x18\n \x03(\x0c\x12\x13\n\x0b\x63ollectives\x18\x0b \x01(\t\x12\x13\n\x0breplacement\x18\x0c \x01(\x08\x12\x0e\n\x06replay\x18\r \x03(\x04J\x04\x08\t\x10\nR\x08peer_key\"m\n\x10GenerationFailed\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x11\n\tlost_rank\x18\x02 \x01(\x05\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x13\n\x0b\x66ields_json\x18\x05 \x01(\t\"@\n\x0cRankFinished\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xe6\x01\n\x0cSessionEvent\x12+\n\x06joined\x18\x01 \x01(\x0b\x32\x19.gradstar.proto.v1.JoinedH\x00\x12\x35\n\x06\x66\x61iled\x18\x02 \x01(\x0b\x32#.gradstar.proto.v1.GenerationFailedH\x00\x12\x35\n\rheartbeat_ack\x18\x03 \x01(\x0b\x32\x1c.gradstar.proto.v1.HeartbeatH\x00\x12\x33\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x1f.gradstar.proto.v1.RankFinishedH\x00\x42\x06\n\x04kind2_\n\nRendezvous\x12Q\n\x07Session\x12!.gradstar.proto.v1.SessionRequest\x1a\x1f.gradstar.proto.v1.SessionEvent(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"gradstar/proto/v1/rendezvous.proto\x12\x11gradstar.proto.v1\"\xf6\x01\n\x0bJoinRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x14\n\x0cpeer_address\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\x12\x0c\n\x04host\x18\x06 \x01(\t\x12\x10\n\x08hostname\x18\x07 \x01(\t\x12\x0f\n\x07\x65lastic\x18\x08 \x01(\x08\x12\x15\n\routbound_only\x18\t \x01(\x08\x12\x16\n\x0emax_world_size\x18\n \x01(\r\x12)\n\x06rejoin\x18\x0b \x01(\x0b\x32\x19.gradstar.proto.v1.Rejoin\"z\n\x06Rejoin\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x10\n\x08next_seq\x18\x03 \x01(\x04\x12\x0f\n\x07pending\x18\x04 \x03(\x04\x12\x10\n\x08retained\x18\x05 \x03(\x04\x12\x14\n\x0c\x61way_seconds\x18\x06 \x01(\x01\"!\n\tHeartbeat\x12\x14\n\x0csent_unix_ms\x18\x01 \x01(\x04\"\x8c\x01\n\x0eSessionRequest\x12.\n\x04join\x18\x01 \x01(\x0b\x32\x1e.gradstar.proto.v1.JoinRequestH\x00\x12\x31\n\theartbeat\x18\x02 \x01(\x0b\x32\x1c.gradstar.proto.v1.HeartbeatH\x00\x12\x0f\n\x05leave\x18\x03 \x01(\x08H\x00\x42\x06\n\x04kind\"\\\n\x04Peer\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x15\n\routbound_only\x18\x05 \x01(\x08\"\x97\x02\n\x06Joined\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x11\n\tmember_id\x18\x05 \x01(\t\x12&\n\x05peers\x18\x06 \x03(\x0b\x32\x17.gradstar.proto.v1.Peer\x12\"\n\x1aheartbeat_interval_seconds\x18\x07 \x01(\x01\x12\x0e\n\x06shards\x18\x08 \x03(\t\x12\x11\n\tpeer_keys\x18\n \x03(\x0c\x12\x13\n\x0b\x63ollectives\x18\x0b \x01(\t\x12\x13\n\x0breplacement\x18\x0c \x01(\x08\x12\x0e\n\x06replay\x18\r \x03(\x04J\x04\x08\t\x10\nR\x08peer_key\"m\n\x10GenerationFailed\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x11\n\tlost_rank\x18\x02 \x01(\x05\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x13\n\x0b\x66ields_json\x18\x05 \x01(\t\"@\n\x0cRankFinished\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xe6\x01\n\x0cSessionEvent\x12+\n\x06joined\x18\x01 \x01(\x0b\x32\x19.gradstar.proto.v1.JoinedH\x00\x12\x35\n\x06\x66\x61iled\x18\x02 \x01(\x0b\x32#.gradstar.proto.v1.GenerationFailedH\x00\x12\x35\n\rheartbeat_ack\x18\x03 \x01(\x0b\x32\x1c.gradstar.proto.v1.HeartbeatH\x00\x12\x33\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x1f.gradstar.proto.v1.RankFinishedH\x00\x42\x06\n\x04kind2_\n\nRendezvous\x12Q\n\x07Session\x12!.gradstar.proto.v1.SessionRequest\x1a\x1f.gradstar.proto.v1.SessionEvent(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,21 +34,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINREQUEST']._serialized_start=58
   _globals['_JOINREQUEST']._serialized_end=304
   _globals['_REJOIN']._serialized_start=306
-  _globals['_REJOIN']._serialized_end=406
-  _globals['_HEARTBEAT']._serialized_start=408
-  _globals['_HEARTBEAT']._serialized_end=441
-  _globals['_SESSIONREQUEST']._serialized_start=444
-  _globals['_SESSIONREQUEST']._serialized_end=584
-  _globals['_PEER']._serialized_start=586
-  _globals['_PEER']._serialized_end=678
-  _globals['_JOINED']._serialized_start=681
-  _globals['_JOINED']._serialized_end=960
-  _globals['_GENERATIONFAILED']._serialized_start=962
-  _globals['_GENERATIONFAILED']._serialized_end=1071
-  _globals['_RANKFINISHED']._serialized_start=1073
-  _globals['_RANKFINISHED']._serialized_end=1137
-  _globals['_SESSIONEVENT']._serialized_start=1140
-  _globals['_SESSIONEVENT']._serialized_end=1370
-  _globals['_RENDEZVOUS']._serialized_start=1372
-  _globals['_RENDEZVOUS']._serialized_end=1467
+  _globals['_REJOIN']._serialized_end=428
+  _globals['_HEARTBEAT']._serialized_start=430
+  _globals['_HEARTBEAT']._serialized_end=463
+  _globals['_SESSIONREQUEST']._serialized_start=466
+  _globals['_SESSIONREQUEST']._serialized_end=606
+  _globals['_PEER']._serialized_start=608
+  _globals['_PEER']._serialized_end=700
+  _globals['_JOINED']._serialized_start=703
+  _globals['_JOINED']._serialized_end=982
+  _globals['_GENERATIONFAILED']._serialized_start=984
+  _globals['_GENERATIONFAILED']._serialized_end=1093
+  _globals['_RANKFINISHED']._serialized_start=1095
+  _globals['_RANKFINISHED']._serialized_end=1159
+  _globals['_SESSIONEVENT']._serialized_start=1162
+  _globals['_SESSIONEVENT']._serialized_end=1392
+  _globals['_RENDEZVOUS']._serialized_start=1394
+  _globals['_RENDEZVOUS']._serialized_end=1489
 # @@protoc_insertion_point(module_scope)

@@ -33,18 +33,20 @@ class JoinRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., peer_address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., host: _Optional[str] = ..., hostname: _Optional[str] = ..., elastic: _Optional[bool] = ..., outbound_only: _Optional[bool] = ..., max_world_size: _Optional[int] = ..., rejoin: _Optional[_Union[Rejoin, _Mapping]] = ...) -> None: ...
 
 class Rejoin(_message.Message):
-    __slots__ = ("generation", "member_id", "next_seq", "pending", "retained")
+    __slots__ = ("generation", "member_id", "next_seq", "pending", "retained", "away_seconds")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     RETAINED_FIELD_NUMBER: _ClassVar[int]
+    AWAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     generation: int
     member_id: str
     next_seq: int
     pending: _containers.RepeatedScalarFieldContainer[int]
     retained: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, generation: _Optional[int] = ..., member_id: _Optional[str] = ..., next_seq: _Optional[int] = ..., pending: _Optional[_Iterable[int]] = ..., retained: _Optional[_Iterable[int]] = ...) -> None: ...
+    away_seconds: float
+    def __init__(self, generation: _Optional[int] = ..., member_id: _Optional[str] = ..., next_seq: _Optional[int] = ..., pending: _Optional[_Iterable[int]] = ..., retained: _Optional[_Iterable[int]] = ..., away_seconds: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("sent_unix_ms",)
