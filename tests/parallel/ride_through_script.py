@@ -1,9 +1,10 @@
 """A rank of tests/parallel/test_ride_through_ddp.py: ``python ride_through_script.py STEPS
-PAUSE`` (settings from GRADSTAR_* env vars) trains a small MLP with Synchronous gradstar.DDP
-for STEPS optimizer steps, printing ``step N`` after each (PAUSE seconds apart), then one JSON
-line: its final parameters and how long each ride through a coordinator restart lasted.
-``python ride_through_script.py reference STEPS WORLD`` trains the same model in one process on
-every rank's batches (what WORLD ranks of DDP must end with) and prints its parameters."""
+PAUSE [fsdp]`` (settings from GRADSTAR_* env vars) trains a small MLP with Synchronous
+gradstar.DDP (or gradstar.FSDP) for STEPS optimizer steps, printing ``step N`` after each
+(PAUSE seconds apart), then one JSON line: its final parameters and how long each ride through
+a coordinator restart lasted. ``python ride_through_script.py reference STEPS WORLD`` trains the
+same model in one process on every rank's batches (what WORLD ranks must end with) and prints
+its parameters."""
 
 from __future__ import annotations
 
@@ -50,19 +51,28 @@ def main() -> None:
         reference(int(sys.argv[2]), int(sys.argv[3]))
         return
     steps, pause = int(sys.argv[1]), float(sys.argv[2])
+    sharded = sys.argv[3:4] == ["fsdp"]
     with gradstar.init_process_group(timeout=60) as pg:
         net = model()
-        # Small buckets: several all_reduce calls in flight in every backward.
-        ddp = gradstar.DDP(net, pg, bucket_cap_mb=0.005, broadcast_buffers=False)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        if sharded:  # every parameter gathered and its gradient reduce-scattered, unit by unit
+            wrapped = gradstar.FSDP(net, pg)
+        else:  # small buckets: several all_reduce calls in flight in every backward
+            wrapped = gradstar.DDP(net, pg, bucket_cap_mb=0.005, broadcast_buffers=False)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
         for step in range(steps):
             x, y = batch(pg.rank, step)
             opt.zero_grad()
-            nn.functional.mse_loss(ddp(x), y).backward()
+            nn.functional.mse_loss(wrapped(x), y).backward()
             opt.step()
             print(f"step {step}", flush=True)
             time.sleep(pause)
-        print(json.dumps({"params": parameters(net), "reconnects": pg.reconnects}), flush=True)
+        if sharded:
+            full = wrapped.full_state_dict(rank0_only=False)
+            # In the unwrapped model's order (FSDP holds flat shards in their place).
+            params = [full[name].flatten().tolist() for name, _ in model().named_parameters()]
+        else:
+            params = parameters(net)
+        print(json.dumps({"params": params, "reconnects": pg.reconnects}), flush=True)
 
 
 if __name__ == "__main__":

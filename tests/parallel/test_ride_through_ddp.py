@@ -1,5 +1,5 @@
-"""A coordinator killed (SIGKILL) in the middle of a Synchronous DDP job and started again on the
-same port: no rank process exits or raises, each rides through once
+"""A coordinator killed (SIGKILL) in the middle of a Synchronous DDP job (and of an FSDP one)
+and started again on the same port: no rank process exits or raises, each rides through once
 (client/reconnect.py), and every rank's final parameters are bitwise those of the others and,
 within float32 rounding, those of one process trained on every rank's batches — what an
 undisturbed run ends with. Three real ranks of ``ride_through_script.py``; the coordinator a
@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.integration.conftest import spawn_coordinator
 
@@ -25,15 +26,16 @@ WORLD, STEPS, PAUSE = 3, 14, 0.05
 KILL_AFTER, AWAY = 4, 1.0
 
 
-async def ride_through_a_kill() -> tuple[list[list[dict]], list[str]]:
-    """The run: each rank's JSON lines and its stderr."""
+async def ride_through_a_kill(*mode: str) -> tuple[list[list[dict]], list[str]]:
+    """The run (``mode``: the script's wrapper, DDP by default): each rank's JSON lines and its
+    stderr."""
     hub, address = await spawn_coordinator()
     port = address.rsplit(":", 1)[1]
     procs = []
     try:
         for rank in range(WORLD):
             procs.append(await asyncio.create_subprocess_exec(
-                sys.executable, str(SCRIPT), str(STEPS), str(PAUSE),
+                sys.executable, str(SCRIPT), str(STEPS), str(PAUSE), *mode,
                 env=rank_env(address, "ride-ddp", WORLD, rank, GRADSTAR_RECONNECT_TIMEOUT=60),
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE))
         for _ in range(KILL_AFTER + 1):
@@ -64,8 +66,9 @@ async def reference() -> list[np.ndarray]:
     return [np.array(p, np.float32) for p in json.loads(out.splitlines()[-1])["params"]]
 
 
-def test_synchronous_ddp_rides_through_a_coordinator_killed_mid_training():
-    lines, stderrs = asyncio.run(ride_through_a_kill())
+@pytest.mark.parametrize("mode", [(), ("fsdp",)], ids=["ddp", "fsdp"])
+def test_training_rides_through_a_coordinator_killed_mid_training(mode):
+    lines, stderrs = asyncio.run(ride_through_a_kill(*mode))
     finals = [[np.array(p, np.float32) for p in rank[-1]["params"]] for rank in lines]
     for rank, (report, err) in enumerate(zip(lines, stderrs, strict=True)):
         # One restart, one ride through, one log line (and no traceback: nothing raised).
