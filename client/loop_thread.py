@@ -21,6 +21,10 @@ class LoopThread:
     def submit(self, coro) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
+    def call(self, fn, *args) -> None:
+        """Run ``fn(*args)`` on the loop soon (a plain function, not awaited)."""
+        self.loop.call_soon_threadsafe(fn, *args)
+
     def stop(self) -> None:
         """Finish what is left on the loop, as ``asyncio.run`` does, then stop and close it.
 

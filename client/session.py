@@ -50,6 +50,9 @@ class Session:
         self._target = target
         #: The group's straggler log line (:mod:`.stragglers`), which collectives feed.
         self.stragglers: StragglerLog | None = None
+        #: Where this rank is in its job's step boundaries (a resize's ResizePending and
+        #: ResizeAt go there): :class:`~gradstar.client.process_group.membership.Membership`.
+        self.membership = None
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._call = None
         self._watcher: asyncio.Task | None = None
@@ -125,7 +128,9 @@ class Session:
 
     async def join(self, job: str, world_size: int, rank: int | None, peer_address: str,
                    timeout: float, elastic: bool = False, *,
-                   outbound_only: bool = False, max_world_size: int = 0) -> rpb.Joined:
+                   outbound_only: bool = False, max_world_size: int = 0,
+                   min_world_size: int = 0, moving_from: rpb.MovingFrom | None = None,
+                   ) -> rpb.Joined:
         """Join ``job`` and wait for its generation to form.
 
         Raises:
@@ -136,6 +141,7 @@ class Session:
             job=job, world_size=world_size, rank=-1 if rank is None else rank,
             peer_address=peer_address, timeout_seconds=timeout, host=shm.host_key(),
             elastic=elastic, outbound_only=outbound_only, max_world_size=max_world_size,
+            min_world_size=min_world_size, moving_from=moving_from,
             hostname=socket.gethostname(),
         )
         self.joined = await self._open(self._request, timeout)
@@ -155,6 +161,7 @@ class Session:
         request.CopyFrom(self._request)
         j = self.joined
         request.world_size, request.rank, request.timeout_seconds = j.world_size, j.rank, timeout
+        request.ClearField("moving_from")  # a rejoin claims the generation it was in
         request.rejoin.CopyFrom(claim)
         joined = await self._open(request, timeout)
         del joined.peer_keys[:]
@@ -183,6 +190,9 @@ class Session:
             ) from None
         if event is grpc.aio.EOF or event.WhichOneof("kind") != "joined":
             raise ProtocolError("the coordinator ended the session without a join answer")
+        self.joined = event.joined
+        if self.membership is not None:  # before any resize notice can be read
+            self.membership.joined(event.joined)
         self._watcher = asyncio.create_task(self._watch(), name="gradstar-session-watch")
         self._beater = asyncio.create_task(
             self._beat(event.joined.heartbeat_interval_seconds or 1.0), name="gradstar-heartbeat"
@@ -193,6 +203,11 @@ class Session:
         """Wait until the session's channel is connected (its coordinator listens), for at most
         ``timeout`` seconds (TimeoutError past it)."""
         await asyncio.wait_for(self._channel.channel_ready(), timeout)
+
+    def send(self, request: rpb.SessionRequest) -> None:
+        """Queue ``request`` on the session stream (call it on the session's loop)."""
+        if not self._closing:
+            self._outbox.put_nowait(request)
 
     @staticmethod
     async def _requests(outbox: asyncio.Queue):
@@ -221,6 +236,9 @@ class Session:
                     self._finished[f.rank] = RankFinishedError(
                         f.reason, rank=f.rank, generation=f.generation)
                     self._finishes.set()
+                elif event.WhichOneof("kind") in ("resize", "resize_at"):
+                    if self.membership is not None:
+                        self.membership.heard(event, self)
                 elif event.WhichOneof("kind") == "failed":
                     f = event.failed
                     self._fail(error_from_wire(f.error, f.fields_json, f.reason) if f.error

@@ -81,6 +81,7 @@ from ..torch_common import (
     check_wrapper_arguments,
     wire_dtype_of,
 )
+from .elastic import ElasticSteps
 from .inputs import inputs_to_device
 from .reducer import Reducer
 
@@ -202,7 +203,9 @@ class DistributedDataParallel(SyncModes, nn.Module):
 
         mode = check_mode(sync_mode or Synchronous())
         replacing = mode.on_ledger and pg.replacement  # a lost rank's place: nobody broadcasts
-        if not replacing:
+        #: Step boundaries: the job growing and shrinking while it trains (:mod:`.elastic`).
+        self.elastic = ElasticSteps(pg, module, optimizer, not mode.on_ledger)
+        if not replacing and not self.elastic.start_state():
             broadcast_from_rank0(pg, [*module.parameters(), *module.buffers()], cap)
         self.sync_mode: SyncMode = Synchronous()
         self._optimizer = optimizer
@@ -234,6 +237,7 @@ class DistributedDataParallel(SyncModes, nn.Module):
         buffers = list(self.module.buffers())
         if (self._require_forward_param_sync and self.broadcast_buffers and buffers
                 and not self.sync_mode.on_ledger):
+            self.elastic.cross()
             broadcast_from_rank0(self.process_group, buffers, self._broadcast_cap)
         if self.device.type != "cpu":
             inputs, kwargs = inputs_to_device(inputs, kwargs, self.device)
@@ -280,6 +284,7 @@ class DistributedDataParallel(SyncModes, nn.Module):
         if self.sync_mode.on_ledger:
             self._steps.contribute(self.contribution_weight)
         else:
+            self.elastic.cross()
             step = self.reducer.new_step()
             self.reducer.launch_rest(step, "sync_gradients", self._weight)
             missing = [i for i, p in enumerate(self._params)
@@ -366,6 +371,8 @@ class DistributedDataParallel(SyncModes, nn.Module):
             return
         step = self._step
         if step is None:
+            if not self.sync_mode.on_ledger:
+                self.elastic.cross()
             step = self._step = self.reducer.new_step()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if self.sync_mode.on_ledger:
@@ -396,6 +403,7 @@ class DistributedDataParallel(SyncModes, nn.Module):
 
     def _finish(self, step, missing: list[int], when: str) -> None:
         requested = self.reducer.requested_cap is not None
+        self.elastic.done()
         try:
             self.reducer.complete(step, missing, when)
         except BucketCapMismatchError:

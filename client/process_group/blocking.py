@@ -11,12 +11,14 @@ import contextlib
 from collections.abc import Awaitable, Callable
 
 from gradstar.errors import ProcessGroupClosedError
+from gradstar.proto.v1 import rendezvous_pb2 as rpb
 
 from ..collective.direct import DirectCall
 from ..loop_thread import LoopThread as _LoopThread
 from ..work import SettledWork, Work
 from .group import AsyncProcessGroup
-from .join import init_process_group_async
+from .join import init_process_group_async, open_group
+from .membership import Resized
 
 
 class ProcessGroup:
@@ -43,6 +45,96 @@ class ProcessGroup:
     collective_address = property(lambda self: self._group.collective_address)
     member_id = property(lambda self: self._group.member_id)
     reconnects = property(lambda self: self._group.reconnects)
+    #: This rank joined the job at a resize's step boundary: it takes the others' state.
+    newcomer = property(lambda self: self._group.rank in self._group.joined.newcomers)
+    joined = property(lambda self: self._group.joined)
+
+    @property
+    def steps_begun(self) -> int:
+        """Synchronising steps the job's ranks have begun, as :meth:`step_boundary` counts
+        them (a rank that joined at a resize starts at its boundary)."""
+        membership = self._group.membership
+        return membership.boundary if membership is not None else 0
+
+    # -- resizing at step boundaries (:mod:`.membership`) ----------------------------------------
+
+    def move_at_boundaries(self, on: bool = True) -> None:
+        """Say that this rank moves to the job's next generation at step boundaries
+        (:meth:`step_boundary` before each synchronising step), so that a join past the world
+        size or a departure resizes the job there: what a Synchronous DDP does."""
+        session = self._group._session
+        self._runner.call(session.send, rpb.SessionRequest(boundaries=on))
+
+    def step_boundary(self, welcome=None) -> Resized | None:
+        """Before the first collective of a synchronising step (every rank, at the same
+        steps): None, or, when the job resizes at this boundary, what changed, once this rank
+        is in the next generation (its rank and world size may differ). ``welcome(resized)``
+        (every rank of it) brings the newcomers in, e.g. sends them the state, and says
+        whether every one of them took it; if not, the one that did not departs, and the
+        others move once more at this same boundary, without it.
+
+        Raises:
+            ProcessGroupClosedError: this rank departed at this boundary (:meth:`depart`).
+            RendezvousError and subclasses: the resize failed (a rank lost meanwhile).
+        """
+        membership = self._group.membership
+        if membership is None:
+            return None
+        resized = None
+        while (action := membership.crossing()) != "go":
+            old = self._group
+            if action == "leave":
+                raise ProcessGroupClosedError(
+                    f"rank {old.rank} of job {old.job!r} left the job at step boundary "
+                    f"{membership.boundary} (depart()): run no more steps, close the group")
+            new = self._move(old, membership)
+            resized = Resized(new.generation, new.world_size, new.rank,
+                              resized.previous_world_size if resized else old.world_size,
+                              resized.previous_rank if resized else old.rank,
+                              tuple(new.joined.newcomers), new.joined.boundary)
+            if not resized.newcomers or welcome is None or welcome(resized):
+                membership.begin()
+                return resized
+            membership.hold()  # a newcomer refused: the coordinator names this boundary again
+        return resized
+
+    def _move(self, old: AsyncProcessGroup, membership) -> AsyncProcessGroup:
+        """Leave ``old``'s generation and join the next one, as a resize's mover."""
+        moving = rpb.MovingFrom(generation=old.generation, rank=old.rank,
+                                member_id=old.member_id)
+
+        async def move():
+            old._session.send(rpb.SessionRequest(advance=True))
+            await old.close()
+            return await open_group(old.settings, old.peer_address_given, moving_from=moving,
+                                    membership=membership)
+
+        new = self._runner.submit(move()).result()
+        new.peer_address_given = old.peer_address_given
+        self._group = new
+        watch = new.open_direct_lane(self._runner.submit)
+        if watch is not None:
+            self._runner.submit(watch)
+        return new
+
+    def depart(self) -> None:
+        """Leave the job for good at the next step boundary every rank reaches (the others
+        go on without this rank, in a new generation): returns once the coordinator took the
+        request; :attr:`departed` turns True at that boundary.
+
+        Raises:
+            ConfigurationError: the job would fall below its ``min_world_size``.
+            RendezvousError: no answer from the coordinator within the timeout.
+        """
+        session = self._group._session
+        self._group.membership.depart(lambda request: self._runner.call(session.send, request))
+
+    @property
+    def departed(self) -> bool:
+        """Whether this rank, having asked to :meth:`depart`, reached the boundary it leaves
+        at (waiting for the coordinator to name it first): stop the loop, close the group."""
+        membership = self._group.membership
+        return membership is not None and membership.at_departure()
 
     def _call(self, awaitable, async_op: bool):
         if isinstance(awaitable, DirectCall):  # small: on this thread, unless async_op

@@ -70,6 +70,12 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries, RidesThrough):
         self.job: str = joined.job
         #: This rank took a lost rank's place in a running generation (an elastic join).
         self.replacement: bool = joined.replacement
+        #: The coordinator's answer to the join (sizes, a resize's boundary and newcomers).
+        self.joined = joined
+        #: Where the rank is in the job's step boundaries (:mod:`.membership`), or None; and
+        #: the peer address it asked to register (what a move registers again).
+        self.membership = session.membership
+        self.peer_address_given = ""
         self.peers: dict[int, str] = {p.rank: p.address for p in joined.peers}
         #: The rendezvous' id of this member: with job, generation and rank, what binds its calls.
         self.member_id: str = joined.member_id

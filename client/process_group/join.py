@@ -20,6 +20,7 @@ from gradstar.transport.tls_check import wait_connected
 from ..peer import PeerEndpoint
 from ..session import Session
 from .group import AsyncProcessGroup
+from .membership import Membership
 
 
 def _settings(**given) -> ClientSettings:
@@ -69,14 +70,18 @@ async def init_process_group_async(
         raise ConfigurationError(f"invalid process group settings: {error}") from None
     if settings.tune_allocator:
         tune_allocator()
-    return await open_group(settings, peer_address)
+    group = await open_group(settings, peer_address, membership=Membership(settings.timeout))
+    group.peer_address_given = peer_address
+    return group
 
 
 async def open_group(settings: ClientSettings, peer_address: str = "", *,
-                     peers: bool = True) -> AsyncProcessGroup:
+                     peers: bool = True, moving_from=None, membership=None) -> AsyncProcessGroup:
     """Join ``settings.job``, connect to its data plane and, with ``peers``, join the groups of
     its two-level all_reduce (``peers=False``: without a peer server, for those groups of
-    :mod:`gradstar.client.hierarchy`). What fails on the way is closed again."""
+    :mod:`gradstar.client.hierarchy`). What fails on the way is closed again.
+    ``moving_from`` (``MovingFrom``): join the job's next generation at a resize's boundary;
+    ``membership``: this rank's :class:`~.membership.Membership`, told of the generation."""
     channel = open_channel(settings)
     peer_endpoint = PeerEndpoint(settings, call_metadata(settings)) if peers else None
     try:
@@ -86,10 +91,13 @@ async def open_group(settings: ClientSettings, peer_address: str = "", *,
                              settings.tls_ca, settings.tls_cert, settings.tls_key)
         session = Session(channel, call_metadata(settings), settings.coordinator,
                           settings.reconnect_timeout)
+        session.membership = membership  # told of the generation as the join answers
         await session.join(settings.job, settings.world_size, settings.rank,
                            peer_address, settings.join_timeout, settings.elastic,
                            outbound_only=settings.outbound_only,
-                           max_world_size=settings.max_world_size or 0)
+                           max_world_size=settings.max_world_size or 0,
+                           min_world_size=settings.min_world_size or 0,
+                           moving_from=moving_from)
     except BaseException:
         await channel.close()
         if peer_endpoint is not None:

@@ -35,6 +35,7 @@ class RidesThrough:
     and ``_targets(call)``, and replaces ``_plane`` (and ``direct``) after a rejoin."""
 
     settings: ClientSettings
+    joined: rpb.Joined
     _session: Session
     _plane: DataPlane
     direct: DirectLane | None
@@ -77,6 +78,7 @@ class RidesThrough:
     def _rejoined(self, joined: rpb.Joined) -> None:
         """The session rejoined: a new data plane (and direct lane) for the coordinator that
         answered, and the collectives it names issued again."""
+        self.joined = joined
         old, self._plane = self._plane, DataPlane(self.settings, list(joined.shards),
                                                   joined.collectives)
         self.shards = self._plane.addresses

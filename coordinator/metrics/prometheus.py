@@ -140,6 +140,12 @@ _JOB_FAMILIES = (
      "The longest a rank waited at the job's latest rebuild, from losing its coordinator to "
      "the generation rebuilt."),
     ("gradstar_job_world_size", "gauge", "Ranks the job needs."),
+    ("gradstar_job_max_world_size", "gauge", "Most ranks the job may grow to (0: fixed)."),
+    ("gradstar_job_min_world_size", "gauge", "Fewest ranks departures may leave (0: none)."),
+    ("gradstar_job_resizes_total", "counter",
+     "Generations formed by the job's members moving at a step boundary (grown or shrunk)."),
+    ("gradstar_job_joining_at_boundary", "gauge",
+     "Ranks waiting to join the job at its next step boundary."),
     ("gradstar_job_members", "gauge",
      "Live members of the current generation (or joiners while forming)."),
     ("gradstar_collectives_in_flight", "gauge", "Collectives matched or waiting for ranks."),
@@ -282,6 +288,11 @@ def _job_samples(job, durations, lags, averaging, shards, now: float) -> dict[st
         f"{_number(job.counters.rejoin_wait_seconds)}")
     out["gradstar_job_world_size"].append(
         f"gradstar_job_world_size{_labels(labels)} {job.world_size}")
+    for family, value in (("gradstar_job_max_world_size", job.max_world_size),
+                          ("gradstar_job_min_world_size", job.min_world_size),
+                          ("gradstar_job_resizes_total", job.resizes),
+                          ("gradstar_job_joining_at_boundary", job.at_boundary[0])):
+        out[family].append(f"{family}{_labels(labels)} {value}")
     live = gen.live_members if gen is not None else []
     out["gradstar_job_members"].append(
         f"gradstar_job_members{_labels(labels)} {len(live) or len(job.forming)}")

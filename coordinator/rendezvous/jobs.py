@@ -90,6 +90,13 @@ class Member:
     replacement: bool = False
     #: Its host takes no inbound connections from other hosts (JoinRequest.outbound_only).
     outbound_only: bool = False
+    #: It moves to a new generation at step boundaries when the job resizes (a Synchronous
+    #: DDP: SessionRequest.boundaries; every member of a generation a resize formed).
+    boundaries: bool = False
+    #: What its Joined says of the resize that formed its generation: the boundary, and
+    #: whether it joined there (a newcomer taking the others' state).
+    boundary: int = 0
+    newcomer: bool = False
 
     def touch(self) -> None:
         self.last_seen = time.monotonic()
@@ -118,6 +125,8 @@ class Generation:
     #: Why collectives of this generation can no longer complete although it is healthy: the
     #: first of its members that finished while others were still live.
     finished_error: RankFinishedError | None = None
+    #: Formed by a resize of the generation before (its members moved at a step boundary).
+    resized: bool = False
 
     @property
     def healthy(self) -> bool:
@@ -169,6 +178,20 @@ class Job:
     #: Most ranks the running generation may grow to by elastic joins (JoinRequest
     #: max_world_size; the largest its members asked for); ``world_size`` when it is fixed.
     max_world_size: int = 0
+    #: Fewest ranks departures may leave it (JoinRequest.min_world_size; 0: no limit).
+    min_world_size: int = 0
+    #: The resize under way (:mod:`.resize`), or None.
+    resize: object | None = None
+    #: Resizes completed (generations formed by members moving at a step boundary).
+    resizes: int = 0
+
+    @property
+    def at_boundary(self) -> tuple[int, int]:
+        """(ranks waiting to join, members departing) at the next step boundary."""
+        r = self.resize
+        if r is None:
+            return 0, 0
+        return sum(1 for j in r.joiners if not j.joined.done()), len(r.departing)
 
     @property
     def formed(self) -> bool:

@@ -56,6 +56,9 @@ class Claim:
     hostname: str = ""
     #: How long the rank had been without its coordinator when it sent the claim (seconds).
     away: float = 0.0
+    #: The job's size limits as the rank joined with them (0: none).
+    max_world_size: int = 0
+    min_world_size: int = 0
 
     def holds(self, seq: int) -> bool:
         """Whether this rank can issue collective ``seq`` again (or has yet to issue it)."""
@@ -67,7 +70,8 @@ def claim_of(join: rpb.JoinRequest) -> Claim:
     r = join.rejoin
     return Claim(join.job, join.world_size, join.rank, r.generation, r.member_id, r.next_seq,
                  frozenset(r.pending), frozenset(r.retained), join.peer_address, join.host,
-                 join.hostname, max(r.away_seconds, 0.0))
+                 join.hostname, max(r.away_seconds, 0.0), join.max_world_size,
+                 join.min_world_size)
 
 
 @dataclass(eq=False)
@@ -247,7 +251,10 @@ def rebuilt(rebuild: Rebuild, job: Job, formed: Callable[[Generation], None],
     job.counters.rebuilds += 1
     job.counters.rejoin_wait_seconds = waited = max(
         c.away + now - rebuild.arrived.get(r, now) for r, c in rebuild.claims.items())
-    job.world_size = job.max_world_size = rebuild.world_size
+    job.world_size = rebuild.world_size
+    claims = rebuild.claims.values()
+    job.max_world_size = max(job.world_size, *(c.max_world_size for c in claims))
+    job.min_world_size = max(c.min_world_size for c in claims)
     job.generations_formed = max(job.generations_formed, rebuild.generation)
     job.generation = gen
     formed(gen)

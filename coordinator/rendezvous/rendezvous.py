@@ -36,10 +36,11 @@ from gradstar.errors import (
     RankFinishedError,
     RankLostError,
     RendezvousError,
-    TooManyJobsError,
     WorldSizeMismatchError,
 )
 
+from . import resize
+from .admission import check_limits, dispute_world_size, make_room
 from .elastic import grow, replace
 
 # The records live in .jobs; named here too, where the servicers, the engine and tests import
@@ -97,13 +98,15 @@ class Rendezvous:
         self._on_rank_finished = on_rank_finished
         self._on_member_gone = on_member_gone
         #: Generations a restart lost, taken back from their rejoining ranks (:mod:`.rebuild`).
-        self.rebuilds = Rebuilds(self.jobs, self._make_room, lambda: self.draining,
+        self.rebuilds = Rebuilds(self.jobs, lambda job: make_room(self.jobs, job, self.max_jobs),
+                                 lambda: self.draining,
                                  lambda gen: self._on_generation_formed(gen))
 
     async def join(
         self, job: str, world_size: int, rank: int | None, peer_address: str, timeout: float,
         *, host: str = "", hostname: str = "", elastic: bool = False,
-        outbound_only: bool = False, max_world_size: int = 0,
+        outbound_only: bool = False, max_world_size: int = 0, min_world_size: int = 0,
+        moving_from=None,
     ) -> Member:
         """Wait until the job's next generation forms; return this caller's member record.
 
@@ -116,7 +119,8 @@ class Rendezvous:
             JoinTimeoutError: not every rank joined within ``timeout`` seconds.
         """
         member = self.offer(job, world_size, rank, peer_address, host=host, hostname=hostname,
-                            elastic=elastic, max_world_size=max_world_size)
+                            elastic=elastic, max_world_size=max_world_size,
+                            min_world_size=min_world_size, moving_from=moving_from)
         member.outbound_only = outbound_only  # before anyone hears of its generation
         try:
             await asyncio.wait_for(asyncio.shield(member.joined), timeout)
@@ -139,16 +143,26 @@ class Rendezvous:
 
     def offer(self, job: str, world_size: int, rank: int | None, peer_address: str, *,
               host: str = "", hostname: str = "",
-              elastic: bool = False, max_world_size: int = 0) -> Member:
+              elastic: bool = False, max_world_size: int = 0, min_world_size: int = 0,
+              moving_from=None) -> Member:
         """Register a joiner; its ``joined`` future completes when the generation forms, or at
         once when it is ``elastic`` and takes the place of a lost member of the running one,
         or, with no such place, joins it as one more rank while the job may grow
-        (``max_world_size``, as torchrun's ``--nnodes MIN:MAX``: see :func:`.elastic.grow`)."""
+        (``max_world_size``, as torchrun's ``--nnodes MIN:MAX``): at the next step boundary
+        when every member moves at them (:mod:`.resize`), else at once (:func:`.elastic.grow`).
+        ``moving_from``: a member of the running generation moving to the next at a resize's
+        boundary (:func:`.resize.arrive`)."""
         if self.draining:
             raise CoordinatorDrainingError(
                 "the coordinator is draining and accepts no new joins; use another coordinator"
             )
         check_job_name(job)
+        state = self.jobs.get(job)
+        if moving_from is not None:
+            member = Member(job=job, requested_rank=None, peer_address=peer_address,
+                            host=host[:64], hostname=hostname[:255])
+            resize.arrive(state, moving_from, member, self._resized)
+            return member
         if not 1 <= world_size <= MAX_WORLD_SIZE:
             raise ConfigurationError(f"world_size must be between 1 and {MAX_WORLD_SIZE}, got "
                                      f"{world_size}")
@@ -156,23 +170,32 @@ class Rendezvous:
             raise ConfigurationError(
                 f"max_world_size must be between world_size ({world_size}) and "
                 f"{MAX_WORLD_SIZE}, got {max_world_size}")
-        state = self.jobs.get(job)
+        if state is not None:
+            check_limits(state, max_world_size, min_world_size)
         current = state.generation if state is not None else None
         if (elastic and rank is None and current is not None and current.live_members
-                and current.world_size < state.max_world_size
                 and not any(m.left and not m.finished for m in current.members.values())):
-            return grow(state, peer_address, host, hostname, self.fail)
+            pending = resize.current(state, current)
+            waiting = len(pending.joiners) if pending is not None else 0
+            if resize.takes_part(state) and current.world_size + waiting < state.max_world_size:
+                member = Member(job=job, requested_rank=None, peer_address=peer_address,
+                                host=host[:64], hostname=hostname[:255])
+                resize.add_joiner(state, member)
+                return member
+            if current.world_size < state.max_world_size and not resize.takes_part(state):
+                return grow(state, peer_address, host, hostname, self.fail)
         if rank is not None and not 0 <= rank < world_size:
             raise ConfigurationError(f"rank {rank} is out of range for world_size {world_size}")
         if state is None:
-            self._make_room(job)
+            make_room(self.jobs, job, self.max_jobs)
             state = self.jobs[job] = Job(job, world_size)
         state.max_world_size = max(state.max_world_size, max_world_size, state.world_size)
+        state.min_world_size = max(state.min_world_size, min_world_size)
         busy = state.forming or (state.generation is not None and state.generation.healthy
                                  and state.generation.live_members)
         if state.world_size != world_size:
             if busy:
-                self._dispute_world_size(state, world_size)
+                dispute_world_size(state, world_size)
                 raise WorldSizeMismatchError(
                     f"job {job!r} has world_size {state.world_size}, but this rank asked for "
                     f"{world_size}; every rank must pass the same world_size"
@@ -199,44 +222,6 @@ class Rendezvous:
             self._form(state)
         return member
 
-    def _make_room(self, job: str) -> None:
-        """Make room in the table for new job ``job``: at the limit, the oldest job that never
-        formed is evicted first (its joiners get :class:`TooManyJobsError`), so joins that never
-        form cannot lock real jobs out.
-
-        Raises:
-            TooManyJobsError: the table holds ``max_jobs`` jobs that all formed.
-        """
-        if len(self.jobs) < self.max_jobs:
-            return
-        # Insertion order: the first unformed job found is the one waiting longest.
-        victim = next((j for j in self.jobs.values() if not j.formed), None)
-        if victim is None:
-            raise TooManyJobsError(
-                f"the coordinator holds {len(self.jobs)} jobs, its limit (coordinator "
-                f"setting max_jobs); job {job!r} cannot join until finished jobs are "
-                "dropped (after job_retention seconds)")
-        del self.jobs[victim.name]
-        error = TooManyJobsError(
-            f"job {victim.name!r} was evicted before it formed: the coordinator holds "
-            f"{self.max_jobs} jobs, its limit (coordinator setting max_jobs), and a new job "
-            "needed the room; jobs that never formed go first")
-        for waiting in victim.forming:
-            if not waiting.joined.done():
-                waiting.joined.set_exception(error)
-
-    @staticmethod
-    def _dispute_world_size(state: Job, asked: int) -> None:
-        """Tell the ranks waiting for ``state`` to form that another rank disputes its world
-        size: no generation of the size they asked for can form as configured, so each gets
-        :class:`WorldSizeMismatchError` now instead of a join timeout later. A running
-        generation is left alone (a stray process must not end a healthy job)."""
-        for waiting in state.forming:
-            if not waiting.joined.done():
-                waiting.joined.set_exception(WorldSizeMismatchError(
-                    f"job {state.name!r} is forming with world_size {state.world_size}, but "
-                    f"another rank asked for {asked}; every rank must pass the same world_size"))
-
     def withdraw(self, member: Member) -> None:
         """Take a joiner that gave up out of its job's forming set; a job that never formed
         leaves the table with its last joiner."""
@@ -245,6 +230,8 @@ class Rendezvous:
             state.forming.remove(member)
             if not state.forming and not state.formed:
                 del self.jobs[state.name]
+        elif state is not None:
+            resize.withdraw(state, member)
 
     def _form(self, job: Job) -> None:
         taken = {m.requested_rank for m in job.forming if m.requested_rank is not None}
@@ -253,11 +240,27 @@ class Rendezvous:
         for m in job.forming:
             m.rank = m.requested_rank if m.requested_rank is not None else next(free)
             members[m.rank] = m
+        job.forming = []
+        self.form(job, members)
+
+    def _resized(self, job: Job, members: dict[int, Member]) -> Generation:
+        return self.form(job, members, resized=True)
+
+    def form(self, job: Job, members: dict[int, Member], *, resized: bool = False) -> Generation:
+        """Number ``members`` (by rank) as the job's next generation and answer their joins;
+        the generation before is over (failed, unless a resize moved its members on)."""
+        for rank, m in members.items():
+            m.rank = rank
         job.generations_formed += 1
+        job.world_size = len(members)
         gen = Generation(job, job.generations_formed, job.world_size, members,
                          peer_secret=secrets.token_bytes(32))
-        previous, job.generation, job.forming = job.generation, gen, []
-        if previous is not None and previous.healthy and previous.live_members:
+        previous, job.generation = job.generation, gen
+        if resized:
+            # Its members moved on at a step boundary: the old generation ends quietly, as
+            # each of them leaves it (nothing in it failed; nothing of it is pending).
+            gen.resized = True
+        elif previous is not None and previous.healthy and previous.live_members:
             # Everyone moved on; nothing of the old generation can still be waited for (a
             # completed one has nothing pending and did not fail).
             self.fail(previous, RendezvousError(f"job {job.name!r} formed a new generation"))
@@ -267,6 +270,7 @@ class Rendezvous:
             m.touch()
             if not m.joined.done():
                 m.joined.set_result(gen)
+        return gen
 
     def member(self, job: str, generation: int, rank: int, member_id: str) -> Generation:
         """The generation a collective caller belongs to; raises if it is not a member.
@@ -342,8 +346,18 @@ class Rendezvous:
         gen = member.generation
         if gen is None or member.left:
             return
+        state = self.jobs.get(member.job)
+        if state is not None and (resize.moving(state, member) or gen is not state.generation):
+            # A move to the next generation (or a goodbye to one the job moved on from): quiet.
+            member.left = member.finished = True
+            if not gen.live_members:
+                self._on_generation_closed(gen)
+            resize.settle(state, self._resized)
+            return
         member.left = member.finished = True
         self._on_member_gone(member)
+        if state is not None and resize.current(state, gen) is not None:
+            resize.settle(state, self._resized)  # it departs rather than moves
         if gen.failure is not None:
             return
         if gen.live_members:
@@ -394,6 +408,8 @@ class Rendezvous:
             return
         gen.failure = error
         gen.job.counters.last_failure = str(error)
+        if resize.current(gen.job, gen) is not None:
+            resize.cancel(gen.job, error)
         for m in gen.live_members:
             m.notices.put_nowait(error)
         self._on_generation_failed(gen)

@@ -18,6 +18,7 @@ from gradstar.proto.v1 import rendezvous_pb2_grpc
 from gradstar.transport.auth import check_job_access
 from gradstar.transport.status import abort
 
+from . import resize
 from .rebuild import claim_of
 from .rendezvous import Member, Rendezvous
 
@@ -63,11 +64,14 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
                 member = await self.rendezvous.join(
                     j.job, j.world_size, j.rank if j.rank >= 0 else None, j.peer_address,
                     timeout, host=j.host, elastic=j.elastic, outbound_only=j.outbound_only,
-                    max_world_size=j.max_world_size, hostname=j.hostname,
+                    max_world_size=j.max_world_size, min_world_size=j.min_world_size,
+                    moving_from=j.moving_from if j.HasField("moving_from") else None,
+                    hostname=j.hostname,
                 )
         except GradstarError as error:
             await abort(context, error)
         gen = member.generation
+        job = gen.job
         log.info("job %r generation %d: rank %d joined", j.job, gen.number, member.rank)
         closed = self.outbound_hosts(j.job)
         reader = asyncio.create_task(self._read(member, requests))
@@ -82,9 +86,21 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
                 heartbeat_interval_seconds=self.heartbeat_interval,
                 # This member's keys only, on its own session stream (32 bytes per rank).
                 peer_keys=gen.peer_keys(member.rank), replacement=member.replacement,
+                boundary=member.boundary, resized=gen.resized,
+                newcomers=[r for r, m in sorted(gen.members.items()) if m.newcomer],
+                min_world_size=job.min_world_size, max_world_size=job.max_world_size,
                 replay=replay,
             ))
             while (notice := await member.notices.get()) is not _SESSION_END:
+                if isinstance(notice, resize.Pending):
+                    yield rpb.SessionEvent(resize=rpb.ResizePending(
+                        generation=notice.generation, joining=notice.joining,
+                        departing=notice.departing, refused=notice.refused))
+                    continue
+                if isinstance(notice, resize.Decided):
+                    yield rpb.SessionEvent(resize_at=rpb.ResizeAt(
+                        generation=notice.generation, boundary=notice.boundary))
+                    continue
                 if isinstance(notice, RankFinishedError):
                     yield rpb.SessionEvent(finished=rpb.RankFinished(
                         generation=gen.number, rank=notice.rank, reason=str(notice)))
@@ -100,12 +116,30 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
                 log.warning("job %r: rank %d's session closed", j.job, member.rank)
                 self.rendezvous.lost(member, "its session with the coordinator closed")
 
+    def _resize(self, member: Member, request: rpb.SessionRequest, kind: str) -> None:
+        """A member's part in resizing its job at a step boundary (:mod:`.resize`)."""
+        state = self.rendezvous.jobs.get(member.job)
+        if state is None or member.generation is None:
+            return
+        member.touch()
+        if kind == "boundaries":
+            member.boundaries = request.boundaries
+        elif kind == "position":
+            resize.report(state, member, request.position.generation,
+                          request.position.boundary)
+        elif kind == "advance":
+            resize.advance(state, member)
+        else:
+            resize.depart(state, member)
+
     async def _read(self, member: Member, requests) -> None:
         try:
             async for request in requests:
                 kind = request.WhichOneof("kind")
                 if kind == "heartbeat":
                     member.touch()
+                elif kind in ("boundaries", "position", "advance", "depart"):
+                    self._resize(member, request, kind)
                 elif kind == "leave":
                     self.rendezvous.leave(member)
                     break

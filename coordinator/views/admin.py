@@ -29,9 +29,12 @@ PAGE_SIZE = 1000
 def job_summary(job: Job) -> apb.JobSummary:
     gen = job.generation
     members = len(gen.live_members) if gen is not None else 0
+    joining, departing = job.at_boundary
     return apb.JobSummary(
         job=job.name, generation=gen.number if gen is not None else 0,
         world_size=job.world_size, members=members or len(job.forming), state=job.state,
+        min_world_size=job.min_world_size, max_world_size=job.max_world_size,
+        resizes=job.resizes, joining_at_boundary=joining, departing_at_boundary=departing,
     )
 
 

@@ -24,6 +24,8 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 
+from gradstar.config import size_limits_text
+
 #: Seconds between refreshes of the page.
 REFRESH_SECONDS = 2
 #: Rows shown per job and jobs shown; /status.json has them all.
@@ -115,12 +117,17 @@ def _jobs_table(jobs: list[dict]) -> str:
     for job in jobs[:MAX_JOBS_SHOWN]:
         done = sum(job["collectives_completed"].values())
         failed = sum(job["collectives_failed"].values())
+        size = size_limits_text(job["world_size"], job["min_world_size"], job["max_world_size"],
+                                job["resizes"], job["joining_at_boundary"],
+                                job["departing_at_boundary"])
         rows.append(
             f'<tr data-job="{_e(job["name"])}">'
             f'<td class="text" data-field="name">{_e(job["name"])}</td>'
             f'<td class="text state {_e(job["state"])}" data-field="state">{_e(job["state"])}'
             "</td>"
-            f'{_cell("world_size", job["world_size"])}{_cell("generation", job["generation"])}'
+            f'{_cell("world_size", job["world_size"])}'
+            f'<td data-field="size">{_e(size)}</td>{_cell("resizes", job["resizes"])}'
+            f'{_cell("generation", job["generation"])}'
             f'{_cell("members", job["members"])}'
             f'{_cell("collectives_completed", done)}{_cell("collectives_failed", failed)}'
             f'{_cell("bytes_in", job["bytes_in"], _bytes)}'
@@ -131,7 +138,8 @@ def _jobs_table(jobs: list[dict]) -> str:
     more = len(jobs) - MAX_JOBS_SHOWN
     note = f'<p class="muted">… and {more} more jobs (see /status.json).</p>' if more > 0 else ""
     return ('<h2>Jobs</h2><table id="jobs"><thead><tr><th class="text">Job</th>'
-            '<th class="text">State</th><th>World size</th><th>Generation</th><th>Live ranks</th>'
+            '<th class="text">State</th><th>World size</th><th>Size limits</th><th>Resizes</th>'
+            "<th>Generation</th><th>Live ranks</th>"
             "<th>Collectives</th><th>Failed</th><th>Bytes in</th><th>Bytes out</th>"
             "<th>In /s</th><th>Out /s</th></tr></thead><tbody>"
             + "".join(rows) + "</tbody></table>" + note)

@@ -263,6 +263,12 @@ class CoordinatorStatus:
             "name": job.name,
             "state": job.state,
             "world_size": job.world_size,
+            # Size limits (0: none) and resizes at step boundaries (:mod:`..rendezvous.resize`).
+            "min_world_size": job.min_world_size,
+            "max_world_size": job.max_world_size,
+            "resizes": job.resizes,
+            "joining_at_boundary": job.at_boundary[0],
+            "departing_at_boundary": job.at_boundary[1],
             "generation": gen.number if gen is not None else 0,
             "generations_formed": job.generations_formed,
             "members": len(gen.live_members) if gen is not None else 0,

@@ -45,6 +45,18 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def size_limits_text(world_size: int, min_world_size: int, max_world_size: int,
+                     resizes: int, joining: int, departing: int) -> str:
+    """A job's size limits as torchrun writes them ("fixed", or MIN..MAX), with the ranks
+    waiting to join or departing at its next step boundary: what the status page and
+    ``gradstar admin`` show."""
+    top = max(max_world_size, world_size)
+    if top <= world_size and not min_world_size and not resizes:
+        return "fixed"
+    text = f"{min_world_size or 1}..{top}"
+    return text + (f" (+{joining} -{departing} next step)" if joining or departing else "")
+
+
 def default_shard_count(cores: int | None = None) -> int:
     """``--shards auto``: one shard per two cores beyond the first two, at most 8.
 
@@ -276,7 +288,13 @@ class ClientSettings(BaseSettings):
         None, gt=0, description="the most ranks the job may grow to while it runs, by elastic "
                                 "joins (as torchrun's --nnodes MIN:MAX): each one past the "
                                 "world size ends the running generation's collectives, and "
-                                "a sync-mode DDP's steps go on with the new rank")
+                                "a sync-mode DDP's steps go on with the new rank; a "
+                                "Synchronous DDP's job moves to a new generation at the next "
+                                "step boundary instead")
+    min_world_size: int | None = Field(
+        None, gt=0, description="the fewest ranks the job may shrink to by departures "
+                                "(DDP.leave(); as torchrun's --nnodes MIN:MAX): a departure "
+                                "that would leave fewer is refused by name")
     timeout: float = Field(300.0, gt=0, description="default collective timeout in seconds")
     connect_timeout: float = Field(10.0, gt=0)
     reconnect_timeout: float = Field(

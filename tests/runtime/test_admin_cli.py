@@ -60,7 +60,8 @@ async def test_status_shows_members_and_the_ranks_a_collective_waits_for(start_c
         code, out, _ = await run_gradstar("admin", "jobs", "--coordinator", hub.address,
                                           timeout=30)
         assert code == 0
-        assert re.search(r"JOB\s+STATE\s+GENERATION\s+MEMBERS\ntrain\s+running\s+1\s+3/3", out)
+        assert re.search(r"JOB\s+STATE\s+GENERATION\s+MEMBERS\s+SIZE\s+RESIZES\n"
+                         r"train\s+running\s+1\s+3/3\s+fixed\s+0", out)
 
         # Rank 2 arrives: the collective completes and leaves the in-flight table.
         await asyncio.wait_for(asyncio.gather(groups[2].all_reduce(np.ones(1000, np.float32)),

@@ -93,7 +93,8 @@ class Cells(HTMLParser):
 
 def snapshot(**changes) -> dict:
     job = {"name": "j", "state": "running", "world_size": 2, "generation": 1,
-           "generations_formed": 1, "members": 2, "joining": 0, "in_flight": 0, "shards": 0,
+           "min_world_size": 0, "max_world_size": 2, "resizes": 0, "joining_at_boundary": 0,
+           "departing_at_boundary": 0, "generations_formed": 1, "members": 2, "joining": 0, "in_flight": 0, "shards": 0,
            "bytes_in": 8000, "bytes_out": 8128, "bytes_in_per_second": 1234.5,
            "bytes_out_per_second": 0.0, "collectives_completed": {"all_reduce": 3},
            "collectives_failed": {}, "last_failure": "",
@@ -256,6 +257,7 @@ def test_page_shows_jobs_ranks_bytes_and_marks_the_straggler():
     assert cells["bytes_out"] == ("8128", "8.1 kB")
     assert cells["bytes_in_per_second"] == ("1234.5", "1.2 kB/s")
     assert cells["world_size"] == ("2", "2")
+    assert cells["size"] == (None, "fixed") and cells["resizes"] == ("0", "0")
     assert cells["collectives_completed"] == ("3", "3")
     (slow, text), = page.find("tr", data_rank="1")
     assert slow.get("class") == "slowest" and "slowest" in text
@@ -398,3 +400,13 @@ async def test_snapshot_lists_rounds_of_the_rounds_table():
                                  "replicas": ["a", "b"], "dropped": []}]
     assert [(r["replica"], r["joins"], r["rounds"], r["missed"]) for r in job["replicas"]] == [
         ("a", 1, 1, 0), ("b", 1, 1, 0)]
+
+
+def test_page_shows_an_elastic_jobs_size_limits_and_who_waits_at_its_next_boundary():
+    elastic = snapshot()
+    elastic["jobs"][0].update(min_world_size=2, max_world_size=4, resizes=3,
+                              joining_at_boundary=1)
+    page = Cells(render_html(elastic))
+    cells = page.cells(data_job="j")
+    assert cells["size"] == (None, "2..4 (+1 -0 next step)")
+    assert cells["resizes"] == ("3", "3")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gradstar.config import size_limits_text
 from gradstar.ops import op_name
 from gradstar.proto.v1 import admin_pb2
 
@@ -42,8 +43,14 @@ def _bytes(n: float) -> str:
 def jobs_table(jobs: Sequence[admin_pb2.JobSummary]) -> str:
     if not jobs:
         return "no jobs"
-    return table(("JOB", "STATE", "GENERATION", "MEMBERS"),
-                 [(j.job, j.state, j.generation, f"{j.members}/{j.world_size}") for j in jobs])
+    return table(("JOB", "STATE", "GENERATION", "MEMBERS", "SIZE", "RESIZES"),
+                 [(j.job, j.state, j.generation, f"{j.members}/{j.world_size}", size_limits(j),
+                   j.resizes) for j in jobs])
+
+
+def size_limits(j: admin_pb2.JobSummary) -> str:
+    return size_limits_text(j.world_size, j.min_world_size, j.max_world_size, j.resizes,
+                            j.joining_at_boundary, j.departing_at_boundary)
 
 
 def rates_between(before: admin_pb2.GetJobResponse, after: admin_pb2.GetJobResponse,
@@ -62,7 +69,7 @@ def rates_between(before: admin_pb2.GetJobResponse, after: admin_pb2.GetJobRespo
 def job_status(job: admin_pb2.GetJobResponse, rates: dict | None = None) -> str:
     s = job.summary
     lines = [f"job {s.job}: {s.state}, generation {s.generation}, {s.members}/{s.world_size} "
-             "members"]
+             f"members, size {size_limits(s)}, {s.resizes} resizes"]
     if rates is not None:
         lines.append(f"  throughput   {rates['collectives_per_second']:.1f} collectives/s, "
                      f"{_bytes(rates['bytes_in_per_second'])}/s in, "
@@ -108,7 +115,10 @@ def status_report(address: str, health: str, jobs: Sequence[admin_pb2.GetJobResp
 
 def summary_as_dict(s: admin_pb2.JobSummary) -> dict:
     return {"job": s.job, "state": s.state, "generation": s.generation,
-            "world_size": s.world_size, "members": s.members}
+            "world_size": s.world_size, "members": s.members,
+            "min_world_size": s.min_world_size, "max_world_size": s.max_world_size,
+            "resizes": s.resizes, "joining_at_boundary": s.joining_at_boundary,
+            "departing_at_boundary": s.departing_at_boundary}
 
 
 def job_as_dict(job: admin_pb2.GetJobResponse, rates: dict | None = None) -> dict:

@@ -16,18 +16,28 @@ class ListJobsRequest(_message.Message):
     def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class JobSummary(_message.Message):
-    __slots__ = ("job", "generation", "world_size", "members", "state")
+    __slots__ = ("job", "generation", "world_size", "members", "state", "min_world_size", "max_world_size", "resizes", "joining_at_boundary", "departing_at_boundary")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    MIN_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESIZES_FIELD_NUMBER: _ClassVar[int]
+    JOINING_AT_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
+    DEPARTING_AT_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     world_size: int
     members: int
     state: str
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+    min_world_size: int
+    max_world_size: int
+    resizes: int
+    joining_at_boundary: int
+    departing_at_boundary: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., world_size: _Optional[int] = ..., members: _Optional[int] = ..., state: _Optional[str] = ..., min_world_size: _Optional[int] = ..., max_world_size: _Optional[int] = ..., resizes: _Optional[int] = ..., joining_at_boundary: _Optional[int] = ..., departing_at_boundary: _Optional[int] = ...) -> None: ...
 
 class ListJobsResponse(_message.Message):
     __slots__ = ("jobs", "next_page_token")

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job", "world_size", "rank", "peer_address", "timeout_seconds", "host", "hostname", "elastic", "outbound_only", "max_world_size", "rejoin")
+    __slots__ = ("job", "world_size", "rank", "peer_address", "timeout_seconds", "host", "hostname", "elastic", "outbound_only", "max_world_size", "min_world_size", "moving_from", "rejoin")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,8 @@ class JoinRequest(_message.Message):
     ELASTIC_FIELD_NUMBER: _ClassVar[int]
     OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
     MAX_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MIN_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MOVING_FROM_FIELD_NUMBER: _ClassVar[int]
     REJOIN_FIELD_NUMBER: _ClassVar[int]
     job: str
     world_size: int
@@ -29,8 +31,28 @@ class JoinRequest(_message.Message):
     elastic: bool
     outbound_only: bool
     max_world_size: int
+    min_world_size: int
+    moving_from: MovingFrom
     rejoin: Rejoin
-    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., peer_address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., host: _Optional[str] = ..., hostname: _Optional[str] = ..., elastic: _Optional[bool] = ..., outbound_only: _Optional[bool] = ..., max_world_size: _Optional[int] = ..., rejoin: _Optional[_Union[Rejoin, _Mapping]] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., peer_address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., host: _Optional[str] = ..., hostname: _Optional[str] = ..., elastic: _Optional[bool] = ..., outbound_only: _Optional[bool] = ..., max_world_size: _Optional[int] = ..., min_world_size: _Optional[int] = ..., moving_from: _Optional[_Union[MovingFrom, _Mapping]] = ..., rejoin: _Optional[_Union[Rejoin, _Mapping]] = ...) -> None: ...
+
+class MovingFrom(_message.Message):
+    __slots__ = ("generation", "rank", "member_id")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    rank: int
+    member_id: str
+    def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., member_id: _Optional[str] = ...) -> None: ...
+
+class Position(_message.Message):
+    __slots__ = ("generation", "boundary")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    boundary: int
+    def __init__(self, generation: _Optional[int] = ..., boundary: _Optional[int] = ...) -> None: ...
 
 class Rejoin(_message.Message):
     __slots__ = ("generation", "member_id", "next_seq", "pending", "retained", "away_seconds")
@@ -55,14 +77,22 @@ class Heartbeat(_message.Message):
     def __init__(self, sent_unix_ms: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("join", "heartbeat", "leave")
+    __slots__ = ("join", "heartbeat", "leave", "boundaries", "position", "advance", "depart")
     JOIN_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     LEAVE_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARIES_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    ADVANCE_FIELD_NUMBER: _ClassVar[int]
+    DEPART_FIELD_NUMBER: _ClassVar[int]
     join: JoinRequest
     heartbeat: Heartbeat
     leave: bool
-    def __init__(self, join: _Optional[_Union[JoinRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., leave: _Optional[bool] = ...) -> None: ...
+    boundaries: bool
+    position: Position
+    advance: bool
+    depart: bool
+    def __init__(self, join: _Optional[_Union[JoinRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., leave: _Optional[bool] = ..., boundaries: _Optional[bool] = ..., position: _Optional[_Union[Position, _Mapping]] = ..., advance: _Optional[bool] = ..., depart: _Optional[bool] = ...) -> None: ...
 
 class Peer(_message.Message):
     __slots__ = ("rank", "address", "host", "hostname", "outbound_only")
@@ -79,7 +109,7 @@ class Peer(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., hostname: _Optional[str] = ..., outbound_only: _Optional[bool] = ...) -> None: ...
 
 class Joined(_message.Message):
-    __slots__ = ("job", "generation", "rank", "world_size", "member_id", "peers", "heartbeat_interval_seconds", "shards", "peer_keys", "collectives", "replacement", "replay")
+    __slots__ = ("job", "generation", "rank", "world_size", "member_id", "peers", "heartbeat_interval_seconds", "shards", "peer_keys", "collectives", "replacement", "boundary", "newcomers", "min_world_size", "max_world_size", "resized", "replay")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +121,11 @@ class Joined(_message.Message):
     PEER_KEYS_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
     REPLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_FIELD_NUMBER: _ClassVar[int]
+    NEWCOMERS_FIELD_NUMBER: _ClassVar[int]
+    MIN_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESIZED_FIELD_NUMBER: _ClassVar[int]
     REPLAY_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
@@ -103,8 +138,13 @@ class Joined(_message.Message):
     peer_keys: _containers.RepeatedScalarFieldContainer[bytes]
     collectives: str
     replacement: bool
+    boundary: int
+    newcomers: _containers.RepeatedScalarFieldContainer[int]
+    min_world_size: int
+    max_world_size: int
+    resized: bool
     replay: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., member_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., heartbeat_interval_seconds: _Optional[float] = ..., shards: _Optional[_Iterable[str]] = ..., peer_keys: _Optional[_Iterable[bytes]] = ..., collectives: _Optional[str] = ..., replacement: _Optional[bool] = ..., replay: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., member_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., heartbeat_interval_seconds: _Optional[float] = ..., shards: _Optional[_Iterable[str]] = ..., peer_keys: _Optional[_Iterable[bytes]] = ..., collectives: _Optional[str] = ..., replacement: _Optional[bool] = ..., boundary: _Optional[int] = ..., newcomers: _Optional[_Iterable[int]] = ..., min_world_size: _Optional[int] = ..., max_world_size: _Optional[int] = ..., resized: _Optional[bool] = ..., replay: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationFailed(_message.Message):
     __slots__ = ("generation", "lost_rank", "reason", "error", "fields_json")
@@ -130,14 +170,38 @@ class RankFinished(_message.Message):
     reason: str
     def __init__(self, generation: _Optional[int] = ..., rank: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class ResizePending(_message.Message):
+    __slots__ = ("generation", "joining", "departing", "refused")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    JOINING_FIELD_NUMBER: _ClassVar[int]
+    DEPARTING_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    joining: int
+    departing: _containers.RepeatedScalarFieldContainer[int]
+    refused: str
+    def __init__(self, generation: _Optional[int] = ..., joining: _Optional[int] = ..., departing: _Optional[_Iterable[int]] = ..., refused: _Optional[str] = ...) -> None: ...
+
+class ResizeAt(_message.Message):
+    __slots__ = ("generation", "boundary")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    boundary: int
+    def __init__(self, generation: _Optional[int] = ..., boundary: _Optional[int] = ...) -> None: ...
+
 class SessionEvent(_message.Message):
-    __slots__ = ("joined", "failed", "heartbeat_ack", "finished")
+    __slots__ = ("joined", "failed", "heartbeat_ack", "finished", "resize", "resize_at")
     JOINED_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_ACK_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    RESIZE_FIELD_NUMBER: _ClassVar[int]
+    RESIZE_AT_FIELD_NUMBER: _ClassVar[int]
     joined: Joined
     failed: GenerationFailed
     heartbeat_ack: Heartbeat
     finished: RankFinished
-    def __init__(self, joined: _Optional[_Union[Joined, _Mapping]] = ..., failed: _Optional[_Union[GenerationFailed, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[Heartbeat, _Mapping]] = ..., finished: _Optional[_Union[RankFinished, _Mapping]] = ...) -> None: ...
+    resize: ResizePending
+    resize_at: ResizeAt
+    def __init__(self, joined: _Optional[_Union[Joined, _Mapping]] = ..., failed: _Optional[_Union[GenerationFailed, _Mapping]] = ..., heartbeat_ack: _Optional[_Union[Heartbeat, _Mapping]] = ..., finished: _Optional[_Union[RankFinished, _Mapping]] = ..., resize: _Optional[_Union[ResizePending, _Mapping]] = ..., resize_at: _Optional[_Union[ResizeAt, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,174 @@
+"""A running job resized at a step boundary (``coordinator/rendezvous/resize.py``), driven
+directly as the session servicer drives it: positions, the boundary, movers, newcomers,
+departures, and what ends a resize. No sockets; every await is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gradstar.coordinator.rendezvous import Rendezvous, resize
+from gradstar.errors import RankLostError, RendezvousError, WorldSizeMismatchError
+from gradstar.proto.v1 import rendezvous_pb2 as rpb
+
+BOUND = 2.0
+
+
+async def running(rdv: Rendezvous, world: int = 3, **limits) -> list:
+    """A job 'r' of ``world`` ranks whose members move at step boundaries."""
+    members = await asyncio.wait_for(asyncio.gather(*(
+        rdv.join("r", world, rank, f"10.0.0.{rank}:1", timeout=BOUND, max_world_size=4,
+                 **limits) for rank in range(world))), BOUND)
+    for m in members:
+        m.boundaries = True
+    return members
+
+
+def notices(member) -> list:
+    out = []
+    while not member.notices.empty():
+        out.append(member.notices.get_nowait())
+    return out
+
+
+def moving_from(member) -> rpb.MovingFrom:
+    return rpb.MovingFrom(generation=member.generation.number, rank=member.rank,
+                          member_id=member.member_id)
+
+
+async def move(rdv: Rendezvous, member):
+    """``member`` says advance, leaves its session, and joins the next generation."""
+    state = rdv.jobs[member.job]
+    resize.advance(state, member)
+    rdv.leave(member)
+    return asyncio.ensure_future(rdv.join("r", 3, None, "10.0.1.1:1", timeout=BOUND,
+                                          moving_from=moving_from(member)))
+
+
+@pytest.fixture
+def rdv() -> Rendezvous:
+    return Rendezvous(heartbeat_timeout=10.0)
+
+
+async def test_the_boundary_is_the_furthest_position_and_the_job_grows_there(rdv):
+    members = await running(rdv)
+    joiner = asyncio.ensure_future(rdv.join("r", 3, None, "10.0.0.9:1", timeout=BOUND,
+                                            elastic=True))
+    await asyncio.sleep(0)
+    state = rdv.jobs["r"]
+    for m in members:  # every member is asked for its position
+        assert [type(n) for n in notices(m)] == [resize.Pending]
+    gen = members[0].generation
+    for m, position in zip(members, (7, 8, 7), strict=True):
+        resize.report(state, m, gen.number, position)
+    assert [n.boundary for m in members for n in notices(m)] == [8, 8, 8]
+    movers = [await move(rdv, m) for m in members]
+    grown = await asyncio.wait_for(asyncio.gather(joiner, *movers), BOUND)
+    new = grown[0].generation
+    assert new is not gen and new.resized and new.world_size == 4
+    assert [m.rank for m in grown[1:]] == [0, 1, 2] and grown[0].rank == 3
+    assert [grown[0].newcomer, *(m.newcomer for m in grown[1:])] == [True, False, False, False]
+    assert {m.boundary for m in grown} == {8} and all(m.boundaries for m in grown)
+    assert gen.healthy and state.resizes == 1 and state.world_size == 4
+
+
+async def test_a_departing_rank_is_dropped_and_the_ranks_after_it_move_up(rdv):
+    members = await running(rdv)
+    state, gen = rdv.jobs["r"], members[0].generation
+    resize.depart(state, members[1])
+    for m in members:
+        resize.report(state, m, gen.number, 5)
+    movers = [await move(rdv, m) for m in (members[0], members[2])]
+    rdv.leave(members[1])  # the departing rank stops at the boundary
+    moved = await asyncio.wait_for(asyncio.gather(*movers), BOUND)
+    assert [m.rank for m in moved] == [0, 1] and moved[0].generation.world_size == 2
+    assert not any(m.newcomer for m in moved)
+
+
+async def test_a_departure_below_the_minimum_is_refused_by_name(rdv):
+    members = await running(rdv, world=2, min_world_size=2)
+    resize.depart(rdv.jobs["r"], members[0])
+    refused = notices(members[0])
+    assert len(refused) == 1 and "fewer than its min_world_size 2" in refused[0].refused
+    assert rdv.jobs["r"].resize is None and not notices(members[1])
+
+
+async def test_a_rank_lost_during_a_resize_fails_the_joiner_by_name(rdv):
+    members = await running(rdv)
+    joiner = asyncio.ensure_future(rdv.join("r", 3, None, "10.0.0.9:1", timeout=BOUND,
+                                            elastic=True))
+    await asyncio.sleep(0)
+    rdv.lost(members[2], "killed")
+    with pytest.raises(RankLostError, match="rank 2 of job 'r' was lost"):
+        await asyncio.wait_for(joiner, BOUND)
+    assert rdv.jobs["r"].resize is None
+
+
+async def test_a_mover_that_is_not_the_member_it_says_is_refused(rdv):
+    members = await running(rdv)
+    state, gen = rdv.jobs["r"], members[0].generation
+    resize.depart(state, members[2])
+    with pytest.raises(RendezvousError, match="no resize of job 'r' generation 1 waits"):
+        await rdv.join("r", 3, None, "x:1", timeout=BOUND, moving_from=moving_from(members[0]))
+    for m in members:
+        resize.report(state, m, gen.number, 1)
+    forged = rpb.MovingFrom(generation=gen.number, rank=0, member_id="not-its-id")
+    with pytest.raises(RendezvousError, match="with the member id its join gave it"):
+        await rdv.join("r", 3, None, "x:1", timeout=BOUND, moving_from=forged)
+    departing = moving_from(members[2])  # a departing rank has no place in the next one
+    with pytest.raises(RendezvousError, match="waits for rank 2"):
+        await rdv.join("r", 3, None, "x:1", timeout=BOUND, moving_from=departing)
+    assert state.resize is not None  # nothing the refused calls did changed the resize
+
+
+async def test_a_joiner_that_gives_up_is_not_in_the_next_generation(rdv):
+    members = await running(rdv)
+    joiner = asyncio.ensure_future(rdv.join("r", 3, None, "10.0.0.9:1", timeout=0.05,
+                                            elastic=True))
+    with pytest.raises(Exception, match="Timed out"):
+        await asyncio.wait_for(joiner, BOUND)
+    state, gen = rdv.jobs["r"], members[0].generation
+    for m in members:
+        resize.report(state, m, gen.number, 3)
+    moved = await asyncio.wait_for(asyncio.gather(*[await move(rdv, m) for m in members]),
+                                   BOUND)
+    assert moved[0].generation.world_size == 3 and not any(m.newcomer for m in moved)
+
+
+async def test_a_job_whose_members_do_not_move_at_boundaries_grows_at_once(rdv):
+    members = await running(rdv)
+    members[1].boundaries = False  # a sync-mode DDP: its steps go on over the hub's ledger
+    grown = await asyncio.wait_for(rdv.join("r", 3, None, "10.0.0.9:1", timeout=BOUND,
+                                            elastic=True), BOUND)
+    assert grown.generation is members[0].generation and grown.rank == 3
+    assert rdv.jobs["r"].resize is None
+
+
+async def test_size_limits_that_differ_from_the_jobs_are_refused_at_join(rdv):
+    await running(rdv, min_world_size=2)
+    with pytest.raises(WorldSizeMismatchError, match="has max_world_size 4, but this rank "
+                                                     "asked for 5"):
+        await rdv.join("r", 3, None, "x:1", timeout=BOUND, elastic=True, max_world_size=5)
+    with pytest.raises(WorldSizeMismatchError, match="has min_world_size 2"):
+        await rdv.join("r", 3, None, "x:1", timeout=BOUND, elastic=True, max_world_size=4,
+                       min_world_size=1)
+    assert rdv.jobs["r"].resize is None and rdv.jobs["r"].world_size == 3
+
+
+async def test_a_resize_is_visible_in_admin_metrics_and_the_status_page(rdv):
+    from gradstar.coordinator.metrics.prometheus import CollectiveMetrics, render
+    from gradstar.coordinator.views.admin import job_summary
+
+    await running(rdv, min_world_size=2)
+    joiner = asyncio.ensure_future(rdv.join("r", 3, None, "10.0.0.9:1", timeout=BOUND,
+                                            elastic=True))
+    await asyncio.sleep(0)
+    summary = job_summary(rdv.jobs["r"])
+    assert (summary.min_world_size, summary.max_world_size, summary.resizes,
+            summary.joining_at_boundary) == (2, 4, 0, 1)
+    text = render(rdv, CollectiveMetrics())
+    assert 'gradstar_job_joining_at_boundary{job="r"} 1' in text
+    assert 'gradstar_job_max_world_size{job="r"} 4' in text
+    assert 'gradstar_job_resizes_total{job="r"} 0' in text
+    joiner.cancel()
