@@ -10,8 +10,9 @@ What is measured
     collective completed after the kill), and every rank's results are checked exactly.
     **Holding inputs.** In one process, 2 ranks of one job run ``--rounds`` in-place all_reduce
     calls of ``--copy-mib`` MiB with ``reconnect_timeout`` 0 (nothing held: the reference) and
-    30 (each input copied when issued, kept until no rank can need it); the table shows their
-    median times and the ratio.
+    30 (each input copied when issued, kept until no rank can need it), taking turns; then
+    50 times as many all_reduce calls of 100 bytes (not in place: held, not copied). Each line
+    shows the two median times per call and their ratio.
 
 How to reproduce
     .venv/bin/python benchmarks/ride_through.py                   # 4 ranks, 3 kills
@@ -103,14 +104,14 @@ def restarts(ranks: int, kills: int, away: float, mib: float, per_phase: int) ->
     return rows
 
 
-async def copy_cost(mib: float, rounds: int) -> dict:
+async def copy_cost(mib: float, rounds: int, in_place: bool = True) -> dict:
     import gradstar
     from gradstar.config import CoordinatorSettings
     from gradstar.coordinator import Coordinator
 
     hub = Coordinator(CoordinatorSettings(host="127.0.0.1", port=0))
     await hub.start()
-    n = int(mib * (1 << 20)) // 4
+    n = max(1, int(mib * (1 << 20)) // 4)
     times: dict[float, list[float]] = {0.0: [], 30.0: []}
     try:
         jobs = {timeout: await asyncio.gather(*(gradstar.init_process_group_async(
@@ -120,7 +121,7 @@ async def copy_cost(mib: float, rounds: int) -> dict:
         for i in range(rounds + 1):  # the two settings in turn, so that load hits both alike
             for timeout, groups in jobs.items():
                 started = time.perf_counter()
-                await asyncio.gather(*(g.all_reduce(x, out=x)
+                await asyncio.gather(*(g.all_reduce(x, out=x if in_place else None)
                                        for g, x in zip(groups, xs, strict=True)))
                 if i:  # the first round warms up
                     times[timeout].append(time.perf_counter() - started)
@@ -129,8 +130,8 @@ async def copy_cost(mib: float, rounds: int) -> dict:
     finally:
         await hub.stop(grace=0)
     medians = {timeout: statistics.median(t) for timeout, t in times.items()}
-    return {"mib": mib, "off_ms": medians[0.0] * 1e3, "riding_ms": medians[30.0] * 1e3,
-            "ratio": medians[30.0] / medians[0.0]}
+    return {"mib": mib, "in_place": in_place, "off_ms": medians[0.0] * 1e3,
+            "riding_ms": medians[30.0] * 1e3, "ratio": medians[30.0] / medians[0.0]}
 
 
 def main() -> None:
@@ -154,12 +155,16 @@ def main() -> None:
     print(f"{'kill':>4}  {'slowest wait (s)':>16}  {'resume after listening (s)':>26}")
     for row in rows:
         print(f"{row['kill']:>4}  {row['wait_s']:>16.2f}  {row['resume_after_listening_s']:>26.2f}")
-    cost = asyncio.run(copy_cost(args.copy_mib, args.rounds))
-    print(f"in-place all_reduce of {cost['mib']:g} MiB, 2 ranks: reconnect_timeout 0 "
-          f"{cost['off_ms']:.1f} ms, 30 {cost['riding_ms']:.1f} ms: {cost['ratio']:.2f}x")
+    costs = [asyncio.run(copy_cost(args.copy_mib, args.rounds)),
+             asyncio.run(copy_cost(100 / (1 << 20), args.rounds * 50, in_place=False))]
+    for cost in costs:
+        what = (f"in-place all_reduce of {cost['mib']:g} MiB" if cost["in_place"]
+                else f"all_reduce of {cost['mib'] * (1 << 20):.0f} B")
+        print(f"{what}, 2 ranks: reconnect_timeout 0 {cost['off_ms']:.3f} ms, 30 "
+              f"{cost['riding_ms']:.3f} ms: {cost['ratio']:.2f}x")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"restarts": rows, "copy": cost}, f, indent=1)
+            json.dump({"restarts": rows, "holding": costs}, f, indent=1)
 
 
 if __name__ == "__main__":
