@@ -1,6 +1,7 @@
 """A rank of tests/parallel/test_ride_through_ddp.py: ``python ride_through_script.py STEPS
-PAUSE [fsdp]`` (settings from GRADSTAR_* env vars) trains a small MLP with Synchronous
-gradstar.DDP (or gradstar.FSDP) for STEPS optimizer steps, printing ``step N`` after each
+PAUSE [fsdp|pipeline]`` (settings from GRADSTAR_* env vars) trains a small MLP with
+Synchronous gradstar.DDP (or gradstar.FSDP; or, one stage a rank, pipeline_script's model in a
+gradstar.Pipeline) for STEPS optimizer steps, printing ``step N`` after each
 (PAUSE seconds apart), then one JSON line: its final parameters and how long each ride through
 a coordinator restart lasted. ``python ride_through_script.py reference STEPS WORLD`` trains the
 same model in one process on every rank's batches (what WORLD ranks must end with) and prints
@@ -52,6 +53,9 @@ def main() -> None:
         return
     steps, pause = int(sys.argv[1]), float(sys.argv[2])
     sharded = sys.argv[3:4] == ["fsdp"]
+    if sys.argv[3:4] == ["pipeline"]:
+        pipeline(steps, pause)
+        return
     with gradstar.init_process_group(timeout=60) as pg:
         net = model()
         if sharded:  # every parameter gathered and its gradient reduce-scattered, unit by unit
@@ -73,6 +77,30 @@ def main() -> None:
         else:
             params = parameters(net)
         print(json.dumps({"params": params, "reconnects": pg.reconnects}), flush=True)
+
+
+def pipeline(steps: int, pause: float) -> None:
+    """Rank r trains stage r of pipeline_script's model in a gradstar.Pipeline (1F1B), on
+    batches of 32 rows; its final parameters as pipeline_script reports them."""
+    from pipeline_script import batch as stage_batch
+    from pipeline_script import make_model, params_of
+
+    with gradstar.init_process_group(timeout=60) as pg:
+        stage = make_model()[pg.rank]
+        pipe = gradstar.Pipeline(stage, pg, num_microbatches=8, schedule="1f1b")
+        opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+        for step in range(steps):
+            x, y = stage_batch(step, 32)
+            opt.zero_grad()
+            pipe.step(inputs=x if pipe.is_first else None, targets=y if pipe.is_last else None,
+                      loss_fn=nn.functional.mse_loss)
+            opt.step()
+            print(f"step {step}", flush=True)
+            time.sleep(pause)
+        # The steps ride peer streams only, which the coordinator's restart leaves alone, so they
+        # may all be done before it is back; a barrier needs the coordinator.
+        pg.barrier()
+        print(json.dumps({"params": params_of(stage), "reconnects": pg.reconnects}), flush=True)
 
 
 if __name__ == "__main__":

@@ -20,23 +20,27 @@ from tests.integration.conftest import spawn_coordinator
 
 from .conftest import finish, kill_all, rank_env, rank_lines
 
+#: Three or four torch processes, a coordinator started twice, and a reference trained here.
+pytestmark = pytest.mark.timeout(300)
+
 SCRIPT = Path(__file__).with_name("ride_through_script.py")
 WORLD, STEPS, PAUSE = 3, 14, 0.05
 #: The step after which the coordinator is killed, and how long it stays away.
 KILL_AFTER, AWAY = 4, 1.0
 
 
-async def ride_through_a_kill(*mode: str) -> tuple[list[list[dict]], list[str]]:
-    """The run (``mode``: the script's wrapper, DDP by default): each rank's JSON lines and its
-    stderr."""
+async def ride_through_a_kill(*mode: str, world: int = WORLD) -> tuple[list[list[dict]],
+                                                                        list[str]]:
+    """The run of ``world`` ranks (``mode``: the script's wrapper, DDP by default): each rank's
+    JSON lines and its stderr."""
     hub, address = await spawn_coordinator()
     port = address.rsplit(":", 1)[1]
     procs = []
     try:
-        for rank in range(WORLD):
+        for rank in range(world):
             procs.append(await asyncio.create_subprocess_exec(
                 sys.executable, str(SCRIPT), str(STEPS), str(PAUSE), *mode,
-                env=rank_env(address, "ride-ddp", WORLD, rank, GRADSTAR_RECONNECT_TIMEOUT=60),
+                env=rank_env(address, "ride-ddp", world, rank, GRADSTAR_RECONNECT_TIMEOUT=60),
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE))
         for _ in range(KILL_AFTER + 1):
             line = await asyncio.wait_for(procs[0].stdout.readline(), 90)
@@ -66,16 +70,36 @@ async def reference() -> list[np.ndarray]:
     return [np.array(p, np.float32) for p in json.loads(out.splitlines()[-1])["params"]]
 
 
-@pytest.mark.parametrize("mode", [(), ("fsdp",)], ids=["ddp", "fsdp"])
-def test_training_rides_through_a_coordinator_killed_mid_training(mode):
-    lines, stderrs = asyncio.run(ride_through_a_kill(*mode))
-    finals = [[np.array(p, np.float32) for p in rank[-1]["params"]] for rank in lines]
-    for rank, (report, err) in enumerate(zip(lines, stderrs, strict=True)):
-        # One restart, one ride through, one log line (and no traceback: nothing raised).
+def rode_through_once(lines: list[list[dict]], stderrs: list[str]) -> None:
+    """One restart, one ride through and one log line per rank, and no traceback: nothing
+    raised."""
+    for report, err in zip(lines, stderrs, strict=True):
         assert len(report[-1]["reconnects"]) == 1, report[-1]["reconnects"]
         assert err.count("rejoined the coordinator at") == 1, err[-3000:]
         assert "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.parametrize("mode", [(), ("fsdp",)], ids=["ddp", "fsdp"])
+def test_training_rides_through_a_coordinator_killed_mid_training(mode):
+    lines, stderrs = asyncio.run(ride_through_a_kill(*mode))
+    rode_through_once(lines, stderrs)
+    finals = [[np.array(p, np.float32) for p in rank[-1]["params"]] for rank in lines]
+    for rank in range(WORLD):
         assert all(np.array_equal(a, b) for a, b in zip(finals[0], finals[rank], strict=True))
     expected = asyncio.run(reference())
     for got, want in zip(finals[0], expected, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_pipeline_rides_through_a_coordinator_killed_mid_training():
+    from . import pipeline_script
+
+    lines, stderrs = asyncio.run(ride_through_a_kill("pipeline", world=pipeline_script.STAGES))
+    rode_through_once(lines, stderrs)
+    model, _ = pipeline_script.train_reference([32] * STEPS)
+    for rank, report in enumerate(lines):
+        want = pipeline_script.params_of(model[rank])
+        got = report[-1]["params"]
+        assert sorted(got) == sorted(want)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
