@@ -94,7 +94,8 @@ class Cells(HTMLParser):
 def snapshot(**changes) -> dict:
     job = {"name": "j", "state": "running", "world_size": 2, "generation": 1,
            "min_world_size": 0, "max_world_size": 2, "resizes": 0, "joining_at_boundary": 0,
-           "departing_at_boundary": 0, "generations_formed": 1, "members": 2, "joining": 0, "in_flight": 0, "shards": 0,
+           "departing_at_boundary": 0, "generations_formed": 1, "members": 2, "joining": 0,
+           "in_flight": 0, "shards": 0,
            "bytes_in": 8000, "bytes_out": 8128, "bytes_in_per_second": 1234.5,
            "bytes_out_per_second": 0.0, "collectives_completed": {"all_reduce": 3},
            "collectives_failed": {}, "last_failure": "",
