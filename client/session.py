@@ -246,8 +246,8 @@ class Session:
                                                   generation=f.generation))
         except grpc.RpcError as error:
             if not self._closing:
-                # A transport failure (ping timeout, a reset, grpc-python's INTERNAL) right after
-                # this process was stopped is the hub having given up on it, not a lost hub.
+                # The hub's own verdict ends the session; a transport failure (ping timeout, a
+                # reset, grpc-python's INTERNAL) is a broken stream (_broke).
                 failure = error_from_rpc(error, "the rendezvous session", self._target)
                 if is_coordinator_verdict(error):
                     self._fail(failure)
@@ -264,6 +264,7 @@ class Session:
         coordinator that did not go away refuses its rejoin), or this rank was stopped long
         enough to be lost (:meth:`_stalled`), which fails it."""
         if self.ride is None or self._failure is not None:
+            # Right after this process was stopped, a break is the hub having given up on it.
             self._fail(self._stalled() or error)
             return
         if self._beater is not None:
