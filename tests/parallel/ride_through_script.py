@@ -1,7 +1,8 @@
 """A rank of tests/parallel/test_ride_through_ddp.py: ``python ride_through_script.py STEPS
-PAUSE [fsdp|pipeline]`` (settings from GRADSTAR_* env vars) trains a small MLP with
-Synchronous gradstar.DDP (or gradstar.FSDP; or, one stage a rank, pipeline_script's model in a
-gradstar.Pipeline) for STEPS optimizer steps, printing ``step N`` after each
+PAUSE [fsdp|diloco|pipeline]`` (settings from GRADSTAR_* env vars) trains a small MLP with
+Synchronous gradstar.DDP (or gradstar.FSDP; or DiLoCo, gradstar.LocalSGD with an outer
+optimizer; or, one stage a rank, pipeline_script's model in a gradstar.Pipeline) for STEPS
+optimizer steps, printing ``step N`` after each
 (PAUSE seconds apart), then one JSON line: its final parameters and how long each ride through
 a coordinator restart lasted. ``python ride_through_script.py reference STEPS WORLD`` trains the
 same model in one process on every rank's batches (what WORLD ranks must end with) and prints
@@ -56,6 +57,9 @@ def main() -> None:
     if sys.argv[3:4] == ["pipeline"]:
         pipeline(steps, pause)
         return
+    if sys.argv[3:4] == ["diloco"]:
+        diloco(steps, pause)
+        return
     with gradstar.init_process_group(timeout=60) as pg:
         net = model()
         if sharded:  # every parameter gathered and its gradient reduce-scattered, unit by unit
@@ -77,6 +81,25 @@ def main() -> None:
         else:
             params = parameters(net)
         print(json.dumps({"params": params, "reconnects": pg.reconnects}), flush=True)
+
+
+def diloco(steps: int, pause: float) -> None:
+    """DiLoCo: gradstar.LocalSGD with an outer Nesterov step every 2 inner steps, each rank on
+    its own batches; its final parameters (the last round's global model)."""
+    with gradstar.init_process_group(timeout=60) as pg:
+        net = model()
+        outer = gradstar.LocalSGD(net, pg, sync_every=2, outer_optimizer="nesterov",
+                                  outer_lr=0.7, outer_momentum=0.9)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for step in range(steps):
+            x, y = batch(pg.rank, step)
+            opt.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+            outer.step()
+            print(f"step {step}", flush=True)
+            time.sleep(pause)
+        print(json.dumps({"params": parameters(net), "reconnects": pg.reconnects}), flush=True)
 
 
 def pipeline(steps: int, pause: float) -> None:

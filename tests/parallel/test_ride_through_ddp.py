@@ -29,11 +29,12 @@ WORLD, STEPS, PAUSE = 3, 14, 0.05
 KILL_AFTER, AWAY = 4, 1.0
 
 
-async def ride_through_a_kill(*mode: str, world: int = WORLD) -> tuple[list[list[dict]],
-                                                                        list[str]]:
-    """The run of ``world`` ranks (``mode``: the script's wrapper, DDP by default): each rank's
-    JSON lines and its stderr."""
-    hub, address = await spawn_coordinator()
+async def ride_through_a_kill(*mode: str, world: int = WORLD, flags: tuple[str, ...] = (),
+                             kill: bool = True) -> tuple[list[list[dict]], list[str]]:
+    """The run of ``world`` ranks (``mode``: the script's wrapper, DDP by default) on a
+    coordinator started with ``flags`` and killed after step KILL_AFTER (unless not ``kill``):
+    each rank's JSON lines and its stderr."""
+    hub, address = await spawn_coordinator(*flags)
     port = address.rsplit(":", 1)[1]
     procs = []
     try:
@@ -45,11 +46,12 @@ async def ride_through_a_kill(*mode: str, world: int = WORLD) -> tuple[list[list
         for _ in range(KILL_AFTER + 1):
             line = await asyncio.wait_for(procs[0].stdout.readline(), 90)
             assert line.startswith(b"step"), line
-        hub.kill()
-        await hub.wait()
-        await asyncio.sleep(AWAY)
-        hub, again = await spawn_coordinator("--port", port)
-        assert again == address
+        if kill:
+            hub.kill()
+            await hub.wait()
+            await asyncio.sleep(AWAY)
+            hub, again = await spawn_coordinator(*flags, "--port", port)
+            assert again == address
         results = await asyncio.gather(*(finish(p, 120) for p in procs),
                                        return_exceptions=True)
     finally:
@@ -103,3 +105,18 @@ def test_a_pipeline_rides_through_a_coordinator_killed_mid_training():
         assert sorted(got) == sorted(want)
         for name in want:
             np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
+
+
+def test_diloco_rides_through_a_coordinator_killed_mid_training(tmp_path):
+    """Its outer rounds (gradstar.LocalSGD with Nesterov) on a coordinator restarted with the
+    same --state-dir end where an undisturbed run of the same job ends."""
+    runs = {}
+    for kill in (False, True):
+        flags = ("--state-dir", str(tmp_path / f"state-{kill}"))
+        runs[kill] = asyncio.run(ride_through_a_kill("diloco", flags=flags, kill=kill))
+    rode_through_once(*runs[True])
+    undisturbed = [np.array(p, np.float32) for p in runs[False][0][0][-1]["params"]]
+    for rank in runs[True][0]:
+        for got, want in zip(rank[-1]["params"], undisturbed, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert all(len(rank[-1]["reconnects"]) == 0 for rank in runs[False][0])
