@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -192,6 +193,8 @@ class Rebuilds:
         self._draining = draining
         self._formed = formed
         self._gathering: dict[str, Rebuild] = {}
+        #: The generations taken back (their step ledgers are gone: :meth:`unless_rebuilt`).
+        self.rebuilt: weakref.WeakSet[Generation] = weakref.WeakSet()
 
     async def rejoin(self, claim: Claim, timeout: float) -> tuple[Member, list[int]]:
         """Take ``claim``'s rank back into the generation this coordinator lost, once every
@@ -223,7 +226,7 @@ class Rebuilds:
             if claim.job not in self._jobs:
                 self._make_room(claim.job)
                 self._jobs[claim.job] = Job(claim.job, claim.world_size)
-            rebuilt(rebuild, self._jobs[claim.job], self._formed, replay)
+            self.rebuilt.add(rebuilt(rebuild, self._jobs[claim.job], self._formed, replay))
         try:
             gen, replay = await asyncio.wait_for(asyncio.shield(rebuild.done), timeout)
         except TimeoutError:
@@ -234,6 +237,28 @@ class Rebuilds:
                 f"Timed out: job {claim.job!r}: ranks {missing} of generation "
                 f"{claim.generation} did not rejoin within {timeout:g} s") from None
         return gen.members[claim.rank], replay
+
+
+    def unless_rebuilt(self, bound: Callable[[str, int, int, str], Generation]):
+        """``bound(job, generation, rank, member_id)`` (the rendezvous' ``bound_member``, which
+        binds a Steps call to its caller) refusing the generations taken back: a sync mode's
+        step ledgers lived in the coordinator that went away, and a fresh one must not be
+        mistaken for them.
+
+        Raises (from the function it returns):
+            RejoinRefusedError: the caller's generation was rebuilt from its rejoining ranks.
+        """
+        def member(job: str, generation: int, rank: int, member_id: str) -> Generation:
+            gen = bound(job, generation, rank, member_id)
+            if gen in self.rebuilt:
+                raise RejoinRefusedError(
+                    f"job {job!r} generation {generation} was taken back from its rejoining "
+                    "ranks after a coordinator restart, but its sync-mode step ledgers were "
+                    "lost with that coordinator: sync modes (Quorum, BoundedStaleness, "
+                    "Asynchronous) do not ride through a coordinator restart; restart the "
+                    "job's ranks (a --state-dir snapshot is kept)")
+            return gen
+        return member
 
 
 def rebuilt(rebuild: Rebuild, job: Job, formed: Callable[[Generation], None],
