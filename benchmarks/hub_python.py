@@ -45,7 +45,6 @@ from gradstar.config import CoordinatorSettings
 from gradstar.coordinator.collective import CollectiveEngine
 from gradstar.coordinator.collective.engine import CLOSE
 from gradstar.coordinator.collective.servicer import CollectiveServicer
-from gradstar.coordinator.collective.settings import engine_from_settings
 from gradstar.coordinator.rendezvous import Rendezvous
 from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.wire import KIND_HEADER, decode_message, frames_of
@@ -63,7 +62,7 @@ class _Context:
 def _engine() -> CollectiveEngine:
     """An engine with the coordinator's default limits and budget, as ``gradstar coordinator``
     builds it."""
-    return engine_from_settings(Rendezvous(60), CoordinatorSettings())
+    return CollectiveEngine.from_settings(Rendezvous(60), CoordinatorSettings())
 
 
 async def run(collectives: int, numel: int, profile: str | None,

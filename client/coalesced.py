@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from gradstar.wire.encoded import carries
 
 from .buckets import BucketPlan, TensorSpec, cap_bytes_of
-from .convert import copies_to_device, to_numpy
+from .convert import ArrayLike, copies_to_device, to_numpy
 
 
 class AllReducer(Protocol):
@@ -30,12 +30,12 @@ class AllReducer(Protocol):
     module does not import the process group that calls it)."""
 
     def all_reduce(self, x, op: str = "sum", *, timeout: float | None = None,
-                   wire: str | None = None) -> Awaitable[Any]: ...
+                   wire: str | None = None) -> Awaitable[ArrayLike]: ...
 
 
 def all_reduce_coalesced(group: AllReducer, arrays: Sequence, op: str = "mean",
                          bucket_cap_mb: float = 25, *, timeout: float | None = None,
-                         wire: str | None = None) -> Awaitable[list]:
+                         wire: str | None = None) -> Awaitable[list[ArrayLike]]:
     """Reduce every array in ``arrays`` over the ranks; resolves to a list in the same order.
 
     ``wire``: a compressed wire format (see ``AsyncProcessGroup.all_reduce``) for the float

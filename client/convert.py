@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 
@@ -22,6 +23,12 @@ from gradstar.wire import bfloat16, dtype_info
 
 from .device import caller_stream, check_device, is_staged, to_device, to_host_array
 
+if TYPE_CHECKING:
+    import torch
+
+#: What a collective takes and returns: a numpy array or a torch tensor (the result is of the
+#: input's type).
+ArrayLike: TypeAlias = "np.ndarray | torch.Tensor"
 Restore = Callable[[np.ndarray], object]
 
 

@@ -205,8 +205,7 @@ def to_device(host, device, *, stream=None):
         with torch.cuda.stream(stream):
             return _copied_to(host, device)
     # Already this thread's current stream (the blocking caller's own thread): no switch, which
-    # costs as much as a tiny tensor's copy (9-13 us each on an H100 host,
-    # benchmarks/staging_cost.py).
+    # costs as much as a tiny tensor's copy (docs/performance.md, "Figures behind the code").
     return _copied_to(host, device)
 
 

@@ -14,6 +14,7 @@ from gradstar.errors import ConfigurationError
 
 from .buckets import BucketPlan, TensorSpec
 from .device import is_staged
+from .process_group.protocol import CollectiveGroup
 
 #: ``gradient_compression`` / ``mixed_precision`` names -> the dtype gradients travel in.
 COMPRESSION = {
@@ -31,9 +32,10 @@ _WIDENED = {torch.bool: torch.int32, torch.uint8: torch.int32, torch.int8: torch
             torch.int16: torch.int32}
 
 
-def check_wrapper_arguments(wrapper: str, module, pg, needs: tuple[str, ...]) -> torch.device:
-    """The checks every wrapper makes: a blocking process group with ``needs`` methods, an
-    ``nn.Module`` whose parameters and buffers are all on the CPU or all on one CUDA device.
+def check_wrapper_arguments(wrapper: str, module, pg) -> torch.device:
+    """The checks every wrapper makes: a blocking process group (a
+    :class:`~gradstar.client.process_group.protocol.CollectiveGroup`), an ``nn.Module`` whose
+    parameters and buffers are all on the CPU or all on one CUDA device.
 
     Returns:
         That device (:func:`module_device`).
@@ -41,10 +43,7 @@ def check_wrapper_arguments(wrapper: str, module, pg, needs: tuple[str, ...]) ->
     Raises:
         ConfigurationError: naming the wrapper and what is wrong.
     """
-    from .process_group import AsyncProcessGroup
-
-    if isinstance(pg, AsyncProcessGroup) or not all(
-            callable(getattr(pg, name, None)) for name in needs):
+    if not isinstance(pg, CollectiveGroup):
         raise ConfigurationError(
             f"{wrapper} needs the blocking gradstar.ProcessGroup from "
             f"gradstar.init_process_group(), got {type(pg).__name__}: its gradient hooks run "
@@ -98,7 +97,7 @@ def wire_dtype_of(option: str, value) -> torch.dtype | None:
             f"{option} must be None, 'bf16' or 'fp16', got {value!r}") from None
 
 
-def broadcast_from_rank0(pg, tensors: list[torch.Tensor], cap_bytes: int, *,
+def broadcast_from_rank0(pg: CollectiveGroup, tensors: list[torch.Tensor], cap_bytes: int, *,
                          src: int = 0) -> None:
     """Overwrite ``tensors`` with rank 0's values (rank ``src``'s, when given): flat per-dtype
     buckets, broadcast together.

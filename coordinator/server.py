@@ -33,7 +33,6 @@ from gradstar.transport.job_tokens import load_job_secret
 from gradstar.transport.serve import serve
 
 from .collective import CollectiveEngine, CollectiveServicer
-from .collective.settings import engine_from_settings
 from .metrics import render_async
 from .rendezvous import Rendezvous, RendezvousServicer
 from .rendezvous.relay import RelayServicer
@@ -149,8 +148,8 @@ class Coordinator:
         self.status = CoordinatorStatus(self.rendezvous, self.shards,
                                         serving=lambda: self._serving and self.shards.healthy,
                                         rounds=self.rounds, steps=self.steps)
-        self.engine = engine_from_settings(self.rendezvous, s, averaging=self.averaging,
-                                           metrics=self.status.metrics)
+        self.engine = CollectiveEngine.from_settings(
+            self.rendezvous, s, averaging=self.averaging, metrics=self.status.metrics)
         token = s.token.get_secret_value() if s.token else None
         admin = s.admin_token.get_secret_value() if s.admin_token else None
         # Both ports take each job's own token: the collective port carries the job's tensors.

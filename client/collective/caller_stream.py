@@ -3,14 +3,13 @@
 gRPC's public blocking stream (:class:`QueuedStream`) crosses two threads per message: gRPC's
 request-consumer thread takes each message from a queue and sends it, and the channel's poller
 thread takes every completion from the channel's shared completion queue and wakes the caller.
-For a small collective those hand-offs were most of a rank's CPU (a loopback echo of 200 bytes
-on an open stream: 130-170 us of client CPU and 200-240 us per round trip).
+For a small collective those hand-offs are most of a rank's CPU.
 
 :class:`CallerStream` puts the stream on a completion queue of its own, as gRPC's blocking
-*unary* call does, and the caller drives it: it starts the send and the receive itself and
-waits in that queue, so a completed receive wakes it directly (the same echo: 55-70 us of
-client CPU, 140-180 us per round trip). That queue is gRPC-python's segregated call, which its
-own blocking unary and stream-unary calls use but which is not public API;
+*unary* call does, and the caller drives it: it starts the send and the receive itself and waits
+in that queue, so a completed receive wakes it directly, with no thread in between (the figures:
+docs/performance.md, "Figures behind the code"). That queue is gRPC-python's segregated call,
+which its own blocking unary and stream-unary calls use but which is not public API;
 :func:`open_stream` falls back to :class:`QueuedStream` where the installed grpcio lacks it
 (``tests/unit/test_caller_stream.py`` fails if this grpcio would fall back). The messages, the
 HTTP/2 stream, the deadline-less call, the metadata (the job's token) and TLS are the same.

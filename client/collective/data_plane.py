@@ -23,27 +23,16 @@ from gradstar.wire import COLLECTIVE_METHOD
 from .targets import SharedMemoryOffer, Target
 
 #: A collective striped over K targets is cut into at least this many chunks per target, down
-#: to MIN_STRIPED_CHUNK bytes: with the default 2 MiB chunk, 1 MiB over 4 shards was one chunk
-#: (every byte to shard 0, 13% of the link-bound ideal on the emulated cluster) and 16 MiB two
-#: per shard (pipeline fill and drain dominated). Measured with 4 node-local shards at 200
-#: Mbit/s (benchmarks/cluster.py --chunk-mb): 64 MiB took 4977 ms in 2 MiB chunks, 4822 in 1 MiB,
-#: 4696 in 0.5 MiB; 1 MiB over 4 shards-extra-hosts 320 ms in one chunk, 84 in 64 KiB ones.
+#: to MIN_STRIPED_CHUNK bytes: one chunk per shard sends every byte to shard 0, and two per
+#: shard leave the pipeline's fill and drain dominating.
 CHUNKS_PER_STRIPE = 16
 MIN_STRIPED_CHUNK = 64 << 10
-#: The same holds across hosts (node-local shards, 64 MiB), where the chunks used to be at most
-#: 512 KiB: a shard can send a chunk's result only once every rank's chunk arrived, so the
-#: first and last chunks' round trips are the pipeline's fill and drain, while at 5-10 Gbit/s
-#: the CPU is the limit and every message costs both ends far more than its bytes (gRPC hands
-#: each one between its threads and the event loop: wakeups and context switches were a
-#: quarter of a rank's and a shard's CPU under perf). Measured on the emulated cluster (2
-#: loaded cores; 3-4 A/B runs against 512 KiB, docs/performance.md): 2 hosts x 1 at 10 Gbit/s,
-#: now 2 MiB chunks, through torch.distributed under torchrun (benchmarks/cluster_torch.py)
-#: ranks' + shards' CPU-s/GB 1.65 -> 1.38 and 1.76x -> 1.54x gloo; 4 hosts x 1 at 5 Gbit/s,
-#: now 1 MiB, the SDK's node-local row 360 -> 300 ms. At 200 Mbit/s, quiet (load < 1), 4 runs
-#: each: 4 hosts x 1 4234-4381 ms in 512 KiB chunks, 4250-4470 in 1 MiB (medians 4253 / 4320,
-#: +1.6%; gloo 4227-4238); 2 hosts x 1 2813-2818 ms in both; 1 Gbit/s 1.00x gloo. Eight 2 MiB
-#: chunks a stripe saved more CPU at 5 Gbit/s (shards 1.12 -> 1.01 CPU-s/GB) but cost 200
-#: Mbit/s 5-11% (4 hosts x 1: 4273-4701 ms against gloo's 4230) in a longer fill and drain.
+#: The same holds across hosts (node-local shards), where larger chunks pay off: a shard can
+#: send a chunk's result only once every rank's chunk arrived, so the first and last chunks'
+#: round trips are the pipeline's fill and drain, while on fast links the CPU is the limit and
+#: every message costs both ends far more than its bytes (gRPC hands each one between its
+#: threads and the event loop). The chunk size is the balance of the two; the measurements
+#: behind it: docs/performance.md, "Figures behind the code".
 
 
 def striped_chunk_bytes(configured: int, nbytes: int, stripes: int) -> int:

@@ -1,14 +1,13 @@
 """Small collectives from the caller's own thread: the blocking API's fast path.
 
 The blocking :class:`~gradstar.client.process_group.ProcessGroup` runs its asyncio group on a
-loop thread, so a collective used to cross threads four times on the rank alone: the caller
-to the loop, and on the way back gRPC's I/O thread to its poller thread to the loop to the
-caller. For a tensor of a few KB that was most of the call (profiled on 2 cores: a rank's
-event loop spent ~250 us of CPU per 100-byte all_reduce on asyncio tasks, futures and grpc.aio's
-own hops, its caller ~70 us). A :class:`DirectLane` instead carries a *small* collective
-(:meth:`DirectLane.takes`) on a blocking gRPC stream from the caller's thread: the caller
-writes the rank's whole side as one message and waits on the stream's own completion queue,
-so the answer wakes it directly (:mod:`.caller_stream`: no gRPC thread in between).
+loop thread, so a collective used to cross threads four times on the rank alone: the caller to
+the loop, and on the way back gRPC's I/O thread to its poller thread to the loop to the caller.
+For a tensor of a few KB those hops are most of the call (the profile: docs/performance.md,
+"Figures behind the code"). A :class:`DirectLane` instead carries a *small* collective
+(:meth:`DirectLane.takes`) on a blocking gRPC stream from the caller's thread: the caller writes
+the rank's whole side as one message and waits on the stream's own completion queue, so the
+answer wakes it directly (:mod:`.caller_stream`: no gRPC thread in between).
 
 What travels is exactly what :mod:`.stream` sends for a small collective on the stream path
 (:func:`.outgoing.in_one_message`: header, chunks and end marker in one message) and what
@@ -19,7 +18,8 @@ either side is the same. Shared memory is never offered on this path: for a payl
 bytes.
 
 Streams outlive collectives as on the asyncio path (:mod:`.caller_stream`; idle ones are
-kept for the next call, any failure ends the stream). Failure, as on the asyncio path:
+kept for the next call, any failure ends the stream). Failure, by the same rules as the
+asyncio path (:mod:`.failure`: one table and one ending for both roads):
 
 - the hub's verdict (an ``ERROR`` frame: mismatch, timeout, lost rank, ...) is raised as the
   error it names;
@@ -29,7 +29,9 @@ kept for the next call, any failure ends the stream). Failure, as on the asyncio
 - a transport failure asks the session for a verdict, briefly, then is translated from the
   gRPC status;
 - the collective's timeout plus :data:`~.stream.DEADLINE_MARGIN` is a backstop for a hub that
-  stopped answering (checked by :meth:`DirectLane.watch` every :data:`WATCH_INTERVAL`);
+  stopped answering (checked by :meth:`DirectLane.watch` every :data:`WATCH_INTERVAL`, which
+  ends the stream with the builtin :class:`TimeoutError` the table names, as the stream road's
+  ``asyncio.timeout``);
 - a caller interrupted (``KeyboardInterrupt``) before the hub's accept tells the hub it gave
   up, as a cancelled asyncio collective does (:func:`.stream.abandon_collective`).
 """
@@ -41,26 +43,28 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, TypeVar
 
 import grpc
 import numpy as np
 
 from gradstar import ops
-from gradstar.errors import CollectiveTimeoutError, GradstarError, ProtocolError
-from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
+from gradstar.errors import ProtocolError
 from gradstar.wire import MAX_BATCH_FRAMES, MAX_BATCHED_CHUNK_BYTES, as_byte_view
 
 from ..session import VERDICT_GRACE, Session
 from .caller_stream import BlockingStream, open_stream
+from .failure import StreamEnding
 from .outgoing import in_one_message
 from .plan import CollectivePlan, Phase, StreamReceiver
 from .stream import DEADLINE_MARGIN
 from .targets import MAX_IDLE_STREAMS
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: How often :meth:`DirectLane.watch` checks the deadlines of the collectives in flight (the
 #: session's failure it hears at once).
@@ -123,7 +127,11 @@ class DirectLane:
                                   as_byte_view(plan.out))
         stream = self._open()
         self._inflight[stream] = time.monotonic() + timeout + DEADLINE_MARGIN
-        try:
+        ending = StreamEnding(
+            what, self.address, receiver, verdict=self._verdict,
+            end_stream=lambda clean: self._end_stream(stream, clean),
+            abandon=lambda: self._notify_abandoned(call), ended_by=lambda: stream.ended_by)
+        with ending:
             stream.send(in_one_message(header, plan, g.sends, None))
             while (message := stream.read()) is not None:
                 receiver.on_frame(message)
@@ -133,25 +141,7 @@ class DirectLane:
                         stragglers.saw(header.seq, receiver.end.late)
                     self.completed += 1
                     return plan.finish()
-        except grpc.RpcError as error:
-            error.__traceback__ = None  # it holds the call (see stream.run_stream)
-            if stream.ended_by is not None:
-                raise stream.ended_by from None
-            if not is_coordinator_verdict(error):
-                failure = self._verdict()
-                if failure is not None:
-                    raise failure from None
-            raise error_from_rpc(error, what, self.address) from None
-        except BaseException as error:
-            # Interrupted (not the hub's verdict, not a bad frame) before the hub's accept: the
-            # hub may not hold the header yet, so the other ranks would wait out the timeout.
-            if receiver.phase is Phase.AWAITING_ACCEPT and not isinstance(error, GradstarError):
-                self._notify_abandoned(call)
-            raise
-        finally:
-            del self._inflight[stream]
-            self._put_back(stream, receiver.phase is Phase.COMPLETE)
-        raise ProtocolError(f"{what}: the coordinator closed the stream without an end marker")
+            raise ProtocolError(f"{what}: the coordinator closed the stream without an end marker")
 
     def _open(self) -> BlockingStream:
         with self._lock:
@@ -162,7 +152,10 @@ class DirectLane:
                 stream.close()
         return open_stream(self._channel, self._method, self._metadata)
 
-    def _put_back(self, stream: BlockingStream, clean: bool) -> None:
+    def _end_stream(self, stream: BlockingStream, clean: bool) -> None:
+        """``stream``'s collective ended: out of the watch's sight, then kept for the next one
+        if it ended cleanly, else closed."""
+        del self._inflight[stream]
         with self._lock:
             if clean and not self._closed and stream.usable and (
                     len(self._idle) < MAX_IDLE_STREAMS):
@@ -196,9 +189,8 @@ class DirectLane:
                 now = time.monotonic()
                 for stream, deadline in list(self._inflight.items()):
                     if deadline <= now and stream.ended_by is None:
-                        stream.end(CollectiveTimeoutError(
-                            f"Timed out: a collective got no answer from {self.address} "
-                            f"before its deadline"))
+                        # The builtin: the failure table names it, as the stream road's.
+                        stream.end(TimeoutError("the collective's deadline passed"))
                 continue
             for stream in list(self._inflight):
                 stream.end(failure)
@@ -215,22 +207,29 @@ class DirectLane:
 
 
 @dataclass(frozen=True, eq=False)  # hashed by identity, as asyncio.gather needs
-class DirectCall:
-    """A small collective issued (its seq taken) on a thread without an event loop: the
-    blocking API runs it on that thread (:meth:`run`); awaited, or handed to the loop for
-    ``async_op=True`` (:meth:`coroutine`), it runs on the loop like any other collective."""
+class SettledCall(Generic[T]):
+    """A small collective issued (its seq taken) on a thread without an event loop, which the
+    blocking API *settles* there: runs to its end on the caller's thread (:meth:`settle`).
+    Awaited, or handed to the loop for ``async_op=True`` (:meth:`coroutine`), it runs on the
+    loop like any other collective.
+
+    "Settled" is the one word for a collective that ended on the caller's thread: this call,
+    :class:`gradstar.client.work.SettledWork` (its Work),
+    :meth:`gradstar.client.process_group.ProcessGroup.settled` and, in torch's backend,
+    ``GradstarWork.from_settled`` and ``settled=``."""
 
     lane: DirectLane
     call: ops.CollectiveCall
     send: np.ndarray | None
     out: np.ndarray
-    restore: Callable[[np.ndarray], Any]
+    restore: Callable[[np.ndarray], T]
     timeout: float
     #: The collective as a coroutine for the loop (the asyncio path).
-    coroutine: Callable[[], Coroutine]
+    coroutine: Callable[[], Awaitable[T]]
 
-    def run(self):
-        """Run the collective on this thread; what the caller gets (``restore``'s result)."""
+    def settle(self) -> T:
+        """Run the collective to its end on this thread; what the caller gets (``restore``'s
+        result)."""
         return self.restore(self.lane.run(self.call, self.send, self.out, self.timeout))
 
     def __await__(self):
@@ -240,4 +239,4 @@ class DirectCall:
         """Withdrawn before it ran (as a coroutine that never ran is closed): nothing to do."""
 
 
-__all__ = ["WATCH_INTERVAL", "DirectCall", "DirectLane"]
+__all__ = ["WATCH_INTERVAL", "DirectLane", "SettledCall"]

@@ -26,15 +26,16 @@ exception it names (mismatch, timeout, lost rank, ...). A transport failure firs
 rank's session, which names a lost rank or hub if that is why, briefly
 (:meth:`~gradstar.client.session.Session.verdict`); otherwise it is translated from the gRPC
 status. The collective's deadline (its timeout and a margin) is only a backstop: the hub times
-a collective out itself.
+a collective out itself. These rules, with the put-back and the abandon below, are
+:mod:`.failure`'s, which the direct lane (:mod:`.direct`) shares.
 
 Streams outlive collectives (:class:`OpenStream`): after the hub's ``END`` the stream goes back
 to its target's idle streams and the next collective's header follows on it, so a collective
-costs no call set-up (a new gRPC call cost the hub ~0.55 ms of CPU more per rank and collective
-than a message on an open one). Collectives issued at once each take a stream of their own.
-``ERROR`` and every other way a collective can end are final for its stream: the call is hung
-up without waiting for its gRPC status, which grpc-python may misreport as INTERNAL when the
-server finishes while this side is still writing. Closing the group ends the idle streams.
+costs no call set-up (:mod:`.targets` says why). Collectives issued at once each take a stream
+of their own. ``ERROR`` and every other way a collective can end are final for its stream: the
+call is hung up without waiting for its gRPC status, which grpc-python may misreport as INTERNAL
+when the server finishes while this side is still writing. Closing the group ends the idle
+streams.
 
 Cancellation: a collective cancelled on this rank (its task cancelled, ``asyncio.wait_for``
 expiring) fails on every rank. Once the hub holds the rank's header, hanging up does that: the
@@ -81,13 +82,13 @@ import grpc
 import numpy as np
 
 from gradstar import ops
-from gradstar.errors import CollectiveTimeoutError, ProtocolError
+from gradstar.errors import ProtocolError
 from gradstar.proto.v1 import collective_pb2 as pb
 from gradstar.transport import shm
-from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
 from gradstar.wire import KIND_HEADER, as_byte_view, encode_message
 
 from ..session import Session
+from .failure import StreamEnding
 from .outgoing import frames
 from .plan import CollectivePlan, Phase, StreamReceiver
 from .targets import MAX_IDLE_STREAMS, OpenStream, SharedMemoryOffer, Target
@@ -138,61 +139,45 @@ async def run_stream(target: Target, header: pb.CollectiveHeader, plan: Collecti
     verdict = not offered  # whether the target's attach verdict has been taken
     stream = target.open(metadata)
     stream.send(frames(header, plan, sends, attached, segment))
-    try:
-        # The stream outlives the collective, so its deadline is this collective's own: a
-        # backstop for a hub that stopped answering (the hub times the collective out itself).
-        async with asyncio.timeout(timeout + DEADLINE_MARGIN):
-            while (frame := await stream.read()) is not grpc.aio.EOF:
-                receiver.on_frame(frame)
-                if not verdict and receiver.attached is not None:
-                    verdict = True
-                    if not attached.done():
-                        attached.set_result(receiver.attached)
-                    if receiver.attached:
-                        target.shm.attached.add(segment.inode)
-                    else:
-                        target.shm.enabled, target.shm.refused = False, receiver.refusal
-                        target.shm.attached.clear()
-                        log.info("%s refused shared memory (%s); its chunks travel on the "
-                                 "stream", target.name, receiver.refusal)
-                if receiver.phase is Phase.COMPLETE:
-                    if receiver.end.late and session.stragglers is not None:
-                        session.stragglers.saw(header.seq, receiver.end.late)
-                    return
-    except TimeoutError:
-        failure = await session.verdict()  # a lost rank or hub, if that is why
-        raise failure or CollectiveTimeoutError(
-            f"Timed out: {what} got no answer from {target.address} before its deadline"
-        ) from None
-    except grpc.RpcError as error:
-        # Its traceback runs through gRPC's frames, which hold the call, and the error raised
-        # below keeps it as its context: whoever keeps that error (a failed Work, a list of
-        # errors) would keep the call, and the call its TCP connection (see OpenStream.close).
-        error.__traceback__ = None
-        if not is_coordinator_verdict(error):
-            # The transport failed (grpc-python can even report INTERNAL when a connection
-            # dies mid-write); the session says why, if the rank or hub was lost.
-            log.debug("%s: the stream to %s broke (%s)", what, target.address,
-                      type(error).__name__)
-            failure = await session.verdict()
-            if failure is not None:
-                raise failure from None
-        raise error_from_rpc(error, what, target.address) from None
-    except asyncio.CancelledError:
-        if receiver.phase is Phase.AWAITING_ACCEPT:
-            _notify(_abandon(target, header, metadata))
-        raise
-    finally:
-        if attached is not None and not attached.done():
-            attached.set_result(False)  # the frame generator must not wait for ever
-        if offered and header.shm.eager and receiver.phase is not Phase.COMPLETE:
-            target.shm.attached.clear()  # after a failure, the next offer waits for a verdict
-        if receiver.phase is Phase.COMPLETE:
-            target.put_back(stream)
-        else:
-            stream.close()
-    # read() raises for a non-OK status, so this is an OK status without an END frame.
-    raise ProtocolError(f"{what}: the coordinator closed the stream without an end marker")
+    ending = StreamEnding(
+        what, target.address, receiver, verdict=session.verdict,
+        end_stream=lambda clean: target.put_back(stream) if clean else stream.close(),
+        abandon=lambda: _notify(_abandon(target, header, metadata)))
+    async with ending:
+        try:
+            # The stream outlives the collective, so its deadline is this collective's own: a
+            # backstop for a hub that stopped answering (the hub times the collective out).
+            async with asyncio.timeout(timeout + DEADLINE_MARGIN):
+                while (frame := await stream.read()) is not grpc.aio.EOF:
+                    receiver.on_frame(frame)
+                    if not verdict and receiver.attached is not None:
+                        verdict = True
+                        _take_verdict(target, receiver, attached, segment)
+                    if receiver.phase is Phase.COMPLETE:
+                        if receiver.end.late and session.stragglers is not None:
+                            session.stragglers.saw(header.seq, receiver.end.late)
+                        return
+        finally:
+            if attached is not None and not attached.done():
+                attached.set_result(False)  # the frame generator must not wait for ever
+            if offered and header.shm.eager and receiver.phase is not Phase.COMPLETE:
+                target.shm.attached.clear()  # after a failure, the next offer waits
+        # read() raises for a non-OK status, so this is an OK status without an END frame.
+        raise ProtocolError(f"{what}: the coordinator closed the stream without an end marker")
+
+
+def _take_verdict(target: Target, receiver: StreamReceiver, attached: asyncio.Future,
+                  segment: shm.Segment) -> None:
+    """The target answered this stream's shared-memory offer: note whether it attached."""
+    if not attached.done():
+        attached.set_result(receiver.attached)
+    if receiver.attached:
+        target.shm.attached.add(segment.inode)
+    else:
+        target.shm.enabled, target.shm.refused = False, receiver.refusal
+        target.shm.attached.clear()
+        log.info("%s refused shared memory (%s); its chunks travel on the stream",
+                 target.name, receiver.refusal)
 
 
 async def _abandon(target: Target, header: pb.CollectiveHeader, metadata) -> None:

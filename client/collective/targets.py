@@ -3,9 +3,9 @@ the streams kept open to it between collectives (:class:`OpenStream`).
 
 Streams outlive collectives: after the hub's ``END`` a stream goes back to its target's idle
 streams and the next collective's header follows on it, so a collective costs no call set-up (a
-new gRPC call cost the hub ~0.55 ms of CPU more per rank and collective than a message on an
-open one). Collectives issued at once each take a stream of their own, and a target keeps at
-most :data:`MAX_IDLE_STREAMS` idle. What a stream carries, and when it ends, is
+new gRPC call costs the hub far more CPU than a message on an open one: docs/performance.md,
+"Figures behind the code"). Collectives issued at once each take a stream of their own, and a
+target keeps at most :data:`MAX_IDLE_STREAMS` idle. What a stream carries, and when it ends, is
 :mod:`.stream`'s.
 """
 

@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from gradstar.client.process_group import ProcessGroup
+from gradstar.client.process_group.protocol import CollectiveGroup
 from gradstar.client.torch_common import module_device
 from gradstar.errors import ConfigurationError
 from gradstar.sync_modes import Synchronous, SyncMode
@@ -85,7 +85,7 @@ class DataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, device_ids: Sequence[DeviceLike] | None = None,
                  output_device: DeviceLike | None = None,
-                 process_group: ProcessGroup | None = None, *, sync_mode: SyncMode | None = None,
+                 process_group: CollectiveGroup | None = None, *, sync_mode: SyncMode | None = None,
                  optimizer: torch.optim.Optimizer | None = None) -> None:
         super().__init__()
         self.device_ids: list[torch.device] = resolve_devices(device_ids)

@@ -63,6 +63,7 @@ class ElasticSteps:
         #: group (other modes grow on the hub's step ledger instead).
         self.enabled = synchronous and callable(getattr(pg, "step_boundary", None))
         self._crossed = False
+        self._leaving = False
         self._hooks: list[Callable[[Resized], None]] = []
         #: The last resize this rank moved through, or None.
         self.last: Resized | None = None
@@ -122,7 +123,7 @@ class ElasticSteps:
     def leave(self) -> None:
         """Leave the job for good at the next step boundary every rank reaches; returns once
         the coordinator took the request (:meth:`ProcessGroup.depart`, which raises what
-        it raises).
+        it raises). Calling it again is a no-op.
 
         Raises:
             ConfigurationError: not a Synchronous DDP over a blocking process group, or the
@@ -132,7 +133,9 @@ class ElasticSteps:
             raise ConfigurationError(
                 "ddp.elastic.leave() needs a Synchronous DDP over a blocking process group; "
                 "in the other sync modes close the process group: the others go on")
-        self.pg.depart()
+        if not self._leaving:
+            self.pg.depart()
+            self._leaving = True
 
     @property
     def left(self) -> bool:

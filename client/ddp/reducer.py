@@ -52,6 +52,7 @@ from gradstar.errors import BucketCapMismatchError, ConfigurationError
 from ..buckets import BucketLaunch, BucketPlan, MiB, SyncStep, TensorSpec
 from ..convert import is_cpu_tensor
 from ..error_feedback import ErrorFeedback
+from ..process_group.protocol import CollectiveGroup
 
 
 class Reducer:
@@ -61,10 +62,10 @@ class Reducer:
         ConfigurationError: ``as_view`` with buckets of another dtype than a parameter's.
     """
 
-    def __init__(self, pg, params: list[torch.Tensor], names: list[str], cap_bytes: int,
-                 device: torch.device, bucket_dtype: torch.dtype | None, wire: str | None,
-                 feedback: ErrorFeedback | None, *, find_unused: bool, static_graph: bool,
-                 as_view: bool) -> None:
+    def __init__(self, pg: CollectiveGroup, params: list[torch.Tensor], names: list[str],
+                 cap_bytes: int, device: torch.device, bucket_dtype: torch.dtype | None,
+                 wire: str | None, feedback: ErrorFeedback | None, *, find_unused: bool,
+                 static_graph: bool, as_view: bool) -> None:
         self.pg, self.params, self.names, self.device = pg, params, names, device
         self.bucket_dtype, self.wire, self.feedback = bucket_dtype, wire, feedback
         self.find_unused, self.static_graph, self.as_view = find_unused, static_graph, as_view

@@ -73,7 +73,7 @@ from gradstar.sync_modes import Synchronous, SyncMode, check_mode
 
 from ..buckets import BucketPlan, StepTimeline, cap_bytes_of
 from ..error_feedback import check_error_feedback
-from ..process_group import ProcessGroup
+from ..process_group.protocol import CollectiveGroup
 from ..steps.modes import SyncModes
 from ..torch_common import (
     GRAD_DTYPES,
@@ -138,7 +138,7 @@ class DistributedDataParallel(SyncModes, nn.Module):
         CollectiveError and subclasses: the initial broadcast failed.
     """
 
-    def __init__(self, module: nn.Module, pg: ProcessGroup, bucket_cap_mb: float = 25,
+    def __init__(self, module: nn.Module, pg: CollectiveGroup, bucket_cap_mb: float = 25,
                  broadcast_buffers: bool = True, find_unused_parameters: bool = False,
                  gradient_compression: str | None = None, wire: str | None = None,
                  error_feedback: bool | None = None, sync_mode: SyncMode | None = None,
@@ -146,8 +146,7 @@ class DistributedDataParallel(SyncModes, nn.Module):
                  gradient_as_bucket_view: bool = False, static_graph: bool = False,
                  delay_all_reduce: bool = False) -> None:
         super().__init__()
-        self.device = check_wrapper_arguments("DistributedDataParallel", module, pg,
-                                              ("all_reduce", "broadcast"))
+        self.device = check_wrapper_arguments("DistributedDataParallel", module, pg)
         wire_dtype = wire_dtype_of("gradient_compression", gradient_compression)
         if wire is not None and gradient_compression is not None:
             raise ConfigurationError(

@@ -58,6 +58,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..process_group.protocol import CollectiveGroup
 from .records import BackwardPass, SavedParam, UnitCollective
 from .unit import ShardingUnit
 from .unused import UnusedUnits
@@ -96,7 +97,7 @@ class UnitRuntime:
     since then.
     """
 
-    def __init__(self, units: list[ShardingUnit], pg, *, prefetch: bool,
+    def __init__(self, units: list[ShardingUnit], pg: CollectiveGroup, *, prefetch: bool,
                  wire: str | None = None, find_unused: bool = False) -> None:
         self.units = units
         self.process_group = pg

@@ -32,6 +32,7 @@ from collections import deque
 
 import torch
 
+from ..process_group.protocol import CollectiveGroup
 from .unit import ShardingUnit
 
 #: A reduce-scatter in flight holds a unit-sized gradient; as the runtime's own bound.
@@ -43,7 +44,7 @@ class UnusedUnits:
     over ``units`` and ``pg``; ``start_reduction(unit, grad, during)`` issues one unit's
     reduce-scatter and returns its Work."""
 
-    def __init__(self, units: list[ShardingUnit], pg, start_reduction) -> None:
+    def __init__(self, units: list[ShardingUnit], pg: CollectiveGroup, start_reduction) -> None:
         self.units, self.process_group = units, pg
         self._start_reduction = start_reduction
 

@@ -47,7 +47,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from gradstar.client.process_group import ProcessGroup
+from gradstar.client.process_group.protocol import CollectiveGroup
 from gradstar.client.torch_common import (
     GRAD_DTYPES,
     broadcast_from_rank0,
@@ -110,13 +110,12 @@ class FullyShardedDataParallel(nn.Module):
         CollectiveError and subclasses: a construction collective failed.
     """
 
-    def __init__(self, module: nn.Module, pg: ProcessGroup, *,
+    def __init__(self, module: nn.Module, pg: CollectiveGroup, *,
                  auto_wrap_policy: AutoWrapPolicy = None, mixed_precision: str | None = None,
                  prefetch: bool = True, sync_module_states: bool = True,
                  wire: str | None = None, find_unused_parameters: bool = False) -> None:
         super().__init__()
-        self.device = check_wrapper_arguments("FullyShardedDataParallel", module, pg,
-                                              ("all_gather", "reduce_scatter", "broadcast"))
+        self.device = check_wrapper_arguments("FullyShardedDataParallel", module, pg)
         wire_dtype = wire_dtype_of("mixed_precision", mixed_precision)
         self.wire = None if wire is None else wire_format(wire).name
         for name, p in module.named_parameters():

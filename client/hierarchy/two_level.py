@@ -9,7 +9,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 
@@ -23,6 +23,8 @@ from ..convert import delivered
 from . import programs
 from .layout import plan
 from .programs import LOCAL, Program
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +113,9 @@ class HostHierarchy:
             return False
         return op == ops.ALL_REDUCE or (op == ops.REDUCE_SCATTER and self.plan.uniform)
 
-    def all_reduce(self, arr: np.ndarray, reduce_op: int, out: np.ndarray, restore,
-                   timeout: float | None, wire: str | None = None) -> Awaitable[Any]:
+    def all_reduce(self, arr: np.ndarray, reduce_op: int, out: np.ndarray,
+                   restore: Callable[[np.ndarray], T],
+                   timeout: float | None, wire: str | None = None) -> Awaitable[T]:
         """``out`` holding the reduction, through ``restore``; see :meth:`run`. A large one
         runs as a pipeline of segments (:data:`MIN_SEGMENT_BYTES`): every rank cuts alike, as
         it depends on the size alone. A ``wire`` format applies to the leaders' stages."""
@@ -134,22 +137,24 @@ class HostHierarchy:
             starts=tuple(itertools.accumulate((len(part.stages) for part in parts[:-1]),
                                               initial=0))), restore, timeout)
 
-    def broadcast(self, arr: np.ndarray, src: int, restore,
-                  timeout: float | None) -> Awaitable[Any]:
+    def broadcast(self, arr: np.ndarray, src: int, restore: Callable[[np.ndarray], T],
+                  timeout: float | None) -> Awaitable[T]:
         """Rank ``src``'s ``arr``, through ``restore``; see :meth:`run`."""
         return self.run(programs.broadcast(self.plan, arr, src), restore, timeout)
 
-    def all_gather(self, arr: np.ndarray, restore, timeout: float | None) -> Awaitable[Any]:
+    def all_gather(self, arr: np.ndarray, restore: Callable[[np.ndarray], T],
+                   timeout: float | None) -> Awaitable[T]:
         """Every rank's ``arr`` stacked in rank order, through ``restore``; see :meth:`run`."""
         return self.run(programs.all_gather(self.plan, arr), restore, timeout)
 
     def reduce_scatter(self, arr: np.ndarray, reduce_op: int, restore,
-                       timeout: float | None, wire: str | None = None) -> Awaitable[Any]:
+                       timeout: float | None, wire: str | None = None) -> Awaitable[T]:
         """This rank's rows of the reduction, through ``restore``; see :meth:`run`."""
         return self.run(programs.reduce_scatter(self.plan, arr, reduce_op, wire), restore,
                         timeout)
 
-    def run(self, program: Program, restore, timeout: float | None) -> Awaitable[Any]:
+    def run(self, program: Program, restore: Callable[[np.ndarray], T],
+            timeout: float | None) -> Awaitable[T]:
         """Reserve every stage of ``program`` in its group now, then run the stages in order;
         resolves to ``restore(program.finish())``. Called on the loop, it returns a running
         task; from another thread (the blocking API), the coroutine to submit to the loop, as

@@ -58,7 +58,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gradstar.client.process_group import ProcessGroup
+from gradstar.client.process_group.protocol import CollectiveGroup
 from gradstar.client.torch_common import module_device
 from gradstar.errors import ConfigurationError, ProtocolError
 
@@ -117,9 +117,9 @@ class Pipeline:
             is not an nn.Module on the CPU or one CUDA device (the device is named).
     """
 
-    def __init__(self, stage_module: nn.Module, pg: ProcessGroup, num_microbatches: int,
+    def __init__(self, stage_module: nn.Module, pg: CollectiveGroup, num_microbatches: int,
                  schedule: str = "1f1b", *, timeout: float | None = None) -> None:
-        if not isinstance(pg, ProcessGroup):
+        if not isinstance(pg, CollectiveGroup):
             raise ConfigurationError(
                 "Pipeline needs the blocking ProcessGroup from gradstar.init_process_group(), "
                 f"not {type(pg).__name__}: stages compute in the calling thread while the "

@@ -10,10 +10,10 @@ import concurrent.futures
 import contextlib
 from collections.abc import Awaitable, Callable
 
-from gradstar.errors import ProcessGroupClosedError
+from gradstar.errors import GradstarError, ProcessGroupClosedError
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
 
-from ..collective.direct import DirectCall
+from ..collective.direct import SettledCall
 from ..loop_thread import LoopThread as _LoopThread
 from ..work import SettledWork, Work
 from .group import AsyncProcessGroup
@@ -88,14 +88,18 @@ class ProcessGroup:
                     f"rank {old.rank} of job {old.job!r} left the job at step boundary "
                     f"{membership.boundary} (depart()): run no more steps, close the group")
             new = self._move(old, membership)
+            arrived = tuple(new.joined.newcomers)
+            # Newcomers of an earlier move at this boundary keep their ranks while nobody left.
+            kept = (resized.newcomers if resized is not None
+                    and new.world_size - len(arrived) == old.world_size else ())
             resized = Resized(new.generation, new.world_size, new.rank,
                               resized.previous_world_size if resized else old.world_size,
                               resized.previous_rank if resized else old.rank,
-                              tuple(new.joined.newcomers), new.joined.boundary)
-            if not resized.newcomers or welcome is None or welcome(resized):
-                membership.begin()
-                return resized
-            membership.hold()  # a newcomer refused: the coordinator names this boundary again
+                              tuple(sorted({*kept, *arrived})), new.joined.boundary)
+            if arrived and welcome is not None and not welcome(resized):
+                membership.hold()  # a newcomer refused: the coordinator names this boundary again
+            # Crossing again: the step begins here, unless another resize (a joiner that came
+            # meanwhile, a refused newcomer) named this same boundary: then the rank moves again.
         return resized
 
     def _move(self, old: AsyncProcessGroup, membership) -> AsyncProcessGroup:
@@ -137,9 +141,9 @@ class ProcessGroup:
         return membership is not None and membership.at_departure()
 
     def _call(self, awaitable, async_op: bool):
-        if isinstance(awaitable, DirectCall):  # small: on this thread, unless async_op
+        if isinstance(awaitable, SettledCall):  # small: on this thread, unless async_op
             if not async_op:
-                return awaitable.run()
+                return awaitable.settle()
             awaitable = awaitable.coroutine()
         future = self._runner.submit(awaitable)
         return Work(future) if async_op else Work(future).wait()
@@ -197,14 +201,20 @@ class ProcessGroup:
         as the blocking call does; a larger one on the loop, waited for here.
 
         Raises:
-            GradstarError: what ``method`` raises before the collective is issued (bad
-                arguments, a closed or failed group); the collective's own failure is the
-                Work's, raised by ``wait``.
+            ValueError: invalid arguments (:class:`~gradstar.errors.ConfigurationError`,
+                :class:`~gradstar.errors.InvalidCollectiveError`), raised before anything is
+                sent. Every other failure is the Work's, raised by ``wait``: the collective's
+                own, and a gradstar error raised as it was issued (a closed or failed group).
         """
-        awaitable = getattr(self._group, method)(*args, **kwargs)
-        if isinstance(awaitable, DirectCall):
+        try:
+            awaitable = getattr(self._group, method)(*args, **kwargs)
+        except ValueError:
+            raise
+        except GradstarError as error:
+            return SettledWork(error=error)
+        if isinstance(awaitable, SettledCall):
             try:
-                return SettledWork(awaitable.run())
+                return SettledWork(awaitable.settle())
             except Exception as error:  # the collective's failure, kept for wait()
                 return SettledWork(error=error)
         future = self._runner.submit(awaitable)
@@ -218,7 +228,7 @@ class ProcessGroup:
         Raises:
             ProcessGroupClosedError: the group was closed.
         """
-        if isinstance(coro, DirectCall):  # a collective of the group's, issued on this thread
+        if isinstance(coro, SettledCall):  # a collective of the group's, issued on this thread
             coro = coro.coroutine()
         if self._runner is None:
             coro.close()

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 import numpy as np
@@ -29,7 +28,7 @@ from gradstar.wire.formats import WireFormat
 
 from ..coalesced import all_reduce_coalesced
 from ..collective.data_plane import DataPlane, striped_chunk_bytes
-from ..collective.direct import DirectCall, DirectLane
+from ..collective.direct import DirectLane, SettledCall
 from ..collective.reissue import Seqs
 from ..collective.stream import abandon_collective, give_up, issue, run_collective
 from ..convert import copies_to_device, copying_to_device, delivered, output_array, to_numpy
@@ -38,6 +37,7 @@ from ..peer import Identity, PeerEndpoint
 from ..session import Session
 from ..stragglers import StragglerLog, StragglerQueries
 from .point_to_point import PointToPoint
+from .protocol import ArrayLike, Result
 from .ride import RidesThrough
 
 
@@ -95,8 +95,8 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries, RidesThrough):
         self._all_to_all_calls = itertools.count(1)
         self._closed = False
         self._peer_endpoint = peer_endpoint
-        #: The two-level collectives over this generation's hosts (inactive on one host).
-        # (``subgroup(job, world_size, rank)`` joins one of them: join.open_group's.)
+        #: The two-level collectives over this generation's hosts (inactive on one host);
+        #: ``subgroup(job, world_size, rank)`` joins one of them (join.open_group's).
         self._hosts = HostHierarchy(self, {p.rank: p.host for p in joined.peers}, subgroup)
         if peer_endpoint is not None:
             peer_endpoint.bind(Identity(self.job, self.generation, self.rank, self.world_size,
@@ -125,7 +125,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries, RidesThrough):
     # -- collectives ---------------------------------------------------------------------------
 
     def all_reduce(self, x, op: str = "sum", *, timeout: float | None = None,
-                   out=None, wire: str | None = None) -> Awaitable[Any]:
+                   out=None, wire: str | None = None) -> Awaitable[ArrayLike]:
         """Elementwise ``op`` over every rank's ``x``; resolves to a new array of x's type, or
         to ``out`` holding the result.
 
@@ -159,7 +159,8 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries, RidesThrough):
         return self._run(ops.ALL_REDUCE, arr, arr, into, restore if out is None
                          else (lambda _result: out), timeout, reduce_op=reduce_op, fmt=fmt)
 
-    def broadcast(self, x, src: int = 0, *, timeout: float | None = None) -> Awaitable[Any]:
+    def broadcast(self, x, src: int = 0, *,
+                  timeout: float | None = None) -> Awaitable[ArrayLike]:
         """Rank ``src``'s ``x`` on every rank (every rank passes an ``x`` of the same shape)."""
         arr, restore = to_numpy(x)
         self._check(ops.BROADCAST, arr, root=src)
@@ -169,7 +170,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries, RidesThrough):
         out = arr.copy() if self.rank == src else np.empty_like(arr)
         return self._run(ops.BROADCAST, arr, arr, out, restore, timeout, root=src)
 
-    def all_gather(self, x, *, timeout: float | None = None) -> Awaitable[list]:
+    def all_gather(self, x, *, timeout: float | None = None) -> Awaitable[list[ArrayLike]]:
         """Every rank's ``x``; resolves to a list indexed by rank."""
         arr, restore = to_numpy(x)
 
@@ -186,7 +187,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries, RidesThrough):
         return self._run(ops.ALL_GATHER, arr, out, out, deliver, timeout)
 
     def reduce_scatter(self, x, op: str = "sum", *, timeout: float | None = None,
-                       wire: str | None = None) -> Awaitable[Any]:
+                       wire: str | None = None) -> Awaitable[ArrayLike]:
         """Reduce ``x`` over ranks and keep shard ``rank`` of dim 0 (dim 0 % world_size == 0);
         ``wire`` as for :meth:`all_reduce`.
 
@@ -222,7 +223,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries, RidesThrough):
 
     def sync_global_model(self, x, *, model: str, rule: str, outer_lr: float = 0.0,
                           outer_momentum: float = 0.0, timeout: float | None = None,
-                          wire: str | None = None) -> Awaitable[Any]:
+                          wire: str | None = None) -> Awaitable[ArrayLike]:
         """An averaging round: the primitive under :class:`gradstar.LocalSGD`.
 
         Every rank sends a flat float32 ``x`` (parameters for ``rule`` "seed" and "average",
@@ -307,10 +308,10 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries, RidesThrough):
                                               self.world_size, root, self.rank))
         return fmt
 
-    def _run(self, op: int, arr: np.ndarray, send: np.ndarray | None, out: np.ndarray, restore,
-             timeout: float | None, *, reduce_op: int = 0, root: int = 0,
-             averaging: pb.AveragingSpec | None = None,
-             fmt: WireFormat | None = None) -> Awaitable[Any]:
+    def _run(self, op: int, arr: np.ndarray, send: np.ndarray | None, out: np.ndarray,
+             restore: Callable[[np.ndarray], Result], timeout: float | None, *, reduce_op: int = 0,
+             root: int = 0, averaging: pb.AveragingSpec | None = None,
+             fmt: WireFormat | None = None) -> Awaitable[Result]:
         """Take the collective's seq and issue it now (see
         :mod:`gradstar.client.collective.stream`): ``send`` is cut by the op's input layout,
         ``out`` receives the result and ``restore`` turns it into what the caller gets."""
@@ -345,24 +346,23 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries, RidesThrough):
     def _targets(self, call: ops.CollectiveCall):
         return self._plane.targets(averaging=bool(call.header.averaging.rule))
 
-    def _issue(self, call: ops.CollectiveCall, run) -> Awaitable[Any]:
+    def _issue(self, call: ops.CollectiveCall, run: Callable[[], Coroutine]) -> Awaitable:
         """Start ``run()``, the call that carries collective ``call``, now
         (:func:`~gradstar.client.collective.stream.issue`); cancelled before it ran, it tells
         the hub so that no rank waits for it."""
         return issue(run, lambda: abandon_collective(self._targets(call), call, self._metadata))
 
     def _start(self, call: ops.CollectiveCall, send: np.ndarray | None, out: np.ndarray,
-               restore, timeout: float) -> Awaitable[Any]:
+               restore: Callable[[np.ndarray], Result], timeout: float) -> Awaitable[Result]:
         """Issue ``call`` (:meth:`_issue`), or, on a blocking caller's thread (no running loop)
-        when the caller's :attr:`direct` lane takes it, return it as a :class:`DirectCall`
+        when the caller's :attr:`direct` lane takes it, return it as a :class:`SettledCall`
         that thread may run itself."""
-
-        def started() -> Awaitable[Any]:
+        def started() -> Awaitable[Result]:
             return self._issue(call, lambda: self._collect(call, send, out, restore, timeout))
 
         if self.direct is not None and self.direct.takes(call) and (
                 asyncio._get_running_loop() is None):
-            return DirectCall(self._lane(), call, send, out, restore, timeout, started)
+            return SettledCall(self._lane(), call, send, out, restore, timeout, started)
         return started()
 
     async def _collect(self, call: ops.CollectiveCall, send: np.ndarray | None,

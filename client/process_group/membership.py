@@ -6,8 +6,10 @@ before the first collective of each step. The count of steps begun is the rank's
 While the job resizes the coordinator asks for it (``ResizePending``, answered at once from the
 session's loop) and then names the boundary every member reaches (``ResizeAt``); between the
 two the rank holds before its next step, so that it cannot pass the boundary unknowingly. At
-the boundary :meth:`crossing` says ``"move"`` (or ``"leave"`` after :meth:`depart`), and the
-process group moves (:meth:`gradstar.client.process_group.ProcessGroup.step_boundary`).
+the boundary :meth:`crossing` says ``"move"`` (or ``"leave"`` after :meth:`depart`), the
+process group moves, and crosses again in its new generation (the step begins, or another
+resize named the same boundary meanwhile and it moves once more): :meth:`gradstar.client.
+process_group.ProcessGroup.step_boundary`.
 
 The training thread and the session's loop both touch the state, under one lock.
 """
@@ -96,7 +98,7 @@ class Membership:
 
     def crossing(self) -> str:
         """Before the first collective of a step: ``"go"`` (the step is begun), ``"move"``
-        (join the next generation first, then :meth:`begin`) or ``"leave"`` (a departing
+        (join the next generation first, then cross again) or ``"leave"`` (a departing
         rank's boundary: run no more steps).
 
         Raises:
@@ -123,11 +125,6 @@ class Membership:
             raise RendezvousError(
                 f"the coordinator named no step boundary for the job's resize within "
                 f"{self.timeout:g} s of this rank reaching step {self.boundary}")
-
-    def begin(self) -> None:
-        """The step at the boundary is begun (after a move)."""
-        with self._lock:
-            self.boundary += 1
 
     def depart(self, send) -> None:
         """Ask to leave the job for good at the next boundary; ``send(request)`` puts it on

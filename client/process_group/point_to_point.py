@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from gradstar.wire import dtype_info
 
 from .. import all_to_all as a2a
 from ..convert import (
+    ArrayLike,
     array_kind,
     copies_to_device,
     copying_to_device,
@@ -32,6 +33,8 @@ from ..convert import (
     to_numpy,
 )
 from ..peer.mailbox import tag_key
+
+T = TypeVar("T")
 
 
 class PointToPoint:
@@ -75,7 +78,7 @@ class PointToPoint:
                                 copying_to_device(deliver, copies_to_device(restore)), timeout)
 
     def all_to_all_single(self, x, output_split_sizes=None, input_split_sizes=None, *,
-                          timeout: float | None = None) -> Awaitable[Any]:
+                          timeout: float | None = None) -> Awaitable[ArrayLike]:
         """Split ``x`` along dim 0 by ``input_split_sizes`` and send split ``j`` to rank ``j``;
         resolves to one array of x's type: the splits received from ranks 0, 1, ... one after
         the other along dim 0, ``output_split_sizes[i]`` rows from rank ``i``. None (or empty)
@@ -118,7 +121,8 @@ class PointToPoint:
                                 splits)
 
     def _all_to_all(self, plan: a2a.Plan, pieces: list[np.ndarray], kind: int, deliver,
-                    timeout: float | None, into: list[np.ndarray] | None = None) -> Awaitable[Any]:
+                    timeout: float | None,
+                    into: list[np.ndarray] | None = None) -> Awaitable[T]:
         """Take the call's seq now (its plan is a hub collective) and return the coroutine that
         checks every rank's plan and moves ``pieces[j]`` to rank ``j`` (see
         :mod:`gradstar.client.all_to_all`); ``deliver`` turns what arrived, by sender, into
@@ -204,7 +208,7 @@ class PointToPoint:
         return self._peer_endpoint.send(arr, array_kind(x), dst, key, timeout)
 
     def recv(self, src: int | None = None, tag=0, *,
-             timeout: float | None = None) -> Awaitable[Any]:
+             timeout: float | None = None) -> Awaitable[ArrayLike]:
         """The next message from rank ``src`` with ``tag``, as the type it was sent as (numpy
         array, or torch tensor where torch is installed), with its shape and dtype.
 

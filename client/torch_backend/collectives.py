@@ -2,11 +2,11 @@
 calls (``allreduce``, ``broadcast``, the gathers and scatters, ``barrier``) becomes in gradstar.
 
 :class:`Collectives` is mixed into :class:`~gradstar.client.torch_backend.group.
-ProcessGroupGradstar`, which gives it ``gradstar_group`` (the gradstar ProcessGroup), ``rank()``,
-``size()`` and ``_launch`` (start gradstar collectives in order and wrap them in one Work). Every
-method starts its collectives here, in the caller's thread, and writes the results into torch's
-tensors when the Work is settled; the rules (order, in place, dtypes, devices, bitwise ops,
-errors) are in :mod:`.group`.
+ProcessGroupGradstar`, which gives it ``gradstar_group`` (the gradstar ProcessGroup),
+``rank()``, ``size()`` and its ``launcher`` (:class:`~.launcher.Launcher`: start gradstar
+collectives in order and wrap them in one Work), all public. Every method starts its collectives
+here, in the caller's thread, and writes the results into torch's tensors when the Work is
+settled; the rules (order, in place, dtypes, devices, bitwise ops, errors) are in :mod:`.group`.
 """
 
 from __future__ import annotations
@@ -83,14 +83,14 @@ class Collectives:
         of a dtype the hub reduces receives it straight from the wire (``out=``): no result
         array to allocate and fault in, no copy (and ``write``'s copy_ is then a no-op).
         ``wire``: a compressed wire format (float tensors, not the bitwise ops). ``how``: the
-        call's timeout, and whether its caller waits at once (see ``_launch``)."""
+        call's timeout, and whether its caller waits at once (see :meth:`.Launcher.launch`)."""
         if op in BITWISE_OPS:
             return self._gather(
                 [for_bitwise(t, op) for t in tensors], how,
                 lambda i, parts: write(i, bitwise_reduce(parts, op).reshape(tensors[i].shape)),
                 tensors)
         prepared = [for_reduction(t, op) for t in tensors]
-        starts = [self._call("all_reduce", w, op, timeout=how.timeout,
+        starts = [self.launcher.call("all_reduce", w, op, timeout=how.timeout,
                              out=w if in_place and w is t and _viewable(t) else None, wire=wire)
                   for (w, _), t in zip(prepared, tensors, strict=True)]
 
@@ -99,19 +99,19 @@ class Collectives:
                 write(i, restore(result))
             return tensors
 
-        return self._launch(starts, finish, tensors, waited=how.waited)
+        return self.launcher.launch(starts, finish, tensors, settle=how.settle)
 
     def _gather(self, inputs: list[torch.Tensor], how: CallOptions,
                 write: Callable[[int, list[torch.Tensor]], None], result):
         prepared = [for_transfer(t) for t in inputs]
-        starts = [self._call("all_gather", w, timeout=how.timeout) for w, _ in prepared]
+        starts = [self.launcher.call("all_gather", w, timeout=how.timeout) for w, _ in prepared]
 
         def finish(results):
             for i, ((_, restore), parts) in enumerate(zip(prepared, results, strict=True)):
                 write(i, [restore(p) for p in parts])
             return result
 
-        return self._launch(starts, finish, [inputs, result], waited=how.waited)
+        return self.launcher.launch(starts, finish, [inputs, result], settle=how.settle)
 
     def _scatter_reduce(self, outputs: list[torch.Tensor], flats: list[torch.Tensor], op: str,
                         how: CallOptions):
@@ -128,24 +128,26 @@ class Collectives:
 
             return self._gather([for_bitwise(flat, op) for flat in flats], how, write, outputs)
         prepared = [for_reduction(flat.reshape(world, -1), op) for flat in flats]
-        starts = [self._call("reduce_scatter", w, op, timeout=how.timeout) for w, _ in prepared]
+        starts = [self.launcher.call("reduce_scatter", w, op, timeout=how.timeout)
+                  for w, _ in prepared]
 
         def finish(results):
             for out, (_, restore), shard in zip(outputs, prepared, results, strict=True):
                 out.copy_(restore(shard).reshape(out.shape))
             return outputs
 
-        return self._launch(starts, finish, [outputs, flats], waited=how.waited)
+        return self.launcher.launch(starts, finish, [outputs, flats], settle=how.settle)
 
     def allreduce(self, tensors, opts=None):
         tensors = tensor_list(tensors)
         op, how = reduce_op_name(opts), CallOptions.of(opts)
-        if how.waited and (arr := _numpy_in_place(tensors, op)) is not None:
+        if how.settle and (arr := _numpy_in_place(tensors, op)) is not None:
             # dist.all_reduce(t) of a CPU tensor: the SDK reduces into t's memory, and the
-            # Work comes back ended. A result written counts as an in-place op (t's version,
+            # Work comes back settled. A result written counts as an in-place op (t's version,
             # which autograd checks), once; a failed call leaves the version as it was, as
             # the general path's copy_ and torch's own failed in-place ops do.
-            work = self._run_here(tensors, "all_reduce", arr, op, timeout=how.timeout, out=arr)
+            work = self.launcher.settled(tensors, "all_reduce", arr, op, timeout=how.timeout,
+                                         out=arr)
             if work.is_success():
                 increment_version(tensors[0])
             return work
@@ -219,9 +221,9 @@ class Collectives:
                 t.copy_(restore(r))
             return tensors
 
-        return self._launch([self._call("all_reduce_coalesced", [w for w, _ in prepared], op,
-                                        timeout=how.timeout)], finish, tensors,
-                            waited=how.waited)
+        start = self.launcher.call("all_reduce_coalesced", [w for w, _ in prepared], op,
+                                   timeout=how.timeout)
+        return self.launcher.launch([start], finish, tensors, settle=how.settle)
 
     def reduce(self, tensors, opts=None):
         """torch's reduce, as an all_reduce whose result only the root keeps."""
@@ -242,7 +244,8 @@ class Collectives:
     def _broadcast(self, tensors: list[torch.Tensor], root: int, how: CallOptions,
                    write: Callable[[int, torch.Tensor], None], result):
         prepared = [for_transfer(t) for t in tensors]
-        starts = [self._call("broadcast", w, root, timeout=how.timeout) for w, _ in prepared]
+        starts = [self.launcher.call("broadcast", w, root, timeout=how.timeout)
+                  for w, _ in prepared]
 
         def finish(results):
             if self.rank() != root:
@@ -250,7 +253,7 @@ class Collectives:
                     write(i, restore(r))
             return result
 
-        return self._launch(starts, finish, [tensors, result], waited=how.waited)
+        return self.launcher.launch(starts, finish, [tensors, result], settle=how.settle)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         inputs = tensor_list(input_tensors)
@@ -350,10 +353,10 @@ class Collectives:
 
     def barrier(self, opts=None):
         how = CallOptions.of(opts)
-        if how.waited:  # dist.barrier(): run to its end here, the Work back ended
-            return self._run_here([], "barrier", timeout=how.timeout)
-        return self._launch([self._call("barrier", timeout=how.timeout)],
-                            lambda _results: [], [], waited=how.waited)
+        if how.settle:  # dist.barrier(): run to its end here, the Work back settled
+            return self.launcher.settled([], "barrier", timeout=how.timeout)
+        return self.launcher.launch([self.launcher.call("barrier", timeout=how.timeout)],
+                            lambda _results: [], [], settle=how.settle)
 
     def monitored_barrier(self, timeout: timedelta | None = None,
                           wait_all_ranks: bool = False) -> None:

@@ -88,11 +88,11 @@ def caller_waits(opts) -> bool:
 @dataclass(frozen=True)
 class CallOptions:
     """What torch's options say of one call: its timeout in seconds (None: the group's,
-    :func:`seconds_of`) and whether the caller waits for the Work at once
-    (:func:`caller_waits`)."""
+    :func:`seconds_of`) and whether its Work is settled on the caller's thread, as the caller
+    waits for it at once (:func:`caller_waits`)."""
 
     timeout: float | None = None
-    waited: bool = False
+    settle: bool = False
 
     @classmethod
     def of(cls, opts) -> CallOptions:

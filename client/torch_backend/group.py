@@ -5,15 +5,16 @@ A pure-Python subclass of ``torch.distributed.ProcessGroup`` wrapping one blocki
 as the group: ``dist.all_reduce``, DDP's reducer and FSDP2 call the methods below, each of which
 starts gradstar collectives (with ``async_op=True``, or to their end for a waited call) and
 returns a :class:`~gradstar.client.torch_backend.work.GradstarWork`. The group itself (here) is
-what torch asks about it, the machinery that starts collectives and its shutdown; the calls are
-in two mixins, :mod:`.collectives` (what goes through the hub) and :mod:`.point_to_point`
-(send, recv and all_to_all, over peer streams).
+what torch asks about it and its shutdown; it holds the machinery that starts collectives, its
+``launcher`` (:mod:`.launcher`), and its calls are in two mixins that use only that and the
+group's public face: :mod:`.collectives` (what goes through the hub) and
+:mod:`.point_to_point` (send, recv and all_to_all, over peer streams).
 
 * **Order.** Every gradstar collective takes its sequence number when it is started, here, in
   the caller's thread, so collectives match on the hub in the order torch issued them.
 * **Waited calls.** A call torch waits for at once (``opts.asyncOp`` False: ``dist.all_reduce(t)``
   without ``async_op=True``) runs its gradstar collective to its end in the caller's thread and
-  returns a settled Work (see ``_launch``); the others return at once.
+  returns a settled Work (see :meth:`.Launcher.launch`); the others return at once.
 * **In place.** As with torch's own backends the results land in the tensors torch passed
   (all_reduce, broadcast, the output tensors of gathers and scatters), written when the Work is
   settled: by ``wait()`` or by a completion thread, whichever comes first.
@@ -48,39 +49,17 @@ in two mixins, :mod:`.collectives` (what goes through the hub) and :mod:`.point_
 from __future__ import annotations
 
 import threading
-import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch.distributed as dist
 
-from gradstar.client.device import check_device, synchronize
-from gradstar.client.process_group import ProcessGroup
-from gradstar.client.work import SettledWork
-from gradstar.errors import GradstarError, ProcessGroupClosedError
+from gradstar.client.process_group.protocol import BackendGroup
+from gradstar.errors import ProcessGroupClosedError
 
 from .collectives import Collectives, MonitoredBarrierError
-from .convert import cuda_devices, tensors_in
+from .launcher import Call, Launcher
 from .point_to_point import AnySourceWork, BackendUnsupportedError, PointToPoint
-from .work import CompletionThreads, GradstarWork
-
-
-@dataclass(frozen=True)
-class Call:
-    """A start for :meth:`ProcessGroupGradstar._launch`: the gradstar ProcessGroup's collective
-    ``method`` with these arguments, started with ``async_op=True`` (calling it) or run to its
-    end now (:meth:`settled`)."""
-
-    group: ProcessGroup
-    method: str
-    args: tuple
-    kwargs: dict
-
-    def __call__(self):
-        return getattr(self.group, self.method)(*self.args, async_op=True, **self.kwargs)
-
-    def settled(self):
-        return self.group.settled(self.method, *self.args, **self.kwargs)
+from .work import CompletionThreads
 
 
 class ProcessGroupGradstar(Collectives, PointToPoint, dist.ProcessGroup):
@@ -90,19 +69,18 @@ class ProcessGroupGradstar(Collectives, PointToPoint, dist.ProcessGroup):
     one per torch group; ``gradstar_group`` is the gradstar ProcessGroup it wraps.
     """
 
-    def __init__(self, group: ProcessGroup, completions: CompletionThreads, *,
+    def __init__(self, group: BackendGroup, completions: CompletionThreads, *,
                  options: dict | None = None,
                  on_shutdown: Callable[[ProcessGroupGradstar], None] | None = None) -> None:
         super().__init__(group.rank, group.world_size)
         self.gradstar_group = group
         self.options = dict(options or {})  # how it joined: subgroups inherit these
-        self._completions = completions
+        #: Starts the gradstar collectives of each call and keeps their Works (:mod:`.launcher`).
+        self.launcher = Launcher(group, completions)
         self._on_shutdown = on_shutdown
         self._group_name = ""
         self._group_desc = ""
         self._closed = False
-        self._in_flight: weakref.WeakSet[GradstarWork] = weakref.WeakSet()
-        self._error_label = f"[Rank {group.rank}] "  # before the messages of failed Works
         self._lock = threading.Lock()
 
     # -- what torch asks about the group -------------------------------------------------------
@@ -133,79 +111,6 @@ class ProcessGroupGradstar(Collectives, PointToPoint, dist.ProcessGroup):
 
     # -- machinery -----------------------------------------------------------------------------
 
-    def _call(self, method: str, *args, **kwargs) -> Call:
-        """A start for :meth:`_launch`: ``gradstar_group.<method>(*args, **kwargs)``."""
-        return Call(self.gradstar_group, method, args, kwargs)
-
-    def _launch(self, starts: Sequence[Callable[[], object]],
-                finish: Callable[[list], object], tensors,
-                work_type: type[GradstarWork] = GradstarWork, *,
-                waited: bool = False) -> GradstarWork:
-        """Start gradstar collectives (in order, here) and wrap them in one Work.
-
-        ``waited``: the caller waits for the Work at once (torch's ``async_op=False``,
-        :func:`.convert.caller_waits`). One collective (a :class:`Call`) then runs to its end
-        here and the Work comes back settled (:meth:`~gradstar.client.process_group.
-        ProcessGroup.settled`): a small one on this thread over gradstar's direct lane, and no
-        completion thread either way -- the same collective, checks and errors. On CUDA
-        tensors its copies run on this thread's current streams (a large one's result copy on
-        a worker thread, on the stream taken from this thread), in order after what the
-        caller queued there.
-
-        ``tensors`` (nested lists allowed) are every tensor the collectives read or write. On a
-        CUDA device, a Work that completes on a completion thread first finishes what the
-        caller queued on its current stream: results are written on that thread's stream,
-        which would not wait for it (an input's copy to the host waits for it too, but not
-        every output is an input).
-
-        Raises:
-            ConfigurationError: a tensor on a device other than the CPU or CUDA, named.
-            ValueError: other invalid arguments (gradstar's own, raised by ``starts``); any
-                other gradstar error fails the Work instead.
-        """
-        every = list(tensors_in(tensors))
-        for t in every:
-            check_device(t)
-        devices = cuda_devices(every)
-        here = (waited and len(starts) == 1 and isinstance(starts[0], Call)
-                and work_type is GradstarWork)
-        if not here:
-            for device in devices:
-                synchronize(device)
-        try:
-            pending = [starts[0].settled()] if here else [start() for start in starts]
-        except ValueError:
-            raise
-        except GradstarError as error:
-            if here:  # failed already, as a waited call's Work comes back settled
-                return GradstarWork.ended(SettledWork(error=error), None, self._completions,
-                                          label=self._error_label)
-            return GradstarWork.failed(error, self._completions, label=self._error_label)
-        work = work_type(pending, finish, self._completions, label=self._error_label,
-                         devices=devices,
-                         inference=any(t.is_inference() for t in every), here=here)
-        if here:
-            return work  # settled: nothing left to abandon at shutdown
-        with self._lock:
-            self._in_flight.add(work)
-        return work
-
-    def _run_here(self, value, method: str, *args, **kwargs) -> GradstarWork:
-        """``gradstar_group.<method>(*args, **kwargs)`` run to its end on this thread, for a
-        call torch waits for at once whose collective touches no CUDA tensor and leaves
-        nothing to write afterwards (it writes its result into the tensor's memory itself, or
-        has none): the Work comes back ended (:meth:`GradstarWork.ended`) with ``value``, or
-        with the collective's error -- also one raised as it was issued (a closed group), for
-        a fraction of :meth:`_launch`'s cost per call. A ``ValueError`` (invalid arguments,
-        nothing sent) is raised, as ``_launch`` does."""
-        try:
-            ended = self.gradstar_group.settled(method, *args, **kwargs)
-        except ValueError:
-            raise
-        except GradstarError as error:
-            ended = SettledWork(error=error)
-        return GradstarWork.ended(ended, value, self._completions, label=self._error_label)
-
     # -- lifecycle -----------------------------------------------------------------------------
 
     def shutdown(self) -> None:
@@ -215,7 +120,7 @@ class ProcessGroupGradstar(Collectives, PointToPoint, dist.ProcessGroup):
             if self._closed:
                 return
             self._closed = True
-            in_flight = list(self._in_flight)
+        in_flight = self.launcher.in_flight()
         try:
             self.gradstar_group.close()
         finally:

@@ -4,7 +4,8 @@ collective streams (an all_to_all's plans are checked through the hub, its paylo
 rank).
 
 :class:`PointToPoint` is mixed into :class:`~gradstar.client.torch_backend.group.
-ProcessGroupGradstar`, which gives it ``gradstar_group``, ``size()`` and ``_launch``. torch's
+ProcessGroupGradstar`, which gives it ``gradstar_group``, ``size()`` and its ``launcher``
+(:class:`~.launcher.Launcher`). torch's
 list form of all_to_all is one flat ``all_to_all_single`` of the concatenated tensors. A receive
 from any source reports the sender as torch's Work does (``work._source_rank()``, which
 ``dist.recv`` returns): :class:`AnySourceWork`.
@@ -77,7 +78,7 @@ class PointToPoint:
         send = self._peer("send")
         tensors = tensor_list(tensors)
         prepared = [for_transfer(t) for t in tensors]
-        return self._launch([lambda w=w: send(w, dst, tag, async_op=True)
+        return self.launcher.launch([lambda w=w: send(w, dst, tag, async_op=True)
                              for w, _ in prepared], lambda _results: tensors, tensors)
 
     def recv(self, tensors, src, tag=0):
@@ -90,7 +91,7 @@ class PointToPoint:
                 t.copy_(restore(torch.as_tensor(r)).reshape(t.shape))
             return tensors
 
-        return self._launch([lambda: recv(src, tag, async_op=True) for _ in prepared],
+        return self.launcher.launch([lambda: recv(src, tag, async_op=True) for _ in prepared],
                             finish, tensors)
 
     def recv_anysource(self, tensors, tag=0):
@@ -105,7 +106,7 @@ class PointToPoint:
                 t.copy_(restore(torch.as_tensor(r)).reshape(t.shape))
             return tensors
 
-        return self._launch([lambda: recv(None, tag, async_op=True) for _ in prepared],
+        return self.launcher.launch([lambda: recv(None, tag, async_op=True) for _ in prepared],
                             finish, tensors, AnySourceWork)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
@@ -138,7 +139,7 @@ class PointToPoint:
             write(torch.as_tensor(results[0]), output)
             return [output]
 
-        return self._launch([lambda: self.gradstar_group.all_to_all_single(
+        return self.launcher.launch([lambda: self.gradstar_group.all_to_all_single(
             wire, outs, ins, async_op=True, timeout=seconds_of(opts))], finish, [output, input])
 
     all_to_all_single = alltoall_base
@@ -162,7 +163,7 @@ class PointToPoint:
                 out.copy_(restore(part).reshape(out.shape))
             return outputs
 
-        return self._launch([lambda: self.gradstar_group.all_to_all_single(
+        return self.launcher.launch([lambda: self.gradstar_group.all_to_all_single(
             flat, sizes, [w.numel() for w, _ in sent], async_op=True,
             timeout=seconds_of(opts))], finish, [outputs, inputs])
 

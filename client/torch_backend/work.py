@@ -32,9 +32,9 @@ holds to torch's rules for them, as NCCL's and gloo's Works do:
   current streams, which are then **synchronized** before the Work counts as settled: when
   ``wait()`` returns and when the future completes, the results are there for every stream.
 * The future completes with the Work's first device current on the thread that settles it (a
-  completion thread; for a Work settled ``here``, the thread that first asks for the future,
-  after its results were synchronized), so the callbacks torch runs under that device do not
-  open a CUDA context on device 0 in a process that uses another device.
+  completion thread; for a Work ``settled`` on the caller's thread, the thread that first asks
+  for the future, after its results were synchronized), so the callbacks torch runs under that
+  device do not open a CUDA context on device 0 in a process that uses another device.
 
 A Work may also carry the collective's profiler event (see :mod:`.profiling`): it ends on a
 completion thread when the collective ends, before ``wait()`` returns and before the future
@@ -173,11 +173,12 @@ class GradstarWork(dist._Work):
     their results (in order), writes them into torch's output tensors and returns the value of
     the torch future (the output tensors, as torch's own backends return). ``devices`` are the
     CUDA devices of the tensors the collective reads and writes (see the module docstring);
-    unless ``here``, the caller has synchronized their current streams before starting the
+    unless ``settled``, the caller has synchronized their current streams before starting the
     collectives.
 
-    ``here``: the collectives have ended already (the caller waits at once and ran them to
-    their end, :meth:`gradstar.client.process_group.ProcessGroup.settled`), so the results are
+    ``settled``: the collectives have ended already, on the caller's thread (it waits at once
+    and ran them to their end, :meth:`gradstar.client.process_group.ProcessGroup.settled`),
+    so the results are
     written on this thread, now, rather than on a completion thread that this thread would wait
     for. On CUDA tensors the writes then run on the caller's own current streams, after
     everything it queued there, and are synchronized as above. Its torch future is made, and
@@ -189,7 +190,7 @@ class GradstarWork(dist._Work):
     def __init__(self, pending: Sequence, finish: Callable[[list], object] | None,
                  completions: CompletionThreads, *, label: str = "",
                  devices: Sequence[torch.device] = (), inference: bool = False,
-                 here: bool = False) -> None:
+                 settled: bool = False) -> None:
         super().__init__()
         self._label = label  # prefixes the messages of the gradstar errors it raises
         self._pending = list(pending)
@@ -210,12 +211,12 @@ class GradstarWork(dist._Work):
         self._record = None
         self._record_ended: threading.Event | None = None
         self._completing = False
-        if here:
+        if settled:
             # Settled already (see the class docstring): finish on this thread, no hand-off.
             # Its future is made when asked for (get_future): torch's waited calls never ask.
             self._raw = self._future = None
             self._completing = True
-            if finish is not None:  # None: ended() settles it
+            if finish is not None:  # None: from_settled() settles it
                 with _on_device(self._devices):
                     self._settle()
             return
@@ -238,7 +239,7 @@ class GradstarWork(dist._Work):
         return cls([], finish, completions, label=label)
 
     @classmethod
-    def ended(cls, gradstar_work, value, completions: CompletionThreads, *,
+    def from_settled(cls, gradstar_work, value, completions: CompletionThreads, *,
               label: str = "") -> GradstarWork:
         """A Work settled at once from one gradstar collective that has ended already
         (``gradstar_work``, from :meth:`gradstar.client.process_group.ProcessGroup.settled`)
@@ -246,9 +247,9 @@ class GradstarWork(dist._Work):
         or it has none (a barrier). ``value`` is what the Work's future completes with; if the
         collective failed, its error (labelled) is the Work's.
 
-        The cheap form of ``here`` for torch's waited calls on CPU tensors: no finish to run
+        The cheap form of ``settled`` for torch's waited calls on CPU tensors: no finish to run
         under ``torch.no_grad()``, no devices to synchronize."""
-        work = cls((), None, completions, label=label, here=True)
+        work = cls((), None, completions, label=label, settled=True)
         work._count = 1
         try:
             gradstar_work.wait()

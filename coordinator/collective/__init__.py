@@ -4,8 +4,8 @@
 :mod:`gradstar.client.collective.stream`), :mod:`.engine` the life of one collective without
 sockets (the rank's twin is :mod:`gradstar.client.collective.plan`), :mod:`.window` a rank's
 side of it and the read window, :mod:`.matching` the header checks, :mod:`.reduce` the chunk
-reducers, :mod:`.budget` the hub's memory budget for collectives and :mod:`.settings` the
-engine a hub process builds from its settings.
+reducers, :mod:`.budget` the hub's memory budget for collectives and :mod:`.deadlines` their
+timeouts.
 """
 
 from .budget import CollectiveBudget

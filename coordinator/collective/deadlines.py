@@ -1,8 +1,9 @@
 """When pending collectives time out: one timer per tick of deadlines, not one per collective.
 
 A timer per collective (asyncio's ``call_later``: a ``TimerHandle`` pushed on the loop's heap,
-ordered by a Python ``__lt__``, then cancelled and swept out again) cost a tiny collective's hub
-about 4 us of its ~60 us of Python (issue 36), for a timeout that almost never fires. Here a
+ordered by a Python ``__lt__``, then cancelled and swept out again) is a share of a tiny
+collective's hub Python worth saving (docs/performance.md, "Figures behind the code"), for a
+timeout that almost never fires. Here a
 deadline is rounded up to the next tick; the collectives due at one tick share one timer, and a
 collective that ends leaves its tick at once (a dict entry out: nothing of it stays alive until
 its deadline). A tick is :data:`TICK` for a timeout of up to :data:`SPAN` ticks and doubles

@@ -395,6 +395,23 @@ class CollectiveEngine:
         self.metrics = metrics or CollectiveMetrics()
         self.deadlines = Deadlines()  # when pending collectives time out
 
+    @classmethod
+    def from_settings(cls, rendezvous: Rendezvous, settings, *,
+                      averaging: AveragingStore | None = None,
+                      metrics: CollectiveMetrics | None = None) -> CollectiveEngine:
+        """The engine a hub process runs: its limits, budget and arrival measurement as
+        ``settings`` (a :class:`~gradstar.config.CoordinatorSettings` or
+        :class:`~gradstar.config.ShardSettings`: the coordinator's and a hub shard's alike)
+        say; ``averaging`` and ``metrics`` as the constructor takes them."""
+        s = settings
+        engine = cls(
+            rendezvous, max_tensor_bytes=s.max_tensor_bytes, max_chunk_bytes=s.max_chunk_bytes,
+            max_timeout=s.max_collective_timeout, averaging=averaging, metrics=metrics,
+            budget=CollectiveBudget(s.max_collective_state_bytes, s.max_pending_per_member,
+                                    s.max_pending_per_job, s.collective_state_job_share))
+        engine.metrics.arrivals.enabled = s.measure_arrivals
+        return engine
+
     def arrive(self, h: pb.CollectiveHeader,
                shm: memoryview | None = None) -> tuple[PendingCollective, Participant]:
         """Admit a rank's header (and its attached shared-memory segment, if any).

@@ -105,8 +105,8 @@ class CollectiveServicer:
         failed collective ends the call.
 
         One collective runs inline here, from its header to the hub's END, rather than in a
-        generator of its own: a tiny collective's hub paid a generator, its closing and a
-        pass-through of every answer for each rank (issue 36)."""
+        generator of its own, which would cost a tiny collective's hub a generator, its closing
+        and a pass-through of every answer for each rank."""
         frames = request_iterator.__aiter__()
         offered: set[int] = set()  # processes whose segments this stream offered
         try:

@@ -54,8 +54,8 @@ FORWARD_AHEAD_CHUNKS = READ_AHEAD_CHUNKS // 2
 class Outbox:
     """A participant's frames for its stream's writer, in order: the four methods of
     :class:`asyncio.Queue` the hub uses, for one reader, without the queue's bookkeeping (its
-    getters, putters and task counting cost a tiny collective's hub ~15 us of its ~120 in
-    Python). Unbounded, as the queue was: the read window bounds what is queued."""
+    getters, putters and task counting: docs/performance.md, "Figures behind the code").
+    Unbounded, as the queue was: the read window bounds what is queued."""
 
     __slots__ = ("_items", "_waiter")
 

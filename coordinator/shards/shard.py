@@ -59,8 +59,7 @@ from gradstar.transport.status import error_from_rpc
 from gradstar.transport.tls_check import wait_connected
 from gradstar.wire import COLLECTIVE_SERVICE, MAX_NDIM, payload_bytes
 
-from ..collective import CollectiveServicer
-from ..collective.settings import engine_from_settings
+from ..collective import CollectiveEngine, CollectiveServicer
 from ..metrics.arrivals import to_fields
 from ..rendezvous.rendezvous import Rendezvous
 
@@ -83,7 +82,7 @@ class Shard:
         self.settings = settings
         self.rendezvous = Rendezvous(settings.heartbeat_timeout,
                                      on_generation_failed=self._generation_failed)
-        self.engine = engine_from_settings(self.rendezvous, settings)
+        self.engine = CollectiveEngine.from_settings(self.rendezvous, settings)
         #: (job, generation) -> (this shard's stripe position, shards in the generation).
         self.positions: dict[tuple[str, int], tuple[int, int]] = {}
         self.slot: int | None = None

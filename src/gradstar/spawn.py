@@ -5,7 +5,8 @@ A child is ``gradstar ARGS`` run by a small bootstrap that first asks for SIGTER
 process that started it dies (Linux's parent-death signal; elsewhere the child outlives a killed
 starter until its own timeouts end it), and exits if that starter died before it asked. Done in
 the child's own code rather than in a ``preexec_fn``, which makes Python fork the whole training
-process instead of spawning the child cheaply: 50-80 ms of rank 0's join, measured.
+process instead of spawning the child cheaply (what that cost rank 0's join:
+docs/performance.md, "Figures behind the code").
 
 :func:`start` waits for the line the child prints once it serves (``... listening on ...``);
 :func:`stop` sends SIGTERM (the child drains, then exits), waiting for it or leaving the wait to

@@ -85,3 +85,31 @@ def test_outbound_only_hosts_train_through_torchrun_and_name_what_they_cannot_ta
         # To the outbound-only rank 1, relayed: from reachable rank 0 and outbound-only rank 2.
         assert got[1]["from_0"] == (np.arange(300_000, dtype=np.float32) % 97).tolist()
         assert got[1]["from_2"] == [2.0] * 5
+
+
+def test_every_wrapper_trains_across_outbound_only_hosts_as_across_reachable_ones(tmp_path):
+    """DDP, FSDP, a Pipeline with a stage on each host (activation and gradient streams between
+    them) and Streaming DiLoCo, on 3 hosts: once with every host reachable, once with hosts 1
+    and 2 outbound-only. Every wrapper ends with the same parameters both times (float32 sums
+    met in another order: close, not bitwise), and the second job striped over host 0's
+    shard only."""
+    argv = [sys.executable, "-m", "tests.cluster.wrappers_rank"]
+    with hosts_network(HOSTS) as network:
+        runs = {}
+        for name in ("reachable", "outbound"):
+            if name == "outbound":
+                for host in HOSTS[1:]:
+                    block_inbound(network, host)
+            out = tmp_path / name
+            out.mkdir()
+            with job_on_hosts(network, out, 1, [*argv, str(out)]) as (procs, _):
+                runs[name] = {r["rank"]: r for r in wait_reports(out, "wrappers", 3, procs, 300)}
+    for rank in range(3):
+        for wrapper in ("ddp", "fsdp", "pipeline", "streaming_diloco"):
+            np.testing.assert_allclose(runs["outbound"][rank][wrapper],
+                                       runs["reachable"][rank][wrapper], rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{wrapper} on rank {rank}")
+        # Data parallel replicas agree with each other too.
+        np.testing.assert_array_equal(runs["outbound"][rank]["ddp"], runs["outbound"][0]["ddp"])
+    assert len(runs["reachable"][0]["shards"]) == 3
+    assert [s.split(":")[0] for s in runs["outbound"][0]["shards"]] == [network.addresses["host0"]]

@@ -332,7 +332,7 @@ def test_the_future_is_handed_out_at_once_while_another_thread_waits(completions
 def test_a_work_settled_here_makes_its_future_only_when_asked(completions):
     out = torch.zeros(3)
     work = GradstarWork([SettledWork(torch.ones(3))],
-                        lambda results: [out.copy_(results[0])], completions, here=True)
+                        lambda results: [out.copy_(results[0])], completions, settled=True)
     assert work.is_completed() and out.tolist() == [1.0, 1.0, 1.0]  # written at construction
     assert work._future is None
     future = work.get_future()
@@ -340,7 +340,7 @@ def test_a_work_settled_here_makes_its_future_only_when_asked(completions):
     assert [t.tolist() for t in future.wait()] == [[1.0, 1.0, 1.0]]
     error = CollectiveMismatchError("ranks disagree", rank=1, field="dtype")
     failed = GradstarWork([SettledWork(error=error)], lambda results: results, completions,
-                          here=True, label="[Rank 0] ")
+                          settled=True, label="[Rank 0] ")
     with pytest.raises(CollectiveMismatchError, match=r"^\[Rank 0\] ranks disagree"):
         failed.wait()
     with pytest.raises(RuntimeError, match=r"\[Rank 0\] ranks disagree"):
@@ -348,16 +348,17 @@ def test_a_work_settled_here_makes_its_future_only_when_asked(completions):
     assert not failed.is_success() and completions._threads == []  # no completion thread
 
 
-def test_an_ended_work_carries_its_value_or_its_collective_s_error(completions):
+def test_a_settled_work_carries_its_value_or_its_collective_s_error(completions):
     out = torch.ones(3)
-    work = GradstarWork.ended(SettledWork(out.numpy()), [out], completions, label="[Rank 1] ")
+    work = GradstarWork.from_settled(SettledWork(out.numpy()), [out], completions,
+                                     label="[Rank 1] ")
     assert work.is_completed() and work.is_success() and work.wait() is True
     assert work.result() == [out] and work.exception() is None and work._future is None
     future = work.get_future()
     assert future.done() and future is work.get_future() and future.wait()[0] is out
     assert repr(work) == "GradstarWork(done, 1 gradstar collective(s))"
     error = CollectiveMismatchError("ranks disagree", rank=0, field="shape")
-    failed = GradstarWork.ended(SettledWork(error=error), [out], completions,
+    failed = GradstarWork.from_settled(SettledWork(error=error), [out], completions,
                                 label="[Rank 1] ")
     assert failed.is_completed() and not failed.is_success()
     with pytest.raises(CollectiveMismatchError, match=r"^\[Rank 1\] ranks disagree"):

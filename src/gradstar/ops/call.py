@@ -108,8 +108,8 @@ class CollectiveCall:
         """This call for ``header``, which describes the same collective of the same rank (it
         differs in its sequence number, timeout, job or group only; the caller knows)."""
         # A copy of this frozen record's fields with its own header: what the dataclass's
-        # __init__ would build, at half its cost (it sets each field through
-        # object.__setattr__), once per collective on the hub and on each rank.
+        # __init__ would build, without setting each field through object.__setattr__ (once
+        # per collective on the hub and on each rank).
         twin = object.__new__(CollectiveCall)
         twin.__dict__.update(self.__dict__, header=header)
         return twin
@@ -165,8 +165,9 @@ class CallCache:
     """Calls derived from headers (``derive(header, world_size)``, :meth:`CollectiveCall.of`
     by default; the hub's derives with its checks), remembered by everything a call depends
     on: :func:`call_fields`, the rank, the world size and whether shared memory is offered. A
-    training loop issues the same few collectives every step, and deriving each call again was
-    ~10% of the Python a tiny collective costs the hub (and ~6 us of a rank's). A header seen
+    training loop issues the same few collectives every step, and deriving each call again is a
+    share of a tiny collective's Python worth saving (docs/performance.md, "Figures behind the
+    code"). A header seen
     before gets the remembered call with its own header; one that ``derive`` refuses is
     derived (and refused) every time. At most ``size``, the oldest forgotten first."""
 

@@ -77,9 +77,9 @@ _BATCH_ITEM = struct.Struct("<I")
 #: Most frames one batch holds (a sender packs fewer; a receiver refuses more).
 MAX_BATCH_FRAMES = 256
 #: Largest chunk payload that may travel in a batch. Joining a chunk into a batch copies it
-#: once more, which costs less than the gRPC message it saves up to a few hundred KiB (a
-#: message cost each end ~50-100 us of CPU on the 2-core development machine, a copy ~0.1 ms
-#: per 500 KB); 64 KiB keeps the copy well under the message.
+#: once more, which costs less than the gRPC message it saves up to a few hundred KiB
+#: (docs/performance.md, "Figures behind the code"); 64 KiB keeps the copy well under the
+#: message.
 MAX_BATCHED_CHUNK_BYTES = 64 << 10
 #: Most bytes a sender joins into one batch (a receiver is bounded by gRPC's message limit).
 MAX_BATCH_BYTES = 256 << 10
@@ -119,8 +119,8 @@ def decode_message(frame: bytes, kind: int, message_type):
 
 # The control frames of a collective are the same few bytes step after step (an accept of one
 # chunk, an end marker of one chunk of 100 bytes): each is encoded once and shared (an immutable
-# bytes object), and decoded once and shared (:func:`decode_shared`: read, never changed). A
-# tiny collective encoded and decoded six of them on the hub and two on each rank (issue 36).
+# bytes object), and decoded once and shared (:func:`decode_shared`: read, never changed): a
+# tiny collective would encode and decode six of them on the hub and two on each rank.
 # 256 distinct ones each, the oldest forgotten.
 
 @functools.lru_cache(maxsize=256)

@@ -1,0 +1,100 @@
+"""One rank of ``benchmarks/elastic.py``: ``python _elastic_rank.py MODE IDENT [--leave-at S]
+[--grow-at S] --steps N --compute SECONDS`` (settings from GRADSTAR_* env vars).
+
+Trains a small MLP on two interleaved spirals (each rank's batches drawn from (step, IDENT)),
+Adam, in ``MODE`` "synchronous" (gradstar.DDP, the job resized at step boundaries) or "quorum"
+(``Quorum(min_ranks=2, timeout=0.02)``, the job grown on the hub's ledger). It prints one JSON
+line per step it ran (``{"step", "t"}``), ``{"grow_now"}`` once at ``--grow-at`` (the driver then
+starts the joiners), its milestones (``imported``, ``joined``, ``built``) and, unless it left,
+its final test accuracy and a hash of its parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import time
+
+STARTED = time.time()
+
+import torch  # noqa: E402  (after STARTED: the import is part of a joiner's cost)
+from torch import nn  # noqa: E402
+
+import gradstar  # noqa: E402
+
+BATCH = 32
+
+
+def spirals(n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    t = torch.rand(n, generator=generator) * 3 * math.pi
+    label = torch.randint(0, 2, (n,), generator=generator)
+    r = t / (3 * math.pi)
+    angle = t + label * math.pi
+    x = torch.stack([r * torch.cos(angle), r * torch.sin(angle)], dim=1)
+    return x + 0.02 * torch.randn(n, 2, generator=generator), label
+
+
+def emit(record: dict) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=("synchronous", "quorum"))
+    parser.add_argument("ident", type=int)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--grow-at", type=int, default=-1)
+    parser.add_argument("--leave-at", type=int, default=-1)
+    parser.add_argument("--compute", type=float, default=0.0)
+    args = parser.parse_args()
+    emit({"imported": time.time() - STARTED})
+    pg = gradstar.init_process_group()
+    emit({"joined": time.time() - STARTED})
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                          nn.Linear(32, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    mode = gradstar.Quorum(min_ranks=2, timeout=0.02) if args.mode == "quorum" else None
+    ddp = gradstar.DDP(model, pg, optimizer=opt, sync_mode=mode)
+    emit({"built": time.time() - STARTED})
+
+    def step_now() -> int:
+        return ddp.sync_stats().step if args.mode == "quorum" else pg.steps_begun
+
+    left = False
+    while (step := step_now()) < args.steps:
+        if step == args.grow_at:
+            emit({"grow_now": step})
+        if 0 <= args.leave_at <= step:
+            if args.mode == "quorum":
+                left = True
+                break
+            ddp.elastic.leave()
+            if ddp.elastic.left:
+                left = True
+                break
+        x, y = spirals(BATCH, torch.Generator().manual_seed(7919 * step + args.ident))
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        time.sleep(args.compute)  # the rest of a real step's compute
+        emit({"step": step, "t": time.time()})
+    if not left:
+        ddp.synchronize()
+        x, y = spirals(4000, torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            accuracy = (model(x).argmax(dim=1) == y).float().mean().item()
+        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes()
+                                         for p in model.parameters())).hexdigest()
+        emit({"accuracy": accuracy, "params": digest, "world": pg.world_size})
+    pg.close()
+    emit({"left": left})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

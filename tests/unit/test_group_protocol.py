@@ -1,0 +1,56 @@
+"""What a wrapper needs of a process group is a Protocol
+(gradstar.client.process_group.protocol): the blocking ProcessGroup is one, the
+AsyncProcessGroup is not, and every wrapper refuses a group that lacks a member, by name."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from torch import nn
+
+import gradstar
+from gradstar.client.process_group import AsyncProcessGroup, ProcessGroup
+from gradstar.client.process_group.protocol import BackendGroup, CollectiveGroup
+from gradstar.config import ClientSettings
+from gradstar.errors import ConfigurationError
+
+
+def blocking_group() -> ProcessGroup:
+    """A blocking ProcessGroup over a stand-in for its asyncio group (no connection)."""
+    inner = SimpleNamespace(rank=0, world_size=2, job="j", settings=ClientSettings())
+    return ProcessGroup(inner, runner=None)
+
+
+def test_the_blocking_group_is_what_wrappers_and_the_backend_need():
+    pg = blocking_group()
+    assert isinstance(pg, CollectiveGroup) and isinstance(pg, BackendGroup)
+
+
+def test_the_asyncio_group_is_not_a_wrappers_group():
+    # Its calls are awaited on the caller's loop: it has no loop of its own to submit to.
+    missing = {"submit", "on_close"} - set(dir(AsyncProcessGroup))
+    assert missing == {"submit", "on_close"}
+
+
+class WithoutSubmit:
+    """Every member of a CollectiveGroup but ``submit``."""
+
+    rank, world_size = 0, 2
+
+    def __getattr__(self, name):
+        if name == "submit":
+            raise AttributeError(name)
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize("wrap", [
+    lambda pg: gradstar.DDP(nn.Linear(2, 2), pg),
+    lambda pg: gradstar.FSDP(nn.Linear(2, 2), pg),
+    lambda pg: gradstar.Pipeline(nn.Linear(2, 2), pg, num_microbatches=2),
+], ids=["DDP", "FSDP", "Pipeline"])
+def test_every_wrapper_refuses_a_group_that_lacks_a_member(wrap):
+    assert isinstance(blocking_group(), CollectiveGroup)
+    assert not isinstance(WithoutSubmit(), CollectiveGroup)
+    with pytest.raises(ConfigurationError, match=r"needs the blocking .*ProcessGroup"):
+        wrap(WithoutSubmit())
