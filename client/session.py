@@ -22,6 +22,7 @@ from gradstar.proto.v1 import rendezvous_pb2_grpc
 from gradstar.transport import shm
 from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
 
+from .reconnect import Ride
 from .stragglers import StragglerLog
 
 _END = object()
@@ -41,7 +42,9 @@ STALL_MEMORY_S = 60.0
 class Session:
     """Holds the session stream open; ``failure`` is set once the generation is over."""
 
-    def __init__(self, channel: grpc.aio.Channel, metadata, target: str) -> None:
+    def __init__(self, channel: grpc.aio.Channel, metadata, target: str,
+                 reconnect_timeout: float = 0.0) -> None:
+        self._channel = channel
         self._stub = rendezvous_pb2_grpc.RendezvousStub(channel)
         self._metadata = metadata
         self._target = target
@@ -65,6 +68,12 @@ class Session:
         self._beat_at = time.monotonic()
         self._beat_interval = 1.0
         self._stall: tuple[float, float] = (0.0, 0.0)
+        #: Riding through a coordinator restart (:mod:`.reconnect`; None: timeout 0, off).
+        # A refused rejoin after this process was stopped: the hub gave up on it (_stalled).
+        self.ride = (Ride(self, reconnect_timeout, target, lost=self._fail,
+                          refused=lambda e: self._fail(self._stalled() or e))
+                     if reconnect_timeout > 0 else None)
+        self._request: rpb.JoinRequest | None = None
 
     @property
     def failure(self) -> GradstarError | None:
@@ -101,9 +110,12 @@ class Session:
     async def verdict(self, peer: int | None = None) -> GradstarError | None:
         """The hub's verdict on a broken stream: the session's failure — or, for a stream with
         rank ``peer``, the notice that it finished — waiting up to :data:`VERDICT_GRACE`
-        seconds for one to be reported."""
+        seconds for one to be reported; while the session rides through a restart of the
+        coordinator (:mod:`.reconnect`), the error that says it went away."""
         if peer is None:
-            return await self.failure_within(VERDICT_GRACE)
+            if self.ride is None:
+                return await self.failure_within(VERDICT_GRACE)
+            return await self.ride.verdict(VERDICT_GRACE)
         failed = asyncio.ensure_future(self._failed.wait())
         finished = asyncio.ensure_future(self.until_finished(peer))
         try:
@@ -125,16 +137,47 @@ class Session:
             RendezvousError and subclasses: the coordinator refused or timed out the join.
             AuthenticationError, CoordinatorUnavailableError: as named.
         """
-        self._outbox.put_nowait(rpb.SessionRequest(join=rpb.JoinRequest(
+        self._request = rpb.JoinRequest(
             job=job, world_size=world_size, rank=-1 if rank is None else rank,
             peer_address=peer_address, timeout_seconds=timeout, host=shm.host_key(),
             elastic=elastic, outbound_only=outbound_only, max_world_size=max_world_size,
             min_world_size=min_world_size, moving_from=moving_from,
             hostname=socket.gethostname(),
-        )))
+        )
+        self.joined = await self._open(self._request, timeout)
+        return self.joined
+
+    async def rejoin(self, claim: rpb.Rejoin, timeout: float) -> rpb.Joined:
+        """Rejoin this session's generation on a coordinator that came back
+        (:mod:`.reconnect`: ``claim`` is what this rank holds of it), on a new session
+        stream; the answer (whose ``replay`` lists the collectives to issue again) becomes
+        :attr:`joined`, with the peer keys this rank had.
+
+        Raises:
+            What :meth:`join` raises; RejoinRefusedError: the coordinator cannot take the
+                generation back.
+        """
+        request = rpb.JoinRequest()
+        request.CopyFrom(self._request)
+        j = self.joined
+        request.world_size, request.rank, request.timeout_seconds = j.world_size, j.rank, timeout
+        request.ClearField("moving_from")  # a rejoin claims the generation it was in
+        request.rejoin.CopyFrom(claim)
+        joined = await self._open(request, timeout)
+        del joined.peer_keys[:]
+        joined.peer_keys.extend(j.peer_keys)  # the peers' streams keep their keys
+        self.joined = joined
+        return joined
+
+    async def _open(self, request: rpb.JoinRequest, timeout: float) -> rpb.Joined:
+        """Open a session stream with ``request``, wait for its answer, and start watching it
+        and sending heartbeats on it."""
+        job = request.job
+        self._outbox = outbox = asyncio.Queue()
+        outbox.put_nowait(rpb.SessionRequest(join=request))
         # No deadline on the call itself: it lives as long as the rank. The join is bounded by
         # the coordinator's join timeout, and the wait below is a backstop against a dead hub.
-        self._call = self._stub.Session(self._requests(), metadata=self._metadata)
+        self._call = self._stub.Session(self._requests(outbox), metadata=self._metadata)
         try:
             event = await asyncio.wait_for(self._call.read(), timeout + 10)
         except grpc.RpcError as error:
@@ -156,13 +199,19 @@ class Session:
         )
         return event.joined
 
+    async def wait_ready(self, timeout: float) -> None:
+        """Wait until the session's channel is connected (its coordinator listens), for at most
+        ``timeout`` seconds (TimeoutError past it)."""
+        await asyncio.wait_for(self._channel.channel_ready(), timeout)
+
     def send(self, request: rpb.SessionRequest) -> None:
         """Queue ``request`` on the session stream (call it on the session's loop)."""
         if not self._closing:
             self._outbox.put_nowait(request)
 
-    async def _requests(self):
-        while (request := await self._outbox.get()) is not _END:
+    @staticmethod
+    async def _requests(outbox: asyncio.Queue):
+        while (request := await outbox.get()) is not _END:
             yield request
 
     async def _beat(self, interval: float) -> None:
@@ -197,15 +246,32 @@ class Session:
                                                   generation=f.generation))
         except grpc.RpcError as error:
             if not self._closing:
-                # A transport failure (ping timeout, a reset, grpc-python's INTERNAL) right after
-                # this process was stopped is the hub having given up on it, not a lost hub.
-                stalled = None if is_coordinator_verdict(error) else self._stalled()
-                self._fail(stalled or error_from_rpc(error, "the rendezvous session",
-                                                     self._target))
+                # The hub's own verdict ends the session; a transport failure (ping timeout, a
+                # reset, grpc-python's INTERNAL) is a broken stream (_broke).
+                failure = error_from_rpc(error, "the rendezvous session", self._target)
+                if is_coordinator_verdict(error):
+                    self._fail(failure)
+                self._broke(failure)
+            return
         if not self._closing:
-            self._fail(self._stalled() or CoordinatorUnavailableError(
+            self._broke(CoordinatorUnavailableError(
                 f"the coordinator at {self._target} closed this rank's session"
             ))
+
+    def _broke(self, error: GradstarError) -> None:
+        """The session stream broke without the hub's verdict: the coordinator went away,
+        which a session that rides through restarts (:mod:`.reconnect`) waits out (a
+        coordinator that did not go away refuses its rejoin), or this rank was stopped long
+        enough to be lost (:meth:`_stalled`), which fails it."""
+        if self.ride is None or self._failure is not None:
+            # Right after this process was stopped, a break is the hub having given up on it.
+            self._fail(self._stalled() or error)
+            return
+        if self._beater is not None:
+            self._beater.cancel()  # its heartbeats would queue for the dead stream
+        self._outbox.put_nowait(_END)  # ends the dead stream's request generator
+        self._call = None
+        self.ride.went_away(error)
 
     def _stalled(self) -> RankLostError | None:
         """Why the session broke, when this process was stopped long enough for the hub to give
@@ -232,6 +298,8 @@ class Session:
         if self._closing:
             return
         self._closing = True
+        if self.ride is not None:
+            self.ride.close()
         if self._beater is not None:
             self._beater.cancel()
         self._outbox.put_nowait(rpb.SessionRequest(leave=True))

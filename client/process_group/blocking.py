@@ -44,6 +44,7 @@ class ProcessGroup:
     replacement = property(lambda self: self._group.replacement)
     collective_address = property(lambda self: self._group.collective_address)
     member_id = property(lambda self: self._group.member_id)
+    reconnects = property(lambda self: self._group.reconnects)
     #: This rank joined the job at a resize's step boundary: it takes the others' state.
     newcomer = property(lambda self: self._group.rank in self._group.joined.newcomers)
     joined = property(lambda self: self._group.joined)

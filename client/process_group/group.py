@@ -29,6 +29,7 @@ from gradstar.wire.formats import WireFormat
 from ..coalesced import all_reduce_coalesced
 from ..collective.data_plane import DataPlane, striped_chunk_bytes
 from ..collective.direct import DirectLane, SettledCall
+from ..collective.reissue import Seqs
 from ..collective.stream import abandon_collective, give_up, issue, run_collective
 from ..convert import copies_to_device, copying_to_device, delivered, output_array, to_numpy
 from ..hierarchy import HostHierarchy
@@ -37,6 +38,7 @@ from ..session import Session
 from ..stragglers import StragglerLog, StragglerQueries
 from .point_to_point import PointToPoint
 from .protocol import ArrayLike, Result
+from .ride import RidesThrough
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class Reserved:
         return self.call.header
 
 
-class AsyncProcessGroup(PointToPoint, StragglerQueries):
+class AsyncProcessGroup(PointToPoint, StragglerQueries, RidesThrough):
     """A rank of a job. Create with ``init_process_group_async``.
 
     Each collective is issued when it is called: it returns an ``asyncio.Task`` already
@@ -84,7 +86,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         self._plane = DataPlane(settings, list(joined.shards), joined.collectives)
         #: The hub shards this generation's collectives are striped over (empty: none).
         self.shards: list[str] = self._plane.addresses
-        self._seq = itertools.count(1)
+        self._seq = Seqs()
         self._calls = ops.CallCache()  # the calls this rank issued, derived once per kind
         #: The blocking API's lane for small collectives from its caller's thread (None: every
         #: collective runs on the loop): :meth:`open_direct_lane`.
@@ -99,6 +101,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         if peer_endpoint is not None:
             peer_endpoint.bind(Identity(self.job, self.generation, self.rank, self.world_size,
                                         tuple(joined.peer_keys)), joined, session)
+        self._ride_along(self._seq)
 
     @property
     def collective_address(self) -> str:
@@ -359,7 +362,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
 
         if self.direct is not None and self.direct.takes(call) and (
                 asyncio._get_running_loop() is None):
-            return SettledCall(self.direct, call, send, out, restore, timeout, started)
+            return SettledCall(self._lane(), call, send, out, restore, timeout, started)
         return started()
 
     async def _collect(self, call: ops.CollectiveCall, send: np.ndarray | None,
@@ -367,9 +370,12 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         """Run ``call`` (in its wire format, if any: ``send`` encoded chunk by chunk as it is
         sent, the result decoded into ``out`` once it is proven complete, so a failure leaves
         ``out`` untouched) and hand ``restore`` the result."""
-        result = await run_collective(self._targets(call), call, send, out,
-                                      session=self._session, metadata=self._metadata,
-                                      timeout=timeout)
+        if self._session.ride is not None:  # held, and issued again after a restart
+            result = await self._run_riding(call, send, out, timeout)
+        else:
+            result = await run_collective(self._targets(call), call, send, out,
+                                          session=self._session, metadata=self._metadata,
+                                          timeout=timeout)
         return await delivered(restore, result)
 
     def open_direct_lane(self, submit) -> Coroutine | None:
@@ -379,7 +385,7 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries):
         as behind hub shards, whose stripes stay on the loop)."""
         if self._plane.shards:
             return None
-        address = self._plane.collectives
+        self._submit, address = submit, self._plane.collectives
         self.direct = DirectLane(
             open_blocking_channel(self.settings, address), COLLECTIVE_METHOD, address,
             self._metadata, session=self._session, submit=submit,

@@ -89,7 +89,8 @@ async def open_group(settings: ClientSettings, peer_address: str = "", *,
             peer_address = await peer_endpoint.start(peer_address)
         await wait_connected(channel, settings.coordinator, settings.connect_timeout,
                              settings.tls_ca, settings.tls_cert, settings.tls_key)
-        session = Session(channel, call_metadata(settings), settings.coordinator)
+        session = Session(channel, call_metadata(settings), settings.coordinator,
+                          settings.reconnect_timeout)
         session.membership = membership  # told of the generation as the join answers
         await session.join(settings.job, settings.world_size, settings.rank,
                            peer_address, settings.join_timeout, settings.elastic,

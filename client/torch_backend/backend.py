@@ -234,6 +234,10 @@ def _create_group(backend_options, pg_options) -> ProcessGroupGradstar:
         hub = store_hub.find_or_make(backend_options.store, backend_options.group_rank,
                                      backend_options.group_size, backend_options.timeout)
         options["coordinator"], options["token"], job = hub.address, SecretStr(hub.token), hub.job
+        # Rank 0's hub dies with rank 0 and never comes back for this job: riding through a
+        # restart of it (client/reconnect.py) would only delay the named error.
+        if "reconnect_timeout" not in given and "GRADSTAR_RECONNECT_TIMEOUT" not in os.environ:
+            options["reconnect_timeout"] = 0.0
     inherited = dict(options, job=job)
     if not is_default:
         job = f"{job}/group{backend_options.group_id}"

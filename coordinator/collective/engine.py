@@ -66,7 +66,7 @@ from gradstar.wire import (
 
 from ..metrics import CollectiveMetrics
 from ..rendezvous.rendezvous import Generation, Rendezvous
-from ..rounds.averaging import AveragingRound, AveragingStore
+from ..rounds.averaging import AveragingRound, AveragingStore, collective_id
 from .budget import CollectiveBudget, participant_charge
 from .deadlines import Deadlines
 from .matching import Limits, ValidatedCalls, check_agrees, describe
@@ -92,8 +92,7 @@ class PendingCollective:
 
     def __init__(self, engine: CollectiveEngine, gen: Generation, call: ops.CollectiveCall):
         header = call.header
-        self.engine = engine
-        self.gen = gen
+        self.engine, self.gen = engine, gen
         self.key = (header.group, header.seq)
         self.spec = header
         self.fields = call.fields  # what a later rank's header must agree with (call_fields)
@@ -114,8 +113,9 @@ class PendingCollective:
         self.reducer = reducer_for(call, engine.pool)
         self.round: AveragingRound | None = None
         if header.averaging.rule:
-            self.round = engine.averaging.open_round(gen.job.name, header.averaging,
-                                                     self.nbytes // self.dtype.numpy.itemsize)
+            self.round = engine.averaging.open_round(
+                gen.job.name, header.averaging, self.nbytes // self.dtype.numpy.itemsize,
+                made_by=collective_id(gen, header.seq))
         timeout = min(header.timeout_seconds or engine.max_timeout, engine.max_timeout)
         self._due = engine.deadlines.add(self, timeout)  # calls expired() unless it ends first
 

@@ -134,6 +134,11 @@ _JOB_FAMILIES = (
     ("gradstar_job_generation", "gauge", "Number of the job's current generation."),
     ("gradstar_job_generations_formed_total", "counter",
      "Generations formed by the job (re-joins after failures add one each)."),
+    ("gradstar_job_rebuilds_total", "counter",
+     "Generations of the job taken back from their rejoining ranks after a coordinator restart."),
+    ("gradstar_job_rejoin_wait_seconds", "gauge",
+     "The longest a rank waited at the job's latest rebuild, from losing its coordinator to "
+     "the generation rebuilt."),
     ("gradstar_job_world_size", "gauge", "Ranks the job needs."),
     ("gradstar_job_max_world_size", "gauge", "Most ranks the job may grow to (0: fixed)."),
     ("gradstar_job_min_world_size", "gauge", "Fewest ranks departures may leave (0: none)."),
@@ -276,6 +281,11 @@ def _job_samples(job, durations, lags, averaging, shards, now: float) -> dict[st
         f"gradstar_job_generation{_labels(labels)} {gen.number if gen else 0}")
     out["gradstar_job_generations_formed_total"].append(
         f"gradstar_job_generations_formed_total{_labels(labels)} {job.generations_formed}")
+    out["gradstar_job_rebuilds_total"].append(
+        f"gradstar_job_rebuilds_total{_labels(labels)} {job.counters.rebuilds}")
+    out["gradstar_job_rejoin_wait_seconds"].append(
+        f"gradstar_job_rejoin_wait_seconds{_labels(labels)} "
+        f"{_number(job.counters.rejoin_wait_seconds)}")
     out["gradstar_job_world_size"].append(
         f"gradstar_job_world_size{_labels(labels)} {job.world_size}")
     for family, value in (("gradstar_job_max_world_size", job.max_world_size),

@@ -159,6 +159,10 @@ class JobCounters:
     completed: dict[int, int] = field(default_factory=dict)
     failed: dict[int, int] = field(default_factory=dict)
     last_failure: str = ""
+    #: Generations taken back after a coordinator restart (:mod:`.rebuild`), and the longest a
+    #: rank waited at the latest, from losing its coordinator to the rebuild (seconds).
+    rebuilds: int = 0
+    rejoin_wait_seconds: float = 0.0
 
 
 @dataclass(eq=False)

@@ -54,6 +54,7 @@ from .jobs import (
     check_job_name,
     pair_key,
 )
+from .rebuild import Rebuilds
 
 __all__ = ["MAX_JOB_NAME_CHARS", "Generation", "Job", "JobCounters", "Member", "Rendezvous",
            "check_job_name", "pair_key"]
@@ -96,6 +97,10 @@ class Rendezvous:
         self._on_generation_closed = on_generation_closed
         self._on_rank_finished = on_rank_finished
         self._on_member_gone = on_member_gone
+        #: Generations a restart lost, taken back from their rejoining ranks (:mod:`.rebuild`).
+        self.rebuilds = Rebuilds(self.jobs, lambda job: make_room(self.jobs, job, self.max_jobs),
+                                 lambda: self.draining,
+                                 lambda gen: self._on_generation_formed(gen))
 
     async def join(
         self, job: str, world_size: int, rank: int | None, peer_address: str, timeout: float,

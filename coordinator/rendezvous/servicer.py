@@ -19,6 +19,7 @@ from gradstar.transport.auth import check_job_access
 from gradstar.transport.status import abort
 
 from . import resize
+from .rebuild import claim_of
 from .rendezvous import Member, Rendezvous
 
 log = logging.getLogger(__name__)
@@ -54,14 +55,19 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
         j = first.join
         try:
             check_job_access(j.job)  # before the join makes the job or takes a place in it
-            member = await self.rendezvous.join(
-                j.job, j.world_size, j.rank if j.rank >= 0 else None, j.peer_address,
-                min(j.timeout_seconds or self.max_join, self.max_join), host=j.host,
-                elastic=j.elastic, outbound_only=j.outbound_only,
-                max_world_size=j.max_world_size, min_world_size=j.min_world_size,
-                moving_from=j.moving_from if j.HasField("moving_from") else None,
-                hostname=j.hostname,
-            )
+            timeout = min(j.timeout_seconds or self.max_join, self.max_join)
+            replay: list[int] = []
+            if j.HasField("rejoin"):
+                member, replay = await self.rendezvous.rebuilds.rejoin(claim_of(j), timeout)
+                member.outbound_only = j.outbound_only
+            else:
+                member = await self.rendezvous.join(
+                    j.job, j.world_size, j.rank if j.rank >= 0 else None, j.peer_address,
+                    timeout, host=j.host, elastic=j.elastic, outbound_only=j.outbound_only,
+                    max_world_size=j.max_world_size, min_world_size=j.min_world_size,
+                    moving_from=j.moving_from if j.HasField("moving_from") else None,
+                    hostname=j.hostname,
+                )
         except GradstarError as error:
             await abort(context, error)
         gen = member.generation
@@ -83,6 +89,7 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
                 boundary=member.boundary, resized=gen.resized,
                 newcomers=[r for r, m in sorted(gen.members.items()) if m.newcomer],
                 min_world_size=job.min_world_size, max_world_size=job.max_world_size,
+                replay=replay,
             ))
             while (notice := await member.notices.get()) is not _SESSION_END:
                 if isinstance(notice, resize.Pending):

@@ -58,26 +58,40 @@ def state_file_stem(name: str) -> str:
     return f"{prefix or '_'}-{hashlib.sha256(raw).hexdigest()[:20]}"
 
 
+def collective_id(gen, seq: int) -> str:
+    """Which collective of which generation ``seq`` is, across coordinator restarts: its
+    number, and a digest of its members' ids, which a generation rebuilt from its rejoining
+    ranks keeps (:mod:`gradstar.coordinator.rendezvous.rebuild`) and a new one never has."""
+    members = "\x00".join(sorted(m.member_id for m in gen.members.values()))
+    return f"{gen.number}/{seq}/{hashlib.sha256(members.encode()).hexdigest()[:24]}"
+
+
 @dataclass(eq=False)
 class GlobalModel:
-    """A job's global parameters (flat float32), the outer momentum, and the rounds completed."""
+    """A job's global parameters (flat float32), the outer momentum, the rounds completed, and
+    which collective made it (:func:`collective_id`; empty: none, e.g. a Rounds service round)."""
 
     params: np.ndarray
     momentum: np.ndarray | None
     rounds: int
+    made_by: str = ""
 
 
 class AveragingRound:
     """One round's staged update of a global model; ``commit()`` makes it the model."""
 
     def __init__(self, store: AveragingStore, key: tuple[str, str], spec: pb.AveragingSpec,
-                 numel: int, model: GlobalModel | None) -> None:
+                 numel: int, model: GlobalModel | None, made_by: str = "") -> None:
         self.store, self.key, self.spec, self.model = store, key, spec, model
+        self.made_by = made_by
         self.rule = spec.rule
         self.lr = np.float32(spec.outer_lr)
         self.mu = np.float32(spec.outer_momentum)
-        # SEED on an existing model answers it unchanged: nothing to stage.
-        self.answer_existing = self.rule == pb.AVERAGING_RULE_SEED and model is not None
+        # SEED on an existing model answers it unchanged: nothing to stage. So does the very
+        # collective that made the model, issued again after a coordinator restart (its ranks
+        # ride through: gradstar.client.reconnect): its outer step was taken once already.
+        again = bool(made_by) and model is not None and model.made_by == made_by
+        self.answer_existing = again or (model is not None and self.rule == pb.AVERAGING_RULE_SEED)
         self.staged = None if self.answer_existing else np.empty(numel, dtype=np.float32)
         uses_momentum = self.rule in (pb.AVERAGING_RULE_OUTER_SGD,
                                       pb.AVERAGING_RULE_OUTER_NESTEROV) and self.mu != 0
@@ -127,7 +141,7 @@ class AveragingRound:
                 pb.AVERAGING_RULE_SEED, pb.AVERAGING_RULE_AVERAGE):
             momentum = self.model.momentum
         rounds = 0 if self.model is None else self.model.rounds + 1
-        return GlobalModel(self.staged, momentum, rounds)
+        return GlobalModel(self.staged, momentum, rounds, self.made_by)
 
 
 class AveragingStore:
@@ -155,8 +169,10 @@ class AveragingStore:
         for key in [k for k in self._models if k[0] == job]:
             del self._models[key]
 
-    def open_round(self, job: str, spec: pb.AveragingSpec, numel: int) -> AveragingRound:
-        """Stage a round of ``spec.rule`` for a vector of ``numel`` float32 elements.
+    def open_round(self, job: str, spec: pb.AveragingSpec, numel: int, *,
+                   made_by: str = "") -> AveragingRound:
+        """Stage a round of ``spec.rule`` for a vector of ``numel`` float32 elements, carried by
+        collective ``made_by`` (:func:`collective_id`; empty: none).
 
         Raises:
             InvalidCollectiveError: unknown rule, no global model to step, or a size that
@@ -177,9 +193,11 @@ class AveragingStore:
                                            pb.AVERAGING_RULE_OUTER_NESTEROV):
             raise InvalidCollectiveError(
                 f"job {job!r} has no global model {spec.model!r} to apply an outer step to; "
-                "seed it first (gradstar.LocalSGD does at construction)"
+                "seed it first (gradstar.LocalSGD does at construction). A coordinator that "
+                "restarted without --state-dir lost its global models: ranks cannot ride "
+                "through its restart in outer rounds without one"
             )
-        return AveragingRound(self, (job, spec.model), spec, numel, model)
+        return AveragingRound(self, (job, spec.model), spec, numel, model, made_by)
 
     def install(self, key: tuple[str, str], model: GlobalModel, *, persist: bool = True) -> None:
         """Make ``model`` the global model of ``key``, saved first when there is a state
@@ -198,7 +216,8 @@ class AveragingStore:
 
     @staticmethod
     def _save(path: Path, model: GlobalModel) -> None:
-        arrays = {"params": model.params, "rounds": np.array(model.rounds, dtype=np.int64)}
+        arrays = {"params": model.params, "rounds": np.array(model.rounds, dtype=np.int64),
+                  "made_by": np.array(model.made_by)}
         if model.momentum is not None:
             arrays["momentum"] = model.momentum
         save_arrays(path, arrays)
@@ -207,7 +226,9 @@ class AveragingStore:
     def _load(path: Path) -> GlobalModel:
         with np.load(path, allow_pickle=False) as data:
             momentum = data["momentum"].astype(np.float32) if "momentum" in data else None
-            return GlobalModel(data["params"].astype(np.float32), momentum, int(data["rounds"]))
+            made_by = str(data["made_by"]) if "made_by" in data else ""
+            return GlobalModel(data["params"].astype(np.float32), momentum, int(data["rounds"]),
+                               made_by)
 
 
 def save_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:

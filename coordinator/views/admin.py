@@ -48,7 +48,8 @@ def job_detail(job: Job, models: dict | None = None, now: float | None = None,
                                       else (0, 0, {}, {}))
     reply = apb.GetJobResponse(
         summary=job_summary(job), bytes_in=c.bytes_in + b_in, bytes_out=c.bytes_out + b_out,
-        last_failure=c.last_failure,
+        last_failure=c.last_failure, rebuilds=c.rebuilds,
+        rejoin_wait_seconds=c.rejoin_wait_seconds,
     )
     for op in sorted(set(c.completed) | set(c.failed) | set(completed) | set(failed)):
         reply.ops.append(apb.OpCounter(

@@ -145,6 +145,15 @@ def _jobs_table(jobs: list[dict]) -> str:
             + "".join(rows) + "</tbody></table>" + note)
 
 
+def _rebuilds(job: dict) -> str:
+    """A line on the coordinator restarts the job rode through, if any."""
+    if not job.get("rebuilds"):  # a snapshot without the field: none
+        return ""
+    return (f'<p class="muted" data-rebuilds-of="{_e(job["name"])}">Generation rebuilt from its '
+            f'rejoining ranks after {_e(job["rebuilds"])} coordinator restart(s); ranks waited '
+            f'up to {_seconds(job["rejoin_wait_seconds"])} at the latest.</p>')
+
+
 def _ranks_table(job: dict) -> str:
     title = f'<h3>Ranks of <code>{_e(job["name"])}</code>'
     ranks = job["ranks"]
@@ -167,8 +176,8 @@ def _ranks_table(job: dict) -> str:
             f'<td class="text">{"slowest" if r["rank"] == slowest else ""}</td></tr>')
     more = len(ranks) - MAX_RANKS_SHOWN
     note = f'<p class="muted">… and {more} more ranks (see /status.json).</p>' if more > 0 else ""
-    return (f"{title} (generation {_e(job['generation'])})</h3>"
-            f'<table class="ranks" data-ranks-of="{_e(job["name"])}"><thead><tr><th>Rank</th>'
+    return (f"{title} (generation {_e(job['generation'])})</h3>" + _rebuilds(job)
+            + f'<table class="ranks" data-ranks-of="{_e(job["name"])}"><thead><tr><th>Rank</th>'
             '<th class="text">State</th><th>Heartbeat age</th><th>Collectives</th>'
             '<th title="seconds after the first rank\'s header of its latest collective">'
             'Last lag</th><th title="mean over its collectives">Mean lag</th>'

@@ -283,6 +283,8 @@ class CoordinatorStatus:
             "collectives_completed": {op_name(op): n for op, n in sorted(completed.items())},
             "collectives_failed": {op_name(op): n for op, n in sorted(failed.items())},
             "last_failure": c.last_failure,
+            "rebuilds": c.rebuilds,
+            "rejoin_wait_seconds": c.rejoin_wait_seconds,
             "ranks": self._ranks(gen, arrivals, now),
             # Every rank with measurements, slowest first (:mod:`.stragglers`).
             "stragglers": straggler_rows(job, arrivals),

@@ -297,6 +297,12 @@ class ClientSettings(BaseSettings):
                                 "that would leave fewer is refused by name")
     timeout: float = Field(300.0, gt=0, description="default collective timeout in seconds")
     connect_timeout: float = Field(10.0, gt=0)
+    reconnect_timeout: float = Field(
+        30.0, ge=0, description="how long a rank whose coordinator went away (killed, "
+                                "restarted, upgraded) keeps its state and tries to rejoin it "
+                                "at the same address before its collectives fail with "
+                                "CoordinatorLostError; 0: fail at once, and keep no copy of "
+                                "collective inputs (docs/deployment.md, 'High availability')")
     chunk_bytes: int = Field(
         DEFAULT_CHUNK_BYTES, gt=0, le=MAX_CHUNK_BYTES,
         description="largest chunk of a collective (every rank the same); a striped one is "

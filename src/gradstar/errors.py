@@ -8,7 +8,8 @@ Every error a rank can see derives from :class:`GradstarError`::
     ├── AuthenticationError           the coordinator refused the token
     │   └── JobAccessError            a job's own token was used for another job
     ├── CoordinatorUnavailableError   the coordinator cannot be reached or went away
-    │   └── ShardLostError            a hub shard carrying the generation's collectives went away
+    │   ├── ShardLostError            a hub shard carrying the generation's collectives went away
+    │   └── CoordinatorLostError      the coordinator did not come back within reconnect_timeout
     ├── ProcessGroupClosedError       the process group was closed
     ├── ProtocolError                 a malformed, truncated or corrupted frame
     ├── RendezvousError               joining a job failed
@@ -16,7 +17,8 @@ Every error a rank can see derives from :class:`GradstarError`::
     │   ├── WorldSizeMismatchError    the job exists with a different world size
     │   ├── JoinTimeoutError          not every rank joined in time
     │   ├── CoordinatorDrainingError  the coordinator is draining and takes no new work
-    │   └── TooManyJobsError          the coordinator holds as many jobs as it may
+    │   ├── TooManyJobsError          the coordinator holds as many jobs as it may
+    │   └── RejoinRefusedError        a restarted coordinator cannot take a rank's generation back
     ├── RoundError                    an outer round (gradstar.StreamingDiLoCo) failed
     │   ├── RoundMismatchError        a contribution disagrees with its round (size, policy)
     │   └── RoundTimeoutError         a round did not close in time (too few replicas)
@@ -51,6 +53,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "ConfigurationError",
     "CoordinatorDrainingError",
+    "CoordinatorLostError",
     "CoordinatorUnavailableError",
     "DuplicateRankError",
     "GradstarError",
@@ -63,6 +66,7 @@ __all__ = [
     "ProtocolError",
     "RankFinishedError",
     "RankLostError",
+    "RejoinRefusedError",
     "RendezvousError",
     "RoundError",
     "RoundMismatchError",
@@ -133,6 +137,12 @@ class ShardLostError(CoordinatorUnavailableError):
         return {"shard": self.shard, "address": self.address, "generation": self.generation}
 
 
+class CoordinatorLostError(CoordinatorUnavailableError):
+    """The coordinator went away and did not take this rank back within its
+    ``reconnect_timeout``: no coordinator listened again at its address, or the restarted one
+    never saw every rank of the generation rejoin."""
+
+
 class ProcessGroupClosedError(GradstarError):
     """The process group was closed; create a new one to communicate again."""
 
@@ -163,6 +173,13 @@ class CoordinatorDrainingError(RendezvousError):
 
 class TooManyJobsError(RendezvousError):
     """The coordinator holds as many jobs as it may (``--max-jobs``); a new job cannot join."""
+
+
+class RejoinRefusedError(RendezvousError):
+    """A coordinator cannot take back the generation a rank rejoins with (another generation
+    than its other ranks', one it knows to have failed, or collective sequence numbers that
+    cannot be re-issued): the rank's collectives cannot go on, so it gets this, never a wrong
+    result."""
 
 
 class RoundError(GradstarError):

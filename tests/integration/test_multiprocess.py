@@ -113,11 +113,13 @@ async def test_coordinator_death_gives_ranks_a_named_error_quickly():
 
 
 async def ranks_named_a_lost_coordinator(how: signal.Signals, *args: str, within: float) -> None:
-    """A coordinator process with 2 ``allreduce_until_error`` ranks (``args`` passed on) is
-    killed or frozen with ``how`` mid-loop: every rank must end cleanly, reporting
+    """A coordinator process with 2 ``allreduce_until_error`` ranks (``args`` passed on) that
+    do not ride through restarts (``reconnect_timeout`` 0: tests/integration/test_ride_through.py
+    has those) is killed or frozen with ``how`` mid-loop: every rank must end cleanly, reporting
     CoordinatorUnavailableError naming its address within ``within`` seconds."""
     proc, address = await spawn_coordinator()
-    ranks = await spawn_ranks("allreduce_until_error", address, 2, "orphans", *args)
+    ranks = await spawn_ranks("allreduce_until_error", address, 2, "orphans", *args,
+                              GRADSTAR_RECONNECT_TIMEOUT=0)
     try:
         await asyncio.wait_for(ranks[0].stdout.readline(), 60)
         proc.send_signal(how)

@@ -63,6 +63,8 @@ def test_torchrun_with_nothing_set_trains_like_gloo(tmp_path, nproc):
     assert len({r["job"] for r in ours}) == 1 and ours[0]["job"].startswith("torch-")
     assert ours[0]["coordinator"].startswith("127.0.0.1:")  # every rank on this host
     assert refused(ours[0]["coordinator"])  # the hub went with rank 0's group
+    # A hub that dies with rank 0 never comes back: no rank rides through its restart.
+    assert all(r["reconnect_timeout"] == 0 for r in ours)
 
 
 def test_an_elastic_restart_gets_a_fresh_hub_and_job(tmp_path):

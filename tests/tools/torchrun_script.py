@@ -59,6 +59,7 @@ def main() -> None:
         report["job"] = group.options["job"]
         report["coordinator"] = group.options["coordinator"]
         report["shards"] = list(group.gradstar_group.shards)
+        report["reconnect_timeout"] = group.gradstar_group.settings.reconnect_timeout
     (out / f"{backend}-rank{rank}.json").write_text(json.dumps(report))
     # DDP's reducer holds the group: drop it first, so that destroy_process_group joins gloo's
     # worker threads while the interpreter is alive. Otherwise a gloo thread may still destroy

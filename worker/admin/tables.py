@@ -98,6 +98,9 @@ def job_status(job: admin_pb2.GetJobResponse, rates: dict | None = None) -> str:
         lines.append(table(("MODEL", "ROUNDS", "PARAMETERS"),
                            [(m.name, m.rounds, m.parameters) for m in job.models],
                            indent="    "))
+    if job.rebuilds:
+        lines.append(f"  rebuilt      {job.rebuilds} time(s) after coordinator restarts; ranks "
+                     f"waited up to {job.rejoin_wait_seconds:.1f} s at the latest")
     if job.last_failure:
         lines.append(f"  last failure {job.last_failure}")
     return "\n".join(lines)
@@ -133,7 +136,8 @@ def job_as_dict(job: admin_pb2.GetJobResponse, rates: dict | None = None) -> dic
                     "missing_ranks": list(c.missing_ranks)} for c in job.in_flight],
         global_models=[{"name": m.name, "rounds": m.rounds, "parameters": m.parameters}
                        for m in job.models],
-        last_failure=job.last_failure,
+        last_failure=job.last_failure, rebuilds=job.rebuilds,
+        rejoin_wait_seconds=job.rejoin_wait_seconds,
     )
     if rates is not None:
         out["throughput"] = rates

@@ -100,7 +100,7 @@ class GlobalModel(_message.Message):
     def __init__(self, name: _Optional[str] = ..., rounds: _Optional[int] = ..., parameters: _Optional[int] = ...) -> None: ...
 
 class GetJobResponse(_message.Message):
-    __slots__ = ("summary", "members", "in_flight", "ops", "bytes_in", "bytes_out", "last_failure", "models")
+    __slots__ = ("summary", "members", "in_flight", "ops", "bytes_in", "bytes_out", "last_failure", "models", "rebuilds", "rejoin_wait_seconds")
     SUMMARY_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,8 @@ class GetJobResponse(_message.Message):
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     LAST_FAILURE_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    REBUILDS_FIELD_NUMBER: _ClassVar[int]
+    REJOIN_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     summary: JobSummary
     members: _containers.RepeatedCompositeFieldContainer[Member]
     in_flight: _containers.RepeatedCompositeFieldContainer[InFlightCollective]
@@ -117,7 +119,9 @@ class GetJobResponse(_message.Message):
     bytes_out: int
     last_failure: str
     models: _containers.RepeatedCompositeFieldContainer[GlobalModel]
-    def __init__(self, summary: _Optional[_Union[JobSummary, _Mapping]] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., in_flight: _Optional[_Iterable[_Union[InFlightCollective, _Mapping]]] = ..., ops: _Optional[_Iterable[_Union[OpCounter, _Mapping]]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., last_failure: _Optional[str] = ..., models: _Optional[_Iterable[_Union[GlobalModel, _Mapping]]] = ...) -> None: ...
+    rebuilds: int
+    rejoin_wait_seconds: float
+    def __init__(self, summary: _Optional[_Union[JobSummary, _Mapping]] = ..., members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., in_flight: _Optional[_Iterable[_Union[InFlightCollective, _Mapping]]] = ..., ops: _Optional[_Iterable[_Union[OpCounter, _Mapping]]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., last_failure: _Optional[str] = ..., models: _Optional[_Iterable[_Union[GlobalModel, _Mapping]]] = ..., rebuilds: _Optional[int] = ..., rejoin_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class ListShardsRequest(_message.Message):
     __slots__ = ()

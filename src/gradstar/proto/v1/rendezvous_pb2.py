@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"gradstar/proto/v1/rendezvous.proto\x12\x11gradstar.proto.v1\"\x97\x02\n\x0bJoinRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x14\n\x0cpeer_address\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\x12\x0c\n\x04host\x18\x06 \x01(\t\x12\x10\n\x08hostname\x18\x07 \x01(\t\x12\x0f\n\x07\x65lastic\x18\x08 \x01(\x08\x12\x15\n\routbound_only\x18\t \x01(\x08\x12\x16\n\x0emax_world_size\x18\n \x01(\r\x12\x16\n\x0emin_world_size\x18\x0c \x01(\r\x12\x32\n\x0bmoving_from\x18\x0b \x01(\x0b\x32\x1d.gradstar.proto.v1.MovingFrom\"A\n\nMovingFrom\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x11\n\tmember_id\x18\x03 \x01(\t\"0\n\x08Position\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x10\n\x08\x62oundary\x18\x02 \x01(\x04\"!\n\tHeartbeat\x12\x14\n\x0csent_unix_ms\x18\x01 \x01(\x04\"\xf8\x01\n\x0eSessionRequest\x12.\n\x04join\x18\x01 \x01(\x0b\x32\x1e.gradstar.proto.v1.JoinRequestH\x00\x12\x31\n\theartbeat\x18\x02 \x01(\x0b\x32\x1c.gradstar.proto.v1.HeartbeatH\x00\x12\x0f\n\x05leave\x18\x03 \x01(\x08H\x00\x12\x14\n\nboundaries\x18\x04 \x01(\x08H\x00\x12/\n\x08position\x18\x05 \x01(\x0b\x32\x1b.gradstar.proto.v1.PositionH\x00\x12\x11\n\x07\x61\x64vance\x18\x06 \x01(\x08H\x00\x12\x10\n\x06\x64\x65part\x18\x07 \x01(\x08H\x00\x42\x06\n\x04kind\"\\\n\x04Peer\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x15\n\routbound_only\x18\x05 \x01(\x08\"\xed\x02\n\x06Joined\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x11\n\tmember_id\x18\x05 \x01(\t\x12&\n\x05peers\x18\x06 \x03(\x0b\x32\x17.gradstar.proto.v1.Peer\x12\"\n\x1aheartbeat_interval_seconds\x18\x07 \x01(\x01\x12\x0e\n\x06shards\x18\x08 \x03(\t\x12\x11\n\tpeer_keys\x18\n \x03(\x0c\x12\x13\n\x0b\x63ollectives\x18\x0b \x01(\t\x12\x13\n\x0breplacement\x18\x0c \x01(\x08\x12\x10\n\x08\x62oundary\x18\r \x01(\x04\x12\x11\n\tnewcomers\x18\x0e \x03(\r\x12\x16\n\x0emin_world_size\x18\x0f \x01(\r\x12\x16\n\x0emax_world_size\x18\x10 \x01(\r\x12\x0f\n\x07resized\x18\x11 \x01(\x08J\x04\x08\t\x10\nR\x08peer_key\"m\n\x10GenerationFailed\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x11\n\tlost_rank\x18\x02 \x01(\x05\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x13\n\x0b\x66ields_json\x18\x05 \x01(\t\"@\n\x0cRankFinished\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\"X\n\rResizePending\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0f\n\x07joining\x18\x02 \x01(\r\x12\x11\n\tdeparting\x18\x03 \x03(\r\x12\x0f\n\x07refused\x18\x04 \x01(\t\"0\n\x08ResizeAt\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x10\n\x08\x62oundary\x18\x02 \x01(\x04\"\xcc\x02\n\x0cSessionEvent\x12+\n\x06joined\x18\x01 \x01(\x0b\x32\x19.gradstar.proto.v1.JoinedH\x00\x12\x35\n\x06\x66\x61iled\x18\x02 \x01(\x0b\x32#.gradstar.proto.v1.GenerationFailedH\x00\x12\x35\n\rheartbeat_ack\x18\x03 \x01(\x0b\x32\x1c.gradstar.proto.v1.HeartbeatH\x00\x12\x33\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x1f.gradstar.proto.v1.RankFinishedH\x00\x12\x32\n\x06resize\x18\x05 \x01(\x0b\x32 .gradstar.proto.v1.ResizePendingH\x00\x12\x30\n\tresize_at\x18\x06 \x01(\x0b\x32\x1b.gradstar.proto.v1.ResizeAtH\x00\x42\x06\n\x04kind2_\n\nRendezvous\x12Q\n\x07Session\x12!.gradstar.proto.v1.SessionRequest\x1a\x1f.gradstar.proto.v1.SessionEvent(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"gradstar/proto/v1/rendezvous.proto\x12\x11gradstar.proto.v1\"\xc2\x02\n\x0bJoinRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x14\n\x0cpeer_address\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\x12\x0c\n\x04host\x18\x06 \x01(\t\x12\x10\n\x08hostname\x18\x07 \x01(\t\x12\x0f\n\x07\x65lastic\x18\x08 \x01(\x08\x12\x15\n\routbound_only\x18\t \x01(\x08\x12\x16\n\x0emax_world_size\x18\n \x01(\r\x12\x16\n\x0emin_world_size\x18\x0c \x01(\r\x12\x32\n\x0bmoving_from\x18\x0b \x01(\x0b\x32\x1d.gradstar.proto.v1.MovingFrom\x12)\n\x06rejoin\x18\r \x01(\x0b\x32\x19.gradstar.proto.v1.Rejoin\"A\n\nMovingFrom\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x11\n\tmember_id\x18\x03 \x01(\t\"0\n\x08Position\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x10\n\x08\x62oundary\x18\x02 \x01(\x04\"z\n\x06Rejoin\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x11\n\tmember_id\x18\x02 \x01(\t\x12\x10\n\x08next_seq\x18\x03 \x01(\x04\x12\x0f\n\x07pending\x18\x04 \x03(\x04\x12\x10\n\x08retained\x18\x05 \x03(\x04\x12\x14\n\x0c\x61way_seconds\x18\x06 \x01(\x01\"!\n\tHeartbeat\x12\x14\n\x0csent_unix_ms\x18\x01 \x01(\x04\"\xf8\x01\n\x0eSessionRequest\x12.\n\x04join\x18\x01 \x01(\x0b\x32\x1e.gradstar.proto.v1.JoinRequestH\x00\x12\x31\n\theartbeat\x18\x02 \x01(\x0b\x32\x1c.gradstar.proto.v1.HeartbeatH\x00\x12\x0f\n\x05leave\x18\x03 \x01(\x08H\x00\x12\x14\n\nboundaries\x18\x04 \x01(\x08H\x00\x12/\n\x08position\x18\x05 \x01(\x0b\x32\x1b.gradstar.proto.v1.PositionH\x00\x12\x11\n\x07\x61\x64vance\x18\x06 \x01(\x08H\x00\x12\x10\n\x06\x64\x65part\x18\x07 \x01(\x08H\x00\x42\x06\n\x04kind\"\\\n\x04Peer\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x15\n\routbound_only\x18\x05 \x01(\x08\"\xfd\x02\n\x06Joined\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x11\n\tmember_id\x18\x05 \x01(\t\x12&\n\x05peers\x18\x06 \x03(\x0b\x32\x17.gradstar.proto.v1.Peer\x12\"\n\x1aheartbeat_interval_seconds\x18\x07 \x01(\x01\x12\x0e\n\x06shards\x18\x08 \x03(\t\x12\x11\n\tpeer_keys\x18\n \x03(\x0c\x12\x13\n\x0b\x63ollectives\x18\x0b \x01(\t\x12\x13\n\x0breplacement\x18\x0c \x01(\x08\x12\x10\n\x08\x62oundary\x18\r \x01(\x04\x12\x11\n\tnewcomers\x18\x0e \x03(\r\x12\x16\n\x0emin_world_size\x18\x0f \x01(\r\x12\x16\n\x0emax_world_size\x18\x10 \x01(\r\x12\x0f\n\x07resized\x18\x11 \x01(\x08\x12\x0e\n\x06replay\x18\x12 \x03(\x04J\x04\x08\t\x10\nR\x08peer_key\"m\n\x10GenerationFailed\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x11\n\tlost_rank\x18\x02 \x01(\x05\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x13\n\x0b\x66ields_json\x18\x05 \x01(\t\"@\n\x0cRankFinished\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0e\n\x06reason\x18\x03 \x01(\t\"X\n\rResizePending\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x0f\n\x07joining\x18\x02 \x01(\r\x12\x11\n\tdeparting\x18\x03 \x03(\r\x12\x0f\n\x07refused\x18\x04 \x01(\t\"0\n\x08ResizeAt\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x10\n\x08\x62oundary\x18\x02 \x01(\x04\"\xcc\x02\n\x0cSessionEvent\x12+\n\x06joined\x18\x01 \x01(\x0b\x32\x19.gradstar.proto.v1.JoinedH\x00\x12\x35\n\x06\x66\x61iled\x18\x02 \x01(\x0b\x32#.gradstar.proto.v1.GenerationFailedH\x00\x12\x35\n\rheartbeat_ack\x18\x03 \x01(\x0b\x32\x1c.gradstar.proto.v1.HeartbeatH\x00\x12\x33\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x1f.gradstar.proto.v1.RankFinishedH\x00\x12\x32\n\x06resize\x18\x05 \x01(\x0b\x32 .gradstar.proto.v1.ResizePendingH\x00\x12\x30\n\tresize_at\x18\x06 \x01(\x0b\x32\x1b.gradstar.proto.v1.ResizeAtH\x00\x42\x06\n\x04kind2_\n\nRendezvous\x12Q\n\x07Session\x12!.gradstar.proto.v1.SessionRequest\x1a\x1f.gradstar.proto.v1.SessionEvent(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,29 +32,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gradstar.proto.v1.rendezvou
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_JOINREQUEST']._serialized_start=58
-  _globals['_JOINREQUEST']._serialized_end=337
-  _globals['_MOVINGFROM']._serialized_start=339
-  _globals['_MOVINGFROM']._serialized_end=404
-  _globals['_POSITION']._serialized_start=406
-  _globals['_POSITION']._serialized_end=454
-  _globals['_HEARTBEAT']._serialized_start=456
-  _globals['_HEARTBEAT']._serialized_end=489
-  _globals['_SESSIONREQUEST']._serialized_start=492
-  _globals['_SESSIONREQUEST']._serialized_end=740
-  _globals['_PEER']._serialized_start=742
-  _globals['_PEER']._serialized_end=834
-  _globals['_JOINED']._serialized_start=837
-  _globals['_JOINED']._serialized_end=1202
-  _globals['_GENERATIONFAILED']._serialized_start=1204
-  _globals['_GENERATIONFAILED']._serialized_end=1313
-  _globals['_RANKFINISHED']._serialized_start=1315
-  _globals['_RANKFINISHED']._serialized_end=1379
-  _globals['_RESIZEPENDING']._serialized_start=1381
-  _globals['_RESIZEPENDING']._serialized_end=1469
-  _globals['_RESIZEAT']._serialized_start=1471
-  _globals['_RESIZEAT']._serialized_end=1519
-  _globals['_SESSIONEVENT']._serialized_start=1522
-  _globals['_SESSIONEVENT']._serialized_end=1854
-  _globals['_RENDEZVOUS']._serialized_start=1856
-  _globals['_RENDEZVOUS']._serialized_end=1951
+  _globals['_JOINREQUEST']._serialized_end=380
+  _globals['_MOVINGFROM']._serialized_start=382
+  _globals['_MOVINGFROM']._serialized_end=447
+  _globals['_POSITION']._serialized_start=449
+  _globals['_POSITION']._serialized_end=497
+  _globals['_REJOIN']._serialized_start=499
+  _globals['_REJOIN']._serialized_end=621
+  _globals['_HEARTBEAT']._serialized_start=623
+  _globals['_HEARTBEAT']._serialized_end=656
+  _globals['_SESSIONREQUEST']._serialized_start=659
+  _globals['_SESSIONREQUEST']._serialized_end=907
+  _globals['_PEER']._serialized_start=909
+  _globals['_PEER']._serialized_end=1001
+  _globals['_JOINED']._serialized_start=1004
+  _globals['_JOINED']._serialized_end=1385
+  _globals['_GENERATIONFAILED']._serialized_start=1387
+  _globals['_GENERATIONFAILED']._serialized_end=1496
+  _globals['_RANKFINISHED']._serialized_start=1498
+  _globals['_RANKFINISHED']._serialized_end=1562
+  _globals['_RESIZEPENDING']._serialized_start=1564
+  _globals['_RESIZEPENDING']._serialized_end=1652
+  _globals['_RESIZEAT']._serialized_start=1654
+  _globals['_RESIZEAT']._serialized_end=1702
+  _globals['_SESSIONEVENT']._serialized_start=1705
+  _globals['_SESSIONEVENT']._serialized_end=2037
+  _globals['_RENDEZVOUS']._serialized_start=2039
+  _globals['_RENDEZVOUS']._serialized_end=2134
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job", "world_size", "rank", "peer_address", "timeout_seconds", "host", "hostname", "elastic", "outbound_only", "max_world_size", "min_world_size", "moving_from")
+    __slots__ = ("job", "world_size", "rank", "peer_address", "timeout_seconds", "host", "hostname", "elastic", "outbound_only", "max_world_size", "min_world_size", "moving_from", "rejoin")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class JoinRequest(_message.Message):
     MAX_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MIN_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MOVING_FROM_FIELD_NUMBER: _ClassVar[int]
+    REJOIN_FIELD_NUMBER: _ClassVar[int]
     job: str
     world_size: int
     rank: int
@@ -32,7 +33,8 @@ class JoinRequest(_message.Message):
     max_world_size: int
     min_world_size: int
     moving_from: MovingFrom
-    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., peer_address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., host: _Optional[str] = ..., hostname: _Optional[str] = ..., elastic: _Optional[bool] = ..., outbound_only: _Optional[bool] = ..., max_world_size: _Optional[int] = ..., min_world_size: _Optional[int] = ..., moving_from: _Optional[_Union[MovingFrom, _Mapping]] = ...) -> None: ...
+    rejoin: Rejoin
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., peer_address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., host: _Optional[str] = ..., hostname: _Optional[str] = ..., elastic: _Optional[bool] = ..., outbound_only: _Optional[bool] = ..., max_world_size: _Optional[int] = ..., min_world_size: _Optional[int] = ..., moving_from: _Optional[_Union[MovingFrom, _Mapping]] = ..., rejoin: _Optional[_Union[Rejoin, _Mapping]] = ...) -> None: ...
 
 class MovingFrom(_message.Message):
     __slots__ = ("generation", "rank", "member_id")
@@ -51,6 +53,22 @@ class Position(_message.Message):
     generation: int
     boundary: int
     def __init__(self, generation: _Optional[int] = ..., boundary: _Optional[int] = ...) -> None: ...
+
+class Rejoin(_message.Message):
+    __slots__ = ("generation", "member_id", "next_seq", "pending", "retained", "away_seconds")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_FIELD_NUMBER: _ClassVar[int]
+    AWAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    member_id: str
+    next_seq: int
+    pending: _containers.RepeatedScalarFieldContainer[int]
+    retained: _containers.RepeatedScalarFieldContainer[int]
+    away_seconds: float
+    def __init__(self, generation: _Optional[int] = ..., member_id: _Optional[str] = ..., next_seq: _Optional[int] = ..., pending: _Optional[_Iterable[int]] = ..., retained: _Optional[_Iterable[int]] = ..., away_seconds: _Optional[float] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("sent_unix_ms",)
@@ -91,7 +109,7 @@ class Peer(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., hostname: _Optional[str] = ..., outbound_only: _Optional[bool] = ...) -> None: ...
 
 class Joined(_message.Message):
-    __slots__ = ("job", "generation", "rank", "world_size", "member_id", "peers", "heartbeat_interval_seconds", "shards", "peer_keys", "collectives", "replacement", "boundary", "newcomers", "min_world_size", "max_world_size", "resized")
+    __slots__ = ("job", "generation", "rank", "world_size", "member_id", "peers", "heartbeat_interval_seconds", "shards", "peer_keys", "collectives", "replacement", "boundary", "newcomers", "min_world_size", "max_world_size", "resized", "replay")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +126,7 @@ class Joined(_message.Message):
     MIN_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RESIZED_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     rank: int
@@ -124,7 +143,8 @@ class Joined(_message.Message):
     min_world_size: int
     max_world_size: int
     resized: bool
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., member_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., heartbeat_interval_seconds: _Optional[float] = ..., shards: _Optional[_Iterable[str]] = ..., peer_keys: _Optional[_Iterable[bytes]] = ..., collectives: _Optional[str] = ..., replacement: _Optional[bool] = ..., boundary: _Optional[int] = ..., newcomers: _Optional[_Iterable[int]] = ..., min_world_size: _Optional[int] = ..., max_world_size: _Optional[int] = ..., resized: _Optional[bool] = ...) -> None: ...
+    replay: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., member_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., heartbeat_interval_seconds: _Optional[float] = ..., shards: _Optional[_Iterable[str]] = ..., peer_keys: _Optional[_Iterable[bytes]] = ..., collectives: _Optional[str] = ..., replacement: _Optional[bool] = ..., boundary: _Optional[int] = ..., newcomers: _Optional[_Iterable[int]] = ..., min_world_size: _Optional[int] = ..., max_world_size: _Optional[int] = ..., resized: _Optional[bool] = ..., replay: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationFailed(_message.Message):
     __slots__ = ("generation", "lost_rank", "reason", "error", "fields_json")
