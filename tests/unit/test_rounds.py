@@ -228,7 +228,7 @@ def test_an_idle_job_releases_what_its_open_round_held():
 
 
 def test_a_replica_that_leaves_is_waited_for_by_no_round():
-    t, clock = seeded()
+    t, _ = seeded()
     t.contribute("j", "m", 0, "a", 0, POLICY, vec(2, 2, 2, 2))
     t.contribute("j", "m", 0, "b", 0, POLICY, vec(2, 2, 2, 2))
     assert t.leave("j", "c") == [("j", "m", 0)]  # closed now, not at the deadline
@@ -242,7 +242,7 @@ def test_a_replica_that_leaves_is_waited_for_by_no_round():
 
 
 def test_a_leave_keeps_a_round_open_below_min_replicas():
-    t, clock = seeded()
+    t, _ = seeded()
     t.contribute("j", "m", 0, "a", 0, POLICY, vec(2, 2, 2, 2))
     assert t.leave("j", "b") == []  # one contribution, min_replicas 2: it stays open
     assert t.fragments[("j", "m", 0)].open.expected == frozenset({"a", "c"})
