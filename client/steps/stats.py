@@ -20,6 +20,9 @@ class StepEntry:
     staleness: tuple[int, ...]
     #: The optimizer hyperparameters it was applied with (see :mod:`.hyper`).
     hyper: tuple[float, ...] = ()
+    #: Each contribution's factor in the aggregate: its weight's share times the mode's step
+    #: scaling (``SyncMode.factors``; their sum is the step's scale).
+    factors: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

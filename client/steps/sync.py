@@ -53,7 +53,7 @@ from gradstar.errors import (
     StepError,
     StepMismatchError,
 )
-from gradstar.sync_modes import Quorum, SyncMode, from_message
+from gradstar.sync_modes import SyncMode, from_message
 from gradstar.wire.formats import WireFormat
 
 from ..error_feedback import ErrorFeedback
@@ -172,7 +172,7 @@ class StepSync:
             reply, self._fetched = self._run(self._client.exchange(
                 self.mode, self.mode_epoch, self.have, weight, flat.numpy(), self.timeout,
                 self.wire, fetch_limit=FETCH_LIMIT,
-                await_step=POLL_SECONDS if isinstance(self.mode, Quorum) else 0.0,
+                await_step=POLL_SECONDS if self.mode.waits_for_own_step else 0.0,
                 hyper=tuple(v for _, _, v in read_hyper(self._optimizer))))
         except REFUSED:
             self._restore(saved)
@@ -227,7 +227,7 @@ class StepSync:
             StepTimeoutError: the step did not close within the timeout.
             StepsBehindError: the hub no longer holds aggregates this rank needs.
         """
-        wait_for = (self._joined if isinstance(self.mode, Quorum) else None) or 0
+        wait_for = (self._joined if self.mode.waits_for_own_step else None) or 0
         got, self._fetched = self._fetched, None
         if got is not None:  # what the contribution's answer brought
             self._apply(got)
@@ -348,7 +348,7 @@ class StepSync:
             self.stats.step_staleness.update(record.staleness)
             self.stats.recent_steps.append(StepEntry(
                 record.step, tuple(record.ranks), tuple(record.weights),
-                tuple(record.staleness), tuple(record.hyper)))
+                tuple(record.staleness), tuple(record.hyper), tuple(record.factors)))
 
     def _write_grads(self, values: np.ndarray) -> None:
         flat = torch.from_numpy(values)

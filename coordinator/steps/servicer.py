@@ -33,7 +33,8 @@ from gradstar.wire.chunks import take_part
 from gradstar.wire.formats import WireFormat, decode, format_from_wire
 
 from ..rendezvous.jobs import check_job_name
-from .ledger import ClosedStep, StepLedger
+from .ledger import StepLedger
+from .records import ClosedStep
 from .store import SnapshotStore
 from .table import StepsTable
 
@@ -79,8 +80,8 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             ledger = self._ledger(h.key)
             mode = from_message(h.mode)
             # Refused before any memory is taken for it.
-            self.table.check_header(ledger, h.key.rank, mode, h.mode_epoch, h.numel, h.base,
-                                    h.weight, h.wire, tuple(h.hyper))
+            ledger.check_header(h.key.rank, mode, h.mode_epoch, h.numel, h.base, h.weight,
+                                h.wire, tuple(h.hyper))
             fmt = format_from_wire(h.wire)
             # The received bytes, and the float32 values an encoded gradient decodes to.
             size = 4 * h.numel if fmt is None else fmt.encoded_nbytes(h.numel) + 4 * h.numel
@@ -90,29 +91,29 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
                 # BoundedStaleness: a fast rank's next gradient waits while closing the step
                 # its previous one is in would leave a live rank too far behind.
                 began = asyncio.get_running_loop().time()
-                while self.table.must_wait(ledger, h.key.rank):
-                    await self._wait(lambda: not self.table.must_wait(ledger, h.key.rank),
+                while ledger.must_wait(h.key.rank):
+                    await self._wait(lambda: not ledger.must_wait(h.key.rank),
                                      MAX_WAIT)
                 reservation.release()  # the step holds it from here (no await in between)
-                accepted, step, staleness, reason = self.table.contribute(
-                    ledger, h.key.rank, mode, h.mode_epoch, h.base, h.weight, data, h.wire,
-                    tuple(h.hyper))
+                verdict = ledger.contribute(h.key.rank, mode, h.mode_epoch, h.base, h.weight,
+                                            data, h.wire, tuple(h.hyper))
             finally:
                 reservation.release()
             self._arm_timer()
             contributed = pb.Contributed(
-                accepted=accepted, step=step, staleness=staleness, steps=ledger.steps,
-                reason=reason, want_snapshot=ledger.wants_snapshot(h.key.rank, self.table.clock()))
+                accepted=verdict.accepted, step=verdict.step, staleness=verdict.staleness,
+                steps=ledger.steps, reason=verdict.reason,
+                want_snapshot=ledger.wants_snapshot(h.key.rank, self.table.clock()))
         except GradstarError as error:
             await abort(context, error)
             return
         # The contribution is taken: from here on the answer always carries the verdict.
         closed = None
         if h.fetch_limit:
-            if accepted and h.await_step:
-                await self._wait(lambda: ledger.steps >= step, h.wait_seconds)
+            if verdict.accepted and h.await_step:
+                await self._wait(lambda: ledger.steps >= verdict.step, h.wait_seconds)
             with contextlib.suppress(GradstarError):  # the rank's Fetch names it
-                closed = self.table.fetch(ledger, h.key.rank, h.base, h.fetch_limit)
+                closed = ledger.fetch(h.key.rank, h.base, h.fetch_limit)
         contributed.waited_seconds = asyncio.get_running_loop().time() - began
         async for part in _answer(ledger, closed, contributed):
             yield part
@@ -124,9 +125,9 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             await self._wait(lambda: ledger.steps >= request.min_steps, request.wait_seconds)
             closed = None
             if ledger.steps < request.min_steps:
-                self.table.seen(ledger, request.key.rank)
+                ledger.seen(request.key.rank)
             else:
-                closed = self.table.fetch(ledger, request.key.rank, request.have, request.limit)
+                closed = ledger.fetch(request.key.rank, request.have, request.limit)
         except GradstarError as error:
             await abort(context, error)
             return
@@ -137,7 +138,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
                         context: grpc.aio.ServicerContext) -> pb.StepsState:
         try:
             ledger = self._ledger(request.key)
-            self.table.heartbeat(ledger, request.key.rank, request.have, request.leave)
+            ledger.heartbeat(request.key.rank, request.have, request.leave)
             self._arm_timer()
             return _state(ledger)
         except GradstarError as error:
@@ -150,10 +151,10 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             rank, barrier = request.key.rank, request.barrier
             next_mode = (from_message(request.next_mode) if request.HasField("next_mode")
                          else None)
-            outcome = self.table.synchronize(ledger, rank, barrier, next_mode)
+            outcome = ledger.synchronize(rank, barrier, next_mode)
             if outcome is None:
                 await self._wait(lambda: barrier in ledger.barriers, request.wait_seconds)
-                outcome = self.table.synchronize(ledger, rank, barrier, next_mode)
+                outcome = ledger.synchronize(rank, barrier, next_mode)
             if outcome is None:
                 return pb.SynchronizeReply(ready=False)
             return pb.SynchronizeReply(
@@ -180,7 +181,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             try:
                 data = await self._read_snapshot(first, parts, h.nbytes, h.key.rank)
                 reservation.release()  # the ledger holds it from here (no await in between)
-                self.table.put_snapshot(ledger, h.key.rank, h.steps, h.layout, data)
+                ledger.put_snapshot(h.key.rank, h.steps, h.layout, data)
             finally:
                 reservation.release()
             await self._save(ledger)
@@ -192,7 +193,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SnapshotPart]:
         try:
             ledger = self._ledger(request.key)
-            self.table.seen(ledger, request.key.rank)
+            ledger.seen(request.key.rank)
             # A snapshot older than the log's first aggregate cannot be replayed from: the
             # joiner waits for a fresh one (the hub asks a live rank for it meanwhile).
             await self._wait(ledger.joinable, request.wait_seconds)
@@ -364,4 +365,4 @@ def _state(ledger: StepLedger) -> pb.StepsState:
 
 def _record(step: ClosedStep) -> pb.StepRecord:
     return pb.StepRecord(step=step.number, ranks=step.ranks, weights=step.weights,
-                         staleness=step.staleness, hyper=step.hyper)
+                         staleness=step.staleness, hyper=step.hyper, factors=step.factors)
