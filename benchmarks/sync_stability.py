@@ -20,14 +20,17 @@ The problems (data generated here, seeded)
 The configurations
     Synchronous, then BoundedStaleness(``--max-staleness``) and Asynchronous with each of
     ``--scalings`` (``plain``: the weighted mean as it is; ``share``: times the step's share
-    of the live ranks; ``staleness``: each contribution over 1 + its staleness; both).
+    of the live ranks; ``staleness``: each contribution over 1 + its staleness; both), and
+    Quorum(min_ranks=n-1) with each of ``--quorum-timeouts`` (``adaptive``: the default;
+    seconds). ``--modes`` picks among them.
 
 What is printed (nothing asserted; ``--json`` saves it)
     Per problem, configuration: the metric of each run and their median, the median relative
     to Synchronous's (loss: ratio; accuracy: difference in points), diverged runs (a loss over
     10x Synchronous's median, or not finite; accuracy under 1.5 / classes), steps the hub
-    closed per rank iteration, the fast ranks' seconds for their iterations over
-    Synchronous's (median; below 1: sooner), and whether every rank ended bitwise identical.
+    closed per rank iteration, the share of all gradients dropped, the fast ranks' seconds for
+    their iterations over Synchronous's (median; below 1: sooner), and whether every rank
+    ended bitwise identical.
 
 Run: ``.venv/bin/python benchmarks/sync_stability.py --problems regression spirals
 --slowdown 3`` (and ``--slowdown 1``: no straggler).
@@ -92,6 +95,9 @@ def make_problem(name: str, seed: int):
 def make_mode(config: dict):
     import gradstar
 
+    if config["mode"] == "quorum":  # every rank but one; the scaling column is its timeout
+        timeout = None if config["scaling"] == "adaptive" else float(config["scaling"])
+        return gradstar.Quorum(config["world"] - 1, timeout=timeout)
     if config["mode"] == "bounded":
         return gradstar.BoundedStaleness(config["max_staleness"], scaling=config["scaling"])
     if config["mode"] == "async":
@@ -111,6 +117,7 @@ def rank_main(rank: int, world: int, address: str, configs: list[dict]) -> list[
         model, batch, loss_fn, (tx, ty), metric = make_problem(config["problem"],
                                                                config["seed"])
         opt = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
+        config = {**config, "world": world}
         pg = gradstar.init_process_group(coordinator=address, job=config["job"],
                                          world_size=world, rank=rank, timeout=120)
         ddp = gradstar.DDP(model, pg, sync_mode=make_mode(config), optimizer=opt)
@@ -132,6 +139,7 @@ def rank_main(rank: int, world: int, address: str, configs: list[dict]) -> list[
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
         out.append({"job": config["job"], "metric": value, "loop_s": loop,
                     "steps": stats.step if stats else config["iters"],
+                    "dropped": stats.dropped if stats else 0,
                     "sha": hashlib.sha256(flat.tobytes()).hexdigest()})
         pg.close()
     return out
@@ -142,7 +150,8 @@ def configurations(args) -> list[dict]:
     for problem in args.problems:
         for seed in range(args.seeds):
             modes = [("sync", "plain")] + [(m, s) for m in ("bounded", "async")
-                                            for s in args.scalings]
+                                            if m in args.modes for s in args.scalings]
+            modes += [("quorum", t) for t in args.quorum_timeouts if "quorum" in args.modes]
             for mode, scaling in modes:
                 configs.append({
                     "problem": problem, "seed": seed, "mode": mode, "scaling": scaling,
@@ -161,6 +170,7 @@ def report(configs: list[dict], results: list[list[dict]], ranks: int) -> tuple[
         runs.setdefault((config["problem"], config["mode"], config["scaling"]), []).append({
             "metric": per_rank[0]["metric"], "steps": per_rank[0]["steps"] / config["iters"],
             "fast_s": statistics.median(r["loop_s"] for r in per_rank[:-1]),
+            "dropped": sum(r["dropped"] for r in per_rank) / (config["iters"] * len(per_rank)),
             "identical": len({r["sha"] for r in per_rank}) == 1})
     for (problem, mode, scaling), got in runs.items():
         sync = runs[(problem, "sync", "plain")]
@@ -179,13 +189,16 @@ def report(configs: list[dict], results: list[list[dict]], ranks: int) -> tuple[
                      "median": mid, "versus_sync": versus, "diverged": diverged,
                      "fast_s_ratio": fast,
                      "steps_per_iter": statistics.median(r["steps"] for r in got),
+                     "dropped": statistics.median(r["dropped"] for r in got),
                      "identical": all(r["identical"] for r in got)})
         table.append([problem, mode, scaling if mode != "sync" else "-",
                       " ".join(f"{v:.4g}" for v in values), f"{mid:.4g}", versus,
                       f"{diverged}/{len(values)}", f"{rows[-1]['steps_per_iter']:.2f}",
+                      f"{100 * rows[-1]['dropped']:.0f}%",
                       f"{fast:.2f}", "yes" if rows[-1]["identical"] else "NO"])
     return format_table(["problem", "mode", "scaling", "metric per run", "median", "vs sync",
-                         "diverged", "steps/iter", "fast s / sync", "replicas equal"],
+                         "diverged", "steps/iter", "dropped", "fast s / sync",
+                         "replicas equal"],
                         table), rows
 
 
@@ -194,7 +207,12 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--problems", nargs="+", choices=["regression", "spirals"],
                         default=["regression", "spirals"])
+    parser.add_argument("--modes", nargs="+", choices=["bounded", "async", "quorum"],
+                        default=["bounded", "async", "quorum"],
+                        help="besides Synchronous, which is always run")
     parser.add_argument("--scalings", nargs="+", choices=SCALINGS, default=list(SCALINGS))
+    parser.add_argument("--quorum-timeouts", nargs="+", default=["adaptive", "0"],
+                        help="Quorum(min_ranks=n-1)'s timeouts: seconds, or adaptive")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--slowdown", type=float, default=3.0,
                         help="the last rank sleeps this many times as long (1: no straggler)")

@@ -109,7 +109,7 @@ class StepSync:
         self.timeout = pg.settings.timeout
         #: Aggregates applied to this rank's parameters.
         self.have = 0
-        self.stats = SyncStats(str(mode))
+        self.stats = SyncStats(str(mode), mode.scaling)
         self._joined: int | None = None  # step the pending contribution joined
         self._fetched = None  # the aggregates its answer brought, for catch_up
         self._pending = False
@@ -308,7 +308,7 @@ class StepSync:
                 f"rank must switch to the same mode at the same step ({why}); the mode stays "
                 f"{self.mode}")
         self.mode, self.mode_epoch = next_mode, reply.mode_epoch
-        self.stats.mode = str(next_mode)
+        self.stats.mode, self.stats.scaling = str(next_mode), next_mode.scaling
 
     def set_mode(self, mode: SyncMode) -> None:
         """Switch at a barrier: every rank switches at the same step, at the epoch the hub

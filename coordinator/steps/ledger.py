@@ -12,20 +12,18 @@ One ledger per (job, model). Protocol, per rank:
    :class:`StepMismatchError` for that rank only; the others' step is untouched.
 2. **Close**: a step closes when every live rank contributed (or waits at a barrier), or as
    the mode allows earlier: Quorum once ``min_ranks`` contributed (fewer if fewer are live)
-   and ``timeout`` passed since the step's first contribution. In Asynchronous and
-   BoundedStaleness a rank does not wait for its own step: its next gradient may arrive while
-   its previous one is still in the open step, and then closes that step (a step is one
-   "clock" of the fastest rank, as in SSP) — in BoundedStaleness only once closing leaves no
-   live rank's next gradient more than ``max_staleness`` aggregates stale; until then that
-   fast rank's call waits (the only time a rank waits for another). Its *aggregate* is the
-   weighted mean of its contributions, summed in rank order in float32, so it does not depend
-   on arrival order; the hub computes it once and every rank gets the same bytes. In
-   BoundedStaleness and Asynchronous it is scaled as the mode says (by default times the
-   step's share of the live ranks: :meth:`~gradstar.sync_modes.SyncMode.factors`), and each
-   closed step records every contribution's factor. Each
-   contribution carries its rank's optimizer hyperparameters (lr, ...); a step records their
-   weighted mean, and every rank applies the step with those values (a per-rank LR schedule
-   cannot split the replicas).
+   and its timeout passed since the step's first contribution (measured on the last steps'
+   arrivals, ``arrivals``, when it adapts). In the modes that *push* (Asynchronous,
+   BoundedStaleness) a rank's next gradient may arrive while its previous one is still in the
+   open step, and then closes that step (one "clock" of the fastest rank, as in SSP) — in
+   BoundedStaleness only once closing leaves no live rank's next gradient more than
+   ``max_staleness`` aggregates stale; until then that fast rank's call waits. Its
+   *aggregate* is the sum of its contributions, each times its factor (its weight's share,
+   scaled as the mode says: :meth:`~gradstar.sync_modes.SyncMode.factors`, recorded per
+   step), in rank order in float32, so it does not depend on arrival order; the hub computes
+   it once and every rank gets the same bytes. Each contribution carries its rank's optimizer
+   hyperparameters (lr, ...); a step records their weighted mean, and every rank applies the
+   step with those values (a per-rank LR schedule cannot split the replicas).
    **Wire formats**: a ledger's contributions travel in one wire format (DDP's ``wire=``, set
    by the first contribution; another is :class:`StepMismatchError` for its sender). The hub
    decodes each to float32 on receipt (its encoded size checked against ``numel``), adds in
@@ -69,7 +67,7 @@ from collections import Counter, deque
 import numpy as np
 
 from gradstar.errors import StepMismatchError, StepsBehindError
-from gradstar.sync_modes import SyncMode
+from gradstar.sync_modes import ADAPT_STEPS, SyncMode
 from gradstar.wire.formats import WIRE_NONE, encode, format_from_wire
 
 from .checks import check_header
@@ -113,6 +111,9 @@ class StepLedger:
         self.steps = 0
         self.open = OpenStep(1)
         self.log: deque[ClosedStep] = deque()
+        #: The last closed steps' arrivals (``OpenStep.arrivals``): what a mode measures the
+        #: ranks' spread on (Quorum's adaptive timeout).
+        self.arrivals: deque[tuple[float, ...]] = deque(maxlen=ADAPT_STEPS)
         # Every rank of the world is expected from the start (they built DDP together); one
         # that never calls leaves the live set after the lease like any silent rank.
         now = host.clock()
@@ -288,8 +289,10 @@ class StepLedger:
         open_ = self.open
         open_.contributions[rank] = Contribution(rank, float(weight), staleness, data,
                                                  tuple(hyper))
+        now = self.host.clock()
         if open_.first_at is None:
-            open_.first_at = self.host.clock()
+            open_.first_at = now
+        open_.arrivals.append(now - open_.first_at)
         self.host.account.hold(self.job, data.nbytes)
         state.base, state.pending = base, True
         state.contributed += 1
@@ -304,7 +307,7 @@ class StepLedger:
         """When the open step may close without every live rank (the mode's; None: not)."""
         if self.mode is None or self.open.first_at is None:
             return None
-        return self.mode.deadline(self.open.first_at)
+        return self.mode.deadline(self.open.first_at, self.arrivals)
 
     def settle(self) -> None:
         """Close the open step if it may close, then complete a barrier everyone reached."""
@@ -324,7 +327,7 @@ class StepLedger:
         # Else as the mode says (Quorum); in the modes that push, a rank's next gradient
         # closes it.
         return self.mode.closes_early(len(got), len(live | got),
-                                      self.host.clock() - open_.first_at)
+                                      self.host.clock() - open_.first_at, self.arrivals)
 
     def close(self) -> None:
         """Close the open step: its aggregate, scaled as the mode says, joins the log."""
@@ -345,6 +348,7 @@ class StepLedger:
                                    self.host.clock(), hyper,
                                    tuple(float(np.float32(f)) for f in factors)))
         account.hold(self.job, values.nbytes)
+        self.arrivals.append(tuple(open_.arrivals))
         self.open = OpenStep(open_.number + 1)
         # Past the history, only what every live rank applied: one waiting in synchronize()
         # while another steps on still fetches all it missed (the memory bound still holds).

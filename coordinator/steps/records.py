@@ -49,6 +49,8 @@ class OpenStep:
     number: int
     first_at: float | None = None
     contributions: dict[int, Contribution] = field(default_factory=dict)
+    #: Seconds from ``first_at`` to each contribution, in arrival order.
+    arrivals: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,12 @@ mode; what differs is what a step waits for:
 - :class:`Synchronous` — every rank, every step (today's DDP all_reduce; the default).
 - :class:`Quorum` — *backup workers* (Chen et al., 2016): a step closes with every live rank,
   or with at least ``min_ranks`` of them once ``timeout`` seconds have passed since its first
-  contribution. A contribution computed on parameters the group has since moved past is
-  *dropped* (counted): every aggregate is computed on current parameters (staleness 0).
+  contribution. By default the timeout adapts: twice the time the recent steps took from their
+  first contribution to their ``min_ranks``-th (a missing rank later than the others' own
+  spread is a straggler), so without a straggler a step waits for every rank and with one the
+  fast ranks wait about their own spread. A contribution computed on parameters the group has
+  since moved past is *dropped* (counted): every aggregate is computed on current parameters
+  (staleness 0).
 - :class:`BoundedStaleness` — a step closes with whatever has arrived, unless closing it would
   leave a live rank more than ``max_staleness`` aggregates behind the parameters its next
   gradient is computed on; then it waits for that rank (Ho et al., 2013, SSP).
@@ -65,6 +69,8 @@ SCALINGS = {"plain": pb.STEP_SCALING_PLAIN, "share": pb.STEP_SCALING_SHARE,
             "staleness": pb.STEP_SCALING_STALENESS,
             "share+staleness": pb.STEP_SCALING_SHARE_STALENESS}
 _SCALING_NAMES = {v: k for k, v in SCALINGS.items()}
+#: Closed steps whose arrivals an adaptive Quorum timeout is measured on.
+ADAPT_STEPS = 16
 
 
 class SyncMode:
@@ -99,14 +105,18 @@ class SyncMode:
         """Why a contribution ``staleness`` aggregates old is dropped ("" if it is taken)."""
         return ""
 
-    def deadline(self, first_at: float) -> float | None:
+    def deadline(self, first_at: float, recent: Sequence[Sequence[float]]) -> float | None:
         """When the open step, first contributed to at ``first_at``, may close without every
-        live rank (None: never before they all contributed or reached a barrier)."""
+        live rank (None: never before they all contributed or reached a barrier). ``recent``:
+        the last closed steps' arrivals, each the seconds from its first contribution to each
+        of its contributions in arrival order (the hub's measure of the ranks' spread)."""
         return None
 
-    def closes_early(self, got: int, live: int, waited: float) -> bool:
+    def closes_early(self, got: int, live: int, waited: float,
+                     recent: Sequence[Sequence[float]]) -> bool:
         """Whether a step with ``got`` contributions, of ``live`` ranks (live or contributed),
-        ``waited`` seconds after its first one, closes before every live rank contributed."""
+        ``waited`` seconds after its first one, closes before every live rank contributed
+        (``recent`` as for :meth:`deadline`)."""
         return False
 
     def factors(self, shares: Sequence[float], staleness: Sequence[int],
@@ -139,6 +149,9 @@ class Synchronous(SyncMode):
 class Quorum(SyncMode):
     """A step closes with every live rank, or with the first ``min_ranks`` once ``timeout``
     seconds have passed since its first contribution. Late contributions are dropped.
+    ``timeout=None`` (the default) adapts: twice the median, over the last
+    :data:`ADAPT_STEPS` steps, of the seconds from a step's first contribution to its
+    ``min_ranks``-th; until a step has shown it, a step waits for every live rank.
 
     Raises:
         ConfigurationError: ``min_ranks`` below 1, or ``timeout`` negative or not finite.
@@ -146,7 +159,7 @@ class Quorum(SyncMode):
 
     kind: ClassVar[int] = pb.SYNC_MODE_QUORUM
     min_ranks: int
-    timeout: float = 0.0
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.min_ranks, bool) or not isinstance(self.min_ranks, int) or (
@@ -154,11 +167,24 @@ class Quorum(SyncMode):
             raise ConfigurationError(
                 f"Quorum(min_ranks={self.min_ranks!r}): min_ranks must be a whole number of "
                 "ranks, at least 1")
-        _check_seconds("Quorum", "timeout", self.timeout)
+        if self.timeout is not None:
+            _check_seconds("Quorum", "timeout", self.timeout)
 
     def message(self) -> pb.SyncMode:
         return pb.SyncMode(kind=self.kind, min_ranks=self.min_ranks,
-                           timeout_seconds=float(self.timeout))
+                           timeout_seconds=float(self.timeout or 0.0),
+                           adaptive_timeout=self.timeout is None)
+
+    def wait(self, recent: Sequence[Sequence[float]]) -> float | None:
+        """Seconds a step waits after its first contribution before it may close with
+        ``min_ranks`` (None: until every live rank contributed)."""
+        if self.timeout is not None:
+            return self.timeout
+        spreads = sorted(arrivals[self.min_ranks - 1] for arrivals in list(recent)[-ADAPT_STEPS:]
+                         if len(arrivals) >= self.min_ranks)
+        if not spreads:
+            return None
+        return 2 * spreads[len(spreads) // 2]
 
     def drop_reason(self, staleness: int) -> str:
         if staleness > 0:
@@ -166,15 +192,19 @@ class Quorum(SyncMode):
                     "gradients only")
         return ""
 
-    def deadline(self, first_at: float) -> float | None:
-        return first_at + self.timeout
+    def deadline(self, first_at: float, recent: Sequence[Sequence[float]]) -> float | None:
+        wait = self.wait(recent)
+        return None if wait is None else first_at + wait
 
-    def closes_early(self, got: int, live: int, waited: float) -> bool:
-        return got >= min(self.min_ranks, live) and waited >= self.timeout
+    def closes_early(self, got: int, live: int, waited: float,
+                     recent: Sequence[Sequence[float]]) -> bool:
+        wait = self.wait(recent)
+        return wait is not None and got >= min(self.min_ranks, live) and waited >= wait
 
     @classmethod
     def from_fields(cls, message: pb.SyncMode) -> SyncMode:
-        return cls(int(message.min_ranks), float(message.timeout_seconds))
+        return cls(int(message.min_ranks), None if message.adaptive_timeout
+                   else float(message.timeout_seconds))
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,8 @@ def mode_of(args):
     import gradstar
 
     if args.mode == "quorum":
-        return gradstar.Quorum(min_ranks=args.min_ranks, timeout=args.timeout)
+        return gradstar.Quorum(min_ranks=args.min_ranks, timeout=None if (
+            args.timeout == "adaptive") else float(args.timeout))
     scaling = {} if args.scaling is None else {"scaling": args.scaling}
     if args.mode == "bounded":
         return gradstar.BoundedStaleness(max_staleness=args.max_staleness, **scaling)
@@ -210,7 +211,7 @@ def main() -> None:
     parser.add_argument("mode", choices=["quorum", "bounded", "async", "sync"])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--min-ranks", type=int, default=3)
-    parser.add_argument("--timeout", type=float, default=0.0)
+    parser.add_argument("--timeout", default="0", help="Quorum's: seconds, or adaptive")
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--scaling", default=None, help="the ledger modes' step scaling "
                         "(default: the mode's)")

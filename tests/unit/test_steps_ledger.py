@@ -95,12 +95,47 @@ def test_quorum_needs_only_the_live_ranks_when_fewer_than_min_ranks_are_left():
     assert ledger.steps == 1  # every live rank contributed
 
 
+def test_quorums_adaptive_timeout_is_twice_the_recent_spread_to_min_ranks():
+    clock = Clock()
+    t = table(clock)
+    ledger = t.ledger("j", "m", 3)
+    mode = Quorum(min_ranks=2)  # timeout=None: it adapts
+    assert mode.timeout is None and from_message(mode.message()) == mode
+    give(t, ledger, 0, mode, 1.0)
+    clock.now = 0.1
+    give(t, ledger, 1, mode, 1.0)
+    assert ledger.deadline() is None  # nothing measured yet: the first step waits for all
+    clock.now = 5.0
+    t.close_due()
+    assert ledger.steps == 0
+    clock.now = 5.15
+    give(t, ledger, 2, mode, 1.0)
+    assert ledger.steps == 1 and ledger.arrivals[-1] == pytest.approx((0.0, 0.1, 5.15))
+    # Rank 2 was 5 s behind the others, who took 0.1 s to the second gradient: wait 0.2 s.
+    for rank, at in ((0, 6.0), (1, 6.05)):
+        clock.now = at
+        catch_up(t, ledger, rank)
+        give(t, ledger, rank, mode, 2.0)
+    assert ledger.deadline() == pytest.approx(6.2)
+    clock.now = 6.19
+    t.close_due()
+    assert ledger.steps == 1  # not yet: the missing rank is not later than the spread
+    clock.now = 6.2
+    t.close_due()
+    assert ledger.steps == 2 and ledger.log[-1].ranks == (0, 1)
+    late = give(t, ledger, 2, mode, 3.0, base=0)  # rank 2 computed before step 1 closed
+    assert not late.accepted and ledger.ranks[2].dropped == 1
+    # A fixed timeout ignores the spread.
+    assert Quorum(2, 0.5).deadline(1.0, ledger.arrivals) == 1.5
+    assert Quorum(2).wait([(0.0, 0.1), (0.0, 0.3), (0.0, 0.2), (0.0,)]) == pytest.approx(0.4)
+
+
 def test_weighted_mean_in_rank_order_whatever_the_arrival_order():
     aggregates = []
     for order in ([0, 1, 2], [2, 0, 1]):
         t = table()
         ledger = t.ledger("j", "m", 3)
-        mode = Quorum(min_ranks=3)
+        mode = Quorum(min_ranks=3, timeout=0.0)
         values = {0: np.float32(0.1), 1: np.float32(1e7), 2: np.float32(-1e7)}
         weights = {0: 1.0, 1: 2.0, 2: 2.0}
         for rank in order:
@@ -115,7 +150,7 @@ def test_weighted_mean_in_rank_order_whatever_the_arrival_order():
 def test_zero_weights_make_a_zero_aggregate():
     t = table()
     ledger = t.ledger("j", "m", 2)
-    mode = Quorum(min_ranks=2)
+    mode = Quorum(min_ranks=2, timeout=0.0)
     give(t, ledger, 0, mode, 5.0, weight=0.0)
     give(t, ledger, 1, mode, 7.0, weight=0.0)
     np.testing.assert_array_equal(ledger.log[-1].aggregate, grad(0.0))
@@ -271,7 +306,7 @@ def test_synchronize_closes_the_open_step_once_every_live_rank_arrived():
 def test_bad_contributions_are_named_and_leave_the_open_step_alone():
     t = table()
     ledger = t.ledger("j", "m", 2)
-    mode = Quorum(min_ranks=2)
+    mode = Quorum(min_ranks=2, timeout=0.0)
     give(t, ledger, 0, mode, 1.0)
     bad = [
         (lambda: give(t, ledger, 0, mode, 2.0), "twice"),
@@ -280,7 +315,7 @@ def test_bad_contributions_are_named_and_leave_the_open_step_alone():
         (lambda: give(t, ledger, 1, mode, 2.0, base=5), "only 0 steps"),
         (lambda: ledger.contribute(1, mode, 0, 0, 1.0, np.zeros(N + 1, np.float32)),
          "values"),
-        (lambda: give(t, ledger, 1, Quorum(min_ranks=1), 2.0), "same mode"),
+        (lambda: give(t, ledger, 1, Quorum(min_ranks=1, timeout=0.0), 2.0), "same mode"),
         (lambda: give(t, ledger, 1, Asynchronous(), 2.0), "same mode"),
         (lambda: t.ledger("j", "m", 1), "2 ranks"),  # a job shrinks by ranks leaving
         (lambda: ledger.fetch(1, 3), "only 0 steps"),
@@ -297,7 +332,7 @@ def test_bad_contributions_are_named_and_leave_the_open_step_alone():
 def test_a_mode_switches_only_at_a_barrier_every_live_rank_asked_it_at():
     t = table()
     ledger = t.ledger("j", "m", 2)
-    q = Quorum(min_ranks=2)
+    q = Quorum(min_ranks=2, timeout=0.0)
     give(t, ledger, 0, q, 1.0)
     # A contribution never switches: another mode, or a later epoch, is refused as it is.
     for mode, epoch in ((Asynchronous(), 0), (Asynchronous(), 1), (q, 2**64 - 1)):
@@ -326,7 +361,7 @@ def test_a_mode_switches_only_at_a_barrier_every_live_rank_asked_it_at():
 def test_extreme_finite_weights_give_the_exact_weighted_mean():
     t = table()
     ledger = t.ledger("j", "m", 2)
-    mode = Quorum(min_ranks=2)
+    mode = Quorum(min_ranks=2, timeout=0.0)
     cases = [((1.0, 1e39), 2.0), ((1e-46, 1e-46), 1.5), ((1e308, 1e308), 1.5),
              ((0.0, 5e-324), 2.0), ((3.0, 1.0), 1.25)]
     for (w0, w1), expected in cases:
@@ -347,8 +382,8 @@ def test_a_refused_header_leaves_the_ledger_as_it_was():
         ledger.check_header(1, Asynchronous(), 2**64 - 1, N, 0, 1.0)
     assert (ledger.mode, ledger.mode_epoch, ledger.numel, ledger.wire,
             ledger.hyper_len) == before
-    give(t, ledger, 0, Quorum(min_ranks=2), 1.0)  # an honest rank still names the mode
-    assert ledger.mode == Quorum(min_ranks=2)
+    give(t, ledger, 0, Quorum(min_ranks=2, timeout=0.0), 1.0)  # an honest rank still names the mode
+    assert ledger.mode == Quorum(min_ranks=2, timeout=0.0)
 
 
 def test_ranks_expiring_together_settle_each_ledger_once(monkeypatch):
@@ -390,9 +425,9 @@ def test_history_and_memory_are_bounded():
         ledger.fetch(1, 0)
     big = table(max_held_bytes=N * 4)
     ledger = big.ledger("j", "m", 2)
-    give(big, ledger, 0, Quorum(min_ranks=2), 1.0)
+    give(big, ledger, 0, Quorum(min_ranks=2, timeout=0.0), 1.0)
     with pytest.raises(HubCapacityError, match="refused"):
-        give(big, ledger, 1, Quorum(min_ranks=2), 1.0)
+        give(big, ledger, 1, Quorum(min_ranks=2, timeout=0.0), 1.0)
     assert big.drop_idle(0.0) == ["j"] and big.held_bytes == 0
 
 
@@ -474,7 +509,7 @@ def test_a_snapshot_older_than_the_log_is_not_joinable_until_a_fresh_one_comes()
 def test_a_step_carries_its_contributions_weighted_mean_hyperparameters():
     t = table()
     ledger = t.ledger("j", "m", 2)
-    q = Quorum(min_ranks=2)
+    q = Quorum(min_ranks=2, timeout=0.0)
     ledger.contribute(0, q, 0, 0, 1.0, grad(1), hyper=(0.1, 0.9))
     ledger.contribute(1, q, 0, 0, 3.0, grad(1), hyper=(0.5, 0.9))
     assert ledger.log[-1].hyper == pytest.approx((0.4, 0.9))  # (0.1 + 3 * 0.5) / 4
@@ -488,7 +523,7 @@ def test_a_step_carries_its_contributions_weighted_mean_hyperparameters():
 def test_a_ledger_grows_with_its_job_and_counts_the_new_rank_from_its_first_call():
     t = table()
     ledger = t.ledger("j", "m", 2)
-    q = Quorum(min_ranks=3)  # as many as are live, while fewer are
+    q = Quorum(min_ranks=3, timeout=0.0)  # as many as are live, while fewer are
     give(t, ledger, 0, q, 1.0)
     give(t, ledger, 1, q, 3.0)
     assert ledger.steps == 1

@@ -16,7 +16,7 @@ from gradstar.sync_modes import Asynchronous, Quorum, Synchronous
 from gradstar.wire.formats import FORMATS, WIRE_NONE, decode, roundtrip
 
 N = 200  # elements per gradient: three int8 blocks and a short one
-QUORUM = Quorum(min_ranks=2)
+QUORUM = Quorum(min_ranks=2, timeout=0.0)
 
 
 def grad(seed: int) -> np.ndarray:
@@ -108,13 +108,13 @@ class Modes(SyncModes):
 
 
 def test_weights_with_a_wire_format_are_taken_in_ledger_modes_and_refused_in_synchronous():
-    ledger = Modes(Quorum(min_ranks=2))
+    ledger = Modes(Quorum(min_ranks=2, timeout=0.0))
     ledger.contribution_weight = 3
     assert ledger.contribution_weight == 3.0
     with pytest.raises(ConfigurationError, match="not carried with a wire format in "
                                                  "Synchronous"):
         ledger.set_sync_mode(Synchronous())
-    assert ledger.sync_mode == Quorum(min_ranks=2)  # refused before anything changed
+    assert ledger.sync_mode == Quorum(min_ranks=2, timeout=0.0)  # refused before anything changed
     synchronous = Modes(Synchronous())
     with pytest.raises(ConfigurationError, match="Synchronous"):
         synchronous.contribution_weight = 2.0

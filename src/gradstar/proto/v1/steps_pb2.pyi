@@ -35,18 +35,20 @@ STEP_SCALING_STALENESS: StepScaling
 STEP_SCALING_SHARE_STALENESS: StepScaling
 
 class SyncMode(_message.Message):
-    __slots__ = ("kind", "min_ranks", "timeout_seconds", "max_staleness", "scaling")
+    __slots__ = ("kind", "min_ranks", "timeout_seconds", "adaptive_timeout", "max_staleness", "scaling")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MIN_RANKS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     SCALING_FIELD_NUMBER: _ClassVar[int]
     kind: SyncModeKind
     min_ranks: int
     timeout_seconds: float
+    adaptive_timeout: bool
     max_staleness: int
     scaling: StepScaling
-    def __init__(self, kind: _Optional[_Union[SyncModeKind, str]] = ..., min_ranks: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ..., scaling: _Optional[_Union[StepScaling, str]] = ...) -> None: ...
+    def __init__(self, kind: _Optional[_Union[SyncModeKind, str]] = ..., min_ranks: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., adaptive_timeout: _Optional[bool] = ..., max_staleness: _Optional[int] = ..., scaling: _Optional[_Union[StepScaling, str]] = ...) -> None: ...
 
 class StepsKey(_message.Message):
     __slots__ = ("job", "model", "rank", "world_size", "generation", "member_id")
