@@ -183,7 +183,7 @@ def report(configs: list[dict], results: list[list[dict]], ranks: int) -> tuple[
             versus = f"{100 * (mid - ref):+.1f} pt"
         else:
             diverged = sum(not math.isfinite(v) or v > 10 * ref for v in values)
-            versus = f"{mid / ref:.2f}x"
+            versus = f"{mid / ref:.3g}x"
         fast = statistics.median(r["fast_s"] for r in got) / ref_s
         rows.append({"problem": problem, "mode": mode, "scaling": scaling, "metric": values,
                      "median": mid, "versus_sync": versus, "diverged": diverged,

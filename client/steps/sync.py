@@ -173,7 +173,8 @@ class StepSync:
                 self.mode, self.mode_epoch, self.have, weight, flat.numpy(), self.timeout,
                 self.wire, fetch_limit=FETCH_LIMIT,
                 await_step=POLL_SECONDS if self.mode.waits_for_own_step else 0.0,
-                hyper=tuple(v for _, _, v in read_hyper(self._optimizer))))
+                hyper=tuple(v for _, _, v in read_hyper(self._optimizer)),
+                buffers=flat.shape[0] - self.numel))
         except REFUSED:
             self._restore(saved)
             raise

@@ -13,7 +13,7 @@ from gradstar.wire.formats import format_from_wire
 
 
 def check_header(ledger, rank: int, mode: SyncMode, mode_epoch: int, numel: int,
-                 base: int, weight: float, wire: int, hyper: tuple[float, ...],
+                 base: int, weight: float, wire: int, hyper: tuple[float, ...], buffers: int,
                  max_numel: int) -> None:
     """Refuse a contribution to ``ledger`` before its data is read; this never changes the
     ledger (a refused header leaves its mode, epoch and size as they were).
@@ -37,6 +37,10 @@ def check_header(ledger, rank: int, mode: SyncMode, mode_epoch: int, numel: int,
     if ledger.numel is not None and numel != ledger.numel:
         raise StepMismatchError(f"{who} sent {numel} gradient values to model "
                                 f"{ledger.model!r}, whose gradients have {ledger.numel}")
+    if buffers > numel or (ledger.numel is not None and buffers != ledger.buffer_numel):
+        raise StepMismatchError(f"{who} sent {buffers} buffer values of {numel} to model "
+                                f"{ledger.model!r}, whose contributions carry "
+                                f"{ledger.buffer_numel}; every rank must send the same buffers")
     if base > ledger.steps:
         raise StepMismatchError(f"{who} contributed a gradient computed after {base} "
                                 f"aggregates, but only {ledger.steps} steps closed")

@@ -104,6 +104,8 @@ class StepLedger:
         self.numel: int | None = None
         #: How many optimizer hyperparameters a contribution carries (set with ``numel``).
         self.hyper_len: int | None = None
+        #: Of ``numel``, the trailing module buffers' values (averaged, never scaled).
+        self.buffer_numel = 0
         #: The contributions' and aggregates' wire format (None: float32), set with ``numel``.
         self.wire = None
         self.mode: SyncMode | None = None
@@ -233,10 +235,10 @@ class StepLedger:
 
     def check_header(self, rank: int, mode: SyncMode, mode_epoch: int, numel: int,
                      base: int, weight: float, wire: int = WIRE_NONE,
-                     hyper: tuple[float, ...] = ()) -> None:
+                     hyper: tuple[float, ...] = (), buffers: int = 0) -> None:
         """Refuse a contribution before its data is read (:func:`.checks.check_header`, with
         the host's size limit); it never changes the ledger."""
-        check_header(self, rank, mode, mode_epoch, numel, base, weight, wire, hyper,
+        check_header(self, rank, mode, mode_epoch, numel, base, weight, wire, hyper, buffers,
                      self.host.max_numel)
 
     def within_bound(self) -> bool:
@@ -261,8 +263,9 @@ class StepLedger:
 
     def contribute(self, rank: int, mode: SyncMode, mode_epoch: int, base: int,
                    weight: float, data: np.ndarray, wire: int = WIRE_NONE,
-                   hyper: tuple[float, ...] = ()) -> Contributed:
-        """Take ``rank``'s gradient (float32: decoded from ``wire`` by the servicer). In the
+                   hyper: tuple[float, ...] = (), buffers: int = 0) -> Contributed:
+        """Take ``rank``'s gradient (float32: decoded from ``wire`` by the servicer; its last
+        ``buffers`` values module buffers, never scaled). In the
         modes that push, a rank's gradient arriving while its previous one is still in the
         open step closes that step first (see :meth:`must_wait`).
 
@@ -270,13 +273,14 @@ class StepLedger:
         data arrived); HubCapacityError: holding it would pass the hub's memory bound.
         """
         state = self.seen(rank)
-        self.check_header(rank, mode, mode_epoch, data.shape[0], base, weight, wire, hyper)
+        self.check_header(rank, mode, mode_epoch, data.shape[0], base, weight, wire, hyper,
+                          buffers)
         if rank in self.open.contributions:  # a push (checked: this mode pushes, in bound)
             self.close()
         if self.mode is None:  # the ledger's first contribution names its mode
             self.mode = mode
         self.numel, self.wire = data.shape[0], format_from_wire(wire)
-        self.hyper_len = len(hyper)
+        self.hyper_len, self.buffer_numel = len(hyper), buffers
         staleness = self.steps - base
         reason = self.mode.drop_reason(staleness)
         if reason:
@@ -338,7 +342,7 @@ class StepLedger:
         # the ranks live now (or contributing).
         factors = self.mode.factors(shares([c.weight for c in parts]),
                                     [c.staleness for c in parts], len(self.live() | set(ranks)))
-        values, hyper = aggregate(parts, self.numel, factors)
+        values, hyper = aggregate(parts, self.numel, factors, self.buffer_numel)
         if self.wire is not None:  # encoded once: every rank decodes the same bytes
             values = np.frombuffer(encode(self.wire, values), dtype=np.uint8)
         account.hold(self.job, -sum(c.data.nbytes for c in parts))

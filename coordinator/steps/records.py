@@ -135,21 +135,24 @@ def shares(weights: list[float]) -> list[float]:
     return [w / total for w in scaled]
 
 
-def aggregate(parts: list[Contribution], numel: int, factors: list[float],
+def aggregate(parts: list[Contribution], numel: int, factors: list[float], buffers: int = 0,
               ) -> tuple[np.ndarray, tuple[float, ...]]:
     """The sum of ``parts``, each times its factor rounded to float32 (the mode's
     :meth:`~gradstar.sync_modes.SyncMode.factors` of the weights' :func:`shares`), in the given
-    order in float32 (the same bytes whichever rank arrived first); zeros when every weight is
-    0. And their hyperparameters' weighted mean (float64; the plain mean when every weight is
-    0)."""
+    order in float32 (the same bytes whichever rank arrived first); the last ``buffers``
+    values (module buffers) times each weight's share instead, never scaled; zeros when every
+    weight is 0. And their hyperparameters' weighted mean (float64; the plain mean when every
+    weight is 0)."""
     out = np.zeros(numel, dtype=np.float32)
     if not parts:
         return out, ()
     weighted = shares([c.weight for c in parts])
     if any(c.weight > 0 for c in parts):
         scratch = np.empty_like(out)
-        for c, factor in zip(parts, factors, strict=True):
-            np.multiply(c.data, np.float32(factor), out=scratch)
+        cut = numel - buffers
+        for c, factor, share in zip(parts, factors, weighted, strict=True):
+            np.multiply(c.data[:cut], np.float32(factor), out=scratch[:cut])
+            np.multiply(c.data[cut:], np.float32(share), out=scratch[cut:])
             np.add(out, scratch, out=out)
     hyper = tuple(math.fsum(w * c.hyper[i] for w, c in zip(weighted, parts, strict=True))
                   for i in range(len(parts[0].hyper)))

@@ -81,7 +81,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             mode = from_message(h.mode)
             # Refused before any memory is taken for it.
             ledger.check_header(h.key.rank, mode, h.mode_epoch, h.numel, h.base, h.weight,
-                                h.wire, tuple(h.hyper))
+                                h.wire, tuple(h.hyper), h.buffer_numel)
             fmt = format_from_wire(h.wire)
             # The received bytes, and the float32 values an encoded gradient decodes to.
             size = 4 * h.numel if fmt is None else fmt.encoded_nbytes(h.numel) + 4 * h.numel
@@ -96,7 +96,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
                                      MAX_WAIT)
                 reservation.release()  # the step holds it from here (no await in between)
                 verdict = ledger.contribute(h.key.rank, mode, h.mode_epoch, h.base, h.weight,
-                                            data, h.wire, tuple(h.hyper))
+                                            data, h.wire, tuple(h.hyper), h.buffer_numel)
             finally:
                 reservation.release()
             self._arm_timer()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -136,9 +137,15 @@ def replay(contributions: dict[int, list[dict]], steps: list[dict], wire: str | 
                 *(p.grad.reshape(-1) for p in probe.parameters()),
                 *(b.reshape(-1).to(torch.float32) for b in probe.buffers())])))
         aggregate = torch.zeros_like(grads[0][1])
-        if entry.get("factors"):  # as the hub: each times its factor in float32, rank order
-            for factor, (_, g) in zip(entry["factors"], grads, strict=True):
-                aggregate += g * torch.tensor(factor, dtype=torch.float32)
+        if entry.get("factors"):  # as the hub: each times its factor in float32, rank order;
+            # the buffers after the gradient times each weight's share, never scaled
+            cut = sum(p.numel() for p in model.parameters())
+            top = max(entry["weights"])
+            total = math.fsum(w / top for w in entry["weights"]) if top > 0 else 1.0
+            for factor, (w, g) in zip(entry["factors"], grads, strict=True):
+                share = w / top / total if top > 0 else 1.0 / len(grads)
+                aggregate[:cut] += g[:cut] * torch.tensor(factor, dtype=torch.float32)
+                aggregate[cut:] += g[cut:] * torch.tensor(share, dtype=torch.float32)
         else:  # Synchronous: the weighted mean
             for w, g in grads:
                 aggregate += g * torch.tensor(w, dtype=torch.float32)

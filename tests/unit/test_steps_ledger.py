@@ -231,6 +231,20 @@ def test_the_default_scaling_is_the_steps_share_of_the_live_ranks():
         Asynchronous(scaling="lr")
 
 
+def test_module_buffers_after_the_gradient_are_averaged_never_scaled():
+    # 2 gradient values, then 2 buffer values (BatchNorm's statistics): a step of 1 of 2 live
+    # ranks scales the gradient by 1/2 and keeps the buffers' mean as it is.
+    t = table()
+    ledger = t.ledger("j", "m", 2)
+    mode = Asynchronous()
+    data = np.array([4.0, 8.0, 10.0, 3.0], np.float32)
+    ledger.contribute(0, mode, 0, 0, 1.0, data, buffers=2)
+    ledger.contribute(0, mode, 0, 0, 1.0, data, buffers=2)  # its push closes step 1 alone
+    np.testing.assert_array_equal(ledger.log[0].aggregate, [2.0, 4.0, 10.0, 3.0])
+    with pytest.raises(StepMismatchError, match="buffer values"):
+        ledger.contribute(1, mode, 0, 0, 1.0, data, buffers=1)
+
+
 def test_bounded_staleness_waits_for_a_rank_that_would_fall_too_far_behind():
     t = table()
     ledger = t.ledger("j", "m", 2)
