@@ -23,24 +23,25 @@ mode; what differs is what a step waits for:
 **Step scaling** (BoundedStaleness and Asynchronous, ``scaling=``). A step of those modes holds
 whatever arrived, often one or two gradients of n, and the fast ranks close about one step per
 gradient: at the learning rate Synchronous trains well the parameters move up to n times as far
-per gradient, and stale momentum adds to it (measured: Asynchronous diverged at Synchronous's
-rate). So by default (``"share"``) the hub scales each step's aggregate by the step's share of
-the live ranks, k/n for k contributions of n live ranks: every gradient then moves the
-parameters as far as it does in a Synchronous step (its 1/n of a mean of n). ``"staleness"``
-instead scales each contribution by 1 / (1 + its staleness) (staleness-aware ASGD, Zhang et al.,
-2016), ``"share+staleness"`` does both, ``"plain"`` neither (the weighted mean as it is; retune
-the learning rate). The factor is on the gradient, so an optimizer that normalises its gradient
-(Adam) sees little of it. Each step records the factors it was made with
+per gradient, and stale gradients with momentum add to it (measured: both diverged at twice
+Synchronous's best rate). By default (``"share+staleness"``) the hub scales each contribution
+by the step's share of the live ranks, k/n for k contributions of n live ranks (every fresh
+gradient then moves the parameters as far as in a Synchronous step: its 1/n of a mean of n),
+and by 1 / (1 + its staleness) (staleness-aware ASGD, Zhang et al., 2016). ``"share"`` and
+``"staleness"`` apply one of them, ``"plain"`` neither (the weighted mean as it is, the rule
+before the scaling; retune the learning rate). The factor is on the gradient (module buffers
+sent after it are averaged as they are), so an optimizer that normalises its gradient (Adam)
+sees little of it. Each step records the factors it was made with
 (``ddp.sync_stats().recent_steps``).
 
-Each mode object answers the questions the hub and the rank ask of it (:class:`SyncMode`): whether a
-step may close early, whether a late gradient is dropped, whether a rank's next gradient may
-arrive while its previous one is in the open step (it *pushes*), whether a rank waits for its
-own step, when the open step's deadline falls, and how a closed step is scaled; nobody else
-branches on the mode. The objects are plain values: the client sends them in every
-contribution's header (:meth:`SyncMode.message`), the hub reads them back
-(:func:`from_message`, one row per proto value in :data:`MODES`) and refuses a rank whose mode
-differs from its peers'. No torch, no I/O here.
+Each mode object answers the questions the hub and the rank ask of it (:class:`SyncMode`):
+whether a step may close early, whether a late gradient is dropped, whether a rank's next
+gradient may arrive while its previous one is in the open step (it *pushes*), whether a rank
+waits for its own step, when the open step's deadline falls, and how a closed step is scaled;
+nobody else branches on the mode. The objects are plain values: the client sends them in every
+contribution's header (:meth:`SyncMode.message`), the hub reads them back (:func:`from_message`,
+one row per proto value in :data:`MODES`) and refuses a rank whose mode differs from its
+peers'. No torch, no I/O here.
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ class BoundedStaleness(SyncMode):
     kind: ClassVar[int] = pb.SYNC_MODE_BOUNDED_STALENESS
     pushes: ClassVar[bool] = True
     max_staleness: int
-    scaling: str = "share"
+    scaling: str = "share+staleness"
 
     def __post_init__(self) -> None:
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or (
@@ -260,7 +261,7 @@ class Asynchronous(SyncMode):
 
     kind: ClassVar[int] = pb.SYNC_MODE_ASYNCHRONOUS
     pushes: ClassVar[bool] = True
-    scaling: str = "share"
+    scaling: str = "share+staleness"
 
     def __post_init__(self) -> None:
         _check_scaling("Asynchronous", self.scaling)

@@ -118,13 +118,14 @@ def assert_identical_and_replayed(reports: dict[int, dict], rtol=1e-6, atol=1e-7
     return residuals
 
 
-def assert_share_scaling(steps: list[dict], live: int = WORLD) -> None:
+def assert_default_scaling(steps: list[dict], live: int = WORLD) -> None:
     """Every step the ranks applied was scaled by the default rule, computed here by hand from
     the record: each contribution's weight over the step's weights, times the step's share of
-    the ``live`` ranks (its contributions over ``live``), as float32."""
+    the ``live`` ranks (its contributions over ``live``), over 1 + its staleness, as float32."""
     for step in steps:
         weights = step["weights"]
-        by_hand = [w / sum(weights) * len(weights) / live for w in weights]
+        by_hand = [w / sum(weights) * len(weights) / live / (1 + s)
+                   for w, s in zip(weights, step["staleness"], strict=True)]
         np.testing.assert_allclose(step["factors"], np.float32(by_hand), rtol=1e-7,
                                    err_msg=f"step {step['step']}")
     assert any(len(step["ranks"]) < live for step in steps)  # some step was a partial one
@@ -181,7 +182,7 @@ def test_bounded_staleness_stays_within_its_bound_and_replicas_agree():
     reports = asyncio.run(run_modes("bounded", "--max-staleness", "2",
                                     "--delays", "0.01,0.03,0.02,0.2", "--steps", "10"))
     assert_identical_and_replayed(reports)
-    assert_share_scaling(record(reports))
+    assert_default_scaling(record(reports))
     every = [s for step in record(reports) for s in step["staleness"]]
     assert max(every) <= 2
     assert max(every) >= 1  # the slow rank's gradients were stale: the bound was exercised
@@ -195,7 +196,7 @@ def test_asynchronous_weighted_contributions_equal_the_weighted_replay():
                for r, w in zip(s["ranks"], s["weights"], strict=True)}
     assert weights == {0: 1.0, 1: 2.0, 2: 3.0, 3: 0.5}
     assert sum(len(s["ranks"]) for s in record(reports)) == WORLD * 8  # none dropped
-    assert_share_scaling(record(reports))
+    assert_default_scaling(record(reports))
 
 
 def test_asynchronous_plain_scaling_applies_the_weighted_mean_as_it_is():

@@ -216,17 +216,24 @@ def test_each_steps_scaling_is_the_hand_computed_one_for_a_fixed_schedule(make, 
         np.testing.assert_array_equal(step.aggregate, np.full(N, expected, np.float32))
 
 
-def test_the_default_scaling_is_the_steps_share_of_the_live_ranks():
-    assert Asynchronous() == Asynchronous(scaling="share")
-    assert BoundedStaleness(2) == BoundedStaleness(2, scaling="share")
+def test_the_default_scaling_is_the_share_of_the_live_ranks_over_one_plus_staleness():
+    assert Asynchronous() == Asynchronous(scaling="share+staleness")
+    assert BoundedStaleness(2) == BoundedStaleness(2, scaling="share+staleness")
     t = table()
     ledger = t.ledger("j", "m", 4)
     t.rank_gone("j", 3, "lost")  # 3 live ranks: a step of 2 of them is 2/3 of a full one
     give(t, ledger, 0, Asynchronous(), 3.0)
     give(t, ledger, 1, Asynchronous(), 6.0)
-    give(t, ledger, 0, Asynchronous(), 0.0, base=0)  # closes step 1
-    np.testing.assert_array_equal(ledger.log[0].aggregate, grad(np.float32(3.0) * np.float32(
-        1 / 3) + np.float32(6.0) * np.float32(1 / 3)))
+    give(t, ledger, 0, Asynchronous(), 2.0, base=0)  # closes step 1; joins step 2, 1 stale
+    give(t, ledger, 2, Asynchronous(), 9.0, base=1)  # fresh
+    give(t, ledger, 0, Asynchronous(), 0.0, base=1)  # closes step 2
+    third = np.float32(1 / 3)
+    np.testing.assert_array_equal(ledger.log[0].aggregate, grad(
+        np.float32(3.0) * third + np.float32(6.0) * third))
+    # Step 2: rank 0's gradient 1 step stale (1/3 / 2), rank 2's fresh (1/3).
+    assert ledger.log[1].factors == (float(np.float32(1 / 6)), float(third))
+    np.testing.assert_array_equal(ledger.log[1].aggregate, grad(
+        np.float32(2.0) * np.float32(1 / 6) + np.float32(9.0) * third))
     with pytest.raises(ConfigurationError, match="scaling"):
         Asynchronous(scaling="lr")
 
