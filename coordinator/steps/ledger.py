@@ -24,22 +24,18 @@ One ledger per (job, model). Protocol, per rank:
    it once and every rank gets the same bytes. Each contribution carries its rank's optimizer
    hyperparameters (lr, ...); a step records their weighted mean, and every rank applies the
    step with those values (a per-rank LR schedule cannot split the replicas).
-   **Wire formats**: a ledger's contributions travel in one wire format (DDP's ``wire=``, set
-   by the first contribution; another is :class:`StepMismatchError` for its sender). The hub
-   decodes each to float32 on receipt (its encoded size checked against ``numel``), adds in
-   float32, and keeps the aggregate encoded once in that format: every rank decodes the same
-   bytes, and the log holds encoded bytes. The ranks keep their own residuals (error
-   feedback); a dropped contribution is answered before anything of it is kept, so the rank
-   restores the residual it had before it.
+   **Wire formats**: one per ledger (DDP's ``wire=``, set by the first contribution); the
+   servicer decodes each contribution to float32, the aggregate is encoded once and logged
+   encoded: every rank decodes the same bytes. A dropped contribution is answered before
+   anything of it is kept, so the rank restores its residual (error feedback).
 3. **Fetch** ``(have)``: the aggregates after ``have``, in step order, with who made each
    (ranks, weights, staleness). The rank applies them with its own optimizer; from then on its
    parameters are at ``steps`` aggregates (its next base).
-4. **Liveness**: a rank is live while it calls (heartbeats, every second from the client)
-   within ``lease`` seconds, and until the rendezvous reports it lost or finished. A rank that
-   leaves the live set holds nobody; it is live again at its next call, and catches up from the
-   log (the last ``history`` aggregates, fewer under the hub's memory bound:
-   :class:`StepsBehindError` past it). A live rank's missing aggregates are kept past the
-   history (within the memory bound), e.g. while it waits in a barrier and others step on.
+4. **Liveness**: a rank is live while it calls (heartbeats every second) within the lease,
+   and until the rendezvous reports it lost or finished. A rank out of the live set holds
+   nobody; it is live again at its next call and catches up from the log (the last
+   ``history`` aggregates, fewer under the memory bound: :class:`StepsBehindError` past it; a
+   live rank's missing ones are kept past the history, e.g. while it waits in a barrier).
 5. **Snapshots**: the hub asks the lowest live rank (in a Contribute answer) for its whole
    state once no snapshot is ``SNAPSHOT_EVERY`` steps fresh; the rank sends it after applying
    the aggregates up to its step. A rank that joins mid-training (a restarted process) takes
