@@ -70,6 +70,9 @@ SCALINGS = {"plain": pb.STEP_SCALING_PLAIN, "share": pb.STEP_SCALING_SHARE,
             "staleness": pb.STEP_SCALING_STALENESS,
             "share+staleness": pb.STEP_SCALING_SHARE_STALENESS}
 _SCALING_NAMES = {v: k for k, v in SCALINGS.items()}
+#: What each scaling multiplies by: (the step's share of the live ranks, 1 / (1 + staleness)).
+_RULES = {"plain": (False, False), "share": (True, False), "staleness": (False, True),
+          "share+staleness": (True, True)}
 #: Closed steps whose arrivals an adaptive Quorum timeout is measured on.
 ADAPT_STEPS = 16
 
@@ -125,10 +128,9 @@ class SyncMode:
         """Each contribution's factor in a closed step's aggregate (float64, rank order):
         its weight's share (``shares``, summing to 1) times the mode's scaling, for a step of
         ``len(shares)`` contributions when ``live`` ranks are live (or contributed)."""
-        share = len(shares) / max(live, len(shares)) if "share" in self.scaling.split("+") \
-            else 1.0
-        discount = "staleness" in self.scaling.split("+")
-        return [w * share / (1 + s if discount else 1) for w, s in
+        by_share, by_staleness = _RULES[self.scaling]
+        share = len(shares) / max(live, len(shares)) if by_share else 1.0
+        return [w * share / (1 + s if by_staleness else 1) for w, s in
                 zip(shares, staleness, strict=True)]
 
     @classmethod

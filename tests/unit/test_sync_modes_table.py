@@ -66,6 +66,10 @@ def test_an_unknown_kind_or_scaling_is_a_named_error():
 def test_every_scaling_value_has_a_name():
     assert sorted(sync_modes.SCALINGS.values()) == sorted(
         v for v in pb.StepScaling.values() if v != 0)
+    for name in sync_modes.SCALINGS:  # every named rule computes its factors
+        mode = sync_modes.Asynchronous(scaling=name)
+        assert sync_modes.from_message(mode.message()) == mode
+        assert len(mode.factors([0.5, 0.5], [0, 2], 4)) == 2
     # Unspecified on the wire is the mode's default.
     assert sync_modes.from_message(pb.SyncMode(kind=pb.SYNC_MODE_ASYNCHRONOUS)) == (
         sync_modes.Asynchronous())
