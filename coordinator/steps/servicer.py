@@ -28,7 +28,7 @@ from gradstar.proto.v1 import steps_pb2_grpc
 from gradstar.sync_modes import from_message
 from gradstar.transport.auth import check_job_access
 from gradstar.transport.channels import PART_BYTES
-from gradstar.transport.status import abort
+from gradstar.transport.status import error_status
 from gradstar.wire.chunks import take_part
 from gradstar.wire.formats import WireFormat, decode, format_from_wire
 
@@ -73,7 +73,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
 
     async def Contribute(self, request_iterator: AsyncIterator[pb.ContributionPart],
                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepsPart]:
-        try:
+        async with error_status(context):
             parts = request_iterator.__aiter__()
             first = await _first(parts)
             h = first.header
@@ -104,9 +104,6 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
                 accepted=verdict.accepted, step=verdict.step, staleness=verdict.staleness,
                 steps=ledger.steps, reason=verdict.reason,
                 want_snapshot=ledger.wants_snapshot(h.key.rank, self.table.clock()))
-        except GradstarError as error:
-            await abort(context, error)
-            return
         # The contribution is taken: from here on the answer always carries the verdict.
         closed = None
         if h.fetch_limit:
@@ -120,7 +117,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
 
     async def Fetch(self, request: pb.FetchStepsRequest,
                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepsPart]:
-        try:
+        async with error_status(context):
             ledger = self._ledger(request.key)
             await self._wait(lambda: ledger.steps >= request.min_steps, request.wait_seconds)
             closed = None
@@ -128,25 +125,20 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
                 ledger.seen(request.key.rank)
             else:
                 closed = ledger.fetch(request.key.rank, request.have, request.limit)
-        except GradstarError as error:
-            await abort(context, error)
-            return
         async for part in _answer(ledger, closed):
             yield part
 
     async def Heartbeat(self, request: pb.StepsHeartbeat,
                         context: grpc.aio.ServicerContext) -> pb.StepsState:
-        try:
+        async with error_status(context):
             ledger = self._ledger(request.key)
             ledger.heartbeat(request.key.rank, request.have, request.leave)
             self._arm_timer()
             return _state(ledger)
-        except GradstarError as error:
-            await abort(context, error)
 
     async def Synchronize(self, request: pb.SynchronizeRequest,
                           context: grpc.aio.ServicerContext) -> pb.SynchronizeReply:
-        try:
+        async with error_status(context):
             ledger = self._ledger(request.key)
             rank, barrier = request.key.rank, request.barrier
             next_mode = (from_message(request.next_mode) if request.HasField("next_mode")
@@ -161,12 +153,10 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
                 ready=True, steps=outcome.steps, mode_epoch=outcome.mode_epoch,
                 mode=outcome.mode.message() if outcome.mode is not None else None,
                 switch_refused=outcome.refused)
-        except GradstarError as error:
-            await abort(context, error)
 
     async def PutSnapshot(self, request_iterator: AsyncIterator[pb.SnapshotPart],
                           context: grpc.aio.ServicerContext) -> pb.StepsState:
-        try:
+        async with error_status(context):
             parts = request_iterator.__aiter__()
             first = await _first(parts, "PutSnapshot")
             h = first.header
@@ -186,20 +176,15 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
                 reservation.release()
             await self._save(ledger)
             return _state(ledger)
-        except GradstarError as error:
-            await abort(context, error)
 
     async def GetSnapshot(self, request: pb.SnapshotRequest,
                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SnapshotPart]:
-        try:
+        async with error_status(context):
             ledger = self._ledger(request.key)
             ledger.seen(request.key.rank)
             # A snapshot older than the log's first aggregate cannot be replayed from: the
             # joiner waits for a fresh one (the hub asks a live rank for it meanwhile).
             await self._wait(ledger.joinable, request.wait_seconds)
-        except GradstarError as error:
-            await abort(context, error)
-            return
         snapshot = ledger.snapshot
         if snapshot is None or not ledger.joinable():
             yield pb.SnapshotPart(header=pb.SnapshotHeader(key=request.key))
