@@ -17,6 +17,7 @@ from gradstar.proto.v1 import steps_pb2_grpc
 from gradstar.sync_modes import SyncMode
 from gradstar.transport.channels import PART_BYTES, call_metadata, open_channel
 from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
+from gradstar.wire.chunks import split_parts
 from gradstar.wire.formats import WIRE_NONE, WireFormat, decode_into, encode, format_from_wire
 
 #: Longest one Fetch or Synchronize waits on the hub; the client asks again until its deadline.
@@ -265,6 +266,7 @@ async def _poll(ask, timeout: float, timed_out: str):
 
 async def _parts(part, header, data: bytes):
     """A request stream of ``part`` messages: the header, then the data in parts."""
-    yield part(header=header, data=data[:PART_BYTES])
-    for start in range(PART_BYTES, len(data), PART_BYTES):
-        yield part(data=data[start:start + PART_BYTES])
+    pieces = split_parts(data, PART_BYTES)
+    yield part(header=header, data=next(pieces, b""))
+    for piece in pieces:
+        yield part(data=piece)

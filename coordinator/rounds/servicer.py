@@ -18,7 +18,7 @@ from gradstar.proto.v1 import rounds_pb2_grpc
 from gradstar.transport.auth import check_job_access
 from gradstar.transport.channels import PART_BYTES
 from gradstar.transport.status import abort
-from gradstar.wire.chunks import take_part
+from gradstar.wire.chunks import split_parts, take_part
 from gradstar.wire.formats import FORMATS, WireFormat, decode_into, wire_format
 
 from ..rendezvous.jobs import check_job_name
@@ -107,8 +107,8 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
             return
         # The model may be replaced while this streams: send the arrays of this version only.
         data = held.params.astype("<f4", copy=False).tobytes()
-        for start in range(0, len(data), PART_BYTES):
-            yield pb.FetchPart(data=data[start:start + PART_BYTES])
+        for piece in split_parts(data, PART_BYTES):
+            yield pb.FetchPart(data=piece)
 
     async def _read_tensor(self, request_iterator, contribution: bool = False,
                            ) -> tuple[pb.TensorHeader, np.ndarray]:

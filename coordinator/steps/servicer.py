@@ -29,7 +29,7 @@ from gradstar.sync_modes import from_message
 from gradstar.transport.auth import check_job_access
 from gradstar.transport.channels import PART_BYTES
 from gradstar.transport.status import error_status
-from gradstar.wire.chunks import take_part
+from gradstar.wire.chunks import split_parts, take_part
 from gradstar.wire.formats import WireFormat, decode, format_from_wire
 
 from ..rendezvous.jobs import check_job_name
@@ -193,9 +193,8 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             key=request.key, steps=snapshot.steps, layout=snapshot.layout,
             nbytes=len(snapshot.data), mode_epoch=ledger.mode_epoch,
             barriers=ledger.barrier_done))
-        data = memoryview(snapshot.data)
-        for start in range(0, len(data), PART_BYTES):
-            yield pb.SnapshotPart(data=bytes(data[start:start + PART_BYTES]))
+        for piece in split_parts(memoryview(snapshot.data), PART_BYTES):
+            yield pb.SnapshotPart(data=piece)
 
     async def _save(self, ledger: StepLedger) -> None:
         """Write the ledger's snapshot to the state directory (if any), off the event loop;
@@ -336,9 +335,8 @@ async def _answer(ledger: StepLedger, closed: list[ClosedStep] | None,
         wire=ledger.wire.wire if ledger.wire is not None else 0, contributed=contributed))
     # The aggregates are never changed once closed: stream them as they are (encoded).
     for step in closed:
-        data = memoryview(step.aggregate).cast("B")
-        for start in range(0, len(data), PART_BYTES):
-            yield pb.StepsPart(data=bytes(data[start:start + PART_BYTES]))
+        for piece in split_parts(memoryview(step.aggregate).cast("B"), PART_BYTES):
+            yield pb.StepsPart(data=piece)
 
 
 def _state(ledger: StepLedger) -> pb.StepsState:
