@@ -32,7 +32,8 @@ The task
     accuracy swings by points from one snapshot to the next, so their final accuracy would be
     wherever a swing ended; 1200 iterations converge. Quorum closes a step with
     ``min_ranks`` = n - ranks per host (every host but one; the slow one's late gradients are
-    dropped) and ``timeout=0``; BoundedStaleness with ``--max-staleness`` (2).
+    dropped) and ``timeout=0``; BoundedStaleness with ``--max-staleness`` (2); both stale modes
+    with their default step scaling, or ``--scaling`` (``plain``: the rule before it).
 
 What is measured
     Rank 0 (node0, never slowed) saves its parameters every ``--snap-every`` iterations with the
@@ -72,6 +73,8 @@ from _host_cpu import HostCpu
 from cluster import STORE_PORT, Layout, Placement, Run, rank_env, start_hub
 from emulated_cluster import ClusterUnavailable, EmulatedCluster
 
+from gradstar.sync_modes import SCALINGS
+
 MODES = ("gloo", "sync", "quorum", "bounded", "async")
 MB = 1e6
 
@@ -92,8 +95,9 @@ def make_mode(spec: dict):
     if spec["mode"] == "quorum":  # every host but one: the slowest host's gradients dropped
         return gradstar.Quorum(min_ranks=spec["world_size"] - spec["ranks_per_host"],
                                timeout=0.0)
-    return {"bounded": gradstar.BoundedStaleness(max_staleness=spec["max_staleness"]),
-            "async": gradstar.Asynchronous()}.get(spec["mode"], gradstar.Synchronous())
+    scaling = {"scaling": spec["scaling"]} if spec["scaling"] else {}  # None: the default
+    return {"bounded": gradstar.BoundedStaleness(max_staleness=spec["max_staleness"], **scaling),
+            "async": gradstar.Asynchronous(**scaling)}.get(spec["mode"], gradstar.Synchronous())
 
 
 def rank_main(spec: dict) -> int:
@@ -188,6 +192,7 @@ def run_mode(run: Run, mode: str, cpu: HostCpu, slow: bool, tmp: Path) -> dict:
                     "batch": args.batch, "hidden": args.hidden, "lr": args.lr,
                     "schedule": args.schedule,
                     "samples": args.samples, "max_staleness": args.max_staleness,
+                    "scaling": args.scaling,
                     "snap_every": args.snap_every, "snapshots": str(snapshots),
                     "timeout": args.timeout,
                     "store": f"tcp://{run.cluster.address(layout.nodes[0])}:{STORE_PORT}"}
@@ -309,6 +314,9 @@ def arguments() -> argparse.ArgumentParser:
                         help="the learning rate over the run (cosine: to 0 at the end)")
     parser.add_argument("--samples", type=int, default=24_000)
     parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--scaling", choices=sorted(SCALINGS), default=None,
+                        help="BoundedStaleness and Asynchronous's step scaling (default: theirs; "
+                             "plain: the rule before step scaling)")
     parser.add_argument("--snap-every", type=int, default=10, help="rank 0's iterations")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     parser.add_argument("--json", type=Path, help="also write the results here")

@@ -27,6 +27,7 @@ from gradstar.proto.v1 import rounds_pb2 as pb
 from gradstar.proto.v1 import rounds_pb2_grpc
 from gradstar.transport.channels import PART_BYTES, call_metadata, open_channel
 from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
+from gradstar.wire.chunks import split_parts
 from gradstar.wire.formats import WireFormat, encode
 
 from ..collective.data_plane import resolve
@@ -248,6 +249,7 @@ async def _parts(header: pb.TensorHeader, values: np.ndarray | bytes):
     encoded) in parts."""
     data = values if isinstance(values, bytes) else \
         np.ascontiguousarray(values, dtype="<f4").tobytes()
-    yield pb.TensorPart(header=header, data=data[:PART_BYTES])
-    for start in range(PART_BYTES, len(data), PART_BYTES):
-        yield pb.TensorPart(data=data[start:start + PART_BYTES])
+    pieces = split_parts(data, PART_BYTES)
+    yield pb.TensorPart(header=header, data=next(pieces, b""))
+    for piece in pieces:
+        yield pb.TensorPart(data=piece)

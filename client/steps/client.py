@@ -17,6 +17,7 @@ from gradstar.proto.v1 import steps_pb2_grpc
 from gradstar.sync_modes import SyncMode
 from gradstar.transport.channels import PART_BYTES, call_metadata, open_channel
 from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
+from gradstar.wire.chunks import split_parts
 from gradstar.wire.formats import WIRE_NONE, WireFormat, decode_into, encode, format_from_wire
 
 #: Longest one Fetch or Synchronize waits on the hub; the client asks again until its deadline.
@@ -79,19 +80,21 @@ class StepsClient:
     async def exchange(self, mode: SyncMode, mode_epoch: int, base: int, weight: float,
                        grad: np.ndarray, timeout: float, wire: WireFormat | None = None,
                        fetch_limit: int = 0, await_step: float = 0.0,
-                       hyper: tuple[float, ...] = (),
+                       hyper: tuple[float, ...] = (), buffers: int = 0,
                        ) -> tuple[pb.Contributed, Aggregates | None]:
         """:meth:`contribute`, and in the same call the aggregates closed after ``base`` (at
         most ``fetch_limit``; 0: none), after the hub waited up to ``await_step`` seconds (0:
         not at all) for the step the gradient joined to close; ``hyper``: the rank's optimizer
-        hyperparameters (every step is applied with its contributions' weighted mean of them).
+        hyperparameters (every step is applied with its contributions' weighted mean of them);
+        ``buffers``: how many trailing values of ``grad`` are module buffers (never scaled).
         None instead of aggregates: not asked for, or the hub lacks some (:meth:`fetch` then
         says why)."""
         header = pb.ContributionHeader(key=self.key, mode=mode.message(), mode_epoch=mode_epoch,
                                        numel=grad.shape[0], base=base, weight=weight,
                                        wire=WIRE_NONE if wire is None else wire.wire,
                                        fetch_limit=fetch_limit, await_step=await_step > 0,
-                                       wait_seconds=await_step, hyper=hyper)
+                                       wait_seconds=await_step, hyper=hyper,
+                                       buffer_numel=buffers)
         data = (np.ascontiguousarray(grad, dtype="<f4").tobytes() if wire is None
                 else encode(wire, grad))
         call = self._stub.Contribute(_parts(pb.ContributionPart, header, data),
@@ -263,6 +266,7 @@ async def _poll(ask, timeout: float, timed_out: str):
 
 async def _parts(part, header, data: bytes):
     """A request stream of ``part`` messages: the header, then the data in parts."""
-    yield part(header=header, data=data[:PART_BYTES])
-    for start in range(PART_BYTES, len(data), PART_BYTES):
-        yield part(data=data[start:start + PART_BYTES])
+    pieces = split_parts(data, PART_BYTES)
+    yield part(header=header, data=next(pieces, b""))
+    for piece in pieces:
+        yield part(data=piece)

@@ -20,6 +20,15 @@ class StepEntry:
     staleness: tuple[int, ...]
     #: The optimizer hyperparameters it was applied with (see :mod:`.hyper`).
     hyper: tuple[float, ...] = ()
+    #: Each contribution's factor in the aggregate: its weight's share times the mode's step
+    #: scaling (``SyncMode.factors``; their sum is the step's scale).
+    factors: tuple[float, ...] = ()
+
+    @property
+    def scale(self) -> float:
+        """How far the step moved the parameters against a full step of the same gradients:
+        the sum of its factors (1 with the plain rule)."""
+        return sum(self.factors) if self.factors else 1.0
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,9 @@ class SyncStats:
     """
 
     mode: str
+    #: The step scaling the mode applies (``"share"``, ``"plain"``, ...: see
+    #: :mod:`gradstar.sync_modes`); each step's factors are in ``recent_steps``.
+    scaling: str = "plain"
     #: Aggregates applied to this rank's parameters (its position in the hub's step log; a
     #: rank that started from a snapshot counts the snapshot's steps too).
     step: int = 0

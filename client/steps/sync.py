@@ -53,7 +53,7 @@ from gradstar.errors import (
     StepError,
     StepMismatchError,
 )
-from gradstar.sync_modes import Quorum, SyncMode, from_message
+from gradstar.sync_modes import SyncMode, from_message
 from gradstar.wire.formats import WireFormat
 
 from ..error_feedback import ErrorFeedback
@@ -109,7 +109,7 @@ class StepSync:
         self.timeout = pg.settings.timeout
         #: Aggregates applied to this rank's parameters.
         self.have = 0
-        self.stats = SyncStats(str(mode))
+        self.stats = SyncStats(str(mode), mode.scaling)
         self._joined: int | None = None  # step the pending contribution joined
         self._fetched = None  # the aggregates its answer brought, for catch_up
         self._pending = False
@@ -172,8 +172,9 @@ class StepSync:
             reply, self._fetched = self._run(self._client.exchange(
                 self.mode, self.mode_epoch, self.have, weight, flat.numpy(), self.timeout,
                 self.wire, fetch_limit=FETCH_LIMIT,
-                await_step=POLL_SECONDS if isinstance(self.mode, Quorum) else 0.0,
-                hyper=tuple(v for _, _, v in read_hyper(self._optimizer))))
+                await_step=POLL_SECONDS if self.mode.waits_for_own_step else 0.0,
+                hyper=tuple(v for _, _, v in read_hyper(self._optimizer)),
+                buffers=flat.shape[0] - self.numel))
         except REFUSED:
             self._restore(saved)
             raise
@@ -227,7 +228,7 @@ class StepSync:
             StepTimeoutError: the step did not close within the timeout.
             StepsBehindError: the hub no longer holds aggregates this rank needs.
         """
-        wait_for = (self._joined if isinstance(self.mode, Quorum) else None) or 0
+        wait_for = (self._joined if self.mode.waits_for_own_step else None) or 0
         got, self._fetched = self._fetched, None
         if got is not None:  # what the contribution's answer brought
             self._apply(got)
@@ -308,7 +309,7 @@ class StepSync:
                 f"rank must switch to the same mode at the same step ({why}); the mode stays "
                 f"{self.mode}")
         self.mode, self.mode_epoch = next_mode, reply.mode_epoch
-        self.stats.mode = str(next_mode)
+        self.stats.mode, self.stats.scaling = str(next_mode), next_mode.scaling
 
     def set_mode(self, mode: SyncMode) -> None:
         """Switch at a barrier: every rank switches at the same step, at the epoch the hub
@@ -348,7 +349,7 @@ class StepSync:
             self.stats.step_staleness.update(record.staleness)
             self.stats.recent_steps.append(StepEntry(
                 record.step, tuple(record.ranks), tuple(record.weights),
-                tuple(record.staleness), tuple(record.hyper)))
+                tuple(record.staleness), tuple(record.hyper), tuple(record.factors)))
 
     def _write_grads(self, values: np.ndarray) -> None:
         flat = torch.from_numpy(values)

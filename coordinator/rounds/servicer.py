@@ -12,13 +12,13 @@ from collections.abc import AsyncIterator
 import grpc
 import numpy as np
 
-from gradstar.errors import ConfigurationError, GradstarError, ProtocolError
+from gradstar.errors import ConfigurationError, ProtocolError
 from gradstar.proto.v1 import rounds_pb2 as pb
 from gradstar.proto.v1 import rounds_pb2_grpc
 from gradstar.transport.auth import check_job_access
 from gradstar.transport.channels import PART_BYTES
-from gradstar.transport.status import abort
-from gradstar.wire.chunks import take_part
+from gradstar.transport.status import error_status
+from gradstar.wire.chunks import split_parts, take_part
 from gradstar.wire.formats import FORMATS, WireFormat, decode_into, wire_format
 
 from ..rendezvous.jobs import check_job_name
@@ -46,18 +46,16 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
 
     async def Seed(self, request_iterator: AsyncIterator[pb.TensorPart],
                    context: grpc.aio.ServicerContext) -> pb.RoundStatus:
-        try:
+        async with error_status(context):
             header, params = await self._read_tensor(request_iterator)
             k = header.key
             rounds = self.table.seed(k.job, k.model, k.fragment, k.replica, params)
             return pb.RoundStatus(rounds=rounds, accepted=True, numel=params.shape[0],
                                   bulk_address=self.bulk_address)
-        except GradstarError as error:
-            await abort(context, error)
 
     async def Contribute(self, request_iterator: AsyncIterator[pb.TensorPart],
                          context: grpc.aio.ServicerContext) -> pb.RoundStatus:
-        try:
+        async with error_status(context):
             header, delta = await self._read_tensor(request_iterator, contribution=True)
             k, p = header.key, header.policy
             policy = Policy(p.outer_lr, p.outer_momentum, p.nesterov, p.min_replicas,
@@ -70,13 +68,11 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
                                                      header.round, policy, delta)
             self._arm_timer()
             return pb.RoundStatus(rounds=rounds, accepted=accepted, numel=delta.shape[0])
-        except GradstarError as error:
-            await abort(context, error)
 
     async def Fetch(self, request: pb.FetchRequest,
                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchPart]:
         k = request.key
-        try:
+        async with error_status(context):
             _check_key(k)
             self.table.replica(k.job, k.replica)
             loop = asyncio.get_running_loop()
@@ -92,9 +88,6 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
                 # Read again even after a timeout: the round may have closed as the wait ran
                 # out, and a stale "not ready, not held" would make the replica send again.
                 held = self.table.global_model(k.job, k.model, k.fragment)
-        except GradstarError as error:
-            await abort(context, error)
-            return
         if held is None:
             yield pb.FetchPart(header=pb.FetchHeader(ready=False))
             return
@@ -107,8 +100,8 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
             return
         # The model may be replaced while this streams: send the arrays of this version only.
         data = held.params.astype("<f4", copy=False).tobytes()
-        for start in range(0, len(data), PART_BYTES):
-            yield pb.FetchPart(data=data[start:start + PART_BYTES])
+        for piece in split_parts(data, PART_BYTES):
+            yield pb.FetchPart(data=piece)
 
     async def _read_tensor(self, request_iterator, contribution: bool = False,
                            ) -> tuple[pb.TensorHeader, np.ndarray]:
@@ -153,15 +146,13 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
 
     async def Leave(self, request: pb.RoundsKey,
                     context: grpc.aio.ServicerContext) -> pb.RoundStatus:
-        try:
+        async with error_status(context):
             check_job_name(request.job)
             check_job_name(request.replica, "a replica name")
             check_job_access(request.job)
             self.table.leave(request.job, request.replica)
-        except GradstarError as error:
-            await abort(context, error)
-        self._arm_timer()
-        return pb.RoundStatus()
+            self._arm_timer()
+            return pb.RoundStatus()
 
     def _round_closed(self, job: str, model: str, fragment: int) -> None:
         # Wake every waiting Fetch; each rechecks its own fragment.

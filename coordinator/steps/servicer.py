@@ -28,12 +28,13 @@ from gradstar.proto.v1 import steps_pb2_grpc
 from gradstar.sync_modes import from_message
 from gradstar.transport.auth import check_job_access
 from gradstar.transport.channels import PART_BYTES
-from gradstar.transport.status import abort
-from gradstar.wire.chunks import take_part
+from gradstar.transport.status import error_status
+from gradstar.wire.chunks import split_parts, take_part
 from gradstar.wire.formats import WireFormat, decode, format_from_wire
 
 from ..rendezvous.jobs import check_job_name
-from .ledger import ClosedStep, StepLedger
+from .ledger import StepLedger
+from .records import ClosedStep
 from .store import SnapshotStore
 from .table import StepsTable
 
@@ -72,15 +73,15 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
 
     async def Contribute(self, request_iterator: AsyncIterator[pb.ContributionPart],
                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepsPart]:
-        try:
+        async with error_status(context):
             parts = request_iterator.__aiter__()
             first = await _first(parts)
             h = first.header
             ledger = self._ledger(h.key)
             mode = from_message(h.mode)
             # Refused before any memory is taken for it.
-            self.table.check_header(ledger, h.key.rank, mode, h.mode_epoch, h.numel, h.base,
-                                    h.weight, h.wire, tuple(h.hyper))
+            ledger.check_header(h.key.rank, mode, h.mode_epoch, h.numel, h.base, h.weight,
+                                h.wire, tuple(h.hyper), h.buffer_numel)
             fmt = format_from_wire(h.wire)
             # The received bytes, and the float32 values an encoded gradient decodes to.
             size = 4 * h.numel if fmt is None else fmt.encoded_nbytes(h.numel) + 4 * h.numel
@@ -90,82 +91,72 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
                 # BoundedStaleness: a fast rank's next gradient waits while closing the step
                 # its previous one is in would leave a live rank too far behind.
                 began = asyncio.get_running_loop().time()
-                while self.table.must_wait(ledger, h.key.rank):
-                    await self._wait(lambda: not self.table.must_wait(ledger, h.key.rank),
+                while ledger.must_wait(h.key.rank):
+                    await self._wait(lambda: not ledger.must_wait(h.key.rank),
                                      MAX_WAIT)
                 reservation.release()  # the step holds it from here (no await in between)
-                accepted, step, staleness, reason = self.table.contribute(
-                    ledger, h.key.rank, mode, h.mode_epoch, h.base, h.weight, data, h.wire,
-                    tuple(h.hyper))
+                verdict = ledger.contribute(h.key.rank, mode, h.mode_epoch, h.base, h.weight,
+                                            data, h.wire, tuple(h.hyper), h.buffer_numel)
             finally:
                 reservation.release()
             self._arm_timer()
             contributed = pb.Contributed(
-                accepted=accepted, step=step, staleness=staleness, steps=ledger.steps,
-                reason=reason, want_snapshot=ledger.wants_snapshot(h.key.rank, self.table.clock()))
-        except GradstarError as error:
-            await abort(context, error)
-            return
+                accepted=verdict.accepted, step=verdict.step, staleness=verdict.staleness,
+                steps=ledger.steps, reason=verdict.reason,
+                want_snapshot=ledger.wants_snapshot(h.key.rank, self.table.clock()))
         # The contribution is taken: from here on the answer always carries the verdict.
         closed = None
         if h.fetch_limit:
-            if accepted and h.await_step:
-                await self._wait(lambda: ledger.steps >= step, h.wait_seconds)
+            if verdict.accepted and h.await_step:
+                await self._wait(lambda: ledger.steps >= verdict.step, h.wait_seconds)
             with contextlib.suppress(GradstarError):  # the rank's Fetch names it
-                closed = self.table.fetch(ledger, h.key.rank, h.base, h.fetch_limit)
+                closed = ledger.fetch(h.key.rank, h.base, h.fetch_limit)
         contributed.waited_seconds = asyncio.get_running_loop().time() - began
         async for part in _answer(ledger, closed, contributed):
             yield part
 
     async def Fetch(self, request: pb.FetchStepsRequest,
                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepsPart]:
-        try:
+        async with error_status(context):
             ledger = self._ledger(request.key)
             await self._wait(lambda: ledger.steps >= request.min_steps, request.wait_seconds)
             closed = None
             if ledger.steps < request.min_steps:
-                self.table.seen(ledger, request.key.rank)
+                ledger.seen(request.key.rank)
             else:
-                closed = self.table.fetch(ledger, request.key.rank, request.have, request.limit)
-        except GradstarError as error:
-            await abort(context, error)
-            return
+                closed = ledger.fetch(request.key.rank, request.have, request.limit)
         async for part in _answer(ledger, closed):
             yield part
 
     async def Heartbeat(self, request: pb.StepsHeartbeat,
                         context: grpc.aio.ServicerContext) -> pb.StepsState:
-        try:
+        async with error_status(context):
             ledger = self._ledger(request.key)
-            self.table.heartbeat(ledger, request.key.rank, request.have, request.leave)
+            ledger.heartbeat(request.key.rank, request.have, request.leave)
             self._arm_timer()
             return _state(ledger)
-        except GradstarError as error:
-            await abort(context, error)
 
     async def Synchronize(self, request: pb.SynchronizeRequest,
                           context: grpc.aio.ServicerContext) -> pb.SynchronizeReply:
-        try:
+        async with error_status(context):
             ledger = self._ledger(request.key)
             rank, barrier = request.key.rank, request.barrier
             next_mode = (from_message(request.next_mode) if request.HasField("next_mode")
                          else None)
-            outcome = self.table.synchronize(ledger, rank, barrier, next_mode)
+            outcome = ledger.synchronize(rank, barrier, next_mode)
             if outcome is None:
                 await self._wait(lambda: barrier in ledger.barriers, request.wait_seconds)
-                outcome = self.table.synchronize(ledger, rank, barrier, next_mode)
+                outcome = ledger.synchronize(rank, barrier, next_mode)
             if outcome is None:
                 return pb.SynchronizeReply(ready=False)
             return pb.SynchronizeReply(
                 ready=True, steps=outcome.steps, mode_epoch=outcome.mode_epoch,
                 mode=outcome.mode.message() if outcome.mode is not None else None,
                 switch_refused=outcome.refused)
-        except GradstarError as error:
-            await abort(context, error)
 
     async def PutSnapshot(self, request_iterator: AsyncIterator[pb.SnapshotPart],
                           context: grpc.aio.ServicerContext) -> pb.StepsState:
-        try:
+        async with error_status(context):
             parts = request_iterator.__aiter__()
             first = await _first(parts, "PutSnapshot")
             h = first.header
@@ -180,25 +171,20 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             try:
                 data = await self._read_snapshot(first, parts, h.nbytes, h.key.rank)
                 reservation.release()  # the ledger holds it from here (no await in between)
-                self.table.put_snapshot(ledger, h.key.rank, h.steps, h.layout, data)
+                ledger.put_snapshot(h.key.rank, h.steps, h.layout, data)
             finally:
                 reservation.release()
             await self._save(ledger)
             return _state(ledger)
-        except GradstarError as error:
-            await abort(context, error)
 
     async def GetSnapshot(self, request: pb.SnapshotRequest,
                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SnapshotPart]:
-        try:
+        async with error_status(context):
             ledger = self._ledger(request.key)
-            self.table.seen(ledger, request.key.rank)
+            ledger.seen(request.key.rank)
             # A snapshot older than the log's first aggregate cannot be replayed from: the
             # joiner waits for a fresh one (the hub asks a live rank for it meanwhile).
             await self._wait(ledger.joinable, request.wait_seconds)
-        except GradstarError as error:
-            await abort(context, error)
-            return
         snapshot = ledger.snapshot
         if snapshot is None or not ledger.joinable():
             yield pb.SnapshotPart(header=pb.SnapshotHeader(key=request.key))
@@ -207,9 +193,8 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             key=request.key, steps=snapshot.steps, layout=snapshot.layout,
             nbytes=len(snapshot.data), mode_epoch=ledger.mode_epoch,
             barriers=ledger.barrier_done))
-        data = memoryview(snapshot.data)
-        for start in range(0, len(data), PART_BYTES):
-            yield pb.SnapshotPart(data=bytes(data[start:start + PART_BYTES]))
+        for piece in split_parts(memoryview(snapshot.data), PART_BYTES):
+            yield pb.SnapshotPart(data=piece)
 
     async def _save(self, ledger: StepLedger) -> None:
         """Write the ledger's snapshot to the state directory (if any), off the event loop;
@@ -350,9 +335,8 @@ async def _answer(ledger: StepLedger, closed: list[ClosedStep] | None,
         wire=ledger.wire.wire if ledger.wire is not None else 0, contributed=contributed))
     # The aggregates are never changed once closed: stream them as they are (encoded).
     for step in closed:
-        data = memoryview(step.aggregate).cast("B")
-        for start in range(0, len(data), PART_BYTES):
-            yield pb.StepsPart(data=bytes(data[start:start + PART_BYTES]))
+        for piece in split_parts(memoryview(step.aggregate).cast("B"), PART_BYTES):
+            yield pb.StepsPart(data=piece)
 
 
 def _state(ledger: StepLedger) -> pb.StepsState:
@@ -364,4 +348,4 @@ def _state(ledger: StepLedger) -> pb.StepsState:
 
 def _record(step: ClosedStep) -> pb.StepRecord:
     return pb.StepRecord(step=step.number, ranks=step.ranks, weights=step.weights,
-                         staleness=step.staleness, hyper=step.hyper)
+                         staleness=step.staleness, hyper=step.hyper, factors=step.factors)

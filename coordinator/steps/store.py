@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..rounds.averaging import save_arrays, state_file_stem
-from .ledger import Snapshot
+from .records import Snapshot
 
 log = logging.getLogger(__name__)
 

@@ -8,28 +8,55 @@ mode; what differs is what a step waits for:
 - :class:`Synchronous` — every rank, every step (today's DDP all_reduce; the default).
 - :class:`Quorum` — *backup workers* (Chen et al., 2016): a step closes with every live rank,
   or with at least ``min_ranks`` of them once ``timeout`` seconds have passed since its first
-  contribution. A contribution computed on parameters the group has since moved past is
-  *dropped* (counted): every aggregate is computed on current parameters (staleness 0).
+  contribution. By default the timeout adapts: twice the time the recent steps took from their
+  first contribution to their ``min_ranks``-th (a missing rank later than the others' own
+  spread is a straggler), so without a straggler a step waits for every rank and with one the
+  fast ranks wait about their own spread. A contribution computed on parameters the group has
+  since moved past is *dropped* (counted): every aggregate is computed on current parameters
+  (staleness 0).
 - :class:`BoundedStaleness` — a step closes with whatever has arrived, unless closing it would
   leave a live rank more than ``max_staleness`` aggregates behind the parameters its next
   gradient is computed on; then it waits for that rank (Ho et al., 2013, SSP).
 - :class:`Asynchronous` — a step closes with whatever has arrived; staleness is unbounded but
   counted.
 
-The mode objects are plain values: the client sends them in every contribution's header
-(:meth:`SyncMode.message`), the hub reads them back (:func:`from_message`) and refuses a rank
-whose mode differs from its peers'. No torch, no I/O here.
+**Step scaling** (BoundedStaleness and Asynchronous, ``scaling=``). A step of those modes holds
+whatever arrived, often one or two gradients of n, and the fast ranks close about one step per
+gradient: at the learning rate Synchronous trains well the parameters move up to n times as far
+per gradient, and stale gradients with momentum add to it (measured: both diverged at twice
+Synchronous's best rate). By default (``"share+staleness"``) the hub scales each contribution
+by the step's share of the live ranks, k/n for k contributions of n live ranks (every fresh
+gradient then moves the parameters as far as in a Synchronous step: its 1/n of a mean of n),
+and by 1 / (1 + its staleness) (staleness-aware ASGD, Zhang et al., 2016). ``"share"`` and
+``"staleness"`` apply one of them, ``"plain"`` neither (the weighted mean as it is, the rule
+before the scaling; retune the learning rate). The factor is on the gradient (module buffers
+sent after it are averaged as they are), so an optimizer that normalises its gradient (Adam)
+sees little of it. Each step records the factors it was made with
+(``ddp.sync_stats().recent_steps``).
+
+Each mode object answers the questions the hub and the rank ask of it (:class:`SyncMode`):
+whether a step may close early, whether a late gradient is dropped, whether a rank's next
+gradient may arrive while its previous one is in the open step (it *pushes*), whether a rank
+waits for its own step, when the open step's deadline falls, and how a closed step is scaled;
+nobody else branches on the mode. The objects are plain values: the client sends them in every
+contribution's header (:meth:`SyncMode.message`), the hub reads them back (:func:`from_message`,
+one row per proto value in :data:`MODES`) and refuses a rank whose mode differs from its
+peers'. No torch, no I/O here.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from gradstar.errors import ConfigurationError
 from gradstar.proto.v1 import steps_pb2 as pb
 
 __all__ = [
+    "MODES",
+    "SCALINGS",
     "Asynchronous",
     "BoundedStaleness",
     "Quorum",
@@ -38,15 +65,78 @@ __all__ = [
     "from_message",
 ]
 
+#: The step scalings by name, and their wire values (``scaling=`` of the ledger modes).
+SCALINGS = {"plain": pb.STEP_SCALING_PLAIN, "share": pb.STEP_SCALING_SHARE,
+            "staleness": pb.STEP_SCALING_STALENESS,
+            "share+staleness": pb.STEP_SCALING_SHARE_STALENESS}
+_SCALING_NAMES = {v: k for k, v in SCALINGS.items()}
+#: What each scaling multiplies by: (the step's share of the live ranks, 1 / (1 + staleness)).
+_RULES = {"plain": (False, False), "share": (True, False), "staleness": (False, True),
+          "share+staleness": (True, True)}
+#: Closed steps whose arrivals an adaptive Quorum timeout is measured on.
+ADAPT_STEPS = 16
+
 
 class SyncMode:
-    """Base of the sync modes; the values are frozen dataclasses, equal when their fields are."""
+    """Base of the sync modes; the values are frozen dataclasses, equal when their fields are.
 
+    The class attributes and methods are the questions hub and rank ask; a mode overrides what
+    it decides differently from this base (a step that waits for every live rank, drops
+    nothing, scales nothing and has no deadline)."""
+
+    #: The proto value that names the mode on the wire.
+    kind: ClassVar[int] = pb.SYNC_MODE_UNSPECIFIED
     #: Whether contributions go through the hub's step ledger (every mode but Synchronous).
-    on_ledger: bool = True
+    on_ledger: ClassVar[bool] = True
+    #: Whether a rank's next gradient may arrive while its previous one is still in the open
+    #: step, and then closes it (a rank does not wait for its own step).
+    pushes: ClassVar[bool] = False
+    #: Most aggregates a live rank's next gradient may lag behind (None: unbounded).
+    stale_bound: int | None = None
+    #: How a closed step's aggregate is scaled (:data:`SCALINGS`).
+    scaling: str = "plain"
 
-    def message(self) -> pb.SyncMode:  # pragma: no cover - every subclass defines it
-        raise NotImplementedError
+    @property
+    def waits_for_own_step(self) -> bool:
+        """Whether a rank's contribution call waits until the step it joined closed (its
+        answer then brings that step's aggregate)."""
+        return self.on_ledger and not self.pushes
+
+    def message(self) -> pb.SyncMode:
+        return pb.SyncMode(kind=self.kind)
+
+    def drop_reason(self, staleness: int) -> str:
+        """Why a contribution ``staleness`` aggregates old is dropped ("" if it is taken)."""
+        return ""
+
+    def deadline(self, first_at: float, recent: Sequence[Sequence[float]]) -> float | None:
+        """When the open step, first contributed to at ``first_at``, may close without every
+        live rank (None: never before they all contributed or reached a barrier). ``recent``:
+        the last closed steps' arrivals, each the seconds from its first contribution to each
+        of its contributions in arrival order (the hub's measure of the ranks' spread)."""
+        return None
+
+    def closes_early(self, got: int, live: int, waited: float,
+                     recent: Sequence[Sequence[float]]) -> bool:
+        """Whether a step with ``got`` contributions, of ``live`` ranks (live or contributed),
+        ``waited`` seconds after its first one, closes before every live rank contributed
+        (``recent`` as for :meth:`deadline`)."""
+        return False
+
+    def factors(self, shares: Sequence[float], staleness: Sequence[int],
+                live: int) -> list[float]:
+        """Each contribution's factor in a closed step's aggregate (float64, rank order):
+        its weight's share (``shares``, summing to 1) times the mode's scaling, for a step of
+        ``len(shares)`` contributions when ``live`` ranks are live (or contributed)."""
+        by_share, by_staleness = _RULES[self.scaling]
+        share = len(shares) / max(live, len(shares)) if by_share else 1.0
+        return [w * share / (1 + s if by_staleness else 1) for w, s in
+                zip(shares, staleness, strict=True)]
+
+    @classmethod
+    def from_fields(cls, message: pb.SyncMode) -> SyncMode:
+        """The mode of this class that ``message`` describes (fields checked)."""
+        return cls()
 
 
 @dataclass(frozen=True)
@@ -54,23 +144,25 @@ class Synchronous(SyncMode):
     """Every rank contributes to every step; a lost rank fails the step on every rank (named
     error), as with torch's DDP."""
 
-    on_ledger = False
-
-    def message(self) -> pb.SyncMode:
-        return pb.SyncMode(kind=pb.SYNC_MODE_SYNCHRONOUS)
+    kind: ClassVar[int] = pb.SYNC_MODE_SYNCHRONOUS
+    on_ledger: ClassVar[bool] = False
 
 
 @dataclass(frozen=True)
 class Quorum(SyncMode):
     """A step closes with every live rank, or with the first ``min_ranks`` once ``timeout``
     seconds have passed since its first contribution. Late contributions are dropped.
+    ``timeout=None`` (the default) adapts: twice the median, over the last
+    :data:`ADAPT_STEPS` steps, of the seconds from a step's first contribution to its
+    ``min_ranks``-th; until a step has shown it, a step waits for every live rank.
 
     Raises:
         ConfigurationError: ``min_ranks`` below 1, or ``timeout`` negative or not finite.
     """
 
+    kind: ClassVar[int] = pb.SYNC_MODE_QUORUM
     min_ranks: int
-    timeout: float = 0.0
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.min_ranks, bool) or not isinstance(self.min_ranks, int) or (
@@ -78,23 +170,60 @@ class Quorum(SyncMode):
             raise ConfigurationError(
                 f"Quorum(min_ranks={self.min_ranks!r}): min_ranks must be a whole number of "
                 "ranks, at least 1")
-        _check_seconds("Quorum", "timeout", self.timeout)
+        if self.timeout is not None:
+            _check_seconds("Quorum", "timeout", self.timeout)
 
     def message(self) -> pb.SyncMode:
-        return pb.SyncMode(kind=pb.SYNC_MODE_QUORUM, min_ranks=self.min_ranks,
-                           timeout_seconds=float(self.timeout))
+        return pb.SyncMode(kind=self.kind, min_ranks=self.min_ranks,
+                           timeout_seconds=float(self.timeout or 0.0),
+                           adaptive_timeout=self.timeout is None)
+
+    def wait(self, recent: Sequence[Sequence[float]]) -> float | None:
+        """Seconds a step waits after its first contribution before it may close with
+        ``min_ranks`` (None: until every live rank contributed)."""
+        if self.timeout is not None:
+            return self.timeout
+        spreads = sorted(arrivals[self.min_ranks - 1] for arrivals in list(recent)[-ADAPT_STEPS:]
+                         if len(arrivals) >= self.min_ranks)
+        if not spreads:
+            return None
+        return 2 * spreads[len(spreads) // 2]
+
+    def drop_reason(self, staleness: int) -> str:
+        if staleness > 0:
+            return (f"computed {staleness} aggregate(s) ago: a Quorum step takes current "
+                    "gradients only")
+        return ""
+
+    def deadline(self, first_at: float, recent: Sequence[Sequence[float]]) -> float | None:
+        wait = self.wait(recent)
+        return None if wait is None else first_at + wait
+
+    def closes_early(self, got: int, live: int, waited: float,
+                     recent: Sequence[Sequence[float]]) -> bool:
+        wait = self.wait(recent)
+        return wait is not None and got >= min(self.min_ranks, live) and waited >= wait
+
+    @classmethod
+    def from_fields(cls, message: pb.SyncMode) -> SyncMode:
+        return cls(int(message.min_ranks), None if message.adaptive_timeout
+                   else float(message.timeout_seconds))
 
 
 @dataclass(frozen=True)
 class BoundedStaleness(SyncMode):
     """A step closes with whatever has arrived, as long as no live rank's next contribution
-    would be more than ``max_staleness`` aggregates stale; fast ranks wait only then.
+    would be more than ``max_staleness`` aggregates stale; fast ranks wait only then. Each
+    step's aggregate is scaled by ``scaling`` (see the module docstring; ``"plain"``: not).
 
     Raises:
-        ConfigurationError: ``max_staleness`` is not a whole number >= 0.
+        ConfigurationError: ``max_staleness`` is not a whole number >= 0; an unknown scaling.
     """
 
+    kind: ClassVar[int] = pb.SYNC_MODE_BOUNDED_STALENESS
+    pushes: ClassVar[bool] = True
     max_staleness: int
+    scaling: str = "share+staleness"
 
     def __post_init__(self) -> None:
         if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or (
@@ -102,18 +231,54 @@ class BoundedStaleness(SyncMode):
             raise ConfigurationError(
                 f"BoundedStaleness(max_staleness={self.max_staleness!r}): the bound must be "
                 "a whole number of aggregates, at least 0 (1-4 is the useful range)")
+        _check_scaling("BoundedStaleness", self.scaling)
+
+    @property
+    def stale_bound(self) -> int:
+        return self.max_staleness
 
     def message(self) -> pb.SyncMode:
-        return pb.SyncMode(kind=pb.SYNC_MODE_BOUNDED_STALENESS,
-                           max_staleness=self.max_staleness)
+        return pb.SyncMode(kind=self.kind, max_staleness=self.max_staleness,
+                           scaling=SCALINGS[self.scaling])
+
+    def drop_reason(self, staleness: int) -> str:
+        if staleness > self.max_staleness:
+            return (f"computed {staleness} aggregates ago, over the bound of "
+                    f"{self.max_staleness}")
+        return ""
+
+    @classmethod
+    def from_fields(cls, message: pb.SyncMode) -> SyncMode:
+        return cls(int(message.max_staleness), _scaling_of(cls, message))
 
 
 @dataclass(frozen=True)
 class Asynchronous(SyncMode):
-    """A step closes with whatever has arrived; no rank ever waits for another."""
+    """A step closes with whatever has arrived; no rank ever waits for another. Each step's
+    aggregate is scaled by ``scaling`` (see the module docstring; ``"plain"``: not).
+
+    Raises:
+        ConfigurationError: an unknown scaling.
+    """
+
+    kind: ClassVar[int] = pb.SYNC_MODE_ASYNCHRONOUS
+    pushes: ClassVar[bool] = True
+    scaling: str = "share+staleness"
+
+    def __post_init__(self) -> None:
+        _check_scaling("Asynchronous", self.scaling)
 
     def message(self) -> pb.SyncMode:
-        return pb.SyncMode(kind=pb.SYNC_MODE_ASYNCHRONOUS)
+        return pb.SyncMode(kind=self.kind, scaling=SCALINGS[self.scaling])
+
+    @classmethod
+    def from_fields(cls, message: pb.SyncMode) -> SyncMode:
+        return cls(_scaling_of(cls, message))
+
+
+#: Every sync mode by its proto value: the one table :func:`from_message` reads.
+MODES: dict[int, type[SyncMode]] = {
+    mode.kind: mode for mode in (Synchronous, Quorum, BoundedStaleness, Asynchronous)}
 
 
 def from_message(message: pb.SyncMode) -> SyncMode:
@@ -122,31 +287,42 @@ def from_message(message: pb.SyncMode) -> SyncMode:
     Raises:
         ConfigurationError: an unknown kind, or fields out of range.
     """
-    kind = message.kind
-    if kind == pb.SYNC_MODE_SYNCHRONOUS:
-        return Synchronous()
-    if kind == pb.SYNC_MODE_QUORUM:
-        return Quorum(int(message.min_ranks), float(message.timeout_seconds))
-    if kind == pb.SYNC_MODE_BOUNDED_STALENESS:
-        return BoundedStaleness(int(message.max_staleness))
-    if kind == pb.SYNC_MODE_ASYNCHRONOUS:
-        return Asynchronous()
-    raise ConfigurationError(f"unknown sync mode kind {kind} (this coordinator knows "
-                             "Synchronous, Quorum, BoundedStaleness and Asynchronous)")
+    mode = MODES.get(message.kind)
+    if mode is None:
+        raise ConfigurationError(
+            f"unknown sync mode kind {message.kind} (this coordinator knows "
+            f"{', '.join(m.__name__ for m in MODES.values())})")
+    return mode.from_fields(message)
 
 
 def check_mode(mode: object) -> SyncMode:
     """``mode`` itself if it is a sync mode.
 
     Raises:
-        ConfigurationError: it is not one of the four mode objects.
+        ConfigurationError: it is not one of the mode objects.
     """
-    if not isinstance(mode, SyncMode) or type(mode) is SyncMode:
+    if type(mode) not in MODES.values():
         raise ConfigurationError(
             f"sync_mode={mode!r}: pass gradstar.Synchronous(), gradstar.Quorum(min_ranks=k, "
             "timeout=s), gradstar.BoundedStaleness(max_staleness=s) or "
             "gradstar.Asynchronous()")
     return mode
+
+
+def _scaling_of(mode: type[SyncMode], message: pb.SyncMode) -> str:
+    if message.scaling == pb.STEP_SCALING_UNSPECIFIED:
+        return mode.scaling
+    name = _SCALING_NAMES.get(message.scaling)
+    if name is None:
+        raise ConfigurationError(f"unknown step scaling {message.scaling} in a sync mode "
+                                 f"(this coordinator knows {', '.join(SCALINGS)})")
+    return name
+
+
+def _check_scaling(owner: str, scaling: object) -> None:
+    if scaling not in SCALINGS:
+        raise ConfigurationError(f"{owner}(scaling={scaling!r}): the step scaling is one of "
+                                 f"{', '.join(map(repr, SCALINGS))}")
 
 
 def _check_seconds(owner: str, name: str, value: float) -> None:

@@ -194,7 +194,9 @@ async def test_a_contribution_answer_brings_the_aggregates_the_rank_lacks(coordi
     # Step 3 closed with r0's gradient (every live rank in it); the answer is capped at one
     # aggregate: step 2 only, and says that 3 steps closed (the rank fetches the rest).
     assert [r.step for r in got.records] == [2] and got.steps == 3
-    np.testing.assert_array_equal(got.values[0], g(5, 5))
+    # r1 alone of 2 live ranks: half a full step (the default scaling), and the record says so.
+    assert list(got.records[0].factors) == [0.5]
+    np.testing.assert_array_equal(got.values[0], g(2.5, 2.5))
 
     slow, q0, q1 = Quorum(min_ranks=2, timeout=30.0), ranks(0), ranks(1)
     q0.key.model, q1.key.model = "quorum", "quorum"

@@ -78,11 +78,13 @@ def mode_of(args):
     import gradstar
 
     if args.mode == "quorum":
-        return gradstar.Quorum(min_ranks=args.min_ranks, timeout=args.timeout)
+        return gradstar.Quorum(min_ranks=args.min_ranks, timeout=None if (
+            args.timeout == "adaptive") else float(args.timeout))
+    scaling = {} if args.scaling is None else {"scaling": args.scaling}
     if args.mode == "bounded":
-        return gradstar.BoundedStaleness(max_staleness=args.max_staleness)
+        return gradstar.BoundedStaleness(max_staleness=args.max_staleness, **scaling)
     if args.mode == "async":
-        return gradstar.Asynchronous()
+        return gradstar.Asynchronous(**scaling)
     return gradstar.Synchronous()
 
 
@@ -134,11 +136,20 @@ def replay(contributions: dict[int, list[dict]], steps: list[dict], wire: str | 
             grads.append((weight, torch.cat([
                 *(p.grad.reshape(-1) for p in probe.parameters()),
                 *(b.reshape(-1).to(torch.float32) for b in probe.buffers())])))
-        total = sum(w for w, _ in grads)
         aggregate = torch.zeros_like(grads[0][1])
-        for w, g in grads:
-            aggregate += g * torch.tensor(w, dtype=torch.float32)
-        aggregate /= torch.tensor(total, dtype=torch.float32)
+        if entry.get("factors"):  # as the hub: each times its factor in float32, rank order;
+            # the buffers after the gradient times each weight's share, never scaled
+            cut = sum(p.numel() for p in model.parameters())
+            top = max(entry["weights"])
+            total = math.fsum(w / top for w in entry["weights"]) if top > 0 else 1.0
+            for factor, (w, g) in zip(entry["factors"], grads, strict=True):
+                share = w / top / total if top > 0 else 1.0 / len(grads)
+                aggregate[:cut] += g[:cut] * torch.tensor(factor, dtype=torch.float32)
+                aggregate[cut:] += g[cut:] * torch.tensor(share, dtype=torch.float32)
+        else:  # Synchronous: the weighted mean
+            for w, g in grads:
+                aggregate += g * torch.tensor(w, dtype=torch.float32)
+            aggregate /= torch.tensor(sum(w for w, _ in grads), dtype=torch.float32)
         offset = 0
         for p in model.parameters():
             p.grad = aggregate[offset:offset + p.numel()].view(p.shape).clone()
@@ -168,10 +179,8 @@ def _replay_wire(contributions, steps, wire: str, residuals: dict) -> nn.Module:
     for entry in steps:
         aggregate = np.zeros(sum(p.numel() for p in model.parameters()), np.float32)
         scratch = np.empty_like(aggregate)
-        # As the hub: each weight's share of their sum in float64 (scaled by the largest).
         top = max(entry["weights"])
-        total = math.fsum(w / top for w in entry["weights"]) if top > 0 else 0.0
-        for rank, weight in zip(entry["ranks"], entry["weights"], strict=True):
+        for rank, factor in zip(entry["ranks"], entry["factors"], strict=True):
             iteration, base, life = joined[(rank, entry["step"])]
             if lives.setdefault(rank, life) != life:
                 residuals.pop(rank, None)  # a new process starts from a zero residual
@@ -183,9 +192,9 @@ def _replay_wire(contributions, steps, wire: str, residuals: dict) -> nn.Module:
             sent += residuals.get(rank, torch.zeros_like(sent))
             rounded = roundtrip(wire, sent.numpy())
             residuals[rank] = torch.nan_to_num(sent - torch.from_numpy(rounded), 0.0, 0.0, 0.0)
-            # As the hub: times its share in float32, summed in rank order (all 0: zeros).
+            # As the hub: times its factor in float32, summed in rank order (all 0: zeros).
             if top > 0:
-                np.multiply(rounded, np.float32(weight / top / total), out=scratch)
+                np.multiply(rounded, np.float32(factor), out=scratch)
                 np.add(aggregate, scratch, out=aggregate)
         values = torch.from_numpy(roundtrip(wire, aggregate))
         offset = 0
@@ -209,8 +218,10 @@ def main() -> None:
     parser.add_argument("mode", choices=["quorum", "bounded", "async", "sync"])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--min-ranks", type=int, default=3)
-    parser.add_argument("--timeout", type=float, default=0.0)
+    parser.add_argument("--timeout", default="0", help="Quorum's: seconds, or adaptive")
     parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--scaling", default=None, help="the ledger modes' step scaling "
+                        "(default: the mode's)")
     parser.add_argument("--delays", default="", help="seconds per rank before each backward")
     parser.add_argument("--weights", default="", help="contribution weight per rank")
     parser.add_argument("--stop-rank", type=int, default=-1)
@@ -287,7 +298,8 @@ def main() -> None:
     ddp.synchronize()
     stats = ddp.sync_stats()
     steps = ([{"step": s.step, "ranks": list(s.ranks), "weights": list(s.weights),
-               "staleness": list(s.staleness), "hyper": list(s.hyper)}
+               "staleness": list(s.staleness), "hyper": list(s.hyper),
+               "factors": list(s.factors)}
               for s in stats.recent_steps] if stats else
              [{"step": i + 1, "ranks": list(range(pg.world_size)),
                "weights": weights or [1.0] * pg.world_size, "staleness": [0] * pg.world_size}

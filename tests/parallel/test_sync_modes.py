@@ -118,6 +118,19 @@ def assert_identical_and_replayed(reports: dict[int, dict], rtol=1e-6, atol=1e-7
     return residuals
 
 
+def assert_default_scaling(steps: list[dict], live: int = WORLD) -> None:
+    """Every step the ranks applied was scaled by the default rule, computed here by hand from
+    the record: each contribution's weight over the step's weights, times the step's share of
+    the ``live`` ranks (its contributions over ``live``), over 1 + its staleness, as float32."""
+    for step in steps:
+        weights = step["weights"]
+        by_hand = [w / sum(weights) * len(weights) / live / (1 + s)
+                   for w, s in zip(weights, step["staleness"], strict=True)]
+        np.testing.assert_allclose(step["factors"], np.float32(by_hand), rtol=1e-7,
+                                   err_msg=f"step {step['step']}")
+    assert any(len(step["ranks"]) < live for step in steps)  # some step was a partial one
+
+
 @pytest.fixture(scope="module")
 def quorum_run() -> dict[int, dict]:
     # Rank 3 is slow: its gradients arrive after the other three closed their steps.
@@ -140,6 +153,20 @@ def test_quorum_drops_the_slow_ranks_late_gradients_and_takes_current_ones_only(
                for r in quorum_run.values() for c in r["contributions"])
 
 
+def test_quorums_adaptive_timeout_drops_a_straggler_and_replicas_equal_the_replay():
+    # The default timeout: twice the recent spread from a step's first gradient to its 3rd.
+    # Rank 3 is 0.5 s late every iteration, far past the others' spread: its gradients are
+    # dropped and the others' steps close without waiting for it.
+    reports = asyncio.run(run_modes("quorum", "--min-ranks", "3", "--timeout", "adaptive",
+                                    "--delays", "0,0,0,0.5", "--steps", "8"))
+    assert_identical_and_replayed(reports)
+    assert reports[3]["dropped"] >= 1
+    # Before the fast ranks finished (8 steps), every step closed with at least min_ranks.
+    fast_steps = [s for s in record(reports) if s["step"] <= 8]
+    assert all(len(s["ranks"]) >= 3 for s in fast_steps)
+    assert any(len(s["ranks"]) == 3 for s in fast_steps)
+
+
 def test_data_parallel_with_a_process_group_in_quorum_equals_the_replay():
     # Each process splits its batch over 2 CPU replicas and contributes their summed gradient;
     # rank 3 is slow, as in quorum_run. Replicas sum in another order than one process: the
@@ -155,6 +182,7 @@ def test_bounded_staleness_stays_within_its_bound_and_replicas_agree():
     reports = asyncio.run(run_modes("bounded", "--max-staleness", "2",
                                     "--delays", "0.01,0.03,0.02,0.2", "--steps", "10"))
     assert_identical_and_replayed(reports)
+    assert_default_scaling(record(reports))
     every = [s for step in record(reports) for s in step["staleness"]]
     assert max(every) <= 2
     assert max(every) >= 1  # the slow rank's gradients were stale: the bound was exercised
@@ -168,6 +196,19 @@ def test_asynchronous_weighted_contributions_equal_the_weighted_replay():
                for r, w in zip(s["ranks"], s["weights"], strict=True)}
     assert weights == {0: 1.0, 1: 2.0, 2: 3.0, 3: 0.5}
     assert sum(len(s["ranks"]) for s in record(reports)) == WORLD * 8  # none dropped
+    assert_default_scaling(record(reports))
+
+
+def test_asynchronous_plain_scaling_applies_the_weighted_mean_as_it_is():
+    # scaling="plain" restores the rule before step scaling: every factor a weight's share.
+    reports = asyncio.run(run_modes("async", "--delays", "0,0.01,0.02,0.05", "--scaling",
+                                    "plain", "--steps", "6"))
+    assert_identical_and_replayed(reports)
+    steps = record(reports)
+    assert any(len(s["ranks"]) < WORLD for s in steps)
+    for step in steps:
+        assert step["factors"] == [float(np.float32(1 / len(step["ranks"])))] * len(
+            step["ranks"])
 
 
 def test_buffers_travel_with_the_steps_and_stay_identical():

@@ -16,7 +16,7 @@ from gradstar.sync_modes import Asynchronous, Quorum, Synchronous
 from gradstar.wire.formats import FORMATS, WIRE_NONE, decode, roundtrip
 
 N = 200  # elements per gradient: three int8 blocks and a short one
-QUORUM = Quorum(min_ranks=2)
+QUORUM = Quorum(min_ranks=2, timeout=0.0)
 
 
 def grad(seed: int) -> np.ndarray:
@@ -34,8 +34,8 @@ def test_the_aggregate_is_the_weighted_mean_encoded_once_and_held_encoded(name):
     ledger = t.ledger("j", "m", 2)
     # What the servicer hands the table: each contribution decoded from the rank's bytes.
     sent = [roundtrip(fmt, grad(rank)) for rank in (0, 1)]
-    t.contribute(ledger, 1, QUORUM, 0, 0, 3.0, sent[1], fmt.wire)
-    t.contribute(ledger, 0, QUORUM, 0, 0, 1.0, sent[0], fmt.wire)
+    ledger.contribute(1, QUORUM, 0, 0, 3.0, sent[1], fmt.wire)
+    ledger.contribute(0, QUORUM, 0, 0, 1.0, sent[0], fmt.wire)
     step = ledger.log[-1]
     mean = (sent[0] * np.float32(1.0) + sent[1] * np.float32(3.0)) / np.float32(4.0)
     assert step.aggregate.dtype == np.uint8 and step.aggregate.nbytes == fmt.encoded_nbytes(N)
@@ -48,28 +48,28 @@ def test_a_rank_in_another_wire_format_is_refused_and_the_step_goes_on():
     t = table()
     ledger = t.ledger("j", "m", 3)
     int8 = FORMATS["int8"]
-    t.contribute(ledger, 0, QUORUM, 0, 0, 1.0, roundtrip(int8, grad(0)), int8.wire)
+    ledger.contribute(0, QUORUM, 0, 0, 1.0, roundtrip(int8, grad(0)), int8.wire)
     for wire, words in ((FORMATS["bf16"].wire, "in bf16, but .* in int8"),
                         (WIRE_NONE, "in float32, but .* in int8")):
         with pytest.raises(StepMismatchError, match=f"rank 1 .*{words}"):
-            t.check_header(ledger, 1, QUORUM, 0, N, 0, 1.0, wire)
+            ledger.check_header(1, QUORUM, 0, N, 0, 1.0, wire)
         with pytest.raises(StepMismatchError, match="same wire format"):
-            t.contribute(ledger, 1, QUORUM, 0, 0, 1.0, grad(1), wire)
+            ledger.contribute(1, QUORUM, 0, 0, 1.0, grad(1), wire)
     with pytest.raises(ProtocolError, match="unknown wire format 99"):
-        t.check_header(ledger, 2, QUORUM, 0, N, 0, 1.0, 99)
+        ledger.check_header(2, QUORUM, 0, N, 0, 1.0, 99)
     assert list(ledger.open.contributions) == [0] and ledger.steps == 0
-    t.contribute(ledger, 2, QUORUM, 0, 0, 1.0, roundtrip(int8, grad(2)), int8.wire)
+    ledger.contribute(2, QUORUM, 0, 0, 1.0, roundtrip(int8, grad(2)), int8.wire)
     assert ledger.steps == 1 and ledger.log[-1].ranks == (0, 2)
 
 
 def test_a_float32_ledger_refuses_a_format_and_keeps_float32_aggregates():
     t = table()
     ledger = t.ledger("j", "m", 2)
-    t.contribute(ledger, 0, Asynchronous(), 0, 0, 1.0, grad(0))
+    ledger.contribute(0, Asynchronous(), 0, 0, 1.0, grad(0))
     with pytest.raises(StepMismatchError, match=r"in int8, but .* in float32"):
-        t.contribute(ledger, 1, Asynchronous(), 0, 0, 1.0, grad(1), FORMATS["int8"].wire)
-    t.contribute(ledger, 1, Asynchronous(), 0, 0, 1.0, grad(1))
-    t.contribute(ledger, 0, Asynchronous(), 0, 0, 1.0, grad(0))  # its push closes step 1
+        ledger.contribute(1, Asynchronous(), 0, 0, 1.0, grad(1), FORMATS["int8"].wire)
+    ledger.contribute(1, Asynchronous(), 0, 0, 1.0, grad(1))
+    ledger.contribute(0, Asynchronous(), 0, 0, 1.0, grad(0))  # its push closes step 1
     assert ledger.log[-1].aggregate.dtype == np.float32
 
 
@@ -108,13 +108,13 @@ class Modes(SyncModes):
 
 
 def test_weights_with_a_wire_format_are_taken_in_ledger_modes_and_refused_in_synchronous():
-    ledger = Modes(Quorum(min_ranks=2))
+    ledger = Modes(Quorum(min_ranks=2, timeout=0.0))
     ledger.contribution_weight = 3
     assert ledger.contribution_weight == 3.0
     with pytest.raises(ConfigurationError, match="not carried with a wire format in "
                                                  "Synchronous"):
         ledger.set_sync_mode(Synchronous())
-    assert ledger.sync_mode == Quorum(min_ranks=2)  # refused before anything changed
+    assert ledger.sync_mode == Quorum(min_ranks=2, timeout=0.0)  # refused before anything changed
     synchronous = Modes(Synchronous())
     with pytest.raises(ConfigurationError, match="Synchronous"):
         synchronous.contribution_weight = 2.0

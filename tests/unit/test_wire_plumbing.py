@@ -187,3 +187,21 @@ def test_garbage_payloads_of_the_right_size_reduce_without_error_or_warning(name
         out = bytearray(fmt.encoded_nbytes(n))
         reducer.finish_into(slot, memoryview(parts[2]), memoryview(out), index)
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 63, 64, 65, 200])
+def test_split_parts_and_take_part_round_trip_a_header_first_stream(nbytes):
+    from gradstar.wire.chunks import split_parts, take_part
+
+    data = bytes(range(256)) * 2
+    data = data[:nbytes]
+    pieces = list(split_parts(memoryview(data), 64))
+    assert all(0 < len(p) <= 64 for p in pieces) and len(pieces) == -(-nbytes // 64)
+    out = bytearray(nbytes)
+    filled = 0
+    for piece in pieces:
+        filled = take_part(piece, memoryview(out), filled, 64, "a test")
+    assert filled == nbytes and bytes(out) == data
+    with pytest.raises(errors.ProtocolError, match="over the 32-byte chunk limit"):
+        for piece in split_parts(data + b"x" * 64, 64):
+            take_part(piece, memoryview(bytearray(nbytes + 64)), 0, 32, "a test")

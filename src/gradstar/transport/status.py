@@ -7,6 +7,9 @@ for with :func:`error_from_rpc`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import grpc
 
 from gradstar import errors as e
@@ -54,6 +57,22 @@ def status_code(error: e.GradstarError) -> grpc.StatusCode:
 async def abort(context: grpc.aio.ServicerContext, error: e.GradstarError) -> None:
     """End the call with ``error``'s status; the client rebuilds the same exception."""
     await context.abort(status_code(error), str(error), trailing_metadata=e.error_metadata(error))
+
+
+@contextlib.asynccontextmanager
+async def error_status(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """The one place a servicer's block turns a domain error into the call's status::
+
+        async with error_status(context):
+            ledger.contribute(...)   # a GradstarError here ends the call with its code
+
+    Raises:
+        grpc.aio.AbortError: (from ``context.abort``) a GradstarError was raised in the block.
+    """
+    try:
+        yield
+    except e.GradstarError as error:
+        await abort(context, error)
 
 
 def _trailing(error: grpc.RpcError) -> dict:

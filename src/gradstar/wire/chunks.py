@@ -11,6 +11,7 @@ receiver prove it got every chunk exactly once before it uses the result. Every 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -184,6 +185,14 @@ def place_chunk(index: int, payload: memoryview, tracker: ChunkTracker,
     out[offset:offset + payload.nbytes] = payload
 
 
+def split_parts(data: bytes | memoryview, part_bytes: int) -> Iterator[bytes]:
+    """The data of a header-first protobuf stream (the Rounds and Steps services), cut into
+    parts of at most ``part_bytes``, in order (none for empty data); the sender's half of
+    :func:`take_part`."""
+    for start in range(0, len(data), part_bytes):
+        yield bytes(data[start:start + part_bytes])
+
+
 def take_part(data: bytes, view: memoryview, filled: int, max_part: int, what: str) -> int:
     """Copy one data part of a header-first protobuf stream (the Rounds and Steps services)
     into ``view`` at ``filled``; the new fill. ``what`` names the stream ("a rounds").
@@ -214,4 +223,4 @@ def as_byte_view(array: np.ndarray) -> memoryview:
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "MAX_CHUNKS", "MAX_CHUNK_BYTES", "ChunkLayout", "ChunkTracker",
            "aligned_chunk_bytes", "as_byte_view", "check_chunk_count", "iter_chunk_frames",
-           "place_chunk", "receive_chunk", "take_part", "tracker_bytes"]
+           "place_chunk", "receive_chunk", "split_parts", "take_part", "tracker_bytes"]

@@ -15,23 +15,40 @@ class SyncModeKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SYNC_MODE_QUORUM: _ClassVar[SyncModeKind]
     SYNC_MODE_BOUNDED_STALENESS: _ClassVar[SyncModeKind]
     SYNC_MODE_ASYNCHRONOUS: _ClassVar[SyncModeKind]
+
+class StepScaling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STEP_SCALING_UNSPECIFIED: _ClassVar[StepScaling]
+    STEP_SCALING_PLAIN: _ClassVar[StepScaling]
+    STEP_SCALING_SHARE: _ClassVar[StepScaling]
+    STEP_SCALING_STALENESS: _ClassVar[StepScaling]
+    STEP_SCALING_SHARE_STALENESS: _ClassVar[StepScaling]
 SYNC_MODE_UNSPECIFIED: SyncModeKind
 SYNC_MODE_SYNCHRONOUS: SyncModeKind
 SYNC_MODE_QUORUM: SyncModeKind
 SYNC_MODE_BOUNDED_STALENESS: SyncModeKind
 SYNC_MODE_ASYNCHRONOUS: SyncModeKind
+STEP_SCALING_UNSPECIFIED: StepScaling
+STEP_SCALING_PLAIN: StepScaling
+STEP_SCALING_SHARE: StepScaling
+STEP_SCALING_STALENESS: StepScaling
+STEP_SCALING_SHARE_STALENESS: StepScaling
 
 class SyncMode(_message.Message):
-    __slots__ = ("kind", "min_ranks", "timeout_seconds", "max_staleness")
+    __slots__ = ("kind", "min_ranks", "timeout_seconds", "adaptive_timeout", "max_staleness", "scaling")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MIN_RANKS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    SCALING_FIELD_NUMBER: _ClassVar[int]
     kind: SyncModeKind
     min_ranks: int
     timeout_seconds: float
+    adaptive_timeout: bool
     max_staleness: int
-    def __init__(self, kind: _Optional[_Union[SyncModeKind, str]] = ..., min_ranks: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+    scaling: StepScaling
+    def __init__(self, kind: _Optional[_Union[SyncModeKind, str]] = ..., min_ranks: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., adaptive_timeout: _Optional[bool] = ..., max_staleness: _Optional[int] = ..., scaling: _Optional[_Union[StepScaling, str]] = ...) -> None: ...
 
 class StepsKey(_message.Message):
     __slots__ = ("job", "model", "rank", "world_size", "generation", "member_id")
@@ -50,7 +67,7 @@ class StepsKey(_message.Message):
     def __init__(self, job: _Optional[str] = ..., model: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., member_id: _Optional[str] = ...) -> None: ...
 
 class ContributionHeader(_message.Message):
-    __slots__ = ("key", "mode", "mode_epoch", "numel", "base", "weight", "wire", "fetch_limit", "await_step", "wait_seconds", "hyper")
+    __slots__ = ("key", "mode", "mode_epoch", "numel", "base", "weight", "wire", "fetch_limit", "await_step", "wait_seconds", "hyper", "buffer_numel")
     KEY_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     MODE_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +79,7 @@ class ContributionHeader(_message.Message):
     AWAIT_STEP_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HYPER_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_NUMEL_FIELD_NUMBER: _ClassVar[int]
     key: StepsKey
     mode: SyncMode
     mode_epoch: int
@@ -73,7 +91,8 @@ class ContributionHeader(_message.Message):
     await_step: bool
     wait_seconds: float
     hyper: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., mode: _Optional[_Union[SyncMode, _Mapping]] = ..., mode_epoch: _Optional[int] = ..., numel: _Optional[int] = ..., base: _Optional[int] = ..., weight: _Optional[float] = ..., wire: _Optional[_Union[_collective_pb2.WireFormat, str]] = ..., fetch_limit: _Optional[int] = ..., await_step: _Optional[bool] = ..., wait_seconds: _Optional[float] = ..., hyper: _Optional[_Iterable[float]] = ...) -> None: ...
+    buffer_numel: int
+    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., mode: _Optional[_Union[SyncMode, _Mapping]] = ..., mode_epoch: _Optional[int] = ..., numel: _Optional[int] = ..., base: _Optional[int] = ..., weight: _Optional[float] = ..., wire: _Optional[_Union[_collective_pb2.WireFormat, str]] = ..., fetch_limit: _Optional[int] = ..., await_step: _Optional[bool] = ..., wait_seconds: _Optional[float] = ..., hyper: _Optional[_Iterable[float]] = ..., buffer_numel: _Optional[int] = ...) -> None: ...
 
 class ContributionPart(_message.Message):
     __slots__ = ("header", "data")
@@ -116,18 +135,20 @@ class FetchStepsRequest(_message.Message):
     def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., have: _Optional[int] = ..., min_steps: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class StepRecord(_message.Message):
-    __slots__ = ("step", "ranks", "weights", "staleness", "hyper")
+    __slots__ = ("step", "ranks", "weights", "staleness", "hyper", "factors")
     STEP_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     HYPER_FIELD_NUMBER: _ClassVar[int]
+    FACTORS_FIELD_NUMBER: _ClassVar[int]
     step: int
     ranks: _containers.RepeatedScalarFieldContainer[int]
     weights: _containers.RepeatedScalarFieldContainer[float]
     staleness: _containers.RepeatedScalarFieldContainer[int]
     hyper: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, step: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., staleness: _Optional[_Iterable[int]] = ..., hyper: _Optional[_Iterable[float]] = ...) -> None: ...
+    factors: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, step: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., staleness: _Optional[_Iterable[int]] = ..., hyper: _Optional[_Iterable[float]] = ..., factors: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepsHeader(_message.Message):
     __slots__ = ("ready", "steps", "numel", "records", "wire", "contributed")

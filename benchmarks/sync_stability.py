@@ -1,0 +1,248 @@
+"""Which step scaling keeps BoundedStaleness and Asynchronous stable at Synchronous's learning
+rate (issue 49): one host, real rank processes and a real coordinator, a straggler emulated
+by sleeping.
+
+The runs
+    ``--ranks`` ranks (default 4) of one job; before each backward every rank sleeps
+    ``--step-seconds``, the last rank ``--slowdown`` times as long (1: no straggler). Every
+    rank runs ``--iters`` iterations on its own batches (equal data per rank), torch SGD at
+    ``--lr`` with momentum 0.9 (constant), then ``ddp.synchronize()``. The rank processes stay
+    up for every configuration (each its own job on the same coordinator): torch is imported
+    once, and no configuration pays another's start.
+
+The problems (data generated here, seeded)
+    ``regression``: an MLP 8-64-2 (tanh) fitting ``sin(x A) + 0.1 x B`` plus noise, 16 rows per
+    rank and iteration; metric: test MSE (lower is better). ``spirals``: the demo's spirals MLP
+    (hidden 64), 32 rows per rank and iteration; metric: test accuracy (higher is better).
+    ``--seeds`` runs per point (the seed picks the model's initialisation and the batches; the
+    timing differs from run to run by itself).
+
+The configurations
+    Synchronous, then BoundedStaleness(``--max-staleness``) and Asynchronous with each of
+    ``--scalings`` (``plain``: the weighted mean as it is; ``share``: times the step's share
+    of the live ranks; ``staleness``: each contribution over 1 + its staleness; both), and
+    Quorum(min_ranks=n-1) with each of ``--quorum-timeouts`` (``adaptive``: the default;
+    seconds). ``--modes`` picks among them.
+
+What is printed (nothing asserted; ``--json`` saves it)
+    Per problem, configuration: the metric of each run and their median, the median relative
+    to Synchronous's (loss: ratio; accuracy: difference in points), diverged runs (a loss over
+    10x Synchronous's median, or not finite; accuracy under 1.5 / classes), steps the hub
+    closed per rank iteration, the share of all gradients dropped, the fast ranks' seconds for
+    their iterations over Synchronous's (median; below 1: sooner), and whether every rank
+    ended bitwise identical.
+
+Run: ``.venv/bin/python benchmarks/sync_stability.py --problems regression spirals
+--slowdown 3`` (and ``--slowdown 1``: no straggler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import CoordinatorProcess, format_table, loadavg, run_ranks
+
+SCALINGS = ("plain", "share", "staleness", "share+staleness")
+
+
+def make_problem(name: str, seed: int):
+    """(model, batches(rank, i) -> (x, y), loss function, test split, metric name)."""
+    import numpy as np
+    import torch
+    from torch import nn
+
+    if name == "spirals":
+        from gradstar.worker.demo import spirals
+
+        data = spirals.make_spirals(6000, seed=0)
+        model = spirals.make_model(data.features, data.classes, 64, seed=seed)
+        x, y = torch.from_numpy(data.train.x), torch.from_numpy(data.train.y)
+
+        def batch(rank: int, world: int, i: int):
+            rows = torch.Generator().manual_seed(seed * 100_003 + rank * 10_007 + i)
+            pick = torch.randint(0, len(y), (32,), generator=rows)
+            return x[pick], y[pick]
+
+        return model, batch, nn.functional.cross_entropy, (
+            torch.from_numpy(data.test.x), torch.from_numpy(data.test.y)), "accuracy"
+    rng = np.random.default_rng(12345)
+    a = torch.from_numpy(rng.normal(size=(8, 2)).astype(np.float32))
+    b = torch.from_numpy(rng.normal(size=(8, 2)).astype(np.float32))
+
+    def sample(g: torch.Generator, rows: int):
+        x = torch.randn(rows, 8, generator=g)
+        return x, torch.sin(x @ a) + 0.1 * (x @ b) + 0.05 * torch.randn(rows, 2, generator=g)
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 2))
+
+    def batch(rank: int, world: int, i: int):
+        return sample(torch.Generator().manual_seed(seed * 100_003 + rank * 10_007 + i), 16)
+
+    return model, batch, nn.functional.mse_loss, sample(
+        torch.Generator().manual_seed(999), 2048), "mse"
+
+
+def make_mode(config: dict):
+    import gradstar
+
+    if config["mode"] == "quorum":  # every rank but one; the scaling column is its timeout
+        timeout = None if config["scaling"] == "adaptive" else float(config["scaling"])
+        return gradstar.Quorum(config["world"] - 1, timeout=timeout)
+    if config["mode"] == "bounded":
+        return gradstar.BoundedStaleness(config["max_staleness"], scaling=config["scaling"])
+    if config["mode"] == "async":
+        return gradstar.Asynchronous(scaling=config["scaling"])
+    return gradstar.Synchronous()
+
+
+def rank_main(rank: int, world: int, address: str, configs: list[dict]) -> list[dict]:
+    """Every configuration in turn on this rank: its metric, timing and parameters' hash."""
+    import torch
+
+    import gradstar
+
+    torch.set_num_threads(1)
+    out = []
+    for config in configs:
+        model, batch, loss_fn, (tx, ty), metric = make_problem(config["problem"],
+                                                               config["seed"])
+        opt = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
+        config = {**config, "world": world}
+        pg = gradstar.init_process_group(coordinator=address, job=config["job"],
+                                         world_size=world, rank=rank, timeout=120)
+        ddp = gradstar.DDP(model, pg, sync_mode=make_mode(config), optimizer=opt)
+        pause = config["step_seconds"] * (config["slowdown"] if rank == world - 1 else 1)
+        began = time.perf_counter()
+        for i in range(config["iters"]):
+            x, y = batch(rank, world, i)
+            opt.zero_grad()
+            time.sleep(pause)
+            loss_fn(ddp(x), y).backward()
+            opt.step()
+        loop = time.perf_counter() - began
+        ddp.synchronize()
+        stats = ddp.sync_stats()
+        with torch.no_grad():
+            pred = model(tx)
+            value = (float((pred.argmax(1) == ty).float().mean()) if metric == "accuracy"
+                     else float(loss_fn(pred, ty)))
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+        out.append({"job": config["job"], "metric": value, "loop_s": loop,
+                    "steps": stats.step if stats else config["iters"],
+                    "dropped": stats.dropped if stats else 0,
+                    "sha": hashlib.sha256(flat.tobytes()).hexdigest()})
+        pg.close()
+    return out
+
+
+def configurations(args) -> list[dict]:
+    configs = []
+    for problem in args.problems:
+        for seed in range(args.seeds):
+            modes = [("sync", "plain")] + [(m, s) for m in ("bounded", "async")
+                                            if m in args.modes for s in args.scalings]
+            modes += [("quorum", t) for t in args.quorum_timeouts if "quorum" in args.modes]
+            for mode, scaling in modes:
+                configs.append({
+                    "problem": problem, "seed": seed, "mode": mode, "scaling": scaling,
+                    "job": f"{problem}-{seed}-{mode}-{scaling}", "lr": args.lr[problem],
+                    "iters": args.iters[problem], "step_seconds": args.step_seconds,
+                    "slowdown": args.slowdown, "max_staleness": args.max_staleness})
+    return configs
+
+
+def report(configs: list[dict], results: list[list[dict]], ranks: int) -> tuple[str, list]:
+    rows, table = [], []
+    by_job = {c["job"]: c for c in configs}
+    runs: dict[tuple, list[dict]] = {}
+    for per_rank in zip(*results, strict=True):
+        config = by_job[per_rank[0]["job"]]
+        runs.setdefault((config["problem"], config["mode"], config["scaling"]), []).append({
+            "metric": per_rank[0]["metric"], "steps": per_rank[0]["steps"] / config["iters"],
+            "fast_s": statistics.median(r["loop_s"] for r in per_rank[:-1]),
+            "dropped": sum(r["dropped"] for r in per_rank) / (config["iters"] * len(per_rank)),
+            "identical": len({r["sha"] for r in per_rank}) == 1})
+    for (problem, mode, scaling), got in runs.items():
+        sync = runs[(problem, "sync", "plain")]
+        ref = statistics.median(r["metric"] for r in sync)
+        ref_s = statistics.median(r["fast_s"] for r in sync)
+        values = [r["metric"] for r in got]
+        mid = statistics.median(values)
+        if problem == "spirals":
+            diverged = sum(v < 1.5 / 3 for v in values)
+            versus = f"{100 * (mid - ref):+.1f} pt"
+        else:
+            diverged = sum(not math.isfinite(v) or v > 10 * ref for v in values)
+            versus = f"{mid / ref:.3g}x"
+        fast = statistics.median(r["fast_s"] for r in got) / ref_s
+        rows.append({"problem": problem, "mode": mode, "scaling": scaling, "metric": values,
+                     "median": mid, "versus_sync": versus, "diverged": diverged,
+                     "fast_s_ratio": fast,
+                     "steps_per_iter": statistics.median(r["steps"] for r in got),
+                     "dropped": statistics.median(r["dropped"] for r in got),
+                     "identical": all(r["identical"] for r in got)})
+        table.append([problem, mode, scaling if mode != "sync" else "-",
+                      " ".join(f"{v:.4g}" for v in values), f"{mid:.4g}", versus,
+                      f"{diverged}/{len(values)}", f"{rows[-1]['steps_per_iter']:.2f}",
+                      f"{100 * rows[-1]['dropped']:.0f}%",
+                      f"{fast:.2f}", "yes" if rows[-1]["identical"] else "NO"])
+    return format_table(["problem", "mode", "scaling", "metric per run", "median", "vs sync",
+                         "diverged", "steps/iter", "dropped", "fast s / sync",
+                         "replicas equal"],
+                        table), rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--problems", nargs="+", choices=["regression", "spirals"],
+                        default=["regression", "spirals"])
+    parser.add_argument("--modes", nargs="+", choices=["bounded", "async", "quorum"],
+                        default=["bounded", "async", "quorum"],
+                        help="besides Synchronous, which is always run")
+    parser.add_argument("--scalings", nargs="+", choices=SCALINGS, default=list(SCALINGS))
+    parser.add_argument("--quorum-timeouts", nargs="+", default=["adaptive", "0"],
+                        help="Quorum(min_ranks=n-1)'s timeouts: seconds, or adaptive")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--slowdown", type=float, default=3.0,
+                        help="the last rank sleeps this many times as long (1: no straggler)")
+    parser.add_argument("--step-seconds", type=float, default=0.01)
+    parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--lr-regression", type=float, default=0.05)
+    parser.add_argument("--lr-spirals", type=float, default=0.05)
+    parser.add_argument("--iters-regression", type=int, default=60)
+    parser.add_argument("--iters-spirals", type=int, default=300)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds in all")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    args.lr = {"regression": args.lr_regression, "spirals": args.lr_spirals}
+    args.iters = {"regression": args.iters_regression, "spirals": args.iters_spirals}
+    configs = configurations(args)
+    started = time.monotonic()
+    with CoordinatorProcess(shards=0) as hub:
+        results = run_ranks(rank_main, args.ranks, (hub.address, configs),
+                            timeout=args.timeout, label="sync_stability")
+    text, rows = report(configs, results, args.ranks)
+    print(f"{args.ranks} ranks on one host, the last {args.slowdown:g}x slow "
+          f"({args.step_seconds * 1000:g} ms a step, sleeping); SGD momentum 0.9, lr "
+          f"{args.lr}, iterations {args.iters}; BoundedStaleness({args.max_staleness}); "
+          f"{args.seeds} seeds; {time.monotonic() - started:.0f} s; load {loadavg()}")
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items()
+                                                  if k != "json"}, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
