@@ -65,7 +65,8 @@ def job_on_hosts(network, tmp_path: Path, per_host: int | Sequence[int], rank_ar
     ranks of ``rank_argv`` on every host (a sequence: so many on each host, in order;
     ``env_for[host]``: extra environment for its ranks; ``coordinator_args`` and
     ``worker_args``: more flags for those commands);
-    yields (every process, the coordinator) and kills them all when the block ends."""
+    yields (every process, the coordinator: its ``address``, ``job`` and ``token`` file set on
+    it, for a process the test starts itself) and kills them all when the block ends."""
     names = list(network.addresses)
     counts = [per_host] * len(names) if isinstance(per_host, int) else list(per_host)
     token = tmp_path / "token"
@@ -91,6 +92,7 @@ def job_on_hosts(network, tmp_path: Path, per_host: int | Sequence[int], rank_ar
             assert line, "the coordinator exited before it listened"
         coordinator = f"{network.addresses[names[0]]}:{int(line.rsplit(b':', 1)[1])}"
         job = f"cluster-{secrets.token_hex(3)}"
+        hub.address, hub.job, hub.token = coordinator, job, token
         for host, count in zip(names, counts, strict=True):
             start(host, [sys.executable, "-m", "gradstar", "worker", "--coordinator",
                          coordinator, "--job", job, "--nproc", str(count),
