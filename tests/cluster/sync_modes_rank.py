@@ -53,7 +53,8 @@ def main() -> int:
             "sums": [float(before[0]), float(before[-1]), float(after[0]), float(after[-1])],
             "params": script.params_of(model), "contributions": contributions,
             "steps": [{"step": s.step, "ranks": list(s.ranks), "weights": list(s.weights),
-                       "staleness": list(s.staleness)} for s in stats.recent_steps],
+                       "staleness": list(s.staleness), "hyper": list(s.hyper),
+                       "factors": list(s.factors)} for s in stats.recent_steps],
             "dropped": stats.dropped, "replacement": pg.replacement,
         }
         write_report(out, "result", rank, report)
