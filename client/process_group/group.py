@@ -1,6 +1,9 @@
 """The asyncio process group: :class:`AsyncProcessGroup`, a rank's collectives over the hub
-(or its shards) and its life cycle, from :func:`~.join.open_group` (join, connect) to ``close``; its
-point-to-point calls are :mod:`~gradstar.client.process_group.point_to_point`'s.
+(or its shards) and its life cycle, from :func:`~.join.open_group` (join, connect) to ``close``.
+It owns what has a seam of its own and delegates to it: its point-to-point calls
+(:class:`~.point_to_point.PeerCalls`), its ride through coordinator restarts
+(:class:`~.ride.Rider`), the two-level collectives across hosts, the data plane and the
+direct lane.
 
 Every collective takes its sequence number when it is *called*, not when it is awaited, so
 collectives issued in the same order on every rank match on the hub even when several run
@@ -10,7 +13,6 @@ concurrently (``async_op=True`` or ``asyncio.gather``).
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 
@@ -21,6 +23,7 @@ from gradstar import ops
 from gradstar.config import ClientSettings
 from gradstar.errors import InvalidCollectiveError, ProcessGroupClosedError
 from gradstar.proto.v1 import collective_pb2 as pb
+from gradstar.proto.v1 import rendezvous_pb2 as rpb
 from gradstar.transport.channels import call_metadata, open_blocking_channel
 from gradstar.wire import COLLECTIVE_METHOD, aligned_chunk_bytes, dtype_info, numpy_dtype_name
 from gradstar.wire.encoded import aligned_wire_chunk_bytes
@@ -35,10 +38,10 @@ from ..convert import copies_to_device, copying_to_device, delivered, output_arr
 from ..hierarchy import HostHierarchy
 from ..peer import Identity, PeerEndpoint
 from ..session import Session
-from ..stragglers import StragglerLog, StragglerQueries
-from .point_to_point import PointToPoint
+from ..stragglers import StragglerLog, StragglerStats, fetch_stragglers
+from .point_to_point import PeerCalls
 from .protocol import ArrayLike, Result
-from .ride import RidesThrough
+from .ride import Rider, RidingLane
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class Reserved:
         return self.call.header
 
 
-class AsyncProcessGroup(PointToPoint, StragglerQueries, RidesThrough):
+class AsyncProcessGroup:
     """A rank of a job. Create with ``init_process_group_async``.
 
     Each collective is issued when it is called: it returns an ``asyncio.Task`` already
@@ -91,17 +94,25 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries, RidesThrough):
         #: The blocking API's lane for small collectives from its caller's thread (None: every
         #: collective runs on the loop): :meth:`open_direct_lane`.
         self.direct: DirectLane | None = None
-        #: Numbers this rank's all_to_all calls (their payload's peer tag), in call order.
-        self._all_to_all_calls = itertools.count(1)
+        self._submit: Callable[[Coroutine], object] | None = None  # the direct lane's
         self._closed = False
         self._peer_endpoint = peer_endpoint
+        self._peer_calls = PeerCalls(self.rank, self.world_size, self.peers, peer_endpoint,
+                                     settings.timeout, check_usable=self._check_usable,
+                                     check_open=self._check_open, exchange=self._exchange_plans)
         #: The two-level collectives over this generation's hosts (inactive on one host);
         #: ``subgroup(job, world_size, rank)`` joins one of them (join.open_group's).
         self._hosts = HostHierarchy(self, {p.rank: p.host for p in joined.peers}, subgroup)
         if peer_endpoint is not None:
             peer_endpoint.bind(Identity(self.job, self.generation, self.rank, self.world_size,
                                         tuple(joined.peer_keys)), joined, session)
-        self._ride_along(self._seq)
+        #: Holds this group's collectives for issuing again, if its session rides through
+        #: restarts (``reconnect_timeout`` above 0); else None.
+        self._rider = None if session.ride is None else Rider(self._seq, session.ride,
+                                                               self._attempt)
+        if self._rider is not None:
+            session.ride.claim = lambda: self._rider.claim(self._session.joined)
+            session.ride.on_rejoined.append(self._rejoined)
 
     @property
     def collective_address(self) -> str:
@@ -121,6 +132,11 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries, RidesThrough):
         """(sent, received) payload bytes over peer streams: send/recv, all_to_all, Pipeline."""
         e = self._peer_endpoint
         return (0, 0) if e is None else (e.bytes_sent, e.bytes_received)
+
+    @property
+    def reconnects(self) -> list[float]:
+        """How long each ride through a coordinator restart lasted (seconds), oldest first."""
+        return [] if self._rider is None else self._rider.waits
 
     # -- collectives ---------------------------------------------------------------------------
 
@@ -250,6 +266,92 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries, RidesThrough):
         return self._run(ops.ALL_REDUCE, arr, arr, np.empty_like(arr), restore, timeout,
                          reduce_op=mean, averaging=spec, fmt=fmt)
 
+    # -- over peer streams (:class:`~.point_to_point.PeerCalls`) --------------------------------
+
+    def send(self, x, dst: int, tag=0, *, timeout: float | None = None) -> Awaitable[None]:
+        """Send ``x`` to rank ``dst`` over this rank's peer stream to it; resolves to None once
+        ``dst`` holds the whole message. Do not modify ``x`` until then.
+
+        ``tag`` (an int, a str, or a tuple of them) is what ``recv`` matches; messages with the
+        same tag from one rank arrive in the order they were sent.
+
+        Raises:
+            ConfigurationError: bad ``dst``, tag, dtype or type of ``x``.
+            RankLostError: ``dst`` (or another rank of the generation) was lost.
+            CollectiveTimeoutError: ``dst`` did not take the message within ``timeout``.
+            AuthenticationError: ``dst``'s peer server refused the job token.
+        """
+        return self._peer_calls.send(x, dst, tag, timeout=timeout)
+
+    def recv(self, src: int | None = None, tag=0, *,
+             timeout: float | None = None) -> Awaitable[ArrayLike]:
+        """The next message from rank ``src`` with ``tag``, as the type it was sent as (numpy
+        array, or torch tensor where torch is installed), with its shape and dtype.
+
+        ``src=None`` receives the next message with ``tag`` from any other rank and resolves to
+        ``(sender, x)``. Messages of one sender are received in the order it sent them,
+        whichever kind of recv takes them; among senders, the message that arrived first.
+
+        A message that already arrived is returned even if the generation failed, or its
+        sender finished, since.
+
+        Raises:
+            ConfigurationError: bad ``src`` or tag, or (``src=None``) no other rank.
+            RankFinishedError: ``src`` (``src=None``: every other rank) closed its group
+                cleanly, and everything it sent before has been received.
+            RankLostError: ``src`` (or another rank of the generation) was lost.
+            CollectiveTimeoutError: no such message arrived within ``timeout``.
+        """
+        return self._peer_calls.recv(src, tag, timeout=timeout)
+
+    def all_to_all(self, inputs, *, timeout: float | None = None) -> Awaitable[list]:
+        """Send ``inputs[j]`` to rank ``j``; resolves to a list whose element ``i`` is what rank
+        ``i`` sent this rank, with the shape it was sent with and the type of this rank's
+        inputs. Every array has the same dtype; shapes are free. The hub checks and orders the
+        call, the arrays ride peer streams (:mod:`gradstar.client.all_to_all`).
+
+        Raises:
+            InvalidCollectiveError: not one array per rank, or arrays of different dtypes.
+            ConfigurationError: an unsupported array type or dtype, or a rank of the group
+                without a peer address.
+            CollectiveMismatchError: (on every rank) ranks called other collectives, or passed
+                other dtypes.
+            CollectiveError and subclasses: timeout, lost or finished rank, as for all_reduce.
+        """
+        return self._peer_calls.all_to_all(inputs, timeout=timeout)
+
+    def all_to_all_single(self, x, output_split_sizes=None, input_split_sizes=None, *,
+                          timeout: float | None = None) -> Awaitable[ArrayLike]:
+        """Split ``x`` along dim 0 by ``input_split_sizes`` and send split ``j`` to rank ``j``;
+        resolves to one array of x's type: the splits received from ranks 0, 1, ... one after
+        the other along dim 0, ``output_split_sizes[i]`` rows from rank ``i``. None (or empty)
+        means equal splits of ``x``'s dim 0, as in torch.distributed. Rank ``i``'s
+        ``input_split_sizes[j]`` must equal rank ``j``'s ``output_split_sizes[i]``.
+
+        Raises:
+            InvalidCollectiveError: a 0-d ``x``, or split sizes that are not one non-negative
+                int per rank, or (input) do not sum to dim 0, or (None) dim 0 not divisible by
+                the world size.
+            CollectiveMismatchError: (on every rank) ranks disagree on split sizes, dtype or row
+                size, or called other collectives; the message names both ranks and sizes.
+            ConfigurationError, CollectiveError and subclasses: as for :meth:`all_to_all`.
+        """
+        return self._peer_calls.all_to_all_single(x, output_split_sizes, input_split_sizes,
+                                                  timeout=timeout)
+
+    async def straggler_stats(self, *, limit: int = 0,
+                              timeout: float = 10.0) -> StragglerStats:
+        """The job's arrival summary from the coordinator: per rank (slowest first, at most
+        ``limit``; 0: all) its lag behind the first rank at the job's collectives, wherever
+        they ran (the coordinator, its hub shards), how often the others waited for it and
+        for how long.
+
+        Raises:
+            CoordinatorUnavailableError, AuthenticationError, GradstarError: the call failed.
+        """
+        return await fetch_stragglers(self._channel, self._metadata, self.job, limit=limit,
+                                      timeout=timeout, target=self.settings.coordinator)
+
     # -- collectives issued later, in the order they were reserved ------------------------------
 
     def reserve(self, op: int, like: np.ndarray, *, reduce_op: int = 0, root: int = 0,
@@ -293,6 +395,10 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries, RidesThrough):
             )
         if self._session.failure is not None:
             raise self._session.failure
+
+    def _check_open(self) -> None:
+        if self._closed:
+            self._check_usable()
 
     def _check(self, op: int, arr: np.ndarray, *, reduce_op: int = 0, root: int = 0,
                wire: str | None = None) -> WireFormat | None:
@@ -346,6 +452,17 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries, RidesThrough):
     def _targets(self, call: ops.CollectiveCall):
         return self._plane.targets(averaging=bool(call.header.averaging.rule))
 
+    def _exchange_plans(self, encoded: np.ndarray, timeout: float,
+                        then: Callable[[Awaitable[np.ndarray], float], Coroutine]) -> Awaitable:
+        """An all_to_all's plan exchange (:data:`~.point_to_point.PlanExchange`): a hub
+        collective gathering every rank's ``encoded`` plan, its seq taken now; the issued
+        call runs ``then(plans, timeout)``."""
+        plans = np.empty((self.world_size, encoded.size), dtype=np.int64)
+        plans[self.rank] = encoded  # this rank's segment: sent from here, never received
+        call, timeout = self._call(ops.ALL_TO_ALL, encoded, timeout)
+        return self._issue(call, lambda: then(self._collect(call, plans, plans, _as_is,
+                                                            timeout), timeout))
+
     def _issue(self, call: ops.CollectiveCall, run: Callable[[], Coroutine]) -> Awaitable:
         """Start ``run()``, the call that carries collective ``call``, now
         (:func:`~gradstar.client.collective.stream.issue`); cancelled before it ran, it tells
@@ -370,13 +487,39 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries, RidesThrough):
         """Run ``call`` (in its wire format, if any: ``send`` encoded chunk by chunk as it is
         sent, the result decoded into ``out`` once it is proven complete, so a failure leaves
         ``out`` untouched) and hand ``restore`` the result."""
-        if self._session.ride is not None:  # held, and issued again after a restart
-            result = await self._run_riding(call, send, out, timeout)
+        if self._rider is not None:  # held, and issued again after a restart
+            result = await self._rider.run(call, send, out, timeout)
         else:
-            result = await run_collective(self._targets(call), call, send, out,
-                                          session=self._session, metadata=self._metadata,
-                                          timeout=timeout)
+            result = await self._attempt(call, timeout)(send, out)
         return await delivered(restore, result)
+
+    def _attempt(self, call: ops.CollectiveCall, timeout: float):
+        """Run ``call`` once over the data plane as it is when the attempt starts."""
+        def attempt(send: np.ndarray | None, out: np.ndarray):
+            return run_collective(self._targets(call), call, send, out, session=self._session,
+                                  metadata=self._metadata, timeout=timeout)
+        return attempt
+
+    def _lane(self) -> DirectLane | RidingLane | None:
+        """The direct lane, wrapped so that its collectives are held too when riding."""
+        if self.direct is None or self._rider is None:
+            return self.direct
+        return RidingLane(self._rider, self.direct, self._submit)
+
+    def _rejoined(self, joined: rpb.Joined) -> None:
+        """The session rejoined: a new data plane (and direct lane) for the coordinator that
+        answered, and the collectives it names issued again."""
+        self.joined = joined
+        old, self._plane = self._plane, DataPlane(self.settings, list(joined.shards),
+                                                  joined.collectives)
+        self.shards = self._plane.addresses
+        self._rider.keep(old.close())
+        if self.direct is not None and self._submit is not None:
+            self.direct.close()
+            watch = self.open_direct_lane(self._submit)
+            if watch is not None:
+                self._rider.keep(watch)
+        self._rider.replay(joined)
 
     def open_direct_lane(self, submit) -> Coroutine | None:
         """Give a blocking caller's thread its own lane to the hub for small collectives

@@ -4,21 +4,21 @@ and the all_to_all calls, which all ride the ranks' peer streams
 are a hub collective, checked and ordered like any other; its payload goes rank to rank
 (:mod:`gradstar.client.all_to_all`).
 
-:class:`PointToPoint` is mixed into :class:`~gradstar.client.process_group.AsyncProcessGroup`,
-which gives it ``rank``, ``world_size``, ``peers``, ``settings``, the peer endpoint, the
-all_to_all call numbers and the collective machinery (``_call``, ``_issue``, ``_collect``,
-``_check_usable``).
+:class:`PeerCalls` is the object an :class:`~gradstar.client.process_group.AsyncProcessGroup`
+owns for these calls (the group's methods of the same names delegate to it, and their
+docstrings are the contract): it is given the group's place (rank, world size, the peers'
+addresses), its peer endpoint, its default timeout and, as callables, the few things it asks
+of the group (is it usable, is it open, the plan exchange through the hub).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TypeVar
 
 import numpy as np
 
-from gradstar import ops
 from gradstar.errors import ConfigurationError, InvalidCollectiveError, ProtocolError
 from gradstar.wire import dtype_info
 
@@ -32,31 +32,46 @@ from ..convert import (
     restore_array,
     to_numpy,
 )
+from ..peer import PeerEndpoint
 from ..peer.mailbox import tag_key
 
 T = TypeVar("T")
 
+#: The group's plan exchange of an all_to_all: ``exchange(encoded, timeout, then)`` takes the
+#: seq of a hub collective that gathers every rank's ``encoded`` plan, now (raising what a
+#: closed or failed group raises), and issues it; the issued call runs ``then(plans,
+#: timeout)``, ``plans`` resolving to every rank's plan by rank.
+PlanExchange = Callable[
+    [np.ndarray, float, Callable[[Awaitable[np.ndarray], float], Coroutine]], Awaitable]
 
-class PointToPoint:
-    """The calls of :class:`~gradstar.client.process_group.AsyncProcessGroup` that move
-    payloads over peer streams."""
+
+class PeerCalls:
+    """The calls of one :class:`~gradstar.client.process_group.AsyncProcessGroup` that move
+    payloads over peer streams (see the module docstring).
+
+    ``check_usable()`` raises if the group is closed or its generation failed,
+    ``check_open()`` only if it is closed (a message that arrived is received after a
+    failure); ``exchange`` is the group's :data:`PlanExchange`."""
+
+    def __init__(self, rank: int, world_size: int, peers: dict[int, str],
+                 endpoint: PeerEndpoint | None, timeout: float, *,
+                 check_usable: Callable[[], None], check_open: Callable[[], None],
+                 exchange: PlanExchange) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.peers = peers
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._check_usable = check_usable
+        self._check_open = check_open
+        self._exchange = exchange
+        #: all_to_all calls made so far: their numbers are their payload's peer tags.
+        self._all_to_all_calls = 0
 
     # -- all_to_all (plans through the hub, payload over peer streams) ------------------------
 
     def all_to_all(self, inputs, *, timeout: float | None = None) -> Awaitable[list]:
-        """Send ``inputs[j]`` to rank ``j``; resolves to a list whose element ``i`` is what rank
-        ``i`` sent this rank, with the shape it was sent with and the type of this rank's
-        inputs. Every array has the same dtype; shapes are free. The hub checks and orders the
-        call, the arrays ride peer streams (:mod:`gradstar.client.all_to_all`).
-
-        Raises:
-            InvalidCollectiveError: not one array per rank, or arrays of different dtypes.
-            ConfigurationError: an unsupported array type or dtype, or a rank of the group
-                without a peer address.
-            CollectiveMismatchError: (on every rank) ranks called other collectives, or passed
-                other dtypes.
-            CollectiveError and subclasses: timeout, lost or finished rank, as for all_reduce.
-        """
+        """As :meth:`~gradstar.client.process_group.AsyncProcessGroup.all_to_all`."""
         inputs = list(inputs)
         converted = [to_numpy(x) for x in inputs]
         if len(converted) != self.world_size:
@@ -79,20 +94,7 @@ class PointToPoint:
 
     def all_to_all_single(self, x, output_split_sizes=None, input_split_sizes=None, *,
                           timeout: float | None = None) -> Awaitable[ArrayLike]:
-        """Split ``x`` along dim 0 by ``input_split_sizes`` and send split ``j`` to rank ``j``;
-        resolves to one array of x's type: the splits received from ranks 0, 1, ... one after
-        the other along dim 0, ``output_split_sizes[i]`` rows from rank ``i``. None (or empty)
-        means equal splits of ``x``'s dim 0, as in torch.distributed. Rank ``i``'s
-        ``input_split_sizes[j]`` must equal rank ``j``'s ``output_split_sizes[i]``.
-
-        Raises:
-            InvalidCollectiveError: a 0-d ``x``, or split sizes that are not one non-negative
-                int per rank, or (input) do not sum to dim 0, or (None) dim 0 not divisible by
-                the world size.
-            CollectiveMismatchError: (on every rank) ranks disagree on split sizes, dtype or row
-                size, or called other collectives; the message names both ranks and sizes.
-            ConfigurationError, CollectiveError and subclasses: as for :meth:`all_to_all`.
-        """
+        """As :meth:`~gradstar.client.process_group.AsyncProcessGroup.all_to_all_single`."""
         arr, restore = to_numpy(x)
         if arr.ndim == 0:
             raise InvalidCollectiveError("all_to_all_single needs a tensor of at least 1 "
@@ -123,26 +125,23 @@ class PointToPoint:
     def _all_to_all(self, plan: a2a.Plan, pieces: list[np.ndarray], kind: int, deliver,
                     timeout: float | None,
                     into: list[np.ndarray] | None = None) -> Awaitable[T]:
-        """Take the call's seq now (its plan is a hub collective) and return the coroutine that
-        checks every rank's plan and moves ``pieces[j]`` to rank ``j`` (see
+        """Take the call's seq now (its plan exchange is a hub collective) and return the call
+        that checks every rank's plan and moves ``pieces[j]`` to rank ``j`` (see
         :mod:`gradstar.client.all_to_all`); ``deliver`` turns what arrived, by sender, into
         the result. ``into[i]``: where rank ``i``'s piece may be received in place."""
         unreachable = [r for r in range(self.world_size)
                        if r != self.rank and not self.peers.get(r)]
-        if unreachable or (self._peer_endpoint is None and self.world_size > 1):
+        if unreachable or (self.endpoint is None and self.world_size > 1):
             raise ConfigurationError(
                 f"{plan.name} moves its payload over peer streams, but ranks {unreachable} "
                 "registered no peer address: a rank configured for TLS needs tls_cert and "
                 "tls_key to serve peer streams")
-        timeout = self.settings.timeout if timeout is None else timeout
-        encoded = plan.encode()
-        plans = np.empty((self.world_size, encoded.size), dtype=np.int64)
-        plans[self.rank] = encoded  # this rank's segment: sent from here, never received
-        exchange, timeout = self._call(ops.ALL_TO_ALL, encoded, timeout)
-        call = next(self._all_to_all_calls)
-        return self._issue(exchange, lambda: self._move(
-            self._collect(exchange, plans, plans, lambda r: r, timeout), call, plan, pieces,
-            kind, deliver, timeout, into))
+        timeout = self.timeout if timeout is None else timeout
+        call = self._all_to_all_calls + 1  # counted once the exchange's seq is taken
+        started = self._exchange(plan.encode(), timeout, lambda plans, left: self._move(
+            plans, call, plan, pieces, kind, deliver, left, into))
+        self._all_to_all_calls = call
+        return started
 
     async def _move(self, exchange: Awaitable, call: int, plan: a2a.Plan,
                     pieces: list[np.ndarray], kind: int, deliver, timeout: float,
@@ -153,7 +152,7 @@ class PointToPoint:
         deadline = loop.time() + timeout
         plans = [a2a.Plan.decode(row, self.world_size) for row in await exchange]
         a2a.check_plans(plans, f"{plan.name} call {call}")
-        me, tag, peers = self.rank, a2a.payload_tag(call), self._peer_endpoint
+        me, tag, peers = self.rank, a2a.payload_tag(call), self.endpoint
         others = [r for r in range(self.world_size) if r != me]
         # A single tensor's empty splits need no message: both sides know their shape.
         skip_empty = plan.form == a2a.SINGLE
@@ -189,52 +188,25 @@ class PointToPoint:
     # -- point to point (peer streams, see gradstar.client.peer) --------------------------------
 
     def send(self, x, dst: int, tag=0, *, timeout: float | None = None) -> Awaitable[None]:
-        """Send ``x`` to rank ``dst`` over this rank's peer stream to it; resolves to None once
-        ``dst`` holds the whole message. Do not modify ``x`` until then.
-
-        ``tag`` (an int, a str, or a tuple of them) is what ``recv`` matches; messages with the
-        same tag from one rank arrive in the order they were sent.
-
-        Raises:
-            ConfigurationError: bad ``dst``, tag, dtype or type of ``x``.
-            RankLostError: ``dst`` (or another rank of the generation) was lost.
-            CollectiveTimeoutError: ``dst`` did not take the message within ``timeout``.
-            AuthenticationError: ``dst``'s peer server refused the job token.
-        """
+        """As :meth:`~gradstar.client.process_group.AsyncProcessGroup.send`."""
         arr, _ = to_numpy(x)
         dst, key = self._peer_check(dst, "send to"), tag_key(tag)
         self._check_usable()
-        timeout = self.settings.timeout if timeout is None else timeout
-        return self._peer_endpoint.send(arr, array_kind(x), dst, key, timeout)
+        timeout = self.timeout if timeout is None else timeout
+        return self.endpoint.send(arr, array_kind(x), dst, key, timeout)
 
     def recv(self, src: int | None = None, tag=0, *,
              timeout: float | None = None) -> Awaitable[ArrayLike]:
-        """The next message from rank ``src`` with ``tag``, as the type it was sent as (numpy
-        array, or torch tensor where torch is installed), with its shape and dtype.
-
-        ``src=None`` receives the next message with ``tag`` from any other rank and resolves to
-        ``(sender, x)``. Messages of one sender are received in the order it sent them,
-        whichever kind of recv takes them; among senders, the message that arrived first.
-
-        A message that already arrived is returned even if the generation failed, or its
-        sender finished, since.
-
-        Raises:
-            ConfigurationError: bad ``src`` or tag, or (``src=None``) no other rank.
-            RankFinishedError: ``src`` (``src=None``: every other rank) closed its group
-                cleanly, and everything it sent before has been received.
-            RankLostError: ``src`` (or another rank of the generation) was lost.
-            CollectiveTimeoutError: no such message arrived within ``timeout``.
-        """
+        """As :meth:`~gradstar.client.process_group.AsyncProcessGroup.recv`."""
         src = self._peer_check(src, "receive from", any_source=True)
         key = tag_key(tag)
         if src is None and self.world_size == 1:
             raise ConfigurationError(
                 f"rank {self.rank} has no other rank to receive from (world_size 1)")
-        if self._closed:  # (a failed generation is checked later: see above)
-            self._check_usable()
-        timeout = self.settings.timeout if timeout is None else timeout
-        peers = self._peer_endpoint
+        # Closed, not failed: a message that arrived is received after a failure too.
+        self._check_open()
+        timeout = self.timeout if timeout is None else timeout
+        peers = self.endpoint
 
         async def receive():
             if src is None:
@@ -245,7 +217,7 @@ class PointToPoint:
         return receive()
 
     def _peer_check(self, peer: int | None, what: str, *, any_source: bool = False) -> int | None:
-        if self._peer_endpoint is None:
+        if self.endpoint is None:
             raise ConfigurationError("this process group has no peer endpoint for send/recv")
         if peer is None and any_source:
             return None
@@ -257,4 +229,4 @@ class PointToPoint:
         return int(peer)
 
 
-__all__ = ["PointToPoint"]
+__all__ = ["PeerCalls", "PlanExchange"]

@@ -1,127 +1,102 @@
 """The process group's half of riding through a restart of its coordinator: its collectives
 are held and issued again (:mod:`gradstar.client.collective.reissue`) while its session
-rejoins (:mod:`gradstar.client.reconnect`), and once it rejoined, the group's data plane and
-direct lane are opened anew (the restarted coordinator may serve collectives on another port)
-and the collectives the coordinator names are issued again. Mixed into
-:class:`~gradstar.client.process_group.AsyncProcessGroup`.
+rejoins (:mod:`gradstar.client.reconnect`). :class:`Rider` is the object an
+:class:`~gradstar.client.process_group.AsyncProcessGroup` owns for that when its session rides
+through restarts; once the session rejoined, the group opens its data plane and direct lane
+anew (the restarted coordinator may serve collectives on another port) and the rider issues
+again the collectives the coordinator names.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import concurrent.futures
 from collections.abc import Callable, Coroutine
 
 import numpy as np
 
 from gradstar import ops
-from gradstar.config import ClientSettings
 from gradstar.errors import GradstarError
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
 
-from ..collective.data_plane import DataPlane
 from ..collective.direct import DirectLane
-from ..collective.reissue import Reissue, Seqs
-from ..collective.stream import run_collective
-from ..session import Session
+from ..collective.reissue import Attempt, Reissue, Seqs
+from ..reconnect import Ride
 
-log = logging.getLogger(__name__)
+#: How a rider runs a collective once: ``attempt(call, timeout)`` is what runs ``call`` over
+#: the group's data plane as it is when the attempt starts (sending ``send``, into ``out``).
+Attempts = Callable[[ops.CollectiveCall, float], Attempt]
 
 
-class RidesThrough:
-    """Mixin: what :class:`AsyncProcessGroup` does to ride through coordinator restarts.
+class Rider:
+    """The collectives of one group held for issuing again while ``ride`` (its session's
+    rides through restarts) goes on: every collective is held from its start, and one that
+    failed because the coordinator went away is issued again, same seq, once it is back.
+    ``seqs`` are the group's sequence numbers (what a rejoin claims); ``attempts`` runs a
+    collective once."""
 
-    It reads the group's ``settings``, ``_session``, ``_plane``, ``_metadata``, ``direct``
-    and ``_targets(call)``, and replaces ``_plane`` (and ``direct``) after a rejoin."""
+    def __init__(self, seqs: Seqs, ride: Ride, attempts: Attempts) -> None:
+        self.reissue = Reissue(seqs)
+        self.ride = ride
+        self.attempts = attempts
+        self._tasks: set[asyncio.Task] = set()  # the loop holds tasks only weakly
 
-    settings: ClientSettings
-    joined: rpb.Joined
-    _session: Session
-    _plane: DataPlane
-    direct: DirectLane | None
-    _submit: Callable[[Coroutine], object] | None = None
-
-    def _ride_along(self, seqs: Seqs) -> None:
-        """Hold this group's collectives for issuing again, if its session rides through
-        restarts (``reconnect_timeout`` above 0)."""
-        self._reissue = Reissue(seqs)
-        self._ride_tasks: set[asyncio.Task] = set()  # the loop holds tasks only weakly
-        ride = self._session.ride
-        if ride is not None:
-            ride.claim = lambda: self._reissue.claim(self._session.joined)
-            ride.on_rejoined.append(self._rejoined)
+    def claim(self, joined: rpb.Joined) -> rpb.Rejoin:
+        """What this rank holds of generation ``joined``, as its rejoin claims it."""
+        return self.reissue.claim(joined)
 
     @property
-    def reconnects(self) -> list[float]:
+    def waits(self) -> list[float]:
         """How long each ride through a coordinator restart lasted (seconds), oldest first."""
-        ride = self._session.ride
-        return [] if ride is None else list(ride.waits)
+        return list(self.ride.waits)
 
-    async def _run_riding(self, call: ops.CollectiveCall, send: np.ndarray | None,
-                          out: np.ndarray, timeout: float) -> np.ndarray:
-        """Run ``call`` as :func:`run_collective` does, issued again after a restart."""
-        held = self._reissue.hold(call, send, out, self._attempt(call, timeout))
-        return await self._reissue.run(held, out, self._session.ride)
+    async def run(self, call: ops.CollectiveCall, send: np.ndarray | None, out: np.ndarray,
+                  timeout: float) -> np.ndarray:
+        """Run ``call`` as :func:`~gradstar.client.collective.stream.run_collective` does,
+        issued again after a restart."""
+        held = self.reissue.hold(call, send, out, self.attempts(call, timeout))
+        return await self.reissue.run(held, out, self.ride)
 
-    def _attempt(self, call: ops.CollectiveCall, timeout: float):
-        def attempt(send: np.ndarray | None, out: np.ndarray):
-            return run_collective(self._targets(call), call, send, out, session=self._session,
-                                  metadata=self._metadata, timeout=timeout)
-        return attempt
+    def replay(self, joined: rpb.Joined) -> None:
+        """Issue again what the coordinator that answered ``joined`` names (its replay set)."""
+        self.reissue.replay(joined.replay, self.ride)
 
-    def _lane(self) -> DirectLane | RidingLane | None:
-        """The direct lane, wrapped so that its collectives are held too when riding."""
-        if self.direct is None or self._session.ride is None:
-            return self.direct
-        return RidingLane(self, self.direct)
-
-    def _rejoined(self, joined: rpb.Joined) -> None:
-        """The session rejoined: a new data plane (and direct lane) for the coordinator that
-        answered, and the collectives it names issued again."""
-        self.joined = joined
-        old, self._plane = self._plane, DataPlane(self.settings, list(joined.shards),
-                                                  joined.collectives)
-        self.shards = self._plane.addresses
-        self._keep(old.close())
-        if self.direct is not None and self._submit is not None:
-            self.direct.close()
-            watch = self.open_direct_lane(self._submit)
-            if watch is not None:
-                self._keep(watch)
-        self._reissue.replay(joined.replay, self._session.ride)
-
-
-    def _keep(self, coroutine: Coroutine) -> None:
+    def keep(self, coroutine: Coroutine) -> None:
+        """Run ``coroutine`` on its own task, held until it ends (a closing data plane, the new
+        direct lane's watch)."""
         task = asyncio.ensure_future(coroutine)
-        self._ride_tasks.add(task)
-        task.add_done_callback(self._ride_tasks.discard)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
 
 class RidingLane:
     """The direct lane of a group that rides through restarts: each collective is held like
     the loop's, and one that failed because the coordinator went away is issued again on
-    the loop once the session rejoined (there, the new lane or the new data plane takes it)."""
+    the loop once the session rejoined (there, the new lane or the new data plane takes it).
+    ``submit`` runs a coroutine on the group's loop."""
 
-    def __init__(self, group: RidesThrough, lane: DirectLane) -> None:
-        self._group = group
+    def __init__(self, rider: Rider, lane: DirectLane,
+                 submit: Callable[[Coroutine], concurrent.futures.Future]) -> None:
+        self._rider = rider
         self._lane = lane
+        self._submit = submit
         self.takes = lane.takes
 
     def run(self, call: ops.CollectiveCall, send: np.ndarray | None, out: np.ndarray,
             timeout: float) -> np.ndarray:
         """As :meth:`DirectLane.run`, on the caller's thread; issued again on the loop after a
         restart of the coordinator."""
-        group = self._group
-        reissue, ride = group._reissue, group._session.ride
-        held = reissue.hold(call, send, out, group._attempt(call, timeout))
+        rider = self._rider
+        reissue, ride = rider.reissue, rider.ride
+        held = reissue.hold(call, send, out, rider.attempts(call, timeout))
         began = ride.epoch
         try:
             result = self._lane.run(call, held.send, out, timeout)
         except GradstarError:
-            if not group._submit(ride.until_back(began)).result():
+            if not self._submit(ride.until_back(began)).result():
                 reissue.dropped(held)
                 raise
-            return group._submit(reissue.run(held, out, ride)).result()
+            return self._submit(reissue.run(held, out, ride)).result()
         except BaseException:
             reissue.dropped(held)
             raise
@@ -129,4 +104,4 @@ class RidingLane:
         return result
 
 
-__all__ = ["RidesThrough", "RidingLane"]
+__all__ = ["Attempts", "Rider", "RidingLane"]
