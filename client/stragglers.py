@@ -105,24 +105,6 @@ def peer_hosts(peers: Iterable) -> dict[int, str]:
     return {p.rank: p.hostname or split_host_port(p.address)[0] or p.host for p in peers}
 
 
-class StragglerQueries:
-    """:meth:`straggler_stats`, mixed into
-    :class:`~gradstar.client.process_group.AsyncProcessGroup`."""
-
-    async def straggler_stats(self, *, limit: int = 0,
-                              timeout: float = 10.0) -> StragglerStats:
-        """The job's arrival summary from the coordinator: per rank (slowest first, at most
-        ``limit``; 0: all) its lag behind the first rank at the job's collectives, wherever
-        they ran (the coordinator, its hub shards), how often the others waited for it and
-        for how long.
-
-        Raises:
-            CoordinatorUnavailableError, AuthenticationError, GradstarError: the call failed.
-        """
-        return await fetch_stragglers(self._channel, self._metadata, self.job, limit=limit,
-                                      timeout=timeout, target=self.settings.coordinator)
-
-
 class StragglerLog:
     """The rank's rate-limited log line about collectives that waited for some ranks."""
 

@@ -74,7 +74,8 @@ from gradstar.sync_modes import Synchronous, SyncMode, check_mode
 from ..buckets import BucketPlan, StepTimeline, cap_bytes_of
 from ..error_feedback import check_error_feedback
 from ..process_group.protocol import CollectiveGroup
-from ..steps.modes import SyncModes
+from ..steps.modes import SyncModeState
+from ..steps.stats import SyncStats
 from ..torch_common import (
     GRAD_DTYPES,
     broadcast_from_rank0,
@@ -86,7 +87,7 @@ from .inputs import inputs_to_device
 from .reducer import Reducer
 
 
-class DistributedDataParallel(SyncModes, nn.Module):
+class DistributedDataParallel(nn.Module):
     """Wraps ``module`` so that every backward leaves the mean gradient over ranks in ``.grad``.
 
     A drop-in for ``torch.nn.parallel.DistributedDataParallel`` with one device per process:
@@ -206,16 +207,16 @@ class DistributedDataParallel(SyncModes, nn.Module):
         self.elastic = ElasticSteps(pg, module, optimizer, not mode.on_ledger)
         if not replacing and not self.elastic.start_state():
             broadcast_from_rank0(pg, [*module.parameters(), *module.buffers()], cap)
-        self.sync_mode: SyncMode = Synchronous()
-        self._optimizer = optimizer
-        self._steps = None  # the StepSync of the ledger modes, made at the first one
-        self._weight: float | None = None  # contribution_weight; None: plain means
+        #: The sync mode, its weight and its ledger driver (:mod:`gradstar.client.steps.modes`).
+        self._modes = SyncModeState(module, self._params, optimizer, pg, wire=wire,
+                                    compression=gradient_compression, feedback=feedback,
+                                    broadcast_buffers=self.broadcast_buffers)
         self.set_sync_mode(mode)
         # State from the hub: in a lost rank's place, or while the hub holds a snapshot (a
         # restarted job or coordinator, or ranks of this start that already stepped: the
         # snapshot continues the state all of them broadcast, so each rank may decide alone).
-        if replacing or (mode.on_ledger and self._steps.hub_holds_snapshot()):
-            self._steps.join()
+        if replacing or (mode.on_ledger and self._modes.steps.hub_holds_snapshot()):
+            self._modes.steps.join()
         me = weakref.ref(self)  # the hooks must not keep a discarded wrapper alive
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(_make_hook(me, i))
@@ -281,11 +282,11 @@ class DistributedDataParallel(SyncModes, nn.Module):
         if self._grads_synced:
             return  # every rank's last backward synchronised too: none of them sends
         if self.sync_mode.on_ledger:
-            self._steps.contribute(self.contribution_weight)
+            self._modes.steps.contribute(self.contribution_weight)
         else:
             self.elastic.cross()
             step = self.reducer.new_step()
-            self.reducer.launch_rest(step, "sync_gradients", self._weight)
+            self.reducer.launch_rest(step, "sync_gradients", self._modes.weight)
             missing = [i for i, p in enumerate(self._params)
                        if p.grad is None and not step.ready[i]]
             self._finish(step, missing, "when sync_gradients() was called")
@@ -361,6 +362,64 @@ class DistributedDataParallel(SyncModes, nn.Module):
                 f"gradient_as_bucket_view={self.gradient_as_bucket_view}, "
                 f"static_graph={self.static_graph}, delay_all_reduce={self.delay_all_reduce}")
 
+    # -- the sync mode (:class:`~gradstar.client.steps.modes.SyncModeState`) --------------------
+
+    @property
+    def sync_mode(self) -> SyncMode:
+        """The sync mode in effect (:mod:`gradstar.sync_modes`; :meth:`set_sync_mode`)."""
+        return self._modes.mode
+
+    def set_sync_mode(self, mode: SyncMode) -> None:
+        """Switch sync mode (every rank, between steps): leaving or changing a ledger mode
+        synchronizes first, so every rank switches at the same step.
+
+        Raises:
+            ConfigurationError: not a sync mode; a mode other than Synchronous without
+                ``optimizer=``; Synchronous with a ``wire`` format and a contribution weight.
+        """
+        self._modes.set(mode)
+
+    def synchronize(self) -> None:
+        """Every rank: wait until every gradient sent so far is aggregated and applied, so the
+        replicas are bitwise identical (before evaluating, checkpointing, at the end).
+        Synchronous steps are always complete: nothing to do.
+
+        Raises:
+            StepTimeoutError: the other live ranks did not arrive in time.
+        """
+        self._modes.synchronize()
+
+    @property
+    def contribution_weight(self) -> float:
+        """Weight of this rank's gradients in their step's weighted mean (e.g. its samples per
+        step; default 1). In Synchronous mode, set it on every rank or none: a weighted step
+        all_reduces sums and the weights' sum instead of means, and not with a ``wire`` format
+        (in the other modes the weight travels beside the gradient, with any format).
+
+        Raises:
+            ConfigurationError: (set) not a finite number >= 0, or in Synchronous mode with a
+                ``wire`` format.
+        """
+        weight = self._modes.weight
+        return 1.0 if weight is None else weight
+
+    @contribution_weight.setter
+    def contribution_weight(self, weight: float) -> None:
+        self._modes.set_weight(weight)
+
+    @property
+    def contribution_residual(self) -> torch.Tensor | None:
+        """In a sync mode other than Synchronous with error feedback: what this rank's
+        contributions lost to the wire format so far (one flat float32 tensor over the
+        parameters in DDP's order; read only). None otherwise, or before the first one."""
+        return self._modes.residual
+
+    def sync_stats(self) -> SyncStats | None:
+        """What this rank saw of its sync mode (:class:`~gradstar.client.steps.stats.SyncStats`:
+        steps applied, gradients dropped, staleness); None before any mode other than
+        Synchronous."""
+        return self._modes.stats
+
     # -- the backward protocol -----------------------------------------------------------------
 
     def _on_grad_ready(self, index: int) -> None:
@@ -381,7 +440,7 @@ class DistributedDataParallel(SyncModes, nn.Module):
         if self.delay_all_reduce:
             return  # every bucket launches when backward ends
         try:
-            self.reducer.launch_ready(step, self._weight)
+            self.reducer.launch_ready(step, self._modes.weight)
         except BaseException:
             self._step = None
             raise
@@ -393,9 +452,9 @@ class DistributedDataParallel(SyncModes, nn.Module):
             return
         step.timeline.backward_end = time.perf_counter()
         if self.sync_mode.on_ledger:
-            self._steps.contribute(self.contribution_weight)
+            self._modes.steps.contribute(self.contribution_weight)
         else:
-            self.reducer.launch_rest(step, "end of backward", self._weight)
+            self.reducer.launch_rest(step, "end of backward", self._modes.weight)
             self._finish(step, [i for i, ready in enumerate(step.ready) if not ready],
                          "in this backward pass")
         self._grads_synced = True

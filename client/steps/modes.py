@@ -1,81 +1,104 @@
-"""The sync-mode face of :class:`~gradstar.client.ddp.DistributedDataParallel`: choosing a mode,
-synchronizing, weights and statistics. DDP inherits it; the ledger modes' work is done by
-:class:`~.sync.StepSync`, made at the first of them."""
+"""The sync mode of a :class:`~gradstar.client.ddp.DistributedDataParallel`:
+:class:`SyncModeState`, the object a DDP owns for it (the mode in effect, the contribution
+weight, the ledger modes' driver :class:`~.sync.StepSync`, made at the first of them), given
+at construction what that driver needs of the DDP. DDP's ``set_sync_mode``,
+``synchronize``, ``contribution_weight``, ``contribution_residual`` and ``sync_stats``
+delegate to it; their docstrings there are the contract."""
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
 
 from gradstar.errors import ConfigurationError
-from gradstar.sync_modes import SyncMode, check_mode
+from gradstar.sync_modes import Synchronous, SyncMode, check_mode
 from gradstar.wire.formats import wire_format
 
+from ..error_feedback import ErrorFeedback
+from ..process_group.protocol import CollectiveGroup
 
-class SyncModes:
-    """Mixed into DDP, which owns ``sync_mode``, ``_steps``, ``_weight``, ``_optimizer``,
-    ``_params``, ``process_group``, ``wire`` and ``gradient_compression``."""
+if TYPE_CHECKING:
+    from .stats import SyncStats
+    from .sync import StepSync
 
-    def set_sync_mode(self, mode: SyncMode) -> None:
-        """Switch sync mode (every rank, between steps): leaving or changing a ledger mode
-        synchronizes first, so every rank switches at the same step.
 
-        Raises:
-            ConfigurationError: not a sync mode; a mode other than Synchronous without
-                ``optimizer=``; Synchronous with a ``wire`` format and a contribution weight.
-        """
+class SyncModeState:
+    """A DDP's sync mode (see the module docstring). ``module``, ``params`` (trainable, in
+    DDP's order), ``optimizer`` and ``pg`` are the DDP's; contributions of the ledger modes
+    travel in the ``wire`` format with ``feedback`` (its error feedback), or in the
+    ``compression`` dtype's format ('bf16', 'fp16') without, as that rounds in Synchronous;
+    ``broadcast_buffers``: the module's buffers travel with each contribution."""
+
+    def __init__(self, module: nn.Module, params: list[torch.Tensor],
+                 optimizer: torch.optim.Optimizer | None, pg: CollectiveGroup, *,
+                 wire: str | None, compression: str | None, feedback: ErrorFeedback | None,
+                 broadcast_buffers: bool) -> None:
+        self._module = module
+        self._params = params
+        self._optimizer = optimizer
+        self._pg = pg
+        self._wire = wire
+        self._compression = compression
+        self._feedback = feedback
+        self._broadcast_buffers = broadcast_buffers
+        #: The mode in effect.
+        self.mode: SyncMode = Synchronous()
+        #: The ledger modes' driver, made at the first of them; None before.
+        self.steps: StepSync | None = None
+        #: The contribution weight set; None: plain means.
+        self.weight: float | None = None
+
+    def set(self, mode: SyncMode) -> None:
+        """As :meth:`DistributedDataParallel.set_sync_mode`."""
         mode = check_mode(mode)
-        if not mode.on_ledger and self.wire is not None and self._weight is not None:
+        if not mode.on_ledger and self._wire is not None and self.weight is not None:
             raise ConfigurationError(_SYNCHRONOUS_WEIGHTS)
-        if self.sync_mode.on_ledger and mode.on_ledger:
-            self._steps.set_mode(mode)
-        elif self.sync_mode.on_ledger:
-            self._steps.synchronize()
-            self._steps.detach()
+        if self.mode.on_ledger and mode.on_ledger:
+            self.steps.set_mode(mode)
+        elif self.mode.on_ledger:
+            self.steps.synchronize()
+            self.steps.detach()
         elif mode.on_ledger:
-            self._steps = self._steps or _step_sync(self, mode)
-            self._steps.attach(mode)
-        self.sync_mode = mode
+            self.steps = self.steps or self._step_sync(mode)
+            self.steps.attach(mode)
+        self.mode = mode
 
     def synchronize(self) -> None:
-        """Every rank: wait until every gradient sent so far is aggregated and applied, so the
-        replicas are bitwise identical (before evaluating, checkpointing, at the end).
-        Synchronous steps are always complete: nothing to do.
+        """As :meth:`DistributedDataParallel.synchronize`."""
+        if self.mode.on_ledger:
+            self.steps.synchronize()
 
-        Raises:
-            StepTimeoutError: the other live ranks did not arrive in time.
-        """
-        if self.sync_mode.on_ledger:
-            self._steps.synchronize()
-
-    @property
-    def contribution_weight(self) -> float:
-        """Weight of this rank's gradients in their step's weighted mean (e.g. its samples per
-        step; default 1). In Synchronous mode, set it on every rank or none: a weighted step
-        all_reduces sums and the weights' sum instead of means, and not with a ``wire`` format
-        (in the other modes the weight travels beside the gradient, with any format)."""
-        return 1.0 if self._weight is None else self._weight
-
-    @contribution_weight.setter
-    def contribution_weight(self, weight: float) -> None:
+    def set_weight(self, weight: float) -> None:
+        """As the setter of :attr:`DistributedDataParallel.contribution_weight`."""
         if isinstance(weight, bool) or not isinstance(weight, int | float) or not (
                 math.isfinite(weight)) or weight < 0:
             raise ConfigurationError(f"contribution_weight={weight!r}: a weight is a finite "
                                      "number >= 0 (e.g. this rank's samples in the step)")
-        if self.wire is not None and not self.sync_mode.on_ledger:
+        if self._wire is not None and not self.mode.on_ledger:
             raise ConfigurationError(_SYNCHRONOUS_WEIGHTS)
-        self._weight = float(weight)
+        self.weight = float(weight)
 
     @property
-    def contribution_residual(self):
-        """In a sync mode other than Synchronous with error feedback: what this rank's
-        contributions lost to the wire format so far (one flat float32 tensor over the
-        parameters in DDP's order; read only). None otherwise, or before the first one."""
-        return None if self._steps is None else self._steps.residual
+    def residual(self) -> torch.Tensor | None:
+        """As :attr:`DistributedDataParallel.contribution_residual`."""
+        return None if self.steps is None else self.steps.residual
 
-    def sync_stats(self):
-        """What this rank saw of its sync mode (:class:`~.stats.SyncStats`: steps applied,
-        gradients dropped, staleness); None before any mode other than Synchronous."""
-        return None if self._steps is None else self._steps.stats
+    @property
+    def stats(self) -> SyncStats | None:
+        """As :meth:`DistributedDataParallel.sync_stats`."""
+        return None if self.steps is None else self.steps.stats
+
+    def _step_sync(self, mode: SyncMode) -> StepSync:
+        from .sync import StepSync
+
+        name = self._wire or self._compression
+        return StepSync(self._module, self._params, self._optimizer, self._pg, mode, "ddp",
+                        wire=None if name is None else wire_format(name),
+                        feedback=self._feedback,
+                        buffers=list(self._module.buffers()) if self._broadcast_buffers else [])
 
 
 _SYNCHRONOUS_WEIGHTS = (
@@ -84,13 +107,4 @@ _SYNCHRONOUS_WEIGHTS = (
     "modes carry them")
 
 
-def _step_sync(ddp, mode: SyncMode):
-    """The ledger driver of ``ddp`` (made at its first ledger mode): contributions travel in
-    its ``wire`` format with its error feedback, or in its ``gradient_compression`` dtype's
-    format ('bf16', 'fp16') without, as that rounds in Synchronous."""
-    from .sync import StepSync
-
-    name = ddp.wire or ddp.gradient_compression
-    return StepSync(ddp.module, ddp._params, ddp._optimizer, ddp.process_group, mode, "ddp",
-                    wire=None if name is None else wire_format(name), feedback=ddp.reducer.feedback,
-                    buffers=list(ddp.module.buffers()) if ddp.broadcast_buffers else [])
+__all__ = ["SyncModeState"]
