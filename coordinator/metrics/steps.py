@@ -10,22 +10,22 @@ def steps_families(family, labels, steps) -> None:
     (a :class:`~gradstar.coordinator.steps.StepsTable`); ``labels`` formats a label set."""
     out: dict[str, list[str]] = {name: [] for name, _, _ in STEPS_FAMILIES}
     for view in steps.summaries():
-        model = {"job": view["job"], "model": view["model"]}
-        for name, value in (("gradstar_steps_closed", view["steps"]),
-                            ("gradstar_steps_live_ranks", len(view["live"])),
-                            ("gradstar_steps_dropped_total", view["dropped"])):
+        model = {"job": view.job, "model": view.model}
+        for name, value in (("gradstar_steps_closed", view.steps),
+                            ("gradstar_steps_live_ranks", len(view.live)),
+                            ("gradstar_steps_dropped_total", view.dropped)):
             out[name].append(f"{name}{labels(model)} {value}")
-        for stale, n in view["staleness"].items():
+        for stale, n in view.staleness.items():
             out["gradstar_steps_staleness_total"].append(
                 f"gradstar_steps_staleness_total{labels({**model, 'staleness': str(stale)})} {n}")
-        for r in view["ranks"]:
-            rank = labels({**model, "rank": str(r["rank"])})
+        for r in view.ranks:
+            rank = labels({**model, "rank": str(r.rank)})
             out["gradstar_steps_rank_contributions_total"].append(
-                f"gradstar_steps_rank_contributions_total{rank} {r['contributed']}")
+                f"gradstar_steps_rank_contributions_total{rank} {r.contributed}")
             out["gradstar_steps_rank_dropped_total"].append(
-                f"gradstar_steps_rank_dropped_total{rank} {r['dropped']}")
+                f"gradstar_steps_rank_dropped_total{rank} {r.dropped}")
             out["gradstar_steps_rank_live"].append(
-                f"gradstar_steps_rank_live{rank} {int(r['live'])}")
+                f"gradstar_steps_rank_live{rank} {int(r.live)}")
     for name, kind, help_text in STEPS_FAMILIES:
         family(name, kind, help_text, out[name])
 

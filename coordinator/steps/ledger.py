@@ -73,8 +73,10 @@ from .records import (
     Contributed,
     Contribution,
     Host,
+    LedgerSummary,
     OpenStep,
     RankState,
+    RankSummary,
     Snapshot,
     aggregate,
     shares,
@@ -430,18 +432,15 @@ class StepLedger:
 
     # -- views ------------------------------------------------------------------------------
 
-    def summary(self) -> dict:
+    def summary(self) -> LedgerSummary:
         """What operators see of it: mode, steps closed, live ranks, contributions dropped,
         staleness counts, and per rank."""
-        return {
-            "job": self.job, "model": self.model, "mode": str(self.mode or "-"),
-            "steps": self.steps, "live": sorted(self.live()),
-            "world_size": self.world_size, "dropped": self.dropped,
-            "open_contributions": len(self.open.contributions),
-            "staleness": dict(sorted(self.staleness.items())),
-            "snapshot_steps": self.snapshot.steps if self.snapshot else None,
-            "ranks": [{"rank": r, "live": s.live, "base": s.base,
-                       "contributed": s.contributed, "dropped": s.dropped,
-                       "staleness": dict(sorted(s.staleness.items()))}
-                      for r, s in sorted(self.ranks.items())],
-        }
+        return LedgerSummary(
+            job=self.job, model=self.model, mode=str(self.mode or "-"), steps=self.steps,
+            live=tuple(sorted(self.live())), world_size=self.world_size, dropped=self.dropped,
+            open_contributions=len(self.open.contributions),
+            staleness=dict(sorted(self.staleness.items())),
+            snapshot_steps=self.snapshot.steps if self.snapshot else None,
+            ranks=tuple(RankSummary(r, s.live, s.base, s.contributed, s.dropped,
+                                    dict(sorted(s.staleness.items())))
+                        for r, s in sorted(self.ranks.items())))

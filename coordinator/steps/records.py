@@ -1,6 +1,7 @@
 """The records of a step ledger (:mod:`.ledger`): what it knows of each rank, a contribution,
-the open step, a closed one, a snapshot, and the named results its calls return; what it takes
-from its host (:class:`Host`); and the one arithmetic of an aggregate. No I/O."""
+the open step, a closed one, a snapshot, the named results its calls return and what operators
+see of it (:class:`LedgerSummary`); what it takes from its host (:class:`Host`); and the one
+arithmetic of an aggregate. No I/O."""
 
 from __future__ import annotations
 
@@ -99,6 +100,45 @@ class ClosedStep:
     #: Each contribution's factor in the aggregate (rank order; ``SyncMode.factors``, as the
     #: float32 values the hub multiplied by).
     factors: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """What operators see of one rank of a ledger (:class:`LedgerSummary`)."""
+
+    rank: int
+    live: bool
+    #: Aggregates applied to the parameters its next gradient is computed on.
+    base: int
+    contributed: int
+    dropped: int
+    #: Its contributions taken into steps, by staleness.
+    staleness: dict[int, int]
+
+
+@dataclass(frozen=True)
+class LedgerSummary:
+    """What operators see of one ledger (``StepLedger.summary``): read by the Admin service,
+    the status page and /metrics."""
+
+    job: str
+    model: str
+    #: The sync mode's name ("-" before the first contribution).
+    mode: str
+    #: Steps closed so far.
+    steps: int
+    #: The ranks of the live set, in order.
+    live: tuple[int, ...]
+    world_size: int
+    #: Contributions dropped (too stale).
+    dropped: int
+    #: Contributions in the open step.
+    open_contributions: int
+    #: Contributions taken into steps, by staleness.
+    staleness: dict[int, int]
+    #: Steps of the snapshot the ledger holds; None without one.
+    snapshot_steps: int | None
+    ranks: tuple[RankSummary, ...]
 
 
 class Account(Protocol):

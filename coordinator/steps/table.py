@@ -13,7 +13,7 @@ from gradstar.errors import HubCapacityError, StepMismatchError
 
 from .account import StepsAccount
 from .ledger import HISTORY, StepLedger
-from .records import RankState, Snapshot
+from .records import LedgerSummary, RankState, Snapshot
 
 #: Ledgers (DDP models, or the torch hook's buckets) one job may have.
 MAX_LEDGERS_PER_JOB = 4096
@@ -144,7 +144,7 @@ class StepsTable:
 
     # -- views and forgetting ---------------------------------------------------------------
 
-    def summaries(self, job: str | None = None) -> list[dict]:
+    def summaries(self, job: str | None = None) -> list[LedgerSummary]:
         """What operators see of each ledger (of ``job``, or all), in (job, model) order:
         :meth:`StepLedger.summary`."""
         return [ledger.summary() for (name, _), ledger in sorted(self.ledgers.items())

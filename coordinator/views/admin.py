@@ -19,6 +19,7 @@ from ..rendezvous.rendezvous import Job, Rendezvous
 from ..rounds.averaging import AveragingStore
 from ..rounds.table import RoundsTable
 from ..shards.registry import ShardRegistry
+from ..steps.records import LedgerSummary
 from .stragglers import stragglers_reply
 
 #: Jobs per ListJobs page at most (each summary is small; a page stays far below the message
@@ -106,16 +107,15 @@ def rounds_view(table: RoundsTable, job: str,
     return reply
 
 
-def steps_view(view: dict) -> apb.StepsModelView:
+def steps_view(view: LedgerSummary) -> apb.StepsModelView:
     """One ledger's summary (:meth:`~gradstar.coordinator.steps.StepsTable.summaries`)."""
     return apb.StepsModelView(
-        model=view["model"], mode=view["mode"], steps=view["steps"],
-        world_size=view["world_size"], live=view["live"], dropped=view["dropped"],
-        staleness=view["staleness"],
-        snapshot_steps=-1 if view["snapshot_steps"] is None else view["snapshot_steps"],
-        ranks=[apb.StepsRankView(rank=r["rank"], live=r["live"], base=r["base"],
-                                 contributed=r["contributed"], dropped=r["dropped"])
-               for r in view["ranks"]])
+        model=view.model, mode=view.mode, steps=view.steps, world_size=view.world_size,
+        live=view.live, dropped=view.dropped, staleness=view.staleness,
+        snapshot_steps=-1 if view.snapshot_steps is None else view.snapshot_steps,
+        ranks=[apb.StepsRankView(rank=r.rank, live=r.live, base=r.base,
+                                 contributed=r.contributed, dropped=r.dropped)
+               for r in view.ranks])
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):

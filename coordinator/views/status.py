@@ -223,7 +223,8 @@ class CoordinatorStatus:
             "shards": {"expected": shards.expected if shards is not None else 0,
                        "slots": self._shards(now)},
             "rounds": self._rounds(),
-            "steps": self.steps.summaries() if self.steps is not None else [],
+            "steps": [asdict(view) for view in self.steps.summaries()]
+                     if self.steps is not None else [],
         }
 
     def _rounds(self) -> list[dict]:

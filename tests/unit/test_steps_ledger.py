@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from gradstar.coordinator.steps.records import Contributed
+from gradstar.coordinator.steps.records import Contributed, LedgerSummary
 from gradstar.coordinator.steps.table import StepsTable
 from gradstar.errors import (
     ConfigurationError,
@@ -561,3 +561,22 @@ def test_a_ledger_grows_with_its_job_and_counts_the_new_rank_from_its_first_call
         give(t, ledger, r, q, value)
     assert ledger.steps == 3 and ledger.log[-1].ranks == (0, 1, 2)
     np.testing.assert_array_equal(ledger.log[-1].aggregate, grad(3.0))
+
+
+def test_the_summary_is_a_named_record_of_the_ledger():
+    t = table()
+    ledger = t.ledger("j", "m", 3)
+    schedule(t, ledger, Asynchronous(scaling="plain"))
+    view = ledger.summary()
+    assert isinstance(view, LedgerSummary)
+    assert (view.job, view.model, view.steps, view.live, view.world_size) == (
+        "j", "m", 3, (0, 1, 2), 3)
+    # Steps 1 and 3 took two fresh contributions each; step 2 and rank 0's in step 3, stale.
+    assert view.staleness == {0: 4, 1: 3} and view.dropped == 0
+    assert view.open_contributions == 0 and view.snapshot_steps is None
+    assert [(r.rank, r.live, r.contributed, r.dropped) for r in view.ranks] == [
+        (0, True, 3, 0), (1, True, 2, 0), (2, True, 2, 0)]
+    assert view.ranks[0].staleness == {0: 1, 1: 2}
+    assert t.summaries("j") == [view] and t.summaries("other") == []
+    with pytest.raises(AttributeError):
+        view.steps = 4  # frozen: what operators read cannot change under them
