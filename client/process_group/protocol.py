@@ -6,7 +6,8 @@ run their own asyncio calls on (:meth:`CollectiveGroup.submit`). The blocking
 :class:`~gradstar.client.process_group.ProcessGroup` is such a group; the
 :class:`~gradstar.client.process_group.AsyncProcessGroup` is not (it has no ``submit``: its
 calls are awaited on the caller's own loop). torch's backend (``ProcessGroupGradstar``) needs
-more of the group it wraps: :class:`BackendGroup`.
+more of the group it wraps: :class:`BackendGroup`; its send and recv, a group's point-to-point
+calls over peer streams: :class:`PeerGroup`.
 
 The collectives return one of three kinds, named here rather than hidden behind ``Any``: an
 array of the input's type (:data:`~gradstar.client.convert.ArrayLike`: all_reduce, broadcast,
@@ -83,6 +84,17 @@ class CollectiveGroup(Protocol):
 
 
 @runtime_checkable
+class PeerGroup(Protocol):
+    """A group's point-to-point calls over peer streams (what torch's send and recv ride)."""
+
+    def send(self, x: ArrayLike, dst: int, tag: int = 0, *, async_op: bool = False,
+             timeout: float | None = None) -> Work | None: ...
+
+    def recv(self, src: int | None = None, tag: int = 0, *, async_op: bool = False,
+             timeout: float | None = None) -> ArrayLike | Work: ...
+
+
+@runtime_checkable
 class BackendGroup(CollectiveGroup, Protocol):
     """What torch's backend needs of the gradstar group it wraps, beyond a wrapper's: the job's
     name and settings, collectives settled on the caller's thread, all_to_all, and closing."""
@@ -104,4 +116,4 @@ class BackendGroup(CollectiveGroup, Protocol):
     def close(self) -> None: ...
 
 
-__all__ = ["ArrayLike", "BackendGroup", "CollectiveGroup", "Result"]
+__all__ = ["ArrayLike", "BackendGroup", "CollectiveGroup", "PeerGroup", "Result"]

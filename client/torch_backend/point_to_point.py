@@ -13,8 +13,12 @@ from any source reports the sender as torch's Work does (``work._source_rank()``
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
+from gradstar.client.process_group.protocol import PeerGroup
 from gradstar.errors import GradstarError, InvalidCollectiveError
 
 from .convert import (
@@ -59,30 +63,41 @@ class AnySourceWork(GradstarWork):
     source_rank = _source_rank
 
 
+def rides_peer_streams(call: str) -> Callable[[Callable], Callable]:
+    """Declares a torch method (torch's ``call``) that rides the gradstar group's peer streams:
+    over a group without them (not a :class:`~gradstar.client.process_group.protocol.
+    PeerGroup`) it raises :class:`BackendUnsupportedError` naming ``call``, before anything
+    else."""
+    def declare(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def checked(self, *args, **kwargs):
+            if not isinstance(self.gradstar_group, PeerGroup):
+                raise BackendUnsupportedError(
+                    f"torch.distributed {call} over the gradstar backend rides gradstar's peer "
+                    "streams (ProcessGroup.send/recv), which this gradstar does not have yet; "
+                    "use collectives, or backend 'gloo' for point-to-point traffic")
+            return method(self, *args, **kwargs)
+        return checked
+    return declare
+
+
 @record_collectives
 class PointToPoint:
     """torch's send, recv and all_to_all over gradstar's peer streams (a mixin of the process
-    group; see the module docstring)."""
+    group: only its public ``gradstar_group``, ``size()`` and ``launcher``; see the module
+    docstring)."""
 
-    def _peer(self, name: str):
-        method = getattr(self.gradstar_group, name, None)
-        if method is None:
-            raise BackendUnsupportedError(
-                f"torch.distributed {name} over the gradstar backend rides gradstar's peer "
-                f"streams (ProcessGroup.send/recv, issue 5), which this gradstar does not have "
-                "yet; use collectives, or backend 'gloo' for point-to-point traffic"
-            )
-        return method
-
+    @rides_peer_streams("send")
     def send(self, tensors, dst, tag=0):
-        send = self._peer("send")
+        send = self.gradstar_group.send
         tensors = tensor_list(tensors)
         prepared = [for_transfer(t) for t in tensors]
         return self.launcher.launch([lambda w=w: send(w, dst, tag, async_op=True)
                              for w, _ in prepared], lambda _results: tensors, tensors)
 
+    @rides_peer_streams("recv")
     def recv(self, tensors, src, tag=0):
-        recv = self._peer("recv")
+        recv = self.gradstar_group.recv
         tensors = tensor_list(tensors)
         prepared = [for_transfer(t) for t in tensors]
 
@@ -94,10 +109,11 @@ class PointToPoint:
         return self.launcher.launch([lambda: recv(src, tag, async_op=True) for _ in prepared],
                             finish, tensors)
 
+    @rides_peer_streams("recv")
     def recv_anysource(self, tensors, tag=0):
         """torch's recv with ``src=None``: the next message with ``tag`` from any rank; the
         Work's ``_source_rank()`` names its sender."""
-        recv = self._peer("recv")
+        recv = self.gradstar_group.recv
         tensors = tensor_list(tensors)
         prepared = [for_transfer(t) for t in tensors]
 
@@ -168,4 +184,4 @@ class PointToPoint:
             timeout=seconds_of(opts))], finish, [outputs, inputs])
 
 
-__all__ = ["AnySourceWork", "BackendUnsupportedError", "PointToPoint"]
+__all__ = ["AnySourceWork", "BackendUnsupportedError", "PointToPoint", "rides_peer_streams"]

@@ -31,7 +31,7 @@ from gradstar.client.torch_backend.convert import (
     op_label,
     reduce_op_name,
 )
-from gradstar.client.torch_backend.group import ProcessGroupGradstar
+from gradstar.client.torch_backend.group import BackendUnsupportedError, ProcessGroupGradstar
 from gradstar.client.torch_backend.work import CompletionThreads, GradstarWork
 from gradstar.client.work import SettledWork, Work
 from gradstar.errors import (
@@ -196,6 +196,30 @@ def test_a_tensor_on_another_device_than_cpu_or_cuda_is_refused_by_name(call, co
     with pytest.raises(ConfigurationError, match=r"CPU and CUDA tensors; this tensor is on "
                                                  r"meta"):
         META_CALLS[call](group)
+
+
+class CollectivesOnlyGroup:
+    """A gradstar group with collectives but no point-to-point calls (no peer streams)."""
+
+    rank, world_size, job = 0, 2, "collectives-only"
+
+    def all_reduce(self, *_args, **_kwargs):
+        raise AssertionError("gradstar's all_reduce was called")
+
+
+@pytest.mark.parametrize(("call", "named"), [
+    (lambda pg: pg.send([CPU], 1), "send"),
+    (lambda pg: pg.recv([CPU], 1), "recv"),
+    (lambda pg: pg.recv_anysource([CPU]), "recv"),
+])
+def test_send_and_recv_over_a_group_without_peer_streams_are_refused_by_name(call, named,
+                                                                             completions):
+    group = ProcessGroupGradstar(CollectivesOnlyGroup(), completions)
+    with pytest.raises(BackendUnsupportedError, match=(
+            rf"^torch.distributed {named} over the gradstar backend rides gradstar's peer "
+            r"streams \(ProcessGroup.send/recv\)")) as raised:
+        call(group)
+    assert isinstance(raised.value, NotImplementedError)
 
 
 # -- GradstarWork ------------------------------------------------------------------------------
