@@ -37,6 +37,7 @@ import torch
 from gradstar.errors import ConfigurationError, ProtocolError, RendezvousError
 
 from ..process_group.membership import Resized
+from ..process_group.protocol import CollectiveGroup, ElasticGroup
 from ..steps.snapshot import pack, unpack
 
 
@@ -55,13 +56,13 @@ class _NoOptimizer:
 class ElasticSteps:
     """Step boundaries of one DDP (see the module docstring)."""
 
-    def __init__(self, pg, module: torch.nn.Module,
+    def __init__(self, pg: CollectiveGroup, module: torch.nn.Module,
                  optimizer: torch.optim.Optimizer | None, synchronous: bool) -> None:
         self.pg, self.module = pg, module
         self.optimizer = optimizer if optimizer is not None else _NoOptimizer()
         #: Whether this DDP crosses boundaries: a Synchronous DDP over a blocking process
         #: group (other modes grow on the hub's step ledger instead).
-        self.enabled = synchronous and callable(getattr(pg, "step_boundary", None))
+        self.enabled = synchronous and isinstance(pg, ElasticGroup)
         self._crossed = False
         self._leaving = False
         self._hooks: list[Callable[[Resized], None]] = []

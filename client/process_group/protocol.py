@@ -7,7 +7,8 @@ run their own asyncio calls on (:meth:`CollectiveGroup.submit`). The blocking
 :class:`~gradstar.client.process_group.AsyncProcessGroup` is not (it has no ``submit``: its
 calls are awaited on the caller's own loop). torch's backend (``ProcessGroupGradstar``) needs
 more of the group it wraps: :class:`BackendGroup`; its send and recv, a group's point-to-point
-calls over peer streams: :class:`PeerGroup`.
+calls over peer streams: :class:`PeerGroup`. A Synchronous DDP crosses step boundaries (the
+job growing and shrinking while it trains) over a group that can: :class:`ElasticGroup`.
 
 The collectives return one of three kinds, named here rather than hidden behind ``Any``: an
 array of the input's type (:data:`~gradstar.client.convert.ArrayLike`: all_reduce, broadcast,
@@ -35,6 +36,7 @@ from ..convert import ArrayLike
 
 if TYPE_CHECKING:
     from ..work import Work
+    from .membership import Resized
 
 #: What a collective resolves to, as the function that restores its result to the caller's type
 #: returns it (internals typed by that function).
@@ -84,6 +86,27 @@ class CollectiveGroup(Protocol):
 
 
 @runtime_checkable
+class ElasticGroup(CollectiveGroup, Protocol):
+    """A group whose rank moves to the job's next generation at step boundaries
+    (:mod:`~gradstar.client.process_group.membership`): what a Synchronous DDP resizes over."""
+
+    @property
+    def newcomer(self) -> bool: ...
+
+    @property
+    def departed(self) -> bool: ...
+
+    def move_at_boundaries(self, on: bool = True) -> None: ...
+
+    def step_boundary(self, welcome: Callable[[Resized], bool] | None = None
+                      ) -> Resized | None: ...
+
+    def depart(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
 class PeerGroup(Protocol):
     """A group's point-to-point calls over peer streams (what torch's send and recv ride)."""
 
@@ -116,4 +139,5 @@ class BackendGroup(CollectiveGroup, Protocol):
     def close(self) -> None: ...
 
 
-__all__ = ["ArrayLike", "BackendGroup", "CollectiveGroup", "PeerGroup", "Result"]
+__all__ = ["ArrayLike", "BackendGroup", "CollectiveGroup", "ElasticGroup", "PeerGroup",
+           "Result"]

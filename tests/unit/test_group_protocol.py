@@ -11,20 +11,28 @@ from torch import nn
 
 import gradstar
 from gradstar.client.process_group import AsyncProcessGroup, ProcessGroup
-from gradstar.client.process_group.protocol import BackendGroup, CollectiveGroup
+from gradstar.client.ddp.elastic import ElasticSteps
+from gradstar.client.process_group.protocol import (
+    BackendGroup,
+    CollectiveGroup,
+    ElasticGroup,
+    PeerGroup,
+)
 from gradstar.config import ClientSettings
 from gradstar.errors import ConfigurationError
 
 
 def blocking_group() -> ProcessGroup:
     """A blocking ProcessGroup over a stand-in for its asyncio group (no connection)."""
-    inner = SimpleNamespace(rank=0, world_size=2, job="j", settings=ClientSettings())
+    inner = SimpleNamespace(rank=0, world_size=2, job="j", settings=ClientSettings(),
+                            joined=SimpleNamespace(newcomers=[]), membership=None)
     return ProcessGroup(inner, runner=None)
 
 
 def test_the_blocking_group_is_what_wrappers_and_the_backend_need():
     pg = blocking_group()
     assert isinstance(pg, CollectiveGroup) and isinstance(pg, BackendGroup)
+    assert isinstance(pg, PeerGroup) and isinstance(pg, ElasticGroup)
 
 
 def test_the_asyncio_group_is_not_a_wrappers_group():
@@ -54,3 +62,29 @@ def test_every_wrapper_refuses_a_group_that_lacks_a_member(wrap):
     assert not isinstance(WithoutSubmit(), CollectiveGroup)
     with pytest.raises(ConfigurationError, match=r"needs the blocking .*ProcessGroup"):
         wrap(WithoutSubmit())
+
+
+class CollectivesOnly:
+    """A wrapper's group (every member of a CollectiveGroup) that cannot move at boundaries."""
+
+    rank, world_size = 0, 2
+
+    def __getattr__(self, name):
+        if name in {"step_boundary", "move_at_boundaries", "newcomer", "departed", "depart"}:
+            raise AttributeError(name)
+        return lambda *args, **kwargs: None
+
+
+def test_a_synchronous_ddp_crosses_step_boundaries_only_over_an_elastic_group():
+    assert isinstance(CollectivesOnly(), CollectiveGroup)
+    assert not isinstance(CollectivesOnly(), ElasticGroup)
+    module = nn.Linear(2, 2)
+    assert not ElasticSteps(CollectivesOnly(), module, None, synchronous=True).enabled
+    moved = []
+    group = SimpleNamespace(**{name: (lambda *a, **k: None) for name in (
+        "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "send", "recv",
+        "submit", "on_close", "step_boundary", "depart", "close")}, rank=0, world_size=2,
+        newcomer=False, departed=False, move_at_boundaries=moved.append)
+    assert isinstance(group, ElasticGroup)
+    assert ElasticSteps(group, module, None, synchronous=True).enabled and moved == [True]
+    assert not ElasticSteps(group, module, None, synchronous=False).enabled
