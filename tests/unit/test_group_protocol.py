@@ -10,8 +10,8 @@ import pytest
 from torch import nn
 
 import gradstar
-from gradstar.client.process_group import AsyncProcessGroup, ProcessGroup
 from gradstar.client.ddp.elastic import ElasticSteps
+from gradstar.client.process_group import AsyncProcessGroup, ProcessGroup
 from gradstar.client.process_group.protocol import (
     BackendGroup,
     CollectiveGroup,

@@ -266,3 +266,72 @@ def test_no_benchmark_module_is_over_the_line_limit(path):
     lines = len(path.read_text(encoding="utf-8").splitlines())
     assert lines <= MAX_LINES, (f"benchmarks/{path.name} has {lines} lines, over {MAX_LINES}: "
                                 "split it along its seams")
+
+
+# -- composition, not mixins that reach into their host ------------------------------------------
+
+
+def _class_facts(tree: ast.Module) -> dict[str, tuple[set[str], set[str], list[str]]]:
+    """{class name: (private ``self._x`` names it reads, names it sets or defines, its bases)}.
+    Set: assigned to ``self`` (or by ``object.__setattr__(self, "_x", ...)``), or defined in
+    the class body (methods, class attributes)."""
+    facts = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        read, defined = set(), set()
+        for item in node.body:
+            if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                defined.add(item.name)
+            elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                defined.add(item.target.id)
+            elif isinstance(item, ast.Assign):
+                defined.update(t.id for t in item.targets if isinstance(t, ast.Name))
+        for sub in ast.walk(node):
+            if (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
+                    and sub.value.id == "self" and sub.attr.startswith("_")
+                    and not sub.attr.startswith("__")):
+                (defined if isinstance(sub.ctx, ast.Store) else read).add(sub.attr)
+            elif (isinstance(sub, ast.Call) and ast.unparse(sub.func) == "object.__setattr__"
+                  and len(sub.args) >= 2 and isinstance(sub.args[1], ast.Constant)):
+                defined.add(sub.args[1].value)
+        facts[node.name] = (read, defined, [ast.unparse(b).split(".")[-1] for b in node.bases])
+    return facts
+
+
+def _reaching(facts: dict[str, tuple[set[str], set[str], list[str]]]) -> dict[str, set[str]]:
+    """Classes that read private attributes neither they nor their bases (found by name among
+    ``facts``) set: mixins that reach into their host's state. {class: those names}."""
+    def defined(name: str, seen: frozenset = frozenset()) -> set[str]:
+        if name not in facts or name in seen:
+            return set()
+        _, own, bases = facts[name]
+        return own.union(*(defined(b, seen | {name}) for b in bases))
+
+    return {name: missing for name, (read, _, _) in facts.items()
+            if (missing := read - defined(name))}
+
+
+def _every_class() -> dict[str, tuple[set[str], set[str], list[str]]]:
+    facts = {}
+    for path in MODULES.values():
+        for cls, fact in _class_facts(ast.parse(path.read_text(encoding="utf-8"))).items():
+            facts[cls] = fact if cls not in facts else tuple(
+                a | b if isinstance(a, set) else a + b
+                for a, b in zip(facts[cls], fact, strict=True))
+    return facts
+
+
+def test_no_class_reads_private_state_it_does_not_own():
+    # A mixin that reads its host's private attributes hides a seam: the host should own an
+    # object given what it needs (composition), as AsyncProcessGroup owns its PeerCalls.
+    assert _reaching(_every_class()) == {}
+
+
+def test_the_private_state_check_finds_a_mixin():
+    tree = ast.parse(
+        "class Host(Mixin):\n    def __init__(self):\n        self._state = 1\n"
+        "class Mixin:\n    def peek(self):\n        return self._state + self._own()\n"
+        "    def _own(self):\n        return 0\n"
+        "class Owner(Host):\n    def read(self):\n        return self._state\n")
+    assert _reaching(_class_facts(tree)) == {"Mixin": {"_state"}}
