@@ -31,10 +31,8 @@ log = logging.getLogger(__name__)
 #: A two-level all_reduce of at least 2 x this many bytes is cut into segments of at least this
 #: size (at most MAX_SEGMENTS), run as a pipeline: a segment's host all_reduce (shared memory)
 #: runs while the segment before it crosses the links, instead of every host stage waiting for
-#: the whole tensor. Measured on 4 emulated hosts x 2 ranks at 200 Mbit/s (benchmarks/cluster.py,
-#: gloo 4946-4997 ms at 64 MiB): 64 MiB took 5146 ms in one piece (78% of the link bound), 4662
-#: in 4 MiB segments and 4627 (87%) in 8 MiB ones; 16 MiB 1240 ms in one piece, 1363 in four
-#: 4 MiB segments, 1249 in two 8 MiB ones.
+#: the whole tensor (the figures behind the size: docs/performance.md, "Figures behind the
+#: code").
 MIN_SEGMENT_BYTES = 8 << 20
 MAX_SEGMENTS = 4
 #: dtypes whose reduction is exact or accumulated in their own precision at both levels.

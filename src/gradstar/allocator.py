@@ -2,7 +2,7 @@
 
 Each received gRPC message becomes a fresh ``bytes`` object of one chunk (MBs). By default glibc
 serves such sizes with mmap and returns them with munmap, so every chunk costs page faults on
-first touch; measured on a 2-rank 64 MB all_reduce, that was ~20% of the time. Raising the mmap
+first touch (what that cost: docs/performance.md, "Figures behind the code"). Raising the mmap
 threshold (and the trim threshold with it) makes glibc reuse heap memory for chunk buffers.
 The price is that freed chunk buffers stay in the process instead of going back to the OS, which
 is bounded by the chunks in flight.

@@ -65,9 +65,8 @@ DENIAL_DRAIN_SECONDS = 10.0
 #: nothing for this long while the loop kept time: such a client (a rank's session after its
 #: join, a peer link after its hello) is waiting for an answer and has no write in flight to
 #: fail, so it need not wait the full drain. A streaming client's second message must come
-#: sooner: with two CPU burners on a 2-core machine it took up to 0.25 s (the bound this once
-#: was; 60 ms at the 99th percentile), as the server's read, the window update and the
-#: client's send each waited for a CPU.
+#: sooner, with room for a loaded CPU: the server's read, the window update and the client's
+#: send each wait for one (what was seen: docs/performance.md, "Figures behind the code").
 DENIAL_QUIET_SECONDS = 1.0
 #: Quiet is counted in ticks of this length; a tick that ends over a tick late means the loop
 #: stalled, and the count starts again.

@@ -103,9 +103,9 @@ def stream_window_options(window_bytes: int) -> list[tuple[str, int]]:
         return []
     # Without BDP probing the window stays at the lookahead (the HTTP/2 initial window size).
     # The probing also sized the frames peers may send to the window; off, they would stay at
-    # HTTP/2's 16 KiB, and a 4-rank 64 MiB all_reduce on the stream path took ~7% longer (hub
-    # CPU per GB ~5% more), so they are sized as the probing would (HTTP/2 allows 16 KiB to
-    # 16 MiB - 1).
+    # HTTP/2's 16 KiB, which costs large collectives time and hub CPU (docs/performance.md,
+    # "Figures behind the code"), so they are sized as the probing would (HTTP/2 allows
+    # 16 KiB to 16 MiB - 1).
     frame = max(1 << 14, min(window_bytes, (1 << 24) - 1))
     return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", window_bytes),
             ("grpc.http2.max_frame_size", frame)]

@@ -23,25 +23,10 @@ nibble of byte ``k``). A buffer is self-contained, so a chunk of a tensor encode
 long as chunks hold whole blocks (a chunk's element count a multiple of ``block``; only the last
 chunk of a tensor may end in a short block).
 
-Block size (measured with ``python benchmarks/wire_error.py --blocks``: relative L2 error of one
-round trip of 4M elements, Gaussian and Student-t with 3 degrees of freedom (gradient-like heavy
-tails); a float32 scale costs ``32 / block`` bits an element):
-
-===== =========== =========== =========== =========== ==========
-block int8 gauss  int8 t(3)   int4 gauss  int4 t(3)   scale bits
-===== =========== =========== =========== =========== ==========
-16    0.0047      0.0066      0.085       0.112       2.0
-32    0.0053      0.0085      0.097       0.143       1.0
-64    0.0059      0.0109      0.108       0.180       0.5
-128   0.0065      0.0139      0.117       0.223       0.25
-256   0.0070      0.0175      0.126       0.273       0.125
-===== =========== =========== =========== =========== ==========
-
-A quarter bit an element spent on precision would cut the error by 2**0.25 (19%). From 64 to 128
-the heavy-tailed error grows by more than that (+28% int8, +24% int4) for a quarter bit saved,
-and from 64 to 32 it shrinks by less than the 2**0.5 (41%) that half a bit is worth, so 64 it
-is, for both (one block size keeps chunk geometry simple). Smaller blocks also cost encode time
-(int8: 2.4 s/GB at 16, 1.0 at 64, 0.6 at 256).
+Block size: 64 elements for both formats. A float32 scale costs ``32 / block`` bits an
+element; from 64 to 128 the heavy-tailed error grows by more than the quarter bit saved is
+worth, and from 64 to 32 it falls by less than the half bit spent (the figures, and how to
+measure them again: docs/wire-formats.md, "Measured").
 
 Error bound, per element ``x`` of a finite block whose largest finite magnitude is ``amax``:
 

@@ -32,8 +32,8 @@ from gradstar.errors import GradstarError, InvalidCollectiveError, ProtocolError
 from gradstar.proto.v1 import collective_pb2 as pb
 
 try:
-    # ISA-L's CRC-32 is the same checksum as zlib's at ~13x the speed (56 vs 4 GB/s measured
-    # here); at 4 GB/s the checksums were a quarter of the hub's CPU time.
+    # ISA-L's CRC-32 is the same checksum as zlib's, many times faster (the figures:
+    # docs/performance.md, "Figures behind the code").
     from isal.isal_zlib import crc32
 except ImportError:  # platforms without an isal wheel: same values, slower
     from zlib import crc32
