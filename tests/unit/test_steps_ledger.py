@@ -3,6 +3,7 @@ in each sync mode, what their aggregates are, staleness, liveness, barriers and 
 
 from __future__ import annotations
 
+import logging
 import random
 
 import numpy as np
@@ -580,3 +581,23 @@ def test_the_summary_is_a_named_record_of_the_ledger():
     assert t.summaries("j") == [view] and t.summaries("other") == []
     with pytest.raises(AttributeError):
         view.steps = 4  # frozen: what operators read cannot change under them
+
+
+def test_a_rank_that_finished_is_no_warning_and_a_silent_one_is(caplog):
+    clock = Clock()
+    t = table(clock)
+    ledger = t.ledger("j", "m", 3)
+    mode = Quorum(min_ranks=1, timeout=10.0)
+    for rank in range(3):
+        give(t, ledger, rank, mode, 1.0)
+    with caplog.at_level(logging.INFO, logger="gradstar.coordinator.steps.ledger"):
+        ledger.heartbeat(1, ledger.steps, leave=True)  # an orderly close
+        clock.now = 6.0  # past the 5 s lease: rank 2 said nothing
+        ledger.heartbeat(0, ledger.steps)
+        t.expire()
+    said = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert said == [
+        (logging.INFO, "job 'j': rank 1 left the live set of the steps of model 'm' (left); "
+                       "the others go on"),
+        (logging.WARNING, "job 'j': rank 2 left the live set of the steps of model 'm' "
+                          "(silent for 6.0 s); the others go on")]
