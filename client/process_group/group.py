@@ -108,9 +108,9 @@ class AsyncProcessGroup:
                                         tuple(joined.peer_keys)), joined, session)
         #: Holds this group's collectives for issuing again, if its session rides through
         #: restarts (``reconnect_timeout`` above 0); else None.
-        self._rider = None if session.ride is None else Rider(self._seq, session.ride,
-                                                               self._attempt)
-        if self._rider is not None:
+        self._rider: Rider | None = None
+        if session.ride is not None:
+            self._rider = Rider(self._seq, session.ride, self._attempt)
             session.ride.claim = lambda: self._rider.claim(self._session.joined)
             session.ride.on_rejoined.append(self._rejoined)
 

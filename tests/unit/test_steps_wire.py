@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gradstar.client.error_feedback import ErrorFeedback
-from gradstar.client.steps.modes import SyncModes
+from gradstar.client.steps.modes import SyncModeState
 from gradstar.coordinator.steps.table import StepsTable
 from gradstar.errors import ConfigurationError, ProtocolError, StepMismatchError
 from gradstar.sync_modes import Asynchronous, Quorum, Synchronous
@@ -99,23 +99,26 @@ def test_a_dropped_contribution_leaves_the_residual_as_it_was():
     assert "steps" not in fresh.residuals
 
 
-class Modes(SyncModes):
-    """The state SyncModes reads from DDP, for its rules alone (no ledger is made here)."""
-
-    def __init__(self, mode) -> None:
-        self.wire, self.gradient_compression = "int8", None
-        self.sync_mode, self._weight, self._steps = mode, None, None
+def modes(mode) -> SyncModeState:
+    """A DDP's sync-mode state in ``mode`` with the int8 format, for its rules alone (none of
+    them reaches a ledger, so none is made)."""
+    state = SyncModeState(torch.nn.Linear(1, 1), [], None, None, wire="int8", compression=None,
+                          feedback=None, broadcast_buffers=False)
+    state.mode = mode
+    return state
 
 
 def test_weights_with_a_wire_format_are_taken_in_ledger_modes_and_refused_in_synchronous():
-    ledger = Modes(Quorum(min_ranks=2, timeout=0.0))
-    ledger.contribution_weight = 3
-    assert ledger.contribution_weight == 3.0
+    ledger = modes(Quorum(min_ranks=2, timeout=0.0))
+    ledger.set_weight(3)
+    assert ledger.weight == 3.0
     with pytest.raises(ConfigurationError, match="not carried with a wire format in "
                                                  "Synchronous"):
-        ledger.set_sync_mode(Synchronous())
-    assert ledger.sync_mode == Quorum(min_ranks=2, timeout=0.0)  # refused before anything changed
-    synchronous = Modes(Synchronous())
+        ledger.set(Synchronous())
+    assert ledger.mode == Quorum(min_ranks=2, timeout=0.0)  # refused before anything changed
+    synchronous = modes(Synchronous())
     with pytest.raises(ConfigurationError, match="Synchronous"):
-        synchronous.contribution_weight = 2.0
-    assert synchronous._weight is None
+        synchronous.set_weight(2.0)
+    assert synchronous.weight is None
+    with pytest.raises(ConfigurationError, match="a weight is a finite number >= 0"):
+        ledger.set_weight(float("nan"))
