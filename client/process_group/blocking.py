@@ -10,7 +10,7 @@ import concurrent.futures
 import contextlib
 from collections.abc import Awaitable, Callable
 
-from gradstar.errors import GradstarError, ProcessGroupClosedError
+from gradstar.errors import ConfigurationError, GradstarError, ProcessGroupClosedError
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
 
 from ..collective.direct import SettledCall
@@ -193,9 +193,10 @@ class ProcessGroup:
         return self._call(self._group.all_to_all_single(
             x, output_split_sizes, input_split_sizes, timeout=timeout), async_op)
 
-    def settled(self, method: str, *args, **kwargs) -> Work:
-        """Collective ``method`` (``"all_reduce"``, ``"barrier"``, ...; the arguments as that
-        method's, without ``async_op``) run to its end now, as a settled Work: for a caller
+    def settled(self, method: Callable, *args, **kwargs) -> Work:
+        """This group's collective ``method`` (``pg.all_reduce``, ``pg.barrier``, ...; the
+        arguments as that method's, without ``async_op``) run to its end now, as a settled
+        Work: for a caller
         that waits at once but wants the collective's failure as the Work's, as torch's
         ``dist.all_reduce(t)`` does. A small collective runs on this thread (the direct lane),
         as the blocking call does; a larger one on the loop, waited for here.
@@ -203,11 +204,17 @@ class ProcessGroup:
         Raises:
             ValueError: invalid arguments (:class:`~gradstar.errors.ConfigurationError`,
                 :class:`~gradstar.errors.InvalidCollectiveError`), raised before anything is
-                sent. Every other failure is the Work's, raised by ``wait``: the collective's
-                own, and a gradstar error raised as it was issued (a closed or failed group).
+                sent; ConfigurationError too for a ``method`` that is not one of this group's
+                collectives. Every other failure is the Work's, raised by ``wait``: the
+                collective's own, and a gradstar error raised as it was issued (a closed or
+                failed group).
         """
+        start = _SETTLED.get(getattr(method, "__func__", None))
+        if start is None or getattr(method, "__self__", None) is not self:
+            raise ConfigurationError(f"settled() runs one of this group's collectives "
+                                     f"(pg.all_reduce, pg.barrier, ...), not {method!r}")
         try:
-            awaitable = getattr(self._group, method)(*args, **kwargs)
+            awaitable = start(self._group, *args, **kwargs)
         except ValueError:
             raise
         except GradstarError as error:
@@ -266,6 +273,23 @@ class ProcessGroup:
 
     def __repr__(self) -> str:
         return repr(self._group).replace("AsyncProcessGroup", "ProcessGroup", 1)
+
+
+#: The collectives :meth:`ProcessGroup.settled` runs, keyed by the blocking group's methods
+#: themselves: the asyncio group's method each one wraps.
+_SETTLED: dict[Callable, Callable] = {
+    ProcessGroup.all_reduce: AsyncProcessGroup.all_reduce,
+    ProcessGroup.broadcast: AsyncProcessGroup.broadcast,
+    ProcessGroup.all_gather: AsyncProcessGroup.all_gather,
+    ProcessGroup.reduce_scatter: AsyncProcessGroup.reduce_scatter,
+    ProcessGroup.all_reduce_coalesced: AsyncProcessGroup.all_reduce_coalesced,
+    ProcessGroup.barrier: AsyncProcessGroup.barrier,
+    ProcessGroup.sync_global_model: AsyncProcessGroup.sync_global_model,
+    ProcessGroup.send: AsyncProcessGroup.send,
+    ProcessGroup.recv: AsyncProcessGroup.recv,
+    ProcessGroup.all_to_all: AsyncProcessGroup.all_to_all,
+    ProcessGroup.all_to_all_single: AsyncProcessGroup.all_to_all_single,
+}
 
 
 def init_process_group(

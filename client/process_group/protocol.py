@@ -128,8 +128,9 @@ class BackendGroup(CollectiveGroup, Protocol):
     @property
     def settings(self) -> ClientSettings: ...
 
-    def settled(self, method: str, *args, **kwargs) -> Work:
-        """Collective ``method`` run to its end now; its failure is the Work's."""
+    def settled(self, method: Callable[..., object], *args, **kwargs) -> Work:
+        """This group's collective ``method`` (``group.all_reduce``, ...) run to its end now;
+        its failure is the Work's."""
         ...
 
     def all_to_all_single(self, x: ArrayLike, output_split_sizes=None, input_split_sizes=None,

@@ -90,8 +90,9 @@ class Collectives:
                 lambda i, parts: write(i, bitwise_reduce(parts, op).reshape(tensors[i].shape)),
                 tensors)
         prepared = [for_reduction(t, op) for t in tensors]
-        starts = [self.launcher.call("all_reduce", w, op, timeout=how.timeout,
-                             out=w if in_place and w is t and _viewable(t) else None, wire=wire)
+        starts = [self.launcher.call(self.gradstar_group.all_reduce, w, op, timeout=how.timeout,
+                                     out=w if in_place and w is t and _viewable(t) else None,
+                                     wire=wire)
                   for (w, _), t in zip(prepared, tensors, strict=True)]
 
         def finish(results):
@@ -104,7 +105,8 @@ class Collectives:
     def _gather(self, inputs: list[torch.Tensor], how: CallOptions,
                 write: Callable[[int, list[torch.Tensor]], None], result):
         prepared = [for_transfer(t) for t in inputs]
-        starts = [self.launcher.call("all_gather", w, timeout=how.timeout) for w, _ in prepared]
+        starts = [self.launcher.call(self.gradstar_group.all_gather, w, timeout=how.timeout)
+                  for w, _ in prepared]
 
         def finish(results):
             for i, ((_, restore), parts) in enumerate(zip(prepared, results, strict=True)):
@@ -128,7 +130,8 @@ class Collectives:
 
             return self._gather([for_bitwise(flat, op) for flat in flats], how, write, outputs)
         prepared = [for_reduction(flat.reshape(world, -1), op) for flat in flats]
-        starts = [self.launcher.call("reduce_scatter", w, op, timeout=how.timeout)
+        starts = [self.launcher.call(self.gradstar_group.reduce_scatter, w, op,
+                                     timeout=how.timeout)
                   for w, _ in prepared]
 
         def finish(results):
@@ -146,8 +149,8 @@ class Collectives:
             # Work comes back settled. A result written counts as an in-place op (t's version,
             # which autograd checks), once; a failed call leaves the version as it was, as
             # the general path's copy_ and torch's own failed in-place ops do.
-            work = self.launcher.settled(tensors, "all_reduce", arr, op, timeout=how.timeout,
-                                         out=arr)
+            work = self.launcher.settled(tensors, self.gradstar_group.all_reduce, arr, op,
+                                         timeout=how.timeout, out=arr)
             if work.is_success():
                 increment_version(tensors[0])
             return work
@@ -221,8 +224,8 @@ class Collectives:
                 t.copy_(restore(r))
             return tensors
 
-        start = self.launcher.call("all_reduce_coalesced", [w for w, _ in prepared], op,
-                                   timeout=how.timeout)
+        start = self.launcher.call(self.gradstar_group.all_reduce_coalesced,
+                                   [w for w, _ in prepared], op, timeout=how.timeout)
         return self.launcher.launch([start], finish, tensors, settle=how.settle)
 
     def reduce(self, tensors, opts=None):
@@ -244,7 +247,7 @@ class Collectives:
     def _broadcast(self, tensors: list[torch.Tensor], root: int, how: CallOptions,
                    write: Callable[[int, torch.Tensor], None], result):
         prepared = [for_transfer(t) for t in tensors]
-        starts = [self.launcher.call("broadcast", w, root, timeout=how.timeout)
+        starts = [self.launcher.call(self.gradstar_group.broadcast, w, root, timeout=how.timeout)
                   for w, _ in prepared]
 
         def finish(results):
@@ -354,9 +357,10 @@ class Collectives:
     def barrier(self, opts=None):
         how = CallOptions.of(opts)
         if how.settle:  # dist.barrier(): run to its end here, the Work back settled
-            return self.launcher.settled([], "barrier", timeout=how.timeout)
-        return self.launcher.launch([self.launcher.call("barrier", timeout=how.timeout)],
-                            lambda _results: [], [], settle=how.settle)
+            return self.launcher.settled([], self.gradstar_group.barrier, timeout=how.timeout)
+        return self.launcher.launch(
+            [self.launcher.call(self.gradstar_group.barrier, timeout=how.timeout)],
+            lambda _results: [], [], settle=how.settle)
 
     def monitored_barrier(self, timeout: timedelta | None = None,
                           wait_all_ranks: bool = False) -> None:

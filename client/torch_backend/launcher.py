@@ -29,16 +29,16 @@ from .work import CompletionThreads, GradstarWork
 @dataclass(frozen=True)
 class Call:
     """A start for :meth:`Launcher.launch`: the gradstar ProcessGroup's collective
-    ``method`` with these arguments, started with ``async_op=True`` (calling it) or run to its
-    end now (:meth:`settled`)."""
+    ``method`` (``group.all_reduce``, ...) with these arguments, started with ``async_op=True``
+    (calling it) or run to its end now (:meth:`settled`)."""
 
     group: BackendGroup
-    method: str
+    method: Callable
     args: tuple
     kwargs: dict
 
     def __call__(self):
-        return getattr(self.group, self.method)(*self.args, async_op=True, **self.kwargs)
+        return self.method(*self.args, async_op=True, **self.kwargs)
 
     def settled(self):
         return self.group.settled(self.method, *self.args, **self.kwargs)
@@ -56,8 +56,9 @@ class Launcher:
         self._in_flight: weakref.WeakSet[GradstarWork] = weakref.WeakSet()
         self._lock = threading.Lock()
 
-    def call(self, method: str, *args, **kwargs) -> Call:
-        """A start for :meth:`launch`: ``group.<method>(*args, **kwargs)``."""
+    def call(self, method: Callable, *args, **kwargs) -> Call:
+        """A start for :meth:`launch`: ``method(*args, **kwargs)``, one of ``group``'s
+        collectives (``group.all_reduce``, ...)."""
         return Call(self.group, method, args, kwargs)
 
     def launch(self, starts: Sequence[Callable[[], object]],
@@ -111,8 +112,9 @@ class Launcher:
             self._in_flight.add(work)
         return work
 
-    def settled(self, value, method: str, *args, **kwargs) -> GradstarWork:
-        """``group.<method>(*args, **kwargs)`` settled on this thread, for a call
+    def settled(self, value, method: Callable, *args, **kwargs) -> GradstarWork:
+        """``method(*args, **kwargs)``, one of ``group``'s collectives, settled on this
+        thread, for a call
         torch waits for at once whose collective touches no CUDA tensor and leaves nothing to
         write afterwards (it writes its result into the tensor's memory itself, or has none):
         the Work comes back settled (:meth:`GradstarWork.from_settled`) with ``value``, or with

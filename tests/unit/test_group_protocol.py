@@ -88,3 +88,13 @@ def test_a_synchronous_ddp_crosses_step_boundaries_only_over_an_elastic_group():
     assert isinstance(group, ElasticGroup)
     assert ElasticSteps(group, module, None, synchronous=True).enabled and moved == [True]
     assert not ElasticSteps(group, module, None, synchronous=False).enabled
+
+
+def test_settled_runs_only_this_groups_own_collectives():
+    # torch's waited calls name the collective by the method itself (pg.all_reduce), not by
+    # a string: anything else is refused before anything is sent.
+    pg, other = blocking_group(), blocking_group()
+    for method in (print, other.all_reduce, pg.close, ProcessGroup.all_reduce):
+        with pytest.raises(ConfigurationError, match=r"settled\(\) runs one of this group's "
+                                                     r"collectives \(pg.all_reduce"):
+            pg.settled(method, [1.0])
