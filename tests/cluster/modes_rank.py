@@ -30,7 +30,7 @@ def main() -> int:
     with contextlib.redirect_stdout(printed):
         try:
             sync_modes_script.main()
-        except BaseException as error:  # noqa: BLE001  (reported whole: the test quotes it)
+        except BaseException as error:
             code = 1
             print(json.dumps({"error": repr(error), "traceback": traceback.format_exc()}))
     lines = [json.loads(line) for line in printed.getvalue().splitlines() if line.startswith("{")]
