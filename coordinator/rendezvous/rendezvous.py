@@ -321,10 +321,16 @@ class Rendezvous:
         return gen
 
     def lost(self, member: Member, reason: str) -> None:
-        """A member's session ended without leaving, or it missed heartbeats."""
+        """A member's session ended without leaving, or it missed heartbeats. A mover (it said
+        ``advance``) whose session ended before its goodbye was read (its close gave up on a
+        loaded machine) still moves: it has a heartbeat timeout to arrive (:meth:`expire`)."""
         self.withdraw(member)
         gen = member.generation
         if gen is None or member.left:
+            return
+        state = self.jobs.get(member.job)
+        if state is not None and resize.moving(state, member):
+            self.leave(member)
             return
         member.left = True
         self._on_member_gone(member)
@@ -423,6 +429,15 @@ class Rendezvous:
         ]
         for m in stale:
             self.lost(m, f"no heartbeat for {now - m.last_seen:.1f} s")
+        for job in list(self.jobs.values()):
+            late = resize.overdue(job, now, self.heartbeat_timeout)
+            if late is not None:
+                self.fail(late.generation, RankLostError(
+                    f"rank {late.rank} of job {job.name!r} was lost (it left generation "
+                    f"{late.generation.number} to move to the next one and did not arrive "
+                    f"within {self.heartbeat_timeout:g} s); the resize is over",
+                    rank=late.rank, generation=late.generation.number))
+                stale.append(late)
         return stale
 
     def drop_idle(self, retention: float, now: float | None = None) -> list[str]:

@@ -183,6 +183,17 @@ def moving(state: Job, member: Member) -> bool:
     return resize is not None and member.rank in resize.moved
 
 
+def overdue(state: Job, now: float, timeout: float) -> Member | None:
+    """A mover of ``state``'s resize whose old session ended more than ``timeout`` seconds ago
+    (its last heartbeat) without its arrival in the next generation, or None."""
+    resize = state.resize
+    if not isinstance(resize, Resize) or resize.boundary is None:
+        return None
+    members = resize.generation.members
+    return next((members[r] for r in sorted(resize.moved - resize.arrived.keys())
+                 if members[r].left and now - members[r].last_seen > timeout), None)
+
+
 def arrive(state: Job | None, moving_from, member: Member,
            form: Callable[[Job, dict[int, Member]], Generation]) -> None:
     """``member`` (a new record) joins the next generation as the mover ``moving_from`` names.
@@ -277,4 +288,5 @@ def cancel(state: Job, error: GradstarError) -> None:
 
 
 __all__ = ["Decided", "Pending", "Resize", "add_joiner", "advance", "arrive", "cancel",
-           "current", "depart", "moving", "report", "settle", "takes_part", "withdraw"]
+           "current", "depart", "moving", "overdue", "report", "settle", "takes_part",
+           "withdraw"]

@@ -105,6 +105,48 @@ async def test_a_rank_lost_during_a_resize_fails_the_joiner_by_name(rdv):
     assert rdv.jobs["r"].resize is None
 
 
+async def grown_to_boundary(rdv: Rendezvous):
+    """A running job of 3 with a joiner waiting and the boundary named (5)."""
+    members = await running(rdv)
+    joiner = asyncio.ensure_future(rdv.join("r", 3, None, "10.0.0.9:1", timeout=BOUND,
+                                            elastic=True))
+    await asyncio.sleep(0)
+    state, gen = rdv.jobs["r"], members[0].generation
+    for m in members:
+        resize.report(state, m, gen.number, 5)
+    return members, joiner, state, gen
+
+
+async def test_a_mover_whose_session_ends_before_its_goodbye_still_moves(rdv):
+    # On a loaded machine a mover's close may give up before the hub read its goodbye: its
+    # session then ends without one. It said advance first, so it is moving, not lost.
+    members, joiner, state, gen = await grown_to_boundary(rdv)
+    resize.advance(state, members[1])
+    rdv.lost(members[1], "its session with the coordinator closed")
+    assert gen.failure is None and state.resize is not None
+    movers = [await move(rdv, m) for m in (members[0], members[2])]
+    movers.append(asyncio.ensure_future(rdv.join("r", 3, None, "10.0.1.1:1", timeout=BOUND,
+                                                 moving_from=moving_from(members[1]))))
+    grown = await asyncio.wait_for(asyncio.gather(joiner, *movers), BOUND)
+    assert grown[0].generation.world_size == 4 and gen.failure is None
+    assert sorted(m.rank for m in grown) == [0, 1, 2, 3]
+
+
+async def test_a_mover_that_never_arrives_ends_the_resize_after_the_heartbeat_timeout(rdv):
+    members, joiner, state, gen = await grown_to_boundary(rdv)
+    resize.advance(state, members[1])
+    rdv.lost(members[1], "its session with the coordinator closed")
+    movers = [await move(rdv, m) for m in (members[0], members[2])]
+    await asyncio.sleep(0)
+    rdv.expire(members[1].last_seen + 5.0)  # within the timeout: still on its way
+    assert gen.failure is None
+    rdv.expire(members[1].last_seen + 10.5)
+    for waiting in (joiner, *movers):
+        with pytest.raises(RankLostError, match="rank 1 .* did not arrive within 10 s"):
+            await asyncio.wait_for(waiting, BOUND)
+    assert state.resize is None
+
+
 async def test_a_mover_that_is_not_the_member_it_says_is_refused(rdv):
     members = await running(rdv)
     state, gen = rdv.jobs["r"], members[0].generation
