@@ -101,8 +101,10 @@ class ElasticSteps:
         self._hooks: list[Callable[[Resized], None]] = []
         #: The last resize this rank moved through, or None.
         self.last: Resized | None = None
-        if self.enabled:
-            pg.move_at_boundaries(True)
+        # Said either way: a joiner past the world size waits until every rank said how the
+        # job takes it (at a boundary, or at once on the hub's step ledger).
+        if callable(getattr(pg, "move_at_boundaries", None)):
+            pg.move_at_boundaries(self.enabled)
 
     def start_state(self) -> bool:
         """At construction: take the state from rank 0 if this rank joined at a resize's
