@@ -10,7 +10,7 @@ import pytest
 from torch import nn
 
 import gradstar
-from gradstar.client.ddp.elastic import ElasticSteps
+from gradstar.client.ddp.elastic import ElasticSteps, ModuleState
 from gradstar.client.process_group import AsyncProcessGroup, ProcessGroup
 from gradstar.client.process_group.protocol import (
     BackendGroup,
@@ -79,15 +79,18 @@ def test_a_synchronous_ddp_crosses_step_boundaries_only_over_an_elastic_group():
     assert isinstance(CollectivesOnly(), CollectiveGroup)
     assert not isinstance(CollectivesOnly(), ElasticGroup)
     module = nn.Linear(2, 2)
-    assert not ElasticSteps(CollectivesOnly(), module, None, synchronous=True).enabled
+    assert not ElasticSteps(CollectivesOnly(), ModuleState(module, None),
+                            synchronous=True).enabled
     moved = []
     group = SimpleNamespace(**{name: (lambda *a, **k: None) for name in (
         "all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier", "send", "recv",
         "submit", "on_close", "step_boundary", "depart", "close")}, rank=0, world_size=2,
         newcomer=False, departed=False, move_at_boundaries=moved.append)
     assert isinstance(group, ElasticGroup)
-    assert ElasticSteps(group, module, None, synchronous=True).enabled and moved == [True]
-    assert not ElasticSteps(group, module, None, synchronous=False).enabled
+    state = ModuleState(module, None)
+    assert ElasticSteps(group, state, synchronous=True).enabled and moved == [True]
+    # A sync-mode DDP says so too: a joiner past the world size waits for every rank's word.
+    assert not ElasticSteps(group, state, synchronous=False).enabled and moved == [True, False]
 
 
 def test_settled_runs_only_this_groups_own_collectives():
