@@ -239,7 +239,7 @@ class HostHierarchy:
 
     async def _named(self, error: GradstarError) -> GradstarError:
         """The rank's own generation's failure, if the hub reports one, else ``error``."""
-        return await self._group._session.verdict() or error
+        return await self._group.session.verdict() or error
 
     async def close(self) -> None:
         for group in (self.leaders, self.local):

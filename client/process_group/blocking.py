@@ -62,7 +62,7 @@ class ProcessGroup:
         """Say that this rank moves to the job's next generation at step boundaries
         (:meth:`step_boundary` before each synchronising step), so that a join past the world
         size or a departure resizes the job there: what a Synchronous DDP does."""
-        session = self._group._session
+        session = self._group.session
         self._runner.call(session.send, rpb.SessionRequest(boundaries=on))
 
     def step_boundary(self, welcome=None) -> Resized | None:
@@ -108,7 +108,7 @@ class ProcessGroup:
                                 member_id=old.member_id)
 
         async def move():
-            old._session.send(rpb.SessionRequest(advance=True))
+            old.session.send(rpb.SessionRequest(advance=True))
             await old.close()
             return await open_group(old.settings, old.peer_address_given, moving_from=moving,
                                     membership=membership)
@@ -130,7 +130,7 @@ class ProcessGroup:
             ConfigurationError: the job would fall below its ``min_world_size``.
             RendezvousError: no answer from the coordinator within the timeout.
         """
-        session = self._group._session
+        session = self._group.session
         self._group.membership.depart(lambda request: self._runner.call(session.send, request))
 
     @property

@@ -134,6 +134,11 @@ class AsyncProcessGroup:
         return (0, 0) if e is None else (e.bytes_sent, e.bytes_received)
 
     @property
+    def session(self) -> Session:
+        """The rank's session with the rendezvous (its verdicts, what it tells the hub)."""
+        return self._session
+
+    @property
     def reconnects(self) -> list[float]:
         """How long each ride through a coordinator restart lasted (seconds), oldest first."""
         return [] if self._rider is None else self._rider.waits
