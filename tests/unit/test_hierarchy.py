@@ -1,14 +1,17 @@
 """Who is on which host, without sockets: the two-level all_reduce's plan
-(:func:`gradstar.client.hierarchy.plan`) and the stripes each group gets
-(:meth:`ShardRegistry.stripes_for`)."""
+(:func:`gradstar.client.hierarchy.plan`), the stripes each group gets
+(:meth:`ShardRegistry.stripes_for`) and how a failed stage is named."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
-from gradstar.client.hierarchy import HostPlan, plan
+from gradstar.client.hierarchy import HostHierarchy, HostPlan, plan
+from gradstar.config import ClientSettings
 from gradstar.coordinator.rendezvous import Rendezvous
 from gradstar.coordinator.shards import ShardRegistry
+from gradstar.errors import CollectiveTimeoutError, RankLostError
 from gradstar.node_shard import HOST_GROUP
 from gradstar.proto.v1 import shard_pb2 as spb
 
@@ -67,3 +70,18 @@ def test_outbound_only_shards_carry_their_own_host_only():
         assert registry.outbound_hosts("other") == set()
 
     asyncio.run(main())
+
+
+def test_a_failed_stage_is_named_by_the_ranks_own_generation_when_the_hub_has_a_verdict():
+    verdicts = []
+
+    async def verdict():
+        return verdicts[-1] if verdicts else None
+
+    group = SimpleNamespace(settings=ClientSettings(), shards=[], rank=0,
+                            session=SimpleNamespace(verdict=verdict))
+    hosts = HostHierarchy(group, {0: "a", 1: "a"}, join=None)
+    stage = CollectiveTimeoutError("a leaders' stage timed out")
+    assert asyncio.run(hosts._named(stage)) is stage  # no verdict: the stage's own error
+    verdicts.append(RankLostError("rank 1 was lost"))
+    assert asyncio.run(hosts._named(stage)) is verdicts[-1]
