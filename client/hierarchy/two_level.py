@@ -77,16 +77,16 @@ class HostHierarchy:
         if p.leader:
             joins.append(self._join(f"{base}/leaders", p.hosts, p.host_index))
         joined = asyncio.gather(*joins)
-        failed = asyncio.ensure_future(g._session.failure_within(g.settings.join_timeout))
+        failed = asyncio.ensure_future(g.session.failure_within(g.settings.join_timeout))
         try:
             await asyncio.wait((joined, failed), return_when=asyncio.FIRST_COMPLETED)
         finally:
             failed.cancel()
-        if not joined.done() and g._session.failure is not None:
+        if not joined.done() and g.session.failure is not None:
             joined.cancel()
             with contextlib.suppress(asyncio.CancelledError, GradstarError):
                 await joined
-            raise g._session.failure
+            raise g.session.failure
         groups = await joined
         self.local = groups[0]
         self.leaders = groups[1] if p.leader else None

@@ -132,7 +132,7 @@ async def _ranks(hub: Hub, hosts: dict[int, str]) -> list[HostHierarchy]:
     result = []
     for rank in sorted(hosts):
         session = SimpleNamespace(failure=None, failure_within=_never, verdict=_none)
-        group = SimpleNamespace(rank=rank, job="j", generation=1, shards=["s"], _session=session,
+        group = SimpleNamespace(rank=rank, job="j", generation=1, shards=["s"], session=session,
                                 settings=SimpleNamespace(hierarchical=True, join_timeout=5))
 
         async def join(job, size, member, rank=rank):
