@@ -79,6 +79,9 @@ class RidesThrough:
         """The session rejoined: a new data plane (and direct lane) for the coordinator that
         answered, and the collectives it names issued again."""
         self.joined = joined
+        # The coordinator that took the rank back may be another (under --ha, the new leader).
+        self.settings = self.settings.model_copy(update={"coordinator": self._session.target})
+        self._channel = self._session.channel
         old, self._plane = self._plane, DataPlane(self.settings, list(joined.shards),
                                                   joined.collectives)
         self.shards = self._plane.addresses
@@ -117,8 +120,8 @@ class RidingLane:
         began = ride.epoch
         try:
             result = self._lane.run(call, held.send, out, timeout)
-        except GradstarError:
-            if not group._submit(ride.until_back(began)).result():
+        except GradstarError as error:
+            if not group._submit(ride.until_back(began, error)).result():
                 reissue.dropped(held)
                 raise
             return group._submit(reissue.run(held, out, ride)).result()

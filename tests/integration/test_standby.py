@@ -1,0 +1,216 @@
+"""A standby coordinator takes over through etcd (``gradstar coordinator --ha``,
+coordinator/leadership/): a real etcd on 127.0.0.1, coordinators as processes of their own,
+the groups of a job in this process, given every coordinator's address. The Synchronous DDP
+job across a takeover is tests/parallel/test_standby_ddp.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gradstar import errors
+from gradstar.coordinator.leadership import Etcd, Leadership, Role, endpoints_of
+from gradstar.worker.admin.client import AdminClient
+from tests.runtime.conftest import http_get
+
+from .conftest import close_all, etcd_server, join_all, next_line, spawn_standby
+
+pytestmark = pytest.mark.timeout(180)
+
+#: The leader's lease (seconds): a stopped leader is replaced within it (and a poll).
+TTL = 2
+
+
+@contextlib.asynccontextmanager
+async def coordinators(tmp_path, count: int = 2, *flags: str):
+    """A real etcd and ``count`` coordinators under ``--ha`` (the first one leads): yields
+    the etcd URL and the [(process, address)] of the coordinators, killed afterwards."""
+    async with etcd_server(tmp_path) as etcd:
+        started = []
+        try:
+            for k in range(count):
+                proc, address, role = await spawn_standby(etcd, "--ha-ttl", str(TTL), *flags)
+                assert role == ("leader" if k == 0 else "standby"), (k, role)
+                started.append((proc, address))
+            yield etcd, started
+        finally:
+            for proc, _ in started:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGCONT)
+                    proc.kill()
+                await proc.wait()
+
+
+async def health(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5)
+    return reply.status
+
+
+async def test_a_standby_serves_no_job_and_names_the_leader(tmp_path):
+    async with coordinators(tmp_path) as (_, [(_, leader), (_, standby)]):
+        assert await health(leader) == health_pb2.HealthCheckResponse.SERVING
+        assert await health(standby) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(errors.NotLeaderError) as named:  # given the standby alone
+            await join_all(standby, 1, "alone", connect_timeout=3)
+        assert named.value.leader == leader and f"the leader is at {leader}" in str(named.value)
+        async with AdminClient(standby) as admin:
+            view = await admin.leadership()
+        assert (view.elected, view.role, view.leader) == (True, "standby", leader)
+        # Given both, standby first, the ranks join the leader.
+        groups = await join_all(f"{standby},{leader}", 2, "both")
+        try:
+            assert all(g.settings.coordinator == leader for g in groups)
+            assert [float(r[0]) for r in await asyncio.gather(
+                *(g.all_reduce(np.ones(3, np.float32)) for g in groups))] == [2.0, 2.0]
+        finally:
+            await close_all(groups)
+
+
+async def reduce_across(groups, action) -> tuple[list[np.ndarray], np.ndarray]:
+    """An all_reduce in place on every group, ``action()`` run while it is in flight (the
+    coordinator's death): each rank's result and what every one must be."""
+    inputs = [np.arange(40_000, dtype=np.float32) * (g.rank + 1) for g in groups]
+    expected = sum(inputs)
+    works = [asyncio.ensure_future(g.all_reduce(inputs[g.rank], out=inputs[g.rank]))
+             for g in groups]
+    await action()
+    return await asyncio.wait_for(asyncio.gather(*works), 60), expected
+
+
+async def test_a_standby_takes_over_from_a_killed_leader_mid_collective(tmp_path):
+    async with coordinators(tmp_path, 2, "--metrics-port", "0") as (_, started):
+        (old, leader), (new, standby) = started
+        groups = await join_all(f"{leader},{standby}", 3, "takeover", reconnect_timeout=30)
+        try:
+            async def kill():
+                old.kill()
+                await old.wait()
+                await asyncio.wait_for(next_line(new, "gradstar coordinator listening on "),
+                                       TTL + 10)
+
+            results, expected = await reduce_across(groups, kill)
+            assert all(np.array_equal(r, expected) for r in results)
+            for g in groups:
+                assert g.settings.coordinator == standby and len(g.reconnects) == 1
+            # The new leader's is the generation now, and what operators see says so.
+            assert [float(r[0]) for r in await asyncio.gather(
+                *(g.all_reduce(np.ones(2, np.float32)) for g in groups))] == [3.0] * 3
+            async with AdminClient(standby) as admin:
+                view = await admin.leadership()
+            assert (view.role, view.leader, view.takeovers, view.rebuilds) == (
+                "leader", standby, 1, 1)
+            assert 0 < view.rejoin_wait_seconds <= max(w for g in groups for w in g.reconnects)
+            metrics_port = await _metrics_port(new)
+            _, _, page = await http_get(metrics_port, "/metrics")
+            assert b"gradstar_leader 1\n" in page and b"gradstar_takeovers_total 1\n" in page
+            _, _, status = await http_get(metrics_port, "/status.json")
+            lead = json.loads(status)["leadership"]
+            assert (lead["role"], lead["term"], lead["takeovers"]) == ("leader", view.term, 1)
+            _, _, html = await http_get(metrics_port, "/")
+            assert b"this coordinator leads" in html
+        finally:
+            await close_all(groups)
+
+
+async def _metrics_port(proc) -> int:
+    line = await asyncio.wait_for(next_line(proc, "gradstar coordinator metrics on "), 10)
+    return int(line.rsplit(":", 1)[1].split("/")[0])
+
+
+async def test_a_stopped_leader_loses_its_lease_and_stops_serving_when_it_wakes(tmp_path):
+    """SIGSTOP (a partition, a long GC pause): the standby takes over within the lease TTL,
+    the ranks follow it, and the old leader, woken, finds its lease gone before it serves
+    anything, and exits by name; the job goes on on the new leader."""
+    state = tmp_path / "state"
+    async with coordinators(tmp_path, 2, "--state-dir", str(state)) as (_, started):
+        (old, leader), (new, standby) = started
+        groups = await join_all(f"{leader},{standby}", 2, "stopped", reconnect_timeout=40)
+        try:
+            loop = asyncio.get_running_loop()
+
+            async def stop():
+                old.send_signal(signal.SIGSTOP)
+                stopped = loop.time()
+                await asyncio.wait_for(next_line(new, "gradstar coordinator listening on "),
+                                       TTL + 10)
+                # The lease expires TTL s after the last renewal; the standby polls it.
+                assert loop.time() - stopped < TTL + 4
+
+            results, expected = await reduce_across(groups, stop)
+            assert all(np.array_equal(r, expected) for r in results)
+            assert all(g.settings.coordinator == standby for g in groups)
+            old.send_signal(signal.SIGCONT)
+            _, err = await asyncio.wait_for(old.communicate(), 20)
+            assert old.returncode == 1, err.decode()[-2000:]
+            assert ("gradstar coordinator: NotLeaderError: this coordinator no longer leads: "
+                    "etcd let its lease expire") in err.decode(), err.decode()[-2000:]
+            # Nothing of the woken one reached the ranks: they go on with the new leader.
+            assert [float(r[0]) for r in await asyncio.gather(
+                *(g.all_reduce(np.ones(2, np.float32)) for g in groups))] == [2.0, 2.0]
+            assert all(len(g.reconnects) == 1 for g in groups)
+        finally:
+            await close_all(groups)
+
+
+async def test_an_unreachable_etcd_is_named_at_start_not_a_hang(tmp_path):
+    from .conftest import free_port
+
+    for url, named in ((f"etcd://127.0.0.1:{free_port()}", "ElectionUnavailableError: no "
+                        "etcd endpoint of 127.0.0.1:"),
+                       ("http://127.0.0.1:2379", "ConfigurationError: --ha 'http://127.0.0.1"
+                        ":2379': expected etcd://HOST:PORT")):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gradstar", "coordinator", "--host", "127.0.0.1", "--port",
+            "0", "--shards", "0", "--ha", url, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 1, err
+        assert f"gradstar coordinator: {named}" in err.decode(), err.decode()
+        assert b"listening on" not in out and b"standby on" not in out
+
+
+async def test_a_leader_fences_itself_on_an_expired_lease_or_a_newer_term(tmp_path):
+    """The election against a real etcd, in this process: a leader that stops renewing is
+    replaced within its TTL, and then refuses to serve (NotLeaderError) and to write; one
+    shown a newer term by a rank refuses it (StaleCoordinatorError). Both are fenced."""
+    async with etcd_server(tmp_path) as etcd:
+        endpoints, prefix = endpoints_of(etcd + "/fence")
+        fenced: list[str] = []
+        first = Leadership(Etcd(endpoints), prefix, "", TTL, on_fenced=fenced.append)
+        second = Leadership(Etcd(endpoints), prefix, "", TTL)
+        for lead, address in ((first, "a:1"), (second, "b:2")):
+            await lead.connect()
+            await lead.start(address)
+        try:
+            assert (first.role, second.role) == (Role.LEADER, Role.STANDBY)
+            term = first.check()
+            assert second.leader == "a:1" and second.term == term
+            with pytest.raises(errors.NotLeaderError, match="the leader is at a:1"):
+                second.check()
+            first._task.cancel()  # it stops renewing its lease, as a stopped process does
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            while second.role is not Role.LEADER:
+                assert loop.time() - began < TTL + 3, "the standby did not take over"
+                await asyncio.sleep(0.05)
+            assert second.term > term and second.takeovers == 1
+            with pytest.raises(errors.NotLeaderError, match=r"fenced .*lease of 2 s ran out"):
+                first.guard()  # a write to the state directory, say
+            assert first.role is Role.FENCED and len(fenced) == 1
+            with pytest.raises(errors.StaleCoordinatorError) as stale:
+                second.check(seen=second.term + 1)
+            assert (stale.value.term, stale.value.seen) == (second.term, second.term + 1)
+            assert second.role is Role.FENCED
+        finally:
+            await first.stop()
+            await second.stop()
