@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 
 import gradstar
+from benchmarks._etcd import start_etcd, stop_etcd
 from gradstar.config import CoordinatorSettings
 from gradstar.coordinator import Coordinator
 
@@ -140,63 +139,16 @@ async def finish(proc: asyncio.subprocess.Process, timeout: float) -> tuple[int,
     return proc.returncode, out.decode(), err.decode()
 
 
-def free_port() -> int:
-    """A port free on 127.0.0.1 now (for a process that takes no port 0, like etcd)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.asynccontextmanager
 async def etcd_server(data_dir: Path):
     """A real etcd (Debian's etcd-server, ``make etcd``) on 127.0.0.1 with free ports and its
     data in ``data_dir``, killed afterwards; yields its client URL as ``--ha`` takes it.
     Fails, naming what is missing, where there is no etcd."""
-    binary = shutil.which("etcd")
-    assert binary, ("etcd is missing: the --ha tests need a real etcd; install Debian's "
-                    "etcd-server ('make etcd', or 'sudo apt-get install -y etcd-server')")
-    for _ in range(3):  # a free port can be taken between the look and etcd's bind
-        client, peer = free_port(), free_port()
-        proc = await asyncio.create_subprocess_exec(
-            binary, "--name", "gs-test", "--data-dir", str(data_dir / f"etcd-{client}"),
-            "--listen-client-urls", f"http://127.0.0.1:{client}",
-            "--advertise-client-urls", f"http://127.0.0.1:{client}",
-            "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-            "--initial-cluster", f"gs-test=http://127.0.0.1:{peer}",
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-        if await _etcd_answers(client, proc):
-            break
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
-    else:
-        raise AssertionError("etcd did not start on 127.0.0.1 (three tries)")
+    proc, url = await asyncio.to_thread(start_etcd, data_dir)
     try:
-        yield f"etcd://127.0.0.1:{client}"
+        yield url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
-
-
-async def _etcd_answers(port: int, proc, seconds: float = 20.0) -> bool:
-    """Whether etcd on ``port`` answers its health endpoint within ``seconds``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    while loop.time() < deadline and proc.returncode is None:
-        try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection("127.0.0.1", port), 1)
-            writer.write(b"GET /health HTTP/1.0\r\n\r\n")
-            answer = await asyncio.wait_for(reader.read(), 2)
-            writer.close()
-            if b'"health":"true"' in answer:
-                return True
-        except (OSError, TimeoutError):
-            pass
-        await asyncio.sleep(0.1)
-    return False
+        await asyncio.to_thread(stop_etcd, proc)
 
 
 async def spawn_standby(etcd: str, *flags: str, timeout: float = 20) -> tuple[

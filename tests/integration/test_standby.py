@@ -163,7 +163,7 @@ async def test_a_stopped_leader_loses_its_lease_and_stops_serving_when_it_wakes(
 
 
 async def test_an_unreachable_etcd_is_named_at_start_not_a_hang(tmp_path):
-    from .conftest import free_port
+    from benchmarks._etcd import free_port
 
     for url, named in ((f"etcd://127.0.0.1:{free_port()}", "ElectionUnavailableError: no "
                         "etcd endpoint of 127.0.0.1:"),
