@@ -8,7 +8,7 @@ The protocol, every step one etcd call (:mod:`.etcd`):
    transaction that succeeds only if the key does not exist. The one that creates it leads;
    its **term** is the etcd revision that created the key, which only grows, so every later
    leader has a higher one. The others read the key (the leader's address, term and since
-   when), and try again every ``ttl / 5`` seconds.
+   when), and try again every ``ttl / 5`` seconds (at most 1 s).
 3. The leader renews its lease every ``ttl / 4`` seconds. It counts as leader only until its
    last renewal was *sent* plus the TTL etcd granted, less a margin (:meth:`Leadership.valid`,
    on its own monotonic clock): etcd can let the lease expire no earlier, so no standby can
@@ -113,6 +113,12 @@ class Leadership:
         if self.role is not Role.FENCED:
             self.role, self.fenced_because = Role.FENCED, "it stopped"
 
+    @property
+    def poll(self) -> float:
+        """Seconds between a standby's tries at the key: a fifth of the TTL, at most 1 s (so
+        that a revoked lease, an orderly stop, is taken over within a second)."""
+        return min(max(self.ttl / 5, 0.2), 1.0)
+
     def valid(self) -> bool:
         """Whether this coordinator leads now, by its own clock (see the module)."""
         return self.role is Role.LEADER and time.monotonic() < self._valid_until
@@ -160,7 +166,7 @@ class Leadership:
             try:
                 if self.role is Role.STANDBY:
                     await self._campaign()
-                    await asyncio.sleep(max(self.ttl / 5, 0.2))
+                    await asyncio.sleep(self.poll)
                 else:
                     sent = time.monotonic()
                     left = await self._call(self._etcd.keepalive, self._lease)

@@ -214,3 +214,32 @@ async def test_a_leader_fences_itself_on_an_expired_lease_or_a_newer_term(tmp_pa
         finally:
             await first.stop()
             await second.stop()
+
+
+async def test_an_orderly_stop_hands_the_lead_over_at_once(tmp_path):
+    """SIGTERM revokes the lease: with a 30 s lease the standby leads within a poll (1 s),
+    and the ranks, whose sessions the stop ends, follow it."""
+    async with etcd_server(tmp_path) as etcd:
+        hubs = [await spawn_standby(etcd, "--ha-ttl", "30")
+                for _ in range(2)]
+        try:
+            (old, leader, _), (new, standby, role) = hubs
+            assert role == "standby"
+            groups = await join_all(f"{leader},{standby}", 2, "handover", reconnect_timeout=30)
+            try:
+                loop = asyncio.get_running_loop()
+                began = loop.time()
+                old.send_signal(signal.SIGTERM)
+                await asyncio.wait_for(next_line(new, "gradstar coordinator listening on "), 10)
+                assert loop.time() - began < 8  # not the 30 s lease: it was revoked
+                assert await asyncio.wait_for(old.wait(), 20) == 0
+                assert [float(r[0]) for r in await asyncio.gather(
+                    *(g.all_reduce(np.ones(2, np.float32)) for g in groups))] == [2.0, 2.0]
+                assert all(g.settings.coordinator == standby for g in groups)
+            finally:
+                await close_all(groups)
+        finally:
+            for proc, _, _ in hubs:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
