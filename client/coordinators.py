@@ -54,9 +54,10 @@ class Coordinators:
     """The addresses of ``settings.coordinator``, a channel to each (opened when first used),
     which one this rank uses, and the highest leadership term it has seen."""
 
-    def __init__(self, settings: ClientSettings) -> None:
+    def __init__(self, settings: ClientSettings, *, bulk: bool = False) -> None:
         self.addresses = addresses_of(settings.coordinator)
         self._settings = settings
+        self._bulk = bulk  # channels for tensors (gradstar.transport.channels)
         self._channels: dict[str, grpc.aio.Channel] = {}
         #: The address this rank uses now (the leader, once it joined).
         self.current = self.addresses[0]
@@ -71,7 +72,7 @@ class Coordinators:
     def channel(self, address: str) -> grpc.aio.Channel:
         """The channel to ``address`` (one per address, kept until :meth:`close`)."""
         if address not in self._channels:
-            self._channels[address] = open_channel(self._settings, address)
+            self._channels[address] = open_channel(self._settings, address, bulk=self._bulk)
         return self._channels[address]
 
     def after(self, address: str, leader: str = "") -> str:

@@ -200,6 +200,7 @@ class Coordinator:
             credentials=creds, bulk=True, stream_window_bytes=s.stream_window_bytes,
             job_secret=job_secret)
         rounds.bulk_address = f":{self.collective_port}"
+        rounds.leads = self.leads
         self._health = health.aio.HealthServicer()
         # grpc's servicer answers SERVING for "" until told otherwise: not before the shards.
         await self._set_health(False)
