@@ -214,10 +214,12 @@ def takeovers(ranks: int, kills: int, mib: float, per_phase: int, ttl: int) -> l
             first = max(min(t for t in r["done"] if t > killed) for r in reports)
             row.update(takeover_s=listening - killed, resume_after_kill_s=first - killed,
                        resume_after_listening_s=first - listening)
-        else:
-            row["longest_pause_s"] = max(
-                max(b - a for a, b in zip(r["done"], r["done"][1:], strict=False)
-                    if b > killed and a < back) for r in reports)
+        else:  # the longest gap between two completions that overlaps the kill and restart
+            gaps = [(b - a, a - killed) for r in reports
+                    for a, b in zip(r["done"], r["done"][1:], strict=False)
+                    if b > killed and a < back]
+            row["longest_pause_s"], row["pause_began_after_kill_s"] = max(gaps)
+            row["standby_back_after_kill_s"] = back - killed
         rows.append(row)
     return rows
 

@@ -70,7 +70,7 @@ class Rejoinable(Protocol):
 
     async def wait_failed(self) -> GradstarError: ...
 
-    async def wait_ready(self, timeout: float) -> None: ...
+    async def wait_ready(self, timeout: float, *, fail_fast: bool = False) -> None: ...
 
     async def rejoin(self, claim: rpb.Rejoin, timeout: float) -> rpb.Joined: ...
 
@@ -168,14 +168,18 @@ class Ride:
                 s.use(address)
                 self.target, leader = address, ""
             try:
-                await s.wait_ready(min(remaining, REACH_S) if several else remaining)
+                if several:
+                    await s.wait_ready(min(remaining, REACH_S), fail_fast=True)
+                else:
+                    await s.wait_ready(remaining)
                 claim = self.claim()
                 claim.away_seconds = time.monotonic() - self.away_since
                 claim.term = s.coordinators.term
                 joined = await s.rejoin(claim, max(remaining, 1.0))
             except TimeoutError:
-                if several:
-                    continue  # not listening, or stopped: the next one
+                if several:  # not listening, or stopped: the next one
+                    await asyncio.sleep(RETRY_PAUSE)
+                    continue
                 break
             except (CoordinatorUnavailableError, ProtocolError) as error:
                 last = error  # not listening again yet, or gone again during the rejoin

@@ -217,10 +217,20 @@ class Session:
         )
         return event.joined
 
-    async def wait_ready(self, timeout: float) -> None:
+    async def wait_ready(self, timeout: float, *, fail_fast: bool = False) -> None:
         """Wait until the session's channel is connected (its coordinator listens), for at most
-        ``timeout`` seconds (TimeoutError past it)."""
-        await asyncio.wait_for(self.channel.channel_ready(), timeout)
+        ``timeout`` seconds (TimeoutError past it); with ``fail_fast``, TimeoutError also as
+        soon as a connection attempt failed (nothing listens there: with several coordinators,
+        the next one is tried instead of waiting out the channel's back-off)."""
+        if not fail_fast:
+            await asyncio.wait_for(self.channel.channel_ready(), timeout)
+            return
+        ready, failed = grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE
+        async with asyncio.timeout(timeout):
+            while (state := self.channel.get_state(try_to_connect=True)) is not ready:
+                if state is failed:
+                    raise TimeoutError
+                await self.channel.wait_for_state_change(state)
 
     def send(self, request: rpb.SessionRequest) -> None:
         """Queue ``request`` on the session stream (call it on the session's loop)."""
