@@ -243,3 +243,27 @@ async def test_an_orderly_stop_hands_the_lead_over_at_once(tmp_path):
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
+
+
+async def test_gradstar_admin_leader_names_the_leader_of_several(tmp_path):
+    async with coordinators(tmp_path) as (_, [(_, leader), (_, standby)]):
+        async def admin(*args: str) -> tuple[int, str]:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "gradstar", "admin", *args, "--coordinator",
+                f"{standby},{leader}", stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), 30)
+            return proc.returncode, out.decode() + err.decode()
+
+        code, out = await admin("leader", "--json")
+        assert code == 0, out
+        views = json.loads(out)
+        assert [(v["coordinator"], v["role"], v["leader"]) for v in views] == [
+            (standby, "standby", leader), (leader, "leader", leader)]
+        assert views[0]["term"] == views[1]["term"] > 0 and views[1]["takeovers"] == 0
+        code, table = await admin("leader")
+        assert code == 0 and table.splitlines()[0].split()[:3] == ["COORDINATOR", "ROLE",
+                                                                   "LEADER"], table
+        # The other actions, given the list, ask the one that leads.
+        code, out = await admin("status", "--json", "--interval", "0")
+        assert code == 0 and json.loads(out)["coordinator"] == leader, out
