@@ -101,13 +101,14 @@ class Leadership:
         self._task = asyncio.create_task(self._run(), name="gradstar-election")
 
     async def stop(self) -> None:
-        """Stop campaigning; a leader revokes its lease, so that a standby takes over now."""
+        """Stop campaigning and revoke the lease: a leader's, so that a standby takes over
+        now (a standby's holds no key, but need not wait out its TTL in etcd)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        if self._lease and self.role is Role.LEADER:
+        if self._lease and self.role is not Role.FENCED:
             with contextlib.suppress(ElectionUnavailableError):
                 await self._call(self._etcd.revoke, self._lease)
         if self.role is not Role.FENCED:
