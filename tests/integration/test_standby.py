@@ -267,3 +267,31 @@ async def test_gradstar_admin_leader_names_the_leader_of_several(tmp_path):
         # The other actions, given the list, ask the one that leads.
         code, out = await admin("status", "--json", "--interval", "0")
         assert code == 0 and json.loads(out)["coordinator"] == leader, out
+
+
+async def test_a_leader_cut_off_from_etcd_stops_leading_within_its_lease(tmp_path):
+    """etcd gone (a partition between the leader and etcd): the leader cannot know whether a
+    standby took over, so once its lease would have run out it counts itself fenced."""
+    from benchmarks._etcd import start_etcd, stop_etcd
+
+    proc, url = await asyncio.to_thread(start_etcd, tmp_path)
+    endpoints, prefix = endpoints_of(url + "/cut")
+    fenced: list[str] = []
+    lead = Leadership(Etcd(endpoints, timeout=0.5), prefix, "", TTL, on_fenced=fenced.append)
+    try:
+        await lead.connect()
+        await lead.start("a:1")
+        assert lead.role is Role.LEADER
+        await asyncio.to_thread(stop_etcd, proc)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        while lead.role is not Role.FENCED:
+            assert loop.time() - began < TTL + 2, "still leading without etcd"
+            await asyncio.sleep(0.05)
+        assert len(fenced) == 1 and ("etcd could not be reached" in fenced[0]
+                                     or "ran out" in fenced[0]), fenced
+        with pytest.raises(errors.NotLeaderError):
+            lead.check()
+    finally:
+        await asyncio.to_thread(stop_etcd, proc)
+        await lead.stop()
