@@ -4,7 +4,7 @@
 Trains a small MLP on two interleaved spirals (each rank's batches drawn from (step, IDENT)),
 Adam, in ``MODE`` "synchronous" (gradstar.DDP, the job resized at step boundaries) or "quorum"
 (``Quorum(min_ranks=2, timeout=0.02)``, the job grown on the hub's ledger). It prints one JSON
-line per step it ran (``{"step", "t"}``), ``{"grow_now"}`` once at ``--grow-at`` (the driver then
+line per step it ran (``{"step", "t", "loss"}``), ``{"grow_now"}`` once at ``--grow-at`` (the driver then
 starts the joiners), its milestones (``imported``, ``joined``, ``built``) and, unless it left,
 its final test accuracy and a hash of its parameters.
 """
@@ -82,7 +82,7 @@ def main() -> int:
         loss.backward()
         opt.step()
         time.sleep(args.compute)  # the rest of a real step's compute
-        emit({"step": step, "t": time.time()})
+        emit({"step": step, "t": time.time(), "loss": round(loss.item(), 5)})
     if not left:
         ddp.synchronize()
         x, y = spirals(4000, torch.Generator().manual_seed(1))

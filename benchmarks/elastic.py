@@ -125,7 +125,9 @@ def run(mode: str, elastic: bool, args) -> dict:
            "accuracy": statistics.mean(r.first("accuracy") for r in finals),
            "identical": len({r.first("params") for r in finals}) == 1,
            "finished": len(finals), "world": finals[0].first("world"),
-           "pause_s": max(gaps) - statistics.median(gaps), "step_s": statistics.median(gaps)}
+           "pause_s": max(gaps) - statistics.median(gaps), "step_s": statistics.median(gaps),
+           # rank 0's loss every 10 steps: where a run that ends badly went wrong
+           "losses": [line["loss"] for line in ranks[0].lines if line.get("step", 1) % 10 == 0]}
     if elastic:
         joins = []
         for r in ranks[FIRST:]:

@@ -25,11 +25,16 @@ which may be one step later than the call; the loop checks :attr:`ElasticSteps.l
 Hooks (:meth:`ElasticSteps.on_resize`) run on every rank that moved, after the move, with the
 :class:`~gradstar.client.process_group.membership.Resized` record: the place to re-shard the
 data (``sampler.num_replicas = r.world_size; sampler.rank = r.rank``).
+
+What a newcomer receives is the wrapper's :class:`JoinState`: the DDP's :class:`ModuleState`
+(module and optimizer); LocalSGD/DiLoCo, which cross a boundary after each round, send the
+global model instead (:mod:`gradstar.client.outer.local_sgd`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -52,23 +57,54 @@ class _NoOptimizer:
         pass
 
 
-class ElasticSteps:
-    """Step boundaries of one DDP (see the module docstring)."""
+class JoinState(Protocol):
+    """What the ranks of a resized generation give their newcomers, with the same collectives
+    on every rank: :meth:`send` on the ranks that were there (rank 0's state goes),
+    :meth:`receive` on a newcomer."""
 
-    def __init__(self, pg, module: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer | None, synchronous: bool) -> None:
-        self.pg, self.module = pg, module
+    def send(self, pg) -> None: ...
+
+    def receive(self, pg) -> None:
+        """Take the state rank 0 sends.
+
+        Raises:
+            ProtocolError: it does not fit this rank (another model); nothing was changed.
+        """
+
+
+class ModuleState:
+    """A DDP's state for its newcomers: the module's parameters and buffers and the optimizer's
+    state, as one snapshot taken where the ranks stand."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self.module = module
         self.optimizer = optimizer if optimizer is not None else _NoOptimizer()
-        #: Whether this DDP crosses boundaries: a Synchronous DDP over a blocking process
-        #: group (other modes grow on the hub's step ledger instead).
+
+    def send(self, pg) -> None:
+        _broadcast_snapshot(pg, pack(self.module, self.optimizer) if pg.rank == 0 else None,
+                            self.module, self.optimizer)
+
+    def receive(self, pg) -> None:
+        _broadcast_snapshot(pg, None, self.module, self.optimizer)
+
+
+class ElasticSteps:
+    """Step boundaries of one wrapper (see the module docstring)."""
+
+    def __init__(self, pg, state: JoinState, synchronous: bool) -> None:
+        self.pg, self.state = pg, state
+        #: Whether this wrapper crosses boundaries: a Synchronous DDP (or LocalSGD) over a
+        #: blocking process group (the sync modes grow on the hub's step ledger instead).
         self.enabled = synchronous and callable(getattr(pg, "step_boundary", None))
         self._crossed = False
         self._leaving = False
         self._hooks: list[Callable[[Resized], None]] = []
         #: The last resize this rank moved through, or None.
         self.last: Resized | None = None
-        if self.enabled:
-            pg.move_at_boundaries(True)
+        # Said either way: a joiner past the world size waits until every rank said how the
+        # job takes it (at a boundary, or at once on the hub's step ledger).
+        if callable(getattr(pg, "move_at_boundaries", None)):
+            pg.move_at_boundaries(self.enabled)
 
     def start_state(self) -> bool:
         """At construction: take the state from rank 0 if this rank joined at a resize's
@@ -81,7 +117,7 @@ class ElasticSteps:
         if not (self.enabled and self.pg.newcomer):
             return False
         try:
-            _broadcast_snapshot(self.pg, None, self.module, self.optimizer)
+            self.state.receive(self.pg)
         except ProtocolError:
             _verdict(self.pg, ok=False)
             self.pg.depart()  # the others move on at this same boundary, without this rank
@@ -108,8 +144,7 @@ class ElasticSteps:
 
     def _welcome(self, resized: Resized) -> bool:
         """Send the newcomers this rank's state (rank 0's goes); whether they all took it."""
-        _broadcast_snapshot(self.pg, pack(self.module, self.optimizer) if self.pg.rank == 0
-                            else None, self.module, self.optimizer)
+        self.state.send(self.pg)
         return _verdict(self.pg, ok=True)
 
     def done(self) -> None:
@@ -170,4 +205,4 @@ def _broadcast_snapshot(pg, snapshot: tuple[str, bytes] | None, module: torch.nn
                module, optimizer)
 
 
-__all__ = ["ElasticSteps"]
+__all__ = ["ElasticSteps", "JoinState", "ModuleState"]

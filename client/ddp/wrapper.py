@@ -81,7 +81,7 @@ from ..torch_common import (
     check_wrapper_arguments,
     wire_dtype_of,
 )
-from .elastic import ElasticSteps
+from .elastic import ElasticSteps, ModuleState
 from .inputs import inputs_to_device
 from .reducer import Reducer
 
@@ -203,7 +203,7 @@ class DistributedDataParallel(SyncModes, nn.Module):
         mode = check_mode(sync_mode or Synchronous())
         replacing = mode.on_ledger and pg.replacement  # a lost rank's place: nobody broadcasts
         #: Step boundaries: the job growing and shrinking while it trains (:mod:`.elastic`).
-        self.elastic = ElasticSteps(pg, module, optimizer, not mode.on_ledger)
+        self.elastic = ElasticSteps(pg, ModuleState(module, optimizer), not mode.on_ledger)
         if not replacing and not self.elastic.start_state():
             broadcast_from_rank0(pg, [*module.parameters(), *module.buffers()], cap)
         self.sync_mode: SyncMode = Synchronous()

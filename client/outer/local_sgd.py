@@ -19,6 +19,14 @@ the ranks take rank 0's parameters and then the job's global model if the hub al
 so a rank that joins late or restarts after a failure resumes from the last completed round
 (which the coordinator also persists with ``--state-dir``).
 
+The job may grow and shrink while it trains (``GRADSTAR_MAX_WORLD_SIZE`` /
+``GRADSTAR_MIN_WORLD_SIZE``): after each round the ranks cross a step boundary
+(:mod:`gradstar.client.ddp.elastic`), where a rank that joined past the world size comes in,
+receiving the global model, the round count and the step count from rank 0 (it starts from the
+global model, as a DiLoCo replica does), and where a rank that called :meth:`LocalSGD.leave`
+leaves: the others go on in the job's next generation, no process restarted. A join or a
+departure takes effect at the boundary after the next round.
+
 The module may live on the CPU or on one CUDA device: the flat float32 vectors of a round
 (parameters, pseudo-gradients, the global parameters) are built and kept on that device, the
 process group stages them through host memory, and the new parameters are written in place,
@@ -29,7 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gradstar.errors import ConfigurationError
+from gradstar.errors import ConfigurationError, ProcessGroupClosedError, ProtocolError
 from gradstar.wire.formats import wire_format
 
 from ..process_group import ProcessGroup
@@ -88,12 +96,30 @@ class LocalSGD:
         self.params = [p for p in module.parameters()]
         self.local_steps = 0
         self.rounds = 0
-        start = pg.broadcast(self._flatten(), src=0)
-        self._anchor = pg.sync_global_model(start, model=model_name, rule="seed")
-        self._load(self._anchor)
+        self._left = False
+        from ..ddp.elastic import ElasticSteps
+
+        #: Step boundaries after each round: the job growing and shrinking while it trains.
+        self.elastic = ElasticSteps(pg, _GlobalModelState(self), synchronous=True)
+        if self.elastic.start_state():  # a newcomer: the global model came from rank 0
+            # The others crossed their boundary again once in the new generation (another
+            # resize may have named the same one): so does this rank, to count as they do.
+            self._boundary()
+        else:
+            start = pg.broadcast(self._flatten(), src=0)
+            self._anchor = pg.sync_global_model(start, model=model_name, rule="seed")
+            self._load(self._anchor)
 
     def step(self) -> bool:
-        """Count one optimizer step; synchronise on every ``sync_every``-th. True if it did."""
+        """Count one optimizer step; synchronise on every ``sync_every``-th. True if it did.
+
+        Raises:
+            ProcessGroupClosedError: this rank has :attr:`left` the job.
+        """
+        if self._left:
+            raise ProcessGroupClosedError(
+                f"rank {self.pg.rank} left the job at its step boundary (leave()): run no "
+                "more steps, close the process group")
         self.local_steps += 1
         if self.local_steps % self.sync_every:
             return False
@@ -114,6 +140,33 @@ class LocalSGD:
         self._load(new)
         self._anchor = new
         self.rounds += 1
+        self._boundary()
+
+    def _boundary(self) -> None:
+        """After a round: leave, if this rank asked to and its boundary came; else cross it
+        (the job may resize there)."""
+        if not self.elastic.enabled:
+            return
+        if self.elastic.left:
+            self._left = True
+            return
+        self.elastic.cross()
+        self.elastic.done()
+
+    def leave(self) -> None:
+        """Leave the job for good at the boundary after the next round every rank reaches
+        (:meth:`ElasticSteps.leave`); train on until :attr:`left`, then close the group.
+
+        Raises:
+            ConfigurationError: the job would fall below its ``min_world_size``.
+        """
+        self.elastic.leave()
+
+    @property
+    def left(self) -> bool:
+        """Whether this rank, after :meth:`leave`, reached the boundary it leaves at: stop
+        training (no more :meth:`step`) and close the process group."""
+        return self._left
 
     @property
     def global_parameters(self) -> np.ndarray:
@@ -139,3 +192,33 @@ class LocalSGD:
                 n = p.numel()
                 p.copy_(flat[offset:offset + n].view_as(p))
                 offset += n
+
+
+class _GlobalModelState:
+    """What LocalSGD's newcomers receive at a resize (:class:`~gradstar.client.ddp.elastic.
+    JoinState`): the global model after the round just done, and where the schedule is."""
+
+    def __init__(self, owner: LocalSGD) -> None:
+        self.owner = owner
+
+    def send(self, pg) -> None:
+        o = self.owner
+        pg.broadcast(np.array([o._anchor.numel(), o.rounds, o.local_steps], dtype=np.int64),
+                     src=0)
+        pg.broadcast(o._anchor.to("cpu").numpy(), src=0)
+
+    def receive(self, pg) -> None:
+        import torch
+
+        o = self.owner
+        numel, rounds, steps = (int(v) for v in pg.broadcast(np.zeros(3, dtype=np.int64),
+                                                               src=0))
+        flat = pg.broadcast(np.zeros(numel, dtype=np.float32), src=0)
+        own = sum(p.numel() for p in o.params)
+        if numel != own:
+            raise ProtocolError(
+                f"the job's global model {o.model_name!r} has {numel} parameters and this "
+                f"rank's module {own}: a newcomer must train the same model")
+        o._anchor = torch.from_numpy(flat).to(o.device)
+        o._load(o._anchor)
+        o.rounds, o.local_steps = rounds, steps

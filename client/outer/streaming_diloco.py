@@ -103,7 +103,8 @@ class StreamingDiLoCo:
         params = list(module.parameters())
         self.groups = [[params[i] for i in run]
                        for run in split_fragments([p.numel() for p in params], fragments)]
-        client_settings = ClientSettings(**{k: v for k, v in settings.items() if v is not None})
+        client_settings = ClientSettings(
+            **{k: v for k, v in settings.items() if v is not None}).with_token()
         self.replica = replica or _default_replica(client_settings)
         self._loop = LoopThread()
         self.client: RoundsClient | None = None

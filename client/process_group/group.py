@@ -396,9 +396,12 @@ class AsyncProcessGroup(PointToPoint, StragglerQueries, RidesThrough):
 
     async def connect(self, *, hosts: bool = True) -> None:
         """Connect to the data plane (hub shards, the collective port) and, with ``hosts``,
-        join the groups of the two-level all_reduce; raises what fails on the way."""
+        join the groups of the two-level all_reduce; raises what fails on the way. A
+        replacement joins a generation whose collectives are over (a lost rank's place, or one
+        past the world size): it joins no host group, which its host's other ranks formed
+        without it, and its collectives fail with the generation's error as every rank's do."""
         await self._plane.connect(self.settings.connect_timeout)
-        if hosts:
+        if hosts and not self.replacement:
             await self._hosts.start()
 
     async def close(self) -> None:

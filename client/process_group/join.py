@@ -11,8 +11,6 @@ import asyncio
 import functools
 import time
 
-from pydantic import SecretStr
-
 from gradstar.allocator import tune_allocator
 from gradstar.config import ClientSettings
 from gradstar.errors import (
@@ -38,16 +36,7 @@ def _settings(**given) -> ClientSettings:
         raise ConfigurationError(
             "world_size is required: pass world_size= or set GRADSTAR_WORLD_SIZE"
         )
-    if settings.token is None and settings.token_file is not None:
-        try:
-            token = settings.token_file.read_text(encoding="utf-8").strip()
-        except OSError as error:
-            raise ConfigurationError(f"cannot read the token file {settings.token_file}: "
-                                     f"{error.strerror}") from None
-        if not token:  # an empty token would mean "no authentication": never by accident
-            raise ConfigurationError(f"the token file {settings.token_file} is empty")
-        settings.token = SecretStr(token)
-    return settings
+    return settings.with_token()
 
 
 async def init_process_group_async(

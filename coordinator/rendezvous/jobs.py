@@ -90,9 +90,10 @@ class Member:
     replacement: bool = False
     #: Its host takes no inbound connections from other hosts (JoinRequest.outbound_only).
     outbound_only: bool = False
-    #: It moves to a new generation at step boundaries when the job resizes (a Synchronous
-    #: DDP: SessionRequest.boundaries; every member of a generation a resize formed).
-    boundaries: bool = False
+    #: Whether it moves to a new generation at step boundaries when the job resizes (a
+    #: Synchronous DDP or LocalSGD says True, a sync-mode DDP False: SessionRequest.boundaries;
+    #: every member of a generation a resize formed: True); None: not said yet.
+    boundaries: bool | None = None
     #: What its Joined says of the resize that formed its generation: the boundary, and
     #: whether it joined there (a newcomer taking the others' state).
     boundary: int = 0
@@ -182,6 +183,9 @@ class Job:
     min_world_size: int = 0
     #: The resize under way (:mod:`.resize`), or None.
     resize: object | None = None
+    #: Elastic joiners past the world size waiting until every member said whether it moves
+    #: at step boundaries (:func:`.elastic.past_size`).
+    parked: list[Member] = field(default_factory=list)
     #: Resizes completed (generations formed by members moving at a step boundary).
     resizes: int = 0
 

@@ -41,7 +41,7 @@ from gradstar.errors import (
 
 from . import resize
 from .admission import check_limits, dispute_world_size, make_room
-from .elastic import grow, replace
+from .elastic import past_size, replace, unsaid
 
 # The records live in .jobs; named here too, where the servicers, the engine and tests import
 # them from.
@@ -126,16 +126,14 @@ class Rendezvous:
             await asyncio.wait_for(asyncio.shield(member.joined), timeout)
         except TimeoutError:
             state = self.jobs.get(job)
-            present = sorted(
-                m.requested_rank if m.requested_rank is not None else -1
-                for m in (state.forming if state is not None else ())
-            )
+            present = sorted(m.requested_rank if m.requested_rank is not None else -1
+                             for m in (state.forming if state is not None else ()))
+            parked = state is not None and member in state.parked
             self.withdraw(member)
             named = ", ".join("any" if r < 0 else str(r) for r in present)
-            raise JoinTimeoutError(
+            raise JoinTimeoutError(unsaid(job, timeout) if parked else (
                 f"Timed out: job {job!r}: only {len(present)} of {world_size} ranks joined "
-                f"within {timeout:g} s (requested ranks present: {named or 'none'})"
-            ) from None
+                f"within {timeout:g} s (requested ranks present: {named or 'none'})")) from None
         except BaseException:
             self.withdraw(member)
             raise
@@ -149,7 +147,8 @@ class Rendezvous:
         once when it is ``elastic`` and takes the place of a lost member of the running one,
         or, with no such place, joins it as one more rank while the job may grow
         (``max_world_size``, as torchrun's ``--nnodes MIN:MAX``): at the next step boundary
-        when every member moves at them (:mod:`.resize`), else at once (:func:`.elastic.grow`).
+        when every member moves at them (:mod:`.resize`), else at once
+        (:func:`.elastic.past_size`).
         ``moving_from``: a member of the running generation moving to the next at a resize's
         boundary (:func:`.resize.arrive`)."""
         if self.draining:
@@ -174,16 +173,9 @@ class Rendezvous:
             check_limits(state, max_world_size, min_world_size)
         current = state.generation if state is not None else None
         if (elastic and rank is None and current is not None and current.live_members
-                and not any(m.left and not m.finished for m in current.members.values())):
-            pending = resize.current(state, current)
-            waiting = len(pending.joiners) if pending is not None else 0
-            if resize.takes_part(state) and current.world_size + waiting < state.max_world_size:
-                member = Member(job=job, requested_rank=None, peer_address=peer_address,
-                                host=host[:64], hostname=hostname[:255])
-                resize.add_joiner(state, member)
-                return member
-            if current.world_size < state.max_world_size and not resize.takes_part(state):
-                return grow(state, peer_address, host, hostname, self.fail)
+                and not any(m.left and not m.finished for m in current.members.values())
+                and (member := past_size(state, peer_address, host, hostname, self.fail))):
+            return member
         if rank is not None and not 0 <= rank < world_size:
             raise ConfigurationError(f"rank {rank} is out of range for world_size {world_size}")
         if state is None:
@@ -321,10 +313,16 @@ class Rendezvous:
         return gen
 
     def lost(self, member: Member, reason: str) -> None:
-        """A member's session ended without leaving, or it missed heartbeats."""
+        """A member's session ended without leaving, or it missed heartbeats. A mover (it said
+        ``advance``) whose session ended before its goodbye was read (its close gave up on a
+        loaded machine) still moves: it has a heartbeat timeout to arrive (:meth:`expire`)."""
         self.withdraw(member)
         gen = member.generation
         if gen is None or member.left:
+            return
+        state = self.jobs.get(member.job)
+        if state is not None and resize.moving(state, member):
+            self.leave(member)
             return
         member.left = True
         self._on_member_gone(member)
@@ -423,6 +421,8 @@ class Rendezvous:
         ]
         for m in stale:
             self.lost(m, f"no heartbeat for {now - m.last_seen:.1f} s")
+        for job in list(self.jobs.values()):
+            resize.end_overdue(job, now, self.heartbeat_timeout, self.fail)
         return stale
 
     def drop_idle(self, retention: float, now: float | None = None) -> list[str]:

@@ -36,7 +36,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gradstar.errors import GradstarError, RendezvousError
+from gradstar.errors import GradstarError, RankLostError, RendezvousError
 
 from .jobs import Generation, Job, Member
 
@@ -116,7 +116,8 @@ def _announce(resize: Resize) -> None:
 def add_joiner(state: Job, joiner: Member) -> None:
     """Queue an elastic joiner past the world size: it joins the next generation."""
     resize = _start(state)
-    joiner.joined = asyncio.get_running_loop().create_future()
+    if joiner.joined is None:
+        joiner.joined = asyncio.get_running_loop().create_future()
     resize.joiners.append(joiner)
     if resize.boundary is None:
         _announce(resize)
@@ -181,6 +182,25 @@ def moving(state: Job, member: Member) -> bool:
     """Whether ``member``'s session ends because it moves (its leave is quiet)."""
     resize = current(state, member.generation)
     return resize is not None and member.rank in resize.moved
+
+
+def end_overdue(state: Job, now: float, timeout: float,
+                fail: Callable[[Generation, GradstarError], None]) -> None:
+    """End ``state``'s resize, failing its generation, when one of its movers left its old
+    session more than ``timeout`` seconds ago (its last heartbeat) and has not arrived in the
+    next generation: it was lost on its way."""
+    resize = state.resize
+    if not isinstance(resize, Resize) or resize.boundary is None:
+        return
+    members = resize.generation.members
+    late = next((members[r] for r in sorted(resize.moved - resize.arrived.keys())
+                 if members[r].left and now - members[r].last_seen > timeout), None)
+    if late is not None:
+        fail(resize.generation, RankLostError(
+            f"rank {late.rank} of job {state.name!r} was lost (it left generation "
+            f"{resize.generation.number} to move to the next one and did not arrive within "
+            f"{timeout:g} s); the resize is over", rank=late.rank,
+            generation=resize.generation.number))
 
 
 def arrive(state: Job | None, moving_from, member: Member,
@@ -252,6 +272,8 @@ def settle(state: Job, form: Callable[[Job, dict[int, Member]], Generation]) -> 
 def withdraw(state: Job, joiner: Member) -> None:
     """A waiting joiner gave up (its join timed out, its process died). A mover that does
     ends the resize: the next generation can no longer form as its members were told."""
+    if joiner in state.parked:
+        state.parked.remove(joiner)
     resize = state.resize
     if not isinstance(resize, Resize):
         return
@@ -277,4 +299,5 @@ def cancel(state: Job, error: GradstarError) -> None:
 
 
 __all__ = ["Decided", "Pending", "Resize", "add_joiner", "advance", "arrive", "cancel",
-           "current", "depart", "moving", "report", "settle", "takes_part", "withdraw"]
+           "current", "depart", "end_overdue", "moving", "report", "settle", "takes_part",
+           "withdraw"]

@@ -18,7 +18,7 @@ from gradstar.proto.v1 import rendezvous_pb2_grpc
 from gradstar.transport.auth import check_job_access
 from gradstar.transport.status import abort
 
-from . import resize
+from . import elastic, resize
 from .rebuild import claim_of
 from .rendezvous import Member, Rendezvous
 
@@ -129,6 +129,7 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
         member.touch()
         if kind == "boundaries":
             member.boundaries = request.boundaries
+            elastic.declared(state, self.rendezvous.fail)
         elif kind == "position":
             resize.report(state, member, request.position.generation,
                           request.position.boundary)

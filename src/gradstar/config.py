@@ -361,3 +361,21 @@ class ClientSettings(BaseSettings):
     peer_buffer_bytes: int = Field(
         256 << 20, ge=0, description="bytes from one rank held before anybody receives them; "
                                      "past either bound the sender is held back")
+
+    def with_token(self) -> ClientSettings:
+        """These settings, the token read from ``token_file`` when none is given (every client
+        of the coordinator reads it alike: a process group, a Streaming DiLoCo replica).
+
+        Raises:
+            ConfigurationError: the token file cannot be read, or it is empty.
+        """
+        if self.token is not None or self.token_file is None:
+            return self
+        try:
+            token = self.token_file.read_text(encoding="utf-8").strip()
+        except OSError as error:
+            raise ConfigurationError(f"cannot read the token file {self.token_file}: "
+                                     f"{error.strerror}") from None
+        if not token:  # an empty token would mean "no authentication": never by accident
+            raise ConfigurationError(f"the token file {self.token_file} is empty")
+        return self.model_copy(update={"token": SecretStr(token)})

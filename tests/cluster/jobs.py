@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -57,18 +57,13 @@ def wait_reports(out: Path, phase: str, count: int, procs: list, timeout: float,
 
 
 @contextmanager
-def job_on_hosts(network, tmp_path: Path, per_host: int | Sequence[int], rank_argv: list[str],
-                 env_for: dict[str, dict[str, str]] | None = None,
-                 coordinator_args: Sequence[str] = (), worker_args: Sequence[str] = (),
-                 ) -> Iterator[tuple[list[subprocess.Popen], subprocess.Popen]]:
-    """Start the coordinator on the network's first host and a worker running ``per_host``
-    ranks of ``rank_argv`` on every host (a sequence: so many on each host, in order;
-    ``env_for[host]``: extra environment for its ranks; ``coordinator_args`` and
-    ``worker_args``: more flags for those commands);
-    yields (every process, the coordinator: its ``address``, ``job`` and ``token`` file set on
-    it, for a process the test starts itself) and kills them all when the block ends."""
-    names = list(network.addresses)
-    counts = [per_host] * len(names) if isinstance(per_host, int) else list(per_host)
+def coordinator_on_hosts(network, tmp_path: Path, coordinator_args: Sequence[str] = (),
+                         ) -> Iterator[tuple[list[subprocess.Popen], subprocess.Popen,
+                                             Callable[..., subprocess.Popen]]]:
+    """Start the coordinator on the network's first host; yields (every process, the
+    coordinator: its ``address``, a fresh ``job`` name and the ``token`` file set on it, and
+    ``start(host, argv, **env)``, which runs a process on a host with the token and the
+    repository on its path, its output piped) and kills them all when the block ends."""
     token = tmp_path / "token"
     token.write_text(secrets.token_urlsafe() + "\n")
     procs: list[subprocess.Popen] = []
@@ -83,27 +78,43 @@ def job_on_hosts(network, tmp_path: Path, per_host: int | Sequence[int], rank_ar
         return proc
 
     try:
-        hub = start(names[0], [sys.executable, "-m", "gradstar", "coordinator", "--host",
-                               "0.0.0.0", "--port", "0", "--shards", "0",
-                               *coordinator_args])
+        first = next(iter(network.addresses))
+        hub = start(first, [sys.executable, "-m", "gradstar", "coordinator", "--host",
+                            "0.0.0.0", "--port", "0", "--shards", "0", *coordinator_args])
         line = b""
         while b"listening on" not in line:  # bounded by the test's timeout
             line = hub.stdout.readline()
             assert line, "the coordinator exited before it listened"
-        coordinator = f"{network.addresses[names[0]]}:{int(line.rsplit(b':', 1)[1])}"
-        job = f"cluster-{secrets.token_hex(3)}"
-        hub.address, hub.job, hub.token = coordinator, job, token
-        for host, count in zip(names, counts, strict=True):
-            start(host, [sys.executable, "-m", "gradstar", "worker", "--coordinator",
-                         coordinator, "--job", job, "--nproc", str(count),
-                         "--world-size", str(sum(counts)), *worker_args, "--", *rank_argv],
-                  CLUSTER_HOST=host, **(env_for or {}).get(host, {}))
-        yield procs, hub
+        hub.address = f"{network.addresses[first]}:{int(line.rsplit(b':', 1)[1])}"
+        hub.job, hub.token = f"cluster-{secrets.token_hex(3)}", token
+        yield procs, hub, start
     finally:
         for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+@contextmanager
+def job_on_hosts(network, tmp_path: Path, per_host: int | Sequence[int], rank_argv: list[str],
+                 env_for: dict[str, dict[str, str]] | None = None,
+                 coordinator_args: Sequence[str] = (), worker_args: Sequence[str] = (),
+                 ) -> Iterator[tuple[list[subprocess.Popen], subprocess.Popen]]:
+    """Start the coordinator on the network's first host and a worker running ``per_host``
+    ranks of ``rank_argv`` on every host (a sequence: so many on each host, in order;
+    ``env_for[host]``: extra environment for its ranks; ``coordinator_args`` and
+    ``worker_args``: more flags for those commands);
+    yields (every process, the coordinator: its ``address``, ``job`` and ``token`` file set on
+    it, for a process the test starts itself) and kills them all when the block ends."""
+    names = list(network.addresses)
+    counts = [per_host] * len(names) if isinstance(per_host, int) else list(per_host)
+    with coordinator_on_hosts(network, tmp_path, coordinator_args) as (procs, hub, start):
+        for host, count in zip(names, counts, strict=True):
+            start(host, [sys.executable, "-m", "gradstar", "worker", "--coordinator",
+                         hub.address, "--job", hub.job, "--nproc", str(count),
+                         "--world-size", str(sum(counts)), *worker_args, "--", *rank_argv],
+                  CLUSTER_HOST=host, **(env_for or {}).get(host, {}))
+        yield procs, hub
 
 
 SCRIPT = REPO / "tests" / "tools" / "torchrun_script.py"

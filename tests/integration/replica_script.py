@@ -67,8 +67,9 @@ def main() -> None:
     out = sys.argv[1].format(index=index)
     steps, pause = int(os.environ["SDL_STEPS"]), float(os.environ.get("SDL_SLEEP", "0"))
     # SDL_LEAVE_AT: leave the rounds for good (StreamingDiLoCo.leave) after running that many
-    # steps of its own.
+    # steps of its own; SDL_LEAVE_WHEN: leave at the first step at which that file exists.
     leave_at = int(os.environ.get("SDL_LEAVE_AT", "-1"))
+    leave_when = os.environ.get("SDL_LEAVE_WHEN")
     torch.set_num_threads(1)  # replicas share the machine's cores
     model = make_model().to(os.environ.get("SDL_DEVICE", "cpu"))
     gate = os.environ.get("SDL_WAIT_FOR")
@@ -79,7 +80,7 @@ def main() -> None:
               f"{sdl.join_seconds:.3f} s", flush=True)
         left, ran = False, 0
         while sdl.local_steps < steps:
-            if ran == leave_at:
+            if ran == leave_at or (leave_when and os.path.exists(leave_when)):
                 sdl.leave()
                 left = True
                 break

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -97,9 +98,54 @@ def resilient(args) -> None:
     np.save(args.out / f"final{rank}.npy", flat(model))
 
 
+def ident_step(model, opt, step: int, ident: int) -> None:
+    """One inner step on process ``ident``'s own data (the same whatever its rank)."""
+    g = torch.Generator().manual_seed(1000 * ident + step)
+    x, y = torch.randn(8, IN, generator=g), torch.randn(8, 1, generator=g)
+    loss = nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def elastic(args) -> None:
+    """DiLoCo in a job that grows and shrinks (GRADSTAR_MAX_WORLD_SIZE): the process
+    ``--ident`` trains on its own data. The first ranks wait for the file ``--go`` before
+    their step ``--wait-at`` (they make ``OUT/waitingIDENT`` there; the test makes ``--go``
+    once a joiner waits at the hub). A joiner
+    (``--ident`` past the first world size, elastic) creates ``OUT/joined`` once in; process
+    ``--leaver`` calls leave() once it moved with the newcomer. Prints one JSON line per round
+    ({"round", "ident", "rank", "world"}); the ranks that stay save their final parameters."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    with gradstar.init_process_group(timeout=60, join_timeout=120) as pg:
+        model = make_model(100 + args.ident)
+        lsgd = gradstar.LocalSGD(model, pg, args.sync_every, outer_optimizer="nesterov",
+                                 outer_lr=0.7, outer_momentum=0.9)
+        if pg.newcomer:
+            (args.out / "joined").touch()
+            print(json.dumps({"joined": lsgd.rounds, "steps": lsgd.local_steps,
+                              "ident": args.ident}), flush=True)
+        opt = make_optimizer(model, "sgd")
+        while lsgd.local_steps < args.steps and not lsgd.left:
+            if lsgd.local_steps == args.wait_at and not pg.newcomer:
+                (args.out / f"waiting{args.ident}").touch()
+                deadline = time.monotonic() + 120
+                while not args.go.exists() and time.monotonic() < deadline:
+                    time.sleep(0.02)
+            ident_step(model, opt, lsgd.local_steps, args.ident)
+            if lsgd.step():
+                print(json.dumps({"round": lsgd.rounds, "ident": args.ident, "rank": pg.rank,
+                                  "world": pg.world_size}), flush=True)
+                if args.ident == args.leaver and lsgd.elastic.last is not None:
+                    lsgd.leave()
+        print(json.dumps({"left": lsgd.left, "ident": args.ident}), flush=True)
+        if not lsgd.left:
+            np.save(args.out / f"final{args.ident}.npy", flat(model))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["train", "resilient"])
+    parser.add_argument("scenario", choices=["train", "resilient", "elastic"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--sync-every", type=int, default=1)
     parser.add_argument("--steps", type=int, default=5)
@@ -111,8 +157,12 @@ def main() -> None:
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--fresh-seed", type=int)
     parser.add_argument("--wire", help="a wire format for the pseudo-gradients")
+    parser.add_argument("--ident", type=int, default=0)
+    parser.add_argument("--leaver", type=int, default=-1)
+    parser.add_argument("--wait-at", type=int, default=-1)
+    parser.add_argument("--go", type=Path)
     args = parser.parse_args()
-    {"train": train, "resilient": resilient}[args.scenario](args)
+    {"train": train, "resilient": resilient, "elastic": elastic}[args.scenario](args)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ Trains a small MLP for ``--steps`` iterations with ``gradstar.DDP(sync_mode=...)
 momentum; before each backward the rank sleeps its entry of ``--delays`` (seconds, per rank), and
 ``--stop-at`` makes a rank stop itself (``kill``: os._exit mid-training; ``stall``: SIGSTOP)
 at that iteration (``--await-replacement``: the others wait for the process that takes its
-place before their last iteration). After each backward it prints its contribution (base, step
-joined) as a JSON line (with ``--wire``, also its contribution residual after it); at the end it
-synchronizes and prints its parameters, the steps it applied (who made each) and its stats.
+place before their last iteration); ``--leave-rank``/``--leave-at`` make a rank leave the job for
+good (close its group) at that iteration, once the job grew. After each backward it prints its
+contribution (base, step joined) as a JSON line (with ``--wire``, also its contribution residual
+after it); at the end it synchronizes and prints its parameters, the steps it applied (who made each) and its stats.
 
 :func:`replay` (used by the tests) trains the same model in one process from the hub's record
 of which contribution joined which step; with a wire format each contribution is
@@ -241,6 +242,11 @@ def main() -> None:
                              "contribution of its own was accepted; every other rank waits for "
                              "PATH (up to 120 s) before its last iteration, so the replacement "
                              "joins the steps however slowly it started")
+    parser.add_argument("--leave-rank", type=int, default=-1,
+                        help="this rank leaves the job for good (closes its group) at "
+                             "--leave-at, once the --await-replacement PATH exists (the job "
+                             "grew first); it prints its contributions and no parameters")
+    parser.add_argument("--leave-at", type=int, default=-1)
     args = parser.parse_args()
 
     import gradstar
@@ -264,11 +270,20 @@ def main() -> None:
     if args.print_states:
         print(json.dumps({"rank": rank, "start": state_of(ddp, model, opt)}), flush=True)
     ready = Path(args.await_replacement) if args.await_replacement else None
+
+    def await_ready() -> None:
+        deadline = time.monotonic() + 120
+        while ready is not None and not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     for i in range(args.steps):
+        if rank == args.leave_rank and i == args.leave_at:
+            await_ready()
+            print(json.dumps({"rank": rank, "left": i}), flush=True)
+            pg.close()
+            return
         if ready is not None and not pg.replacement and i == args.steps - 1:
-            deadline = time.monotonic() + 120
-            while not ready.exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            await_ready()
         if rank == args.stop_rank and i == args.stop_at:
             if args.stop_how == "kill":
                 os._exit(3)

@@ -125,6 +125,27 @@ async def test_a_rank_reads_its_token_from_the_file_gradstar_token_file_names(
                                                     world_size=1, connect_timeout=5)
 
 
+async def test_a_streaming_diloco_replica_reads_its_token_from_the_file_too(
+        start_coordinator, secrets, monkeypatch):
+    # Its Rounds calls went without a token before: refused by a coordinator that has one.
+    import torch
+
+    hub = await start_coordinator(token="job-secret")
+    token, _ = secrets
+    monkeypatch.delenv("GRADSTAR_TOKEN", raising=False)
+    monkeypatch.setenv("GRADSTAR_TOKEN_FILE", str(token))
+
+    def replica() -> list[int]:  # blocking: on a thread, while the hub runs on this loop
+        with gradstar.StreamingDiLoCo(torch.nn.Linear(3, 2), sync_every=1, timeout=20,
+                                      round_timeout=20, coordinator=hub.address,
+                                      job="sdl-file") as sdl:
+            sdl.step()
+            sdl.finish()
+            return sdl.rounds
+
+    assert await asyncio.wait_for(asyncio.to_thread(replica), 60) == [1]
+
+
 async def test_a_coordinator_with_a_job_secret_and_its_local_shard_take_a_jobs_own_token(
         secrets, tmp_path):
     # From the command line end to end: the coordinator and the local shard it starts read the

@@ -8,8 +8,13 @@ import asyncio
 
 import pytest
 
-from gradstar.coordinator.rendezvous import Rendezvous, resize
-from gradstar.errors import RankLostError, RendezvousError, WorldSizeMismatchError
+from gradstar.coordinator.rendezvous import Rendezvous, elastic, resize
+from gradstar.errors import (
+    JoinTimeoutError,
+    RankLostError,
+    RendezvousError,
+    WorldSizeMismatchError,
+)
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
 
 BOUND = 2.0
@@ -105,6 +110,48 @@ async def test_a_rank_lost_during_a_resize_fails_the_joiner_by_name(rdv):
     assert rdv.jobs["r"].resize is None
 
 
+async def grown_to_boundary(rdv: Rendezvous):
+    """A running job of 3 with a joiner waiting and the boundary named (5)."""
+    members = await running(rdv)
+    joiner = asyncio.ensure_future(rdv.join("r", 3, None, "10.0.0.9:1", timeout=BOUND,
+                                            elastic=True))
+    await asyncio.sleep(0)
+    state, gen = rdv.jobs["r"], members[0].generation
+    for m in members:
+        resize.report(state, m, gen.number, 5)
+    return members, joiner, state, gen
+
+
+async def test_a_mover_whose_session_ends_before_its_goodbye_still_moves(rdv):
+    # On a loaded machine a mover's close may give up before the hub read its goodbye: its
+    # session then ends without one. It said advance first, so it is moving, not lost.
+    members, joiner, state, gen = await grown_to_boundary(rdv)
+    resize.advance(state, members[1])
+    rdv.lost(members[1], "its session with the coordinator closed")
+    assert gen.failure is None and state.resize is not None
+    movers = [await move(rdv, m) for m in (members[0], members[2])]
+    movers.append(asyncio.ensure_future(rdv.join("r", 3, None, "10.0.1.1:1", timeout=BOUND,
+                                                 moving_from=moving_from(members[1]))))
+    grown = await asyncio.wait_for(asyncio.gather(joiner, *movers), BOUND)
+    assert grown[0].generation.world_size == 4 and gen.failure is None
+    assert sorted(m.rank for m in grown) == [0, 1, 2, 3]
+
+
+async def test_a_mover_that_never_arrives_ends_the_resize_after_the_heartbeat_timeout(rdv):
+    members, joiner, state, gen = await grown_to_boundary(rdv)
+    resize.advance(state, members[1])
+    rdv.lost(members[1], "its session with the coordinator closed")
+    movers = [await move(rdv, m) for m in (members[0], members[2])]
+    await asyncio.sleep(0)
+    rdv.expire(members[1].last_seen + 5.0)  # within the timeout: still on its way
+    assert gen.failure is None
+    rdv.expire(members[1].last_seen + 10.5)
+    for waiting in (joiner, *movers):
+        with pytest.raises(RankLostError, match="rank 1 .* did not arrive within 10 s"):
+            await asyncio.wait_for(waiting, BOUND)
+    assert state.resize is None
+
+
 async def test_a_mover_that_is_not_the_member_it_says_is_refused(rdv):
     members = await running(rdv)
     state, gen = rdv.jobs["r"], members[0].generation
@@ -143,6 +190,53 @@ async def test_a_job_whose_members_do_not_move_at_boundaries_grows_at_once(rdv):
                                             elastic=True), BOUND)
     assert grown.generation is members[0].generation and grown.rank == 3
     assert rdv.jobs["r"].resize is None
+
+
+async def test_a_joiner_that_comes_before_every_rank_said_how_waits_for_them(rdv):
+    # A joiner that comes while the ranks still build their wrappers must not end the
+    # collectives of a job that would have moved at a boundary: it waits until all have said.
+    members = await running(rdv)
+    for m in members:
+        m.boundaries = None
+    members[0].boundaries = True
+    state = rdv.jobs["r"]
+    joiner = asyncio.ensure_future(rdv.join("r", 3, None, "10.0.0.9:1", timeout=BOUND,
+                                            elastic=True))
+    await asyncio.sleep(0)
+    assert state.parked and state.resize is None and members[0].generation.healthy
+    for m in members[1:]:
+        m.boundaries = True
+        elastic.declared(state, rdv.fail)
+    assert not state.parked and state.at_boundary == (1, 0)  # it waits for the boundary
+    gen = members[0].generation
+    for m in members:
+        resize.report(state, m, gen.number, 2)
+    grown = await asyncio.wait_for(asyncio.gather(joiner, *[await move(rdv, m)
+                                                           for m in members]), BOUND)
+    assert grown[0].newcomer and grown[0].generation.world_size == 4 and gen.healthy
+
+
+async def test_a_parked_joiner_grows_the_job_once_a_rank_says_it_does_not_move(rdv):
+    members = await running(rdv)
+    for m in members:
+        m.boundaries = None
+    state = rdv.jobs["r"]
+    joiner = asyncio.ensure_future(rdv.join("r", 3, None, "10.0.0.9:1", timeout=BOUND,
+                                            elastic=True))
+    await asyncio.sleep(0)
+    members[2].boundaries = False  # a sync-mode DDP
+    elastic.declared(state, rdv.fail)
+    grown = await asyncio.wait_for(joiner, BOUND)
+    assert grown.generation is members[0].generation and grown.rank == 3
+
+
+async def test_a_parked_joiner_times_out_naming_what_the_ranks_did_not_say(rdv):
+    members = await running(rdv)
+    for m in members:
+        m.boundaries = None
+    with pytest.raises(JoinTimeoutError, match="not every rank said how it takes a new rank"):
+        await rdv.join("r", 3, None, "10.0.0.9:1", timeout=0.05, elastic=True)
+    assert not rdv.jobs["r"].parked and members[0].generation.healthy
 
 
 async def test_size_limits_that_differ_from_the_jobs_are_refused_at_join(rdv):
