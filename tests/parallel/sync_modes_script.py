@@ -323,6 +323,7 @@ def main() -> None:
         "rank": rank, "params": params_of(model), "steps": steps, "replacement": pg.replacement,
         "applied": stats.steps_applied if stats else args.steps,
         "dropped": stats.dropped if stats else 0,
+        "live": list(stats.live_ranks) if stats else [],
     }), flush=True)
     pg.close()
 
