@@ -101,10 +101,14 @@ class ElasticSteps:
         self._hooks: list[Callable[[Resized], None]] = []
         #: The last resize this rank moved through, or None.
         self.last: Resized | None = None
-        # Said either way: a joiner past the world size waits until every rank said how the
-        # job takes it (at a boundary, or at once on the hub's step ledger).
-        if callable(getattr(pg, "move_at_boundaries", None)):
-            pg.move_at_boundaries(self.enabled)
+
+    def declare(self) -> None:
+        """Tell the coordinator how this rank's job takes a new rank (at a boundary, or at once
+        on the hub's step ledger), once the wrapper is built: a joiner past the world size
+        waits until every rank said so, so that it never arrives amid a wrapper's first
+        collectives."""
+        if callable(getattr(self.pg, "move_at_boundaries", None)):
+            self.pg.move_at_boundaries(self.enabled)
 
     def start_state(self) -> bool:
         """At construction: take the state from rank 0 if this rank joined at a resize's
