@@ -298,9 +298,9 @@ def test_the_ha_coordinators_elect_a_leader_that_the_ranks_reach_by_name():
     use; every variable one the coordinator reads, every name one that resolves."""
     objects = {(d["kind"], d["metadata"]["name"]): d for _, d in _documents(DEPLOY / "ha")}
     assert sorted(objects) == [
-        ("Service", "gradstar-coordinator-ha"), ("Service", "gradstar-etcd"),
-        ("Service", "gradstar-leader"), ("StatefulSet", "gradstar-coordinator-ha"),
-        ("StatefulSet", "gradstar-etcd")]
+        ("NetworkPolicy", "gradstar-etcd"), ("Service", "gradstar-coordinator-ha"),
+        ("Service", "gradstar-etcd"), ("Service", "gradstar-leader"),
+        ("StatefulSet", "gradstar-coordinator-ha"), ("StatefulSet", "gradstar-etcd")]
     hubs = objects["StatefulSet", "gradstar-coordinator-ha"]
     assert hubs["spec"]["replicas"] == 2 and hubs["spec"]["podManagementPolicy"] == "Parallel"
     container = _container(hubs)
@@ -323,6 +323,10 @@ def test_the_ha_coordinators_elect_a_leader_that_the_ranks_reach_by_name():
     # Ready = leads (a standby is NOT_SERVING): the leader's Service has the ready pod only.
     assert container["readinessProbe"]["grpc"]["service"] in SERVICE_NAMES
     assert container["livenessProbe"]["tcpSocket"] == {"port": _port(container, "grpc")}
+    # etcd takes connections from the coordinators only, on the port they use.
+    (rule,) = objects["NetworkPolicy", "gradstar-etcd"]["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": labels_of(hubs)}}]
+    assert rule["ports"] == [{"port": int(port)}]
     leader = objects["Service", "gradstar-leader"]
     assert leader["spec"]["publishNotReadyAddresses"] is False
     labels = hubs["spec"]["template"]["metadata"]["labels"]
@@ -330,3 +334,7 @@ def test_the_ha_coordinators_elect_a_leader_that_the_ranks_reach_by_name():
         assert service["spec"]["selector"].items() <= labels.items()
         assert {p["targetPort"] for p in service["spec"]["ports"]} <= {
             p["name"] for p in container["ports"]}
+
+
+def labels_of(workload: dict) -> dict:
+    return workload["spec"]["template"]["metadata"]["labels"]
