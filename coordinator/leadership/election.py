@@ -19,7 +19,8 @@ The protocol, every step one etcd call (:mod:`.etcd`):
 4. A standby that creates the key once the lease expired takes over; the ranks rejoin it as
    they rejoin a restarted coordinator (:mod:`gradstar.coordinator.rendezvous.rebuild`),
    carrying the highest term they have seen: a coordinator that sees a higher term than its
-   own in a rejoin learns it was superseded and is fenced too.
+   own in a rejoin refuses it, and is fenced too once etcd confirms that another leads (a
+   rank's word alone never fences it: one job's rank must not stop every job's coordinator).
 
 An orderly stop revokes the lease, so that a standby takes over at once.
 """
@@ -80,6 +81,7 @@ class Leadership:
         self._lease = 0
         self._valid_until = 0.0
         self._task: asyncio.Task | None = None
+        self._checks: set[asyncio.Task] = set()  # _verify tasks (the loop holds them weakly)
 
     async def connect(self) -> None:
         """Take a lease (before anything binds, so that an etcd out of reach is named first).
@@ -130,8 +132,8 @@ class Leadership:
 
         Raises:
             NotLeaderError: it is a standby, or its lease ran out (then it is fenced).
-            StaleCoordinatorError: ``seen`` is newer than its term: another took over
-                (then it is fenced).
+            StaleCoordinatorError: ``seen`` is newer than its term: another took over (it is
+                fenced once etcd confirms it), or the rank is wrong.
         """
         if self.role is Role.LEADER and not self.valid():
             self._fence(f"its lease of {self.ttl} s ran out before it could renew it (this "
@@ -142,12 +144,31 @@ class Leadership:
                 + (f"the leader is at {self.leader} (term {self.term})" if self.leader
                    else "no leader is elected yet"), leader=self.leader, term=self.term)
         if seen > self.term:
-            self._fence(f"a rank has seen term {seen}, newer than its own ({self.term})")
+            # Asked of etcd before it fences itself: a rank's word alone (a bug, or a rank of
+            # one job that lies) must not take the coordinator away from every job.
+            task = asyncio.get_running_loop().create_task(self._verify(seen))
+            self._checks.add(task)
+            task.add_done_callback(self._checks.discard)
             raise StaleCoordinatorError(
-                f"the coordinator at {self.address} led in term {self.term}, but the rank has "
-                f"seen term {seen}: another coordinator took over since; it serves nothing "
-                "any more", term=self.term, seen=seen)
+                f"the coordinator at {self.address} leads in term {self.term}, but the rank has "
+                f"seen term {seen}: another coordinator took over since, or the rank is wrong; "
+                "it does not serve this rank", term=self.term, seen=seen)
         return self.term
+
+    async def _verify(self, seen: int) -> None:
+        """A rank said it saw term ``seen``, newer than this leader's: fenced if etcd names
+        another leader, else the claim was false (and refused)."""
+        try:
+            kv = await self._call(self._etcd.get, self.key)
+        except ElectionUnavailableError as error:
+            log.warning("election: cannot check a rank's term %d against etcd: %s", seen, error)
+            return
+        if kv is None or kv.create_revision != self.term or kv.lease != self._lease:
+            self._fence(f"a rank has seen term {seen}, and etcd no longer names this "
+                        f"coordinator's term {self.term} as the leader's")
+        else:
+            log.warning("election: a rank claimed term %d, which this election never had "
+                        "(the leader's is %d); it was refused", seen, self.term)
 
     def guard(self) -> None:
         """:meth:`check` for a write to the shared ``--state-dir``: a coordinator that does not

@@ -207,10 +207,20 @@ async def test_a_leader_fences_itself_on_an_expired_lease_or_a_newer_term(tmp_pa
             with pytest.raises(errors.NotLeaderError, match=r"fenced .*lease of 2 s ran out"):
                 first.guard()  # a write to the state directory, say
             assert first.role is Role.FENCED and len(fenced) == 1
+            # A term newer than the leader's own, that etcd does not know: refused, not obeyed.
             with pytest.raises(errors.StaleCoordinatorError) as stale:
-                second.check(seen=second.term + 1)
-            assert (stale.value.term, stale.value.seen) == (second.term, second.term + 1)
-            assert second.role is Role.FENCED
+                second.check(seen=second.term + 1000)
+            assert (stale.value.term, stale.value.seen) == (second.term, second.term + 1000)
+            await asyncio.gather(*second._checks)
+            assert second.role is Role.LEADER and second.check() == second.term
+            # The first one, revived as a leader of its old term, is shown the newer one: etcd
+            # names another leader, so it fences itself.
+            first.role, first._valid_until = Role.LEADER, loop.time() + 60
+            first.fenced_because = ""
+            with pytest.raises(errors.StaleCoordinatorError):
+                first.check(seen=second.term)
+            await asyncio.gather(*first._checks)
+            assert first.role is Role.FENCED and "etcd no longer names" in first.fenced_because
         finally:
             await first.stop()
             await second.stop()
