@@ -128,12 +128,18 @@ async def _join_leader(session: Session, settings: ClientSettings, join) -> None
     deadline = time.monotonic() + settings.connect_timeout
     answers: dict[str, str] = {}
     while (left := deadline - time.monotonic()) > 0:
+        connected = False
         try:
             await wait_connected(session.channel, session.target, min(left, REACH_S), *tls)
+            connected = True
             await join()
             return
         except (CoordinatorUnavailableError, LeadershipError) as error:
             answers[session.target] = f"{type(error).__name__}: {error}"
+            if connected and isinstance(error, CoordinatorUnavailableError):
+                # The leader took the join and went away while it waited for the other ranks:
+                # the next leader gets a whole connect_timeout from now.
+                deadline = time.monotonic() + settings.connect_timeout
             following = coordinators.after(session.target, getattr(error, "leader", ""))
             if following == coordinators.addresses[0]:
                 await asyncio.sleep(RETRY_PAUSE)  # each one tried: a new leader takes time

@@ -305,3 +305,30 @@ async def test_a_leader_cut_off_from_etcd_stops_leading_within_its_lease(tmp_pat
     finally:
         await asyncio.to_thread(stop_etcd, proc)
         await lead.stop()
+
+
+async def test_a_join_waiting_on_a_leader_that_dies_goes_to_the_next(tmp_path):
+    """A rank whose join the leader took (waiting for the job's other rank) when the leader
+    was killed joins the next leader, however long it had waited: connect_timeout counts
+    from the loss, not from the first try."""
+    import gradstar
+
+    async with coordinators(tmp_path) as (_, [(old, leader), (new, standby)]):
+        def join(rank: int):
+            return asyncio.ensure_future(gradstar.init_process_group_async(
+                coordinator=f"{leader},{standby}", job="early", world_size=2, rank=rank,
+                connect_timeout=5, join_timeout=60, timeout=20))
+
+        early = join(0)
+        await asyncio.sleep(6)  # past connect_timeout, its join held by the leader
+        assert not early.done()
+        old.kill()
+        await old.wait()
+        await asyncio.wait_for(next_line(new, "gradstar coordinator listening on "), TTL + 10)
+        groups = await asyncio.wait_for(asyncio.gather(early, join(1)), 30)
+        try:
+            assert all(g.settings.coordinator == standby for g in groups)
+            assert [float(r[0]) for r in await asyncio.gather(
+                *(g.all_reduce(np.ones(2, np.float32)) for g in groups))] == [2.0, 2.0]
+        finally:
+            await close_all(groups)
