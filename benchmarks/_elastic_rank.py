@@ -29,6 +29,10 @@ from torch import nn  # noqa: E402
 import gradstar  # noqa: E402
 
 BATCH = 32
+#: A replica's batch: it trains alone between rounds, so it takes the batch a DDP step of 4
+#: ranks takes (with 32, this model stalls on the spirals' plateau in some runs, replicated or
+#: not: measured in one process, DiLoCo's rounds by hand).
+REPLICA_BATCH = 128
 
 
 def spirals(n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,8 +100,8 @@ def make() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.Adam(model.parameters(), lr=0.03)
 
 
-def train_step(wrapped, opt, step: int, args) -> None:
-    x, y = spirals(BATCH, torch.Generator().manual_seed(7919 * step + args.ident))
+def train_step(wrapped, opt, step: int, args, batch: int = BATCH) -> None:
+    x, y = spirals(batch, torch.Generator().manual_seed(7919 * step + args.ident))
     loss = nn.functional.cross_entropy(wrapped(x), y)
     opt.zero_grad()
     loss.backward()
@@ -129,7 +133,7 @@ def diloco(args) -> int:
                 sdl.leave()
                 left = True
                 break
-            train_step(model, opt, step, args)
+            train_step(model, opt, step, args, REPLICA_BATCH)
             sdl.step()
         if not left:
             sdl.finish()
