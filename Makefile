@@ -14,7 +14,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 EXTRAS := $(if $(filter none,$(TORCH)),,[dev,torch,plot])
 
 .PHONY: setup demo test lint protos protos-check wheel-check bench compose-check clean \
-	need-torch FORCE chromium nftables gcc torch-suite test-cuda docs
+	need-torch FORCE chromium nftables gcc etcd torch-suite test-cuda docs
 
 $(STAMP): pyproject.toml constraints.txt $(TORCH_FILE)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -47,7 +47,7 @@ compose-check:
 	bash scripts/check_compose.sh
 
 ## The test suite (unit + integration with real servers and processes).
-test: need-torch $(STAMP) chromium nftables gcc
+test: need-torch $(STAMP) chromium nftables gcc etcd
 	$(PY) scripts/crash_report.py -- $(PY) -m pytest -q
 
 ## The CUDA tests alone (tests/cuda/), on a machine with a GPU: `make TORCH=cuda test-cuda`.
@@ -71,6 +71,12 @@ nftables:
 ## cluster with a round trip fails saying the same.
 gcc:
 	-@bash scripts/ensure_package.sh gcc "gcc libc6-dev" "the emulated cluster's delay line"
+
+## etcd for the --ha coordinator tests (a real etcd on 127.0.0.1, tests/integration/conftest.py's
+## etcd_server): Debian's etcd-server, installed with apt-get as root when missing; elsewhere a
+## one-line hint, and those tests fail saying so.
+etcd:
+	-@bash scripts/ensure_package.sh etcd etcd-server "the --ha coordinator tests"
 
 lint: need-torch $(STAMP)
 	$(VENV)/bin/ruff check .

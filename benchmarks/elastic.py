@@ -1,6 +1,7 @@
 """A job that grows 4 -> 6 ranks and shrinks 6 -> 3 while it trains, in Synchronous DDP (the
-job resized at step boundaries) and in Quorum (grown on the hub's step ledger), against the
-same job at a fixed 4 ranks.
+job resized at step boundaries), in Quorum (grown on the hub's step ledger) and in Streaming
+DiLoCo (replicas that join from the hub's global model and leave), against the same job at a
+fixed 4 ranks.
 
 What is measured
     A ``gradstar coordinator`` subprocess and 4 rank processes (``_elastic_rank.py``: an MLP on
@@ -140,8 +141,9 @@ def run(mode: str, elastic: bool, args) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", nargs="+", default=["synchronous", "quorum"],
-                        choices=("synchronous", "quorum"))
+    parser.add_argument("--modes", nargs="+",
+                        default=["synchronous", "quorum", "streaming-diloco"],
+                        choices=("synchronous", "quorum", "streaming-diloco"))
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--grow-at", type=int, default=40)

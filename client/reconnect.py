@@ -32,9 +32,12 @@ from gradstar.errors import (
     CoordinatorUnavailableError,
     GradstarError,
     JoinTimeoutError,
+    LeadershipError,
     ProtocolError,
 )
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
+
+from .coordinators import REACH_S, Coordinators
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +60,21 @@ class Rejoinable(Protocol):
     """What a :class:`Ride` needs of its session (:class:`gradstar.client.session.Session`)."""
 
     joined: rpb.Joined | None
+    coordinators: Coordinators
+    target: str
+
+    def use(self, address: str) -> None: ...
 
     @property
     def failure(self) -> GradstarError | None: ...
 
     async def wait_failed(self) -> GradstarError: ...
 
-    async def wait_ready(self, timeout: float) -> None: ...
+    async def wait_ready(self, timeout: float, *, fail_fast: bool = False) -> None: ...
 
     async def rejoin(self, claim: rpb.Rejoin, timeout: float) -> rpb.Joined: ...
+
+    def abandon(self, error: GradstarError) -> None: ...
 
 
 class Ride:
@@ -127,15 +136,19 @@ class Ride:
             await first_of(s.wait_failed(), self._gone.wait(), timeout=grace)
         return s.failure or (self.away_error() if self.away else None)
 
-    async def until_back(self, epoch: int) -> bool:
-        """Whether a collective that began at rejoin ``epoch`` and failed is to be issued
-        again: after waiting while the coordinator is away, True once the session rejoined
-        since; False when it never went away (the failure is the collective's own).
+    async def until_back(self, epoch: int, error: GradstarError | None = None) -> bool:
+        """Whether a collective that began at rejoin ``epoch`` and failed (with ``error``) is
+        to be issued again: after waiting while the coordinator is away, True once the session
+        rejoined since; False when it never went away (the failure is the collective's own).
+        A coordinator that refused it because it no longer leads (LeadershipError) is left
+        as one that went away.
 
         Raises:
             GradstarError: the session's failure, when the ride ended in one.
         """
         s = self._session
+        if isinstance(error, LeadershipError) and not self.away and self.epoch == epoch:
+            s.abandon(error)
         if not self.away and self.epoch == epoch:
             return False
         await first_of(self._back.wait(), s.wait_failed())
@@ -147,16 +160,33 @@ class Ride:
         s = self._session
         deadline = self.away_since + self.timeout
         last: GradstarError = self._why
+        several = s.coordinators.several
+        address, leader = s.target, ""
         while (remaining := deadline - time.monotonic()) > 0:
+            if several:  # the next coordinator that may lead (--ha), or the leader named
+                address = s.coordinators.after(address, leader)
+                s.use(address)
+                self.target, leader = address, ""
             try:
-                await s.wait_ready(remaining)
+                if several:
+                    await s.wait_ready(min(remaining, REACH_S), fail_fast=True)
+                else:
+                    await s.wait_ready(remaining)
                 claim = self.claim()
                 claim.away_seconds = time.monotonic() - self.away_since
+                claim.term = s.coordinators.term
                 joined = await s.rejoin(claim, max(remaining, 1.0))
             except TimeoutError:
+                if several:  # not listening, or stopped: the next one
+                    await asyncio.sleep(RETRY_PAUSE)
+                    continue
                 break
             except (CoordinatorUnavailableError, ProtocolError) as error:
                 last = error  # not listening again yet, or gone again during the rejoin
+                await asyncio.sleep(RETRY_PAUSE)
+                continue
+            except LeadershipError as error:  # a standby, or a leader superseded
+                last, leader = error, getattr(error, "leader", "")
                 await asyncio.sleep(RETRY_PAUSE)
                 continue
             except JoinTimeoutError as error:
@@ -167,8 +197,10 @@ class Ride:
                 return
             self._rejoined(joined)
             return
+        where = (f"the coordinators at {', '.join(s.coordinators.addresses)}" if several
+                 else f"the coordinator at {self.target}")
         self._lost(CoordinatorLostError(
-            f"the coordinator at {self.target} went away and did not take rank "
+            f"{where} went away and did not take rank "
             f"{s.joined.rank} of job {s.joined.job!r} back within reconnect_timeout "
             f"({self.timeout:g} s): {last}"))
 

@@ -15,6 +15,7 @@ from gradstar.errors import (
     ProtocolError,
     RankFinishedError,
     RankLostError,
+    StaleCoordinatorError,
     error_from_wire,
 )
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
@@ -22,6 +23,7 @@ from gradstar.proto.v1 import rendezvous_pb2_grpc
 from gradstar.transport import shm
 from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
 
+from .coordinators import Coordinators
 from .reconnect import Ride
 from .stragglers import StragglerLog
 
@@ -42,12 +44,12 @@ STALL_MEMORY_S = 60.0
 class Session:
     """Holds the session stream open; ``failure`` is set once the generation is over."""
 
-    def __init__(self, channel: grpc.aio.Channel, metadata, target: str,
+    def __init__(self, coordinators: Coordinators, metadata,
                  reconnect_timeout: float = 0.0) -> None:
-        self._channel = channel
-        self._stub = rendezvous_pb2_grpc.RendezvousStub(channel)
+        #: Where the coordinator may be (several under --ha), the highest term seen.
+        self.coordinators = coordinators
         self._metadata = metadata
-        self._target = target
+        self.use(coordinators.current)
         #: The group's straggler log line (:mod:`.stragglers`), which collectives feed.
         self.stragglers: StragglerLog | None = None
         #: Where this rank is in its job's step boundaries (a resize's ResizePending and
@@ -70,10 +72,21 @@ class Session:
         self._stall: tuple[float, float] = (0.0, 0.0)
         #: Riding through a coordinator restart (:mod:`.reconnect`; None: timeout 0, off).
         # A refused rejoin after this process was stopped: the hub gave up on it (_stalled).
-        self.ride = (Ride(self, reconnect_timeout, target, lost=self._fail,
+        self.ride = (Ride(self, reconnect_timeout, self._target, lost=self._fail,
                           refused=lambda e: self._fail(self._stalled() or e))
                      if reconnect_timeout > 0 else None)
         self._request: rpb.JoinRequest | None = None
+
+    def use(self, address: str) -> None:
+        """Talk to the coordinator at ``address`` (one of :attr:`coordinators`) from now on."""
+        self._target = address
+        self.channel = self.coordinators.channel(address)
+        self._stub = rendezvous_pb2_grpc.RendezvousStub(self.channel)
+
+    @property
+    def target(self) -> str:
+        """The address of the coordinator this session talks to."""
+        return self._target
 
     @property
     def failure(self) -> GradstarError | None:
@@ -190,6 +203,11 @@ class Session:
             ) from None
         if event is grpc.aio.EOF or event.WhichOneof("kind") != "joined":
             raise ProtocolError("the coordinator ended the session without a join answer")
+        try:
+            self.coordinators.accept(event.joined, self._target)
+        except StaleCoordinatorError:
+            self._call.cancel()
+            raise
         self.joined = event.joined
         if self.membership is not None:  # before any resize notice can be read
             self.membership.joined(event.joined)
@@ -199,10 +217,20 @@ class Session:
         )
         return event.joined
 
-    async def wait_ready(self, timeout: float) -> None:
+    async def wait_ready(self, timeout: float, *, fail_fast: bool = False) -> None:
         """Wait until the session's channel is connected (its coordinator listens), for at most
-        ``timeout`` seconds (TimeoutError past it)."""
-        await asyncio.wait_for(self._channel.channel_ready(), timeout)
+        ``timeout`` seconds (TimeoutError past it); with ``fail_fast``, TimeoutError also as
+        soon as a connection attempt failed (nothing listens there: with several coordinators,
+        the next one is tried instead of waiting out the channel's back-off)."""
+        if not fail_fast:
+            await asyncio.wait_for(self.channel.channel_ready(), timeout)
+            return
+        ready, failed = grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE
+        async with asyncio.timeout(timeout):
+            while (state := self.channel.get_state(try_to_connect=True)) is not ready:
+                if state is failed:
+                    raise TimeoutError
+                await self.channel.wait_for_state_change(state)
 
     def send(self, request: rpb.SessionRequest) -> None:
         """Queue ``request`` on the session stream (call it on the session's loop)."""
@@ -227,10 +255,11 @@ class Session:
                 heartbeat=rpb.Heartbeat(sent_unix_ms=int(time.time() * 1000))))
 
     async def _watch(self) -> None:
+        call = self._call  # a later stream (a rejoin) is watched by a watcher of its own
         try:
             # read() rather than iteration: the join already used read() on this call, and
             # grpc.aio forbids mixing the two styles on one RPC.
-            while (event := await self._call.read()) is not grpc.aio.EOF:
+            while (event := await call.read()) is not grpc.aio.EOF:
                 if event.WhichOneof("kind") == "finished":
                     f = event.finished
                     self._finished[f.rank] = RankFinishedError(
@@ -245,7 +274,7 @@ class Session:
                                else RankLostError(f.reason, rank=f.lost_rank,
                                                   generation=f.generation))
         except grpc.RpcError as error:
-            if not self._closing:
+            if not self._closing and self._call is call:
                 # The hub's own verdict ends the session; a transport failure (ping timeout, a
                 # reset, grpc-python's INTERNAL) is a broken stream (_broke).
                 failure = error_from_rpc(error, "the rendezvous session", self._target)
@@ -253,10 +282,19 @@ class Session:
                     self._fail(failure)
                 self._broke(failure)
             return
-        if not self._closing:
+        if not self._closing and self._call is call:
             self._broke(CoordinatorUnavailableError(
                 f"the coordinator at {self._target} closed this rank's session"
             ))
+
+    def abandon(self, error: GradstarError) -> None:
+        """Leave a coordinator that said it no longer leads (a collective refused with
+        LeadershipError) as if its stream had broken: a session that rides through restarts
+        looks for the leader; any other fails with ``error``."""
+        if self._call is not None and not self._closing:
+            call = self._call
+            self._broke(error)
+            call.cancel()
 
     def _broke(self, error: GradstarError) -> None:
         """The session stream broke without the hub's verdict: the coordinator went away,
@@ -314,3 +352,4 @@ class Session:
         # was closed): kept here, a closed group held a connection, and the coordinator its
         # descriptor, for as long as the group object lived.
         self._call = None
+        await self.coordinators.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from functools import partial
 
 import grpc
@@ -33,6 +34,7 @@ from gradstar.transport.job_tokens import load_job_secret
 from gradstar.transport.serve import serve
 
 from .collective import CollectiveEngine, CollectiveServicer
+from .leadership import Etcd, Leadership, endpoints_of
 from .metrics import render_async
 from .rendezvous import Rendezvous, RendezvousServicer
 from .rendezvous.relay import RelayServicer
@@ -40,6 +42,7 @@ from .rounds import AveragingStore, RoundsServicer, RoundsTable
 from .shards import LocalShards, ShardControlServicer, ShardRegistry
 from .steps import SnapshotStore, StepsServicer, StepsTable
 from .views import AdminServicer, CoordinatorStatus, status_routes
+from .views.leadership import leadership_json, leadership_metrics, leadership_reply
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +86,11 @@ class Coordinator:
         self._local_shards: LocalShards | None = None
         self._serving = False
         self._health_updates: set[asyncio.Task] = set()
+        #: The election under ``--ha`` (None without it: this coordinator always leads);
+        #: ``elected`` is set once it leads, ``fenced`` once it lost the lead for good.
+        self.leadership: Leadership | None = None
+        self.elected = asyncio.Event()
+        self.fenced = asyncio.Event()
 
     @property
     def address(self) -> str:
@@ -118,6 +126,15 @@ class Coordinator:
         s = self.settings
         s.check_protected()
         tune_allocator()
+        if s.ha is None:
+            self.elected.set()
+        else:
+            # An etcd that cannot be reached is named here, before anything binds.
+            endpoints, prefix = endpoints_of(s.ha)
+            self.leadership = Leadership(Etcd(endpoints), prefix, "", s.ha_ttl,
+                                         on_elected=self._on_elected,
+                                         on_fenced=self._on_fenced)
+            await self.leadership.connect()
         self.averaging = AveragingStore(s.state_dir)
         # Rounds keep fragments in a store of their own, so their names never meet the
         # collectives' global models (and their files sit in a folder of their own).
@@ -145,9 +162,14 @@ class Coordinator:
         self.rendezvous.max_jobs = s.max_jobs
         expected = s.shards if s.expected_shards is None else s.expected_shards
         self.shards = ShardRegistry(self.rendezvous, expected, on_health=self._shards_health)
+        if self.leadership is not None:  # a coordinator that does not lead writes nothing
+            self.averaging.guard = self.rounds.store.guard = self.leadership.guard
+            if store is not None:
+                store.guard = self.leadership.guard
         self.status = CoordinatorStatus(self.rendezvous, self.shards,
                                         serving=lambda: self._serving and self.shards.healthy,
                                         rounds=self.rounds, steps=self.steps)
+        self.status.leadership = lambda: leadership_json(self.leadership_view())
         self.engine = CollectiveEngine.from_settings(
             self.rendezvous, s, averaging=self.averaging, metrics=self.status.metrics)
         token = s.token.get_secret_value() if s.token else None
@@ -178,6 +200,7 @@ class Coordinator:
             credentials=creds, bulk=True, stream_window_bytes=s.stream_window_bytes,
             job_secret=job_secret)
         rounds.bulk_address = f":{self.collective_port}"
+        rounds.leads = self.leads
         self._health = health.aio.HealthServicer()
         # grpc's servicer answers SERVING for "" until told otherwise: not before the shards.
         await self._set_health(False)
@@ -185,13 +208,14 @@ class Coordinator:
             partial(rendezvous_pb2_grpc.add_RendezvousServicer_to_server, RendezvousServicer(
                 self.rendezvous, s.heartbeat_interval, s.max_collective_timeout,
                 collectives=f":{self.collective_port}",
-                outbound_hosts=lambda job: self.shards.outbound_hosts(job))),
+                outbound_hosts=lambda job: self.shards.outbound_hosts(job),
+                leads=self.leads)),
             # Still served here too: a rank of an earlier version sends its collectives here.
             self.collectives.handler(),
             partial(rounds_pb2_grpc.add_RoundsServicer_to_server, rounds),
             partial(admin_pb2_grpc.add_AdminServicer_to_server, AdminServicer(
                 self.rendezvous, self.averaging, self.drain, self.shards, self.rounds,
-                self.engine.metrics, self.steps)),
+                self.engine.metrics, self.steps, leadership=self.leadership_view)),
             partial(shard_pb2_grpc.add_ShardControlServicer_to_server,
                     ShardControlServicer(self.shards)),
             partial(health_pb2_grpc.add_HealthServicer_to_server, self._health),
@@ -210,6 +234,8 @@ class Coordinator:
         await bulk.start()
         await server.start()
         self._server, self.port, self._bulk_server = server, port, bulk
+        if self.leadership is not None:
+            await self.leadership.start(s.ha_advertise or self.advertised)
         self._sweeper = asyncio.create_task(self._sweep(), name="gradstar-heartbeat-sweep")
         if s.shards:
             self._local_shards = LocalShards(s, port, s.shards)
@@ -240,9 +266,47 @@ class Coordinator:
                  s.host, self.port, self._tls, bool(s.token), s.job_secret_file is not None,
                  len(self.shards.up))
 
-    @staticmethod
-    async def _admit(header) -> None:
-        """The coordinator carries whole collectives only: stripes go to hub shards."""
+    @property
+    def advertised(self) -> str:
+        """Where ranks reach this coordinator, as the election publishes it: its host and
+        port, with a wildcard host replaced by this host's name."""
+        host = self.settings.host
+        return f"{socket.gethostname() if host in ('0.0.0.0', '::', '') else host}:{self.port}"
+
+    def leads(self, seen: int = 0) -> int:
+        """This coordinator's leadership term (0 without ``--ha``), if it may serve a job's
+        call from a rank that has seen term ``seen``.
+
+        Raises:
+            NotLeaderError, StaleCoordinatorError: (under ``--ha``) it does not lead.
+        """
+        return 0 if self.leadership is None else self.leadership.check(seen)
+
+    def leadership_view(self):
+        """Who leads (Admin.GetLeadership's reply; :mod:`.views.leadership`)."""
+        return leadership_reply(self.leadership, self.address, self.rendezvous.jobs)
+
+    def _on_elected(self) -> None:
+        self.elected.set()
+        if self.shards is not None:  # else it was elected as it started: health follows
+            self._shards_health(self.shards.healthy)
+
+    def _on_fenced(self, reason: str) -> None:
+        """The lead is lost for good: no joins, health NOT_SERVING, and both servers stopped
+        at once, without a verdict on any call, so that the ranks still connected ride
+        through to the new leader; ``fenced`` tells the command to exit."""
+        self.rendezvous.draining = True
+        self._serving = False
+        self._shards_health(False)
+        for server in (self._server, self._bulk_server):
+            if server is not None:
+                self._keep(server.stop(0))
+        self.fenced.set()
+
+    async def _admit(self, header) -> None:
+        """The coordinator carries whole collectives only (stripes go to hub shards), and only
+        while it leads."""
+        self.leads()
         if header.stripes > 1:
             raise InvalidCollectiveError(
                 f"rank {header.rank} sent stripe {header.stripe} of {header.stripes} of "
@@ -260,15 +324,19 @@ class Coordinator:
         self.shards.on_over(gen, error)
 
     def _shards_health(self, healthy: bool) -> None:
-        if self._serving and not self.rendezvous.draining:
-            # The loop holds tasks only weakly: keep this one until it has run.
-            task = asyncio.get_running_loop().create_task(self._set_health(healthy))
-            self._health_updates.add(task)
-            task.add_done_callback(self._health_updates.discard)
+        if (self._serving and not self.rendezvous.draining) or self.fenced.is_set():
+            self._keep(self._set_health(healthy))
+
+    def _keep(self, coroutine) -> None:
+        # The loop holds tasks only weakly: keep this one until it has run.
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._health_updates.add(task)
+        task.add_done_callback(self._health_updates.discard)
 
     async def _set_health(self, serving: bool) -> None:
         """SERVING only while not draining and every expected shard is up."""
-        ok = serving and not self.rendezvous.draining and self.shards.healthy
+        ok = (serving and not self.rendezvous.draining and self.shards.healthy
+              and (self.leadership is None or self.leadership.valid()))
         status = (health_pb2.HealthCheckResponse.SERVING if ok
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in ("", *SERVICE_NAMES):
@@ -302,6 +370,7 @@ class Coordinator:
         text = await render_async(self.rendezvous, self.engine.metrics, self.averaging,
                                   shards=self.shards, max_bytes=self.settings.metrics_max_bytes,
                                   rounds=self.rounds, steps=self.steps)
+        text += leadership_metrics(self.leadership_view())
         return 200, "text/plain; version=0.0.4; charset=utf-8", text.encode()
 
     async def drain(self) -> None:
@@ -315,6 +384,8 @@ class Coordinator:
         if self._server is None:
             return
         await self.drain()
+        if self.leadership is not None:  # revoked: a standby takes over at once
+            await self.leadership.stop()
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -3,8 +3,8 @@
 # Nothing to do if COMMAND is on PATH; as root on Debian/Ubuntu, install PACKAGES with apt-get
 # (trying without `apt-get update` first: the lists are often fresh enough). Anywhere else say
 # how to install it and exit 1; the tests that need it then fail saying the same (never skip).
-# Used by the Makefile for gcc (the emulated cluster's delay line, compiled on first use) and
-# nftables (its outbound-only hosts).
+# Used by the Makefile for gcc (the emulated cluster's delay line, compiled on first use),
+# nftables (its outbound-only hosts) and etcd (the --ha coordinator tests).
 set -euo pipefail
 
 command_name=$1 packages=$2 why=$3

@@ -150,8 +150,14 @@ class Reissue:
                 began = ride.epoch
                 try:
                     result = await held.attempt(held.send, out)
-                except GradstarError:
-                    if not await ride.until_back(began):
+                except GradstarError as error:
+                    if not await ride.until_back(began, error):
+                        raise
+                    continue
+                except asyncio.CancelledError:
+                    # Not this task's cancellation but its call's: a rejoin closed the data
+                    # plane it ran on (the coordinator it reached had stopped answering).
+                    if asyncio.current_task().cancelling() or ride.epoch == began:
                         raise
                     continue
                 self.completed(held)

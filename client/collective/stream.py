@@ -189,7 +189,12 @@ async def _abandon(target: Target, header: pb.CollectiveHeader, metadata) -> Non
     async def header_only():
         yield encode_message(KIND_HEADER, header)
 
-    call = target.stream(header_only(), metadata=metadata, timeout=ABANDON_TIMEOUT)
+    try:
+        call = target.stream(header_only(), metadata=metadata, timeout=ABANDON_TIMEOUT)
+    except Exception as error:  # its channel was closed (a rejoin replaced the data plane)
+        log.debug("collective seq %d: %s is no longer open to tell it was cancelled (%s)",
+                  header.seq, target.address, type(error).__name__)
+        return
     try:
         await call.read()  # the hub's ERROR frame: the collective has failed
     except Exception as error:  # best effort: the group may be closing under it

@@ -94,19 +94,23 @@ class ElasticSteps:
 
     def __init__(self, pg: CollectiveGroup, state: JoinState, synchronous: bool) -> None:
         self.pg, self.state = pg, state
-        elastic = isinstance(pg, ElasticGroup)  # a group that can move at boundaries
         #: Whether this wrapper crosses boundaries: a Synchronous DDP (or LocalSGD) over a
-        #: blocking process group (the sync modes grow on the hub's step ledger instead).
-        self.enabled = synchronous and elastic
+        #: blocking process group that can move at boundaries (an ElasticGroup; the sync modes
+        #: grow on the hub's step ledger instead).
+        self.enabled = synchronous and isinstance(pg, ElasticGroup)
         self._crossed = False
         self._leaving = False
         self._hooks: list[Callable[[Resized], None]] = []
         #: The last resize this rank moved through, or None.
         self.last: Resized | None = None
-        # Said either way: a joiner past the world size waits until every rank said how the
-        # job takes it (at a boundary, or at once on the hub's step ledger).
-        if elastic:
-            pg.move_at_boundaries(self.enabled)
+
+    def declare(self) -> None:
+        """Tell the coordinator how this rank's job takes a new rank (at a boundary, or at once
+        on the hub's step ledger), once the wrapper is built: a joiner past the world size
+        waits until every rank said so, so that it never arrives amid a wrapper's first
+        collectives."""
+        if isinstance(self.pg, ElasticGroup):
+            self.pg.move_at_boundaries(self.enabled)
 
     def start_state(self) -> bool:
         """At construction: take the state from rank 0 if this rank joined at a resize's

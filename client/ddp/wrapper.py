@@ -222,6 +222,7 @@ class DistributedDataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(_make_hook(me, i))
             for i, p in enumerate(self._params)
         ]
+        self.elastic.declare()
 
     # -- the nn.Module surface -----------------------------------------------------------------
 

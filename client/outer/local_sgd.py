@@ -109,6 +109,7 @@ class LocalSGD:
             start = pg.broadcast(self._flatten(), src=0)
             self._anchor = pg.sync_global_model(start, model=model_name, rule="seed")
             self._load(self._anchor)
+        self.elastic.declare()
 
     def step(self) -> bool:
         """Count one optimizer step; synchronise on every ``sync_every``-th. True if it did.

@@ -20,6 +20,8 @@ import numpy as np
 from gradstar.config import ClientSettings
 from gradstar.errors import (
     CoordinatorUnavailableError,
+    GradstarError,
+    LeadershipError,
     ProtocolError,
     RoundTimeoutError,
 )
@@ -31,6 +33,7 @@ from gradstar.wire.chunks import split_parts
 from gradstar.wire.formats import WireFormat, encode
 
 from ..collective.data_plane import resolve
+from ..coordinators import Coordinators
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +69,14 @@ class RoundsClient:
     """
 
     def __init__(self, settings: ClientSettings, replica: str) -> None:
-        self.settings = settings
+        #: Where the coordinator may be (several under --ha: the replica follows the leader).
+        self._coordinators = Coordinators(settings, bulk=True)
+        self.settings = settings.model_copy(update={"coordinator": self._coordinators.current})
         self.job = settings.job
         self.replica = replica
-        self._channel = open_channel(settings, bulk=True)
-        self._stub = rounds_pb2_grpc.RoundsStub(self._channel)
+        self._stub = rounds_pb2_grpc.RoundsStub(
+            self._coordinators.channel(self._coordinators.current))
+        self._bulk_channels: list[grpc.aio.Channel] = []
         # Contribute and Fetch go to the coordinator's collective port once a Seed reply names
         # it (connections there tolerate full links); back to this one if it goes away (a
         # restarted coordinator may have another).
@@ -94,6 +100,7 @@ class RoundsClient:
         if reply.bulk_address and self._bulk_channel is None:
             target = resolve(reply.bulk_address, self.settings.coordinator)
             self._bulk_channel = open_channel(self.settings, target, bulk=True)
+            self._bulk_channels.append(self._bulk_channel)
             self._data = rounds_pb2_grpc.RoundsStub(self._bulk_channel)
         return reply.rounds
 
@@ -216,6 +223,7 @@ class RoundsClient:
         until = time.monotonic() + timeout
         while True:
             left = until - time.monotonic()
+            address = self.settings.coordinator
             try:
                 return await call(max(left, 0.001))
             except grpc.RpcError as rpc:
@@ -225,11 +233,25 @@ class RoundsClient:
                         f"Timed out: {what} got no answer from {self.settings.coordinator} "
                         f"within {timeout:g} s") from None
                 error = error_from_rpc(rpc, what, self.settings.coordinator)
-                if not isinstance(error, CoordinatorUnavailableError) or left <= RETRY_PAUSE:
+                gone = isinstance(error, CoordinatorUnavailableError | LeadershipError)
+                if not gone or left <= RETRY_PAUSE:
                     raise error from None
                 log.warning("%s; retrying", error)
-                self._data = self._stub  # the collective port may be gone with its coordinator
+                if address == self.settings.coordinator:  # not moved on by another call yet
+                    self._follow(error)
             await asyncio.sleep(RETRY_PAUSE)
+
+    def _follow(self, error: GradstarError) -> None:
+        """The coordinator went away or does not lead: the calls go to its control port again
+        (the collective port may be gone with it) and, with several coordinators (--ha), to
+        the next one that may lead, or the leader it named."""
+        self._data, self._bulk_channel = self._stub, None
+        coordinators = self._coordinators
+        if coordinators.several:
+            address = coordinators.after(self.settings.coordinator,
+                                         getattr(error, "leader", ""))
+            self.settings = self.settings.model_copy(update={"coordinator": address})
+            self._stub = self._data = rounds_pb2_grpc.RoundsStub(coordinators.channel(address))
 
     async def leave(self, timeout: float) -> None:
         """Leave the job's rounds for good: the hub's open and later rounds stop waiting for
@@ -239,9 +261,8 @@ class RoundsClient:
                              "leaving the rounds", timeout)
 
     async def close(self) -> None:
-        if self._bulk_channel is not None:
-            await self._bulk_channel.close()
-        await self._channel.close()
+        await asyncio.gather(*(c.close() for c in self._bulk_channels))
+        await self._coordinators.close()
 
 
 async def _parts(header: pb.TensorHeader, values: np.ndarray | bytes):

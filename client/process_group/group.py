@@ -515,6 +515,9 @@ class AsyncProcessGroup:
         """The session rejoined: a new data plane (and direct lane) for the coordinator that
         answered, and the collectives it names issued again."""
         self.joined = joined
+        # The coordinator that took the rank back may be another (under --ha, the new leader).
+        self.settings = self.settings.model_copy(update={"coordinator": self._session.target})
+        self._channel = self._session.channel
         old, self._plane = self._plane, DataPlane(self.settings, list(joined.shards),
                                                   joined.collectives)
         self.shards = self._plane.addresses

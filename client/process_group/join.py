@@ -7,15 +7,24 @@ two-level all_reduce (:mod:`gradstar.client.hierarchy`).
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import time
 
 from gradstar.allocator import tune_allocator
 from gradstar.config import ClientSettings
-from gradstar.errors import ConfigurationError, GradstarError
-from gradstar.transport.channels import call_metadata, open_channel
+from gradstar.errors import (
+    ConfigurationError,
+    CoordinatorUnavailableError,
+    GradstarError,
+    LeadershipError,
+)
+from gradstar.transport.channels import call_metadata
 from gradstar.transport.tls_check import wait_connected
 
+from ..coordinators import REACH_S, Coordinators
 from ..peer import PeerEndpoint
+from ..reconnect import RETRY_PAUSE
 from ..session import Session
 from .group import AsyncProcessGroup
 from .membership import Membership
@@ -71,28 +80,27 @@ async def open_group(settings: ClientSettings, peer_address: str = "", *,
     :mod:`gradstar.client.hierarchy`). What fails on the way is closed again.
     ``moving_from`` (``MovingFrom``): join the job's next generation at a resize's boundary;
     ``membership``: this rank's :class:`~.membership.Membership`, told of the generation."""
-    channel = open_channel(settings)
+    coordinators = Coordinators(settings)
+    # One address from here on (the first until the join finds the leader, under --ha).
+    settings = settings.model_copy(update={"coordinator": coordinators.current})
     peer_endpoint = PeerEndpoint(settings, call_metadata(settings)) if peers else None
+    session = Session(coordinators, call_metadata(settings), settings.reconnect_timeout)
     try:
         if peer_endpoint is not None:
             peer_address = await peer_endpoint.start(peer_address)
-        await wait_connected(channel, settings.coordinator, settings.connect_timeout,
-                             settings.tls_ca, settings.tls_cert, settings.tls_key)
-        session = Session(channel, call_metadata(settings), settings.coordinator,
-                          settings.reconnect_timeout)
         session.membership = membership  # told of the generation as the join answers
-        await session.join(settings.job, settings.world_size, settings.rank,
-                           peer_address, settings.join_timeout, settings.elastic,
-                           outbound_only=settings.outbound_only,
-                           max_world_size=settings.max_world_size or 0,
-                           min_world_size=settings.min_world_size or 0,
-                           moving_from=moving_from)
+        await _join_leader(session, settings, functools.partial(
+            session.join, settings.job, settings.world_size, settings.rank, peer_address,
+            settings.join_timeout, settings.elastic, outbound_only=settings.outbound_only,
+            max_world_size=settings.max_world_size or 0,
+            min_world_size=settings.min_world_size or 0, moving_from=moving_from))
     except BaseException:
-        await channel.close()
+        await coordinators.close()
         if peer_endpoint is not None:
             await peer_endpoint.close()
         raise
-    group = AsyncProcessGroup(settings, channel, session, peer_endpoint,
+    settings = settings.model_copy(update={"coordinator": session.target})
+    group = AsyncProcessGroup(settings, session.channel, session, peer_endpoint,
                               functools.partial(_subgroup, settings))
     try:
         await group.connect(hosts=peers)
@@ -100,6 +108,46 @@ async def open_group(settings: ClientSettings, peer_address: str = "", *,
         await group.close()
         raise
     return group
+
+
+async def _join_leader(session: Session, settings: ClientSettings, join) -> None:
+    """``join()`` on the coordinator that leads: the one address given, or the first of several
+    (coordinators under --ha) that takes it, for up to ``connect_timeout`` seconds; a standby
+    refuses it naming the leader, which is tried next.
+
+    Raises:
+        CoordinatorUnavailableError: none took it in time (each one's answer named).
+        What ``join()`` raises otherwise.
+    """
+    coordinators = session.coordinators
+    tls = settings.tls_ca, settings.tls_cert, settings.tls_key
+    if not coordinators.several:
+        await wait_connected(session.channel, session.target, settings.connect_timeout, *tls)
+        await join()
+        return
+    deadline = time.monotonic() + settings.connect_timeout
+    answers: dict[str, str] = {}
+    while (left := deadline - time.monotonic()) > 0:
+        connected = False
+        try:
+            await wait_connected(session.channel, session.target, min(left, REACH_S), *tls)
+            connected = True
+            await join()
+            return
+        except (CoordinatorUnavailableError, LeadershipError) as error:
+            answers[session.target] = f"{type(error).__name__}: {error}"
+            if connected and isinstance(error, CoordinatorUnavailableError):
+                # The leader took the join and went away while it waited for the other ranks:
+                # the next leader gets a whole connect_timeout from now.
+                deadline = time.monotonic() + settings.connect_timeout
+            following = coordinators.after(session.target, getattr(error, "leader", ""))
+            if following == coordinators.addresses[0]:
+                await asyncio.sleep(RETRY_PAUSE)  # each one tried: a new leader takes time
+            session.use(following)
+    raise CoordinatorUnavailableError(
+        f"none of the coordinators {', '.join(coordinators.addresses)} took the join of job "
+        f"{settings.job!r} within connect_timeout ({settings.connect_timeout:g} s): "
+        + "; ".join(f"{a}: {why}" for a, why in answers.items()))
 
 
 async def _subgroup(settings: ClientSettings, job: str, world_size: int,

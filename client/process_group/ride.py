@@ -92,8 +92,8 @@ class RidingLane:
         began = ride.epoch
         try:
             result = self._lane.run(call, held.send, out, timeout)
-        except GradstarError:
-            if not self._submit(ride.until_back(began)).result():
+        except GradstarError as error:
+            if not self._submit(ride.until_back(began, error)).result():
                 reissue.dropped(held)
                 raise
             return self._submit(reissue.run(held, out, ride)).result()

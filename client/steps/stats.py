@@ -67,3 +67,7 @@ class SyncStats:
     #: The last applied steps and this rank's last contributions (up to RECENT each).
     recent_steps: deque = field(default_factory=lambda: deque(maxlen=RECENT))
     recent_contributions: deque = field(default_factory=lambda: deque(maxlen=RECENT))
+    #: The ranks the hub's step ledger counts as live, as of this rank's last heartbeat (at
+    #: most a second old): the job's size as it grows and shrinks (``pg.world_size`` is the
+    #: size this rank joined with). Empty before the first answer.
+    live_ranks: tuple[int, ...] = ()

@@ -381,7 +381,8 @@ class StepSync:
     async def _beat(self) -> None:
         while True:
             with contextlib.suppress(Exception):  # a missed beat: the next one says it again
-                await self._client.heartbeat(self.have)
+                state = await self._client.heartbeat(self.have)
+                self.stats.live_ranks = tuple(state.live)
             await asyncio.sleep(HEARTBEAT_SECONDS)
 
     async def _close(self) -> None:

@@ -33,10 +33,14 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
 
     def __init__(self, rendezvous: Rendezvous, heartbeat_interval: float, max_join: float,
                  collectives: str = "",
-                 outbound_hosts: Callable[[str], set[str]] = lambda job: set()) -> None:
+                 outbound_hosts: Callable[[str], set[str]] = lambda job: set(),
+                 leads: Callable[[int], int] = lambda seen: 0) -> None:
         """``outbound_hosts(job)``: the host keys of ``job`` that take no inbound connections
-        (its node-local shards the coordinator could not dial)."""
+        (its node-local shards the coordinator could not dial). ``leads(seen)``: the
+        coordinator's leadership term if it may serve a rank that has seen term ``seen``
+        (else it raises NotLeaderError or StaleCoordinatorError: ``Coordinator.leads``)."""
         self.rendezvous = rendezvous
+        self.leads = leads
         self.outbound_hosts = outbound_hosts
         self.heartbeat_interval = heartbeat_interval
         self.max_join = max_join
@@ -55,6 +59,7 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
         j = first.join
         try:
             check_job_access(j.job)  # before the join makes the job or takes a place in it
+            term = self.leads(j.rejoin.term if j.HasField("rejoin") else 0)
             timeout = min(j.timeout_seconds or self.max_join, self.max_join)
             replay: list[int] = []
             if j.HasField("rejoin"):
@@ -89,7 +94,7 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
                 boundary=member.boundary, resized=gen.resized,
                 newcomers=[r for r, m in sorted(gen.members.items()) if m.newcomer],
                 min_world_size=job.min_world_size, max_world_size=job.max_world_size,
-                replay=replay,
+                replay=replay, term=term,
             ))
             while (notice := await member.notices.get()) is not _SESSION_END:
                 if isinstance(notice, resize.Pending):

@@ -28,6 +28,7 @@ import logging
 import os
 import string
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,6 +151,10 @@ class AveragingStore:
     def __init__(self, state_dir: Path | None = None) -> None:
         self.state_dir = Path(state_dir) if state_dir is not None else None
         self._models: dict[tuple[str, str], GlobalModel] = {}
+        #: Asked before each file replaces its older one (raises to refuse): under ``--ha``,
+        #: whether this coordinator still leads, so that a stale one never overwrites the
+        #: shared state directory (gradstar.coordinator.leadership).
+        self.guard: Callable[[], None] | None = None
 
     def get(self, job: str, name: str) -> GlobalModel | None:
         key = (job, name)
@@ -207,7 +212,7 @@ class AveragingStore:
             OSError: saving failed; the previous model stays installed.
         """
         if persist and self.state_dir is not None:
-            self._save(self._path(key), model)
+            self._save(self._path(key), model, self.guard)
         self._models[key] = model
 
     def _path(self, key: tuple[str, str]) -> Path:
@@ -215,12 +220,12 @@ class AveragingStore:
         return self.state_dir / job / f"{name}.npz"
 
     @staticmethod
-    def _save(path: Path, model: GlobalModel) -> None:
+    def _save(path: Path, model: GlobalModel, guard: Callable[[], None] | None) -> None:
         arrays = {"params": model.params, "rounds": np.array(model.rounds, dtype=np.int64),
                   "made_by": np.array(model.made_by)}
         if model.momentum is not None:
             arrays["momentum"] = model.momentum
-        save_arrays(path, arrays)
+        save_arrays(path, arrays, guard)
 
     @staticmethod
     def _load(path: Path) -> GlobalModel:
@@ -231,12 +236,15 @@ class AveragingStore:
                                made_by)
 
 
-def save_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
+def save_arrays(path: Path, arrays: dict[str, np.ndarray],
+                guard: Callable[[], None] | None = None) -> None:
     """Write ``arrays`` to ``path`` (npz, no pickle) so that a crash leaves the old file or the
     new one, never a torn one: a temporary file beside it, fsync, rename, fsync of the folder.
+    ``guard()``, called just before the rename, may refuse it by raising.
 
     Raises:
         OSError: writing failed; the old file (if any) is untouched.
+        What ``guard`` raises (NotLeaderError): the old file is untouched.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -245,6 +253,8 @@ def save_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
             np.savez(out, **arrays)
             out.flush()
             os.fsync(out.fileno())
+        if guard is not None:
+            guard()
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import numpy as np
@@ -43,10 +43,14 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
         self._closed = asyncio.Event()
         table.on_closed = self._round_closed
         self._timer: asyncio.TimerHandle | None = None
+        #: Asked first by every call: raises NotLeaderError where the coordinator does not
+        #: lead (``Coordinator.leads``, under --ha).
+        self.leads: Callable[[], object] = lambda: 0
 
     async def Seed(self, request_iterator: AsyncIterator[pb.TensorPart],
                    context: grpc.aio.ServicerContext) -> pb.RoundStatus:
         async with error_status(context):
+            self.leads()
             header, params = await self._read_tensor(request_iterator)
             k = header.key
             rounds = self.table.seed(k.job, k.model, k.fragment, k.replica, params)
@@ -56,6 +60,7 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
     async def Contribute(self, request_iterator: AsyncIterator[pb.TensorPart],
                          context: grpc.aio.ServicerContext) -> pb.RoundStatus:
         async with error_status(context):
+            self.leads()
             header, delta = await self._read_tensor(request_iterator, contribution=True)
             k, p = header.key, header.policy
             policy = Policy(p.outer_lr, p.outer_momentum, p.nesterov, p.min_replicas,
@@ -73,6 +78,7 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.FetchPart]:
         k = request.key
         async with error_status(context):
+            self.leads()
             _check_key(k)
             self.table.replica(k.job, k.replica)
             loop = asyncio.get_running_loop()
@@ -147,6 +153,7 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
     async def Leave(self, request: pb.RoundsKey,
                     context: grpc.aio.ServicerContext) -> pb.RoundStatus:
         async with error_status(context):
+            self.leads()
             check_job_name(request.job)
             check_job_name(request.replica, "a replica name")
             check_job_access(request.job)

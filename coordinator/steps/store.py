@@ -14,6 +14,7 @@ the folder.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,8 @@ class SnapshotStore:
 
     def __init__(self, state_dir: Path) -> None:
         self.root = Path(state_dir) / "steps"
+        #: Asked before a file replaces its older one: AveragingStore.guard.
+        self.guard: Callable[[], None] | None = None
 
     def save(self, job: str, model: str, snapshot: Snapshot) -> None:
         """Write ``snapshot`` as (job, model)'s, replacing the older one whole.
@@ -40,7 +43,7 @@ class SnapshotStore:
             "steps": np.array(snapshot.steps, dtype=np.int64),
             "layout": np.frombuffer(snapshot.layout.encode("utf-8"), dtype=np.uint8),
             "data": np.frombuffer(snapshot.data, dtype=np.uint8),
-        })
+        }, self.guard)
 
     def load(self, job: str, model: str) -> Snapshot | None:
         """(job, model)'s saved snapshot, or None (none saved, or unreadable: logged)."""

@@ -122,8 +122,11 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     def __init__(self, rendezvous: Rendezvous, averaging: AveragingStore,
                  drain: Callable[[], Awaitable[None]], shards: ShardRegistry | None = None,
                  rounds: RoundsTable | None = None,
-                 metrics: CollectiveMetrics | None = None, steps=None):
+                 metrics: CollectiveMetrics | None = None, steps=None,
+                 leadership: Callable[[], apb.GetLeadershipResponse] | None = None):
         self.rounds = rounds
+        #: Who leads (GetLeadership; :mod:`.leadership`).
+        self.leadership = leadership
         #: DDP's sync-mode step ledgers (ListSteps).
         self.steps = steps
         #: The collective engine's metrics: its arrival summaries (GetStragglers).
@@ -183,6 +186,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")
         arrivals = job_arrivals(self.metrics, self.shards, job.name, job.generation)
         return stragglers_reply(job.name, job, arrivals, request.limit)
+
+    async def GetLeadership(self, request: apb.GetLeadershipRequest,
+                            context: grpc.aio.ServicerContext) -> apb.GetLeadershipResponse:
+        """Which coordinator leads, since when, how many takeovers (``gradstar admin
+        leader``)."""
+        if self.leadership is None:
+            return apb.GetLeadershipResponse(role="leader")
+        return self.leadership()
 
     async def Drain(self, request: apb.DrainRequest,
                     context: grpc.aio.ServicerContext) -> apb.DrainResponse:

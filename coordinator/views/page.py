@@ -26,6 +26,8 @@ from collections.abc import Awaitable, Callable
 
 from gradstar.config import size_limits_text
 
+from .leadership import leadership_html
+
 #: Seconds between refreshes of the page.
 REFRESH_SECONDS = 2
 #: Rows shown per job and jobs shown; /status.json has them all.
@@ -96,6 +98,7 @@ def render_html(snapshot: dict) -> str:
         f'<span class="muted">As of {_e(_clock(snapshot["generated_at"]))}; rates over the '
         f"last {snapshot['rate_window_seconds']:g} s; refreshes every "
         f"{REFRESH_SECONDS} s.</span></p>",
+        leadership_html(snapshot.get("leadership")),
         _jobs_table(jobs),
         *(_ranks_table(job) for job in jobs[:MAX_JOBS_SHOWN]),
         _failures(snapshot["failures"], snapshot["generated_at"]),

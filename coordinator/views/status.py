@@ -182,6 +182,8 @@ class CoordinatorStatus:
         self.started = clock()
         self.rates = TrafficRates()
         self.failures = FailureLog(clock=wall_clock)
+        #: Who leads (``leadership_json`` of :mod:`.leadership`), set by the coordinator.
+        self.leadership: Callable[[], dict] | None = None
         self.metrics = FailureRecordingMetrics(rendezvous, self.failures, clock)
 
     @contextlib.contextmanager
@@ -225,6 +227,7 @@ class CoordinatorStatus:
             "rounds": self._rounds(),
             "steps": [asdict(view) for view in self.steps.summaries()]
                      if self.steps is not None else [],
+            "leadership": self.leadership() if self.leadership is not None else None,
         }
 
     def _rounds(self) -> list[dict]:

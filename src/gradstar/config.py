@@ -146,6 +146,18 @@ class CoordinatorSettings(BaseSettings):
         None, description="where each job's global model is saved after every averaging "
                           "round, and the latest snapshot of each sync-mode DDP model")
     drain_grace: float = Field(5.0, ge=0)
+    ha: str | None = Field(
+        None, description="etcd://HOST:PORT[,HOST:PORT...][/PREFIX]: several coordinators, one "
+                          "leader elected through an etcd lease, the others standing by "
+                          "(gradstar.coordinator.leadership); ranks list every coordinator's "
+                          "address in GRADSTAR_COORDINATOR")
+    ha_ttl: int = Field(5, ge=2, le=300, description="seconds of the leader's etcd lease: a "
+                                                     "leader that stops takes this long to "
+                                                     "be replaced")
+    ha_advertise: str | None = Field(
+        None, description="the address ranks reach this coordinator at, as the election "
+                          "publishes it (default: its host and port; a wildcard host: this "
+                          "host's name)")
     measure_arrivals: bool = Field(
         True, description="time each rank's arrival at every collective (one timestamp per "
                           "rank; the stragglers views); off only to measure what it costs")

@@ -19,6 +19,10 @@ Every error a rank can see derives from :class:`GradstarError`::
     │   ├── CoordinatorDrainingError  the coordinator is draining and takes no new work
     │   ├── TooManyJobsError          the coordinator holds as many jobs as it may
     │   └── RejoinRefusedError        a restarted coordinator cannot take a rank's generation back
+    ├── LeadershipError               coordinators under --ha: which one leads, and since when
+    │   ├── NotLeaderError            a standby, or a leader that lost its lease; names the leader
+    │   ├── StaleCoordinatorError     a coordinator of an older leadership term than one seen
+    │   └── ElectionUnavailableError  the etcd cluster electing the leader cannot be reached
     ├── RoundError                    an outer round (gradstar.StreamingDiLoCo) failed
     │   ├── RoundMismatchError        a contribution disagrees with its round (size, policy)
     │   └── RoundTimeoutError         a round did not close in time (too few replicas)
@@ -56,11 +60,14 @@ __all__ = [
     "CoordinatorLostError",
     "CoordinatorUnavailableError",
     "DuplicateRankError",
+    "ElectionUnavailableError",
     "GradstarError",
     "HubCapacityError",
     "InvalidCollectiveError",
     "JobAccessError",
     "JoinTimeoutError",
+    "LeadershipError",
+    "NotLeaderError",
     "PayloadTooLargeError",
     "ProcessGroupClosedError",
     "ProtocolError",
@@ -72,6 +79,7 @@ __all__ = [
     "RoundMismatchError",
     "RoundTimeoutError",
     "ShardLostError",
+    "StaleCoordinatorError",
     "StepError",
     "StepMismatchError",
     "StepTimeoutError",
@@ -180,6 +188,43 @@ class RejoinRefusedError(RendezvousError):
     than its other ranks', one it knows to have failed, or collective sequence numbers that
     cannot be re-issued): the rank's collectives cannot go on, so it gets this, never a wrong
     result."""
+
+
+class LeadershipError(GradstarError):
+    """Coordinators started with ``--ha`` elect one leader; this one cannot serve the call."""
+
+
+class NotLeaderError(LeadershipError):
+    """This coordinator does not lead (a standby, or one that lost its etcd lease): it serves
+    no job. ``leader`` is where the leader is (empty: none elected yet); ``term`` its
+    leadership term (0: unknown)."""
+
+    def __init__(self, message: str, *, leader: str = "", term: int = 0) -> None:
+        super().__init__(message)
+        self.leader = leader
+        self.term = term
+
+    def fields(self) -> dict:
+        return {"leader": self.leader, "term": self.term}
+
+
+class StaleCoordinatorError(LeadershipError):
+    """A coordinator whose leadership term is older than one a rank has already seen: a
+    leader that lost its lease (it was stopped or partitioned) and woke after another took
+    over. Nothing of it is used; the rank looks for the current leader."""
+
+    def __init__(self, message: str, *, term: int = 0, seen: int = 0) -> None:
+        super().__init__(message)
+        self.term = term
+        self.seen = seen
+
+    def fields(self) -> dict:
+        return {"term": self.term, "seen": self.seen}
+
+
+class ElectionUnavailableError(LeadershipError):
+    """The etcd cluster that elects the leader (``--ha``) cannot be reached, or answered with
+    something that is not etcd's v3 JSON gateway."""
 
 
 class RoundError(GradstarError):

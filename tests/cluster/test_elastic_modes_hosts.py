@@ -67,6 +67,10 @@ def test_a_sync_mode_job_grows_and_shrinks_across_hosts(tmp_path, mode):
     assert reports[LEAVER].get("left") == LEAVE_AT and "params" not in reports[LEAVER]
     assert reports[3]["replacement"] and not reports[0]["replacement"]
     assert_identical_and_replayed(reports)
+    # What the ranks read of the job's size: the ledger's live ranks, the newcomer in, the
+    # leaver out (pg.world_size stays the size each joined with).
+    assert all(reports[r]["live"] == [0, 1, 3] for r in (0, 1, 3)), [
+        reports[r]["live"] for r in (0, 1, 3)]
     steps = record(reports)
     joined = [c for c in reports[3]["contributions"] if c["step"] is not None]
     assert joined and joined[0]["base"] > 0, "the newcomer did not start from the hub's state"

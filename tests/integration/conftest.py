@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import gradstar
+from benchmarks._etcd import start_etcd, stop_etcd
 from gradstar.config import CoordinatorSettings
 from gradstar.coordinator import Coordinator
 
@@ -136,3 +137,44 @@ async def finish(proc: asyncio.subprocess.Process, timeout: float) -> tuple[int,
     if hung:
         raise AssertionError(f"rank process hung; stderr:\n{err.decode()[-3000:]}")
     return proc.returncode, out.decode(), err.decode()
+
+
+@contextlib.asynccontextmanager
+async def etcd_server(data_dir: Path):
+    """A real etcd (Debian's etcd-server, ``make etcd``) on 127.0.0.1 with free ports and its
+    data in ``data_dir``, killed afterwards; yields its client URL as ``--ha`` takes it.
+    Fails, naming what is missing, where there is no etcd."""
+    proc, url = await asyncio.to_thread(start_etcd, data_dir)
+    try:
+        yield url
+    finally:
+        await asyncio.to_thread(stop_etcd, proc)
+
+
+async def spawn_standby(etcd: str, *flags: str, timeout: float = 20) -> tuple[
+        asyncio.subprocess.Process, str, str]:
+    """``gradstar coordinator --ha etcd`` as a process of its own (see spawn_coordinator):
+    the process, its address and whether it came up as the "leader" or a "standby"."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gradstar", "coordinator", "--host", "127.0.0.1", "--port", "0",
+        "--shards", "0", "--log-level", "WARNING", "--ha", etcd, *flags,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        line = await asyncio.wait_for(next_line(proc, "gradstar coordinator listening on ",
+                                                "gradstar coordinator standby on "), timeout)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        raise
+    role = "leader" if "listening on" in line else "standby"
+    return proc, line.split()[4 if role == "standby" else -1], role
+
+
+async def next_line(proc: asyncio.subprocess.Process, *starts: str) -> str:
+    """The next line of ``proc``'s stdout that starts with one of ``starts``."""
+    while True:
+        line = (await proc.stdout.readline()).decode()
+        assert line, f"the process exited before it printed {starts[0]!r}"
+        if line.startswith(starts):
+            return line.strip()

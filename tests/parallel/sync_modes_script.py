@@ -9,7 +9,8 @@ at that iteration (``--await-replacement``: the others wait for the process that
 place before their last iteration); ``--leave-rank``/``--leave-at`` make a rank leave the job for
 good (close its group) at that iteration, once the job grew. After each backward it prints its
 contribution (base, step joined) as a JSON line (with ``--wire``, also its contribution residual
-after it); at the end it synchronizes and prints its parameters, the steps it applied (who made each) and its stats.
+after it); at the end it synchronizes and prints its parameters, the steps it applied (who made
+each) and its stats.
 
 :func:`replay` (used by the tests) trains the same model in one process from the hub's record
 of which contribution joined which step; with a wire format each contribution is
@@ -323,6 +324,7 @@ def main() -> None:
         "rank": rank, "params": params_of(model), "steps": steps, "replacement": pg.replacement,
         "applied": stats.steps_applied if stats else args.steps,
         "dropped": stats.dropped if stats else 0,
+        "live": list(stats.live_ranks) if stats else [],
     }), flush=True)
     pg.close()
 

@@ -106,7 +106,8 @@ async def test_a_synchronous_job_grows_and_shrinks_without_a_restart():
     assert [r["rank"] for r in resizes[2]] == [2, 1]
 
     steps = steps_run(lines)
-    assert {len(steps[s]) for s in range(grown["resize"])} == {3}
+    # (The joiner may come before the first step: then nothing ran before it.)
+    assert {len(steps[s]) for s in range(grown["resize"])} <= {3}
     assert {len(steps[s]) for s in range(grown["resize"], shrunk["resize"])} == {4}
     assert {len(steps[s]) for s in range(shrunk["resize"], len(steps))} == {3}
 

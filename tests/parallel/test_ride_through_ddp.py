@@ -63,34 +63,40 @@ async def ride_through_a_kill(*mode: str, world: int = WORLD, flags: tuple[str, 
     return lines, [result[2] for result in results]
 
 
-async def reference() -> list[np.ndarray]:
+async def reference(steps: int = STEPS) -> list[np.ndarray]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(SCRIPT), "reference", str(STEPS), str(WORLD),
+        sys.executable, str(SCRIPT), "reference", str(steps), str(WORLD),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     code, out, err = await finish(proc, 60)
     assert code == 0, err[-2000:]
     return [np.array(p, np.float32) for p in json.loads(out.splitlines()[-1])["params"]]
 
 
-def rode_through_once(lines: list[list[dict]], stderrs: list[str]) -> None:
-    """One restart, one ride through and one log line per rank, and no traceback: nothing
-    raised."""
+def rode_through_once(lines: list[list[dict]], stderrs: list[str], times: int = 1) -> None:
+    """One restart (or ``times``), as many rides through and log lines per rank, and no
+    traceback: nothing raised."""
     for report, err in zip(lines, stderrs, strict=True):
-        assert len(report[-1]["reconnects"]) == 1, report[-1]["reconnects"]
-        assert err.count("rejoined the coordinator at") == 1, err[-3000:]
+        assert len(report[-1]["reconnects"]) == times, report[-1]["reconnects"]
+        assert err.count("rejoined the coordinator at") == times, err[-3000:]
         assert "Traceback" not in err, err[-3000:]
+
+
+def ended_as_the_reference(lines: list[list[dict]], steps: int = STEPS) -> None:
+    """Every rank's final parameters bitwise alike, and within float32 rounding those of one
+    process trained on every rank's batches for ``steps`` steps."""
+    finals = [[np.array(p, np.float32) for p in rank[-1]["params"]] for rank in lines]
+    for rank in range(WORLD):
+        assert all(np.array_equal(a, b) for a, b in zip(finals[0], finals[rank], strict=True))
+    expected = asyncio.run(reference(steps))
+    for got, want in zip(finals[0], expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", [(), ("fsdp",)], ids=["ddp", "fsdp"])
 def test_training_rides_through_a_coordinator_killed_mid_training(mode):
     lines, stderrs = asyncio.run(ride_through_a_kill(*mode))
     rode_through_once(lines, stderrs)
-    finals = [[np.array(p, np.float32) for p in rank[-1]["params"]] for rank in lines]
-    for rank in range(WORLD):
-        assert all(np.array_equal(a, b) for a, b in zip(finals[0], finals[rank], strict=True))
-    expected = asyncio.run(reference())
-    for got, want in zip(finals[0], expected, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    ended_as_the_reference(lines)
 
 
 def test_a_pipeline_rides_through_a_coordinator_killed_mid_training():

@@ -30,9 +30,9 @@ KUBERNETES_VERSIONS = ("1.30", "1.37")
 SECRET_KEYS = {"GRADSTAR_TOKEN_FILE": "token", "GRADSTAR_ADMIN_TOKEN_FILE": "admin-token"}
 
 
-def _documents() -> list[tuple[str, dict]]:
+def _documents(folder: Path = DEPLOY) -> list[tuple[str, dict]]:
     docs = []
-    for path in sorted(DEPLOY.glob("*.yaml")):
+    for path in sorted(folder.glob("*.yaml")):
         docs += [(path.name, doc) for doc in yaml.safe_load_all(path.read_text(encoding="utf-8"))
                  if doc is not None]
     return docs
@@ -80,7 +80,7 @@ def _service_port(service: dict, name: str) -> dict:
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 @pytest.mark.parametrize("doc", [pytest.param(doc, id=f"{name}:{doc['kind']}")
-                                 for name, doc in _documents()])
+                                 for name, doc in _documents() + _documents(DEPLOY / "ha")])
 def test_every_manifest_is_valid_for_the_pinned_kubernetes_versions(doc, version):
     assert version in {major_minor(v) for v in all_versions()}, (
         f"kubernetes-validate {kubernetes_validate.__version__} ships no {version} schemas")
@@ -291,3 +291,50 @@ def test_both_run_the_compose_image_with_a_core_per_shard(coordinator, shards):
     assert _container(coordinator)["command"] == ["gradstar", "coordinator"]
     assert _container(shards)["resources"]["requests"]["cpu"] in ("1", 1, "1000m")
     assert shlex.split(_container(shards)["command"][2])[:3] == ["exec", "gradstar", "shard"]
+
+
+def test_the_ha_coordinators_elect_a_leader_that_the_ranks_reach_by_name():
+    """deploy/kubernetes/ha/: two coordinators under --ha, etcd, and the Services the ranks
+    use; every variable one the coordinator reads, every name one that resolves."""
+    objects = {(d["kind"], d["metadata"]["name"]): d for _, d in _documents(DEPLOY / "ha")}
+    assert sorted(objects) == [
+        ("NetworkPolicy", "gradstar-etcd"), ("Service", "gradstar-coordinator-ha"),
+        ("Service", "gradstar-etcd"), ("Service", "gradstar-leader"),
+        ("StatefulSet", "gradstar-coordinator-ha"), ("StatefulSet", "gradstar-etcd")]
+    hubs = objects["StatefulSet", "gradstar-coordinator-ha"]
+    assert hubs["spec"]["replicas"] == 2 and hubs["spec"]["podManagementPolicy"] == "Parallel"
+    container = _container(hubs)
+    env = _env(container)
+    fields = {f"GRADSTAR_{name.upper()}" for name in CoordinatorSettings.model_fields}
+    names = {e["name"] for e in container["env"]} - {"POD_NAME", "POD_NAMESPACE"}
+    assert names <= fields | set(SECRET_KEYS), names - fields
+    settings = CoordinatorSettings(ha=env["GRADSTAR_HA"], ha_ttl=env["GRADSTAR_HA_TTL"])
+    # The election's etcd is the Service in front of the etcd pod, on its client port.
+    (endpoint,) = settings.ha.split("//")[1].split("/")[0].split(",")
+    host, port = endpoint.split(":")
+    etcd = objects["Service", host]
+    assert int(port) in {p["port"] for p in etcd["spec"]["ports"]}
+    # Each pod publishes its own name under the headless Service, which it is governed by.
+    headless = objects["Service", hubs["spec"]["serviceName"]]
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"]
+    advertised = env["GRADSTAR_HA_ADVERTISE"]
+    assert advertised == (f"$(POD_NAME).{headless['metadata']['name']}.$(POD_NAMESPACE)"
+                          f".svc.cluster.local:{_port(container, 'grpc')}")
+    # Ready = leads (a standby is NOT_SERVING): the leader's Service has the ready pod only.
+    assert container["readinessProbe"]["grpc"]["service"] in SERVICE_NAMES
+    assert container["livenessProbe"]["tcpSocket"] == {"port": _port(container, "grpc")}
+    # etcd takes connections from the coordinators only, on the port they use.
+    (rule,) = objects["NetworkPolicy", "gradstar-etcd"]["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": labels_of(hubs)}}]
+    assert rule["ports"] == [{"port": int(port)}]
+    leader = objects["Service", "gradstar-leader"]
+    assert leader["spec"]["publishNotReadyAddresses"] is False
+    labels = hubs["spec"]["template"]["metadata"]["labels"]
+    for service in (headless, leader):
+        assert service["spec"]["selector"].items() <= labels.items()
+        assert {p["targetPort"] for p in service["spec"]["ports"]} <= {
+            p["name"] for p in container["ports"]}
+
+
+def labels_of(workload: dict) -> dict:
+    return workload["spec"]["template"]["metadata"]["labels"]

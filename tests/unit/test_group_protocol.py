@@ -88,9 +88,15 @@ def test_a_synchronous_ddp_crosses_step_boundaries_only_over_an_elastic_group():
         newcomer=False, departed=False, move_at_boundaries=moved.append)
     assert isinstance(group, ElasticGroup)
     state = ModuleState(module, None)
-    assert ElasticSteps(group, state, synchronous=True).enabled and moved == [True]
+    steps = ElasticSteps(group, state, synchronous=True)
+    steps.declare()
+    assert steps.enabled and moved == [True]
     # A sync-mode DDP says so too: a joiner past the world size waits for every rank's word.
-    assert not ElasticSteps(group, state, synchronous=False).enabled and moved == [True, False]
+    steps = ElasticSteps(group, state, synchronous=False)
+    steps.declare()
+    assert not steps.enabled and moved == [True, False]
+    ElasticSteps(CollectivesOnly(), state, synchronous=True).declare()  # says nothing
+    assert moved == [True, False]
 
 
 def test_settled_runs_only_this_groups_own_collectives():

@@ -113,8 +113,8 @@ def test_the_module_list_covers_the_layout():
 
 
 #: Top-level entries (modules and folders) the hub may have: past this, its rooms stop telling
-#: its architecture (issue 34). A new subsystem gets a folder.
-MAX_HUB_ENTRIES = 10
+#: its architecture (issue 34). A new subsystem gets a folder (the 11th: leadership/, --ha).
+MAX_HUB_ENTRIES = 11
 
 
 def test_the_hub_top_level_stays_small():

@@ -147,7 +147,7 @@ async def test_a_mover_that_never_arrives_ends_the_resize_after_the_heartbeat_ti
     assert gen.failure is None
     rdv.expire(members[1].last_seen + 10.5)
     for waiting in (joiner, *movers):
-        with pytest.raises(RankLostError, match="rank 1 .* did not arrive within 10 s"):
+        with pytest.raises(RankLostError, match=r"rank 1 .* did not arrive within 10 s"):
             await asyncio.wait_for(waiting, BOUND)
     assert state.resize is None
 

@@ -115,6 +115,12 @@ class AdminClient:
             admin_pb2.GetStragglersRequest(job=job, limit=limit), timeout=self.timeout,
             metadata=self._metadata), f"reading the stragglers of job {job!r}")
 
+    async def leadership(self) -> admin_pb2.GetLeadershipResponse:
+        """Which coordinator leads (under --ha), since when, how many takeovers."""
+        return await self._call(self._admin.GetLeadership(
+            admin_pb2.GetLeadershipRequest(), timeout=self.timeout, metadata=self._metadata),
+            "reading who leads")
+
     async def drain(self) -> int:
         """Start draining; returns how many jobs still have live members."""
         reply = await self._call(self._admin.Drain(

@@ -8,17 +8,48 @@ import asyncio
 import json
 import os
 import sys
+import time
+
+from gradstar.errors import CoordinatorUnavailableError
 
 from . import tables
 from .client import AdminClient
 
 
+def _token(args: argparse.Namespace) -> str | None:
+    return (args.admin_token or os.environ.get("GRADSTAR_ADMIN_TOKEN")
+            or os.environ.get("GRADSTAR_TOKEN"))
+
+
+def _client(args: argparse.Namespace, address: str) -> AdminClient:
+    return AdminClient(address, _token(args), tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+                       tls_key=args.tls_key, timeout=args.timeout)
+
+
+async def leader_views(args: argparse.Namespace) -> list[dict]:
+    """Each coordinator of ``--coordinator`` (one, or several under --ha) on who leads."""
+    views = []
+    for address in [a.strip() for a in args.coordinator.split(",") if a.strip()]:
+        async with _client(args, address) as admin:
+            try:
+                views.append(tables.leadership_as_dict(address, await admin.leadership()))
+            except CoordinatorUnavailableError as error:
+                views.append(tables.leadership_as_dict(address, None, str(error)))
+    return views
+
+
 async def run_admin(args: argparse.Namespace) -> int:
-    """``gradstar admin ACTION``: one action against one coordinator; the exit status."""
-    token = (args.admin_token or os.environ.get("GRADSTAR_ADMIN_TOKEN")
-             or os.environ.get("GRADSTAR_TOKEN"))
-    async with AdminClient(args.coordinator, token, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-                           tls_key=args.tls_key, timeout=args.timeout) as admin:
+    """``gradstar admin ACTION``: one action against one coordinator (with several, the one
+    that leads); the exit status."""
+    if args.action == "leader":
+        views = await leader_views(args)
+        print(json.dumps(views, indent=2) if args.json
+              else tables.leadership_table(views, time.time()))
+        return 0 if any(v.get("role") == "leader" for v in views) else 1
+    if "," in args.coordinator:  # several coordinators (--ha): ask the one that leads
+        leaders = [v["coordinator"] for v in await leader_views(args) if v.get("role") == "leader"]
+        args.coordinator = leaders[0] if leaders else args.coordinator.split(",")[0].strip()
+    async with _client(args, args.coordinator) as admin:
         if args.action == "health":
             if args.wait > 0:
                 await admin.wait_serving(args.wait)

@@ -241,3 +241,30 @@ def stragglers_as_dict(reply: admin_pb2.GetStragglersResponse) -> dict:
               "max_lag_seconds", "last_arrivals", "last_share", "waited_seconds", "flagged")
     return {"job": reply.job, "ranks_total": reply.ranks_total,
             "ranks": [{f: getattr(r, f) for f in fields} for r in reply.ranks]}
+
+
+def leadership_as_dict(address: str, reply: admin_pb2.GetLeadershipResponse | None,
+                       problem: str = "") -> dict:
+    """One coordinator's view of who leads (``gradstar admin leader --json``)."""
+    if reply is None:
+        return {"coordinator": address, "error": problem}
+    return {"coordinator": address, "elected": reply.elected, "role": reply.role,
+            "leader": reply.leader, "term": reply.term,
+            "leader_since_unix": reply.leader_since_unix, "takeovers": reply.takeovers,
+            "rebuilds": reply.rebuilds, "rejoin_wait_seconds": reply.rejoin_wait_seconds}
+
+
+def leadership_table(views: Sequence[dict], now: float) -> str:
+    """``gradstar admin leader``: one row per coordinator asked."""
+    rows = []
+    for v in views:
+        if "error" in v:
+            rows.append((v["coordinator"], "unreachable", "-", "-", "-", "-", "-"))
+            continue
+        since = (f"{now - v['leader_since_unix']:.0f} s ago" if v["leader_since_unix"]
+                 else "-")
+        rows.append((v["coordinator"], v["role"] if v["elected"] else "leader (no --ha)",
+                     v["leader"] or "-", v["term"], since, v["takeovers"],
+                     f"{v['rejoin_wait_seconds']:.2f} s"))
+    return table(("COORDINATOR", "ROLE", "LEADER", "TERM", "LEADS SINCE", "TAKEOVERS",
+                  "RANKS WAITED"), rows)

@@ -30,15 +30,21 @@ def admin_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "drops and staleness. stragglers: who a job's "
                     "collectives wait for, ranks slowest first (host, median and p95 arrival "
                     "lag, share of collectives last, seconds the others waited). drain: "
-                    "refuse new joins (running jobs finish). health: exit 0 if the "
+                    "refuse new joins (running jobs finish). leader: each coordinator of "
+                    "--coordinator (a comma list under --ha) on who leads, its term, since "
+                    "when, the takeovers and how long ranks waited; exit 0 if one leads. "
+                    "health: exit 0 if the "
                     "coordinator is SERVING (for container health checks). job-token: print "
                     "--job's own token, made from --job-secret-file without asking any "
                     "coordinator; give it to that job's ranks as GRADSTAR_TOKEN.")
     p.add_argument("action", choices=("status", "jobs", "shards", "rounds", "steps",
-                                      "stragglers", "drain", "health", "job-token"))
+                                      "stragglers", "drain", "health", "leader",
+                                      "job-token"))
     p.add_argument("--coordinator",
                    default=os.environ.get("GRADSTAR_COORDINATOR", f"127.0.0.1:{DEFAULT_PORT}"),
-                   help="HOST:PORT (env GRADSTAR_COORDINATOR, default 127.0.0.1:29400)")
+                   help="HOST:PORT, or several separated by commas (coordinators under "
+                        "--ha: the one that leads is asked) (env GRADSTAR_COORDINATOR, "
+                        "default 127.0.0.1:29400)")
     token = p.add_mutually_exclusive_group()
     token.add_argument("--admin-token", help="admin token (env GRADSTAR_ADMIN_TOKEN, else "
                                              "GRADSTAR_TOKEN); visible in ps")

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from gradstar.allocator import share_malloc_arena
 from gradstar.cli.common import USAGE_ERROR, settings_error, unreadable
 from gradstar.config import LOG_LEVELS, CoordinatorSettings, is_loopback
+from gradstar.errors import GradstarError, NotLeaderError
 
 #: Parsed arguments that are not settings fields (token files go in through the environment).
 _NOT_SETTINGS = ("command", "func", "token_file", "admin_token_file")
@@ -53,6 +54,16 @@ def coordinator_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     p.add_argument("--steps-job-share", type=float,
                    help="the part of --max-steps-bytes one job may hold (0.5), so that one job "
                         "cannot refuse the others' steps")
+    p.add_argument("--ha", metavar="etcd://HOST:PORT",
+                   help="one of several coordinators, the leader elected through an etcd lease "
+                        "(etcd://HOST:PORT[,HOST:PORT...][/PREFIX]); the others stand by and "
+                        "take over when it goes (env GRADSTAR_HA; docs/kubernetes.md)")
+    p.add_argument("--ha-ttl", type=int,
+                   help="seconds of the leader's lease: how long a stopped leader takes to be "
+                        "replaced (default 5)")
+    p.add_argument("--ha-advertise", metavar="HOST:PORT",
+                   help="the address ranks reach this coordinator at, as the election "
+                        "publishes it (default: --host and --port)")
     p.add_argument("--heartbeat-timeout", type=float, help="seconds without heartbeat = lost")
     p.add_argument("--job-retention", type=float,
                    help="seconds a job without members is kept before it is dropped (600)")
@@ -294,14 +305,30 @@ async def _serve(settings: CoordinatorSettings) -> None:
         _say(f"gradstar coordinator bound to {settings.host}:{coordinator.port}; waiting up "
              f"to {settings.shard_wait:g} s for hub shards ({remote} from other hosts)")
     if await _unless_stopped(coordinator.wait_for_shards(), stop):
-        _print_serving(coordinator, settings)
-        await stop.wait()
+        if await _until_elected(coordinator, settings, stop):
+            _print_serving(coordinator, settings)
+            await _unless_stopped(coordinator.fenced.wait(), stop)
     else:
         log.info("stopped while waiting for hub shards (%d of %d up)",
                  len(coordinator.shards.up), coordinator.shards.expected)
     log.info("stopping: draining for up to %.1f s", settings.drain_grace)
     await coordinator.stop()
     _default_signals()
+    if coordinator.fenced.is_set():
+        raise NotLeaderError(f"this coordinator no longer leads: "
+                             f"{coordinator.leadership.fenced_because}; it stopped serving "
+                             "(start it again to stand by)")
+
+
+async def _until_elected(coordinator, settings: CoordinatorSettings,
+                         stop: asyncio.Event) -> bool:
+    """Under ``--ha``, stand by until this coordinator leads (a line says so); whether it
+    does (False: stopped first)."""
+    if not coordinator.elected.is_set():
+        lead = coordinator.leadership
+        _say(f"gradstar coordinator standby on {settings.host}:{coordinator.port} (leader: "
+             f"{lead.leader or 'none yet'})")
+    return await _unless_stopped(coordinator.elected.wait(), stop)
 
 
 def _print_serving(coordinator, settings: CoordinatorSettings) -> None:
@@ -403,5 +430,8 @@ def coordinator_command(args: argparse.Namespace) -> int:
         return bind_failed(error, settings, "coordinator")
     except OSError as error:
         print(f"gradstar coordinator: {error}", file=sys.stderr)
+        return 1
+    except GradstarError as error:  # an unreachable --ha etcd, a lead lost
+        print(f"gradstar coordinator: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     return 0

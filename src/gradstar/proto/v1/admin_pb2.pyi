@@ -306,6 +306,32 @@ class GetStragglersResponse(_message.Message):
     ranks_total: int
     def __init__(self, job: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[RankStragglerStats, _Mapping]]] = ..., ranks_total: _Optional[int] = ...) -> None: ...
 
+class GetLeadershipRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetLeadershipResponse(_message.Message):
+    __slots__ = ("elected", "role", "address", "leader", "term", "leader_since_unix", "takeovers", "rejoin_wait_seconds", "rebuilds")
+    ELECTED_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    LEADER_SINCE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    TAKEOVERS_FIELD_NUMBER: _ClassVar[int]
+    REJOIN_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REBUILDS_FIELD_NUMBER: _ClassVar[int]
+    elected: bool
+    role: str
+    address: str
+    leader: str
+    term: int
+    leader_since_unix: float
+    takeovers: int
+    rejoin_wait_seconds: float
+    rebuilds: int
+    def __init__(self, elected: _Optional[bool] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., leader: _Optional[str] = ..., term: _Optional[int] = ..., leader_since_unix: _Optional[float] = ..., takeovers: _Optional[int] = ..., rejoin_wait_seconds: _Optional[float] = ..., rebuilds: _Optional[int] = ...) -> None: ...
+
 class DrainRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

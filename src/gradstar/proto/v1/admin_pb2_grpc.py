@@ -69,6 +69,11 @@ class AdminStub:
                 request_serializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.GetStragglersRequest.SerializeToString,
                 response_deserializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.GetStragglersResponse.FromString,
                 _registered_method=True)
+        self.GetLeadership = channel.unary_unary(
+                '/gradstar.proto.v1.Admin/GetLeadership',
+                request_serializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.GetLeadershipRequest.SerializeToString,
+                response_deserializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.GetLeadershipResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -121,6 +126,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLeadership(self, request, context):
+        """Which coordinator leads under --ha, since when, and how many takeovers there were.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +170,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.GetStragglers,
                     request_deserializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.GetStragglersRequest.FromString,
                     response_serializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.GetStragglersResponse.SerializeToString,
+            ),
+            'GetLeadership': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLeadership,
+                    request_deserializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.GetLeadershipRequest.FromString,
+                    response_serializer=gradstar_dot_proto_dot_v1_dot_admin__pb2.GetLeadershipResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -349,6 +366,33 @@ class Admin:
             '/gradstar.proto.v1.Admin/GetStragglers',
             gradstar_dot_proto_dot_v1_dot_admin__pb2.GetStragglersRequest.SerializeToString,
             gradstar_dot_proto_dot_v1_dot_admin__pb2.GetStragglersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLeadership(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradstar.proto.v1.Admin/GetLeadership',
+            gradstar_dot_proto_dot_v1_dot_admin__pb2.GetLeadershipRequest.SerializeToString,
+            gradstar_dot_proto_dot_v1_dot_admin__pb2.GetLeadershipResponse.FromString,
             options,
             channel_credentials,
             insecure,

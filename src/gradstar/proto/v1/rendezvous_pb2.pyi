@@ -55,20 +55,22 @@ class Position(_message.Message):
     def __init__(self, generation: _Optional[int] = ..., boundary: _Optional[int] = ...) -> None: ...
 
 class Rejoin(_message.Message):
-    __slots__ = ("generation", "member_id", "next_seq", "pending", "retained", "away_seconds")
+    __slots__ = ("generation", "member_id", "next_seq", "pending", "retained", "away_seconds", "term")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     RETAINED_FIELD_NUMBER: _ClassVar[int]
     AWAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
     generation: int
     member_id: str
     next_seq: int
     pending: _containers.RepeatedScalarFieldContainer[int]
     retained: _containers.RepeatedScalarFieldContainer[int]
     away_seconds: float
-    def __init__(self, generation: _Optional[int] = ..., member_id: _Optional[str] = ..., next_seq: _Optional[int] = ..., pending: _Optional[_Iterable[int]] = ..., retained: _Optional[_Iterable[int]] = ..., away_seconds: _Optional[float] = ...) -> None: ...
+    term: int
+    def __init__(self, generation: _Optional[int] = ..., member_id: _Optional[str] = ..., next_seq: _Optional[int] = ..., pending: _Optional[_Iterable[int]] = ..., retained: _Optional[_Iterable[int]] = ..., away_seconds: _Optional[float] = ..., term: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("sent_unix_ms",)
@@ -109,7 +111,7 @@ class Peer(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., hostname: _Optional[str] = ..., outbound_only: _Optional[bool] = ...) -> None: ...
 
 class Joined(_message.Message):
-    __slots__ = ("job", "generation", "rank", "world_size", "member_id", "peers", "heartbeat_interval_seconds", "shards", "peer_keys", "collectives", "replacement", "boundary", "newcomers", "min_world_size", "max_world_size", "resized", "replay")
+    __slots__ = ("job", "generation", "rank", "world_size", "member_id", "peers", "heartbeat_interval_seconds", "shards", "peer_keys", "collectives", "replacement", "boundary", "newcomers", "min_world_size", "max_world_size", "resized", "replay", "term")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +129,7 @@ class Joined(_message.Message):
     MAX_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RESIZED_FIELD_NUMBER: _ClassVar[int]
     REPLAY_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     rank: int
@@ -144,7 +147,8 @@ class Joined(_message.Message):
     max_world_size: int
     resized: bool
     replay: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., member_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., heartbeat_interval_seconds: _Optional[float] = ..., shards: _Optional[_Iterable[str]] = ..., peer_keys: _Optional[_Iterable[bytes]] = ..., collectives: _Optional[str] = ..., replacement: _Optional[bool] = ..., boundary: _Optional[int] = ..., newcomers: _Optional[_Iterable[int]] = ..., min_world_size: _Optional[int] = ..., max_world_size: _Optional[int] = ..., resized: _Optional[bool] = ..., replay: _Optional[_Iterable[int]] = ...) -> None: ...
+    term: int
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., member_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., heartbeat_interval_seconds: _Optional[float] = ..., shards: _Optional[_Iterable[str]] = ..., peer_keys: _Optional[_Iterable[bytes]] = ..., collectives: _Optional[str] = ..., replacement: _Optional[bool] = ..., boundary: _Optional[int] = ..., newcomers: _Optional[_Iterable[int]] = ..., min_world_size: _Optional[int] = ..., max_world_size: _Optional[int] = ..., resized: _Optional[bool] = ..., replay: _Optional[_Iterable[int]] = ..., term: _Optional[int] = ...) -> None: ...
 
 class GenerationFailed(_message.Message):
     __slots__ = ("generation", "lost_rank", "reason", "error", "fields_json")
