@@ -76,6 +76,9 @@ class Session:
                           refused=lambda e: self._fail(self._stalled() or e))
                      if reconnect_timeout > 0 else None)
         self._request: rpb.JoinRequest | None = None
+        #: What this rank said of step boundaries (SessionRequest.boundaries), said again to a
+        #: coordinator it rejoins: the new one knows only what it is told.
+        self._declared: rpb.SessionRequest | None = None
 
     def use(self, address: str) -> None:
         """Talk to the coordinator at ``address`` (one of :attr:`coordinators`) from now on."""
@@ -177,6 +180,8 @@ class Session:
         request.ClearField("moving_from")  # a rejoin claims the generation it was in
         request.rejoin.CopyFrom(claim)
         joined = await self._open(request, timeout)
+        if self._declared is not None:
+            self._outbox.put_nowait(self._declared)
         del joined.peer_keys[:]
         joined.peer_keys.extend(j.peer_keys)  # the peers' streams keep their keys
         self.joined = joined
@@ -234,6 +239,8 @@ class Session:
 
     def send(self, request: rpb.SessionRequest) -> None:
         """Queue ``request`` on the session stream (call it on the session's loop)."""
+        if request.WhichOneof("kind") == "boundaries":
+            self._declared = request
         if not self._closing:
             self._outbox.put_nowait(request)
 

@@ -39,6 +39,7 @@ pseudo-gradient is not carried into the next (the paper's 4-bit rounds need none
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import logging
@@ -128,9 +129,16 @@ class StreamingDiLoCo:
     def _join(self) -> None:
         """Seed or find every fragment; start from the hub's global model and schedule."""
         began = time.monotonic()
-        for p in range(len(self.groups)):
-            self._run(self.client.seed(self.model_name, p, self._flat(p), self.timeout))
-            rounds, glob = self._run(self.client.fetch(self.model_name, p, 0, self.timeout))
+        flats = [self._flat(p) for p in range(len(self.groups))]
+
+        async def seed_and_fetch(p: int):
+            await self.client.seed(self.model_name, p, flats[p], self.timeout)
+            return await self.client.fetch(self.model_name, p, 0, self.timeout)
+
+        async def every_fragment():  # at once: one round trip's wait, not one per fragment
+            return await asyncio.gather(*(seed_and_fetch(p) for p in range(len(flats))))
+
+        for p, (rounds, glob) in enumerate(self._run(every_fragment())):
             self._load(p, glob)
             self.anchors.append(glob)
             self.rounds.append(rounds)

@@ -22,7 +22,7 @@ from gradstar.worker.admin.client import AdminClient
 from gradstar.worker.admin.tables import job_status
 from tests.runtime.conftest import http_get
 
-from .conftest import close_all, join_all
+from .conftest import close_all, join_all, until
 
 
 async def restart(start, coordinator: Coordinator, pause: float = 0.5,
@@ -43,6 +43,9 @@ async def test_collectives_in_flight_complete_after_the_coordinator_restarts(sta
         expected = sum(inputs)
         assert all(np.array_equal(r, expected) for r in await asyncio.gather(
             *(g.all_reduce(inputs[g.rank]) for g in groups)))
+        groups[0]._session.send(rpb.SessionRequest(boundaries=True))  # as a Synchronous DDP
+        await until(lambda: first.rendezvous.jobs["ride"].generation.members[0].boundaries,
+                    "rank 0 said it moves at step boundaries", 10)
         # Stopped with nothing in flight: the next collectives are issued while it is away.
         port = first.port
         await first.stop(grace=0)
@@ -63,7 +66,12 @@ async def test_collectives_in_flight_complete_after_the_coordinator_restarts(sta
             assert g.generation == 1 and g.collective_address.endswith(
                 f":{second.collective_port}")
         # The rebuilt generation is the job's current one, and the next collective just works.
-        assert second.rendezvous.jobs["ride"].generation.number == 1
+        rebuilt = second.rendezvous.jobs["ride"].generation
+        assert rebuilt.number == 1
+        # What the ranks said of step boundaries, they said again (a joiner past the world size
+        # would wait for it): rank 0 had said it moves at them, the others said nothing.
+        await until(lambda: rebuilt.members[0].boundaries, "rank 0 said it again", 10)
+        assert [m.boundaries for _, m in sorted(rebuilt.members.items())] == [True, None, None]
         assert all(float(r[0]) == 6.0 for r in await asyncio.gather(
             *(g.all_reduce(np.ones(4, np.float32) * 2) for g in groups)))
         # What operators see of it: the status page, the metrics, gradstar admin.
