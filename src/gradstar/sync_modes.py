@@ -25,13 +25,14 @@ mode; what differs is what a step waits for:
   more than ``max_staleness`` aggregates behind the parameters its next gradient is computed
   on; then it waits for that rank (Ho et al., 2013, SSP).
 
-**Step scaling** (BoundedStaleness and Asynchronous, ``scaling=``). A step of those modes holds
-whatever arrived, often one or two gradients of n, and the fast ranks close about one step per
-gradient: at the learning rate Synchronous trains well the parameters move up to n times as far
-per gradient, and stale gradients with momentum add to it (measured: both diverged at twice
-Synchronous's best rate). By default (``"share+staleness"``) the hub scales each contribution
-by the step's share of the live ranks, k/n for k contributions of n live ranks (every fresh
-gradient then moves the parameters as far as in a Synchronous step: its 1/n of a mean of n),
+**Step scaling** (BoundedStaleness and Asynchronous, ``scaling=``). With a straggler a step of
+those modes holds what arrived before its deadline, often fewer than n gradients, and the fast
+ranks close about one step per gradient: at the learning rate Synchronous trains well the
+parameters move up to n times as far per gradient, and stale gradients with momentum add to it
+(measured with the plain rule: both diverged at twice Synchronous's best rate). By default
+(``"share+staleness"``) the hub scales each contribution by the step's share of the live
+ranks, k/n for k contributions of n live ranks (every fresh gradient then moves the
+parameters as far as in a Synchronous step: its 1/n of a mean of n),
 and by 1 / (1 + its staleness) (staleness-aware ASGD, Zhang et al., 2016). ``"share"`` and
 ``"staleness"`` apply one of them, ``"plain"`` neither (the weighted mean as it is, the rule
 before the scaling; retune the learning rate). The factor is on the gradient (module buffers
