@@ -263,6 +263,37 @@ def test_the_default_rule_waits_the_spread_then_carries_the_late_gradient_scaled
         np.testing.assert_array_equal(step.aggregate, grad(total))
 
 
+def test_a_stale_gradient_starts_no_steps_clock_and_is_not_in_the_spread():
+    # Rank 2 missed step 2 and its gradient opens step 3 stale: the step's deadline waits for
+    # the first fresh gradient (rank 0's, answered just before), so the ranks that were just
+    # answered make it; the spread measured is the fresh gradients' only.
+    clock = Clock()
+    t = table(clock)
+    ledger = t.ledger("j", "m", 3)
+    mode = Asynchronous(timeout=0.1)
+    for rank in range(3):
+        give(t, ledger, rank, mode, 1.0)  # step 1: everyone, at once
+    for rank in (0, 1):
+        catch_up(t, ledger, rank)
+        give(t, ledger, rank, mode, 1.0)
+    clock.now = 0.2
+    t.close_due()
+    assert ledger.steps == 2 and ledger.log[-1].ranks == (0, 1)  # rank 2 missed it
+    catch_up(t, ledger, 0)
+    catch_up(t, ledger, 1)
+    assert give(t, ledger, 2, mode, 1.0, base=1).staleness == 1  # opens step 3, stale
+    assert ledger.open.first_at is None and ledger.deadline() is None
+    clock.now = 5.0
+    t.close_due()
+    assert ledger.steps == 2  # no clock: it waits for the others' fresh gradients
+    give(t, ledger, 0, mode, 1.0)
+    assert ledger.deadline() == pytest.approx(5.1)  # from rank 0's arrival
+    clock.now = 5.05
+    give(t, ledger, 1, mode, 1.0)
+    assert ledger.steps == 3 and ledger.log[-1].ranks == (0, 1, 2)
+    assert ledger.arrivals[-1] == pytest.approx((0.0, 0.05))  # the fresh ones' spread
+
+
 def test_bounded_staleness_past_its_deadline_still_waits_for_a_rank_at_the_bound():
     # The deadline passed, but closing would leave rank 1's next gradient 2 stale, over the
     # bound of 1: the step stays open until rank 1 fetched (its base moved up).
