@@ -171,12 +171,13 @@ class StepSync:
         try:
             # The answer brings the aggregates this rank lacks (with Quorum once its own step
             # closed): optimizer.step() applies them without another round trip.
-            reply, self._fetched = self._run(self._client.exchange(
+            # On this thread (its own channel): no hop to the group's loop thread.
+            reply, self._fetched = self._client.exchange_here(
                 self.mode, self.mode_epoch, self.have, weight, flat.numpy(), self.timeout,
                 self.wire, fetch_limit=FETCH_LIMIT,
                 await_step=POLL_SECONDS if self.mode.waits_for_own_step else 0.0,
                 hyper=tuple(v for _, _, v in read_hyper(self._optimizer)),
-                buffers=flat.shape[0] - self.numel))
+                buffers=flat.shape[0] - self.numel)
         except REFUSED:
             self._restore(saved)
             raise

@@ -212,7 +212,8 @@ def test_without_a_straggler_the_default_steps_hold_every_ranks_fresh_gradient(m
 
 
 def test_asynchronous_weighted_contributions_equal_the_weighted_replay():
-    reports = asyncio.run(run_modes("async", "--delays", "0,0.01,0.02,0.05",
+    # Rank 3 far later than the others' spread: the default wait closes steps without it.
+    reports = asyncio.run(run_modes("async", "--delays", "0,0.01,0.02,0.15",
                                     "--weights", "1,2,3,0.5", "--steps", "8"))
     assert_identical_and_replayed(reports)
     weights = {r: w for s in record(reports)
@@ -224,7 +225,7 @@ def test_asynchronous_weighted_contributions_equal_the_weighted_replay():
 
 def test_asynchronous_plain_scaling_applies_the_weighted_mean_as_it_is():
     # scaling="plain" restores the rule before step scaling: every factor a weight's share.
-    reports = asyncio.run(run_modes("async", "--delays", "0,0.01,0.02,0.05", "--scaling",
+    reports = asyncio.run(run_modes("async", "--delays", "0,0.01,0.02,0.15", "--scaling",
                                     "plain", "--steps", "6"))
     assert_identical_and_replayed(reports)
     steps = record(reports)
