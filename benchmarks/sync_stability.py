@@ -1,6 +1,7 @@
-"""Which step scaling keeps BoundedStaleness and Asynchronous stable at Synchronous's learning
-rate (issue 49): one host, real rank processes and a real coordinator, a straggler emulated
-by sleeping.
+"""Every sync mode against Synchronous at the same learning rate, with and without a straggler
+(issue 49: which step scaling and which wait keep BoundedStaleness and Asynchronous stable and
+as good as Synchronous): one host, real rank processes and a real coordinator, a straggler
+emulated by sleeping.
 
 The runs
     ``--ranks`` ranks (default 4) of one job; before each backward every rank sleeps
@@ -14,13 +15,17 @@ The problems (data generated here, seeded)
     ``regression``: an MLP 8-64-2 (tanh) fitting ``sin(x A) + 0.1 x B`` plus noise, 16 rows per
     rank and iteration; metric: test MSE (lower is better). ``spirals``: the demo's spirals MLP
     (hidden 64), 32 rows per rank and iteration; metric: test accuracy (higher is better).
-    ``--seeds`` runs per point (the seed picks the model's initialisation and the batches; the
-    timing differs from run to run by itself).
+    ``cnn``: a small CNN telling the orientation of noisy 12x12 gratings (4 classes,
+    :func:`gratings`), 32 images per rank and iteration; metric: test accuracy. ``--seeds``
+    runs per point (the seed picks the model's initialisation and the batches; the timing
+    differs from run to run by itself).
 
 The configurations
     Synchronous, then BoundedStaleness(``--max-staleness``) and Asynchronous with each of
     ``--scalings`` (``plain``: the weighted mean as it is; ``share``: times the step's share
-    of the live ranks; ``staleness``: each contribution over 1 + its staleness; both), and
+    of the live ranks; ``staleness``: each contribution over 1 + its staleness; both) and
+    each of ``--stale-timeouts`` (``adaptive``: the default; seconds, shown as ``@t``; ``0``:
+    no wait for one's own step, the rule before), and
     Quorum(min_ranks=n-1) with each of ``--quorum-timeouts`` (``adaptive``: the default;
     seconds). ``--modes`` picks among them.
 
@@ -28,12 +33,15 @@ What is printed (nothing asserted; ``--json`` saves it)
     Per problem, configuration: the metric of each run and their median, the median relative
     to Synchronous's (loss: ratio; accuracy: difference in points), diverged runs (a loss over
     10x Synchronous's median, or not finite; accuracy under 1.5 / classes), steps the hub
-    closed per rank iteration, the share of all gradients dropped, the fast ranks' seconds for
+    closed per rank iteration, the share of all gradients dropped, from rank 0's record of the
+    steps it applied (the hub's): their mean number of gradients, the mean staleness of those
+    gradients and the mean step scale (sum of the factors), the fast ranks' seconds for
     their iterations over Synchronous's (median; below 1: sooner), and whether every rank
     ended bitwise identical.
 
-Run: ``.venv/bin/python benchmarks/sync_stability.py --problems regression spirals
---slowdown 3`` (and ``--slowdown 1``: no straggler).
+Run: ``.venv/bin/python benchmarks/sync_stability.py --slowdown 3`` (and ``--slowdown 1``:
+no straggler; ``--step-seconds 0 --slowdown 1 --modes ...``: each mode's steps/s against
+Synchronous's, the inverse of the time column).
 """
 
 from __future__ import annotations
@@ -74,6 +82,8 @@ def make_problem(name: str, seed: int):
 
         return model, batch, nn.functional.cross_entropy, (
             torch.from_numpy(data.test.x), torch.from_numpy(data.test.y)), "accuracy"
+    if name == "cnn":
+        return cnn_problem(seed)
     rng = np.random.default_rng(12345)
     a = torch.from_numpy(rng.normal(size=(8, 2)).astype(np.float32))
     b = torch.from_numpy(rng.normal(size=(8, 2)).astype(np.float32))
@@ -92,16 +102,66 @@ def make_problem(name: str, seed: int):
         torch.Generator().manual_seed(999), 2048), "mse"
 
 
+#: The cnn problem's images: side, orientation classes, noise, rows per rank and iteration.
+CNN_SIDE, CNN_CLASSES, CNN_NOISE, CNN_ROWS = 12, 4, 1.8, 32
+
+
+def gratings(count: int, seed: int):
+    """``count`` noisy CNN_SIDE x CNN_SIDE gratings (float32, one channel) and their class: the
+    stripes' orientation, one of CNN_CLASSES angles, at a random frequency and phase."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, CNN_CLASSES, count)
+    angle = labels * np.pi / CNN_CLASSES + rng.normal(0, 0.1, count)
+    freq = rng.uniform(0.6, 1.4, count)
+    phase = rng.uniform(0, 2 * np.pi, count)
+    grid = np.arange(CNN_SIDE) - (CNN_SIDE - 1) / 2
+    yy, xx = np.meshgrid(grid, grid, indexing="ij")
+    along = (np.cos(angle)[:, None, None] * xx + np.sin(angle)[:, None, None] * yy)
+    images = np.sin(freq[:, None, None] * along + phase[:, None, None])
+    images += CNN_NOISE * rng.normal(size=images.shape)
+    return images[:, None].astype(np.float32), labels.astype(np.int64)
+
+
+def cnn_problem(seed: int):
+    """A small CNN (two 3x3 convolutions, 8 and 16 channels, global average pooling) that
+    tells the orientation of noisy gratings (:func:`gratings`); metric: test accuracy."""
+    import torch
+    from torch import nn
+
+    x, y = (torch.from_numpy(v) for v in gratings(8000, 0))
+    test = tuple(torch.from_numpy(v) for v in gratings(2000, 1))
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, CNN_CLASSES))
+
+    def batch(rank: int, world: int, i: int):
+        rows = torch.Generator().manual_seed(seed * 100_003 + rank * 10_007 + i)
+        pick = torch.randint(0, len(y), (CNN_ROWS,), generator=rows)
+        return x[pick], y[pick]
+
+    return model, batch, nn.functional.cross_entropy, test, "accuracy"
+
+
+#: Classes of each accuracy problem (a run under 1.5 / classes "diverged").
+CLASSES = {"spirals": 3, "cnn": CNN_CLASSES}
+
+
 def make_mode(config: dict):
     import gradstar
 
     if config["mode"] == "quorum":  # every rank but one; the scaling column is its timeout
         timeout = None if config["scaling"] == "adaptive" else float(config["scaling"])
         return gradstar.Quorum(config["world"] - 1, timeout=timeout)
+    # The stale modes' column is scaling[@timeout] (no @: the adaptive default).
+    scaling, _, timeout = config["scaling"].partition("@")
+    options = {"scaling": scaling, "timeout": float(timeout) if timeout else None}
     if config["mode"] == "bounded":
-        return gradstar.BoundedStaleness(config["max_staleness"], scaling=config["scaling"])
+        return gradstar.BoundedStaleness(config["max_staleness"], **options)
     if config["mode"] == "async":
-        return gradstar.Asynchronous(scaling=config["scaling"])
+        return gradstar.Asynchronous(**options)
     return gradstar.Synchronous()
 
 
@@ -140,17 +200,28 @@ def rank_main(rank: int, world: int, address: str, configs: list[dict]) -> list[
         out.append({"job": config["job"], "metric": value, "loop_s": loop,
                     "steps": stats.step if stats else config["iters"],
                     "dropped": stats.dropped if stats else 0,
+                    "staleness": _mean(stats.step_staleness) if stats else 0.0,
+                    "scale": (statistics.fmean(e.scale for e in stats.recent_steps)
+                              if stats and stats.recent_steps else 1.0),
+                    "sizes": (_mean(stats.step_sizes) if stats else world),
                     "sha": hashlib.sha256(flat.tobytes()).hexdigest()})
         pg.close()
     return out
+
+
+def _mean(counts) -> float:
+    """The mean of a Counter of values (0 when empty)."""
+    total = sum(counts.values())
+    return sum(v * c for v, c in counts.items()) / total if total else 0.0
 
 
 def configurations(args) -> list[dict]:
     configs = []
     for problem in args.problems:
         for seed in range(args.seeds):
-            modes = [("sync", "plain")] + [(m, s) for m in ("bounded", "async")
-                                            if m in args.modes for s in args.scalings]
+            modes = [("sync", "plain")] + [
+                (m, s if t == "adaptive" else f"{s}@{t}") for m in ("bounded", "async")
+                if m in args.modes for s in args.scalings for t in args.stale_timeouts]
             modes += [("quorum", t) for t in args.quorum_timeouts if "quorum" in args.modes]
             for mode, scaling in modes:
                 configs.append({
@@ -171,15 +242,17 @@ def report(configs: list[dict], results: list[list[dict]], ranks: int) -> tuple[
             "metric": per_rank[0]["metric"], "steps": per_rank[0]["steps"] / config["iters"],
             "fast_s": statistics.median(r["loop_s"] for r in per_rank[:-1]),
             "dropped": sum(r["dropped"] for r in per_rank) / (config["iters"] * len(per_rank)),
-            "identical": len({r["sha"] for r in per_rank}) == 1})
+            "identical": len({r["sha"] for r in per_rank}) == 1,
+            "staleness": per_rank[0]["staleness"], "scale": per_rank[0]["scale"],
+            "sizes": per_rank[0]["sizes"]})
     for (problem, mode, scaling), got in runs.items():
         sync = runs[(problem, "sync", "plain")]
         ref = statistics.median(r["metric"] for r in sync)
         ref_s = statistics.median(r["fast_s"] for r in sync)
         values = [r["metric"] for r in got]
         mid = statistics.median(values)
-        if problem == "spirals":
-            diverged = sum(v < 1.5 / 3 for v in values)
+        if problem in CLASSES:
+            diverged = sum(v < 1.5 / CLASSES[problem] for v in values)
             versus = f"{100 * (mid - ref):+.1f} pt"
         else:
             diverged = sum(not math.isfinite(v) or v > 10 * ref for v in values)
@@ -190,14 +263,19 @@ def report(configs: list[dict], results: list[list[dict]], ranks: int) -> tuple[
                      "fast_s_ratio": fast,
                      "steps_per_iter": statistics.median(r["steps"] for r in got),
                      "dropped": statistics.median(r["dropped"] for r in got),
+                     "staleness": statistics.median(r["staleness"] for r in got),
+                     "scale": statistics.median(r["scale"] for r in got),
+                     "sizes": statistics.median(r["sizes"] for r in got),
                      "identical": all(r["identical"] for r in got)})
         table.append([problem, mode, scaling if mode != "sync" else "-",
                       " ".join(f"{v:.4g}" for v in values), f"{mid:.4g}", versus,
                       f"{diverged}/{len(values)}", f"{rows[-1]['steps_per_iter']:.2f}",
-                      f"{100 * rows[-1]['dropped']:.0f}%",
+                      f"{100 * rows[-1]['dropped']:.0f}%", f"{rows[-1]['sizes']:.2f}",
+                      f"{rows[-1]['staleness']:.2f}", f"{rows[-1]['scale']:.2f}",
                       f"{fast:.2f}", "yes" if rows[-1]["identical"] else "NO"])
-    return format_table(["problem", "mode", "scaling", "metric per run", "median", "vs sync",
-                         "diverged", "steps/iter", "dropped", "fast s / sync",
+    return format_table(["problem", "mode", "scaling[@timeout]", "metric per run", "median",
+                         "vs sync", "diverged", "steps/iter", "dropped", "grads/step",
+                         "staleness", "scale", "fast s / sync",
                          "replicas equal"],
                         table), rows
 
@@ -205,12 +283,15 @@ def report(configs: list[dict], results: list[list[dict]], ranks: int) -> tuple[
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--problems", nargs="+", choices=["regression", "spirals"],
-                        default=["regression", "spirals"])
-    parser.add_argument("--modes", nargs="+", choices=["bounded", "async", "quorum"],
+    parser.add_argument("--problems", nargs="+", choices=["regression", "spirals", "cnn"],
+                        default=["regression", "spirals", "cnn"])
+    parser.add_argument("--modes", nargs="*", choices=["bounded", "async", "quorum"],
                         default=["bounded", "async", "quorum"],
                         help="besides Synchronous, which is always run")
     parser.add_argument("--scalings", nargs="+", choices=SCALINGS, default=list(SCALINGS))
+    parser.add_argument("--stale-timeouts", nargs="+", default=["adaptive"],
+                        help="BoundedStaleness' and Asynchronous' timeouts: seconds (0: the "
+                        "rule before the wait for one's own step), or adaptive")
     parser.add_argument("--quorum-timeouts", nargs="+", default=["adaptive", "0"],
                         help="Quorum(min_ranks=n-1)'s timeouts: seconds, or adaptive")
     parser.add_argument("--seeds", type=int, default=3)
@@ -222,11 +303,15 @@ def main() -> int:
     parser.add_argument("--lr-spirals", type=float, default=0.05)
     parser.add_argument("--iters-regression", type=int, default=60)
     parser.add_argument("--iters-spirals", type=int, default=300)
+    parser.add_argument("--lr-cnn", type=float, default=0.05)  # Synchronous's best
+    parser.add_argument("--iters-cnn", type=int, default=300)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds in all")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
-    args.lr = {"regression": args.lr_regression, "spirals": args.lr_spirals}
-    args.iters = {"regression": args.iters_regression, "spirals": args.iters_spirals}
+    args.lr = {"regression": args.lr_regression, "spirals": args.lr_spirals,
+               "cnn": args.lr_cnn}
+    args.iters = {"regression": args.iters_regression, "spirals": args.iters_spirals,
+                  "cnn": args.iters_cnn}
     configs = configurations(args)
     started = time.monotonic()
     with CoordinatorProcess(shards=0) as hub:

@@ -23,6 +23,7 @@ and trailing metadata (what :func:`gradstar.transport.status.error_from_rpc` tra
 from __future__ import annotations
 
 import queue
+import time
 
 import grpc
 
@@ -60,10 +61,11 @@ class CallerStream:
     """A Collective stream on its own completion queue, driven by the one thread that sends and
     reads (:meth:`end` may come from any thread). See the module docstring."""
 
-    def __init__(self, channel: grpc.Channel, method: str, metadata) -> None:
+    def __init__(self, channel: grpc.Channel, method: str, metadata,
+                 deadline: float | None = None) -> None:
         metadata = tuple(metadata or ())
         self._call = channel._channel.segregated_call(
-            cygrpc.PropagationConstants.GRPC_PROPAGATE_DEFAULTS, method.encode(), None, None,
+            cygrpc.PropagationConstants.GRPC_PROPAGATE_DEFAULTS, method.encode(), None, deadline,
             metadata, None,
             (((cygrpc.SendInitialMetadataOperation(metadata, 0),
                cygrpc.ReceiveStatusOnClientOperation(0)), _STATUS),
@@ -106,6 +108,12 @@ class CallerStream:
         while _SEND in self._due:  # one message in flight at a time
             self._next()
         self._start(cygrpc.SendMessageOperation(message, 0), _SEND)
+
+    def done_sending(self) -> None:
+        """Half-close: the hub's reader sees the end of the request stream."""
+        while _SEND in self._due:
+            self._next()
+        self._start(cygrpc.SendCloseFromClientOperation(0), _SEND)
 
     def read(self) -> bytes | None:
         """The next message from the hub; None once the call ended with an OK status.
@@ -150,15 +158,20 @@ class QueuedStream:
     """gRPC's public blocking Collective stream: its own thread writes what is queued here; the
     caller reads the answers (the fallback of :func:`open_stream`)."""
 
-    def __init__(self, channel: grpc.Channel, method: str, metadata) -> None:
+    def __init__(self, channel: grpc.Channel, method: str, metadata,
+                 deadline: float | None = None) -> None:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        timeout = None if deadline is None else max(0.0, deadline - time.time())
         self.call = channel.stream_stream(method)(iter(self._requests.get, None),
-                                                  metadata=metadata)
+                                                  metadata=metadata, timeout=timeout)
         #: Why :meth:`end` ended the stream from outside (None: it did not).
         self.ended_by: Exception | None = None
 
     def send(self, message: bytes) -> None:
         self._requests.put(message)
+
+    def done_sending(self) -> None:
+        self._requests.put(None)
 
     def read(self) -> bytes | None:
         """The next message from the hub; None once the call ended with an OK status.
@@ -191,13 +204,14 @@ def caller_streams_supported(channel: grpc.Channel) -> bool:
     return cygrpc is not None and hasattr(getattr(channel, "_channel", None), "segregated_call")
 
 
-def open_stream(channel: grpc.Channel, method: str,
-                metadata) -> BlockingStream:
-    """A blocking Collective stream on ``channel``: a :class:`CallerStream` where this grpcio
-    allows, else a :class:`QueuedStream`."""
+def open_stream(channel: grpc.Channel, method: str, metadata,
+                deadline: float | None = None) -> BlockingStream:
+    """A blocking stream on ``channel`` (a Collective's, or a Steps Contribute's, which ends
+    its requests with ``done_sending``; ``deadline``: seconds since the epoch, None: none): a
+    :class:`CallerStream` where this grpcio allows, else a :class:`QueuedStream`."""
     if caller_streams_supported(channel):
-        return CallerStream(channel, method, metadata)
-    return QueuedStream(channel, method, metadata)
+        return CallerStream(channel, method, metadata, deadline)
+    return QueuedStream(channel, method, metadata, deadline)
 
 
 __all__ = ["BlockingStream", "CallerStream", "QueuedStream", "StreamStatus",

@@ -5,6 +5,7 @@ each call under a deadline. An asyncio object; :class:`~.sync.StepSync` drives i
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -15,13 +16,22 @@ from gradstar.errors import ProtocolError, StepTimeoutError
 from gradstar.proto.v1 import steps_pb2 as pb
 from gradstar.proto.v1 import steps_pb2_grpc
 from gradstar.sync_modes import SyncMode
-from gradstar.transport.channels import PART_BYTES, call_metadata, open_channel
+from gradstar.transport.channels import (
+    PART_BYTES,
+    call_metadata,
+    open_blocking_channel,
+    open_channel,
+)
 from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
 from gradstar.wire.chunks import split_parts
 from gradstar.wire.formats import WIRE_NONE, WireFormat, decode_into, encode, format_from_wire
 
+from ..collective.caller_stream import open_stream
+
 #: Longest one Fetch or Synchronize waits on the hub; the client asks again until its deadline.
 POLL_SECONDS = 5.0
+#: The Contribute method's path (the caller's-thread stream names it).
+CONTRIBUTE = "/gradstar.proto.v1.Steps/Contribute"
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,8 @@ class StepsClient:
         self._channel = open_channel(settings, address, bulk=True)
         self._stub = steps_pb2_grpc.StepsStub(self._channel)
         self._metadata = call_metadata(settings)
+        #: The caller's-thread channel of :meth:`exchange_here` (made at its first call).
+        self._blocking: grpc.Channel | None = None
         self.key = pb.StepsKey(job=job, model=model, rank=rank, generation=generation,
                                member_id=member_id)
         #: Payload bytes sent and received.
@@ -89,6 +101,49 @@ class StepsClient:
         ``buffers``: how many trailing values of ``grad`` are module buffers (never scaled).
         None instead of aggregates: not asked for, or the hub lacks some (:meth:`fetch` then
         says why)."""
+        header, data = self._contribution(mode, mode_epoch, base, weight, grad, wire,
+                                          fetch_limit, await_step, hyper, buffers)
+        call = self._stub.Contribute(_parts(pb.ContributionPart, header, data),
+                                     timeout=timeout, metadata=self._metadata)
+        head, got = await self._call(self._read_steps(call, "Contribute"),
+                                     "contributing a gradient", timeout)
+        return self._verdict(head, got, data)
+
+    def exchange_here(self, mode: SyncMode, mode_epoch: int, base: int, weight: float,
+                      grad: np.ndarray, timeout: float, wire: WireFormat | None = None,
+                      fetch_limit: int = 0, await_step: float = 0.0,
+                      hyper: tuple[float, ...] = (), buffers: int = 0,
+                      ) -> tuple[pb.Contributed, Aggregates | None]:
+        """:meth:`exchange` on the caller's own thread (blocking; no hop to the event loop:
+        its own channel and completion queue, as the direct lane's collectives)."""
+        header, data = self._contribution(mode, mode_epoch, base, weight, grad, wire,
+                                          fetch_limit, await_step, hyper, buffers)
+        if self._blocking is None:
+            self._blocking = open_blocking_channel(self.settings, self.address)
+        stream = open_stream(self._blocking, CONTRIBUTE, self._metadata, time.time() + timeout)
+        try:
+            pieces = split_parts(data, PART_BYTES)
+            stream.send(pb.ContributionPart(header=header,
+                                            data=next(pieces, b"")).SerializeToString())
+            for piece in pieces:
+                stream.send(pb.ContributionPart(data=piece).SerializeToString())
+            stream.done_sending()
+            first = stream.read()
+            if first is None:
+                raise ProtocolError("a steps Contribute answer ended before its header")
+            head = pb.StepsPart.FromString(first).header
+            got = None
+            if head.ready:
+                got = self._assemble(head, (pb.StepsPart.FromString(part).data
+                                            for part in iter(stream.read, None)), "Contribute")
+        except grpc.RpcError as rpc:
+            raise self._error(rpc, "contributing a gradient", timeout) from None
+        finally:
+            stream.close()
+        return self._verdict(head, got, data)
+
+    def _contribution(self, mode, mode_epoch, base, weight, grad, wire, fetch_limit,
+                      await_step, hyper, buffers) -> tuple[pb.ContributionHeader, bytes]:
         header = pb.ContributionHeader(key=self.key, mode=mode.message(), mode_epoch=mode_epoch,
                                        numel=grad.shape[0], base=base, weight=weight,
                                        wire=WIRE_NONE if wire is None else wire.wire,
@@ -97,10 +152,10 @@ class StepsClient:
                                        buffer_numel=buffers)
         data = (np.ascontiguousarray(grad, dtype="<f4").tobytes() if wire is None
                 else encode(wire, grad))
-        call = self._stub.Contribute(_parts(pb.ContributionPart, header, data),
-                                     timeout=timeout, metadata=self._metadata)
-        head, got = await self._call(self._read_steps(call, "Contribute"),
-                                     "contributing a gradient", timeout)
+        return header, data
+
+    def _verdict(self, head: pb.StepsHeader, got: Aggregates | None,
+                 data: bytes) -> tuple[pb.Contributed, Aggregates | None]:
         self.bytes_sent += len(data)
         if not head.HasField("contributed"):
             raise ProtocolError("a steps Contribute answer carried no verdict")
@@ -209,19 +264,31 @@ class StepsClient:
         if not head.ready:
             call.cancel()
             return head, None
+        chunks, total, most = [], 0, _answer_bytes(head)
+        async for part in parts:  # never held past what the header announced
+            total += len(part.data)
+            if total > most:
+                raise ProtocolError(f"a steps {what} answer carried more data than it announced")
+            chunks.append(part.data)
+        return head, self._assemble(head, chunks, what)
+
+    def _assemble(self, head: pb.StepsHeader, chunks: Iterable[bytes],
+                  what: str) -> Aggregates:
+        """The aggregates a ready answer's ``head`` announced, from its data parts (read as
+        they are consumed)."""
         values = np.empty((len(head.records), head.numel), dtype="<f4")
         if values.size == 0:  # nothing closed since ``have``: no data parts follow
-            return head, Aggregates(head.steps, list(head.records), values)
+            return Aggregates(head.steps, list(head.records), values)
         fmt = format_from_wire(head.wire)
         each = 4 * head.numel if fmt is None else fmt.encoded_nbytes(head.numel)
         raw = values.reshape(-1) if fmt is None else np.empty(each * len(head.records), np.uint8)
         view = memoryview(raw).cast("B")
         filled = 0
-        async for part in parts:
-            n = len(part.data)
+        for data in chunks:
+            n = len(data)
             if filled + n > len(view):
                 raise ProtocolError(f"a steps {what} answer carried more data than it announced")
-            view[filled:filled + n] = part.data
+            view[filled:filled + n] = data
             filled += n
         if filled != len(view):
             raise ProtocolError(f"a steps {what} answer announced {len(head.records)} aggregates "
@@ -230,21 +297,32 @@ class StepsClient:
             for i, row in enumerate(values):
                 decode_into(fmt, raw[i * each:(i + 1) * each], row)
         self.bytes_received += filled
-        return head, Aggregates(head.steps, list(head.records),
-                                values.astype(np.float32, copy=False))
+        return Aggregates(head.steps, list(head.records), values.astype(np.float32, copy=False))
 
     async def _call(self, awaitable, what: str, timeout: float):
         try:
             return await awaitable
         except grpc.RpcError as rpc:
-            if rpc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not (
-                    is_coordinator_verdict(rpc)):
-                raise StepTimeoutError(f"Timed out: {what} got no answer from {self.address} "
-                                       f"within {timeout:g} s") from None
-            raise error_from_rpc(rpc, what, self.address) from None
+            raise self._error(rpc, what, timeout) from None
+
+    def _error(self, rpc: grpc.RpcError, what: str, timeout: float) -> Exception:
+        """The gradstar error a failed call names (a deadline the hub did not set: timeout)."""
+        if rpc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not is_coordinator_verdict(rpc):
+            return StepTimeoutError(f"Timed out: {what} got no answer from {self.address} "
+                                    f"within {timeout:g} s")
+        return error_from_rpc(rpc, what, self.address)
 
     async def close(self) -> None:
+        if self._blocking is not None:
+            self._blocking.close()
         await self._channel.close()
+
+
+def _answer_bytes(head: pb.StepsHeader) -> int:
+    """The data bytes a ready answer's header announces."""
+    fmt = format_from_wire(head.wire)
+    each = 4 * head.numel if fmt is None else fmt.encoded_nbytes(head.numel)
+    return each * len(head.records)
 
 
 async def _poll(ask, timeout: float, timed_out: str):

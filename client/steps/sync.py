@@ -7,10 +7,12 @@ How one training step runs (the loop stays ``zero_grad / forward / backward / op
    flat float32 vector, with a weight) go to the hub, computed on the
    parameters after ``have`` aggregates. The hub answers which step they joined (or that they
    were dropped: computed on parameters the group has moved past) and, in the same answer,
-   every aggregate closed after ``have``: one round trip per training step. With Quorum the
-   answer first waits until the step the gradient joined has closed; BoundedStaleness and
-   Asynchronous never wait for it (a rank's next gradient closes its previous step on the hub;
-   BoundedStaleness holds a fast rank's call only while a live rank would fall past the bound).
+   every aggregate closed after ``have``: one round trip per training step. The answer first
+   waits until the step the gradient joined has closed (``SyncMode.waits_for_own_step``:
+   Quorum, and BoundedStaleness and Asynchronous unless ``timeout=0``; the hub closes their
+   steps at a deadline); with ``timeout=0`` those two never wait for it (a rank's next gradient
+   closes its previous step on the hub; BoundedStaleness holds a fast rank's call only while a
+   live rank would fall past the bound).
 2. ``optimizer.step()`` is :meth:`StepSync.catch_up`: it applies the aggregates that answer
    brought, in order (fetching more only if the answer could not carry them all): their
    values into ``.grad``, then the optimizer's own ``step()``.
@@ -169,12 +171,13 @@ class StepSync:
         try:
             # The answer brings the aggregates this rank lacks (with Quorum once its own step
             # closed): optimizer.step() applies them without another round trip.
-            reply, self._fetched = self._run(self._client.exchange(
+            # On this thread (its own channel): no hop to the group's loop thread.
+            reply, self._fetched = self._client.exchange_here(
                 self.mode, self.mode_epoch, self.have, weight, flat.numpy(), self.timeout,
                 self.wire, fetch_limit=FETCH_LIMIT,
                 await_step=POLL_SECONDS if self.mode.waits_for_own_step else 0.0,
                 hyper=tuple(v for _, _, v in read_hyper(self._optimizer)),
-                buffers=flat.shape[0] - self.numel))
+                buffers=flat.shape[0] - self.numel)
         except REFUSED:
             self._restore(saved)
             raise
@@ -220,9 +223,9 @@ class StepSync:
             self._feedback.restore(RESIDUAL_KEY, saved)
 
     def catch_up(self) -> None:
-        """Apply the aggregates the last contribution's answer brought (with Quorum they
-        include the step it joined); fetch only what that answer lacked (too many to carry, no
-        answer yet, or a Quorum step still open: then wait for it).
+        """Apply the aggregates the last contribution's answer brought (in a mode that waits
+        for its own step they include the step it joined); fetch only what that answer lacked
+        (too many to carry, no answer yet, or its step still open: then wait for it).
 
         Raises:
             StepTimeoutError: the step did not close within the timeout.

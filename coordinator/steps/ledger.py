@@ -11,13 +11,14 @@ One ledger per (job, model). Protocol, per rank:
    of a rank to one step, a base from the future, another size, mode or a bad weight raise
    :class:`StepMismatchError` for that rank only; the others' step is untouched.
 2. **Close**: a step closes when every live rank contributed (or waits at a barrier), or as
-   the mode allows earlier: Quorum once ``min_ranks`` contributed (fewer if fewer are live)
-   and its timeout passed since the step's first contribution (measured on the last steps'
-   arrivals, ``arrivals``, when it adapts). In the modes that *push* (Asynchronous,
-   BoundedStaleness) a rank's next gradient may arrive while its previous one is still in the
-   open step, and then closes that step (one "clock" of the fastest rank, as in SSP) — in
-   BoundedStaleness only once closing leaves no live rank's next gradient more than
-   ``max_staleness`` aggregates stale; until then that fast rank's call waits. Its
+   the mode allows earlier, at its deadline (its timeout after the first fresh contribution;
+   measured on the last steps' fresh ``arrivals`` when it adapts): Quorum once ``min_ranks``
+   contributed (fewer if fewer are live); Asynchronous and BoundedStaleness with whatever
+   arrived, BoundedStaleness only once no live rank's next gradient would be more than
+   ``max_staleness`` aggregates stale. In those two (they *push*) a rank's next gradient may
+   also arrive while its previous one is in the open step (``timeout=0``: its call did not
+   wait), and then closes that step (one "clock" of the fastest rank, as in SSP) — in
+   BoundedStaleness only within the bound; until then that fast rank's call waits. Its
    *aggregate* is the sum of its contributions, each times its factor (its weight's share,
    scaled as the mode says: :meth:`~gradstar.sync_modes.SyncMode.factors`, recorded per
    step), in rank order in float32, so it does not depend on arrival order; the hub computes
@@ -263,9 +264,8 @@ class StepLedger:
                    weight: float, data: np.ndarray, wire: int = WIRE_NONE,
                    hyper: tuple[float, ...] = (), buffers: int = 0) -> Contributed:
         """Take ``rank``'s gradient (float32: decoded from ``wire`` by the servicer; its last
-        ``buffers`` values module buffers, never scaled). In the
-        modes that push, a rank's gradient arriving while its previous one is still in the
-        open step closes that step first (see :meth:`must_wait`).
+        ``buffers`` values module buffers, never scaled). In the modes that push, a rank's
+        gradient arriving while its previous one is in the open step closes it first.
 
         Raises: as :meth:`check_header` (checked again: the ledger may have moved while the
         data arrived); HubCapacityError: holding it would pass the hub's memory bound.
@@ -291,13 +291,14 @@ class StepLedger:
         open_ = self.open
         open_.contributions[rank] = Contribution(rank, float(weight), staleness, data,
                                                  tuple(hyper))
-        now = self.host.clock()
-        if open_.first_at is None:
-            open_.first_at = now
-        open_.arrivals.append(now - open_.first_at)
+        # The clock starts at the first fresh gradient, and the spread is the fresh ones': a
+        # step a stale one opened would close before the others could come (out of phase).
+        if staleness == 0:
+            now = self.host.clock()
+            open_.first_at = now if open_.first_at is None else open_.first_at
+            open_.arrivals.append(now - open_.first_at)
         self.host.account.hold(self.job, data.nbytes)
-        state.base, state.pending = base, True
-        state.contributed += 1
+        state.base, state.pending, state.contributed = base, True, state.contributed + 1
         state.staleness[staleness] += 1
         self.staleness[staleness] += 1
         number = open_.number
@@ -309,7 +310,8 @@ class StepLedger:
         """When the open step may close without every live rank (the mode's; None: not)."""
         if self.mode is None or self.open.first_at is None:
             return None
-        return self.mode.deadline(self.open.first_at, self.arrivals)
+        return self.mode.deadline(self.open.first_at, self.arrivals,
+                                  len(self.live() | set(self.open.contributions)))
 
     def settle(self) -> None:
         """Close the open step if it may close, then complete a barrier everyone reached."""
@@ -326,10 +328,10 @@ class StepLedger:
         at_barrier = {r for r in live if self.ranks[r].barrier > self.barrier_done}
         if live <= got | at_barrier:
             return True
-        # Else as the mode says (Quorum); in the modes that push, a rank's next gradient
-        # closes it.
-        return self.mode.closes_early(len(got), len(live | got),
-                                      self.host.clock() - open_.first_at, self.arrivals)
+        # Else as the mode says (its deadline, from the first fresh gradient), never past the
+        # staleness bound; in the modes that push, a rank's next gradient may close it too.
+        return open_.first_at is not None and self.within_bound() and self.mode.closes_early(
+            len(got), len(live | got), self.host.clock() - open_.first_at, self.arrivals)
 
     def close(self) -> None:
         """Close the open step: its aggregate, scaled as the mode says, joins the log."""
@@ -382,7 +384,8 @@ class StepLedger:
         closed = [s for s in self.log if s.number > have]
         closed = closed[:limit] if limit else closed
         state.base, state.pending = have + len(closed), False
-        self.host.on_change()  # its newer parameters may let a bounded step close
+        self.settle()  # its newer parameters may let a bounded step past its deadline close
+        self.host.on_change()
         return closed
 
     def synchronize(self, rank: int, barrier: int,

@@ -48,9 +48,10 @@ class Contribution:
 @dataclass
 class OpenStep:
     number: int
+    #: When its first fresh (staleness 0) contribution arrived: its deadline counts from here.
     first_at: float | None = None
     contributions: dict[int, Contribution] = field(default_factory=dict)
-    #: Seconds from ``first_at`` to each contribution, in arrival order.
+    #: Seconds from ``first_at`` to each fresh contribution, in arrival order.
     arrivals: list[float] = field(default_factory=list)
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from gradstar.client.steps import StepsClient
 from gradstar.config import ClientSettings
-from gradstar.errors import AuthenticationError, ProtocolError, StepMismatchError
+from gradstar.errors import AuthenticationError, ProtocolError, StepMismatchError, StepTimeoutError
 from gradstar.proto.v1 import steps_pb2 as pb
 from gradstar.proto.v1 import steps_pb2_grpc
 from gradstar.sync_modes import Asynchronous, Quorum
@@ -223,3 +223,26 @@ async def test_a_contribution_answer_brings_the_aggregates_the_rank_lacks(coordi
     assert 0.3 - 1e-6 <= verdict.waited_seconds <= loop.time() - missed  # asyncio's timers
     assert [r.step for r in got.records] == [1]
     np.testing.assert_array_equal(got.values[0], g(3, 6))
+
+
+async def test_a_contribution_on_the_callers_thread_answers_refuses_and_times_out_as_the_loops(
+        ranks):
+    # exchange_here (DDP's path: a blocking stream on the training thread) against the same
+    # hub: the verdict and the aggregates as exchange's, a refusal named, a deadline kept.
+    r0, r1 = ranks(0), ranks(1)
+    here = asyncio.to_thread  # the caller's thread is not the loop's
+
+    first, got = await here(r0.exchange_here, QUORUM, 0, 0, 1.0, g(1, 2), T, fetch_limit=4)
+    assert (first.accepted, first.step) == (True, 1) and got.steps == 0 and not got.records
+    with pytest.raises(StepMismatchError, match="twice"):
+        await here(r0.exchange_here, QUORUM, 0, 0, 1.0, g(9, 9), T)
+    second, got = await here(r1.exchange_here, QUORUM, 0, 0, 3.0, g(5, 6), T, fetch_limit=4,
+                             await_step=5.0)
+    assert second.accepted and got.steps == 1 and list(got.records[0].ranks) == [0, 1]
+    np.testing.assert_array_equal(got.values[0], (g(1, 2) + g(5, 6) * 3) / 4)
+    assert r1.bytes_sent == 8 and r1.bytes_received == 8
+    # Step 2 waits for rank 1 (Quorum's 30 s timeout): rank 0's call, asking to wait for its
+    # step, ends at its own 0.3 s deadline with StepTimeoutError, not a hang.
+    with pytest.raises(StepTimeoutError, match=r"within 0\.3 s"):
+        await here(r0.exchange_here, QUORUM, 0, 1, 1.0, g(1, 1), 0.3, fetch_limit=4,
+                   await_step=5.0)

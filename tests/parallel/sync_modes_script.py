@@ -79,14 +79,16 @@ def state_of(ddp, model: nn.Module, opt: torch.optim.Optimizer) -> dict:
 def mode_of(args):
     import gradstar
 
+    timeout = args.timeout or ("0" if args.mode == "quorum" else "adaptive")
+    timeout = None if timeout == "adaptive" else float(timeout)
     if args.mode == "quorum":
-        return gradstar.Quorum(min_ranks=args.min_ranks, timeout=None if (
-            args.timeout == "adaptive") else float(args.timeout))
-    scaling = {} if args.scaling is None else {"scaling": args.scaling}
+        return gradstar.Quorum(min_ranks=args.min_ranks, timeout=timeout)
+    options = {"timeout": timeout} if args.scaling is None else {"scaling": args.scaling,
+                                                                   "timeout": timeout}
     if args.mode == "bounded":
-        return gradstar.BoundedStaleness(max_staleness=args.max_staleness, **scaling)
+        return gradstar.BoundedStaleness(max_staleness=args.max_staleness, **options)
     if args.mode == "async":
-        return gradstar.Asynchronous(**scaling)
+        return gradstar.Asynchronous(**options)
     return gradstar.Synchronous()
 
 
@@ -220,7 +222,8 @@ def main() -> None:
     parser.add_argument("mode", choices=["quorum", "bounded", "async", "sync"])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--min-ranks", type=int, default=3)
-    parser.add_argument("--timeout", default="0", help="Quorum's: seconds, or adaptive")
+    parser.add_argument("--timeout", default=None, help="the mode's timeout: seconds, or "
+                        "adaptive (default: Quorum 0, the others adaptive)")
     parser.add_argument("--max-staleness", type=int, default=2)
     parser.add_argument("--scaling", default=None, help="the ledger modes' step scaling "
                         "(default: the mode's)")

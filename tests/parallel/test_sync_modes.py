@@ -188,8 +188,32 @@ def test_bounded_staleness_stays_within_its_bound_and_replicas_agree():
     assert max(every) >= 1  # the slow rank's gradients were stale: the bound was exercised
 
 
+def stale_share(steps: list[dict]) -> float:
+    """The share of the record's gradients that were stale when they joined their step."""
+    every = [s for step in steps for s in step["staleness"]]
+    return sum(s > 0 for s in every) / len(every)
+
+
+@pytest.mark.parametrize("mode", ["async", "bounded"])
+def test_without_a_straggler_the_default_steps_hold_every_ranks_fresh_gradient(mode):
+    # Equal ranks: the default (adaptive timeout) waits the ranks' own spread, so steps hold
+    # every rank's gradient on current parameters, as Synchronous's; with timeout=0 a rank's
+    # next gradient closes its previous step, and all but each step's last arrival come one
+    # step stale (what left the stale modes behind Synchronous without a straggler).
+    delays = ("--delays", "0.02,0.02,0.02,0.02", "--steps", "10")
+    waited = asyncio.run(run_modes(mode, *delays))
+    assert_identical_and_replayed(waited)
+    pushed = asyncio.run(run_modes(mode, "--timeout", "0", *delays))
+    assert_identical_and_replayed(pushed)
+    fresh, stale = stale_share(record(waited)), stale_share(record(pushed))
+    assert fresh <= 0.3 < 0.5 <= stale, (fresh, stale)
+    full = [s for s in record(waited) if len(s["ranks"]) == WORLD]
+    assert len(full) >= len(record(waited)) // 2
+
+
 def test_asynchronous_weighted_contributions_equal_the_weighted_replay():
-    reports = asyncio.run(run_modes("async", "--delays", "0,0.01,0.02,0.05",
+    # Rank 3 far later than the others' spread: the default wait closes steps without it.
+    reports = asyncio.run(run_modes("async", "--delays", "0,0.01,0.02,0.15",
                                     "--weights", "1,2,3,0.5", "--steps", "8"))
     assert_identical_and_replayed(reports)
     weights = {r: w for s in record(reports)
@@ -201,7 +225,7 @@ def test_asynchronous_weighted_contributions_equal_the_weighted_replay():
 
 def test_asynchronous_plain_scaling_applies_the_weighted_mean_as_it_is():
     # scaling="plain" restores the rule before step scaling: every factor a weight's share.
-    reports = asyncio.run(run_modes("async", "--delays", "0,0.01,0.02,0.05", "--scaling",
+    reports = asyncio.run(run_modes("async", "--delays", "0,0.01,0.02,0.15", "--scaling",
                                     "plain", "--steps", "6"))
     assert_identical_and_replayed(reports)
     steps = record(reports)

@@ -127,7 +127,7 @@ def test_quorums_adaptive_timeout_is_twice_the_recent_spread_to_min_ranks():
     late = give(t, ledger, 2, mode, 3.0, base=0)  # rank 2 computed before step 1 closed
     assert not late.accepted and ledger.ranks[2].dropped == 1
     # A fixed timeout ignores the spread.
-    assert Quorum(2, 0.5).deadline(1.0, ledger.arrivals) == 1.5
+    assert Quorum(2, 0.5).deadline(1.0, ledger.arrivals, 3) == 1.5
     assert Quorum(2).wait([(0.0, 0.1), (0.0, 0.3), (0.0, 0.2), (0.0,)]) == pytest.approx(0.4)
 
 
@@ -160,7 +160,8 @@ def test_zero_weights_make_a_zero_aggregate():
 def test_asynchronous_a_ranks_next_gradient_closes_the_step_its_previous_one_is_in():
     t = table()
     ledger = t.ledger("j", "m", 3)
-    mode = Asynchronous(scaling="plain")  # the weighted mean as it is
+    # timeout=0: a rank does not wait for its own step (the rule before the adaptive wait).
+    mode = Asynchronous(scaling="plain", timeout=0)  # the weighted mean as it is
     give(t, ledger, 0, mode, 1.0)
     give(t, ledger, 1, mode, 3.0)
     assert ledger.steps == 0  # rank 2 has not contributed: nobody pushed yet
@@ -205,7 +206,7 @@ BY_HAND = {
 def test_each_steps_scaling_is_the_hand_computed_one_for_a_fixed_schedule(make, scaling):
     t = table()
     ledger = t.ledger("j", "m", 3)
-    schedule(t, ledger, make(scaling=scaling))
+    schedule(t, ledger, make(scaling=scaling, timeout=0))  # the pushes close the steps
     values = [(1.0, 3.0), (5.0, 7.0), (9.0, 1.0, 1.0)]
     assert [s.ranks for s in ledger.log] == [(0, 1), (0, 2), (0, 1, 2)]
     assert [s.staleness for s in ledger.log] == [(0, 0), (1, 1), (1, 0, 0)]
@@ -217,17 +218,115 @@ def test_each_steps_scaling_is_the_hand_computed_one_for_a_fixed_schedule(make, 
         np.testing.assert_array_equal(step.aggregate, np.full(N, expected, np.float32))
 
 
+@pytest.mark.parametrize("make", [Asynchronous, lambda: BoundedStaleness(2)])
+def test_the_default_rule_waits_the_spread_then_carries_the_late_gradient_scaled_by_hand(make):
+    # The defaults (adaptive timeout, share+staleness) for a fixed schedule of arrivals of 3
+    # ranks: step 1 waits for every rank (nothing measured yet); rank 2 is then 1 s late,
+    # past twice the others' spread to their 2nd gradient (0.1 s): step 2 closes at 0.2 s
+    # without it, and its gradient joins step 3, two steps stale (steps 1 and 2 closed).
+    clock = Clock()
+    t = table(clock)
+    ledger = t.ledger("j", "m", 3)
+    mode = make()
+    for rank, at, value in ((0, 0.0, 1.0), (1, 0.1, 3.0), (2, 0.2, 5.0)):
+        clock.now = at
+        give(t, ledger, rank, mode, value)
+        assert ledger.steps == (1 if rank == 2 else 0)  # no deadline before step 1 closed
+    assert ledger.arrivals[-1] == pytest.approx((0.0, 0.1, 0.2))
+    for rank, at in ((0, 1.0), (1, 1.1)):
+        clock.now = at
+        catch_up(t, ledger, rank)
+        give(t, ledger, rank, mode, 2.0 + rank)
+    assert ledger.deadline() == pytest.approx(1.2)  # 1.0 + 2 x 0.1
+    clock.now = 1.19
+    t.close_due()
+    assert ledger.steps == 1
+    clock.now = 1.21
+    t.close_due()
+    assert ledger.steps == 2 and ledger.log[-1].ranks == (0, 1)
+    clock.now = 2.0
+    late = give(t, ledger, 2, mode, 7.0, base=0)  # computed before step 1 closed
+    assert late == Contributed(True, 3, 2)  # carried, 2 steps stale (steps 1 and 2 closed)
+    for rank, at in ((0, 2.05), (1, 2.1)):
+        clock.now = at
+        catch_up(t, ledger, rank)
+        give(t, ledger, rank, mode, 1.0)
+    assert ledger.steps == 3 and ledger.log[-1].ranks == (0, 1, 2)
+    # Factors by hand: weight share (1/k) x share of the live ranks (k/3) / (1 + staleness).
+    expected = [(1 / 3, 1 / 3, 1 / 3), (1 / 3, 1 / 3), (1 / 3, 1 / 3, 1 / 3 / 3)]
+    assert [s.staleness for s in ledger.log] == [(0, 0, 0), (0, 0), (0, 0, 2)]
+    values = [(1.0, 3.0, 5.0), (2.0, 3.0), (1.0, 1.0, 7.0)]
+    for step, factors, vs in zip(ledger.log, expected, values, strict=True):
+        assert step.factors == tuple(float(np.float32(f)) for f in factors)
+        total = np.float32(0)
+        for f, v in zip(factors, vs, strict=True):  # as the hub: float32, rank order
+            total = np.float32(total + np.float32(v) * np.float32(f))
+        np.testing.assert_array_equal(step.aggregate, grad(total))
+
+
+def test_a_stale_gradient_starts_no_steps_clock_and_is_not_in_the_spread():
+    # Rank 2 missed step 2 and its gradient opens step 3 stale: the step's deadline waits for
+    # the first fresh gradient (rank 0's, answered just before), so the ranks that were just
+    # answered make it; the spread measured is the fresh gradients' only.
+    clock = Clock()
+    t = table(clock)
+    ledger = t.ledger("j", "m", 3)
+    mode = Asynchronous(timeout=0.1)
+    for rank in range(3):
+        give(t, ledger, rank, mode, 1.0)  # step 1: everyone, at once
+    for rank in (0, 1):
+        catch_up(t, ledger, rank)
+        give(t, ledger, rank, mode, 1.0)
+    clock.now = 0.2
+    t.close_due()
+    assert ledger.steps == 2 and ledger.log[-1].ranks == (0, 1)  # rank 2 missed it
+    catch_up(t, ledger, 0)
+    catch_up(t, ledger, 1)
+    assert give(t, ledger, 2, mode, 1.0, base=1).staleness == 1  # opens step 3, stale
+    assert ledger.open.first_at is None and ledger.deadline() is None
+    clock.now = 5.0
+    t.close_due()
+    assert ledger.steps == 2  # no clock: it waits for the others' fresh gradients
+    give(t, ledger, 0, mode, 1.0)
+    assert ledger.deadline() == pytest.approx(5.1)  # from rank 0's arrival
+    clock.now = 5.05
+    give(t, ledger, 1, mode, 1.0)
+    assert ledger.steps == 3 and ledger.log[-1].ranks == (0, 1, 2)
+    assert ledger.arrivals[-1] == pytest.approx((0.0, 0.05))  # the fresh ones' spread
+
+
+def test_bounded_staleness_past_its_deadline_still_waits_for_a_rank_at_the_bound():
+    # The deadline passed, but closing would leave rank 1's next gradient 2 stale, over the
+    # bound of 1: the step stays open until rank 1 fetched (its base moved up).
+    clock = Clock()
+    t = table(clock)
+    ledger = t.ledger("j", "m", 2)
+    mode = BoundedStaleness(1, timeout=0.1)
+    give(t, ledger, 0, mode, 1.0)
+    clock.now = 0.05
+    give(t, ledger, 1, mode, 1.0)  # step 1: both
+    catch_up(t, ledger, 0)
+    give(t, ledger, 0, mode, 1.0)  # step 2 open; rank 1 still at base 0 (not fetched)
+    ledger.ranks[1].pending = False  # it is computing on base 0 (it fetched nothing)
+    clock.now = 1.0
+    t.close_due()
+    assert ledger.steps == 1  # past the deadline, held by the bound
+    catch_up(t, ledger, 1)  # rank 1 is at step 1 now: closing leaves it 1 behind
+    assert ledger.steps == 2 and ledger.log[-1].ranks == (0,)
+
+
 def test_the_default_scaling_is_the_share_of_the_live_ranks_over_one_plus_staleness():
     assert Asynchronous() == Asynchronous(scaling="share+staleness")
     assert BoundedStaleness(2) == BoundedStaleness(2, scaling="share+staleness")
     t = table()
     ledger = t.ledger("j", "m", 4)
     t.rank_gone("j", 3, "lost")  # 3 live ranks: a step of 2 of them is 2/3 of a full one
-    give(t, ledger, 0, Asynchronous(), 3.0)
-    give(t, ledger, 1, Asynchronous(), 6.0)
-    give(t, ledger, 0, Asynchronous(), 2.0, base=0)  # closes step 1; joins step 2, 1 stale
-    give(t, ledger, 2, Asynchronous(), 9.0, base=1)  # fresh
-    give(t, ledger, 0, Asynchronous(), 0.0, base=1)  # closes step 2
+    mode = Asynchronous(timeout=0)  # the default scaling; the pushes close the steps
+    give(t, ledger, 0, mode, 3.0)
+    give(t, ledger, 1, mode, 6.0)
+    give(t, ledger, 0, mode, 2.0, base=0)  # closes step 1; joins step 2, 1 stale
+    give(t, ledger, 2, mode, 9.0, base=1)  # fresh
+    give(t, ledger, 0, mode, 0.0, base=1)  # closes step 2
     third = np.float32(1 / 3)
     np.testing.assert_array_equal(ledger.log[0].aggregate, grad(
         np.float32(3.0) * third + np.float32(6.0) * third))
@@ -244,7 +343,7 @@ def test_module_buffers_after_the_gradient_are_averaged_never_scaled():
     # ranks scales the gradient by 1/2 and keeps the buffers' mean as it is.
     t = table()
     ledger = t.ledger("j", "m", 2)
-    mode = Asynchronous()
+    mode = Asynchronous(timeout=0)
     data = np.array([4.0, 8.0, 10.0, 3.0], np.float32)
     ledger.contribute(0, mode, 0, 0, 1.0, data, buffers=2)
     ledger.contribute(0, mode, 0, 0, 1.0, data, buffers=2)  # its push closes step 1 alone
@@ -256,7 +355,7 @@ def test_module_buffers_after_the_gradient_are_averaged_never_scaled():
 def test_bounded_staleness_waits_for_a_rank_that_would_fall_too_far_behind():
     t = table()
     ledger = t.ledger("j", "m", 2)
-    mode = BoundedStaleness(max_staleness=2)
+    mode = BoundedStaleness(max_staleness=2, timeout=0)  # pushes: no wait for its own step
     give(t, ledger, 0, mode, 1.0)
     for expected in (1, 2):  # rank 0 runs ahead twice; rank 1 computes on base 0
         assert not ledger.must_wait(0)
@@ -275,7 +374,7 @@ def test_bounded_staleness_never_exceeds_its_bound_under_a_random_schedule():
     for bound in (0, 1, 3):
         t = table()
         ledger = t.ledger("j", "m", 4)
-        mode = BoundedStaleness(max_staleness=bound)
+        mode = BoundedStaleness(max_staleness=bound, timeout=0)
         joined: dict[int, int] = {}  # rank -> step its gradient joined, until it catches up
         for _ in range(400):
             rank = rng.randrange(4)  # the next rank to act, at random
@@ -376,8 +475,10 @@ def test_a_mode_switches_only_at_a_barrier_every_live_rank_asked_it_at():
     assert ledger.synchronize(0, 2, Asynchronous()) == outcome  # asked again: the same
     with pytest.raises(StepMismatchError, match="switch"):
         ledger.contribute(0, Asynchronous(), 0, ledger.steps, 1.0, grad(1.0))
-    ledger.contribute(0, Asynchronous(), 1, ledger.steps, 1.0, grad(1.0))
-    assert list(ledger.open.contributions) == [0]
+    before = ledger.steps
+    # Taken at the new epoch (the frozen clock's spread is 0: its step closes at once).
+    assert ledger.contribute(0, Asynchronous(), 1, ledger.steps, 1.0, grad(1.0)).accepted
+    assert ledger.steps == before + 1 and ledger.log[-1].ranks == (0,)
 
 
 def test_extreme_finite_weights_give_the_exact_weighted_mean():
