@@ -668,7 +668,7 @@ def test_a_ledger_grows_with_its_job_and_counts_the_new_rank_from_its_first_call
 def test_the_summary_is_a_named_record_of_the_ledger():
     t = table()
     ledger = t.ledger("j", "m", 3)
-    schedule(t, ledger, Asynchronous(scaling="plain"))
+    schedule(t, ledger, Asynchronous(scaling="plain", timeout=0))  # the push rule
     view = ledger.summary()
     assert isinstance(view, LedgerSummary)
     assert (view.job, view.model, view.steps, view.live, view.world_size) == (
