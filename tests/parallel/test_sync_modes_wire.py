@@ -50,7 +50,9 @@ def test_a_dropped_contribution_leaves_the_residual_as_it_was_before_it(quorum_i
 
 
 def test_asynchronous_bf16_weighted_contributions_equal_the_rounded_replay():
-    reports = asyncio.run(run_modes("async", "--delays", "0,0.01,0.02,0.05",
+    # The push rule (timeout 0): a step closes without waiting for the slower ranks, whose
+    # gradients are then carried into later steps, late (by default they would be waited for).
+    reports = asyncio.run(run_modes("async", "--delays", "0,0.01,0.02,0.05", "--timeout", "0",
                                     "--weights", "1,2,3,0.5", "--steps", "8", "--wire", "bf16"))
     replayed = assert_identical_and_replayed(reports, wire="bf16")
     assert_residuals(reports, replayed)
