@@ -61,15 +61,24 @@ def past_size(state: Job, peer_address: str, host: str, hostname: str,
     member = Member(job=state.name, requested_rank=None, peer_address=peer_address,
                     host=host[:64], hostname=hostname[:255])
     member.joined = asyncio.get_running_loop().create_future()
-    if resize.takes_part(state):
-        resize.add_joiner(state, member)
-    elif undecided(state):
+    if not _route(state, member, fail):
         state.parked.append(member)
         log.info("job %r: a joiner waits until every rank said how the job takes it",
                  state.name)
+    return member
+
+
+def _route(state: Job, member: Member,
+           fail: Callable[[Generation, GradstarError], None]) -> bool:
+    """Send a joiner past the world size the way its job takes it: to the next step boundary,
+    or into the running generation at once; False while some member has not said which."""
+    if resize.takes_part(state):
+        resize.add_joiner(state, member)
+    elif undecided(state):
+        return False
     else:
         grow(state, member, fail)
-    return member
+    return True
 
 
 def undecided(state: Job) -> bool:
@@ -83,12 +92,9 @@ def declared(state: Job, fail: Callable[[Generation, GradstarError], None]) -> N
     """A member said whether it moves at step boundaries: the parked joiners go their way once
     every member has (or one said it does not)."""
     gen = state.generation
-    while state.parked and gen is not None and gen.healthy and not undecided(state):
-        member = state.parked.pop(0)
-        if resize.takes_part(state):
-            resize.add_joiner(state, member)
-        else:
-            grow(state, member, fail)
+    while (state.parked and gen is not None and gen.healthy
+           and _route(state, state.parked[0], fail)):
+        state.parked.pop(0)
 
 
 def unsaid(job: str, timeout: float) -> str:
