@@ -86,7 +86,7 @@ class AsyncProcessGroup:
         self._session = session
         session.stragglers = StragglerLog.for_group(settings, joined)
         self._metadata = call_metadata(settings)
-        self._plane = DataPlane(settings, list(joined.shards), joined.collectives)
+        self._plane = DataPlane.joined(settings, joined, self._metadata)
         #: The hub shards this generation's collectives are striped over (empty: none).
         self.shards: list[str] = self._plane.addresses
         self._seq = Seqs()
@@ -518,8 +518,7 @@ class AsyncProcessGroup:
         # The coordinator that took the rank back may be another (under --ha, the new leader).
         self.settings = self.settings.model_copy(update={"coordinator": self._session.target})
         self._channel = self._session.channel
-        old, self._plane = self._plane, DataPlane(self.settings, list(joined.shards),
-                                                  joined.collectives)
+        old, self._plane = self._plane, DataPlane.joined(self.settings, joined, self._metadata)
         self.shards = self._plane.addresses
         self._rider.keep(old.close())
         if self.direct is not None and self._submit is not None:

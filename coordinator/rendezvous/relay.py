@@ -33,7 +33,7 @@ import grpc
 
 from gradstar.errors import GradstarError, ProtocolError, RendezvousError
 from gradstar.transport.auth import check_job_access
-from gradstar.transport.relay import caller, notice
+from gradstar.transport.relay import caller, caller_host, notice
 from gradstar.transport.status import abort
 from gradstar.wire import RELAY_SERVICE
 
@@ -58,18 +58,41 @@ class RelayServicer:
     """``PeerRelay/Relay``: listen, send and accept (see the module docstring).
 
     ``members(job, generation, rank, member_id)`` binds a call to its caller (the rendezvous'
-    ``bound_member``: raises a gradstar error for anyone else).
+    ``bound_member``: raises a gradstar error for anyone else). ``punch(job, generation,
+    stripe, host, port)`` serves ``PeerRelay/Punch`` (the shard registry's: NAT traversal to a
+    hub shard, :mod:`gradstar.transport.traversal`).
     """
 
-    def __init__(self, members: Callable[[str, int, int, str], object]) -> None:
+    def __init__(self, members: Callable[[str, int, int, str], object],
+                 punch: Callable[[str, int, int, str, int], None] | None = None) -> None:
         self.members = members
+        self.punch = punch
         self._listeners: dict[tuple[str, int, int], _Listener] = {}
         #: Set (and replaced) whenever a listener opens: senders waiting for one look again.
         self._listening = asyncio.Event()
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
-            RELAY_SERVICE, {"Relay": grpc.stream_stream_rpc_method_handler(self.Relay)})
+            RELAY_SERVICE, {"Relay": grpc.stream_stream_rpc_method_handler(self.Relay),
+                            "Punch": grpc.unary_unary_rpc_method_handler(self.Punch)})
+
+    async def Punch(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """A member asks that the hub shard at stripe ``peer`` of its generation punch towards
+        the port it names (2 bytes, big-endian) on the host its request came from."""
+        try:
+            job, generation, rank, member, role, stripe = caller(context.invocation_metadata())
+            if role != "punch" or stripe < 0 or len(request) != 2:
+                raise ProtocolError("a punch names its stripe in the relay metadata (role "
+                                    "'punch') and its port in 2 bytes")
+            check_job_access(job)
+            self.members(job, generation, rank, member)
+            if self.punch is None:
+                raise RendezvousError("this coordinator has no hub shards to punch to")
+            self.punch(job, generation, stripe, caller_host(context.peer()),
+                       int.from_bytes(request, "big"))
+        except GradstarError as error:
+            await abort(context, error)
+        return b""
 
     async def Relay(self, request_iterator: AsyncIterator[bytes],
                     context: grpc.aio.ServicerContext) -> None:

@@ -34,14 +34,18 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
     def __init__(self, rendezvous: Rendezvous, heartbeat_interval: float, max_join: float,
                  collectives: str = "",
                  outbound_hosts: Callable[[str], set[str]] = lambda job: set(),
-                 leads: Callable[[int], int] = lambda seen: 0) -> None:
+                 leads: Callable[[int], int] = lambda seen: 0,
+                 traversal: Callable[[str, int, str], list[str]] = lambda j, n, h: []) -> None:
         """``outbound_hosts(job)``: the host keys of ``job`` that take no inbound connections
-        (its node-local shards the coordinator could not dial). ``leads(seen)``: the
+        (its node-local shards the coordinator could not dial). ``traversal(job, generation,
+        host)``: Joined.traversal for a member on ``host`` (the shard registry's).
+        ``leads(seen)``: the
         coordinator's leadership term if it may serve a rank that has seen term ``seen``
         (else it raises NotLeaderError or StaleCoordinatorError: ``Coordinator.leads``)."""
         self.rendezvous = rendezvous
         self.leads = leads
         self.outbound_hosts = outbound_hosts
+        self.traversal = traversal
         self.heartbeat_interval = heartbeat_interval
         self.max_join = max_join
         #: Where members send collectives (``Joined.collectives``): ``:PORT`` or empty.
@@ -95,6 +99,7 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
                 newcomers=[r for r, m in sorted(gen.members.items()) if m.newcomer],
                 min_world_size=job.min_world_size, max_world_size=job.max_world_size,
                 replay=replay, term=term,
+                traversal=self.traversal(j.job, gen.number, member.host),
             ))
             while (notice := await member.notices.get()) is not _SESSION_END:
                 if isinstance(notice, resize.Pending):

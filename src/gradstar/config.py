@@ -268,9 +268,16 @@ class ShardSettings(CoordinatorSettings):
         None, description="CA bundle to verify the coordinator with (TLS to the coordinator)")
     outbound_only: bool = Field(
         False, description="this host takes no inbound connections from other hosts (behind "
-                           "NAT, a firewall that only lets connections out): the shard serves "
-                           "its own host's ranks only. Unset, the coordinator probes the "
-                           "shard's address before it accepts it")
+                           "NAT, a firewall that only lets connections out): ranks on other "
+                           "hosts reach the shard by NAT traversal (nat_traversal), else it "
+                           "serves its own host's ranks only. Unset, the coordinator probes "
+                           "the shard's address before it accepts it")
+    nat_traversal: bool = Field(
+        True, description="if this host turns out outbound-only, let ranks on other hosts "
+                          "reach the shard through TCP hole punching, arranged by the "
+                          "coordinator (gradstar.transport.traversal); off: the shard serves "
+                          "its own host's ranks only, and their bytes across hosts go through "
+                          "the reachable hosts' shards")
 
 
 class ClientSettings(BaseSettings):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import struct
 
 from gradstar.errors import ProtocolError
+from gradstar.transport.addresses import split_host_port
 
 #: Call metadata naming the caller and the other end: (job, generation, rank, member id, role,
 #: peer rank). The job travels as UTF-8 bytes (a "-bin" key: a job name need not be ASCII).
@@ -37,6 +38,13 @@ def caller(metadata) -> tuple[str, int, int, str, str, int]:
                             "and peer in its metadata") from None
 
 
+def caller_host(peer: str | None) -> str:
+    """The host of grpc's ``ipv4:HOST:PORT`` / ``ipv6:[HOST]:PORT`` peer string ('' for
+    anything else, such as a Unix socket)."""
+    kind, _, rest = (peer or "").partition(":")
+    return split_host_port(rest)[0] if kind in ("ipv4", "ipv6") else ""
+
+
 def notice(src: int) -> bytes:
     """What the hub writes on a listener: the rank that wants a stream to it."""
     return _NOTICE.pack(src)
@@ -53,4 +61,4 @@ def read_notice(frame: bytes) -> int:
     return _NOTICE.unpack(frame)[0]
 
 
-__all__ = ["RELAY_KEYS", "caller", "notice", "read_notice", "relay_metadata"]
+__all__ = ["RELAY_KEYS", "caller", "caller_host", "notice", "read_notice", "relay_metadata"]

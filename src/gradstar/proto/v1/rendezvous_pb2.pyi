@@ -111,7 +111,7 @@ class Peer(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., hostname: _Optional[str] = ..., outbound_only: _Optional[bool] = ...) -> None: ...
 
 class Joined(_message.Message):
-    __slots__ = ("job", "generation", "rank", "world_size", "member_id", "peers", "heartbeat_interval_seconds", "shards", "peer_keys", "collectives", "replacement", "boundary", "newcomers", "min_world_size", "max_world_size", "resized", "replay", "term")
+    __slots__ = ("job", "generation", "rank", "world_size", "member_id", "peers", "heartbeat_interval_seconds", "shards", "peer_keys", "collectives", "replacement", "boundary", "newcomers", "min_world_size", "max_world_size", "resized", "replay", "term", "traversal")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class Joined(_message.Message):
     RESIZED_FIELD_NUMBER: _ClassVar[int]
     REPLAY_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
+    TRAVERSAL_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     rank: int
@@ -148,7 +149,8 @@ class Joined(_message.Message):
     resized: bool
     replay: _containers.RepeatedScalarFieldContainer[int]
     term: int
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., member_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., heartbeat_interval_seconds: _Optional[float] = ..., shards: _Optional[_Iterable[str]] = ..., peer_keys: _Optional[_Iterable[bytes]] = ..., collectives: _Optional[str] = ..., replacement: _Optional[bool] = ..., boundary: _Optional[int] = ..., newcomers: _Optional[_Iterable[int]] = ..., min_world_size: _Optional[int] = ..., max_world_size: _Optional[int] = ..., resized: _Optional[bool] = ..., replay: _Optional[_Iterable[int]] = ..., term: _Optional[int] = ...) -> None: ...
+    traversal: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., member_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., heartbeat_interval_seconds: _Optional[float] = ..., shards: _Optional[_Iterable[str]] = ..., peer_keys: _Optional[_Iterable[bytes]] = ..., collectives: _Optional[str] = ..., replacement: _Optional[bool] = ..., boundary: _Optional[int] = ..., newcomers: _Optional[_Iterable[int]] = ..., min_world_size: _Optional[int] = ..., max_world_size: _Optional[int] = ..., resized: _Optional[bool] = ..., replay: _Optional[_Iterable[int]] = ..., term: _Optional[int] = ..., traversal: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerationFailed(_message.Message):
     __slots__ = ("generation", "lost_rank", "reason", "error", "fields_json")
