@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-
 from collections.abc import Callable
 
 import grpc
