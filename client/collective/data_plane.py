@@ -21,16 +21,13 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
-import grpc
-
 from gradstar.config import ClientSettings
 from gradstar.errors import CoordinatorUnavailableError
 from gradstar.transport.addresses import split_host_port
 from gradstar.transport.channels import open_channel
 from gradstar.transport.relay import relay_metadata
-from gradstar.transport.status import error_from_rpc
 from gradstar.transport.tls_check import wait_connected
-from gradstar.transport.traversal import PUNCH_SECONDS, PunchedRoute
+from gradstar.transport.traversal import PunchedRoute, asker
 from gradstar.wire import COLLECTIVE_METHOD, PUNCH_METHOD
 
 from .targets import SharedMemoryOffer, Target
@@ -91,7 +88,9 @@ class DataPlane:
         for k, where in enumerate(traversal):
             if where and k < len(self.addresses):
                 host, port = split_host_port(where)
-                self.routes[k] = PunchedRoute((host, int(port)), self._asker(k, caller(k)))
+                self.routes[k] = PunchedRoute((host, int(port)), asker(
+                    self._coordinator_channel, PUNCH_METHOD, caller(k),
+                    f"punching through to hub shard {k}", self.collectives))
         self._channels = [
             open_channel(settings, self.routes[k].address, bulk=True, authority=address)
             if k in self.routes else open_channel(settings, address, bulk=True)
@@ -120,17 +119,6 @@ class DataPlane:
                    caller=lambda stripe: (*metadata, *relay_metadata(
                        joined.job, joined.generation, joined.rank, joined.member_id, "punch",
                        stripe)))
-
-    def _asker(self, stripe: int, metadata: tuple):
-        """What a route calls to have the coordinator make the shard dial this host back."""
-        async def ask(port: int) -> None:
-            try:
-                await self._coordinator_channel.unary_unary(PUNCH_METHOD)(
-                    port.to_bytes(2, "big"), metadata=metadata, timeout=PUNCH_SECONDS)
-            except grpc.RpcError as error:
-                raise error_from_rpc(error, f"punching through to hub shard {stripe}",
-                                     self.collectives) from None
-        return ask
 
     def start(self) -> None:
         """Open the local routes of the shards reached through NAT (on the running loop)."""

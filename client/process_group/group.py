@@ -134,6 +134,12 @@ class AsyncProcessGroup:
         return (0, 0) if e is None else (e.bytes_sent, e.bytes_received)
 
     @property
+    def peer_routes(self) -> dict[int, str]:
+        """How this rank's peer streams reach each rank it sent to: "direct", "punched" (NAT
+        traversal to an outbound-only host) or "relayed" (through the coordinator)."""
+        return {} if self._peer_endpoint is None else dict(self._peer_endpoint.routes_to)
+
+    @property
     def session(self) -> Session:
         """The rank's session with the rendezvous (its verdicts, what it tells the hub)."""
         return self._session

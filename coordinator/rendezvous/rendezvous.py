@@ -106,7 +106,7 @@ class Rendezvous:
         self, job: str, world_size: int, rank: int | None, peer_address: str, timeout: float,
         *, host: str = "", hostname: str = "", elastic: bool = False,
         outbound_only: bool = False, max_world_size: int = 0, min_world_size: int = 0,
-        moving_from=None,
+        moving_from=None, punch: str = "",
     ) -> Member:
         """Wait until the job's next generation forms; return this caller's member record.
 
@@ -121,7 +121,7 @@ class Rendezvous:
         member = self.offer(job, world_size, rank, peer_address, host=host, hostname=hostname,
                             elastic=elastic, max_world_size=max_world_size,
                             min_world_size=min_world_size, moving_from=moving_from)
-        member.outbound_only = outbound_only  # before anyone hears of its generation
+        member.outbound_only, member.punch = outbound_only, punch  # before anyone hears of it
         try:
             await asyncio.wait_for(asyncio.shield(member.joined), timeout)
         except TimeoutError:

@@ -15,7 +15,9 @@ import grpc
 from gradstar.errors import GradstarError, ProtocolError, RankFinishedError
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
 from gradstar.proto.v1 import rendezvous_pb2_grpc
+from gradstar.transport.addresses import host_port
 from gradstar.transport.auth import check_job_access
+from gradstar.transport.relay import caller_host
 from gradstar.transport.status import abort
 
 from . import elastic, resize
@@ -66,16 +68,19 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
             term = self.leads(j.rejoin.term if j.HasField("rejoin") else 0)
             timeout = min(j.timeout_seconds or self.max_join, self.max_join)
             replay: list[int] = []
+            # Where the others punch through to it, if its host turns out outbound-only.
+            punch = (host_port(caller_host(context.peer()), j.punch_port)
+                     if 0 < j.punch_port < 65536 and caller_host(context.peer()) else "")
             if j.HasField("rejoin"):
                 member, replay = await self.rendezvous.rebuilds.rejoin(claim_of(j), timeout)
-                member.outbound_only = j.outbound_only
+                member.outbound_only, member.punch = j.outbound_only, punch
             else:
                 member = await self.rendezvous.join(
                     j.job, j.world_size, j.rank if j.rank >= 0 else None, j.peer_address,
                     timeout, host=j.host, elastic=j.elastic, outbound_only=j.outbound_only,
                     max_world_size=j.max_world_size, min_world_size=j.min_world_size,
                     moving_from=j.moving_from if j.HasField("moving_from") else None,
-                    hostname=j.hostname,
+                    hostname=j.hostname, punch=punch,
                 )
         except GradstarError as error:
             await abort(context, error)
@@ -90,7 +95,8 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
                 job=j.job, generation=gen.number, rank=member.rank, world_size=gen.world_size,
                 member_id=member.member_id,
                 peers=[rpb.Peer(rank=r, address=m.peer_address, host=m.host, hostname=m.hostname,
-                                outbound_only=m.outbound_only or m.host in closed)
+                                outbound_only=m.outbound_only or m.host in closed,
+                                punch=m.punch if m.outbound_only or m.host in closed else "")
                        for r, m in sorted(gen.members.items())],
                 heartbeat_interval_seconds=self.heartbeat_interval,
                 # This member's keys only, on its own session stream (32 bytes per rank).

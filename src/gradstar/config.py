@@ -352,6 +352,12 @@ class ClientSettings(BaseSettings):
                            "avoid its shard, and a send to this rank from another host fails "
                            "at once, naming why. Where a node-local shard runs, the "
                            "coordinator's probe of it says so without this")
+    nat_traversal: bool = Field(
+        True, description="reach ranks and hub shards on outbound-only hosts of other hosts "
+                          "through TCP hole punching arranged by the coordinator "
+                          "(gradstar.transport.traversal), and let them reach this rank so "
+                          "where its host is outbound-only; off: peer streams to them go "
+                          "through the coordinator's relay")
     hierarchical: bool = Field(
         True, description="all_reduce, broadcast, all_gather and reduce_scatter in two levels "
                           "when a generation spans hosts and some host runs several ranks: the "

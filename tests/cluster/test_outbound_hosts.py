@@ -77,21 +77,27 @@ def test_outbound_only_hosts_train_through_torchrun_and_name_what_they_cannot_ta
         assert sorted(s.split(":")[0] for s in reports[0]["shards"]) == sorted(
             network.addresses[h] for h in HOSTS)
 
-        # Point to point, through gradstar worker (a node-local shard on every host), with NAT
-        # traversal off: the stripes go to host 0's shard alone, the one every host can dial.
-        out = tmp_path / "p2p"
-        out.mkdir()
-        with job_on_hosts(network, out, 1, [sys.executable, "-m",
-                                            "tests.cluster.outbound_rank", str(out)],
-                          env_for={h: {"GRADSTAR_NAT_TRAVERSAL": "0"} for h in HOSTS},
-                          ) as (procs, _):
-            got = {r["rank"]: r for r in wait_reports(out, "outbound", 3, procs, 180)}
-        assert all(r["exact"] for r in got.values())
-        assert [s.split(":")[0] for s in got[0]["shards"]] == [network.addresses["host0"]]
-        assert got[0]["received"] == [7.0] * 8  # outbound-only rank 1 -> reachable rank 0
-        # To the outbound-only rank 1, relayed: from reachable rank 0 and outbound-only rank 2.
-        assert got[1]["from_0"] == (np.arange(300_000, dtype=np.float32) % 97).tolist()
-        assert got[1]["from_2"] == [2.0] * 5
+        # Point to point, through gradstar worker (a node-local shard on every host): streams
+        # to the outbound-only rank 1 punched through to it (NAT traversal); with traversal
+        # off, relayed by the coordinator, and the stripes on host 0's shard alone, the one
+        # every host can dial.
+        for traversal, stripes, to_nat in (("1", HOSTS, "punched"), ("0", HOSTS[:1], "relayed")):
+            out = tmp_path / f"p2p-{traversal}"
+            out.mkdir()
+            with job_on_hosts(network, out, 1, [sys.executable, "-m",
+                                                "tests.cluster.outbound_rank", str(out)],
+                              env_for={h: {"GRADSTAR_NAT_TRAVERSAL": traversal} for h in HOSTS},
+                              ) as (procs, _):
+                got = {r["rank"]: r for r in wait_reports(out, "outbound", 3, procs, 180)}
+            assert all(r["exact"] for r in got.values())
+            assert sorted(s.split(":")[0] for s in got[0]["shards"]) == sorted(
+                network.addresses[h] for h in stripes), traversal
+            assert got[0]["received"] == [7.0] * 8  # outbound-only rank 1 -> reachable rank 0
+            # To the outbound-only rank 1: from reachable rank 0 and outbound-only rank 2.
+            assert got[1]["from_0"] == (np.arange(300_000, dtype=np.float32) % 97).tolist()
+            assert got[1]["from_2"] == [2.0] * 5
+            assert got[1]["routes"] == {"0": "direct"}
+            assert got[0]["routes"] == got[2]["routes"] == {"1": to_nat}, traversal
 
 
 def test_every_wrapper_trains_across_outbound_only_hosts_as_across_reachable_ones(tmp_path):

@@ -14,6 +14,7 @@ from gradstar.transport.addresses import split_host_port
 RELAY_KEYS = ("gradstar-relay-job-bin", "gradstar-relay-generation", "gradstar-relay-rank",
               "gradstar-relay-member", "gradstar-relay-role", "gradstar-relay-peer")
 _NOTICE = struct.Struct(">I")
+_PUNCH = struct.Struct(">IH")
 
 
 def relay_metadata(job: str, generation: int, rank: int, member_id: str, role: str,
@@ -50,15 +51,30 @@ def notice(src: int) -> bytes:
     return _NOTICE.pack(src)
 
 
-def read_notice(frame: bytes) -> int:
-    """The sender's rank in a listener's frame.
+def punch_notice(src: int, host: str, port: int) -> bytes:
+    """What the hub writes on a listener for NAT traversal: rank ``src`` is punching towards
+    it from ``host``:``port`` (dial it back from the punch port)."""
+    return _PUNCH.pack(src, port) + host.encode()
+
+
+def read_notice(frame: bytes) -> tuple[int, str, int]:
+    """(sender rank, host, port) of a listener's frame: host '' for a relayed stream to
+    accept, else where to punch back to.
 
     Raises:
         ProtocolError: not a notice.
     """
-    if len(frame) != _NOTICE.size:
-        raise ProtocolError(f"a relay notice is {_NOTICE.size} bytes, got {len(frame)}")
-    return _NOTICE.unpack(frame)[0]
+    if len(frame) == _NOTICE.size:
+        return _NOTICE.unpack(frame)[0], "", 0
+    if _PUNCH.size < len(frame) <= _PUNCH.size + 256:
+        src, port = _PUNCH.unpack_from(frame)
+        try:
+            return src, bytes(frame[_PUNCH.size:]).decode(), port
+        except UnicodeDecodeError:
+            pass
+    raise ProtocolError(f"a relay notice is {_NOTICE.size} bytes, or a punch notice "
+                        f"{_PUNCH.size} + a host; got {len(frame)}")
 
 
-__all__ = ["RELAY_KEYS", "caller", "caller_host", "notice", "read_notice", "relay_metadata"]
+__all__ = ["RELAY_KEYS", "caller", "caller_host", "notice", "punch_notice", "read_notice",
+           "relay_metadata"]

@@ -39,6 +39,10 @@ import socket
 import threading
 from collections.abc import Awaitable, Callable
 
+import grpc
+
+from .status import error_from_rpc
+
 log = logging.getLogger(__name__)
 
 #: How long one end keeps trying to meet the other.
@@ -270,6 +274,20 @@ class PunchedRoute:
             tunnel.close()
 
 
+def asker(channel, method: str, metadata: tuple, what: str,
+          where: str) -> Callable[[int], Awaitable[None]]:
+    """A route's ``ask``: ``PeerRelay/Punch`` (``method``) on ``channel`` (the coordinator's
+    collective port, ``where``) with ``metadata`` naming the caller and the other end; a
+    refusal raises its gradstar error, naming ``what`` was asked."""
+    async def ask(port: int) -> None:
+        try:
+            await channel.unary_unary(method)(port.to_bytes(2, "big"), metadata=metadata,
+                                              timeout=PUNCH_SECONDS)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error, what, where) from None
+    return ask
+
+
 async def _accept_from(listener: socket.socket, host: str) -> socket.socket:
     """The first connection ``listener`` takes from ``host`` (others are closed)."""
     loop = asyncio.get_running_loop()
@@ -325,4 +343,5 @@ async def answer(port: int, remote: tuple[str, int], local: tuple[str, int],
     return Tunnel(sock, server).start()
 
 
-__all__ = ["PUNCH_SECONDS", "PunchedRoute", "Tunnel", "answer", "punch", "reusable_socket"]
+__all__ = ["PUNCH_SECONDS", "PunchedRoute", "Tunnel", "answer", "asker", "punch",
+           "reusable_socket"]
