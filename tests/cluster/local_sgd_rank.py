@@ -1,7 +1,7 @@
 """A rank of the DiLoCo resize test across hosts, started by ``gradstar worker`` on a host of
 the emulated cluster: ``tests/parallel/local_sgd_script.py elastic ...``; host N's rank asks
-for rank N and trains as ``--ident N``, its printed lines saved to ``OUT/linesIDENT.jsonl`` once it ends (the
-worker keeps no output a test can read)."""
+for rank N and trains as ``--ident N``, its printed lines saved to ``OUT/linesIDENT.jsonl``
+once it ends (the worker keeps no output a test can read)."""
 
 from __future__ import annotations
 
