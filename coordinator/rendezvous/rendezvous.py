@@ -315,13 +315,14 @@ class Rendezvous:
     def lost(self, member: Member, reason: str) -> None:
         """A member's session ended without leaving, or it missed heartbeats. A mover (it said
         ``advance``) whose session ended before its goodbye was read (its close gave up on a
-        loaded machine) still moves: it has a heartbeat timeout to arrive (:meth:`expire`)."""
+        loaded machine) still moves: it has a heartbeat timeout to arrive (:meth:`expire`);
+        a member departing at a named boundary departs (``resize.leaving``)."""
         self.withdraw(member)
         gen = member.generation
         if gen is None or member.left:
             return
         state = self.jobs.get(member.job)
-        if state is not None and resize.moving(state, member):
+        if state is not None and resize.leaving(state, member):
             self.leave(member)
             return
         member.left = True
