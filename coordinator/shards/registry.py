@@ -268,7 +268,7 @@ class ShardRegistry:
         # (gradstar.transport.traversal). An outbound-only shard that takes no part in
         # traversal would leave the other hosts' ranks unable to reach their stripe.
         own = [r for r in own if r.reachable or r.punched]
-        return own or [r for r in up if not r.job and r.reachable]
+        return own or [r for r in up if not r.job and (r.reachable or r.punched)]
 
     def outbound_hosts(self, job: str) -> set[str]:
         """Host keys of ``job``'s node-local shards that other hosts cannot dial: the ranks on

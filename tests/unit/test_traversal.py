@@ -151,6 +151,14 @@ def test_a_shard_behind_nat_takes_stripes_when_it_can_be_punched_through():
     asyncio.run(main())
 
 
+def test_shards_of_every_job_behind_nat_take_stripes_when_they_can_be_punched_through():
+    registry = ShardRegistry(Rendezvous(heartbeat_timeout=10.0))
+    for index, (reachable, punch_port) in enumerate([(True, 0), (False, 4100), (False, 0)]):
+        registry.register(spb.ShardHello(address=f"10.0.0.{index}:1", host=f"h{index}",
+                                         punch_port=punch_port), reachable=reachable)
+    assert [r.address for r in registry.stripes_for("any")] == ["10.0.0.0:1", "10.0.0.1:1"]
+
+
 def test_a_punch_goes_to_the_callers_stripe_only_and_to_its_own_host():
     async def main():
         registry, _ = _registry()
