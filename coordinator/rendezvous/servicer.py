@@ -19,6 +19,7 @@ from gradstar.transport.addresses import host_port
 from gradstar.transport.auth import check_job_access
 from gradstar.transport.relay import caller_host
 from gradstar.transport.status import abort
+from gradstar.transport.traversal import probe, probes_caller
 
 from . import elastic, resize
 from .rebuild import claim_of
@@ -71,13 +72,18 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
             # Where the others punch through to it, if its host turns out outbound-only.
             punch = (host_port(caller_host(context.peer()), j.punch_port)
                      if 0 < j.punch_port < 65536 and caller_host(context.peer()) else "")
+            # Outbound-only as it says, or as a probe of its peer server finds (an address on
+            # its own host only, as for shards; a node-local shard's probe says it too).
+            outbound = j.outbound_only or bool(
+                j.peer_address and probes_caller(j.peer_address, context.peer())
+                and not await probe(j.peer_address))
             if j.HasField("rejoin"):
                 member, replay = await self.rendezvous.rebuilds.rejoin(claim_of(j), timeout)
-                member.outbound_only, member.punch = j.outbound_only, punch
+                member.outbound_only, member.punch = outbound, punch
             else:
                 member = await self.rendezvous.join(
                     j.job, j.world_size, j.rank if j.rank >= 0 else None, j.peer_address,
-                    timeout, host=j.host, elastic=j.elastic, outbound_only=j.outbound_only,
+                    timeout, host=j.host, elastic=j.elastic, outbound_only=outbound,
                     max_world_size=j.max_world_size, min_world_size=j.min_world_size,
                     moving_from=j.moving_from if j.HasField("moving_from") else None,
                     hostname=j.hostname, punch=punch,

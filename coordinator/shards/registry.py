@@ -49,6 +49,7 @@ from gradstar.transport.addresses import split_host_port
 from gradstar.transport.auth import check_job_access
 from gradstar.transport.relay import caller_host
 from gradstar.transport.status import abort
+from gradstar.transport.traversal import probe, probes_caller
 
 from ..metrics.arrivals import MAX_ENTRIES, RankArrivals, from_message
 from ..rendezvous.rendezvous import Generation, Rendezvous
@@ -64,37 +65,7 @@ STATS_INTERVAL = 1.0
 STALE_AFTER = 1.5 * STATS_INTERVAL
 #: Arrival summaries (job, rank) kept per shard at most.
 MAX_SHARD_ARRIVALS = MAX_ENTRIES
-#: How long the coordinator's probe of a registering shard's address may take: a host that
-#: drops inbound connections (NAT, an outbound-only firewall) never answers the SYN.
-PROBE_SECONDS = 1.0
 _END = object()
-
-
-def probes_caller(address: str, peer: str | None) -> bool:
-    """Whether the coordinator may probe ``address`` for the shard calling from ``peer``
-    (grpc's ``ipv4:HOST:PORT`` / ``ipv6:[HOST]:PORT``): only an address on the caller's own
-    host, so that registering cannot make the coordinator dial anywhere else. A shard that
-    advertises another host (a DNS name, a NAT's public address) is taken as reachable, as
-    it says."""
-    host = split_host_port(address)[0]
-    return bool(host) and host == caller_host(peer)
-
-
-async def probe(address: str, seconds: float = PROBE_SECONDS) -> bool:
-    """Whether a TCP connection to ``address`` (HOST:PORT) opens within ``seconds``: what
-    tells the coordinator that ranks on other hosts can dial a shard there. An address without
-    a host (":PORT") is on the coordinator's own host, which every rank reaches."""
-    host, port = split_host_port(address)
-    if not host:
-        return True
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), seconds)
-    except (OSError, ValueError, TimeoutError):
-        return False
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return True
 
 
 @dataclass(eq=False)

@@ -80,14 +80,17 @@ def test_outbound_only_hosts_train_through_torchrun_and_name_what_they_cannot_ta
         # Point to point, through gradstar worker (a node-local shard on every host): streams
         # to the outbound-only rank 1 punched through to it (NAT traversal); with traversal
         # off, relayed by the coordinator, and the stripes on host 0's shard alone, the one
-        # every host can dial.
-        for traversal, stripes, to_nat in (("1", HOSTS, "punched"), ("0", HOSTS[:1], "relayed")):
-            out = tmp_path / f"p2p-{traversal}"
+        # every host can dial; without node-local shards (none to be probed), the
+        # coordinator's probe of each rank's peer server finds the outbound-only ones.
+        for traversal, shard, stripes, to_nat in (("1", "1", HOSTS, "punched"),
+                                                  ("0", "1", HOSTS[:1], "relayed"),
+                                                  ("1", "0", [], "punched")):
+            out = tmp_path / f"p2p-{traversal}-{shard}"
             out.mkdir()
+            env = {"GRADSTAR_NAT_TRAVERSAL": traversal, "GRADSTAR_NODE_SHARD": shard}
             with job_on_hosts(network, out, 1, [sys.executable, "-m",
                                                 "tests.cluster.outbound_rank", str(out)],
-                              env_for={h: {"GRADSTAR_NAT_TRAVERSAL": traversal} for h in HOSTS},
-                              ) as (procs, _):
+                              env_for={h: dict(env) for h in HOSTS}) as (procs, _):
                 got = {r["rank"]: r for r in wait_reports(out, "outbound", 3, procs, 180)}
             assert all(r["exact"] for r in got.values())
             assert sorted(s.split(":")[0] for s in got[0]["shards"]) == sorted(

@@ -41,6 +41,8 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from .addresses import split_host_port
+from .relay import caller_host
 from .status import error_from_rpc
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,39 @@ F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 #: Connections a local route punches at once: gRPC dials one per channel, and again after a
 #: failure, with its backoff.
 MAX_PENDING = 4
+
+
+#: How long the coordinator's probe of an advertised address may take: a host that drops
+#: inbound connections (NAT, an outbound-only firewall) never answers the SYN.
+PROBE_SECONDS = 1.0
+
+
+def probes_caller(address: str, peer: str | None) -> bool:
+    """Whether the coordinator may probe ``address`` for the shard or rank calling from
+    ``peer`` (grpc's ``ipv4:HOST:PORT`` / ``ipv6:[HOST]:PORT``): only an address on the
+    caller's own host, so that registering or joining cannot make the coordinator dial
+    anywhere else. One that advertises another host (a DNS name, a NAT's public address) is
+    taken as reachable, as it says."""
+    host = split_host_port(address)[0]
+    return bool(host) and host == caller_host(peer)
+
+
+async def probe(address: str, seconds: float = PROBE_SECONDS) -> bool:
+    """Whether a TCP connection to ``address`` (HOST:PORT) opens within ``seconds``: what
+    tells the coordinator that ranks on other hosts can dial a shard or a rank's peer server
+    there. An address without a host (":PORT") is on the coordinator's own host, which every
+    rank reaches."""
+    host, port = split_host_port(address)
+    if not host:
+        return True
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), seconds)
+    except (OSError, ValueError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
 
 
 def reusable_socket(port: int = 0, host: str = "", family: int = socket.AF_INET) -> socket.socket:
@@ -343,5 +378,5 @@ async def answer(port: int, remote: tuple[str, int], local: tuple[str, int],
     return Tunnel(sock, server).start()
 
 
-__all__ = ["PUNCH_SECONDS", "PunchedRoute", "Tunnel", "answer", "asker", "punch",
-           "reusable_socket"]
+__all__ = ["PROBE_SECONDS", "PUNCH_SECONDS", "PunchedRoute", "Tunnel", "answer", "asker", "probe",
+           "probes_caller", "punch", "reusable_socket"]
