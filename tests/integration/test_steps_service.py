@@ -246,3 +246,74 @@ async def test_a_contribution_on_the_callers_thread_answers_refuses_and_times_ou
     with pytest.raises(StepTimeoutError, match=r"within 0\.3 s"):
         await here(r0.exchange_here, QUORUM, 0, 1, 1.0, g(1, 1), 0.3, fetch_limit=4,
                    await_step=5.0)
+
+
+async def test_a_streamed_contribute_call_carries_one_contribution_after_another(coordinator,
+                                                                                ranks):
+    """ContributionHeader.streamed: the hub reads exactly the announced data, answers (the
+    first data part in the header's message), and reads the next contribution on the same
+    call; the rank's half-close ends it OK."""
+    r0, r1 = ranks(0), ranks(1)
+    requests: asyncio.Queue = asyncio.Queue()
+
+    def contribution(base: int, *values: float) -> pb.ContributionPart:
+        return pb.ContributionPart(data=g(*values).tobytes(), header=pb.ContributionHeader(
+            key=r0.key, mode=QUORUM.message(), numel=len(values), base=base, weight=1.0,
+            fetch_limit=4, streamed=True))
+
+    async def parts():
+        while (part := await requests.get()) is not None:
+            yield part
+
+    await r1.contribute(QUORUM, 0, 0, 1.0, g(3, 3), T)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{coordinator.collective_port}") as ch:
+        call = steps_pb2_grpc.StepsStub(ch).Contribute(parts(), timeout=T)
+        await requests.put(contribution(0, 1, 1))  # closes step 1 (both ranks in it)
+        first = await call.read()
+        assert first.header.contributed.step == 1 and first.header.ready
+        assert [r.step for r in first.header.records] == [1]
+        np.testing.assert_array_equal(np.frombuffer(first.data, "<f4"), g(2, 2))
+        await requests.put(contribution(1, 5, 5))  # step 2, open: rank 1 has not sent
+        second = await call.read()
+        assert (second.header.contributed.step, second.header.steps) == (2, 1)
+        assert second.header.ready and not second.header.records and not second.data
+        await requests.put(None)  # half-close
+        assert await call.read() == grpc.aio.EOF
+        assert await call.code() == grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("second", ["another caller", "more data", "not streamed"])
+async def test_a_streamed_call_that_breaks_its_framing_is_refused_and_keeps_nothing(
+        coordinator, ranks, second):
+    r0, r1 = ranks(0), ranks(1)
+
+    def header(key, base: int, streamed: bool = True) -> pb.ContributionHeader:
+        return pb.ContributionHeader(key=key, mode=QUORUM.message(), numel=2, base=base,
+                                     weight=1.0, fetch_limit=4, streamed=streamed)
+
+    first = pb.ContributionPart(header=header(r0.key, 0), data=g(1, 1).tobytes())
+    follows = {
+        "another caller": [pb.ContributionPart(header=header(r1.key, 0),
+                                               data=g(9, 9).tobytes())],
+        "more data": [pb.ContributionPart(data=g(9).tobytes())],  # past the first's data
+        "not streamed": [pb.ContributionPart(header=header(r0.key, 0, streamed=False),
+                                             data=g(9, 9).tobytes())],
+    }[second]
+
+    async def parts():
+        yield first
+        for part in follows:
+            yield part
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{coordinator.collective_port}") as ch:
+        call = steps_pb2_grpc.StepsStub(ch).Contribute(parts(), timeout=T)
+        answer = await call.read()
+        assert answer.header.contributed.step == 1  # the first contribution was taken
+        assert not answer.header.records  # its step waits for rank 1 (Quorum of 2)
+        with pytest.raises(grpc.RpcError) as raised:
+            await call.read()
+    assert isinstance(error_from_rpc(raised.value, "contribute", "hub"), ProtocolError)
+    # Nothing of what followed reached the step: rank 1's own gradient closes it.
+    await r1.contribute(QUORUM, 0, 0, 1.0, g(3, 3), T)
+    got = await r1.fetch(0, 1, T)
+    np.testing.assert_array_equal(got.values[0], g(2, 2))
