@@ -30,6 +30,8 @@ from ..collective.caller_stream import open_stream
 
 #: Longest one Fetch or Synchronize waits on the hub; the client asks again until its deadline.
 POLL_SECONDS = 5.0
+#: gRPC's number for a channel's READY state.
+_READY = grpc.ChannelConnectivity.READY.value[0]
 #: The Contribute method's path (the caller's-thread stream names it).
 CONTRIBUTE = "/gradstar.proto.v1.Steps/Contribute"
 
@@ -153,7 +155,7 @@ class StepsClient:
         and twice that left: each call has that long before its deadline (renewed every
         ``timeout`` seconds or so, a negligible cost)."""
         if self._stream is not None and (
-                not self._stream.usable
+                not self._stream.usable or not _connected(self._blocking)
                 or not timeout <= self._stream_until - time.time() <= 2 * timeout):
             self._drop_stream()
         if self._stream is None:
@@ -345,6 +347,15 @@ class StepsClient:
         if self._blocking is not None:
             self._blocking.close()
         await self._channel.close()
+
+
+def _connected(channel: grpc.Channel) -> bool:
+    """Whether ``channel`` still has the connection a kept stream was opened on (READY; only
+    that stream uses it, so a dropped connection, e.g. a restarted hub, leaves it IDLE until a
+    new call): a kept stream on a dropped connection would fail a contribution the hub never
+    saw, where a new stream reconnects."""
+    state = getattr(getattr(channel, "_channel", None), "check_connectivity_state", None)
+    return state is None or state(False) == _READY
 
 
 def _counted(stream, first: bytes, total: int) -> Iterable[bytes]:

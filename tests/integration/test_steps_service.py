@@ -6,12 +6,14 @@ a wrong encoded size or format is named."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import numpy as np
 import pytest
 
 from gradstar.client.steps import StepsClient
+from gradstar.client.steps.client import _connected
 from gradstar.config import ClientSettings
 from gradstar.errors import AuthenticationError, ProtocolError, StepMismatchError, StepTimeoutError
 from gradstar.proto.v1 import steps_pb2 as pb
@@ -317,3 +319,61 @@ async def test_a_streamed_call_that_breaks_its_framing_is_refused_and_keeps_noth
     await r1.contribute(QUORUM, 0, 0, 1.0, g(3, 3), T)
     got = await r1.fetch(0, 1, T)
     np.testing.assert_array_equal(got.values[0], g(2, 2))
+
+
+class _Relay:
+    """A TCP relay to the hub whose connections the test can cut (a dropped connection, as a
+    restarted hub leaves it)."""
+
+    def __init__(self, port: int) -> None:
+        self.port, self.writers, self.server = port, [], None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _relay(self, reader, writer) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self.writers += [writer, up_writer]
+
+        async def pump(source, sink) -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await source.read(1 << 16):
+                    sink.write(data)
+                    await sink.drain()
+            sink.close()
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+    def cut(self) -> None:
+        for writer in self.writers:
+            writer.transport.abort()
+        self.writers.clear()
+
+    async def close(self) -> None:
+        self.cut()
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def test_a_kept_stream_whose_connection_dropped_is_not_used_again(coordinator, members):
+    """exchange_here keeps its stream from call to call; once its connection dropped (the
+    channel knows it), the next contribution goes on a new stream instead of failing on the
+    dead one, which the hub never read from."""
+    relay = _Relay(coordinator.collective_port)
+    pg = members[0]
+    client = StepsClient(pg.settings, await relay.start(), "m", job=pg.job, rank=pg.rank,
+                         generation=pg.generation, member_id=pg.member_id)
+    push, here = Asynchronous(timeout=0), asyncio.to_thread
+    try:
+        first, _ = await here(client.exchange_here, push, 0, 0, 1.0, g(1, 1), T, fetch_limit=4)
+        relay.cut()
+        await until(lambda: not _connected(client._blocking), "the channel saw the drop", T)
+        second, got = await here(client.exchange_here, push, 0, 0, 1.0, g(3, 3), T,
+                                 fetch_limit=4)
+        # The second gradient reached the hub: its step 2 closed step 1 (rank 0's own).
+        assert (first.step, second.step) == (1, 2) and got.steps == 1
+        np.testing.assert_array_equal(got.values[0], g(0.5, 0.5))  # 1 of 2 live ranks
+    finally:
+        await client.close()
+        await relay.close()
