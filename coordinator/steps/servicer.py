@@ -67,9 +67,10 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
         self.store = store
         self._saving: dict[tuple[str, str], asyncio.Lock] = {}
         self._saved: dict[tuple[str, str], int] = {}
-        self._changed = asyncio.Event()
+        self._waiters: set[asyncio.Future] = set()  # calls waiting for a change (:meth:`_wait`)
         table.on_change = self._on_change
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None  # the deadline it was armed for
 
     async def Contribute(self, request_iterator: AsyncIterator[pb.ContributionPart],
                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepsPart]:
@@ -297,29 +298,37 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
 
 
     async def _wait(self, ready: Callable[[], bool], seconds: float) -> None:
+        """Until ``ready()`` or ``seconds`` (at most MAX_WAIT) passed, rechecked at every change
+        of any ledger: a future and a timer per wait, no task (one wait per contribution)."""
         loop = asyncio.get_running_loop()
         until = loop.time() + min(max(seconds, 0.0), MAX_WAIT)
-        while not ready():
-            remaining = until - loop.time()
-            if remaining <= 0:
-                return
-            changed = self._changed
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), remaining)
+        while not ready() and loop.time() < until:
+            woken = loop.create_future()
+            self._waiters.add(woken)
+            timer = loop.call_at(until, _wake, woken)
+            try:
+                await woken
+            finally:
+                timer.cancel()
+                self._waiters.discard(woken)
 
     def _on_change(self) -> None:
         # Wake every waiting call; each rechecks its own ledger.
-        self._changed.set()
-        self._changed = asyncio.Event()
+        waiters, self._waiters = self._waiters, set()
+        for woken in waiters:
+            _wake(woken)
 
     def _arm_timer(self) -> None:
-        """Run :meth:`StepsTable.close_due` at the earliest Quorum deadline."""
+        """Run :meth:`StepsTable.close_due` at the earliest deadline (kept if unchanged)."""
+        deadline = self.table.next_deadline()
         if self._timer is not None:
+            if deadline == self._timer_at:
+                return
             self._timer.cancel()
             self._timer = None
-        deadline = self.table.next_deadline()
         if deadline is None:
             return
+        self._timer_at = deadline
         delay = max(0.0, deadline - self.table.clock())
         self._timer = asyncio.get_running_loop().call_later(delay + 0.001, self._on_deadline)
 
@@ -330,6 +339,11 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
         if deadline is not None and deadline > self.table.clock():
             self._arm_timer()
         # A due step still open lacks min_ranks: a contribution or a departure settles it.
+
+
+def _wake(woken: asyncio.Future) -> None:
+    if not woken.done():
+        woken.set_result(None)
 
 
 async def _next_header(parts, caller: pb.StepsKey) -> pb.ContributionPart | None:
