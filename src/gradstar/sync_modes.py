@@ -243,10 +243,13 @@ class _Carrying(SyncMode):
         closes with what has arrived (None: until every live rank contributed). The adaptive
         wait is twice the 90th percentile (:data:`CARRY_QUANTILE`) of the recent steps' times
         from their first fresh gradient to their ``live - 1``-th: a rank later than the
-        others' spread is a straggler."""
+        others' spread is a straggler. Of two ranks, the one other rank has no spread (the
+        time to the first gradient is 0, and so was the wait): it is twice the recent times
+        to the second, so a rank later than its usual is not waited for, and a partner that is
+        always slower than the other is its pace, waited for as in Synchronous."""
         if self.timeout is not None:
             return self.timeout if self.timeout > 0 else None
-        return adaptive_wait(recent, max(1, live - 1), CARRY_QUANTILE)
+        return adaptive_wait(recent, live - 1 if live > 2 else live, CARRY_QUANTILE)
 
     def deadline(self, first_at: float, recent: Sequence[Sequence[float]],
                  live: int) -> float | None:

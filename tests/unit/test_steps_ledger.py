@@ -264,6 +264,35 @@ def test_the_default_rule_waits_the_spread_then_carries_the_late_gradient_scaled
         np.testing.assert_array_equal(step.aggregate, grad(total))
 
 
+@pytest.mark.parametrize("make", [Asynchronous, lambda: BoundedStaleness(2)])
+def test_of_two_ranks_the_adaptive_wait_is_twice_the_recent_time_to_the_second(make):
+    # Two ranks have no "others' spread" (the time to the first gradient is 0): the step waits
+    # twice the recent times to the second gradient, and closes without a rank later than it.
+    clock = Clock()
+    t = table(clock)
+    ledger = t.ledger("j", "m", 2)
+    mode = make()
+    for start in (0.0, 1.0, 2.0):  # three steps of both ranks, 0.05-0.08 s apart
+        for rank, at in ((0, start), (1, start + (0.08 if start == 1.0 else 0.05))):
+            clock.now = at
+            if ledger.ranks.get(rank) is not None:
+                catch_up(t, ledger, rank)
+            give(t, ledger, rank, mode, 1.0)
+    assert ledger.steps == 3
+    assert mode.wait(ledger.arrivals, 2) == pytest.approx(0.16)  # 2 x the 90th pct, 0.08 s
+    clock.now = 3.0
+    catch_up(t, ledger, 0)
+    give(t, ledger, 0, mode, 1.0)
+    assert ledger.deadline() == pytest.approx(3.16)
+    clock.now = 3.15
+    t.close_due()
+    assert ledger.steps == 3  # rank 1 is not later than its usual yet
+    clock.now = 3.17
+    t.close_due()
+    assert ledger.steps == 4 and ledger.log[-1].ranks == (0,)
+    assert mode.wait([(0.0,)] * 3, 1) == 0.0  # one live rank: its own step closes at once
+
+
 def test_a_stale_gradient_starts_no_steps_clock_and_is_not_in_the_spread():
     # Rank 2 missed step 2 and its gradient opens step 3 stale: the step's deadline waits for
     # the first fresh gradient (rank 0's, answered just before), so the ranks that were just
