@@ -36,7 +36,8 @@ What is printed (nothing asserted; ``--json`` saves it)
     closed per rank iteration, the share of all gradients dropped, from rank 0's record of the
     steps it applied (the hub's): their mean number of gradients, the mean staleness of those
     gradients and the mean step scale (sum of the factors), the fast ranks' seconds for
-    their iterations over Synchronous's (median; below 1: sooner), and whether every rank
+    their iterations over Synchronous's (median; below 1: sooner), the slowest rank's the same
+    way (``all s``: the whole job's time; steps/s is its inverse), and whether every rank
     ended bitwise identical.
 
 Run: ``.venv/bin/python benchmarks/sync_stability.py --slowdown 3`` (and ``--slowdown 1``:
@@ -241,6 +242,7 @@ def report(configs: list[dict], results: list[list[dict]], ranks: int) -> tuple[
         runs.setdefault((config["problem"], config["mode"], config["scaling"]), []).append({
             "metric": per_rank[0]["metric"], "steps": per_rank[0]["steps"] / config["iters"],
             "fast_s": statistics.median(r["loop_s"] for r in per_rank[:-1]),
+            "all_s": max(r["loop_s"] for r in per_rank),
             "dropped": sum(r["dropped"] for r in per_rank) / (config["iters"] * len(per_rank)),
             "identical": len({r["sha"] for r in per_rank}) == 1,
             "staleness": per_rank[0]["staleness"], "scale": per_rank[0]["scale"],
@@ -249,6 +251,7 @@ def report(configs: list[dict], results: list[list[dict]], ranks: int) -> tuple[
         sync = runs[(problem, "sync", "plain")]
         ref = statistics.median(r["metric"] for r in sync)
         ref_s = statistics.median(r["fast_s"] for r in sync)
+        ref_all = statistics.median(r["all_s"] for r in sync)
         values = [r["metric"] for r in got]
         mid = statistics.median(values)
         if problem in CLASSES:
@@ -258,9 +261,10 @@ def report(configs: list[dict], results: list[list[dict]], ranks: int) -> tuple[
             diverged = sum(not math.isfinite(v) or v > 10 * ref for v in values)
             versus = f"{mid / ref:.3g}x"
         fast = statistics.median(r["fast_s"] for r in got) / ref_s
+        slowest = statistics.median(r["all_s"] for r in got) / ref_all
         rows.append({"problem": problem, "mode": mode, "scaling": scaling, "metric": values,
                      "median": mid, "versus_sync": versus, "diverged": diverged,
-                     "fast_s_ratio": fast,
+                     "fast_s_ratio": fast, "all_s_ratio": slowest,
                      "steps_per_iter": statistics.median(r["steps"] for r in got),
                      "dropped": statistics.median(r["dropped"] for r in got),
                      "staleness": statistics.median(r["staleness"] for r in got),
@@ -272,10 +276,10 @@ def report(configs: list[dict], results: list[list[dict]], ranks: int) -> tuple[
                       f"{diverged}/{len(values)}", f"{rows[-1]['steps_per_iter']:.2f}",
                       f"{100 * rows[-1]['dropped']:.0f}%", f"{rows[-1]['sizes']:.2f}",
                       f"{rows[-1]['staleness']:.2f}", f"{rows[-1]['scale']:.2f}",
-                      f"{fast:.2f}", "yes" if rows[-1]["identical"] else "NO"])
+                      f"{fast:.2f}", f"{slowest:.2f}", "yes" if rows[-1]["identical"] else "NO"])
     return format_table(["problem", "mode", "scaling[@timeout]", "metric per run", "median",
                          "vs sync", "diverged", "steps/iter", "dropped", "grads/step",
-                         "staleness", "scale", "fast s / sync",
+                         "staleness", "scale", "fast s / sync", "all s / sync",
                          "replicas equal"],
                         table), rows
 
