@@ -33,6 +33,7 @@ from gradstar.wire.chunks import split_parts, take_part
 from gradstar.wire.formats import WireFormat, decode, format_from_wire
 
 from ..rendezvous.jobs import check_job_name
+from ..timers import Changes, DeadlineTimer
 from .ledger import StepLedger
 from .records import ClosedStep
 from .store import SnapshotStore
@@ -67,10 +68,9 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
         self.store = store
         self._saving: dict[tuple[str, str], asyncio.Lock] = {}
         self._saved: dict[tuple[str, str], int] = {}
-        self._waiters: set[asyncio.Future] = set()  # calls waiting for a change (:meth:`_wait`)
-        table.on_change = self._on_change
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None  # the deadline it was armed for
+        self._changes = Changes()
+        table.on_change = self._changes.wake
+        self._deadlines = DeadlineTimer(table, grace=0.001)
 
     async def Contribute(self, request_iterator: AsyncIterator[pb.ContributionPart],
                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepsPart]:
@@ -117,7 +117,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
                                             data, h.wire, tuple(h.hyper), h.buffer_numel)
             finally:
                 reservation.release()
-            self._arm_timer()
+            self._deadlines.arm()
             contributed = pb.Contributed(
                 accepted=verdict.accepted, step=verdict.step, staleness=verdict.staleness,
                 steps=ledger.steps, reason=verdict.reason,
@@ -150,7 +150,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
         async with error_status(context):
             ledger = self._ledger(request.key)
             ledger.heartbeat(request.key.rank, request.have, request.leave)
-            self._arm_timer()
+            self._deadlines.arm()
             return _state(ledger)
 
     async def Synchronize(self, request: pb.SynchronizeRequest,
@@ -298,52 +298,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
 
 
     async def _wait(self, ready: Callable[[], bool], seconds: float) -> None:
-        """Until ``ready()`` or ``seconds`` (at most MAX_WAIT) passed, rechecked at every change
-        of any ledger: a future and a timer per wait, no task (one wait per contribution)."""
-        loop = asyncio.get_running_loop()
-        until = loop.time() + min(max(seconds, 0.0), MAX_WAIT)
-        while not ready() and loop.time() < until:
-            woken = loop.create_future()
-            self._waiters.add(woken)
-            timer = loop.call_at(until, _wake, woken)
-            try:
-                await woken
-            finally:
-                timer.cancel()
-                self._waiters.discard(woken)
-
-    def _on_change(self) -> None:
-        # Wake every waiting call; each rechecks its own ledger.
-        waiters, self._waiters = self._waiters, set()
-        for woken in waiters:
-            _wake(woken)
-
-    def _arm_timer(self) -> None:
-        """Run :meth:`StepsTable.close_due` at the earliest deadline (kept if unchanged)."""
-        deadline = self.table.next_deadline()
-        if self._timer is not None:
-            if deadline == self._timer_at:
-                return
-            self._timer.cancel()
-            self._timer = None
-        if deadline is None:
-            return
-        self._timer_at = deadline
-        delay = max(0.0, deadline - self.table.clock())
-        self._timer = asyncio.get_running_loop().call_later(delay + 0.001, self._on_deadline)
-
-    def _on_deadline(self) -> None:
-        self._timer = None
-        self.table.close_due()
-        deadline = self.table.next_deadline()
-        if deadline is not None and deadline > self.table.clock():
-            self._arm_timer()
-        # A due step still open lacks min_ranks: a contribution or a departure settles it.
-
-
-def _wake(woken: asyncio.Future) -> None:
-    if not woken.done():
-        woken.set_result(None)
+        await self._changes.wait(ready, min(seconds, MAX_WAIT))
 
 
 async def _next_header(parts, caller: pb.StepsKey) -> pb.ContributionPart | None:
