@@ -23,7 +23,7 @@ from gradstar.transport.channels import (
     open_channel,
 )
 from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
-from gradstar.wire.chunks import split_parts
+from gradstar.wire.chunks import header_first
 from gradstar.wire.formats import WIRE_NONE, WireFormat, decode_into, encode, format_from_wire
 
 from ..collective.caller_stream import open_stream
@@ -108,8 +108,9 @@ class StepsClient:
         says why)."""
         header, data = self._contribution(mode, mode_epoch, base, weight, grad, wire,
                                           fetch_limit, await_step, hyper, buffers)
-        call = self._stub.Contribute(_parts(pb.ContributionPart, header, data),
-                                     timeout=timeout, metadata=self._metadata)
+        call = self._stub.Contribute(
+            header_first(pb.ContributionPart, header, data, PART_BYTES), timeout=timeout,
+            metadata=self._metadata)
         head, got = await self._call(self._read_steps(call, "Contribute"),
                                      "contributing a gradient", timeout)
         return self._verdict(head, got, data)
@@ -129,11 +130,8 @@ class StepsClient:
         header.streamed = True
         stream = self._kept_stream(timeout)
         try:
-            pieces = split_parts(data, PART_BYTES)
-            stream.send(pb.ContributionPart(header=header,
-                                            data=next(pieces, b"")).SerializeToString())
-            for piece in pieces:
-                stream.send(pb.ContributionPart(data=piece).SerializeToString())
+            for message in header_first(pb.ContributionPart, header, data, PART_BYTES):
+                stream.send(message.SerializeToString())
             answer = stream.read()
             if answer is None:
                 raise ProtocolError("a steps Contribute answer ended before its header")
@@ -241,8 +239,8 @@ class StepsClient:
     async def put_snapshot(self, steps: int, layout: str, data: bytes, timeout: float) -> None:
         """Send this rank's state after ``steps`` aggregates."""
         header = pb.SnapshotHeader(key=self.key, steps=steps, layout=layout, nbytes=len(data))
-        await self._call(self._stub.PutSnapshot(_parts(pb.SnapshotPart, header, data),
-                                                timeout=timeout,
+        parts = header_first(pb.SnapshotPart, header, data, PART_BYTES)
+        await self._call(self._stub.PutSnapshot(parts, timeout=timeout,
                                                 metadata=self._metadata),
                          "sending a snapshot", timeout)
         self.bytes_sent += len(data)
@@ -396,10 +394,3 @@ async def _poll(ask, timeout: float, timed_out: str):
             return got
     raise StepTimeoutError(timed_out)
 
-
-async def _parts(part, header, data: bytes):
-    """A request stream of ``part`` messages: the header, then the data in parts."""
-    pieces = split_parts(data, PART_BYTES)
-    yield part(header=header, data=next(pieces, b""))
-    for piece in pieces:
-        yield part(data=piece)
