@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gradstar.errors import GradstarError, ProtocolError, RendezvousError
+from gradstar.errors import ProtocolError, RendezvousError
 from gradstar.transport.auth import check_job_access
 from gradstar.transport.relay import caller, notice
-from gradstar.transport.status import abort
+from gradstar.transport.status import abort, error_status
 from gradstar.wire import RELAY_SERVICE
 
 log = logging.getLogger(__name__)
@@ -73,10 +73,8 @@ class RelayServicer:
 
     async def Relay(self, request_iterator: AsyncIterator[bytes],
                     context: grpc.aio.ServicerContext) -> None:
-        try:
+        async with error_status(context):
             job, generation, rank, role, peer = self._caller(context)
-        except GradstarError as error:
-            await abort(context, error)
         if role == "listen":
             await self._listen((job, generation, rank), context)
         elif role == "send":
