@@ -112,8 +112,8 @@ async def test_synchronize_closes_the_open_step_for_every_rank(ranks):
     slow = Quorum(min_ranks=2, timeout=600.0)
     await r0.contribute(slow, 0, 0, 1.0, g(4), T)
     replies = await asyncio.gather(r0.synchronize(1, T), r1.synchronize(1, T))
-    # Rank 1 contributed nothing: the step closed with rank 0 alone, half a step of two
-    # (Quorum's default scaling, the step's share of the live ranks).
+    # Rank 1 contributed nothing: the step closed with rank 0 alone, half a full step of
+    # min_ranks = 2 (Quorum's default scaling, "share").
     assert [r.steps for r in replies] == [1, 1]
     got = await r1.fetch(0, 1, T)
     np.testing.assert_array_equal(got.values[0], g(2))

@@ -79,12 +79,9 @@ def test_quorum_closes_with_min_ranks_after_the_timeout_and_drops_the_late_one()
     clock.now = 0.6
     t.close_due()
     assert ledger.steps == 1 and ledger.log[-1].ranks == (0, 1)
-    # The default scaling, "share": the mean of 2 of 3 live ranks times 2/3 (each gradient
-    # moves the parameters as far as in a step of all three).
-    third = np.float32(1 / 3)
-    assert ledger.log[-1].factors == (float(third), float(third))
-    np.testing.assert_array_equal(ledger.log[-1].aggregate,
-                                  grad(np.float32(1.0) * third + np.float32(3.0) * third))
+    # min_ranks gradients make a full step: the default "share" leaves its mean as it is.
+    assert ledger.log[-1].factors == (0.5, 0.5)
+    np.testing.assert_array_equal(ledger.log[-1].aggregate, grad(2.0))
     dropped = give(t, ledger, 2, mode, 100.0)  # computed on base 0
     assert not dropped.accepted and dropped.staleness == 1 and "Quorum" in dropped.reason
     assert ledger.ranks[2].dropped == 1 and ledger.open.contributions == {}
@@ -92,9 +89,10 @@ def test_quorum_closes_with_min_ranks_after_the_timeout_and_drops_the_late_one()
 
 def test_a_plain_quorum_takes_the_mean_as_it_is_and_the_barrier_tail_is_scaled_by_default():
     # The straggler's tail: the fast ranks wait in synchronize() and each of the slow rank's
-    # gradients closes a step alone. By default (share) it is a quarter of a step of 4, as
-    # its gradient in a step of all four; "plain" (the rule before) takes it whole.
-    for scaling, factor in (("share", 0.25), ("plain", 1.0)):
+    # gradients closes a step alone. By default (share) it is a third of a full step (of
+    # min_ranks = 3), as its gradient in one; "plain" (the rule before) takes it whole.
+    third = float(np.float32(1 / 3))
+    for scaling, factor in (("share", third), ("plain", 1.0)):
         t = table()
         ledger = t.ledger("j", "m", 4)
         mode = Quorum(min_ranks=3, timeout=0.0, scaling=scaling)
@@ -103,7 +101,8 @@ def test_a_plain_quorum_takes_the_mean_as_it_is_and_the_barrier_tail_is_scaled_b
         give(t, ledger, 3, mode, 8.0)
         assert ledger.steps == 1 and ledger.log[-1].ranks == (3,)
         assert ledger.log[-1].factors == (factor,)
-        np.testing.assert_array_equal(ledger.log[-1].aggregate, grad(8.0 * factor))
+        np.testing.assert_array_equal(ledger.log[-1].aggregate,
+                                      grad(np.float32(8.0) * np.float32(factor)))
 
 
 def test_quorum_needs_only_the_live_ranks_when_fewer_than_min_ranks_are_left():
