@@ -19,8 +19,8 @@ from gradstar.transport.status import error_status
 from gradstar.wire.chunks import split_parts, take_part
 from gradstar.wire.formats import FORMATS, WireFormat, decode_into, wire_format
 
+from ..collective.deadlines import Changes, DeadlineTimer
 from ..rendezvous.jobs import check_job_name
-from ..timers import Changes, DeadlineTimer
 from .table import Policy, RoundsTable
 
 log = logging.getLogger(__name__)

@@ -32,8 +32,8 @@ from gradstar.transport.status import error_status
 from gradstar.wire.chunks import split_parts, take_part
 from gradstar.wire.formats import WireFormat, decode, format_from_wire
 
+from ..collective.deadlines import Changes, DeadlineTimer
 from ..rendezvous.jobs import check_job_name
-from ..timers import Changes, DeadlineTimer
 from .ledger import StepLedger
 from .records import ClosedStep
 from .store import SnapshotStore

@@ -1,14 +1,14 @@
-"""The hub's table timing (gradstar.coordinator.timers), on a real event loop without sockets:
-a table's due work runs at its earliest deadline, a timer is kept while that deadline is
-unchanged, a deadline due but short is looked at again, and waiting calls wake on a change or
-at their bound."""
+"""The hub's table timing (gradstar.coordinator.collective.deadlines: DeadlineTimer, Changes),
+on a real event loop without sockets: a table's due work runs at its earliest deadline, a timer
+is kept while that deadline is unchanged, a deadline due but short is looked at again, and
+waiting calls wake on a change or at their bound."""
 
 from __future__ import annotations
 
 import asyncio
 
-from gradstar.coordinator import timers
-from gradstar.coordinator.timers import Changes, DeadlineTimer
+from gradstar.coordinator.collective import deadlines as timers
+from gradstar.coordinator.collective.deadlines import Changes, DeadlineTimer
 
 
 class Table:
