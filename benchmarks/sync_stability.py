@@ -27,7 +27,8 @@ The configurations
     each of ``--stale-timeouts`` (``adaptive``: the default; seconds, shown as ``@t``; ``0``:
     no wait for one's own step, the rule before), and
     Quorum(min_ranks=n-1) with each of ``--quorum-timeouts`` (``adaptive``: the default;
-    seconds). ``--modes`` picks among them.
+    seconds; ``/scaling``: its step scaling, e.g. ``adaptive/plain``, the rule before the
+    default ``share``). ``--modes`` picks among them.
 
 What is printed (nothing asserted; ``--json`` saves it)
     Per problem, configuration: the metric of each run and their median, the median relative
@@ -36,7 +37,8 @@ What is printed (nothing asserted; ``--json`` saves it)
     closed per rank iteration, the share of all gradients dropped, from rank 0's record of the
     steps it applied (the hub's): their mean number of gradients, the mean staleness of those
     gradients and the mean step scale (sum of the factors), the fast ranks' seconds for
-    their iterations over Synchronous's (median; below 1: sooner), and whether every rank
+    their iterations over Synchronous's (median; below 1: sooner), the slowest rank's the same
+    way (``all s``: the whole job's time; steps/s is its inverse), and whether every rank
     ended bitwise identical.
 
 Run: ``.venv/bin/python benchmarks/sync_stability.py --slowdown 3`` (and ``--slowdown 1``:
@@ -152,9 +154,11 @@ CLASSES = {"spirals": 3, "cnn": CNN_CLASSES}
 def make_mode(config: dict):
     import gradstar
 
-    if config["mode"] == "quorum":  # every rank but one; the scaling column is its timeout
-        timeout = None if config["scaling"] == "adaptive" else float(config["scaling"])
-        return gradstar.Quorum(config["world"] - 1, timeout=timeout)
+    if config["mode"] == "quorum":  # every rank but one; its column is timeout[/scaling]
+        timeout, _, scaling = config["scaling"].partition("/")
+        return gradstar.Quorum(config["world"] - 1,
+                               timeout=None if timeout == "adaptive" else float(timeout),
+                               **({"scaling": scaling} if scaling else {}))
     # The stale modes' column is scaling[@timeout] (no @: the adaptive default).
     scaling, _, timeout = config["scaling"].partition("@")
     options = {"scaling": scaling, "timeout": float(timeout) if timeout else None}
@@ -241,6 +245,7 @@ def report(configs: list[dict], results: list[list[dict]], ranks: int) -> tuple[
         runs.setdefault((config["problem"], config["mode"], config["scaling"]), []).append({
             "metric": per_rank[0]["metric"], "steps": per_rank[0]["steps"] / config["iters"],
             "fast_s": statistics.median(r["loop_s"] for r in per_rank[:-1]),
+            "all_s": max(r["loop_s"] for r in per_rank),
             "dropped": sum(r["dropped"] for r in per_rank) / (config["iters"] * len(per_rank)),
             "identical": len({r["sha"] for r in per_rank}) == 1,
             "staleness": per_rank[0]["staleness"], "scale": per_rank[0]["scale"],
@@ -249,6 +254,7 @@ def report(configs: list[dict], results: list[list[dict]], ranks: int) -> tuple[
         sync = runs[(problem, "sync", "plain")]
         ref = statistics.median(r["metric"] for r in sync)
         ref_s = statistics.median(r["fast_s"] for r in sync)
+        ref_all = statistics.median(r["all_s"] for r in sync)
         values = [r["metric"] for r in got]
         mid = statistics.median(values)
         if problem in CLASSES:
@@ -258,9 +264,10 @@ def report(configs: list[dict], results: list[list[dict]], ranks: int) -> tuple[
             diverged = sum(not math.isfinite(v) or v > 10 * ref for v in values)
             versus = f"{mid / ref:.3g}x"
         fast = statistics.median(r["fast_s"] for r in got) / ref_s
+        slowest = statistics.median(r["all_s"] for r in got) / ref_all
         rows.append({"problem": problem, "mode": mode, "scaling": scaling, "metric": values,
                      "median": mid, "versus_sync": versus, "diverged": diverged,
-                     "fast_s_ratio": fast,
+                     "fast_s_ratio": fast, "all_s_ratio": slowest,
                      "steps_per_iter": statistics.median(r["steps"] for r in got),
                      "dropped": statistics.median(r["dropped"] for r in got),
                      "staleness": statistics.median(r["staleness"] for r in got),
@@ -272,10 +279,10 @@ def report(configs: list[dict], results: list[list[dict]], ranks: int) -> tuple[
                       f"{diverged}/{len(values)}", f"{rows[-1]['steps_per_iter']:.2f}",
                       f"{100 * rows[-1]['dropped']:.0f}%", f"{rows[-1]['sizes']:.2f}",
                       f"{rows[-1]['staleness']:.2f}", f"{rows[-1]['scale']:.2f}",
-                      f"{fast:.2f}", "yes" if rows[-1]["identical"] else "NO"])
+                      f"{fast:.2f}", f"{slowest:.2f}", "yes" if rows[-1]["identical"] else "NO"])
     return format_table(["problem", "mode", "scaling[@timeout]", "metric per run", "median",
                          "vs sync", "diverged", "steps/iter", "dropped", "grads/step",
-                         "staleness", "scale", "fast s / sync",
+                         "staleness", "scale", "fast s / sync", "all s / sync",
                          "replicas equal"],
                         table), rows
 
@@ -293,7 +300,8 @@ def main() -> int:
                         help="BoundedStaleness' and Asynchronous' timeouts: seconds (0: the "
                         "rule before the wait for one's own step), or adaptive")
     parser.add_argument("--quorum-timeouts", nargs="+", default=["adaptive", "0"],
-                        help="Quorum(min_ranks=n-1)'s timeouts: seconds, or adaptive")
+                        help="Quorum(min_ranks=n-1)'s timeouts: seconds, or adaptive; "
+                        "TIMEOUT/SCALING also sets its step scaling (e.g. adaptive/plain)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--slowdown", type=float, default=3.0,
                         help="the last rank sleeps this many times as long (1: no straggler)")

@@ -29,7 +29,7 @@ from gradstar.proto.v1 import rounds_pb2 as pb
 from gradstar.proto.v1 import rounds_pb2_grpc
 from gradstar.transport.channels import PART_BYTES, call_metadata, open_channel
 from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
-from gradstar.wire.chunks import split_parts
+from gradstar.wire.chunks import header_first
 from gradstar.wire.formats import WireFormat, encode
 
 from ..collective.data_plane import resolve
@@ -265,12 +265,9 @@ class RoundsClient:
         await self._coordinators.close()
 
 
-async def _parts(header: pb.TensorHeader, values: np.ndarray | bytes):
+def _parts(header: pb.TensorHeader, values: np.ndarray | bytes):
     """The request stream: the header, then the data (raw float32, or the bytes a wire format
     encoded) in parts."""
     data = values if isinstance(values, bytes) else \
         np.ascontiguousarray(values, dtype="<f4").tobytes()
-    pieces = split_parts(data, PART_BYTES)
-    yield pb.TensorPart(header=header, data=next(pieces, b""))
-    for piece in pieces:
-        yield pb.TensorPart(data=piece)
+    return header_first(pb.TensorPart, header, data, PART_BYTES)

@@ -23,13 +23,15 @@ from gradstar.transport.channels import (
     open_channel,
 )
 from gradstar.transport.status import error_from_rpc, is_coordinator_verdict
-from gradstar.wire.chunks import split_parts
+from gradstar.wire.chunks import header_first
 from gradstar.wire.formats import WIRE_NONE, WireFormat, decode_into, encode, format_from_wire
 
 from ..collective.caller_stream import open_stream
 
 #: Longest one Fetch or Synchronize waits on the hub; the client asks again until its deadline.
 POLL_SECONDS = 5.0
+#: gRPC's number for a channel's READY state.
+_READY = grpc.ChannelConnectivity.READY.value[0]
 #: The Contribute method's path (the caller's-thread stream names it).
 CONTRIBUTE = "/gradstar.proto.v1.Steps/Contribute"
 
@@ -64,6 +66,9 @@ class StepsClient:
         self._metadata = call_metadata(settings)
         #: The caller's-thread channel of :meth:`exchange_here` (made at its first call).
         self._blocking: grpc.Channel | None = None
+        #: Its kept Contribute stream and that stream's deadline (seconds since the epoch).
+        self._stream = None
+        self._stream_until = 0.0
         self.key = pb.StepsKey(job=job, model=model, rank=rank, generation=generation,
                                member_id=member_id)
         #: Payload bytes sent and received.
@@ -103,8 +108,9 @@ class StepsClient:
         says why)."""
         header, data = self._contribution(mode, mode_epoch, base, weight, grad, wire,
                                           fetch_limit, await_step, hyper, buffers)
-        call = self._stub.Contribute(_parts(pb.ContributionPart, header, data),
-                                     timeout=timeout, metadata=self._metadata)
+        call = self._stub.Contribute(
+            header_first(pb.ContributionPart, header, data, PART_BYTES), timeout=timeout,
+            metadata=self._metadata)
         head, got = await self._call(self._read_steps(call, "Contribute"),
                                      "contributing a gradient", timeout)
         return self._verdict(head, got, data)
@@ -115,32 +121,53 @@ class StepsClient:
                       hyper: tuple[float, ...] = (), buffers: int = 0,
                       ) -> tuple[pb.Contributed, Aggregates | None]:
         """:meth:`exchange` on the caller's own thread (blocking; no hop to the event loop:
-        its own channel and completion queue, as the direct lane's collectives)."""
+        its own channel and completion queue, as the direct lane's collectives), on one
+        Contribute stream kept for the next calls (``ContributionHeader.streamed``): a
+        contribution costs one message each way, and no call set-up on either side. Any
+        failure ends that stream; the next call opens another."""
         header, data = self._contribution(mode, mode_epoch, base, weight, grad, wire,
                                           fetch_limit, await_step, hyper, buffers)
-        if self._blocking is None:
-            self._blocking = open_blocking_channel(self.settings, self.address)
-        stream = open_stream(self._blocking, CONTRIBUTE, self._metadata, time.time() + timeout)
+        header.streamed = True
+        stream = self._kept_stream(timeout)
         try:
-            pieces = split_parts(data, PART_BYTES)
-            stream.send(pb.ContributionPart(header=header,
-                                            data=next(pieces, b"")).SerializeToString())
-            for piece in pieces:
-                stream.send(pb.ContributionPart(data=piece).SerializeToString())
-            stream.done_sending()
-            first = stream.read()
-            if first is None:
+            for message in header_first(pb.ContributionPart, header, data, PART_BYTES):
+                stream.send(message.SerializeToString())
+            answer = stream.read()
+            if answer is None:
                 raise ProtocolError("a steps Contribute answer ended before its header")
-            head = pb.StepsPart.FromString(first).header
-            got = None
+            first = pb.StepsPart.FromString(answer)
+            head, got = first.header, None
             if head.ready:
-                got = self._assemble(head, (pb.StepsPart.FromString(part).data
-                                            for part in iter(stream.read, None)), "Contribute")
+                got = self._assemble(head, _counted(stream, first.data, _answer_bytes(head)),
+                                     "Contribute")
         except grpc.RpcError as rpc:
+            self._drop_stream()
             raise self._error(rpc, "contributing a gradient", timeout) from None
-        finally:
-            stream.close()
+        except BaseException:
+            self._drop_stream()  # interrupted or malformed mid-answer: its place is unknown
+            raise
         return self._verdict(head, got, data)
+
+    def _kept_stream(self, timeout: float):
+        """The kept Contribute stream, opened anew unless it has between ``timeout`` seconds
+        and twice that left: each call has that long before its deadline (renewed every
+        ``timeout`` seconds or so, a negligible cost)."""
+        if self._stream is not None and (
+                not self._stream.usable or not _connected(self._blocking)
+                or not timeout <= self._stream_until - time.time() <= 2 * timeout):
+            self._drop_stream()
+        if self._stream is None:
+            if self._blocking is None:
+                self._blocking = open_blocking_channel(self.settings, self.address)
+            self._stream_until = time.time() + 2 * timeout
+            self._stream = open_stream(self._blocking, CONTRIBUTE, self._metadata,
+                                       self._stream_until)
+        return self._stream
+
+    def _drop_stream(self) -> None:
+        if self._stream is not None:
+            stream, self._stream = self._stream, None
+            stream.close()
 
     def _contribution(self, mode, mode_epoch, base, weight, grad, wire, fetch_limit,
                       await_step, hyper, buffers) -> tuple[pb.ContributionHeader, bytes]:
@@ -212,8 +239,8 @@ class StepsClient:
     async def put_snapshot(self, steps: int, layout: str, data: bytes, timeout: float) -> None:
         """Send this rank's state after ``steps`` aggregates."""
         header = pb.SnapshotHeader(key=self.key, steps=steps, layout=layout, nbytes=len(data))
-        await self._call(self._stub.PutSnapshot(_parts(pb.SnapshotPart, header, data),
-                                                timeout=timeout,
+        parts = header_first(pb.SnapshotPart, header, data, PART_BYTES)
+        await self._call(self._stub.PutSnapshot(parts, timeout=timeout,
                                                 metadata=self._metadata),
                          "sending a snapshot", timeout)
         self.bytes_sent += len(data)
@@ -313,9 +340,35 @@ class StepsClient:
         return error_from_rpc(rpc, what, self.address)
 
     async def close(self) -> None:
+        """Close the channels (never while a call of :meth:`exchange_here` is under way)."""
+        self._drop_stream()
         if self._blocking is not None:
             self._blocking.close()
         await self._channel.close()
+
+
+def _connected(channel: grpc.Channel) -> bool:
+    """Whether ``channel`` still has the connection a kept stream was opened on (READY; only
+    that stream uses it, so a dropped connection, e.g. a restarted hub, leaves it IDLE until a
+    new call): a kept stream on a dropped connection would fail a contribution the hub never
+    saw, where a new stream reconnects."""
+    state = getattr(getattr(channel, "_channel", None), "check_connectivity_state", None)
+    return state is None or state(False) == _READY
+
+
+def _counted(stream, first: bytes, total: int) -> Iterable[bytes]:
+    """A streamed answer's data: ``first`` (its header's message's), then messages of
+    ``stream`` until ``total`` bytes came (the stream stays open for the next call)."""
+    got = len(first)
+    if first:
+        yield first
+    while got < total:
+        message = stream.read()
+        if message is None:
+            return  # ended early: the reader counts the bytes and names the error
+        data = pb.StepsPart.FromString(message).data
+        got += len(data)
+        yield data
 
 
 def _answer_bytes(head: pb.StepsHeader) -> int:
@@ -341,10 +394,3 @@ async def _poll(ask, timeout: float, timed_out: str):
             return got
     raise StepTimeoutError(timed_out)
 
-
-async def _parts(part, header, data: bytes):
-    """A request stream of ``part`` messages: the header, then the data in parts."""
-    pieces = split_parts(data, PART_BYTES)
-    yield part(header=header, data=next(pieces, b""))
-    for piece in pieces:
-        yield part(data=piece)

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gradstar.errors import GradstarError, ProtocolError, RendezvousError
+from gradstar.errors import ProtocolError, RendezvousError
 from gradstar.transport.auth import check_job_access
 from gradstar.transport.relay import caller, caller_host, notice, punch_notice
-from gradstar.transport.status import abort
+from gradstar.transport.status import abort, error_status
 from gradstar.wire import RELAY_SERVICE
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class RelayServicer:
         ``punch``), or the outbound-only rank ``peer`` (role ``punch-rank``, through its
         listener), punch towards the port it names (2 bytes, big-endian) on the host its
         request came from (gradstar.transport.traversal)."""
-        try:
+        async with error_status(context):
             job, generation, rank, member, role, peer = caller(context.invocation_metadata())
             if role not in ("punch", "punch-rank") or peer < 0 or len(request) != 2:
                 raise ProtocolError("a punch names its stripe or rank in the relay metadata "
@@ -106,16 +106,12 @@ class RelayServicer:
                 raise RendezvousError("this coordinator has no hub shards to punch to")
             else:
                 self.punch(job, generation, peer, host, port)
-        except GradstarError as error:
-            await abort(context, error)
         return b""
 
     async def Relay(self, request_iterator: AsyncIterator[bytes],
                     context: grpc.aio.ServicerContext) -> None:
-        try:
+        async with error_status(context):
             job, generation, rank, role, peer = self._caller(context)
-        except GradstarError as error:
-            await abort(context, error)
         if role == "listen":
             await self._listen((job, generation, rank), context)
         elif role == "send":

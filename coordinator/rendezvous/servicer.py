@@ -12,13 +12,13 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from gradstar.errors import GradstarError, ProtocolError, RankFinishedError
+from gradstar.errors import ProtocolError, RankFinishedError
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
 from gradstar.proto.v1 import rendezvous_pb2_grpc
 from gradstar.transport.addresses import host_port
 from gradstar.transport.auth import check_job_access
 from gradstar.transport.relay import caller_host
-from gradstar.transport.status import abort
+from gradstar.transport.status import abort, error_status
 from gradstar.transport.traversal import probe, probes_caller
 
 from . import elastic, resize
@@ -64,7 +64,7 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
         if first.WhichOneof("kind") != "join":
             await abort(context, ProtocolError("a session must start with a join request"))
         j = first.join
-        try:
+        async with error_status(context):
             check_job_access(j.job)  # before the join makes the job or takes a place in it
             term = self.leads(j.rejoin.term if j.HasField("rejoin") else 0)
             timeout = min(j.timeout_seconds or self.max_join, self.max_join)
@@ -88,8 +88,6 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
                     moving_from=j.moving_from if j.HasField("moving_from") else None,
                     hostname=j.hostname, punch=punch,
                 )
-        except GradstarError as error:
-            await abort(context, error)
         gen = member.generation
         job = gen.job
         log.info("job %r generation %d: rank %d joined", j.job, gen.number, member.rank)

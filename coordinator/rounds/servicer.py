@@ -4,8 +4,6 @@ is :mod:`gradstar.client.outer.rounds`."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -21,6 +19,7 @@ from gradstar.transport.status import error_status
 from gradstar.wire.chunks import split_parts, take_part
 from gradstar.wire.formats import FORMATS, WireFormat, decode_into, wire_format
 
+from ..collective.deadlines import Changes, DeadlineTimer
 from ..rendezvous.jobs import check_job_name
 from .table import Policy, RoundsTable
 
@@ -40,9 +39,9 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
         #: collective server, which serves this servicer too; empty: none.
         self.bulk_address = ""
         self.max_chunk_bytes = max_chunk_bytes
-        self._closed = asyncio.Event()
-        table.on_closed = self._round_closed
-        self._timer: asyncio.TimerHandle | None = None
+        self._closed = Changes()
+        table.on_closed = self._closed.wake  # every waiting Fetch rechecks its own fragment
+        self._deadlines = DeadlineTimer(table, grace=0.01)
         #: Asked first by every call: raises NotLeaderError where the coordinator does not
         #: lead (``Coordinator.leads``, under --ha).
         self.leads: Callable[[], object] = lambda: 0
@@ -71,7 +70,7 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
                     f"for fragment {k.fragment} of {k.model!r}; it was not used")
             accepted, rounds = self.table.contribute(k.job, k.model, k.fragment, k.replica,
                                                      header.round, policy, delta)
-            self._arm_timer()
+            self._deadlines.arm()
             return pb.RoundStatus(rounds=rounds, accepted=accepted, numel=delta.shape[0])
 
     async def Fetch(self, request: pb.FetchRequest,
@@ -81,19 +80,12 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
             self.leads()
             _check_key(k)
             self.table.replica(k.job, k.replica)
-            loop = asyncio.get_running_loop()
-            until = loop.time() + min(max(request.wait_seconds, 0.0), MAX_FETCH_WAIT)
+            # Read again after the wait even when it timed out: the round may have closed as
+            # it ran out, and a stale "not ready, not held" would make the replica send again.
+            await self._closed.wait(lambda: _fetchable(
+                self.table.global_model(k.job, k.model, k.fragment), request.min_rounds),
+                min(request.wait_seconds, MAX_FETCH_WAIT))
             held = self.table.global_model(k.job, k.model, k.fragment)
-            while held is not None and held.rounds < request.min_rounds:
-                closed = self._closed
-                remaining = until - loop.time()
-                if remaining <= 0:
-                    break
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(closed.wait(), remaining)
-                # Read again even after a timeout: the round may have closed as the wait ran
-                # out, and a stale "not ready, not held" would make the replica send again.
-                held = self.table.global_model(k.job, k.model, k.fragment)
         if held is None:
             yield pb.FetchPart(header=pb.FetchHeader(ready=False))
             return
@@ -158,35 +150,13 @@ class RoundsServicer(rounds_pb2_grpc.RoundsServicer):
             check_job_name(request.replica, "a replica name")
             check_job_access(request.job)
             self.table.leave(request.job, request.replica)
-            self._arm_timer()
+            self._deadlines.arm()
             return pb.RoundStatus()
 
-    def _round_closed(self, job: str, model: str, fragment: int) -> None:
-        # Wake every waiting Fetch; each rechecks its own fragment.
-        self._closed.set()
-        self._closed = asyncio.Event()
 
-    def _arm_timer(self) -> None:
-        """Run :meth:`RoundsTable.close_due` at the earliest open deadline."""
-        deadline = self.table.next_deadline()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if deadline is None:
-            return
-        loop = asyncio.get_running_loop()
-        delay = max(0.0, deadline - self.table.clock())
-        self._timer = loop.call_later(delay + 0.01, self._on_deadline)
-
-    def _on_deadline(self) -> None:
-        self._timer = None
-        self.table.close_due()
-        deadline = self.table.next_deadline()
-        if deadline is not None and deadline > self.table.clock():
-            self._arm_timer()
-        elif deadline is not None:
-            # Due but short of min_replicas: look again later rather than spin.
-            self._timer = asyncio.get_running_loop().call_later(1.0, self._on_deadline)
+def _fetchable(held, min_rounds: int) -> bool:
+    """Whether a Fetch waiting for round ``min_rounds`` of ``held`` (None: not held) answers."""
+    return held is None or held.rounds >= min_rounds
 
 
 def _check_key(key: pb.RoundsKey) -> None:

@@ -48,7 +48,7 @@ from gradstar.proto.v1 import shard_pb2_grpc
 from gradstar.transport.addresses import split_host_port
 from gradstar.transport.auth import check_job_access
 from gradstar.transport.relay import caller_host
-from gradstar.transport.status import abort
+from gradstar.transport.status import error_status
 from gradstar.transport.traversal import probe, probes_caller
 
 from ..metrics.arrivals import MAX_ENTRIES, RankArrivals, from_message
@@ -356,7 +356,7 @@ class ShardControlServicer(shard_pb2_grpc.ShardControlServicer):
             first = await anext(reports)
         except StopAsyncIteration:
             return
-        try:
+        async with error_status(context):
             if first.WhichOneof("kind") != "hello":
                 raise ProtocolError("a shard's control stream must start with a hello")
             if for_job and not first.hello.job:
@@ -371,8 +371,6 @@ class ShardControlServicer(shard_pb2_grpc.ShardControlServicer):
                 or await probe(hello.address))
             record = self.registry.register(hello, job_scoped=for_job, reachable=reachable,
                                             public_host=caller_host(context.peer()))
-        except GradstarError as error:
-            await abort(context, error)
         reader = asyncio.create_task(self._read(record, reports))
         reason = "its control stream closed"
         try:

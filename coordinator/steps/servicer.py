@@ -32,6 +32,7 @@ from gradstar.transport.status import error_status
 from gradstar.wire.chunks import split_parts, take_part
 from gradstar.wire.formats import WireFormat, decode, format_from_wire
 
+from ..collective.deadlines import Changes, DeadlineTimer
 from ..rendezvous.jobs import check_job_name
 from .ledger import StepLedger
 from .records import ClosedStep
@@ -67,16 +68,32 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
         self.store = store
         self._saving: dict[tuple[str, str], asyncio.Lock] = {}
         self._saved: dict[tuple[str, str], int] = {}
-        self._changed = asyncio.Event()
-        table.on_change = self._on_change
-        self._timer: asyncio.TimerHandle | None = None
+        self._changes = Changes()
+        table.on_change = self._changes.wake
+        self._deadlines = DeadlineTimer(table, grace=0.001)
 
     async def Contribute(self, request_iterator: AsyncIterator[pb.ContributionPart],
                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepsPart]:
+        parts = request_iterator.__aiter__()
         async with error_status(context):
-            parts = request_iterator.__aiter__()
             first = await _first(parts)
-            h = first.header
+        caller = first.header.key
+        while True:
+            for part in await self._contribution(first, parts, context):
+                yield part
+            if not first.header.streamed:
+                return
+            # A streamed call: the rank's next contribution follows, or the half-close.
+            async with error_status(context):
+                first = await _next_header(parts, caller)
+            if first is None:
+                return
+
+    async def _contribution(self, first: pb.ContributionPart, parts,
+                            context: grpc.aio.ServicerContext) -> list[pb.StepsPart]:
+        """One contribution whose header is ``first``'s: read, taken, and the answer's parts."""
+        h = first.header
+        async with error_status(context):
             ledger = self._ledger(h.key)
             mode = from_message(h.mode)
             # Refused before any memory is taken for it.
@@ -87,7 +104,8 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             size = 4 * h.numel if fmt is None else fmt.encoded_nbytes(h.numel) + 4 * h.numel
             reservation = self.table.account.reserve(ledger, h.key.rank, "contribution", size)
             try:
-                data = await self._read(first, parts, h.numel, fmt, f"rank {h.key.rank}")
+                data = await self._read(first, parts, h.numel, fmt, f"rank {h.key.rank}",
+                                        h.streamed)
                 # BoundedStaleness: a fast rank's next gradient waits while closing the step
                 # its previous one is in would leave a live rank too far behind.
                 began = asyncio.get_running_loop().time()
@@ -99,7 +117,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
                                             data, h.wire, tuple(h.hyper), h.buffer_numel)
             finally:
                 reservation.release()
-            self._arm_timer()
+            self._deadlines.arm()
             contributed = pb.Contributed(
                 accepted=verdict.accepted, step=verdict.step, staleness=verdict.staleness,
                 steps=ledger.steps, reason=verdict.reason,
@@ -112,8 +130,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             with contextlib.suppress(GradstarError):  # the rank's Fetch names it
                 closed = ledger.fetch(h.key.rank, h.base, h.fetch_limit)
         contributed.waited_seconds = asyncio.get_running_loop().time() - began
-        async for part in _answer(ledger, closed, contributed):
-            yield part
+        return _answer(ledger, closed, contributed, joined=h.streamed)
 
     async def Fetch(self, request: pb.FetchStepsRequest,
                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepsPart]:
@@ -125,7 +142,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
                 ledger.seen(request.key.rank)
             else:
                 closed = ledger.fetch(request.key.rank, request.have, request.limit)
-        async for part in _answer(ledger, closed):
+        for part in _answer(ledger, closed):
             yield part
 
     async def Heartbeat(self, request: pb.StepsHeartbeat,
@@ -133,7 +150,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
         async with error_status(context):
             ledger = self._ledger(request.key)
             ledger.heartbeat(request.key.rank, request.have, request.leave)
-            self._arm_timer()
+            self._deadlines.arm()
             return _state(ledger)
 
     async def Synchronize(self, request: pb.SynchronizeRequest,
@@ -250,9 +267,10 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
         return data
 
     async def _read(self, first: pb.ContributionPart, parts, numel: int,
-                    fmt: WireFormat | None, who: str) -> np.ndarray:
+                    fmt: WireFormat | None, who: str, streamed: bool = False) -> np.ndarray:
         """The whole float32 gradient of a Contribute stream: ``numel`` float32 values, or
-        ``fmt``'s encoding of them (exactly its encoded size; decoded once, here).
+        ``fmt``'s encoding of them (exactly its encoded size; decoded once, here); read up to
+        the half-close, or (``streamed``) exactly that many bytes.
 
         Raises:
             ProtocolError: a part too large, a second header, or data of the wrong length.
@@ -263,9 +281,13 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
         out = np.empty(size, dtype=np.uint8)
         view = memoryview(out)
         filled = take_part(first.data, view, 0, self.max_chunk_bytes, stream)
-        async for part in parts:
+        while not streamed or filled < size:
+            part = await anext(parts, None)
+            if part is None:
+                break
             if part.HasField("header"):
-                raise ProtocolError("a Contribute stream carries one header, at its start")
+                raise ProtocolError("a Contribute stream carries one header per contribution, "
+                                    "before its data")
             filled = take_part(part.data, view, filled, self.max_chunk_bytes, stream)
         if filled != len(view):
             raise ProtocolError(f"{who} announced {numel} {what} values ({size} bytes) but sent "
@@ -276,39 +298,22 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
 
 
     async def _wait(self, ready: Callable[[], bool], seconds: float) -> None:
-        loop = asyncio.get_running_loop()
-        until = loop.time() + min(max(seconds, 0.0), MAX_WAIT)
-        while not ready():
-            remaining = until - loop.time()
-            if remaining <= 0:
-                return
-            changed = self._changed
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), remaining)
+        await self._changes.wait(ready, min(seconds, MAX_WAIT))
 
-    def _on_change(self) -> None:
-        # Wake every waiting call; each rechecks its own ledger.
-        self._changed.set()
-        self._changed = asyncio.Event()
 
-    def _arm_timer(self) -> None:
-        """Run :meth:`StepsTable.close_due` at the earliest Quorum deadline."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        deadline = self.table.next_deadline()
-        if deadline is None:
-            return
-        delay = max(0.0, deadline - self.table.clock())
-        self._timer = asyncio.get_running_loop().call_later(delay + 0.001, self._on_deadline)
+async def _next_header(parts, caller: pb.StepsKey) -> pb.ContributionPart | None:
+    """The next contribution of a streamed Contribute call (None: the rank half-closed).
 
-    def _on_deadline(self) -> None:
-        self._timer = None
-        self.table.close_due()
-        deadline = self.table.next_deadline()
-        if deadline is not None and deadline > self.table.clock():
-            self._arm_timer()
-        # A due step still open lacks min_ranks: a contribution or a departure settles it.
+    Raises:
+        ProtocolError: it is not a streamed contribution's header of the call's caller.
+    """
+    part = await anext(parts, None)
+    if part is None:
+        return None
+    if not part.HasField("header") or not part.header.streamed or part.header.key != caller:
+        raise ProtocolError("each contribution of a streamed Contribute call begins with its "
+                            "header, streamed, of the call's first caller")
+    return part
 
 
 async def _first(parts, what: str = "Contribute"):
@@ -321,22 +326,26 @@ async def _first(parts, what: str = "Contribute"):
     return first
 
 
-async def _answer(ledger: StepLedger, closed: list[ClosedStep] | None,
-                  contributed: pb.Contributed | None = None) -> AsyncIterator[pb.StepsPart]:
+def _answer(ledger: StepLedger, closed: list[ClosedStep] | None,
+            contributed: pb.Contributed | None = None, joined: bool = False,
+            ) -> list[pb.StepsPart]:
     """A Fetch or Contribute answer: the header (``closed`` None: not ready), then the
-    aggregates' bytes in parts."""
+    aggregates' bytes in parts; ``joined``: the first part rides in the header's message (a
+    streamed Contribute, whose reader counts the bytes the header announces)."""
     if closed is None:
-        yield pb.StepsPart(header=pb.StepsHeader(ready=False, steps=ledger.steps,
-                                                 contributed=contributed))
-        return
-    yield pb.StepsPart(header=pb.StepsHeader(
+        return [pb.StepsPart(header=pb.StepsHeader(ready=False, steps=ledger.steps,
+                                                   contributed=contributed))]
+    header = pb.StepsHeader(
         ready=True, steps=ledger.steps, numel=ledger.numel or 0,
         records=[_record(s) for s in closed],
-        wire=ledger.wire.wire if ledger.wire is not None else 0, contributed=contributed))
-    # The aggregates are never changed once closed: stream them as they are (encoded).
-    for step in closed:
-        for piece in split_parts(memoryview(step.aggregate).cast("B"), PART_BYTES):
-            yield pb.StepsPart(data=piece)
+        wire=ledger.wire.wire if ledger.wire is not None else 0, contributed=contributed)
+    # The aggregates are never changed once closed: send them as they are (encoded).
+    pieces = [piece for step in closed
+              for piece in split_parts(memoryview(step.aggregate).cast("B"), PART_BYTES)]
+    if joined and pieces:
+        return [pb.StepsPart(header=header, data=pieces[0]),
+                *(pb.StepsPart(data=piece) for piece in pieces[1:])]
+    return [pb.StepsPart(header=header), *(pb.StepsPart(data=piece) for piece in pieces)]
 
 
 def _state(ledger: StepLedger) -> pb.StepsState:

@@ -8,11 +8,10 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from gradstar.errors import JobAccessError
 from gradstar.proto.v1 import admin_pb2 as apb
 from gradstar.proto.v1 import admin_pb2_grpc
 from gradstar.transport.auth import check_job_access
-from gradstar.transport.status import abort
+from gradstar.transport.status import error_status
 
 from ..metrics import CollectiveMetrics, job_arrivals
 from ..rendezvous.rendezvous import Job, Rendezvous
@@ -176,11 +175,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def GetStragglers(self, request, context):
         """Per rank arrival lag and cost, slowest first (:mod:`.stragglers`). A job's own
         token reads its own job's rows only (the shared or admin token: every job's)."""
-        try:
+        async with error_status(context):
             # Before the lookup: another job's token learns nothing, not even if it exists.
             check_job_access(request.job)
-        except JobAccessError as error:
-            await abort(context, error)
         job = self.rendezvous.jobs.get(request.job)
         if job is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no job named {request.job!r}")

@@ -6,12 +6,14 @@ a wrong encoded size or format is named."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import numpy as np
 import pytest
 
 from gradstar.client.steps import StepsClient
+from gradstar.client.steps.client import _connected
 from gradstar.config import ClientSettings
 from gradstar.errors import AuthenticationError, ProtocolError, StepMismatchError, StepTimeoutError
 from gradstar.proto.v1 import steps_pb2 as pb
@@ -110,10 +112,11 @@ async def test_synchronize_closes_the_open_step_for_every_rank(ranks):
     slow = Quorum(min_ranks=2, timeout=600.0)
     await r0.contribute(slow, 0, 0, 1.0, g(4), T)
     replies = await asyncio.gather(r0.synchronize(1, T), r1.synchronize(1, T))
-    # Rank 1 contributed nothing: the step closed with rank 0 alone.
+    # Rank 1 contributed nothing: the step closed with rank 0 alone, half a full step of
+    # min_ranks = 2 (Quorum's default scaling, "share").
     assert [r.steps for r in replies] == [1, 1]
     got = await r1.fetch(0, 1, T)
-    np.testing.assert_array_equal(got.values[0], g(4))
+    np.testing.assert_array_equal(got.values[0], g(2))
 
 
 async def test_a_steps_call_without_the_job_token_is_refused(start_coordinator):
@@ -246,3 +249,132 @@ async def test_a_contribution_on_the_callers_thread_answers_refuses_and_times_ou
     with pytest.raises(StepTimeoutError, match=r"within 0\.3 s"):
         await here(r0.exchange_here, QUORUM, 0, 1, 1.0, g(1, 1), 0.3, fetch_limit=4,
                    await_step=5.0)
+
+
+async def test_a_streamed_contribute_call_carries_one_contribution_after_another(coordinator,
+                                                                                ranks):
+    """ContributionHeader.streamed: the hub reads exactly the announced data, answers (the
+    first data part in the header's message), and reads the next contribution on the same
+    call; the rank's half-close ends it OK."""
+    r0, r1 = ranks(0), ranks(1)
+    requests: asyncio.Queue = asyncio.Queue()
+
+    def contribution(base: int, *values: float) -> pb.ContributionPart:
+        return pb.ContributionPart(data=g(*values).tobytes(), header=pb.ContributionHeader(
+            key=r0.key, mode=QUORUM.message(), numel=len(values), base=base, weight=1.0,
+            fetch_limit=4, streamed=True))
+
+    async def parts():
+        while (part := await requests.get()) is not None:
+            yield part
+
+    await r1.contribute(QUORUM, 0, 0, 1.0, g(3, 3), T)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{coordinator.collective_port}") as ch:
+        call = steps_pb2_grpc.StepsStub(ch).Contribute(parts(), timeout=T)
+        await requests.put(contribution(0, 1, 1))  # closes step 1 (both ranks in it)
+        first = await call.read()
+        assert first.header.contributed.step == 1 and first.header.ready
+        assert [r.step for r in first.header.records] == [1]
+        np.testing.assert_array_equal(np.frombuffer(first.data, "<f4"), g(2, 2))
+        await requests.put(contribution(1, 5, 5))  # step 2, open: rank 1 has not sent
+        second = await call.read()
+        assert (second.header.contributed.step, second.header.steps) == (2, 1)
+        assert second.header.ready and not second.header.records and not second.data
+        await requests.put(None)  # half-close
+        assert await call.read() == grpc.aio.EOF
+        assert await call.code() == grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("second", ["another caller", "more data", "not streamed"])
+async def test_a_streamed_call_that_breaks_its_framing_is_refused_and_keeps_nothing(
+        coordinator, ranks, second):
+    r0, r1 = ranks(0), ranks(1)
+
+    def header(key, base: int, streamed: bool = True) -> pb.ContributionHeader:
+        return pb.ContributionHeader(key=key, mode=QUORUM.message(), numel=2, base=base,
+                                     weight=1.0, fetch_limit=4, streamed=streamed)
+
+    first = pb.ContributionPart(header=header(r0.key, 0), data=g(1, 1).tobytes())
+    follows = {
+        "another caller": [pb.ContributionPart(header=header(r1.key, 0),
+                                               data=g(9, 9).tobytes())],
+        "more data": [pb.ContributionPart(data=g(9).tobytes())],  # past the first's data
+        "not streamed": [pb.ContributionPart(header=header(r0.key, 0, streamed=False),
+                                             data=g(9, 9).tobytes())],
+    }[second]
+
+    async def parts():
+        yield first
+        for part in follows:
+            yield part
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{coordinator.collective_port}") as ch:
+        call = steps_pb2_grpc.StepsStub(ch).Contribute(parts(), timeout=T)
+        answer = await call.read()
+        assert answer.header.contributed.step == 1  # the first contribution was taken
+        assert not answer.header.records  # its step waits for rank 1 (Quorum of 2)
+        with pytest.raises(grpc.RpcError) as raised:
+            await call.read()
+    assert isinstance(error_from_rpc(raised.value, "contribute", "hub"), ProtocolError)
+    # Nothing of what followed reached the step: rank 1's own gradient closes it.
+    await r1.contribute(QUORUM, 0, 0, 1.0, g(3, 3), T)
+    got = await r1.fetch(0, 1, T)
+    np.testing.assert_array_equal(got.values[0], g(2, 2))
+
+
+class _Relay:
+    """A TCP relay to the hub whose connections the test can cut (a dropped connection, as a
+    restarted hub leaves it)."""
+
+    def __init__(self, port: int) -> None:
+        self.port, self.writers, self.server = port, [], None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _relay(self, reader, writer) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self.writers += [writer, up_writer]
+
+        async def pump(source, sink) -> None:
+            with contextlib.suppress(ConnectionError):
+                while data := await source.read(1 << 16):
+                    sink.write(data)
+                    await sink.drain()
+            sink.close()
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+    def cut(self) -> None:
+        for writer in self.writers:
+            writer.transport.abort()
+        self.writers.clear()
+
+    async def close(self) -> None:
+        self.cut()
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def test_a_kept_stream_whose_connection_dropped_is_not_used_again(coordinator, members):
+    """exchange_here keeps its stream from call to call; once its connection dropped (the
+    channel knows it), the next contribution goes on a new stream instead of failing on the
+    dead one, which the hub never read from."""
+    relay = _Relay(coordinator.collective_port)
+    pg = members[0]
+    client = StepsClient(pg.settings, await relay.start(), "m", job=pg.job, rank=pg.rank,
+                         generation=pg.generation, member_id=pg.member_id)
+    push, here = Asynchronous(timeout=0), asyncio.to_thread
+    try:
+        first, _ = await here(client.exchange_here, push, 0, 0, 1.0, g(1, 1), T, fetch_limit=4)
+        relay.cut()
+        await until(lambda: not _connected(client._blocking), "the channel saw the drop", T)
+        second, got = await here(client.exchange_here, push, 0, 0, 1.0, g(3, 3), T,
+                                 fetch_limit=4)
+        # The second gradient reached the hub: its step 2 closed step 1 (rank 0's own).
+        assert (first.step, second.step) == (1, 2) and got.steps == 1
+        np.testing.assert_array_equal(got.values[0], g(0.5, 0.5))  # 1 of 2 live ranks
+    finally:
+        await client.close()
+        await relay.close()

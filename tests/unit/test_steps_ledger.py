@@ -79,10 +79,30 @@ def test_quorum_closes_with_min_ranks_after_the_timeout_and_drops_the_late_one()
     clock.now = 0.6
     t.close_due()
     assert ledger.steps == 1 and ledger.log[-1].ranks == (0, 1)
+    # min_ranks gradients make a full step: the default "share" leaves its mean as it is.
+    assert ledger.log[-1].factors == (0.5, 0.5)
     np.testing.assert_array_equal(ledger.log[-1].aggregate, grad(2.0))
     dropped = give(t, ledger, 2, mode, 100.0)  # computed on base 0
     assert not dropped.accepted and dropped.staleness == 1 and "Quorum" in dropped.reason
     assert ledger.ranks[2].dropped == 1 and ledger.open.contributions == {}
+
+
+def test_a_plain_quorum_takes_the_mean_as_it_is_and_the_barrier_tail_is_scaled_by_default():
+    # The straggler's tail: the fast ranks wait in synchronize() and each of the slow rank's
+    # gradients closes a step alone. By default (share) it is a third of a full step (of
+    # min_ranks = 3), as its gradient in one; "plain" (the rule before) takes it whole.
+    third = float(np.float32(1 / 3))
+    for scaling, factor in (("share", third), ("plain", 1.0)):
+        t = table()
+        ledger = t.ledger("j", "m", 4)
+        mode = Quorum(min_ranks=3, timeout=0.0, scaling=scaling)
+        for rank in (0, 1, 2):
+            assert ledger.synchronize(rank, 1, None) is None  # waiting at the barrier
+        give(t, ledger, 3, mode, 8.0)
+        assert ledger.steps == 1 and ledger.log[-1].ranks == (3,)
+        assert ledger.log[-1].factors == (factor,)
+        np.testing.assert_array_equal(ledger.log[-1].aggregate,
+                                      grad(np.float32(8.0) * np.float32(factor)))
 
 
 def test_quorum_needs_only_the_live_ranks_when_fewer_than_min_ranks_are_left():
@@ -262,6 +282,35 @@ def test_the_default_rule_waits_the_spread_then_carries_the_late_gradient_scaled
         for f, v in zip(factors, vs, strict=True):  # as the hub: float32, rank order
             total = np.float32(total + np.float32(v) * np.float32(f))
         np.testing.assert_array_equal(step.aggregate, grad(total))
+
+
+@pytest.mark.parametrize("make", [Asynchronous, lambda: BoundedStaleness(2)])
+def test_of_two_ranks_the_adaptive_wait_is_twice_the_recent_time_to_the_second(make):
+    # Two ranks have no "others' spread" (the time to the first gradient is 0): the step waits
+    # twice the recent times to the second gradient, and closes without a rank later than it.
+    clock = Clock()
+    t = table(clock)
+    ledger = t.ledger("j", "m", 2)
+    mode = make()
+    for start in (0.0, 1.0, 2.0):  # three steps of both ranks, 0.05-0.08 s apart
+        for rank, at in ((0, start), (1, start + (0.08 if start == 1.0 else 0.05))):
+            clock.now = at
+            if ledger.ranks.get(rank) is not None:
+                catch_up(t, ledger, rank)
+            give(t, ledger, rank, mode, 1.0)
+    assert ledger.steps == 3
+    assert mode.wait(ledger.arrivals, 2) == pytest.approx(0.16)  # 2 x the 90th pct, 0.08 s
+    clock.now = 3.0
+    catch_up(t, ledger, 0)
+    give(t, ledger, 0, mode, 1.0)
+    assert ledger.deadline() == pytest.approx(3.16)
+    clock.now = 3.15
+    t.close_due()
+    assert ledger.steps == 3  # rank 1 is not later than its usual yet
+    clock.now = 3.17
+    t.close_due()
+    assert ledger.steps == 4 and ledger.log[-1].ranks == (0,)
+    assert mode.wait([(0.0,)] * 3, 1) == 0.0  # one live rank: its own step closes at once
 
 
 def test_a_stale_gradient_starts_no_steps_clock_and_is_not_in_the_spread():

@@ -11,8 +11,9 @@ receiver prove it got every chunk exactly once before it uses the result. Every 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -20,6 +21,8 @@ from gradstar.errors import ConfigurationError, InvalidCollectiveError, Protocol
 from gradstar.proto.v1 import collective_pb2 as pb
 
 from .frames import decode_chunk, encode_chunk
+
+T = TypeVar("T")
 
 DEFAULT_CHUNK_BYTES = 2 << 20
 MAX_CHUNK_BYTES = 16 << 20
@@ -193,6 +196,17 @@ def split_parts(data: bytes | memoryview, part_bytes: int) -> Iterator[bytes]:
         yield bytes(data[start:start + part_bytes])
 
 
+def header_first(part: Callable[..., T], header: object, data: bytes | memoryview,
+                 part_bytes: int) -> Iterator[T]:
+    """The messages of a header-first protobuf stream: ``part(header=header, data=...)`` with
+    the first part of ``data`` (empty if none), then ``part(data=...)`` for each other part
+    (:func:`split_parts`): every such stream's sender (Steps, Rounds, both ways)."""
+    pieces = split_parts(data, part_bytes)
+    yield part(header=header, data=next(pieces, b""))
+    for piece in pieces:
+        yield part(data=piece)
+
+
 def take_part(data: bytes, view: memoryview, filled: int, max_part: int, what: str) -> int:
     """Copy one data part of a header-first protobuf stream (the Rounds and Steps services)
     into ``view`` at ``filled``; the new fill. ``what`` names the stream ("a rounds").
@@ -222,5 +236,6 @@ def as_byte_view(array: np.ndarray) -> memoryview:
 
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "MAX_CHUNKS", "MAX_CHUNK_BYTES", "ChunkLayout", "ChunkTracker",
-           "aligned_chunk_bytes", "as_byte_view", "check_chunk_count", "iter_chunk_frames",
+           "aligned_chunk_bytes", "as_byte_view", "check_chunk_count", "header_first",
+           "iter_chunk_frames",
            "place_chunk", "receive_chunk", "split_parts", "take_part", "tracker_bytes"]

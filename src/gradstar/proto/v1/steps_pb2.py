@@ -25,49 +25,49 @@ _sym_db = _symbol_database.Default()
 from gradstar.proto.v1 import collective_pb2 as gradstar_dot_proto_dot_v1_dot_collective__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgradstar/proto/v1/steps.proto\x12\x11gradstar.proto.v1\x1a\"gradstar/proto/v1/collective.proto\"\xc7\x01\n\x08SyncMode\x12-\n\x04kind\x18\x01 \x01(\x0e\x32\x1f.gradstar.proto.v1.SyncModeKind\x12\x11\n\tmin_ranks\x18\x02 \x01(\r\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\x12\x18\n\x10\x61\x64\x61ptive_timeout\x18\x06 \x01(\x08\x12\x15\n\rmax_staleness\x18\x04 \x01(\r\x12/\n\x07scaling\x18\x05 \x01(\x0e\x32\x1e.gradstar.proto.v1.StepScaling\"o\n\x08StepsKey\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x11\n\tmember_id\x18\x06 \x01(\t\"\xbb\x02\n\x12\x43ontributionHeader\x12(\n\x03key\x18\x01 \x01(\x0b\x32\x1b.gradstar.proto.v1.StepsKey\x12)\n\x04mode\x18\x02 \x01(\x0b\x32\x1b.gradstar.proto.v1.SyncMode\x12\x12\n\nmode_epoch\x18\x03 \x01(\x04\x12\r\n\x05numel\x18\x04 \x01(\x04\x12\x0c\n\x04\x62\x61se\x18\x05 \x01(\x04\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12+\n\x04wire\x18\x07 \x01(\x0e\x32\x1d.gradstar.proto.v1.WireFormat\x12\x13\n\x0b\x66\x65tch_limit\x18\x08 \x01(\r\x12\x12\n\nawait_step\x18\t \x01(\x08\x12\x14\n\x0cwait_seconds\x18\n \x01(\x01\x12\r\n\x05hyper\x18\x0b \x03(\x01\x12\x14\n\x0c\x62uffer_numel\x18\x0c \x01(\x04\"W\n\x10\x43ontributionPart\x12\x35\n\x06header\x18\x01 \x01(\x0b\x32%.gradstar.proto.v1.ContributionHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x8e\x01\n\x0b\x43ontributed\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x11\n\tstaleness\x18\x03 \x01(\x04\x12\r\n\x05steps\x18\x04 \x01(\x04\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x15\n\rwant_snapshot\x18\x06 \x01(\x08\x12\x16\n\x0ewaited_seconds\x18\x07 \x01(\x01\"\x83\x01\n\x11\x46\x65tchStepsRequest\x12(\n\x03key\x18\x01 \x01(\x0b\x32\x1b.gradstar.proto.v1.StepsKey\x12\x0c\n\x04have\x18\x02 \x01(\x04\x12\x11\n\tmin_steps\x18\x03 \x01(\x04\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\x12\r\n\x05limit\x18\x05 \x01(\r\"m\n\nStepRecord\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\r\n\x05ranks\x18\x02 \x03(\r\x12\x0f\n\x07weights\x18\x03 \x03(\x01\x12\x11\n\tstaleness\x18\x04 \x03(\x04\x12\r\n\x05hyper\x18\x05 \x03(\x01\x12\x0f\n\x07\x66\x61\x63tors\x18\x06 \x03(\x01\"\xcc\x01\n\x0bStepsHeader\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\r\n\x05steps\x18\x02 \x01(\x04\x12\r\n\x05numel\x18\x03 \x01(\x04\x12.\n\x07records\x18\x04 \x03(\x0b\x32\x1d.gradstar.proto.v1.StepRecord\x12+\n\x04wire\x18\x05 \x01(\x0e\x32\x1d.gradstar.proto.v1.WireFormat\x12\x33\n\x0b\x63ontributed\x18\x06 \x01(\x0b\x32\x1e.gradstar.proto.v1.Contributed\"I\n\tStepsPart\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1e.gradstar.proto.v1.StepsHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"W\n\x0eStepsHeartbeat\x12(\n\x03key\x18\x01 \x01(\x0b\x32\x1b.gradstar.proto.v1.StepsKey\x12\x0c\n\x04have\x18\x02 \x01(\x04\x12\r\n\x05leave\x18\x03 \x01(\x08\"W\n\nStepsState\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x0c\n\x04live\x18\x02 \x03(\r\x12\x14\n\x0chas_snapshot\x18\x03 \x01(\x08\x12\x16\n\x0esnapshot_steps\x18\x04 \x01(\x04\"\x95\x01\n\x12SynchronizeRequest\x12(\n\x03key\x18\x01 \x01(\x0b\x32\x1b.gradstar.proto.v1.StepsKey\x12\x0f\n\x07\x62\x61rrier\x18\x02 \x01(\x04\x12\x14\n\x0cwait_seconds\x18\x03 \x01(\x01\x12.\n\tnext_mode\x18\x04 \x01(\x0b\x32\x1b.gradstar.proto.v1.SyncMode\"\x87\x01\n\x10SynchronizeReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\r\n\x05steps\x18\x02 \x01(\x04\x12)\n\x04mode\x18\x03 \x01(\x0b\x32\x1b.gradstar.proto.v1.SyncMode\x12\x12\n\nmode_epoch\x18\x04 \x01(\x04\x12\x16\n\x0eswitch_refused\x18\x05 \x01(\t\"\x8f\x01\n\x0eSnapshotHeader\x12(\n\x03key\x18\x01 \x01(\x0b\x32\x1b.gradstar.proto.v1.StepsKey\x12\r\n\x05steps\x18\x02 \x01(\x04\x12\x0e\n\x06layout\x18\x03 \x01(\t\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x12\n\nmode_epoch\x18\x05 \x01(\x04\x12\x10\n\x08\x62\x61rriers\x18\x06 \x01(\x04\"O\n\x0cSnapshotPart\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32!.gradstar.proto.v1.SnapshotHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"Q\n\x0fSnapshotRequest\x12(\n\x03key\x18\x01 \x01(\x0b\x32\x1b.gradstar.proto.v1.StepsKey\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01*\x97\x01\n\x0cSyncModeKind\x12\x19\n\x15SYNC_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15SYNC_MODE_SYNCHRONOUS\x10\x01\x12\x14\n\x10SYNC_MODE_QUORUM\x10\x02\x12\x1f\n\x1bSYNC_MODE_BOUNDED_STALENESS\x10\x03\x12\x1a\n\x16SYNC_MODE_ASYNCHRONOUS\x10\x04*\x99\x01\n\x0bStepScaling\x12\x1c\n\x18STEP_SCALING_UNSPECIFIED\x10\x00\x12\x16\n\x12STEP_SCALING_PLAIN\x10\x01\x12\x16\n\x12STEP_SCALING_SHARE\x10\x02\x12\x1a\n\x16STEP_SCALING_STALENESS\x10\x03\x12 \n\x1cSTEP_SCALING_SHARE_STALENESS\x10\x04\x32\xfc\x03\n\x05Steps\x12S\n\nContribute\x12#.gradstar.proto.v1.ContributionPart\x1a\x1c.gradstar.proto.v1.StepsPart(\x01\x30\x01\x12M\n\x05\x46\x65tch\x12$.gradstar.proto.v1.FetchStepsRequest\x1a\x1c.gradstar.proto.v1.StepsPart0\x01\x12M\n\tHeartbeat\x12!.gradstar.proto.v1.StepsHeartbeat\x1a\x1d.gradstar.proto.v1.StepsState\x12Y\n\x0bSynchronize\x12%.gradstar.proto.v1.SynchronizeRequest\x1a#.gradstar.proto.v1.SynchronizeReply\x12O\n\x0bPutSnapshot\x12\x1f.gradstar.proto.v1.SnapshotPart\x1a\x1d.gradstar.proto.v1.StepsState(\x01\x12T\n\x0bGetSnapshot\x12\".gradstar.proto.v1.SnapshotRequest\x1a\x1f.gradstar.proto.v1.SnapshotPart0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgradstar/proto/v1/steps.proto\x12\x11gradstar.proto.v1\x1a\"gradstar/proto/v1/collective.proto\"\xc7\x01\n\x08SyncMode\x12-\n\x04kind\x18\x01 \x01(\x0e\x32\x1f.gradstar.proto.v1.SyncModeKind\x12\x11\n\tmin_ranks\x18\x02 \x01(\r\x12\x17\n\x0ftimeout_seconds\x18\x03 \x01(\x01\x12\x18\n\x10\x61\x64\x61ptive_timeout\x18\x06 \x01(\x08\x12\x15\n\rmax_staleness\x18\x04 \x01(\r\x12/\n\x07scaling\x18\x05 \x01(\x0e\x32\x1e.gradstar.proto.v1.StepScaling\"o\n\x08StepsKey\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x11\n\tmember_id\x18\x06 \x01(\t\"\xcd\x02\n\x12\x43ontributionHeader\x12(\n\x03key\x18\x01 \x01(\x0b\x32\x1b.gradstar.proto.v1.StepsKey\x12)\n\x04mode\x18\x02 \x01(\x0b\x32\x1b.gradstar.proto.v1.SyncMode\x12\x12\n\nmode_epoch\x18\x03 \x01(\x04\x12\r\n\x05numel\x18\x04 \x01(\x04\x12\x0c\n\x04\x62\x61se\x18\x05 \x01(\x04\x12\x0e\n\x06weight\x18\x06 \x01(\x01\x12+\n\x04wire\x18\x07 \x01(\x0e\x32\x1d.gradstar.proto.v1.WireFormat\x12\x13\n\x0b\x66\x65tch_limit\x18\x08 \x01(\r\x12\x12\n\nawait_step\x18\t \x01(\x08\x12\x14\n\x0cwait_seconds\x18\n \x01(\x01\x12\r\n\x05hyper\x18\x0b \x03(\x01\x12\x14\n\x0c\x62uffer_numel\x18\x0c \x01(\x04\x12\x10\n\x08streamed\x18\r \x01(\x08\"W\n\x10\x43ontributionPart\x12\x35\n\x06header\x18\x01 \x01(\x0b\x32%.gradstar.proto.v1.ContributionHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x8e\x01\n\x0b\x43ontributed\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x11\n\tstaleness\x18\x03 \x01(\x04\x12\r\n\x05steps\x18\x04 \x01(\x04\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x15\n\rwant_snapshot\x18\x06 \x01(\x08\x12\x16\n\x0ewaited_seconds\x18\x07 \x01(\x01\"\x83\x01\n\x11\x46\x65tchStepsRequest\x12(\n\x03key\x18\x01 \x01(\x0b\x32\x1b.gradstar.proto.v1.StepsKey\x12\x0c\n\x04have\x18\x02 \x01(\x04\x12\x11\n\tmin_steps\x18\x03 \x01(\x04\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\x12\r\n\x05limit\x18\x05 \x01(\r\"m\n\nStepRecord\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\r\n\x05ranks\x18\x02 \x03(\r\x12\x0f\n\x07weights\x18\x03 \x03(\x01\x12\x11\n\tstaleness\x18\x04 \x03(\x04\x12\r\n\x05hyper\x18\x05 \x03(\x01\x12\x0f\n\x07\x66\x61\x63tors\x18\x06 \x03(\x01\"\xcc\x01\n\x0bStepsHeader\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\r\n\x05steps\x18\x02 \x01(\x04\x12\r\n\x05numel\x18\x03 \x01(\x04\x12.\n\x07records\x18\x04 \x03(\x0b\x32\x1d.gradstar.proto.v1.StepRecord\x12+\n\x04wire\x18\x05 \x01(\x0e\x32\x1d.gradstar.proto.v1.WireFormat\x12\x33\n\x0b\x63ontributed\x18\x06 \x01(\x0b\x32\x1e.gradstar.proto.v1.Contributed\"I\n\tStepsPart\x12.\n\x06header\x18\x01 \x01(\x0b\x32\x1e.gradstar.proto.v1.StepsHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"W\n\x0eStepsHeartbeat\x12(\n\x03key\x18\x01 \x01(\x0b\x32\x1b.gradstar.proto.v1.StepsKey\x12\x0c\n\x04have\x18\x02 \x01(\x04\x12\r\n\x05leave\x18\x03 \x01(\x08\"W\n\nStepsState\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x0c\n\x04live\x18\x02 \x03(\r\x12\x14\n\x0chas_snapshot\x18\x03 \x01(\x08\x12\x16\n\x0esnapshot_steps\x18\x04 \x01(\x04\"\x95\x01\n\x12SynchronizeRequest\x12(\n\x03key\x18\x01 \x01(\x0b\x32\x1b.gradstar.proto.v1.StepsKey\x12\x0f\n\x07\x62\x61rrier\x18\x02 \x01(\x04\x12\x14\n\x0cwait_seconds\x18\x03 \x01(\x01\x12.\n\tnext_mode\x18\x04 \x01(\x0b\x32\x1b.gradstar.proto.v1.SyncMode\"\x87\x01\n\x10SynchronizeReply\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\r\n\x05steps\x18\x02 \x01(\x04\x12)\n\x04mode\x18\x03 \x01(\x0b\x32\x1b.gradstar.proto.v1.SyncMode\x12\x12\n\nmode_epoch\x18\x04 \x01(\x04\x12\x16\n\x0eswitch_refused\x18\x05 \x01(\t\"\x8f\x01\n\x0eSnapshotHeader\x12(\n\x03key\x18\x01 \x01(\x0b\x32\x1b.gradstar.proto.v1.StepsKey\x12\r\n\x05steps\x18\x02 \x01(\x04\x12\x0e\n\x06layout\x18\x03 \x01(\t\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x12\n\nmode_epoch\x18\x05 \x01(\x04\x12\x10\n\x08\x62\x61rriers\x18\x06 \x01(\x04\"O\n\x0cSnapshotPart\x12\x31\n\x06header\x18\x01 \x01(\x0b\x32!.gradstar.proto.v1.SnapshotHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"Q\n\x0fSnapshotRequest\x12(\n\x03key\x18\x01 \x01(\x0b\x32\x1b.gradstar.proto.v1.StepsKey\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01*\x97\x01\n\x0cSyncModeKind\x12\x19\n\x15SYNC_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15SYNC_MODE_SYNCHRONOUS\x10\x01\x12\x14\n\x10SYNC_MODE_QUORUM\x10\x02\x12\x1f\n\x1bSYNC_MODE_BOUNDED_STALENESS\x10\x03\x12\x1a\n\x16SYNC_MODE_ASYNCHRONOUS\x10\x04*\x99\x01\n\x0bStepScaling\x12\x1c\n\x18STEP_SCALING_UNSPECIFIED\x10\x00\x12\x16\n\x12STEP_SCALING_PLAIN\x10\x01\x12\x16\n\x12STEP_SCALING_SHARE\x10\x02\x12\x1a\n\x16STEP_SCALING_STALENESS\x10\x03\x12 \n\x1cSTEP_SCALING_SHARE_STALENESS\x10\x04\x32\xfc\x03\n\x05Steps\x12S\n\nContribute\x12#.gradstar.proto.v1.ContributionPart\x1a\x1c.gradstar.proto.v1.StepsPart(\x01\x30\x01\x12M\n\x05\x46\x65tch\x12$.gradstar.proto.v1.FetchStepsRequest\x1a\x1c.gradstar.proto.v1.StepsPart0\x01\x12M\n\tHeartbeat\x12!.gradstar.proto.v1.StepsHeartbeat\x1a\x1d.gradstar.proto.v1.StepsState\x12Y\n\x0bSynchronize\x12%.gradstar.proto.v1.SynchronizeRequest\x1a#.gradstar.proto.v1.SynchronizeReply\x12O\n\x0bPutSnapshot\x12\x1f.gradstar.proto.v1.SnapshotPart\x1a\x1d.gradstar.proto.v1.StepsState(\x01\x12T\n\x0bGetSnapshot\x12\".gradstar.proto.v1.SnapshotRequest\x1a\x1f.gradstar.proto.v1.SnapshotPart0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gradstar.proto.v1.steps_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SYNCMODEKIND']._serialized_start=2261
-  _globals['_SYNCMODEKIND']._serialized_end=2412
-  _globals['_STEPSCALING']._serialized_start=2415
-  _globals['_STEPSCALING']._serialized_end=2568
+  _globals['_SYNCMODEKIND']._serialized_start=2279
+  _globals['_SYNCMODEKIND']._serialized_end=2430
+  _globals['_STEPSCALING']._serialized_start=2433
+  _globals['_STEPSCALING']._serialized_end=2586
   _globals['_SYNCMODE']._serialized_start=89
   _globals['_SYNCMODE']._serialized_end=288
   _globals['_STEPSKEY']._serialized_start=290
   _globals['_STEPSKEY']._serialized_end=401
   _globals['_CONTRIBUTIONHEADER']._serialized_start=404
-  _globals['_CONTRIBUTIONHEADER']._serialized_end=719
-  _globals['_CONTRIBUTIONPART']._serialized_start=721
-  _globals['_CONTRIBUTIONPART']._serialized_end=808
-  _globals['_CONTRIBUTED']._serialized_start=811
-  _globals['_CONTRIBUTED']._serialized_end=953
-  _globals['_FETCHSTEPSREQUEST']._serialized_start=956
-  _globals['_FETCHSTEPSREQUEST']._serialized_end=1087
-  _globals['_STEPRECORD']._serialized_start=1089
-  _globals['_STEPRECORD']._serialized_end=1198
-  _globals['_STEPSHEADER']._serialized_start=1201
-  _globals['_STEPSHEADER']._serialized_end=1405
-  _globals['_STEPSPART']._serialized_start=1407
-  _globals['_STEPSPART']._serialized_end=1480
-  _globals['_STEPSHEARTBEAT']._serialized_start=1482
-  _globals['_STEPSHEARTBEAT']._serialized_end=1569
-  _globals['_STEPSSTATE']._serialized_start=1571
-  _globals['_STEPSSTATE']._serialized_end=1658
-  _globals['_SYNCHRONIZEREQUEST']._serialized_start=1661
-  _globals['_SYNCHRONIZEREQUEST']._serialized_end=1810
-  _globals['_SYNCHRONIZEREPLY']._serialized_start=1813
-  _globals['_SYNCHRONIZEREPLY']._serialized_end=1948
-  _globals['_SNAPSHOTHEADER']._serialized_start=1951
-  _globals['_SNAPSHOTHEADER']._serialized_end=2094
-  _globals['_SNAPSHOTPART']._serialized_start=2096
-  _globals['_SNAPSHOTPART']._serialized_end=2175
-  _globals['_SNAPSHOTREQUEST']._serialized_start=2177
-  _globals['_SNAPSHOTREQUEST']._serialized_end=2258
-  _globals['_STEPS']._serialized_start=2571
-  _globals['_STEPS']._serialized_end=3079
+  _globals['_CONTRIBUTIONHEADER']._serialized_end=737
+  _globals['_CONTRIBUTIONPART']._serialized_start=739
+  _globals['_CONTRIBUTIONPART']._serialized_end=826
+  _globals['_CONTRIBUTED']._serialized_start=829
+  _globals['_CONTRIBUTED']._serialized_end=971
+  _globals['_FETCHSTEPSREQUEST']._serialized_start=974
+  _globals['_FETCHSTEPSREQUEST']._serialized_end=1105
+  _globals['_STEPRECORD']._serialized_start=1107
+  _globals['_STEPRECORD']._serialized_end=1216
+  _globals['_STEPSHEADER']._serialized_start=1219
+  _globals['_STEPSHEADER']._serialized_end=1423
+  _globals['_STEPSPART']._serialized_start=1425
+  _globals['_STEPSPART']._serialized_end=1498
+  _globals['_STEPSHEARTBEAT']._serialized_start=1500
+  _globals['_STEPSHEARTBEAT']._serialized_end=1587
+  _globals['_STEPSSTATE']._serialized_start=1589
+  _globals['_STEPSSTATE']._serialized_end=1676
+  _globals['_SYNCHRONIZEREQUEST']._serialized_start=1679
+  _globals['_SYNCHRONIZEREQUEST']._serialized_end=1828
+  _globals['_SYNCHRONIZEREPLY']._serialized_start=1831
+  _globals['_SYNCHRONIZEREPLY']._serialized_end=1966
+  _globals['_SNAPSHOTHEADER']._serialized_start=1969
+  _globals['_SNAPSHOTHEADER']._serialized_end=2112
+  _globals['_SNAPSHOTPART']._serialized_start=2114
+  _globals['_SNAPSHOTPART']._serialized_end=2193
+  _globals['_SNAPSHOTREQUEST']._serialized_start=2195
+  _globals['_SNAPSHOTREQUEST']._serialized_end=2276
+  _globals['_STEPS']._serialized_start=2589
+  _globals['_STEPS']._serialized_end=3097
 # @@protoc_insertion_point(module_scope)

@@ -67,7 +67,7 @@ class StepsKey(_message.Message):
     def __init__(self, job: _Optional[str] = ..., model: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., generation: _Optional[int] = ..., member_id: _Optional[str] = ...) -> None: ...
 
 class ContributionHeader(_message.Message):
-    __slots__ = ("key", "mode", "mode_epoch", "numel", "base", "weight", "wire", "fetch_limit", "await_step", "wait_seconds", "hyper", "buffer_numel")
+    __slots__ = ("key", "mode", "mode_epoch", "numel", "base", "weight", "wire", "fetch_limit", "await_step", "wait_seconds", "hyper", "buffer_numel", "streamed")
     KEY_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     MODE_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class ContributionHeader(_message.Message):
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HYPER_FIELD_NUMBER: _ClassVar[int]
     BUFFER_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_FIELD_NUMBER: _ClassVar[int]
     key: StepsKey
     mode: SyncMode
     mode_epoch: int
@@ -92,7 +93,8 @@ class ContributionHeader(_message.Message):
     wait_seconds: float
     hyper: _containers.RepeatedScalarFieldContainer[float]
     buffer_numel: int
-    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., mode: _Optional[_Union[SyncMode, _Mapping]] = ..., mode_epoch: _Optional[int] = ..., numel: _Optional[int] = ..., base: _Optional[int] = ..., weight: _Optional[float] = ..., wire: _Optional[_Union[_collective_pb2.WireFormat, str]] = ..., fetch_limit: _Optional[int] = ..., await_step: _Optional[bool] = ..., wait_seconds: _Optional[float] = ..., hyper: _Optional[_Iterable[float]] = ..., buffer_numel: _Optional[int] = ...) -> None: ...
+    streamed: bool
+    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., mode: _Optional[_Union[SyncMode, _Mapping]] = ..., mode_epoch: _Optional[int] = ..., numel: _Optional[int] = ..., base: _Optional[int] = ..., weight: _Optional[float] = ..., wire: _Optional[_Union[_collective_pb2.WireFormat, str]] = ..., fetch_limit: _Optional[int] = ..., await_step: _Optional[bool] = ..., wait_seconds: _Optional[float] = ..., hyper: _Optional[_Iterable[float]] = ..., buffer_numel: _Optional[int] = ..., streamed: _Optional[bool] = ...) -> None: ...
 
 class ContributionPart(_message.Message):
     __slots__ = ("header", "data")
