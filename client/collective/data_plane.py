@@ -8,19 +8,25 @@ means the host this rank reaches the coordinator at. Parameter-averaging rounds 
 the coordinator, which keeps the job's global model. Joining waits until every shard is
 connected (:meth:`DataPlane.connect`), as it waits for the coordinator, so that a shard this
 rank cannot reach fails the join with its cause named (a TLS mismatch within a second or two).
+Once connected, it measures the round trip to each target and opens more connections to the
+far ones (:mod:`.connections`; ``connections`` in the settings overrides the count).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from gradstar.config import ClientSettings
-from gradstar.transport.channels import open_channel
+from gradstar.transport.channels import call_metadata, open_channel
 from gradstar.transport.tls_check import wait_connected
 from gradstar.wire import COLLECTIVE_METHOD
 
+from . import connections
 from .targets import SharedMemoryOffer, Target
+
+log = logging.getLogger(__name__)
 
 #: A collective striped over K targets is cut into at least this many chunks per target, down
 #: to MIN_STRIPED_CHUNK bytes: one chunk per shard sends every byte to shard 0, and two per
@@ -72,6 +78,7 @@ class DataPlane:
         self.addresses = [resolve(a, settings.coordinator) for a in shards]
         self._channels = [open_channel(settings, address, bulk=True)
                           for address in self.addresses]
+        self._extra: list = []  # the far targets' further channels (:meth:`widen`)
         self.shards = [
             Target(channel.stream_stream(COLLECTIVE_METHOD), address,
                    f"hub shard {k} at {address}", SharedMemoryOffer(settings.shared_memory))
@@ -108,6 +115,44 @@ class DataPlane:
             for wait in waits:
                 wait.cancel()
             await asyncio.gather(*waits, return_exceptions=True)
+        await self.widen(timeout)
+
+    async def widen(self, timeout: float) -> None:
+        """Give each target the connections its round trip needs
+        (:func:`.connections.connections_for`, or the settings' ``connections``): channels of
+        their own, each its own TCP connection, ready before this returns. A connection that
+        cannot be made within ``timeout`` is left out: the target keeps those it has."""
+        # Only a target that carries whole collectives alone (the coordinator; averaging
+        # rounds) gets more by default: a striped collective already crosses the host's link
+        # on one connection per shard, and more per shard measured no faster across 4 hosts
+        # at 200 ms (docs/regions.md); ``connections`` set gives every target that many.
+        alone = [True] + [False] * len(self.shards)
+        pairs = [(self._coordinator_channel, self.coordinator),
+                 *zip(self._channels, self.shards, strict=True)]
+        metadata = call_metadata(self.settings)
+        counts = await asyncio.gather(*(self._count(channel, metadata, timeout, auto)
+                                        for (channel, _), auto in zip(pairs, alone,
+                                                                      strict=True)))
+        for (_, target), count in zip(pairs, counts, strict=True):
+            if count <= 1:
+                continue
+            more = [open_channel(self.settings, target.address, bulk=True)
+                    for _ in range(count - 1)]
+            self._extra.extend(more)
+            ready = await asyncio.gather(*(asyncio.wait_for(c.channel_ready(), timeout)
+                                           for c in more), return_exceptions=True)
+            target.connections[:] = [target.stream, *(
+                c.stream_stream(COLLECTIVE_METHOD)
+                for c, r in zip(more, ready, strict=True) if not isinstance(r, BaseException))]
+            log.info("%s: %d connections", target.name, len(target.connections))
+
+    async def _count(self, channel, metadata, timeout: float, auto: bool) -> int:
+        if self.settings.connections or not auto:
+            return self.settings.connections or 1
+        rtt = await connections.round_trip(channel, metadata, min(timeout, 5.0))
+        count = connections.connections_for(rtt)
+        log.debug("%.1f ms round trip: %d connections", rtt * 1e3, count)
+        return count
 
     async def close(self) -> None:
         """End the streams kept open to the coordinator and the shards, then their channels
@@ -116,4 +161,4 @@ class DataPlane:
             target.close()
         with contextlib.suppress(Exception):
             await asyncio.gather(*(c.close() for c in (self._coordinator_channel,
-                                                       *self._channels)))
+                                                       *self._channels, *self._extra)))

@@ -39,6 +39,7 @@ from ..hierarchy import HostHierarchy
 from ..peer import Identity, PeerEndpoint
 from ..session import Session
 from ..stragglers import StragglerLog, StragglerStats, fetch_stragglers
+from .parts import split_all_reduce
 from .point_to_point import PeerCalls
 from .protocol import ArrayLike, Result
 from .ride import Rider, RidingLane
@@ -177,8 +178,10 @@ class AsyncProcessGroup:
             self._check_usable()
             return self._hosts.all_reduce(arr, reduce_op, into, restore if out is None
                                           else (lambda _result: out), timeout, wire)
-        return self._run(ops.ALL_REDUCE, arr, arr, into, restore if out is None
-                         else (lambda _result: out), timeout, reduce_op=reduce_op, fmt=fmt)
+        deliver = restore if out is None else (lambda _result: out)
+        split = split_all_reduce(self, arr, reduce_op, into, deliver, timeout, wire)
+        return split or self._run(ops.ALL_REDUCE, arr, arr, into, deliver, timeout,
+                                  reduce_op=reduce_op, fmt=fmt)
 
     def broadcast(self, x, src: int = 0, *,
                   timeout: float | None = None) -> Awaitable[ArrayLike]:
@@ -360,7 +363,8 @@ class AsyncProcessGroup:
     # -- collectives issued later, in the order they were reserved ------------------------------
 
     def reserve(self, op: int, like: np.ndarray, *, reduce_op: int = 0, root: int = 0,
-                timeout: float | None = None, wire: str | None = None) -> Reserved:
+                timeout: float | None = None, wire: str | None = None,
+                part_of: int = 0) -> Reserved:
         """Take the next seq now for collective ``op`` over arrays of ``like``'s shape and dtype
         (this rank's input), to issue later with :meth:`run_reserved` or never, saying so
         with :meth:`give_up`. The hub matches collectives by seq, so collectives reserved in
@@ -372,7 +376,7 @@ class AsyncProcessGroup:
             GradstarError: the group's generation failed (its failure).
         """
         fmt = ops.check_encoding(wire, like.dtype, op, reduce_op)
-        return Reserved(*self._call(op, like, timeout, reduce_op, root, fmt=fmt))
+        return Reserved(*self._call(op, like, timeout, reduce_op, root, fmt=fmt, whole=part_of))
 
     def run_reserved(self, reserved: Reserved, send: np.ndarray,
                      out: np.ndarray) -> Awaitable[np.ndarray]:
@@ -431,14 +435,15 @@ class AsyncProcessGroup:
 
     def _call(self, op: int, arr: np.ndarray, timeout: float | None, reduce_op: int = 0,
               root: int = 0, averaging: pb.AveragingSpec | None = None,
-              fmt: WireFormat | None = None) -> tuple[ops.CollectiveCall, float]:
+              fmt: WireFormat | None = None, whole: int = 0) -> tuple[ops.CollectiveCall, float]:
         """The next collective (its seq taken now, after every check that can fail; ``fmt``
-        already checked), derived once from its header, and its timeout."""
+        already checked; chunks sized as for ``whole`` bytes if a part of them), derived once
+        from its header, and its timeout."""
         self._check_usable()
         timeout = self.settings.timeout if timeout is None else timeout
         dtype, wire = dtype_info(arr.dtype).wire, fmt.wire if fmt else 0
         chunk_bytes = aligned_wire_chunk_bytes(aligned_chunk_bytes(striped_chunk_bytes(
-            self.settings.chunk_bytes, arr.nbytes,
+            self.settings.chunk_bytes, whole or arr.nbytes,
             len(self._plane.targets(averaging=averaging is not None))),
             arr.dtype.itemsize), arr.dtype.itemsize, fmt)
         header = pb.CollectiveHeader(
