@@ -150,6 +150,9 @@ class DataPlane:
         if self.settings.connections or not auto:
             return self.settings.connections or 1
         rtt = await connections.round_trip(channel, metadata, min(timeout, 5.0))
+        advice = connections.host_tuning_advice(rtt)
+        if advice is not None:
+            log.warning("%s", advice)
         count = connections.connections_for(rtt)
         log.debug("%.1f ms round trip: %d connections", rtt * 1e3, count)
         return count

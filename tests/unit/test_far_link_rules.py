@@ -97,3 +97,17 @@ def test_small_all_reduces_and_split_bytes_zero_are_not_split():
     assert part_bounds((64 * MIB) // 4, 4, split_bytes=0) == []
     assert part_bounds((64 * MIB) // 4, 4, split_bytes=128 * MIB) == []
     assert len(part_bounds((64 * MIB) // 4, 4, split_bytes=16 * MIB)) == 4
+
+
+def test_far_hosts_are_told_which_tcp_settings_cost_them(tmp_path):
+    restart = tmp_path / "tcp_slow_start_after_idle"
+    restart.write_text("1\n")
+    assert connections.host_tuning_advice(0.005, 4 * MIB, restart) is None  # a LAN: nothing
+    advice = connections.host_tuning_advice(0.100, 4 * MIB, restart)
+    assert "round trip to the hub is 100 ms" in advice
+    assert "net.ipv4.tcp_slow_start_after_idle=0" in advice
+    assert "net.ipv4.tcp_wmem='4096 16384 67108864'" in advice and "336 Mbit/s" in advice
+    restart.write_text("0\n")
+    advice = connections.host_tuning_advice(0.100, 4 * MIB, restart)
+    assert "slow_start_after_idle" not in advice and "tcp_wmem" in advice
+    assert connections.host_tuning_advice(0.100, 64 * MIB, restart) is None  # tuned already
