@@ -92,7 +92,7 @@ class DataPlane:
             return [self.coordinator]
         return self.shards
 
-    async def connect(self, timeout: float) -> None:
+    async def connect(self, timeout: float, world_size: int = 1) -> None:
         """Wait until this rank is connected to every hub shard and to the coordinator's
         collective port (all at once).
 
@@ -115,13 +115,15 @@ class DataPlane:
             for wait in waits:
                 wait.cancel()
             await asyncio.gather(*waits, return_exceptions=True)
-        await self.widen(timeout)
+        await self.widen(timeout, world_size)
 
-    async def widen(self, timeout: float) -> None:
+    async def widen(self, timeout: float, world_size: int = 1) -> None:
         """Give each target the connections its round trip needs
-        (:func:`.connections.connections_for`, or the settings' ``connections``): channels of
-        their own, each its own TCP connection, ready before this returns. A connection that
-        cannot be made within ``timeout`` is left out: the target keeps those it has."""
+        (:func:`.connections.connections_for` in a job of two ranks, else one; or the
+        settings' ``connections``):
+        channels of their own, each its own TCP connection, ready before this returns. A
+        connection that cannot be made within ``timeout`` is left out: the target keeps those
+        it has."""
         # Only a target that carries whole collectives alone (the coordinator; averaging
         # rounds) gets more by default: a striped collective already crosses the host's link
         # on one connection per shard, and more per shard measured no faster across 4 hosts
@@ -130,7 +132,8 @@ class DataPlane:
         pairs = [(self._coordinator_channel, self.coordinator),
                  *zip(self._channels, self.shards, strict=True)]
         metadata = call_metadata(self.settings)
-        counts = await asyncio.gather(*(self._count(channel, metadata, timeout, auto)
+        counts = await asyncio.gather(*(self._count(channel, metadata, timeout, auto,
+                                                    world_size)
                                         for (channel, _), auto in zip(pairs, alone,
                                                                       strict=True)))
         for (_, target), count in zip(pairs, counts, strict=True):
@@ -146,14 +149,18 @@ class DataPlane:
                 for c, r in zip(more, ready, strict=True) if not isinstance(r, BaseException))]
             log.info("%s: %d connections", target.name, len(target.connections))
 
-    async def _count(self, channel, metadata, timeout: float, auto: bool) -> int:
+    async def _count(self, channel, metadata, timeout: float, auto: bool,
+                     world_size: int) -> int:
         if self.settings.connections or not auto:
             return self.settings.connections or 1
         rtt = await connections.round_trip(channel, metadata, min(timeout, 5.0))
         advice = connections.host_tuning_advice(rtt)
         if advice is not None:
             log.warning("%s", advice)
-        count = connections.connections_for(rtt)
+        # Only a pair of ranks gets more by default: one far rank to its hub at 200 ms took
+        # 1.35 s over 6 connections against 4.1-4.5 s over one, while 4 ranks into one hub
+        # took 8.3-8.4 s over 2 or 6 each against 5.3-6.0 s over one (docs/regions.md).
+        count = connections.connections_for(rtt) if world_size <= 2 else 1
         log.debug("%.1f ms round trip: %d connections", rtt * 1e3, count)
         return count
 

@@ -556,7 +556,7 @@ class AsyncProcessGroup:
         replacement joins a generation whose collectives are over (a lost rank's place, or one
         past the world size): it joins no host group, which its host's other ranks formed
         without it, and its collectives fail with the generation's error as every rank's do."""
-        await self._plane.connect(self.settings.connect_timeout)
+        await self._plane.connect(self.settings.connect_timeout, self.world_size)
         if hosts and not self.replacement:
             await self._hosts.start()
 
