@@ -93,6 +93,8 @@ class Run:
 
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("GRADSTAR_", "GLOO_"))}
+        if not getattr(self.args, "nat_traversal", True):  # --no-nat-traversal: the shards'
+            env["GRADSTAR_NAT_TRAVERSAL"] = "0"
         given = dict(w.split("=", 1) for w in getattr(self.args, "gradstar_env", ()))
         return env | given | {"PYTHONUNBUFFERED": "1", **extra}
 
@@ -191,6 +193,10 @@ def add_far_link_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--outbound-only", nargs="+", default=[], metavar="HOST",
                         help="hosts that take no inbound connections, as behind NAT (nftables "
                              "drops new inbound TCP on their links); gloo cannot run there")
+    parser.add_argument("--no-nat-traversal", dest="nat_traversal", action="store_false",
+                        help="with --outbound-only: their node-local shards take no punched "
+                             "connections (GRADSTAR_NAT_TRAVERSAL=0), so stripes across hosts "
+                             "go to the reachable hosts' shards only")
 
 
 def far_description(args: argparse.Namespace) -> str:

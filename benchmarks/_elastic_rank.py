@@ -8,7 +8,8 @@ Adam, in ``MODE`` "synchronous" (gradstar.DDP, the job resized at step boundarie
 fragments=2, delay=1)``, Adam inside; it joins from the hub's global model and leaves with
 ``leave()``). It prints one JSON line per step it ran (``{"step", "t", "loss"}``),
 ``{"grow_now"}`` once at ``--grow-at`` (the driver then starts the joiners), its milestones
-(``imported``, ``joined``, ``built``) and, unless it left, its final test accuracy (a
+(``imported``, ``joined``, ``built``; every line with ``cpu``, the process's CPU seconds so
+far) and, unless it left, its final test accuracy (a
 replica's: the global model's) and a hash of its parameters (a replica's: the global model).
 """
 
@@ -45,7 +46,9 @@ def spirals(n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Ten
 
 
 def emit(record: dict) -> None:
-    print(json.dumps(record), flush=True)
+    """One JSON line, with this process's CPU seconds so far (``cpu``: since its start, what
+    its join costs whatever else the machine runs)."""
+    print(json.dumps({**record, "cpu": round(time.process_time(), 3)}), flush=True)
 
 
 def main() -> int:

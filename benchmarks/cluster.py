@@ -171,9 +171,11 @@ def run_size(run: Run, name: str, placement: Placement, hub: list[Process], size
                     "rank": rank,
                     "world_size": layout.world_size, "nbytes": nbytes,
                     "iters": args.iters, "warmup": args.warmup, "store": store,
-                    # Stripes go to the shards every host can dial (not an outbound-only one).
+                    # Stripes go to the shards every host can reach: dialed, or punched
+                    # through NAT (not an outbound-only one without traversal).
                     "timeout": args.timeout, "shards": len(
-                        [h for h in placement.shard_hosts if h not in args.outbound_only]),
+                        [h for h in placement.shard_hosts
+                         if args.nat_traversal or h not in args.outbound_only]),
                     "chunk_bytes": int(args.chunk_mb * MiB) if args.chunk_mb else None,
                     "wire": wire, "bf16_hook": placement.bf16_hook}
             ranks.append(run.start(host, f"{label}-rank{rank}",

@@ -12,7 +12,10 @@ What is measured
 
     * **join**: from a newcomer's process start (``Popen``) to the end of its first step (its
       first gradient in a step), with the parts: imports, ``init_process_group`` (which waits
-      for the boundary), ``gradstar.DDP`` (the state it receives);
+      for the boundary), ``gradstar.DDP`` (the state it receives); and the CPU seconds the
+      newcomer's process used until then (imports' share in brackets): what the join costs
+      whatever else the machine runs, so that the time on a host with one core to spare is
+      about that;
     * **pause**: the longest gap between two steps on rank 0 over the run, less its median
       step (what the resizes cost the ranks already there);
     * **accuracy** on 4000 held-out points, elastic and fixed-size, and whether every rank that
@@ -132,9 +135,10 @@ def run(mode: str, elastic: bool, args) -> dict:
     if elastic:
         joins = []
         for r in ranks[FIRST:]:
-            first_step = next(line["t"] for line in r.lines if "step" in line)
-            joins.append({"join_s": first_step - r.spawned, "imported_s": r.first("imported"),
-                          "joined_s": r.first("joined"), "built_s": r.first("built")})
+            first = next(line for line in r.lines if "step" in line)
+            joins.append({"join_s": first["t"] - r.spawned, "imported_s": r.first("imported"),
+                          "joined_s": r.first("joined"), "built_s": r.first("built"),
+                          "cpu_s": first.get("cpu"), "imported_cpu_s": r.first("cpu")})
         out["joins"] = joins
     return out
 
@@ -165,9 +169,12 @@ def main() -> int:
                      " ".join(f"{j['join_s']:.1f}" for j in joins) or "-",
                      " ".join(f"{j['imported_s']:.1f}/{j['joined_s'] - j['imported_s']:.1f}/"
                               f"{j['built_s'] - j['joined_s']:.1f}" for j in joins) or "-",
+                     " ".join(f"{j['cpu_s']:.1f} ({j['imported_cpu_s']:.1f})" for j in joins)
+                     or "-",
                      f"{r['pause_s'] * 1000:.0f}", f"{r['step_s'] * 1000:.0f}",
                      f"{100 * r['accuracy']:.1f}", "yes" if r["identical"] else "NO"))
-    print(format_table(("mode", "size", "join s", "import/init/DDP s", "pause ms",
+    print(format_table(("mode", "size", "join s", "import/init/DDP s",
+                        "join CPU s (imports)", "pause ms",
                         "step ms", "accuracy %", "identical"), rows))
     print(f"load average: {loadavg()}")
     if args.json:

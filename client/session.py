@@ -146,7 +146,7 @@ class Session:
                    timeout: float, elastic: bool = False, *,
                    outbound_only: bool = False, max_world_size: int = 0,
                    min_world_size: int = 0, moving_from: rpb.MovingFrom | None = None,
-                   ) -> rpb.Joined:
+                   punch_port: int = 0) -> rpb.Joined:
         """Join ``job`` and wait for its generation to form.
 
         Raises:
@@ -158,7 +158,7 @@ class Session:
             peer_address=peer_address, timeout_seconds=timeout, host=shm.host_key(),
             elastic=elastic, outbound_only=outbound_only, max_world_size=max_world_size,
             min_world_size=min_world_size, moving_from=moving_from,
-            hostname=socket.gethostname(),
+            hostname=socket.gethostname(), punch_port=punch_port,
         )
         self.joined = await self._open(self._request, timeout)
         return self.joined

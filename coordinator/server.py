@@ -195,7 +195,7 @@ class Coordinator:
              partial(rounds_pb2_grpc.add_RoundsServicer_to_server, rounds),
              partial(steps_pb2_grpc.add_StepsServicer_to_server, self._steps),
              # Peer streams to ranks on outbound-only hosts ride here, relayed.
-             RelayServicer(self.rendezvous.bound_member).handler()),
+             RelayServicer(self.rendezvous.bound_member, punch=self.shards.punch).handler()),
             what="the coordinator's collective port", token=token, admin_token=admin,
             credentials=creds, bulk=True, stream_window_bytes=s.stream_window_bytes,
             job_secret=job_secret)
@@ -209,6 +209,7 @@ class Coordinator:
                 self.rendezvous, s.heartbeat_interval, s.max_collective_timeout,
                 collectives=f":{self.collective_port}",
                 outbound_hosts=lambda job: self.shards.outbound_hosts(job),
+                traversal=lambda job, number, host: self.shards.traversal(job, number, host),
                 leads=self.leads)),
             # Still served here too: a rank of an earlier version sends its collectives here.
             self.collectives.handler(),

@@ -8,6 +8,11 @@ means the host this rank reaches the coordinator at. Parameter-averaging rounds 
 the coordinator, which keeps the job's global model. Joining waits until every shard is
 connected (:meth:`DataPlane.connect`), as it waits for the coordinator, so that a shard this
 rank cannot reach fails the join with its cause named (a TLS mismatch within a second or two).
+
+A shard on an outbound-only host of another host (``Joined.traversal`` names its punch
+address) is reached through NAT: the channel dials a local :class:`PunchedRoute`, which
+punches each connection through (``PeerRelay/Punch`` on the coordinator's collective port asks
+the shard to dial back; :mod:`gradstar.transport.traversal`).
 Once connected, it measures the round trip to each target and opens more connections to the
 far ones (:mod:`.connections`; ``connections`` in the settings overrides the count).
 """
@@ -17,11 +22,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 from gradstar.config import ClientSettings
+from gradstar.errors import CoordinatorUnavailableError
+from gradstar.transport.addresses import split_host_port
 from gradstar.transport.channels import call_metadata, open_channel
+from gradstar.transport.relay import relay_metadata
 from gradstar.transport.tls_check import wait_connected
-from gradstar.wire import COLLECTIVE_METHOD
+from gradstar.transport.traversal import PunchedRoute, asker
+from gradstar.wire import COLLECTIVE_METHOD, PUNCH_METHOD
 
 from . import connections
 from .targets import SharedMemoryOffer, Target
@@ -63,7 +73,10 @@ class DataPlane:
     """The coordinator's :class:`Target` and one per hub shard of the generation."""
 
     def __init__(self, settings: ClientSettings, shards: list[str],
-                 collectives: str = "") -> None:
+                 collectives: str = "", traversal: list[str] = (),
+                 caller: Callable[[int], tuple] = lambda stripe: ()) -> None:
+        """``traversal``: Joined.traversal; ``caller(stripe)``: the call metadata of a punch to
+        that stripe's shard (the token, and the relay keys naming this member)."""
         self.settings = settings
         # The coordinator's collectives go on a connection of their own, apart from the
         # session's, to the port it serves them on (``collectives``; empty: its own): a
@@ -76,14 +89,48 @@ class DataPlane:
                                   shm=SharedMemoryOffer(settings.shared_memory))
         #: The shards' addresses, in stripe order, as this rank reaches them.
         self.addresses = [resolve(a, settings.coordinator) for a in shards]
-        self._channels = [open_channel(settings, address, bulk=True)
-                          for address in self.addresses]
+        #: Stripe -> the local route that punches through to its shard (NAT traversal).
+        self.routes: dict[int, PunchedRoute] = {}
+        for k, where in enumerate(traversal):
+            if where and k < len(self.addresses):
+                host, port = split_host_port(where)
+                self.routes[k] = PunchedRoute((host, int(port)), asker(
+                    self._coordinator_channel, PUNCH_METHOD, caller(k),
+                    f"punching through to hub shard {k}", self.collectives))
+        self._channels = [
+            open_channel(settings, self.routes[k].address, bulk=True, authority=address)
+            if k in self.routes else open_channel(settings, address, bulk=True)
+            for k, address in enumerate(self.addresses)]
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass  # connect() starts the routes
+        else:
+            self.start()
         self._extra: list = []  # the far targets' further channels (:meth:`widen`)
         self.shards = [
             Target(channel.stream_stream(COLLECTIVE_METHOD), address,
-                   f"hub shard {k} at {address}", SharedMemoryOffer(settings.shared_memory))
+                   f"hub shard {k} at {address}" + (
+                       f" (behind NAT: punched through from this host, "
+                       f"{self.routes[k].remote[0]}:{self.routes[k].remote[1]})"
+                       if k in self.routes else ""),
+                   SharedMemoryOffer(settings.shared_memory))
             for k, (channel, address) in enumerate(zip(self._channels, self.addresses,
                                                        strict=True))]
+
+    @classmethod
+    def joined(cls, settings: ClientSettings, joined, metadata: tuple) -> DataPlane:
+        """The data plane of a ``Joined`` answer; ``metadata``: the calls' token. A punch to a
+        shard behind NAT names this member (the relay's keys)."""
+        return cls(settings, list(joined.shards), joined.collectives, list(joined.traversal),
+                   caller=lambda stripe: (*metadata, *relay_metadata(
+                       joined.job, joined.generation, joined.rank, joined.member_id, "punch",
+                       stripe)))
+
+    def start(self) -> None:
+        """Open the local routes of the shards reached through NAT (on the running loop)."""
+        for route in self.routes.values():
+            route.start()
 
     def targets(self, averaging: bool = False) -> list[Target]:
         """Where a collective's stripes go, in stripe order (averaging rounds: the coordinator,
@@ -102,6 +149,7 @@ class DataPlane:
                 once).
         """
         s = self.settings
+        self.start()
         ends = list(zip(self._channels, (t.address for t in self.shards),
                         (t.name for t in self.shards), strict=True))
         ends.append((self._coordinator_channel, self.collectives,
@@ -111,6 +159,16 @@ class DataPlane:
             for channel, address, name in ends]
         try:
             await asyncio.gather(*waits)
+        except CoordinatorUnavailableError as error:
+            failed = [f"hub shard {k}: {r.last_error}" for k, r in self.routes.items()
+                      if r.last_error]
+            if not failed:
+                raise
+            raise CoordinatorUnavailableError(
+                f"{error}; NAT traversal failed ({'; '.join(failed)}): a NAT that maps each "
+                "destination to another port cannot be punched through; set "
+                "GRADSTAR_NAT_TRAVERSAL=0 on the shards' hosts to go through the reachable "
+                "hosts instead") from None
         finally:
             for wait in waits:
                 wait.cancel()
@@ -136,9 +194,10 @@ class DataPlane:
                                                     world_size)
                                         for (channel, _), auto in zip(pairs, alone,
                                                                       strict=True)))
+        punched = {self.shards[k].address for k in self.routes}
         for (_, target), count in zip(pairs, counts, strict=True):
-            if count <= 1:
-                continue
+            if count <= 1 or target.address in punched:
+                continue  # a shard behind NAT keeps the connection punched through to it
             more = [open_channel(self.settings, target.address, bulk=True)
                     for _ in range(count - 1)]
             self._extra.extend(more)
@@ -169,6 +228,8 @@ class DataPlane:
         (the session's channel is the group's to close)."""
         for target in (self.coordinator, *self.shards):
             target.close()
+        for route in self.routes.values():
+            await route.close()
         with contextlib.suppress(Exception):
             await asyncio.gather(*(c.close() for c in (self._coordinator_channel,
                                                        *self._channels, *self._extra)))

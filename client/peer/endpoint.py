@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
+import grpc
 import numpy as np
 
 from gradstar.config import ClientSettings
@@ -39,12 +41,15 @@ from gradstar.transport.addresses import (
     split_host_port,
 )
 from gradstar.transport.channels import open_channel
+from gradstar.transport.traversal import family_of, reusable_socket
 
 from .. import session
 from ..collective.data_plane import resolve
 from .link import PeerLink
-from .relay import RelayListener, relayed_link
+from .relay import RelayListener, punched_link, relayed_link
 from .server import Identity, LinkLost, PeerServer
+
+log = logging.getLogger(__name__)
 
 #: How long closing the group waits for sends still in flight (issued, not yet held by their
 #: receivers) before it says goodbye behind them.
@@ -93,6 +98,16 @@ class PeerEndpoint:
         self.relay = ""
         self._member_id = ""
         self._listener: RelayListener | None = None
+        #: NAT traversal (settings.nat_traversal): the port this rank punches from, kept
+        #: bound; its peer server's local address; where the others punch through to (rank ->
+        #: Peer.punch); the routes of punched links; the channel their punches are asked on.
+        self._punch_socket = None
+        self._local: tuple[str, int] | None = None
+        self.punches: dict[int, str] = {}
+        self._routes: list = []
+        #: rank -> how its stream goes: "direct", "punched" or "relayed".
+        self.routes_to: dict[int, str] = {}
+        self._hub: grpc.aio.Channel | None = None
         self.address = ""
         #: Set by :meth:`close`: what operations still waiting raise.
         self.closed: ProcessGroupClosedError | None = None
@@ -114,7 +129,17 @@ class PeerEndpoint:
         bind, host = peer_hosts(s)
         port = await self.server.start(bind)
         self.address = advertise or host_port(host, port)
+        if s.nat_traversal and bind != "127.0.0.1":
+            wild = bind in WILDCARDS
+            self._punch_socket = reusable_socket(host="" if wild else bind,
+                                                 family=family_of("" if wild else bind))
+            self._local = ("127.0.0.1" if wild else bind, port)
         return self.address
+
+    @property
+    def punch_port(self) -> int:
+        """The port the others punch through to (JoinRequest.punch_port; 0: none)."""
+        return self._punch_socket.getsockname()[1] if self._punch_socket is not None else 0
 
     def bind(self, identity: Identity, joined, session) -> None:
         """Take the generation's peer table (``joined``: the rank's ``Joined``): each rank's
@@ -129,14 +154,17 @@ class PeerEndpoint:
         self.closed_to_me = {p.rank: p.host for p in peers
                              if p.outbound_only and p.rank != identity.rank
                              and not (here and p.host == here)}
+        self.punches = {p.rank: p.punch for p in peers
+                        if p.punch and p.rank in self.closed_to_me and self.settings.nat_traversal}
         self._member_id = joined.member_id
         self.relay = (resolve(joined.collectives, self.settings.coordinator)
                       if joined.collectives else self.settings.coordinator)
         self.server.bind(identity)
         if mine is not None and mine.outbound_only and len(peers) > 1:
+            punch = (self.punch_port, self._local) if self._local is not None else None
             self._listener = RelayListener(open_channel(self.settings, self.relay, bulk=True),
                                            self.server, identity, joined.member_id,
-                                           self._metadata)
+                                           self._metadata, punch=punch)
             self._listener.start()
 
     async def _link(self, dst: int) -> PeerLink:
@@ -145,10 +173,8 @@ class PeerEndpoint:
             if self.closed is not None:  # no new stream once the goodbyes are said
                 raise self.closed
             address = self.peers.get(dst, "")
-            if dst in self.closed_to_me:  # behind NAT: through the coordinator's relay
-                link = relayed_link(self.identity, dst, self.relay, self.settings,
-                                    self._metadata, self._member_id)
-                opening = self._links[dst] = asyncio.ensure_future(self._open(link))
+            if dst in self.closed_to_me:  # behind NAT: punched through, else relayed
+                opening = self._links[dst] = asyncio.ensure_future(self._through_nat(dst))
                 return await asyncio.shield(opening)
             if not address:
                 raise ConfigurationError(
@@ -157,7 +183,30 @@ class PeerEndpoint:
                     "to serve peer streams")
             link = PeerLink(self.identity, dst, address, self.settings, self._metadata)
             opening = self._links[dst] = asyncio.ensure_future(self._open(link))
+            self.routes_to[dst] = "direct"
         return await asyncio.shield(opening)
+
+    async def _through_nat(self, dst: int) -> PeerLink:
+        """A link to ``dst`` on an outbound-only host: punched through to its peer server
+        (NAT traversal) where it gave a punch port, else (or if that fails) through the
+        coordinator's relay."""
+        if dst in self.punches:
+            if self._hub is None:
+                self._hub = open_channel(self.settings, self.relay)
+            link, route = punched_link(self.identity, dst, self.peers.get(dst, ""),
+                                       self.punches[dst], self._hub, self.relay, self.settings,
+                                       self._metadata, self._member_id)
+            self._routes.append(route)
+            try:
+                opened = await self._open(link)
+                self.routes_to[dst] = "punched"
+                return opened
+            except GradstarError as error:
+                log.warning("rank %d: no punched stream to rank %d (%s; %s); relaying it",
+                            self.identity.rank, dst, error, route.last_error or "no answer")
+        self.routes_to[dst] = "relayed"
+        return await self._open(relayed_link(self.identity, dst, self.relay, self.settings,
+                                             self._metadata, self._member_id))
 
     @staticmethod
     async def _open(link: PeerLink) -> PeerLink:
@@ -369,3 +418,9 @@ class PeerEndpoint:
         await self.server.stop(self.closed, farewell)
         if self._listener is not None:  # after the farewells, which relayed streams carry too
             await self._listener.stop()
+        for route in self._routes:
+            await route.close()
+        if self._hub is not None:
+            await self._hub.close()
+        if self._punch_socket is not None:
+            self._punch_socket.close()

@@ -58,9 +58,10 @@ class PeerLink:
     """
 
     def __init__(self, identity: Identity, dst: int, address: str, settings: ClientSettings,
-                 metadata, method: str = PEER_METHOD) -> None:
+                 metadata, method: str = PEER_METHOD, authority: str = "") -> None:
         """A link to ``dst``'s peer server at ``address``; with ``method`` RELAY_METHOD,
-        ``address`` is the coordinator's relay (:mod:`.relay`)."""
+        ``address`` is the coordinator's relay (:mod:`.relay`); with ``authority``, a local
+        route punched through to ``dst``'s server there (NAT traversal)."""
         self.identity = identity
         self._method = method
         self.dst = dst
@@ -69,7 +70,7 @@ class PeerLink:
         tls = settings.tls_ca or settings.tls_cert
         creds = (client_credentials(settings.tls_ca, settings.tls_cert, settings.tls_key)
                  if tls else None)
-        self._channel = open_channel(address, creds, bulk=True)
+        self._channel = open_channel(address, creds, bulk=True, authority=authority)
         self._metadata = metadata
         self._call = None
         self._reader: asyncio.Task | None = None

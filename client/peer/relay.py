@@ -14,7 +14,10 @@ reach a rank on a host that takes no inbound connections, over calls both ranks 
 
 What it costs: every frame crosses the coordinator's host (its link carries both ranks'
 bytes) and one more round trip to it; direct streams keep being used wherever the receiver can
-be dialed.
+be dialed. So a sender first tries NAT traversal (:func:`punched_link`, where the receiver
+gave a punch port: ``Peer.punch``): it punches a connection through to the receiver's peer
+server, which the receiver's listener answers from its punch port when the hub announces it
+(a punch notice); only if that fails does it relay.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ import logging
 import grpc
 
 from gradstar.errors import GradstarError
+from gradstar.transport.addresses import split_host_port
 from gradstar.transport.relay import read_notice, relay_metadata
-from gradstar.wire import RELAY_METHOD
+from gradstar.transport.traversal import PunchedRoute, Tunnel, answer, asker
+from gradstar.wire import PUNCH_METHOD, RELAY_METHOD
 
 from .link import PeerLink
 
@@ -68,8 +73,12 @@ class RelayListener:
     asks), each served by ``server.Stream``; :meth:`stop` ends them all."""
 
     def __init__(self, channel: grpc.aio.Channel, server, identity, member_id: str,
-                 metadata) -> None:
+                 metadata, punch: tuple[int, tuple[str, int]] | None = None) -> None:
+        """``punch``: (this rank's punch port, its peer server's local address), to answer
+        the punches the hub announces (NAT traversal); None: relayed streams only."""
         self._channel = channel
+        self._punch = punch
+        self._tunnels: list[Tunnel] = []
         self._server = server
         self._identity = identity
         self._member_id = member_id
@@ -91,7 +100,9 @@ class RelayListener:
                 metadata=self._call_metadata("listen"))
             try:
                 while (frame := await call.read()) is not grpc.aio.EOF:
-                    task = asyncio.ensure_future(self._accept(read_notice(frame)))
+                    src, host, port = read_notice(frame)
+                    task = asyncio.ensure_future(
+                        self._punch_back(src, host, port) if host else self._accept(src))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
             except (grpc.RpcError, GradstarError) as error:
@@ -112,7 +123,22 @@ class RelayListener:
         finally:
             call.cancel()
 
+    async def _punch_back(self, src: int, host: str, port: int) -> None:
+        """Rank ``src`` is punching towards this rank from ``host``:``port``: dial it back from
+        the punch port, and join the connection to this rank's peer server."""
+        if self._punch is None:
+            return
+        try:
+            tunnel = await answer(self._punch[0], (host, port), self._punch[1])
+        except (OSError, TimeoutError) as error:
+            log.info("rank %d: no punched connection from rank %d at %s:%d (%s); it relays",
+                     self._identity.rank, src, host, port, error)
+            return
+        self._tunnels = [t for t in self._tunnels if t.open] + [tunnel]
+
     async def stop(self) -> None:
+        for tunnel in self._tunnels:
+            tunnel.close()
         tasks = [t for t in (self._main, *self._tasks) if t is not None]
         for task in tasks:
             task.cancel()
@@ -128,3 +154,17 @@ def relayed_link(identity, dst: int, hub: str, settings, metadata, member_id: st
     extra = relay_metadata(identity.job, identity.generation, identity.rank, member_id, "send",
                            dst)
     return PeerLink(identity, dst, hub, settings, tuple(metadata) + extra, method=RELAY_METHOD)
+
+
+def punched_link(identity, dst: int, address: str, punch: str, hub: grpc.aio.Channel,
+                 where: str, settings, metadata, member_id: str) -> tuple[PeerLink, PunchedRoute]:
+    """A link to rank ``dst``'s peer server (``address``) through NAT: a local route that
+    punches through to ``punch`` (its Peer.punch), asking the coordinator (``hub``, the
+    channel to its collective port ``where``) to have ``dst`` dial back; and the route, to
+    close with the link."""
+    host, port = split_host_port(punch)
+    ask = asker(hub, PUNCH_METHOD, (*metadata, *relay_metadata(
+        identity.job, identity.generation, identity.rank, member_id, "punch-rank", dst)),
+        f"punching through to rank {dst}", where)
+    route = PunchedRoute((host, int(port)), ask).start()
+    return PeerLink(identity, dst, route.address, settings, metadata, authority=address), route

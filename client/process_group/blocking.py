@@ -40,6 +40,7 @@ class ProcessGroup:
     shards = property(lambda self: self._group.shards)
     shared_memory = property(lambda self: self._group.shared_memory)
     peer_bytes = property(lambda self: self._group.peer_bytes)
+    peer_routes = property(lambda self: self._group.peer_routes)
     settings = property(lambda self: self._group.settings)
     replacement = property(lambda self: self._group.replacement)
     collective_address = property(lambda self: self._group.collective_address)

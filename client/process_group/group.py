@@ -87,7 +87,7 @@ class AsyncProcessGroup:
         self._session = session
         session.stragglers = StragglerLog.for_group(settings, joined)
         self._metadata = call_metadata(settings)
-        self._plane = DataPlane(settings, list(joined.shards), joined.collectives)
+        self._plane = DataPlane.joined(settings, joined, self._metadata)
         #: The hub shards this generation's collectives are striped over (empty: none).
         self.shards: list[str] = self._plane.addresses
         self._seq = Seqs()
@@ -133,6 +133,12 @@ class AsyncProcessGroup:
         """(sent, received) payload bytes over peer streams: send/recv, all_to_all, Pipeline."""
         e = self._peer_endpoint
         return (0, 0) if e is None else (e.bytes_sent, e.bytes_received)
+
+    @property
+    def peer_routes(self) -> dict[int, str]:
+        """How this rank's peer streams reach each rank it sent to: "direct", "punched" (NAT
+        traversal to an outbound-only host) or "relayed" (through the coordinator)."""
+        return {} if self._peer_endpoint is None else dict(self._peer_endpoint.routes_to)
 
     @property
     def session(self) -> Session:
@@ -523,8 +529,7 @@ class AsyncProcessGroup:
         # The coordinator that took the rank back may be another (under --ha, the new leader).
         self.settings = self.settings.model_copy(update={"coordinator": self._session.target})
         self._channel = self._session.channel
-        old, self._plane = self._plane, DataPlane(self.settings, list(joined.shards),
-                                                  joined.collectives)
+        old, self._plane = self._plane, DataPlane.joined(self.settings, joined, self._metadata)
         self.shards = self._plane.addresses
         self._rider.keep(old.close())
         if self.direct is not None and self._submit is not None:

@@ -92,6 +92,7 @@ async def open_group(settings: ClientSettings, peer_address: str = "", *,
         await _join_leader(session, settings, functools.partial(
             session.join, settings.job, settings.world_size, settings.rank, peer_address,
             settings.join_timeout, settings.elastic, outbound_only=settings.outbound_only,
+            punch_port=peer_endpoint.punch_port if peer_endpoint is not None else 0,
             max_world_size=settings.max_world_size or 0,
             min_world_size=settings.min_world_size or 0, moving_from=moving_from))
     except BaseException:

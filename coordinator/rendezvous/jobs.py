@@ -90,6 +90,9 @@ class Member:
     replacement: bool = False
     #: Its host takes no inbound connections from other hosts (JoinRequest.outbound_only).
     outbound_only: bool = False
+    #: Where others punch through to its peer server (Peer.punch: its session's outside host
+    #: and JoinRequest.punch_port); '' where it gave no punch port.
+    punch: str = ""
     #: Whether it moves to a new generation at step boundaries when the job resizes (a
     #: Synchronous DDP or LocalSGD says True, a sync-mode DDP False: SessionRequest.boundaries;
     #: every member of a generation a resize formed: True); None: not said yet.

@@ -33,7 +33,7 @@ import grpc
 
 from gradstar.errors import GradstarError, ProtocolError, RendezvousError
 from gradstar.transport.auth import check_job_access
-from gradstar.transport.relay import caller, notice
+from gradstar.transport.relay import caller, caller_host, notice, punch_notice
 from gradstar.transport.status import abort
 from gradstar.wire import RELAY_SERVICE
 
@@ -49,6 +49,7 @@ MAX_WAITING = 1 << 12
 class _Listener:
     """A receiver's listen call: senders to announce, and their streams waiting for it."""
 
+    #: Frames to write on it: notices of senders, and of punches (gradstar.transport.relay).
     notices: asyncio.Queue = field(default_factory=asyncio.Queue)
     #: sender rank -> futures the sender's call waits on, resolved with the accept's context.
     waiting: dict[int, list[asyncio.Future]] = field(default_factory=dict)
@@ -58,18 +59,56 @@ class RelayServicer:
     """``PeerRelay/Relay``: listen, send and accept (see the module docstring).
 
     ``members(job, generation, rank, member_id)`` binds a call to its caller (the rendezvous'
-    ``bound_member``: raises a gradstar error for anyone else).
+    ``bound_member``: raises a gradstar error for anyone else). ``punch(job, generation,
+    stripe, host, port)`` serves ``PeerRelay/Punch`` (the shard registry's: NAT traversal to a
+    hub shard, :mod:`gradstar.transport.traversal`).
     """
 
-    def __init__(self, members: Callable[[str, int, int, str], object]) -> None:
+    def __init__(self, members: Callable[[str, int, int, str], object],
+                 punch: Callable[[str, int, int, str, int], None] | None = None) -> None:
         self.members = members
+        self.punch = punch
         self._listeners: dict[tuple[str, int, int], _Listener] = {}
         #: Set (and replaced) whenever a listener opens: senders waiting for one look again.
         self._listening = asyncio.Event()
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
-            RELAY_SERVICE, {"Relay": grpc.stream_stream_rpc_method_handler(self.Relay)})
+            RELAY_SERVICE, {"Relay": grpc.stream_stream_rpc_method_handler(self.Relay),
+                            "Punch": grpc.unary_unary_rpc_method_handler(self.Punch)})
+
+    async def Punch(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """A member asks that the hub shard at stripe ``peer`` of its generation (role
+        ``punch``), or the outbound-only rank ``peer`` (role ``punch-rank``, through its
+        listener), punch towards the port it names (2 bytes, big-endian) on the host its
+        request came from (gradstar.transport.traversal)."""
+        try:
+            job, generation, rank, member, role, peer = caller(context.invocation_metadata())
+            if role not in ("punch", "punch-rank") or peer < 0 or len(request) != 2:
+                raise ProtocolError("a punch names its stripe or rank in the relay metadata "
+                                    "(role 'punch' or 'punch-rank') and its port in 2 bytes")
+            check_job_access(job)
+            self.members(job, generation, rank, member)
+            host, port = caller_host(context.peer()), int.from_bytes(request, "big")
+            if not host or not 0 < port < 65536:
+                raise ProtocolError(f"a punch comes from a TCP host and names its port "
+                                    f"(1-65535), not {port}")
+            if role == "punch-rank":
+                listener = self._listeners.get((job, generation, peer))
+                if listener is None:
+                    raise RendezvousError(f"rank {peer} of job {job!r} generation {generation} "
+                                          "has no relay listener to be asked to punch back")
+                if listener.notices.qsize() >= MAX_WAITING:
+                    raise RendezvousError(f"rank {peer} of job {job!r} has {MAX_WAITING} "
+                                          "notices waiting")
+                listener.notices.put_nowait(punch_notice(rank, host, port))
+            elif self.punch is None:
+                raise RendezvousError("this coordinator has no hub shards to punch to")
+            else:
+                self.punch(job, generation, peer, host, port)
+        except GradstarError as error:
+            await abort(context, error)
+        return b""
 
     async def Relay(self, request_iterator: AsyncIterator[bytes],
                     context: grpc.aio.ServicerContext) -> None:
@@ -105,7 +144,7 @@ class RelayServicer:
         self._listening = asyncio.Event()
         try:
             while True:
-                await context.write(notice(await listener.notices.get()))
+                await context.write(await listener.notices.get())
         finally:
             if self._listeners.get(key) is listener:
                 del self._listeners[key]
@@ -127,7 +166,7 @@ class RelayServicer:
                 f"rank {dst} of job {job!r} has {MAX_WAITING} relayed streams waiting"))
         future = asyncio.get_running_loop().create_future()
         listener.waiting.setdefault(src, []).append(future)
-        listener.notices.put_nowait(src)
+        listener.notices.put_nowait(notice(src))
         try:
             await asyncio.wait((future,), timeout=ACCEPT_SECONDS)
         finally:

@@ -106,7 +106,7 @@ class Rendezvous:
         self, job: str, world_size: int, rank: int | None, peer_address: str, timeout: float,
         *, host: str = "", hostname: str = "", elastic: bool = False,
         outbound_only: bool = False, max_world_size: int = 0, min_world_size: int = 0,
-        moving_from=None,
+        moving_from=None, punch: str = "",
     ) -> Member:
         """Wait until the job's next generation forms; return this caller's member record.
 
@@ -121,7 +121,7 @@ class Rendezvous:
         member = self.offer(job, world_size, rank, peer_address, host=host, hostname=hostname,
                             elastic=elastic, max_world_size=max_world_size,
                             min_world_size=min_world_size, moving_from=moving_from)
-        member.outbound_only = outbound_only  # before anyone hears of its generation
+        member.outbound_only, member.punch = outbound_only, punch  # before anyone hears of it
         try:
             await asyncio.wait_for(asyncio.shield(member.joined), timeout)
         except TimeoutError:
@@ -315,13 +315,14 @@ class Rendezvous:
     def lost(self, member: Member, reason: str) -> None:
         """A member's session ended without leaving, or it missed heartbeats. A mover (it said
         ``advance``) whose session ended before its goodbye was read (its close gave up on a
-        loaded machine) still moves: it has a heartbeat timeout to arrive (:meth:`expire`)."""
+        loaded machine) still moves: it has a heartbeat timeout to arrive (:meth:`expire`);
+        a member departing at a named boundary departs (``resize.leaving``)."""
         self.withdraw(member)
         gen = member.generation
         if gen is None or member.left:
             return
         state = self.jobs.get(member.job)
-        if state is not None and resize.moving(state, member):
+        if state is not None and resize.leaving(state, member):
             self.leave(member)
             return
         member.left = True

@@ -184,6 +184,15 @@ def moving(state: Job, member: Member) -> bool:
     return resize is not None and member.rank in resize.moved
 
 
+def leaving(state: Job, member: Member) -> bool:
+    """Whether ``member``'s session ending is its goodbye, read or not: it moves, or departs
+    at a boundary already named (a close that gave up on a loaded machine before the hub read
+    its goodbye is no lost rank)."""
+    resize = current(state, member.generation)
+    return moving(state, member) or (resize is not None and resize.boundary is not None
+                                     and member.rank in resize.departing)
+
+
 def end_overdue(state: Job, now: float, timeout: float,
                 fail: Callable[[Generation, GradstarError], None]) -> None:
     """End ``state``'s resize, failing its generation, when one of its movers left its old
@@ -299,5 +308,5 @@ def cancel(state: Job, error: GradstarError) -> None:
 
 
 __all__ = ["Decided", "Pending", "Resize", "add_joiner", "advance", "arrive", "cancel",
-           "current", "depart", "end_overdue", "moving", "report", "settle", "takes_part",
-           "withdraw"]
+           "current", "depart", "end_overdue", "leaving", "moving", "report", "settle",
+           "takes_part", "withdraw"]

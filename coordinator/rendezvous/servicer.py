@@ -15,8 +15,11 @@ import grpc
 from gradstar.errors import GradstarError, ProtocolError, RankFinishedError
 from gradstar.proto.v1 import rendezvous_pb2 as rpb
 from gradstar.proto.v1 import rendezvous_pb2_grpc
+from gradstar.transport.addresses import host_port
 from gradstar.transport.auth import check_job_access
+from gradstar.transport.relay import caller_host
 from gradstar.transport.status import abort
+from gradstar.transport.traversal import probe, probes_caller
 
 from . import elastic, resize
 from .rebuild import claim_of
@@ -34,14 +37,18 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
     def __init__(self, rendezvous: Rendezvous, heartbeat_interval: float, max_join: float,
                  collectives: str = "",
                  outbound_hosts: Callable[[str], set[str]] = lambda job: set(),
-                 leads: Callable[[int], int] = lambda seen: 0) -> None:
+                 leads: Callable[[int], int] = lambda seen: 0,
+                 traversal: Callable[[str, int, str], list[str]] = lambda j, n, h: []) -> None:
         """``outbound_hosts(job)``: the host keys of ``job`` that take no inbound connections
-        (its node-local shards the coordinator could not dial). ``leads(seen)``: the
+        (its node-local shards the coordinator could not dial). ``traversal(job, generation,
+        host)``: Joined.traversal for a member on ``host`` (the shard registry's).
+        ``leads(seen)``: the
         coordinator's leadership term if it may serve a rank that has seen term ``seen``
         (else it raises NotLeaderError or StaleCoordinatorError: ``Coordinator.leads``)."""
         self.rendezvous = rendezvous
         self.leads = leads
         self.outbound_hosts = outbound_hosts
+        self.traversal = traversal
         self.heartbeat_interval = heartbeat_interval
         self.max_join = max_join
         #: Where members send collectives (``Joined.collectives``): ``:PORT`` or empty.
@@ -62,16 +69,24 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
             term = self.leads(j.rejoin.term if j.HasField("rejoin") else 0)
             timeout = min(j.timeout_seconds or self.max_join, self.max_join)
             replay: list[int] = []
+            # Where the others punch through to it, if its host turns out outbound-only.
+            punch = (host_port(caller_host(context.peer()), j.punch_port)
+                     if 0 < j.punch_port < 65536 and caller_host(context.peer()) else "")
+            # Outbound-only as it says, or as a probe of its peer server finds (an address on
+            # its own host only, as for shards; a node-local shard's probe says it too).
+            outbound = j.outbound_only or bool(
+                j.peer_address and probes_caller(j.peer_address, context.peer())
+                and not await probe(j.peer_address))
             if j.HasField("rejoin"):
                 member, replay = await self.rendezvous.rebuilds.rejoin(claim_of(j), timeout)
-                member.outbound_only = j.outbound_only
+                member.outbound_only, member.punch = outbound, punch
             else:
                 member = await self.rendezvous.join(
                     j.job, j.world_size, j.rank if j.rank >= 0 else None, j.peer_address,
-                    timeout, host=j.host, elastic=j.elastic, outbound_only=j.outbound_only,
+                    timeout, host=j.host, elastic=j.elastic, outbound_only=outbound,
                     max_world_size=j.max_world_size, min_world_size=j.min_world_size,
                     moving_from=j.moving_from if j.HasField("moving_from") else None,
-                    hostname=j.hostname,
+                    hostname=j.hostname, punch=punch,
                 )
         except GradstarError as error:
             await abort(context, error)
@@ -86,7 +101,8 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
                 job=j.job, generation=gen.number, rank=member.rank, world_size=gen.world_size,
                 member_id=member.member_id,
                 peers=[rpb.Peer(rank=r, address=m.peer_address, host=m.host, hostname=m.hostname,
-                                outbound_only=m.outbound_only or m.host in closed)
+                                outbound_only=m.outbound_only or m.host in closed,
+                                punch=m.punch if m.outbound_only or m.host in closed else "")
                        for r, m in sorted(gen.members.items())],
                 heartbeat_interval_seconds=self.heartbeat_interval,
                 # This member's keys only, on its own session stream (32 bytes per rank).
@@ -95,6 +111,7 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
                 newcomers=[r for r, m in sorted(gen.members.items()) if m.newcomer],
                 min_world_size=job.min_world_size, max_world_size=job.max_world_size,
                 replay=replay, term=term,
+                traversal=self.traversal(j.job, gen.number, member.host),
             ))
             while (notice := await member.notices.get()) is not _SESSION_END:
                 if isinstance(notice, resize.Pending):

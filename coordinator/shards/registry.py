@@ -41,13 +41,15 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gradstar.errors import GradstarError, ProtocolError, ShardLostError
+from gradstar.errors import GradstarError, ProtocolError, RendezvousError, ShardLostError
 from gradstar.node_shard import HOST_GROUP
 from gradstar.proto.v1 import shard_pb2 as spb
 from gradstar.proto.v1 import shard_pb2_grpc
 from gradstar.transport.addresses import split_host_port
 from gradstar.transport.auth import check_job_access
+from gradstar.transport.relay import caller_host
 from gradstar.transport.status import abort
+from gradstar.transport.traversal import probe, probes_caller
 
 from ..metrics.arrivals import MAX_ENTRIES, RankArrivals, from_message
 from ..rendezvous.rendezvous import Generation, Rendezvous
@@ -63,39 +65,7 @@ STATS_INTERVAL = 1.0
 STALE_AFTER = 1.5 * STATS_INTERVAL
 #: Arrival summaries (job, rank) kept per shard at most.
 MAX_SHARD_ARRIVALS = MAX_ENTRIES
-#: How long the coordinator's probe of a registering shard's address may take: a host that
-#: drops inbound connections (NAT, an outbound-only firewall) never answers the SYN.
-PROBE_SECONDS = 1.0
 _END = object()
-
-
-def probes_caller(address: str, peer: str | None) -> bool:
-    """Whether the coordinator may probe ``address`` for the shard calling from ``peer``
-    (grpc's ``ipv4:HOST:PORT`` / ``ipv6:[HOST]:PORT``): only an address on the caller's own
-    host, so that registering cannot make the coordinator dial anywhere else. A shard that
-    advertises another host (a DNS name, a NAT's public address) is taken as reachable, as
-    it says."""
-    host = split_host_port(address)[0]
-    kind, _, rest = (peer or "").partition(":")
-    caller = split_host_port(rest)[0] if kind in ("ipv4", "ipv6") else ""
-    return bool(host) and host == caller
-
-
-async def probe(address: str, seconds: float = PROBE_SECONDS) -> bool:
-    """Whether a TCP connection to ``address`` (HOST:PORT) opens within ``seconds``: what
-    tells the coordinator that ranks on other hosts can dial a shard there. An address without
-    a host (":PORT") is on the coordinator's own host, which every rank reaches."""
-    host, port = split_host_port(address)
-    if not host:
-        return True
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), seconds)
-    except (OSError, ValueError, TimeoutError):
-        return False
-    writer.close()
-    with contextlib.suppress(OSError):
-        await writer.wait_closed()
-    return True
 
 
 @dataclass(eq=False)
@@ -120,6 +90,15 @@ class ShardRecord:
     #: Ranks on other hosts can dial it: not said to be outbound-only, and the coordinator's
     #: probe of its address connected (:func:`probe`).
     reachable: bool = True
+    #: An outbound-only shard's punch port (ShardHello.punch_port; 0: no NAT traversal), and
+    #: the host the coordinator saw it call from (its NAT's outside address).
+    punch_port: int = 0
+    public_host: str = ""
+
+    @property
+    def punched(self) -> bool:
+        """Whether ranks on other hosts reach it by NAT traversal (not dialed directly)."""
+        return not self.reachable and self.punch_port > 0
 
     def send(self, command: spb.ShardCommand) -> None:
         if self.state == "up":
@@ -137,6 +116,8 @@ class ShardRegistry:
         self.slots: dict[int, ShardRecord] = {}
         self._on_health = on_health
         self._changed = asyncio.Event()
+        #: (job, generation) -> its shards in stripe order (:meth:`on_formed`).
+        self._stripes: dict[tuple[str, int], list[ShardRecord]] = {}
 
     @property
     def up(self) -> list[ShardRecord]:
@@ -160,7 +141,7 @@ class ShardRegistry:
         return True
 
     def register(self, hello: spb.ShardHello, job_scoped: bool = False,
-                 reachable: bool = True) -> ShardRecord:
+                 reachable: bool = True, public_host: str = "") -> ShardRecord:
         """Give a shard a slot. A ``job_scoped`` one (registered with the job token) takes a
         free slot, or one a shard of its own job left, never another lost shard's. One not
         ``reachable`` from other hosts carries only its own host's group.
@@ -177,14 +158,18 @@ class ShardRegistry:
             slot = hello.slot
         else:
             slot = next(s for s in range(len(self.slots) + 1) if s not in taken)
-        record = self.slots[slot] = ShardRecord(slot, hello.address, hello.job[:256],
-                                                hello.host[:64], reachable=reachable)
+        record = self.slots[slot] = ShardRecord(
+            slot, hello.address, hello.job[:256], hello.host[:64], reachable=reachable,
+            punch_port=hello.punch_port if 0 < hello.punch_port < 65536 else 0,
+            public_host=public_host or split_host_port(hello.address)[0])
         record.send(spb.ShardCommand(accepted=spb.ShardAccepted(
             slot=slot, stats_interval_seconds=STATS_INTERVAL)))
         log.info("shard %d registered at %s%s%s", slot, hello.address,
                  f" for job {hello.job!r}" if hello.job else "",
-                 "" if reachable else (" (outbound-only: its host takes no inbound "
-                                       "connections, so it carries its own host's ranks only)"))
+                 "" if reachable else " (outbound-only: its host takes no inbound connections"
+                 + (f"; other hosts reach it by NAT traversal from {record.public_host}:"
+                    f"{record.punch_port})" if record.punched else
+                    ", so it carries its own host's ranks only)"))
         self._health_changed()
         return record
 
@@ -250,10 +235,11 @@ class ShardRegistry:
             mine = [r for r in own if r.host == host]
             if mine:  # reached from its own host, outbound-only or not
                 return mine
-        # Across hosts, only shards every rank can dial: an outbound-only host's shard would
-        # leave the other hosts' ranks unable to reach their stripe.
-        own = [r for r in own if r.reachable]
-        return own or [r for r in up if not r.job and r.reachable]
+        # Across hosts, only shards every rank can reach: dialed, or punched through NAT
+        # (gradstar.transport.traversal). An outbound-only shard that takes no part in
+        # traversal would leave the other hosts' ranks unable to reach their stripe.
+        own = [r for r in own if r.reachable or r.punched]
+        return own or [r for r in up if not r.job and (r.reachable or r.punched)]
 
     def outbound_hosts(self, job: str) -> set[str]:
         """Host keys of ``job``'s node-local shards that other hosts cannot dial: the ranks on
@@ -261,9 +247,41 @@ class ShardRegistry:
         return {r.host for r in self.up if r.host and not r.reachable
                 and (job == r.job or job.startswith(r.job + "/"))}
 
+    def traversal(self, job: str, generation: int, host: str) -> list[str]:
+        """Joined.traversal for a member of ``job``'s ``generation`` on ``host`` (its host
+        key): per stripe, the punch address of a shard it reaches through NAT ('' where it
+        dials directly); empty when it dials every one."""
+        where = [f"{r.public_host}:{r.punch_port}" if r.punched and r.host != host else ""
+                 for r in self._stripes.get((job, generation), ())]
+        return where if any(where) else []
+
+    def punch(self, job: str, generation: int, stripe: int, host: str, port: int) -> None:
+        """Have the shard of ``job``'s ``generation`` at stripe ``stripe`` punch towards
+        ``host``:``port``, where a member (bound by the caller) is punching towards it. The
+        host is the one the member's request came from, never one it names: the coordinator
+        makes a shard dial the caller's own host only.
+
+        Raises:
+            RendezvousError: no such generation or stripe, or a shard that is dialed directly
+                or no longer up.
+        """
+        records = self._stripes.get((job, generation))
+        if records is None or not 0 <= stripe < len(records):
+            raise RendezvousError(f"job {job!r} generation {generation} has no stripe {stripe} "
+                                  "on this coordinator's shards")
+        record = records[stripe]
+        if not record.punched or record.state != "up":
+            raise RendezvousError(
+                f"hub shard {record.slot} at {record.address} is "
+                + ("not up" if record.state != "up" else "dialed directly, not through NAT"))
+        if not 0 < port < 65536 or not host:
+            raise ProtocolError(f"a punch names the caller's port (1-65535), not {port}")
+        record.send(spb.ShardCommand(punch=spb.ShardPunch(host=host, port=port)))
+
     def on_formed(self, gen: Generation) -> None:
         up = self.stripes_for(gen.job.name)
         gen.shards = [r.address for r in up]
+        self._stripes[(gen.job.name, gen.number)] = up
         members = [spb.GenerationMember(rank=r, member_id=m.member_id)
                    for r, m in sorted(gen.members.items())]
         for position, record in enumerate(up):
@@ -282,6 +300,7 @@ class ShardRegistry:
                                   error=type(error).__name__,
                                   fields_json=json.dumps(error.fields()), message=str(error))
         key = (gen.job.name, gen.number)
+        self._stripes.pop(key, None)
         for record in self.slots.values():
             if key in record.generations:
                 record.generations.discard(key)
@@ -350,7 +369,8 @@ class ShardControlServicer(shard_pb2_grpc.ShardControlServicer):
             reachable = not hello.outbound_only and (
                 not probes_caller(hello.address, context.peer())
                 or await probe(hello.address))
-            record = self.registry.register(hello, job_scoped=for_job, reachable=reachable)
+            record = self.registry.register(hello, job_scoped=for_job, reachable=reachable,
+                                            public_host=caller_host(context.peer()))
         except GradstarError as error:
             await abort(context, error)
         reader = asyncio.create_task(self._read(record, reports))

@@ -268,9 +268,16 @@ class ShardSettings(CoordinatorSettings):
         None, description="CA bundle to verify the coordinator with (TLS to the coordinator)")
     outbound_only: bool = Field(
         False, description="this host takes no inbound connections from other hosts (behind "
-                           "NAT, a firewall that only lets connections out): the shard serves "
-                           "its own host's ranks only. Unset, the coordinator probes the "
-                           "shard's address before it accepts it")
+                           "NAT, a firewall that only lets connections out): ranks on other "
+                           "hosts reach the shard by NAT traversal (nat_traversal), else it "
+                           "serves its own host's ranks only. Unset, the coordinator probes "
+                           "the shard's address before it accepts it")
+    nat_traversal: bool = Field(
+        True, description="if this host turns out outbound-only, let ranks on other hosts "
+                          "reach the shard through TCP hole punching, arranged by the "
+                          "coordinator (gradstar.transport.traversal); off: the shard serves "
+                          "its own host's ranks only, and their bytes across hosts go through "
+                          "the reachable hosts' shards")
 
 
 class ClientSettings(BaseSettings):
@@ -356,6 +363,12 @@ class ClientSettings(BaseSettings):
                            "avoid its shard, and a send to this rank from another host fails "
                            "at once, naming why. Where a node-local shard runs, the "
                            "coordinator's probe of it says so without this")
+    nat_traversal: bool = Field(
+        True, description="reach ranks and hub shards on outbound-only hosts of other hosts "
+                          "through TCP hole punching arranged by the coordinator "
+                          "(gradstar.transport.traversal), and let them reach this rank so "
+                          "where its host is outbound-only; off: peer streams to them go "
+                          "through the coordinator's relay")
     hierarchical: bool = Field(
         True, description="all_reduce, broadcast, all_gather and reduce_scatter in two levels "
                           "when a generation spans hosts and some host runs several ranks: the "

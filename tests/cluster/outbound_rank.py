@@ -39,6 +39,7 @@ def main() -> None:
         if rank == 2:
             pg.send(np.full(5, 2.0, np.float32), dst=1)
         pg.barrier()
+        report["routes"] = {str(dst): how for dst, how in pg.peer_routes.items()}
         write_report(out, "outbound", rank, report)
 
 

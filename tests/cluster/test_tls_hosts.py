@@ -7,7 +7,9 @@ the agent's CA. Without them a TLS job's bytes all crossed the coordinator's lin
 (network namespaces), a coordinator with TLS and a job token on host 0, ``gradstar worker``
 with TLS on each host; every rank's collectives are exact and stripe over one shard per host,
 each advertised at its own host's address and reached over TLS (a plaintext shard could not be
-reached by a TLS rank at all). The rank program is :mod:`tests.cluster.rank`.
+reached by a TLS rank at all). The rank program is :mod:`tests.cluster.rank`. Once more with
+host 1 behind NAT (nftables drops new inbound TCP): its shard is reached by NAT traversal, and
+TLS runs end to end through the punched connection, checked against host 1's certificate.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 
 import pytest
 
+from benchmarks.emulated_cluster import ClusterUnavailable
 from tests.cluster.jobs import hosts_network, job_on_hosts, wait_reports
 from tests.integration.certs import make_pki
 
@@ -23,11 +26,17 @@ CHUNK = 2 << 20
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_a_tls_job_across_hosts_runs_on_tls_node_local_shards(tmp_path):
+@pytest.mark.parametrize("behind_nat", [False, True], ids=["reachable", "host1-behind-nat"])
+def test_a_tls_job_across_hosts_runs_on_tls_node_local_shards(tmp_path, behind_nat):
     names = ["host0", "host1"]
     out = tmp_path / "out"
     out.mkdir()
     with hosts_network(names) as network:
+        if behind_nat:
+            try:
+                network.cluster.block_inbound("host1")
+            except ClusterUnavailable as error:
+                pytest.fail(str(error), pytrace=False)
         pki = make_pki(tmp_path, ips=tuple(network.addresses.values()))
         rank = [sys.executable, "-m", "tests.cluster.rank", str(out),
                 str(len(names) * 3 * CHUNK), "2"]

@@ -17,10 +17,10 @@ import pytest
 
 import gradstar
 from gradstar.client import session
-from gradstar.errors import RendezvousError
+from gradstar.errors import ProtocolError, RendezvousError
 from gradstar.transport.relay import relay_metadata
 from gradstar.transport.status import error_from_rpc
-from gradstar.wire import RELAY_METHOD
+from gradstar.wire import PUNCH_METHOD, RELAY_METHOD
 
 from .conftest import close_all
 
@@ -81,6 +81,24 @@ async def test_a_relay_call_is_bound_to_its_caller(coordinator, behind_nat):
                 await call.read()
             error = error_from_rpc(raised.value, "relay", "hub")
             assert isinstance(error, RendezvousError) and words in str(error), error
+    # A punch (NAT traversal to a hub shard) is bound the same way, and a member's own asks
+    # for a stripe its generation does not have (this coordinator has no shards).
+    async with grpc.aio.insecure_channel(here.collective_address) as channel:
+        punch = channel.unary_unary(PUNCH_METHOD)
+        for metadata, body, words in [
+            (relay_metadata("nat", here.generation, 0, "0" * 32, "punch", 0), b"\x10\x00",
+             "not rank 0"),
+            (relay_metadata("nat", here.generation, 0, here.member_id, "punch", 0), b"\x10\x00",
+             "no stripe 0"),
+        ]:
+            with pytest.raises(grpc.RpcError) as raised:
+                await punch(body, metadata=metadata, timeout=T)
+            error = error_from_rpc(raised.value, "punch", "hub")
+            assert isinstance(error, RendezvousError) and words in str(error), error
+        with pytest.raises(grpc.RpcError) as raised:  # no port: refused before anything
+            await punch(b"", metadata=relay_metadata("nat", here.generation, 0, here.member_id,
+                                                     "punch", 0), timeout=T)
+        assert isinstance(error_from_rpc(raised.value, "punch", "hub"), ProtocolError)
     # The real pair still talks.
     sent = asyncio.ensure_future(here.send(np.ones(3, np.float32), 1))
     np.testing.assert_array_equal(await asyncio.wait_for(far.recv(0), T), np.ones(3))

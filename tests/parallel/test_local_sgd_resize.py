@@ -82,6 +82,12 @@ async def test_diloco_grows_and_shrinks_at_round_boundaries(start_coordinator, t
     for ident, (code, out, err) in enumerate(results):
         assert code == 0, out + err[-3000:]
         lines[ident] = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert_resized(lines, tmp_path)
+
+
+def assert_resized(lines: dict[int, list[dict]], out: Path) -> None:
+    """The checks of a DiLoCo job grown by process 3 and shrunk by process LEAVER, from every
+    process's printed lines and the finals the ones that stayed saved in ``out``."""
     rounds = {i: {line["round"] for line in printed if "round" in line}
               for i, printed in lines.items()}
     worlds = [line["world"] for line in lines[0] if "round" in line]
@@ -94,7 +100,7 @@ async def test_diloco_grows_and_shrinks_at_round_boundaries(start_coordinator, t
     assert lines[LEAVER][-1]["left"] and max(rounds[LEAVER]) < STEPS // SYNC_EVERY
     assert max(rounds[LEAVER]) >= min(rounds[3])  # it left after the newcomer came
     assert rounds[0] == rounds[2] == set(range(1, STEPS // SYNC_EVERY + 1))
-    finals = {i: np.load(tmp_path / f"final{i}.npy") for i in (0, 2, 3)}
+    finals = {i: np.load(out / f"final{i}.npy") for i in (0, 2, 3)}
     np.testing.assert_array_equal(finals[0], finals[2])
     np.testing.assert_array_equal(finals[0], finals[3])
     np.testing.assert_allclose(finals[0], replay(rounds), rtol=1e-5, atol=1e-6)

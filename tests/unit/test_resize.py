@@ -91,6 +91,30 @@ async def test_a_departing_rank_is_dropped_and_the_ranks_after_it_move_up(rdv):
     assert not any(m.newcomer for m in moved)
 
 
+async def test_a_departing_rank_whose_session_ends_before_its_goodbye_still_departs(rdv):
+    # As a mover's (below): on a loaded machine the leaver's close may give up before the hub
+    # read its goodbye. Once the boundary is named, its session ending is its departure, not
+    # a lost rank that ends the others' move (benchmarks/elastic.py hit it at load 17).
+    members = await running(rdv)
+    state, gen = rdv.jobs["r"], members[0].generation
+    resize.depart(state, members[1])
+    for m in members:
+        resize.report(state, m, gen.number, 5)
+    rdv.lost(members[1], "its session with the coordinator closed")
+    assert gen.failure is None
+    movers = [await move(rdv, m) for m in (members[0], members[2])]
+    moved = await asyncio.wait_for(asyncio.gather(*movers), BOUND)
+    assert [m.rank for m in moved] == [0, 1] and moved[0].generation.world_size == 2
+
+
+async def test_a_departing_rank_lost_before_the_boundary_is_named_is_lost(rdv):
+    members = await running(rdv)
+    state, gen = rdv.jobs["r"], members[0].generation
+    resize.depart(state, members[1])
+    rdv.lost(members[1], "its session with the coordinator closed")
+    assert isinstance(gen.failure, RankLostError) and "rank 1" in str(gen.failure)
+
+
 async def test_a_departure_below_the_minimum_is_refused_by_name(rdv):
     members = await running(rdv, world=2, min_world_size=2)
     resize.depart(rdv.jobs["r"], members[0])

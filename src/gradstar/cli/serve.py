@@ -178,8 +178,12 @@ def shard_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--slot", type=int, help="slot to ask for (default: any free one)")
     p.add_argument("--outbound-only", action="store_true", default=None,
                    help="this host takes no inbound connections from other hosts (NAT): "
-                        "serve its own ranks only (default: the coordinator probes; env "
-                        "GRADSTAR_OUTBOUND_ONLY)")
+                        "ranks on other hosts punch through to it (default: the coordinator "
+                        "probes; env GRADSTAR_OUTBOUND_ONLY)")
+    p.add_argument("--no-nat-traversal", dest="nat_traversal", action="store_false",
+                   default=None,
+                   help="on an outbound-only host, serve its own ranks only instead of taking "
+                        "punched connections from other hosts (env GRADSTAR_NAT_TRAVERSAL=0)")
     p.add_argument("--tls-cert", help="PEM certificate chain to serve with; enables TLS")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
     p.add_argument("--tls-client-ca", help="CA that client certificates must chain to (mTLS)")

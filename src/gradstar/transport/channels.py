@@ -9,6 +9,7 @@ import grpc
 from gradstar.config import ClientSettings
 from gradstar.wire import CHUNK_HEADER_BYTES, MAX_CHUNK_BYTES
 
+from .addresses import split_host_port
 from .auth import bearer
 
 # A chunk frame plus its header, with room for control messages; anything larger is refused by
@@ -144,9 +145,15 @@ def server_credentials(
 
 def secure_or_insecure_channel(
     target: str, credentials: grpc.ChannelCredentials | None, *, bulk: bool = False,
+    authority: str = "",
 ) -> grpc.aio.Channel:
-    """An asyncio channel to ``target`` with the options above (``bulk``: for tensors)."""
+    """An asyncio channel to ``target`` with the options above (``bulk``: for tensors).
+    ``authority`` (HOST:PORT): the server ``target`` stands for (a local tunnel's port,
+    gradstar.transport.traversal), whose name TLS checks the certificate against."""
     options = BULK_CLIENT_OPTIONS if bulk else CLIENT_OPTIONS
+    if authority:
+        options = [*options, ("grpc.default_authority", authority),
+                   ("grpc.ssl_target_name_override", split_host_port(authority)[0])]
     if credentials is None:
         return grpc.aio.insecure_channel(target, options=options)
     return grpc.aio.secure_channel(target, credentials, options=options)
@@ -164,14 +171,16 @@ def open_blocking_channel(settings: ClientSettings, target: str) -> grpc.Channel
 
 
 def open_channel(settings: ClientSettings, target: str | None = None, *,
-                 bulk: bool = False) -> grpc.aio.Channel:
+                 bulk: bool = False, authority: str = "") -> grpc.aio.Channel:
     """A channel to ``target`` (default: the coordinator), with TLS when a CA or client
     certificate is configured; ``bulk`` for one that carries tensors (its own TCP connection,
-    a keepalive that tolerates full queues)."""
+    a keepalive that tolerates full queues); ``authority``: see
+    :func:`secure_or_insecure_channel`."""
     tls = settings.tls_ca or settings.tls_cert
     creds = (client_credentials(settings.tls_ca, settings.tls_cert, settings.tls_key)
              if tls else None)
-    return secure_or_insecure_channel(target or settings.coordinator, creds, bulk=bulk)
+    return secure_or_insecure_channel(target or settings.coordinator, creds, bulk=bulk,
+                                      authority=authority)
 
 
 def call_metadata(settings: ClientSettings) -> tuple[tuple[str, str], ...]:

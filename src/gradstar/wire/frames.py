@@ -49,6 +49,8 @@ PEER_METHOD = f"/{PEER_SERVICE}/Stream"
 #: both ranks dial.
 RELAY_SERVICE = "gradstar.proto.v1.PeerRelay"
 RELAY_METHOD = f"/{RELAY_SERVICE}/Relay"
+#: NAT traversal to a hub shard (gradstar.transport.traversal): unary, the caller's port.
+PUNCH_METHOD = f"/{RELAY_SERVICE}/Punch"
 
 KIND_HEADER = 1
 KIND_ACCEPT = 2
@@ -304,8 +306,8 @@ __all__ = [
     "CHUNK_HEADER_BYTES", "COLLECTIVE_METHOD", "COLLECTIVE_SERVICE", "KIND_ACCEPT", "KIND_BATCH",
     "KIND_CHUNK", "KIND_END", "KIND_ERROR", "KIND_HEADER", "KIND_SHM_ATTACH", "KIND_SHM_CHUNK",
     "MAX_BATCHED_CHUNK_BYTES", "MAX_BATCH_BYTES", "MAX_BATCH_FRAMES", "MAX_HEADER_BYTES",
-    "PEER_METHOD", "PEER_SERVICE", "RELAY_METHOD", "RELAY_SERVICE", "accept_frame", "batchable",
-    "check_header_size",
+    "PEER_METHOD", "PEER_SERVICE", "PUNCH_METHOD", "RELAY_METHOD", "RELAY_SERVICE",
+    "accept_frame", "batchable", "check_header_size",
     "chunk_frame_buffer", "decode_chunk", "decode_error", "decode_message", "decode_shared",
     "decode_shm_chunk", "encode_batch", "encode_chunk", "encode_error", "encode_message",
     "encode_shm_chunk", "end_frame", "frame_kind", "frames_of", "seal_chunk_frame",

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class JoinRequest(_message.Message):
-    __slots__ = ("job", "world_size", "rank", "peer_address", "timeout_seconds", "host", "hostname", "elastic", "outbound_only", "max_world_size", "min_world_size", "moving_from", "rejoin")
+    __slots__ = ("job", "world_size", "rank", "peer_address", "timeout_seconds", "host", "hostname", "elastic", "outbound_only", "max_world_size", "min_world_size", "moving_from", "rejoin", "punch_port")
     JOB_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class JoinRequest(_message.Message):
     MIN_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MOVING_FROM_FIELD_NUMBER: _ClassVar[int]
     REJOIN_FIELD_NUMBER: _ClassVar[int]
+    PUNCH_PORT_FIELD_NUMBER: _ClassVar[int]
     job: str
     world_size: int
     rank: int
@@ -34,7 +35,8 @@ class JoinRequest(_message.Message):
     min_world_size: int
     moving_from: MovingFrom
     rejoin: Rejoin
-    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., peer_address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., host: _Optional[str] = ..., hostname: _Optional[str] = ..., elastic: _Optional[bool] = ..., outbound_only: _Optional[bool] = ..., max_world_size: _Optional[int] = ..., min_world_size: _Optional[int] = ..., moving_from: _Optional[_Union[MovingFrom, _Mapping]] = ..., rejoin: _Optional[_Union[Rejoin, _Mapping]] = ...) -> None: ...
+    punch_port: int
+    def __init__(self, job: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., peer_address: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., host: _Optional[str] = ..., hostname: _Optional[str] = ..., elastic: _Optional[bool] = ..., outbound_only: _Optional[bool] = ..., max_world_size: _Optional[int] = ..., min_world_size: _Optional[int] = ..., moving_from: _Optional[_Union[MovingFrom, _Mapping]] = ..., rejoin: _Optional[_Union[Rejoin, _Mapping]] = ..., punch_port: _Optional[int] = ...) -> None: ...
 
 class MovingFrom(_message.Message):
     __slots__ = ("generation", "rank", "member_id")
@@ -97,21 +99,23 @@ class SessionRequest(_message.Message):
     def __init__(self, join: _Optional[_Union[JoinRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., leave: _Optional[bool] = ..., boundaries: _Optional[bool] = ..., position: _Optional[_Union[Position, _Mapping]] = ..., advance: _Optional[bool] = ..., depart: _Optional[bool] = ...) -> None: ...
 
 class Peer(_message.Message):
-    __slots__ = ("rank", "address", "host", "hostname", "outbound_only")
+    __slots__ = ("rank", "address", "host", "hostname", "outbound_only", "punch")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PUNCH_FIELD_NUMBER: _ClassVar[int]
     rank: int
     address: str
     host: str
     hostname: str
     outbound_only: bool
-    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., hostname: _Optional[str] = ..., outbound_only: _Optional[bool] = ...) -> None: ...
+    punch: str
+    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., host: _Optional[str] = ..., hostname: _Optional[str] = ..., outbound_only: _Optional[bool] = ..., punch: _Optional[str] = ...) -> None: ...
 
 class Joined(_message.Message):
-    __slots__ = ("job", "generation", "rank", "world_size", "member_id", "peers", "heartbeat_interval_seconds", "shards", "peer_keys", "collectives", "replacement", "boundary", "newcomers", "min_world_size", "max_world_size", "resized", "replay", "term")
+    __slots__ = ("job", "generation", "rank", "world_size", "member_id", "peers", "heartbeat_interval_seconds", "shards", "peer_keys", "collectives", "replacement", "boundary", "newcomers", "min_world_size", "max_world_size", "resized", "replay", "term", "traversal")
     JOB_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +134,7 @@ class Joined(_message.Message):
     RESIZED_FIELD_NUMBER: _ClassVar[int]
     REPLAY_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
+    TRAVERSAL_FIELD_NUMBER: _ClassVar[int]
     job: str
     generation: int
     rank: int
@@ -148,7 +153,8 @@ class Joined(_message.Message):
     resized: bool
     replay: _containers.RepeatedScalarFieldContainer[int]
     term: int
-    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., member_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., heartbeat_interval_seconds: _Optional[float] = ..., shards: _Optional[_Iterable[str]] = ..., peer_keys: _Optional[_Iterable[bytes]] = ..., collectives: _Optional[str] = ..., replacement: _Optional[bool] = ..., boundary: _Optional[int] = ..., newcomers: _Optional[_Iterable[int]] = ..., min_world_size: _Optional[int] = ..., max_world_size: _Optional[int] = ..., resized: _Optional[bool] = ..., replay: _Optional[_Iterable[int]] = ..., term: _Optional[int] = ...) -> None: ...
+    traversal: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., member_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., heartbeat_interval_seconds: _Optional[float] = ..., shards: _Optional[_Iterable[str]] = ..., peer_keys: _Optional[_Iterable[bytes]] = ..., collectives: _Optional[str] = ..., replacement: _Optional[bool] = ..., boundary: _Optional[int] = ..., newcomers: _Optional[_Iterable[int]] = ..., min_world_size: _Optional[int] = ..., max_world_size: _Optional[int] = ..., resized: _Optional[bool] = ..., replay: _Optional[_Iterable[int]] = ..., term: _Optional[int] = ..., traversal: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerationFailed(_message.Message):
     __slots__ = ("generation", "lost_rank", "reason", "error", "fields_json")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgradstar/proto/v1/shard.proto\x12\x11gradstar.proto.v1\"]\n\nShardHello\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x0b\n\x03job\x18\x03 \x01(\t\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x15\n\routbound_only\x18\x05 \x01(\x08\"\xa5\x02\n\x08ShardJob\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x10\n\x08\x62ytes_in\x18\x02 \x01(\x04\x12\x11\n\tbytes_out\x18\x03 \x01(\x04\x12=\n\tcompleted\x18\x04 \x03(\x0b\x32*.gradstar.proto.v1.ShardJob.CompletedEntry\x12\x37\n\x06\x66\x61iled\x18\x05 \x03(\x0b\x32\'.gradstar.proto.v1.ShardJob.FailedEntry\x12\x0e\n\x06\x61\x63tive\x18\x06 \x01(\x08\x1a\x30\n\x0e\x43ompletedEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a-\n\x0b\x46\x61iledEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xf2\x01\n\x0cRankArrivals\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x13\n\x0b\x63ollectives\x18\x03 \x01(\x04\x12\x0c\n\x04last\x18\x04 \x01(\x04\x12\x17\n\x0flag_sum_seconds\x18\x05 \x01(\x01\x12\x18\n\x10lag_ewma_seconds\x18\x06 \x01(\x01\x12\x18\n\x10last_lag_seconds\x18\x07 \x01(\x01\x12\x17\n\x0fmax_lag_seconds\x18\x08 \x01(\x01\x12\x14\n\x0c\x63ost_seconds\x18\t \x01(\x01\x12\x0f\n\x07\x62uckets\x18\n \x03(\x04\x12\x17\n\x0fmin_lag_seconds\x18\x0b \x01(\x01\"\x8f\x01\n\nShardStats\x12\x10\n\x08\x62ytes_in\x18\x01 \x01(\x04\x12\x11\n\tbytes_out\x18\x02 \x01(\x04\x12)\n\x04jobs\x18\x03 \x03(\x0b\x32\x1b.gradstar.proto.v1.ShardJob\x12\x31\n\x08\x61rrivals\x18\x04 \x03(\x0b\x32\x1f.gradstar.proto.v1.RankArrivals\"u\n\x0bShardReport\x12.\n\x05hello\x18\x01 \x01(\x0b\x32\x1d.gradstar.proto.v1.ShardHelloH\x00\x12.\n\x05stats\x18\x02 \x01(\x0b\x32\x1d.gradstar.proto.v1.ShardStatsH\x00\x42\x06\n\x04kind\"=\n\rShardAccepted\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x1e\n\x16stats_interval_seconds\x18\x02 \x01(\x01\"3\n\x10GenerationMember\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x11\n\tmember_id\x18\x02 \x01(\t\"\x9f\x01\n\x10GenerationFormed\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x34\n\x07members\x18\x04 \x03(\x0b\x32#.gradstar.proto.v1.GenerationMember\x12\x0e\n\x06shards\x18\x05 \x01(\r\x12\x10\n\x08position\x18\x06 \x01(\r\"f\n\x0eGenerationOver\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x13\n\x0b\x66ields_json\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\"\xb6\x01\n\x0cShardCommand\x12\x34\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32 .gradstar.proto.v1.ShardAcceptedH\x00\x12\x35\n\x06\x66ormed\x18\x02 \x01(\x0b\x32#.gradstar.proto.v1.GenerationFormedH\x00\x12\x31\n\x04over\x18\x03 \x01(\x0b\x32!.gradstar.proto.v1.GenerationOverH\x00\x42\x06\n\x04kind2\xb6\x01\n\x0cShardControl\x12O\n\x08Register\x12\x1e.gradstar.proto.v1.ShardReport\x1a\x1f.gradstar.proto.v1.ShardCommand(\x01\x30\x01\x12U\n\x0eRegisterForJob\x12\x1e.gradstar.proto.v1.ShardReport\x1a\x1f.gradstar.proto.v1.ShardCommand(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dgradstar/proto/v1/shard.proto\x12\x11gradstar.proto.v1\"q\n\nShardHello\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04slot\x18\x02 \x01(\x05\x12\x0b\n\x03job\x18\x03 \x01(\t\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x15\n\routbound_only\x18\x05 \x01(\x08\x12\x12\n\npunch_port\x18\x06 \x01(\r\"\xa5\x02\n\x08ShardJob\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x10\n\x08\x62ytes_in\x18\x02 \x01(\x04\x12\x11\n\tbytes_out\x18\x03 \x01(\x04\x12=\n\tcompleted\x18\x04 \x03(\x0b\x32*.gradstar.proto.v1.ShardJob.CompletedEntry\x12\x37\n\x06\x66\x61iled\x18\x05 \x03(\x0b\x32\'.gradstar.proto.v1.ShardJob.FailedEntry\x12\x0e\n\x06\x61\x63tive\x18\x06 \x01(\x08\x1a\x30\n\x0e\x43ompletedEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a-\n\x0b\x46\x61iledEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xf2\x01\n\x0cRankArrivals\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x13\n\x0b\x63ollectives\x18\x03 \x01(\x04\x12\x0c\n\x04last\x18\x04 \x01(\x04\x12\x17\n\x0flag_sum_seconds\x18\x05 \x01(\x01\x12\x18\n\x10lag_ewma_seconds\x18\x06 \x01(\x01\x12\x18\n\x10last_lag_seconds\x18\x07 \x01(\x01\x12\x17\n\x0fmax_lag_seconds\x18\x08 \x01(\x01\x12\x14\n\x0c\x63ost_seconds\x18\t \x01(\x01\x12\x0f\n\x07\x62uckets\x18\n \x03(\x04\x12\x17\n\x0fmin_lag_seconds\x18\x0b \x01(\x01\"\x8f\x01\n\nShardStats\x12\x10\n\x08\x62ytes_in\x18\x01 \x01(\x04\x12\x11\n\tbytes_out\x18\x02 \x01(\x04\x12)\n\x04jobs\x18\x03 \x03(\x0b\x32\x1b.gradstar.proto.v1.ShardJob\x12\x31\n\x08\x61rrivals\x18\x04 \x03(\x0b\x32\x1f.gradstar.proto.v1.RankArrivals\"u\n\x0bShardReport\x12.\n\x05hello\x18\x01 \x01(\x0b\x32\x1d.gradstar.proto.v1.ShardHelloH\x00\x12.\n\x05stats\x18\x02 \x01(\x0b\x32\x1d.gradstar.proto.v1.ShardStatsH\x00\x42\x06\n\x04kind\"=\n\rShardAccepted\x12\x0c\n\x04slot\x18\x01 \x01(\r\x12\x1e\n\x16stats_interval_seconds\x18\x02 \x01(\x01\"3\n\x10GenerationMember\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x11\n\tmember_id\x18\x02 \x01(\t\"\x9f\x01\n\x10GenerationFormed\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x34\n\x07members\x18\x04 \x03(\x0b\x32#.gradstar.proto.v1.GenerationMember\x12\x0e\n\x06shards\x18\x05 \x01(\r\x12\x10\n\x08position\x18\x06 \x01(\r\"f\n\x0eGenerationOver\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x13\n\x0b\x66ields_json\x18\x04 \x01(\t\x12\x0f\n\x07message\x18\x05 \x01(\t\"(\n\nShardPunch\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\"\xe6\x01\n\x0cShardCommand\x12\x34\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32 .gradstar.proto.v1.ShardAcceptedH\x00\x12\x35\n\x06\x66ormed\x18\x02 \x01(\x0b\x32#.gradstar.proto.v1.GenerationFormedH\x00\x12\x31\n\x04over\x18\x03 \x01(\x0b\x32!.gradstar.proto.v1.GenerationOverH\x00\x12.\n\x05punch\x18\x04 \x01(\x0b\x32\x1d.gradstar.proto.v1.ShardPunchH\x00\x42\x06\n\x04kind2\xb6\x01\n\x0cShardControl\x12O\n\x08Register\x12\x1e.gradstar.proto.v1.ShardReport\x1a\x1f.gradstar.proto.v1.ShardCommand(\x01\x30\x01\x12U\n\x0eRegisterForJob\x12\x1e.gradstar.proto.v1.ShardReport\x1a\x1f.gradstar.proto.v1.ShardCommand(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,29 +36,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHARDJOB_FAILEDENTRY']._loaded_options = None
   _globals['_SHARDJOB_FAILEDENTRY']._serialized_options = b'8\001'
   _globals['_SHARDHELLO']._serialized_start=52
-  _globals['_SHARDHELLO']._serialized_end=145
-  _globals['_SHARDJOB']._serialized_start=148
-  _globals['_SHARDJOB']._serialized_end=441
-  _globals['_SHARDJOB_COMPLETEDENTRY']._serialized_start=346
-  _globals['_SHARDJOB_COMPLETEDENTRY']._serialized_end=394
-  _globals['_SHARDJOB_FAILEDENTRY']._serialized_start=396
-  _globals['_SHARDJOB_FAILEDENTRY']._serialized_end=441
-  _globals['_RANKARRIVALS']._serialized_start=444
-  _globals['_RANKARRIVALS']._serialized_end=686
-  _globals['_SHARDSTATS']._serialized_start=689
-  _globals['_SHARDSTATS']._serialized_end=832
-  _globals['_SHARDREPORT']._serialized_start=834
-  _globals['_SHARDREPORT']._serialized_end=951
-  _globals['_SHARDACCEPTED']._serialized_start=953
-  _globals['_SHARDACCEPTED']._serialized_end=1014
-  _globals['_GENERATIONMEMBER']._serialized_start=1016
-  _globals['_GENERATIONMEMBER']._serialized_end=1067
-  _globals['_GENERATIONFORMED']._serialized_start=1070
-  _globals['_GENERATIONFORMED']._serialized_end=1229
-  _globals['_GENERATIONOVER']._serialized_start=1231
-  _globals['_GENERATIONOVER']._serialized_end=1333
-  _globals['_SHARDCOMMAND']._serialized_start=1336
-  _globals['_SHARDCOMMAND']._serialized_end=1518
-  _globals['_SHARDCONTROL']._serialized_start=1521
-  _globals['_SHARDCONTROL']._serialized_end=1703
+  _globals['_SHARDHELLO']._serialized_end=165
+  _globals['_SHARDJOB']._serialized_start=168
+  _globals['_SHARDJOB']._serialized_end=461
+  _globals['_SHARDJOB_COMPLETEDENTRY']._serialized_start=366
+  _globals['_SHARDJOB_COMPLETEDENTRY']._serialized_end=414
+  _globals['_SHARDJOB_FAILEDENTRY']._serialized_start=416
+  _globals['_SHARDJOB_FAILEDENTRY']._serialized_end=461
+  _globals['_RANKARRIVALS']._serialized_start=464
+  _globals['_RANKARRIVALS']._serialized_end=706
+  _globals['_SHARDSTATS']._serialized_start=709
+  _globals['_SHARDSTATS']._serialized_end=852
+  _globals['_SHARDREPORT']._serialized_start=854
+  _globals['_SHARDREPORT']._serialized_end=971
+  _globals['_SHARDACCEPTED']._serialized_start=973
+  _globals['_SHARDACCEPTED']._serialized_end=1034
+  _globals['_GENERATIONMEMBER']._serialized_start=1036
+  _globals['_GENERATIONMEMBER']._serialized_end=1087
+  _globals['_GENERATIONFORMED']._serialized_start=1090
+  _globals['_GENERATIONFORMED']._serialized_end=1249
+  _globals['_GENERATIONOVER']._serialized_start=1251
+  _globals['_GENERATIONOVER']._serialized_end=1353
+  _globals['_SHARDPUNCH']._serialized_start=1355
+  _globals['_SHARDPUNCH']._serialized_end=1395
+  _globals['_SHARDCOMMAND']._serialized_start=1398
+  _globals['_SHARDCOMMAND']._serialized_end=1628
+  _globals['_SHARDCONTROL']._serialized_start=1631
+  _globals['_SHARDCONTROL']._serialized_end=1813
 # @@protoc_insertion_point(module_scope)

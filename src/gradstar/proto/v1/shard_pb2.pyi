@@ -7,18 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ShardHello(_message.Message):
-    __slots__ = ("address", "slot", "job", "host", "outbound_only")
+    __slots__ = ("address", "slot", "job", "host", "outbound_only", "punch_port")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SLOT_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     OUTBOUND_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PUNCH_PORT_FIELD_NUMBER: _ClassVar[int]
     address: str
     slot: int
     job: str
     host: str
     outbound_only: bool
-    def __init__(self, address: _Optional[str] = ..., slot: _Optional[int] = ..., job: _Optional[str] = ..., host: _Optional[str] = ..., outbound_only: _Optional[bool] = ...) -> None: ...
+    punch_port: int
+    def __init__(self, address: _Optional[str] = ..., slot: _Optional[int] = ..., job: _Optional[str] = ..., host: _Optional[str] = ..., outbound_only: _Optional[bool] = ..., punch_port: _Optional[int] = ...) -> None: ...
 
 class ShardJob(_message.Message):
     __slots__ = ("job", "bytes_in", "bytes_out", "completed", "failed", "active")
@@ -142,12 +144,22 @@ class GenerationOver(_message.Message):
     message: str
     def __init__(self, job: _Optional[str] = ..., generation: _Optional[int] = ..., error: _Optional[str] = ..., fields_json: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
+class ShardPunch(_message.Message):
+    __slots__ = ("host", "port")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+
 class ShardCommand(_message.Message):
-    __slots__ = ("accepted", "formed", "over")
+    __slots__ = ("accepted", "formed", "over", "punch")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     FORMED_FIELD_NUMBER: _ClassVar[int]
     OVER_FIELD_NUMBER: _ClassVar[int]
+    PUNCH_FIELD_NUMBER: _ClassVar[int]
     accepted: ShardAccepted
     formed: GenerationFormed
     over: GenerationOver
-    def __init__(self, accepted: _Optional[_Union[ShardAccepted, _Mapping]] = ..., formed: _Optional[_Union[GenerationFormed, _Mapping]] = ..., over: _Optional[_Union[GenerationOver, _Mapping]] = ...) -> None: ...
+    punch: ShardPunch
+    def __init__(self, accepted: _Optional[_Union[ShardAccepted, _Mapping]] = ..., formed: _Optional[_Union[GenerationFormed, _Mapping]] = ..., over: _Optional[_Union[GenerationOver, _Mapping]] = ..., punch: _Optional[_Union[ShardPunch, _Mapping]] = ...) -> None: ...
