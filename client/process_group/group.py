@@ -185,9 +185,8 @@ class AsyncProcessGroup:
             return self._hosts.all_reduce(arr, reduce_op, into, restore if out is None
                                           else (lambda _result: out), timeout, wire)
         deliver = restore if out is None else (lambda _result: out)
-        split = split_all_reduce(self, arr, reduce_op, into, deliver, timeout, wire)
-        return split or self._run(ops.ALL_REDUCE, arr, arr, into, deliver, timeout,
-                                  reduce_op=reduce_op, fmt=fmt)
+        return split_all_reduce(self, arr, reduce_op, into, deliver, timeout, wire) or self._run(
+            ops.ALL_REDUCE, arr, arr, into, deliver, timeout, reduce_op=reduce_op, fmt=fmt)
 
     def broadcast(self, x, src: int = 0, *,
                   timeout: float | None = None) -> Awaitable[ArrayLike]:
@@ -369,8 +368,8 @@ class AsyncProcessGroup:
     # -- collectives issued later, in the order they were reserved ------------------------------
 
     def reserve(self, op: int, like: np.ndarray, *, reduce_op: int = 0, root: int = 0,
-                timeout: float | None = None, wire: str | None = None,
-                part_of: int = 0) -> Reserved:
+                timeout: float | None = None, wire: str | None = None, part_of: int = 0,
+                ) -> Reserved:
         """Take the next seq now for collective ``op`` over arrays of ``like``'s shape and dtype
         (this rank's input), to issue later with :meth:`run_reserved` or never, saying so
         with :meth:`give_up`. The hub matches collectives by seq, so collectives reserved in
@@ -443,8 +442,7 @@ class AsyncProcessGroup:
               root: int = 0, averaging: pb.AveragingSpec | None = None,
               fmt: WireFormat | None = None, whole: int = 0) -> tuple[ops.CollectiveCall, float]:
         """The next collective (its seq taken now, after every check that can fail; ``fmt``
-        already checked; chunks sized as for ``whole`` bytes if a part of them), derived once
-        from its header, and its timeout."""
+        checked; chunks as for ``whole`` bytes), derived once from its header, and its timeout."""
         self._check_usable()
         timeout = self.settings.timeout if timeout is None else timeout
         dtype, wire = dtype_info(arr.dtype).wire, fmt.wire if fmt else 0
