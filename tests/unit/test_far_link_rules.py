@@ -111,3 +111,25 @@ def test_far_hosts_are_told_which_tcp_settings_cost_them(tmp_path):
     advice = connections.host_tuning_advice(0.100, 4 * MIB, restart)
     assert "slow_start_after_idle" not in advice and "tcp_wmem" in advice
     assert connections.host_tuning_advice(0.100, 64 * MIB, restart) is None  # tuned already
+
+
+@pytest.mark.parametrize(("world_size", "configured", "auto", "want"), [
+    (2, 0, True, 6),     # one far rank: enough windows for 1 Gbit/s at 200 ms
+    (4, 0, True, 1),     # four ranks into one hub: one each (more measured slower)
+    (2, 0, False, 1),    # a hub shard: one unless configured
+    (4, 3, False, 3),    # GRADSTAR_CONNECTIONS sets every target's count
+])
+async def test_the_data_plane_sizes_connections_by_round_trip_and_world(
+        monkeypatch, world_size, configured, auto, want):
+    from gradstar.client.collective.data_plane import DataPlane
+    from gradstar.config import ClientSettings
+
+    async def two_hundred_ms(channel, metadata, timeout):
+        return 0.200
+
+    monkeypatch.setattr(connections, "round_trip", two_hundred_ms)
+    monkeypatch.setattr(connections, "send_window_bytes", lambda path=None: 4 * MIB)
+    monkeypatch.setattr(connections, "host_tuning_advice", lambda rtt: None)
+    plane = DataPlane.__new__(DataPlane)  # no channels: _count needs only the settings
+    plane.settings = ClientSettings(connections=configured)
+    assert await plane._count(None, (), 5.0, auto, world_size) == want
