@@ -38,22 +38,11 @@ KEEPALIVE_TIMEOUT_MS = 2_000
 BULK_KEEPALIVE_TIMEOUT_MS = 20_000
 
 
-#: Connections that carry tensors ping this often, to keep TCP's window: Linux restarts a
-#: connection's congestion window from 10 segments once it sent nothing for a retransmission
-#: timeout (at least 200 ms plus the round trip; tcp_slow_start_after_idle, on by default), and
-#: the compute between two steps is longer than that, so every collective across a far link
-#: ramped up again, one doubling per round trip. A ping is data to TCP: with one every 100 ms
-#: it never restarts. 4 hosts at 1 Gbit/s and 200 ms: a 64 MiB all_reduce 3288 -> 1700 ms,
-#: 4 MiB 1030 -> 391 ms (docs/regions.md); about 10 small frames a second per connection.
-BULK_KEEPALIVE_MS = 100
-
-
-def _keepalive(timeout_ms: int, interval_ms: int = KEEPALIVE_MS) -> list[tuple[str, int]]:
+def _keepalive(timeout_ms: int) -> list[tuple[str, int]]:
     return [
-        # Ping every 1 s (bulk: every BULK_KEEPALIVE_MS) and drop the connection when a ping
-        # is not answered in time, so a frozen or partitioned peer is noticed in seconds
-        # rather than after TCP's minutes.
-        ("grpc.keepalive_time_ms", interval_ms),
+        # Ping every 1 s and drop the connection when a ping is not answered in time, so a
+        # frozen or partitioned peer is noticed in seconds rather than after TCP's minutes.
+        ("grpc.keepalive_time_ms", KEEPALIVE_MS),
         ("grpc.keepalive_timeout_ms", timeout_ms),
         # Without this ping timeout gRPC waits 60 s for a ping ack on a busy connection.
         ("grpc.http2.ping_timeout_ms", timeout_ms),
@@ -88,8 +77,7 @@ _CLIENT_COMMON = [
 CLIENT_OPTIONS = [*_CLIENT_COMMON, *_keepalive(KEEPALIVE_TIMEOUT_MS)]
 #: Connections that carry collectives and peer streams (each channel has its own subchannel
 #: pool, above, so never the same TCP connection as a control channel to the same address).
-BULK_CLIENT_OPTIONS = [*_CLIENT_COMMON,
-                       *_keepalive(BULK_KEEPALIVE_TIMEOUT_MS, BULK_KEEPALIVE_MS)]
+BULK_CLIENT_OPTIONS = [*_CLIENT_COMMON, *_keepalive(BULK_KEEPALIVE_TIMEOUT_MS)]
 
 _SERVER_COMMON = [
     *_COMMON_OPTIONS,
@@ -107,11 +95,7 @@ SERVER_OPTIONS = [*_SERVER_COMMON, *_keepalive(KEEPALIVE_TIMEOUT_MS)]
 #: full socket buffers like a bulk client's (8 ranks x 64 MiB into one 200 Mbit/s host lost
 #: connections to 2-3 s pings), and what they would notice is noticed on the control
 #: connections first: a rank's session, a shard's registration stream.
-BULK_SERVER_OPTIONS = [
-    *(o for o in _SERVER_COMMON if o[0] != "grpc.http2.min_recv_ping_interval_without_data_ms"),
-    # Accept the bulk clients' pings (BULK_KEEPALIVE_MS) as well.
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", BULK_KEEPALIVE_MS // 2),
-    *_keepalive(BULK_KEEPALIVE_TIMEOUT_MS, BULK_KEEPALIVE_MS)]
+BULK_SERVER_OPTIONS = [*_SERVER_COMMON, *_keepalive(BULK_KEEPALIVE_TIMEOUT_MS)]
 
 
 def stream_window_options(window_bytes: int) -> list[tuple[str, int]]:
