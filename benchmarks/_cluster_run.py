@@ -95,7 +95,8 @@ class Run:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("GRADSTAR_", "GLOO_"))}
         if not getattr(self.args, "nat_traversal", True):  # --no-nat-traversal: the shards'
             env["GRADSTAR_NAT_TRAVERSAL"] = "0"
-        return env | {"PYTHONUNBUFFERED": "1", **extra}
+        given = dict(w.split("=", 1) for w in getattr(self.args, "gradstar_env", ()))
+        return env | given | {"PYTHONUNBUFFERED": "1", **extra}
 
     def start(self, host: str, name: str, argv: Sequence[str], env: dict[str, str], *,
               stdin: bool = False) -> Process:
@@ -182,6 +183,13 @@ def add_far_link_arguments(parser: argparse.ArgumentParser) -> None:
                              "(two hosts: the sum); default none, no delay line")
     parser.add_argument("--delay-line", action="store_true",
                         help="a delay line on every host link even at 0 ms (to measure it)")
+    parser.add_argument("--host-sysctl", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="sysctls set in every host, as a host tuned for far links: e.g. "
+                             "'net.ipv4.tcp_wmem=4096 16384 67108864' "
+                             "net.ipv4.tcp_slow_start_after_idle=0")
+    parser.add_argument("--gradstar-env", nargs="+", default=[], metavar="GRADSTAR_X=VALUE",
+                        help="settings for every gradstar process of the run (the run clears "
+                             "the caller's GRADSTAR_* variables), e.g. GRADSTAR_CONNECTIONS=4")
     parser.add_argument("--outbound-only", nargs="+", default=[], metavar="HOST",
                         help="hosts that take no inbound connections, as behind NAT (nftables "
                              "drops new inbound TCP on their links); gloo cannot run there")
@@ -196,9 +204,11 @@ def far_description(args: argparse.Namespace) -> str:
     if isinstance(args.rtt, dict):
         return ", round trips to the core (delay lines) " + ", ".join(
             f"{host} {ms:g} ms" for host, ms in args.rtt.items())
+    tuned = "".join(f", {w}" for w in (*getattr(args, "host_sysctl", ()),
+                                         *getattr(args, "gradstar_env", ())))
     if args.rtt or args.delay_line:
-        return f", {args.rtt or 0:g} ms round trip between every two hosts (delay lines)"
-    return ""
+        return f", {args.rtt or 0:g} ms round trip between every two hosts (delay lines){tuned}"
+    return tuned
 
 
 def far_links(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -209,6 +219,11 @@ def far_links(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
             args.rtt = parse_rtt(args.rtt)
         except ValueError as error:
             parser.error(str(error))
+    for word in (*args.host_sysctl, *args.gradstar_env):
+        if "=" not in word:
+            parser.error(f"--host-sysctl and --gradstar-env take KEY=VALUE: {word!r}")
+    if any(not w.startswith("GRADSTAR_") for w in args.gradstar_env):
+        parser.error("--gradstar-env sets GRADSTAR_* variables only")
 
 
 # -- a driver's run ------------------------------------------------------------------------------
@@ -224,9 +239,11 @@ def on_emulated_cluster(script: str, names: list[str], args: argparse.Namespace,
     (removed when nothing failed). Exits with status 2 where no emulated cluster can be built
     here or ``--rtt`` names a host the run has not, 130 on Ctrl-C (after the cluster's
     processes and namespaces are gone); SIGTERM and SIGHUP end it the same way."""
+    sysctls = dict(w.split("=", 1) for w in getattr(args, "host_sysctl", ()))
     try:
         made = EmulatedCluster(names, rate=args.rate, rtt=args.rtt,
-                               force_delay_line=args.delay_line, congestion_control=congestion)
+                               force_delay_line=args.delay_line, congestion_control=congestion,
+                               sysctls=sysctls)
     except ValueError as error:
         print(f"benchmarks/{script}.py: {error} (hosts: {' '.join(names)})", file=sys.stderr)
         raise SystemExit(2) from None

@@ -92,6 +92,10 @@ How to reproduce (as root)::
     # far links: every two hosts 100 ms apart, through delay lines
     .venv/bin/python benchmarks/cluster.py --hosts 4 --sizes-mb 4 64 --iters 3 \\
         --topologies gloo node-local --rtt 100
+    # hosts tuned for far links, and gradstar's far-link settings forced (docs/regions.md)
+    .venv/bin/python benchmarks/cluster.py --hosts 4 --sizes-mb 64 --rate 1gbit --rtt 200 \\
+        --host-sysctl "net.ipv4.tcp_wmem=4096 16384 67108864" \\
+        net.ipv4.tcp_slow_start_after_idle=0 --gradstar-env GRADSTAR_CONNECTIONS=2
 """
 
 from __future__ import annotations

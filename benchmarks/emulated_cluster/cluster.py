@@ -58,7 +58,8 @@ among them); then the namespaces (which takes their interfaces with them) and th
 ``/etc/netns`` folders are removed.
 A cluster that fails half-way through building removes what it made before it raises. Only a
 SIGKILL of the process holding the cluster leaves namespaces behind; their names start with
-``gs-`` and a random tag (``ip netns list``).
+``gs-`` and a random tag (``ip netns list``), after ``$GRADSTAR_CLUSTER_TAG-`` where that is set
+(so that people sharing a machine tell their clusters apart).
 
 It needs root, ``ip`` (iproute2), to shape links ``tc``, and for a delay line gcc (it is
 compiled on first use): :func:`unavailable_reason` says which is missing (or that this system
@@ -148,7 +149,9 @@ class EmulatedCluster:
     docstring). ``rate`` (tc notation, e.g. ``"200mbit"``; None: unshaped) limits every host's
     link each way; ``rtt`` (milliseconds: one number for every pair of hosts, or a map of each
     host's round trip to the core) puts delay lines on the links; ``subnet`` is the first three
-    octets of the hosts' /24, ``first`` the last octet of the first host's address.
+    octets of the hosts' /24, ``first`` the last octet of the first host's address;
+    ``sysctls`` are set in every host's namespace (``{"net.ipv4.tcp_wmem": "4096 16384
+    67108864"}``: a host tuned for far links, as a deployment may tune its own).
 
     Raises:
         ValueError: no hosts, a repeated or unusable name, a bad rate or round trip, or too
@@ -160,7 +163,8 @@ class EmulatedCluster:
     def __init__(self, names: Sequence[str], *, rate: str | None = "200mbit",
                  rtt: float | Mapping[str, float] | None = None, force_delay_line: bool = False,
                  burst: str = BURST, latency: str = LATENCY, subnet: str = SUBNET,
-                 first: int = 1, congestion_control: str | None = CONGESTION_CONTROL) -> None:
+                 first: int = 1, congestion_control: str | None = CONGESTION_CONTROL,
+                 sysctls: Mapping[str, str] | None = None) -> None:
         names = list(names)
         if not names or len(set(names)) != len(names):
             raise ValueError(f"host names must be distinct and at least one: {names}")
@@ -172,9 +176,16 @@ class EmulatedCluster:
             rate_bytes_per_second(rate)  # a bad rate fails here, not half-way through tc
         self.rate, self.burst, self.latency = rate, burst, latency
         self.congestion_control = congestion_control
+        self.sysctls = dict(sysctls or {})
         delays = one_way_delays(names, rtt)
         self.rtt = rtt
-        self.tag = uuid.uuid4().hex[:6]
+        # GRADSTAR_CLUSTER_TAG names whose clusters these are (several people share a
+        # machine): its namespaces are then gs-TAG-<random>-*, else gs-<random>-*.
+        owner = os.environ.get("GRADSTAR_CLUSTER_TAG", "")
+        if owner and not re.fullmatch(r"[a-z0-9]{1,4}", owner):
+            raise ValueError(f"GRADSTAR_CLUSTER_TAG must be 1-4 lowercase letters or digits: "
+                             f"{owner!r}")
+        self.tag = f"{owner}-{uuid.uuid4().hex[:4]}" if owner else uuid.uuid4().hex[:6]
         self.bridge = f"gs-{self.tag}-br"
         # "_line" cannot end a host name, so no host's namespace is another's line namespace.
         self.hosts: dict[str, Host] = {
@@ -237,6 +248,8 @@ class EmulatedCluster:
         ns = host.namespace
         self._add_namespace(ns)
         _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        for key, value in self.sysctls.items():  # per namespace, as a tuned host's own
+            _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={value}"])
         if self.congestion_control is not None:
             with allowing_congestion_control(self.congestion_control):
                 _run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",

@@ -13,24 +13,30 @@ A shard on an outbound-only host of another host (``Joined.traversal`` names its
 address) is reached through NAT: the channel dials a local :class:`PunchedRoute`, which
 punches each connection through (``PeerRelay/Punch`` on the coordinator's collective port asks
 the shard to dial back; :mod:`gradstar.transport.traversal`).
+Once connected, it measures the round trip to each target and opens more connections to the
+far ones (:mod:`.connections`; ``connections`` in the settings overrides the count).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 
 from gradstar.config import ClientSettings
 from gradstar.errors import CoordinatorUnavailableError
 from gradstar.transport.addresses import split_host_port
-from gradstar.transport.channels import open_channel
+from gradstar.transport.channels import call_metadata, open_channel
 from gradstar.transport.relay import relay_metadata
 from gradstar.transport.tls_check import wait_connected
 from gradstar.transport.traversal import PunchedRoute, asker
 from gradstar.wire import COLLECTIVE_METHOD, PUNCH_METHOD
 
+from . import connections
 from .targets import SharedMemoryOffer, Target
+
+log = logging.getLogger(__name__)
 
 #: A collective striped over K targets is cut into at least this many chunks per target, down
 #: to MIN_STRIPED_CHUNK bytes: one chunk per shard sends every byte to shard 0, and two per
@@ -101,6 +107,7 @@ class DataPlane:
             pass  # connect() starts the routes
         else:
             self.start()
+        self._extra: list = []  # the far targets' further channels (:meth:`widen`)
         self.shards = [
             Target(channel.stream_stream(COLLECTIVE_METHOD), address,
                    f"hub shard {k} at {address}" + (
@@ -132,7 +139,7 @@ class DataPlane:
             return [self.coordinator]
         return self.shards
 
-    async def connect(self, timeout: float) -> None:
+    async def connect(self, timeout: float, world_size: int = 1) -> None:
         """Wait until this rank is connected to every hub shard and to the coordinator's
         collective port (all at once).
 
@@ -166,6 +173,55 @@ class DataPlane:
             for wait in waits:
                 wait.cancel()
             await asyncio.gather(*waits, return_exceptions=True)
+        await self.widen(timeout, world_size)
+
+    async def widen(self, timeout: float, world_size: int = 1) -> None:
+        """Give each target the connections its round trip needs
+        (:func:`.connections.connections_for` in a job of two ranks, else one; or the
+        settings' ``connections``):
+        channels of their own, each its own TCP connection, ready before this returns. A
+        connection that cannot be made within ``timeout`` is left out: the target keeps those
+        it has."""
+        # Only a target that carries whole collectives alone (the coordinator; averaging
+        # rounds) gets more by default: a striped collective already crosses the host's link
+        # on one connection per shard, and more per shard measured no faster across 4 hosts
+        # at 200 ms (docs/regions.md); ``connections`` set gives every target that many.
+        alone = [True] + [False] * len(self.shards)
+        pairs = [(self._coordinator_channel, self.coordinator),
+                 *zip(self._channels, self.shards, strict=True)]
+        metadata = call_metadata(self.settings)
+        counts = await asyncio.gather(*(self._count(channel, metadata, timeout, auto,
+                                                    world_size)
+                                        for (channel, _), auto in zip(pairs, alone,
+                                                                      strict=True)))
+        punched = {self.shards[k].address for k in self.routes}
+        for (_, target), count in zip(pairs, counts, strict=True):
+            if count <= 1 or target.address in punched:
+                continue  # a shard behind NAT keeps the connection punched through to it
+            more = [open_channel(self.settings, target.address, bulk=True)
+                    for _ in range(count - 1)]
+            self._extra.extend(more)
+            ready = await asyncio.gather(*(asyncio.wait_for(c.channel_ready(), timeout)
+                                           for c in more), return_exceptions=True)
+            target.connections[:] = [target.stream, *(
+                c.stream_stream(COLLECTIVE_METHOD)
+                for c, r in zip(more, ready, strict=True) if not isinstance(r, BaseException))]
+            log.info("%s: %d connections", target.name, len(target.connections))
+
+    async def _count(self, channel, metadata, timeout: float, auto: bool,
+                     world_size: int) -> int:
+        if self.settings.connections or not auto:
+            return self.settings.connections or 1
+        rtt = await connections.round_trip(channel, metadata, min(timeout, 5.0))
+        advice = connections.host_tuning_advice(rtt)
+        if advice is not None:
+            log.warning("%s", advice)
+        # Only a pair of ranks gets more by default: one far rank to its hub at 200 ms took
+        # 1.35 s over 6 connections against 4.1-4.5 s over one, while 4 ranks into one hub
+        # took 8.3-8.4 s over 2 or 6 each against 5.3-6.0 s over one (docs/regions.md).
+        count = connections.connections_for(rtt) if world_size <= 2 else 1
+        log.debug("%.1f ms round trip: %d connections", rtt * 1e3, count)
+        return count
 
     async def close(self) -> None:
         """End the streams kept open to the coordinator and the shards, then their channels
@@ -176,4 +232,4 @@ class DataPlane:
             await route.close()
         with contextlib.suppress(Exception):
             await asyncio.gather(*(c.close() for c in (self._coordinator_channel,
-                                                       *self._channels)))
+                                                       *self._channels, *self._extra)))

@@ -141,7 +141,7 @@ async def run_stream(target: Target, header: pb.CollectiveHeader, plan: Collecti
     stream.send(frames(header, plan, sends, attached, segment))
     ending = StreamEnding(
         what, target.address, receiver, verdict=session.verdict,
-        end_stream=lambda clean: target.put_back(stream) if clean else stream.close(),
+        end_stream=lambda clean: target.put_back(stream) if clean else target.discard(stream),
         abandon=lambda: _notify(_abandon(target, header, metadata)))
     async with ending:
         try:

@@ -7,11 +7,21 @@ new gRPC call costs the hub far more CPU than a message on an open one: docs/per
 "Figures behind the code"). Collectives issued at once each take a stream of their own, and a
 target keeps at most :data:`MAX_IDLE_STREAMS` idle. What a stream carries, and when it ends, is
 :mod:`.stream`'s.
+
+A target may be reached over several TCP connections (its ``connections``: one channel each,
+opened by :mod:`.data_plane` where the round trip is long, :mod:`.connections`): a collective
+takes the connection carrying the fewest collectives now and, of those, the one used last, so
+collectives in flight at once (the parts of a split all_reduce, DDP's buckets) spread over
+them, each connection's window carrying its share of the bandwidth-delay product, while the
+same few connections carry every step. (A connection left idle for longer than a round-trip
+timeout starts again from TCP's initial window; rotating over all of them measured a third of
+the rate: the part on the coldest connection finished three times later than the others.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from dataclasses import dataclass, field
 
 import grpc
@@ -40,9 +50,12 @@ class OpenStream:
     (:meth:`close`).
     """
 
-    def __init__(self, target: Target, metadata) -> None:
+    def __init__(self, target: Target, metadata, connection: int = 0) -> None:
         self._sources: asyncio.Queue = asyncio.Queue()
-        self.call = target.stream(self._feed(), metadata=metadata)
+        #: Which of the target's connections carries it.
+        self.connection = connection
+        opened = target.connections[connection] if target.connections else target.stream
+        self.call = opened(self._feed(), metadata=metadata)
 
     async def _feed(self):
         while (source := await self._sources.get()) is not None:
@@ -79,6 +92,8 @@ class Target:
     ``stream`` is ``channel.stream_stream(COLLECTIVE_METHOD)``; ``address`` is named in
     transport errors and ``name`` in protocol errors. ``idle`` holds the streams to it that
     no collective is using (at most :data:`MAX_IDLE_STREAMS`; :meth:`close` ends them).
+    ``connections``: the same callable on each of several channels (TCP connections) to the
+    target, ``stream``'s first; empty: ``stream`` alone.
     """
 
     stream: grpc.aio.StreamStreamMultiCallable
@@ -86,22 +101,43 @@ class Target:
     name: str = "coordinator"
     shm: SharedMemoryOffer = field(default_factory=lambda: SharedMemoryOffer(False))
     idle: list[OpenStream] = field(default_factory=list)
+    connections: list[grpc.aio.StreamStreamMultiCallable] = field(default_factory=list)
+    #: Per connection: collectives on it now, and when one last started or ended there.
+    _busy: dict[int, int] = field(default_factory=dict)
+    _used: dict[int, int] = field(default_factory=dict)
+    _clock: itertools.count = field(default_factory=itertools.count)
 
     def open(self, metadata) -> OpenStream:
-        """A stream for one collective: an idle one still up, else a new one."""
-        while self.idle:
-            stream = self.idle.pop()
+        """A stream for one collective, on the connection with the fewest collectives now,
+        the one used last among those (see the module): an idle one still up there, else a
+        new one."""
+        connection = min(range(max(1, len(self.connections))),
+                         key=lambda c: (self._busy.get(c, 0), -self._used.get(c, -1)))
+        self._busy[connection] = self._busy.get(connection, 0) + 1
+        self._used[connection] = next(self._clock)
+        for stream in [s for s in reversed(self.idle) if s.connection == connection]:
+            self.idle.remove(stream)
             if stream.usable:
                 return stream
             stream.close()
-        return OpenStream(self, metadata)
+        return OpenStream(self, metadata, connection)
+
+    def _release(self, stream: OpenStream) -> None:
+        self._busy[stream.connection] = max(0, self._busy.get(stream.connection, 0) - 1)
+        self._used[stream.connection] = next(self._clock)
 
     def put_back(self, stream: OpenStream) -> None:
         """``stream``'s collective ended cleanly: keep it for the next one."""
+        self._release(stream)
         if len(self.idle) < MAX_IDLE_STREAMS and stream.usable:
             self.idle.append(stream)
         else:
             stream.close()
+
+    def discard(self, stream: OpenStream) -> None:
+        """``stream``'s collective failed: end the stream."""
+        self._release(stream)
+        stream.close()
 
     def close(self) -> None:
         """End the idle streams (the group is closing)."""

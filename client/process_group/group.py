@@ -39,6 +39,7 @@ from ..hierarchy import HostHierarchy
 from ..peer import Identity, PeerEndpoint
 from ..session import Session
 from ..stragglers import StragglerLog, StragglerStats, fetch_stragglers
+from .parts import split_all_reduce
 from .point_to_point import PeerCalls
 from .protocol import ArrayLike, Result
 from .ride import Rider, RidingLane
@@ -183,8 +184,9 @@ class AsyncProcessGroup:
             self._check_usable()
             return self._hosts.all_reduce(arr, reduce_op, into, restore if out is None
                                           else (lambda _result: out), timeout, wire)
-        return self._run(ops.ALL_REDUCE, arr, arr, into, restore if out is None
-                         else (lambda _result: out), timeout, reduce_op=reduce_op, fmt=fmt)
+        deliver = restore if out is None else (lambda _result: out)
+        return split_all_reduce(self, arr, reduce_op, into, deliver, timeout, wire) or self._run(
+            ops.ALL_REDUCE, arr, arr, into, deliver, timeout, reduce_op=reduce_op, fmt=fmt)
 
     def broadcast(self, x, src: int = 0, *,
                   timeout: float | None = None) -> Awaitable[ArrayLike]:
@@ -366,7 +368,8 @@ class AsyncProcessGroup:
     # -- collectives issued later, in the order they were reserved ------------------------------
 
     def reserve(self, op: int, like: np.ndarray, *, reduce_op: int = 0, root: int = 0,
-                timeout: float | None = None, wire: str | None = None) -> Reserved:
+                timeout: float | None = None, wire: str | None = None, part_of: int = 0,
+                ) -> Reserved:
         """Take the next seq now for collective ``op`` over arrays of ``like``'s shape and dtype
         (this rank's input), to issue later with :meth:`run_reserved` or never, saying so
         with :meth:`give_up`. The hub matches collectives by seq, so collectives reserved in
@@ -378,7 +381,7 @@ class AsyncProcessGroup:
             GradstarError: the group's generation failed (its failure).
         """
         fmt = ops.check_encoding(wire, like.dtype, op, reduce_op)
-        return Reserved(*self._call(op, like, timeout, reduce_op, root, fmt=fmt))
+        return Reserved(*self._call(op, like, timeout, reduce_op, root, fmt=fmt, whole=part_of))
 
     def run_reserved(self, reserved: Reserved, send: np.ndarray,
                      out: np.ndarray) -> Awaitable[np.ndarray]:
@@ -437,14 +440,14 @@ class AsyncProcessGroup:
 
     def _call(self, op: int, arr: np.ndarray, timeout: float | None, reduce_op: int = 0,
               root: int = 0, averaging: pb.AveragingSpec | None = None,
-              fmt: WireFormat | None = None) -> tuple[ops.CollectiveCall, float]:
+              fmt: WireFormat | None = None, whole: int = 0) -> tuple[ops.CollectiveCall, float]:
         """The next collective (its seq taken now, after every check that can fail; ``fmt``
-        already checked), derived once from its header, and its timeout."""
+        checked; chunks as for ``whole`` bytes), derived once from its header, and its timeout."""
         self._check_usable()
         timeout = self.settings.timeout if timeout is None else timeout
         dtype, wire = dtype_info(arr.dtype).wire, fmt.wire if fmt else 0
         chunk_bytes = aligned_wire_chunk_bytes(aligned_chunk_bytes(striped_chunk_bytes(
-            self.settings.chunk_bytes, arr.nbytes,
+            self.settings.chunk_bytes, whole or arr.nbytes,
             len(self._plane.targets(averaging=averaging is not None))),
             arr.dtype.itemsize), arr.dtype.itemsize, fmt)
         header = pb.CollectiveHeader(
@@ -556,7 +559,7 @@ class AsyncProcessGroup:
         replacement joins a generation whose collectives are over (a lost rank's place, or one
         past the world size): it joins no host group, which its host's other ranks formed
         without it, and its collectives fail with the generation's error as every rank's do."""
-        await self._plane.connect(self.settings.connect_timeout)
+        await self._plane.connect(self.settings.connect_timeout, self.world_size)
         if hosts and not self.replacement:
             await self._hosts.start()
 

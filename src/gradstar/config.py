@@ -316,6 +316,17 @@ class ClientSettings(BaseSettings):
                                 "that would leave fewer is refused by name")
     timeout: float = Field(300.0, gt=0, description="default collective timeout in seconds")
     connect_timeout: float = Field(10.0, gt=0)
+    connections: int = Field(
+        0, ge=0, le=16,
+        description="TCP connections to each hub shard and to the coordinator's collective "
+                    "port for collectives' tensors; 0: chosen at join from the round trip "
+                    "measured to each (1 on a LAN, more where one connection's window cannot "
+                    "fill the path: docs/regions.md)")
+    split_bytes: int = Field(
+        32 << 20, ge=0,
+        description="an all_reduce of at least this many bytes runs as up to 4 parts in "
+                    "flight at once, which several connections carry side by side (every "
+                    "rank must use the same value); 0: never split")
     reconnect_timeout: float = Field(
         30.0, ge=0, description="how long a rank whose coordinator went away (killed, "
                                 "restarted, upgraded) keeps its state and tries to rejoin it "

@@ -26,10 +26,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @contextmanager
-def hosts_network(names: list[str]) -> Iterator[ServiceNetwork]:
-    """:func:`service_network` of ``names`` as network namespaces; the test fails, saying why,
-    where they cannot be built (its loopback fallback would prove nothing about hosts)."""
-    with service_network(names) as network:
+def hosts_network(names: list[str], **cluster_options) -> Iterator[ServiceNetwork]:
+    """:func:`service_network` of ``names`` as network namespaces (``cluster_options`` as it
+    takes them, e.g. ``rtt=100``); the test fails, saying why, where they cannot be built (its
+    loopback fallback would prove nothing about hosts)."""
+    with service_network(names, **cluster_options) as network:
         if network.kind != "netns":
             pytest.fail(f"no emulated cluster here: {network.reason}", pytrace=False)
         yield network

@@ -120,6 +120,20 @@ def test_hosts_run_cubic_and_the_allowed_list_is_left_as_found(cluster):
     assert ran.stdout.split() == ["cubic", "cubic"]
 
 
+def test_sysctls_are_set_in_every_host_and_a_tag_names_the_namespaces(cluster, monkeypatch):
+    monkeypatch.setenv("GRADSTAR_CLUSTER_TAG", "tst")
+    net = cluster(["node0", "node1"], rate=None, sysctls={
+        "net.ipv4.tcp_slow_start_after_idle": "0", "net.ipv4.tcp_wmem": "4096 16384 67108864"})
+    for host in ("node0", "node1"):
+        assert net.hosts[host].namespace.startswith("gs-tst-")
+        ran = net.run(host, ["cat", "/proc/sys/net/ipv4/tcp_slow_start_after_idle",
+                             "/proc/sys/net/ipv4/tcp_wmem"])
+        assert ran.stdout.split() == ["0", "4096", "16384", "67108864"], ran.stderr
+    monkeypatch.setenv("GRADSTAR_CLUSTER_TAG", "Not-Ok")
+    with pytest.raises(ValueError, match="GRADSTAR_CLUSTER_TAG must be 1-4 lowercase"):
+        EmulatedCluster(["node0"])
+
+
 def test_the_allowed_list_is_widened_in_the_block_and_restored_when_it_raises(
         tmp_path, monkeypatch):
     allowed = tmp_path / "allowed"  # the machine's list is never widened for this test

@@ -9,8 +9,11 @@ node-local shard). Hosts are network namespaces on a bridge (:mod:`tests.runtime
   way, what a ring moves, however many ranks the host runs (the local stripe goes over shared
   memory; several ranks on a host combine there first, :mod:`gradstar.client.hierarchy`);
 - the last host's link goes down mid-collective: every rank on the other hosts gets a named
-  error (a lost shard or a lost rank, naming it), the coordinator keeps serving, and the ranks
-  left form the job again (``JOB/again``) on the hosts left, exactly.
+  error (a lost shard or a lost rank, naming it) within :data:`NAMED_WITHIN` seconds, the
+  coordinator keeps serving, and the ranks left form the job again (``JOB/again``) on the hosts
+  left, exactly;
+- all of it also with every two hosts 100 ms apart (delay lines, ``rtt=100``): far links
+  change neither the results nor the bound on naming a lost host.
 
 The rank program is :mod:`tests.cluster.rank`. Needs root and iproute2 (CI runs as root);
 elsewhere it fails saying why.
@@ -27,12 +30,16 @@ import pytest
 from tests.cluster.jobs import hosts_network, job_on_hosts, wait_reports
 
 CHUNK = 2 << 20  # the default chunk: a multiple of it per shard keeps the stripes even
+#: Seconds from a host's link going down to a named error on every other host: keepalive's
+#: 1 s pings with a 2 s timeout, plus room for a loaded machine and a 100 ms round trip.
+NAMED_WITHIN = 8.0
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize(("hosts", "per_host"), [(3, 1), (2, 2)], ids=["3x1", "2x2"])
+@pytest.mark.parametrize(("hosts", "per_host", "rtt"), [(3, 1, None), (2, 2, None), (3, 1, 100)],
+                         ids=["3x1", "2x2", "3x1-100ms"])
 def test_a_job_across_hosts_is_exact_within_link_bytes_and_survives_a_host(
-        tmp_path, hosts, per_host):
+        tmp_path, hosts, per_host, rtt):
     names = [f"host{h}" for h in range(hosts)]
     out = tmp_path / "out"
     out.mkdir()
@@ -42,7 +49,7 @@ def test_a_job_across_hosts_is_exact_within_link_bytes_and_survives_a_host(
     rejoin = {h: {"CLUSTER_REJOIN_WORLD": "0" if h == dead else str(world - per_host)}
               for h in names}
 
-    with hosts_network(names) as network:
+    with hosts_network(names, rtt=rtt) as network:
         with job_on_hosts(network, tmp_path, per_host, rank_argv, rejoin) as (procs, hub):
             exact = wait_reports(out, "exact", world, procs, 120)
             shards = exact[0]["shards"]
@@ -73,6 +80,9 @@ def test_a_job_across_hosts_is_exact_within_link_bytes_and_survives_a_host(
                 assert f["error"] in ("ShardLostError", "RankLostError"), f
                 print(f"rank {f['rank']} on {f['host']}: {f['error']} "
                       f"{f['at'] - down_at:.2f} s after the link went down")
+                assert f["at"] - down_at <= NAMED_WITHIN, (
+                    f"rank {f['rank']} named the lost host {f['at'] - down_at:.1f} s after its "
+                    f"link went down (rtt {rtt} ms), over {NAMED_WITHIN} s")
             assert hub.poll() is None, "the coordinator exited"
 
             again = wait_reports(out, "again", world - per_host, procs, 120)

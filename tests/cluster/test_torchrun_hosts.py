@@ -2,7 +2,9 @@
 user runs it: ``--nnodes 2 --master-addr HOST0``, ``init_process_group("gradstar")`` and nothing
 else set. Rank 0's hub must advertise an address host 1 reaches (not a host name host 1
 resolves to itself), each host's local rank 0 starts a node-local shard, and the trained
-parameters equal gloo's on the same two hosts (``GLOO_SOCKET_IFNAME=eth0``, as gloo needs).
+parameters equal gloo's on the same two hosts (``GLOO_SOCKET_IFNAME=eth0``, as gloo needs) —
+also with the two hosts 100 ms apart (delay lines, ``rtt=100``): a far link changes no
+result.
 
 Needs root and iproute2 (CI runs as root); elsewhere it fails saying why.
 """
@@ -21,8 +23,9 @@ NPROC = 2
 pytestmark = pytest.mark.timeout(420)
 
 
-def test_torchrun_across_two_hosts_trains_like_gloo(tmp_path):
-    with hosts_network(HOSTS) as network:
+@pytest.mark.parametrize("rtt", [None, 100], ids=["near", "100ms"])
+def test_torchrun_across_two_hosts_trains_like_gloo(tmp_path, rtt):
+    with hosts_network(HOSTS, rtt=rtt) as network:
         for backend in ("gradstar", "gloo"):
             runs = torchrun_on_hosts(network, tmp_path, backend, HOSTS, NPROC)
             for node, run in enumerate(runs):

@@ -48,8 +48,10 @@ class ServiceNetwork:
 
 
 @contextlib.contextmanager
-def service_network(services: list[str]) -> Iterator[ServiceNetwork]:
-    cluster = EmulatedCluster(services, rate=None, subnet=SUBNET, first=2)
+def service_network(services: list[str], **cluster_options) -> Iterator[ServiceNetwork]:
+    """The network; ``cluster_options`` go to :class:`EmulatedCluster` (``rtt=100``: every two
+    services 100 ms apart through delay lines)."""
+    cluster = EmulatedCluster(services, rate=None, subnet=SUBNET, first=2, **cluster_options)
     try:
         cluster.build()
     except ClusterUnavailable as error:

@@ -21,6 +21,9 @@ MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + CHUNK_HEADER_BYTES + 64 * 1024
 PART_BYTES = 1 << 20
 
 KEEPALIVE_MS = 1_000
+#: The time a connection attempt may take before gRPC tries again (TCP's handshake, TLS's,
+#: and the server's HTTP/2 settings: a few round trips, each up to 200 ms across regions).
+CONNECT_TIMEOUT_MS = 2_000
 #: Control connections and the coordinator: a peer that answers no ping for 2 s is gone (a host
 #: cut off: named errors on the others within 5 s, ~2.2 s measured). Only small messages share
 #: these connections, so a full link delays their pings by its queue (tbf's 50 ms here), not by
@@ -59,7 +62,11 @@ _CLIENT_COMMON = [
     # Fail fast on an unreachable coordinator instead of backing off for up to two minutes.
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1_000),
-    ("grpc.min_reconnect_backoff_ms", 200),
+    # gRPC reads this as the shortest time a connection attempt may take (its minimum connect
+    # timeout), not as a backoff: at 200 ms, a TCP handshake and the server's HTTP/2 settings
+    # across a 100-200 ms round trip timed out ("timed out before receiving SETTINGS frame")
+    # and a collective failed. CONNECT_TIMEOUT_MS covers a TLS handshake at 500 ms.
+    ("grpc.min_reconnect_backoff_ms", CONNECT_TIMEOUT_MS),
     # Each process group gets its own TCP connection, so ranks in one process do not share one
     # connection's flow-control window.
     ("grpc.use_local_subchannel_pool", 1),
