@@ -187,8 +187,8 @@ class Coordinator:
         rounds = RoundsServicer(self.rounds, s.max_chunk_bytes)
         # DDP's sync-mode steps carry whole gradients: on the collective port only.
         self._steps = StepsServicer(self.steps, s.max_chunk_bytes, store,
-                                    members=self.rendezvous.rebuilds.unless_rebuilt(
-                                        self.rendezvous.bound_member))
+                                    members=self.rendezvous.bound_member,
+                                    rebuilt=self.rendezvous.rebuilds.rebuilt.__contains__)
         bulk, self.collective_port = serve(
             f"{s.host}:{s.collective_port}",
             (self.collectives.handler(),

@@ -209,6 +209,29 @@ class StepsClient:
                                          f"{self.key.model!r} waited {timeout:g} s for the "
                                          "other live ranks")
 
+    async def resume(self, have: int, barriers: int, mode_epoch: int, timeout: float,
+                     ) -> pb.ResumeReply:
+        """Tell the ledger of a generation a restarted coordinator rebuilt where this rank
+        stands (``have`` aggregates applied, ``barriers`` completed, ``mode_epoch``), waiting
+        for the other ranks to: the step count it goes on from, and whether this rank loads or
+        sends the snapshot there (:mod:`gradstar.coordinator.steps.resume`).
+
+        Raises:
+            StepResumeError: the coordinator cannot take this rank's steps back.
+            StepTimeoutError: not every rank resumed within ``timeout`` seconds.
+        """
+        async def ask(wait: float) -> pb.ResumeReply | None:
+            request = pb.ResumeRequest(key=self.key, have=have, barriers=barriers,
+                                       mode_epoch=mode_epoch, wait_seconds=wait)
+            reply = await self._call(self._stub.Resume(
+                request, timeout=wait + 10.0, metadata=self._metadata), "resuming the steps",
+                wait + 10.0)
+            return reply if reply.ready else None
+
+        return await _poll(ask, timeout, f"Timed out: the steps of model {self.key.model!r} "
+                                         f"waited {timeout:g} s for the other ranks to resume "
+                                         "after a coordinator restart")
+
     async def put_snapshot(self, steps: int, layout: str, data: bytes, timeout: float) -> None:
         """Send this rank's state after ``steps`` aggregates."""
         header = pb.SnapshotHeader(key=self.key, steps=steps, layout=layout, nbytes=len(data))

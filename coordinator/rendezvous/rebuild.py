@@ -193,7 +193,8 @@ class Rebuilds:
         self._draining = draining
         self._formed = formed
         self._gathering: dict[str, Rebuild] = {}
-        #: The generations taken back (their step ledgers are gone: :meth:`unless_rebuilt`).
+        #: The generations taken back (their step ledgers resume from their ranks:
+        #: :mod:`gradstar.coordinator.steps.resume`).
         self.rebuilt: weakref.WeakSet[Generation] = weakref.WeakSet()
 
     async def rejoin(self, claim: Claim, timeout: float) -> tuple[Member, list[int]]:
@@ -237,28 +238,6 @@ class Rebuilds:
                 f"Timed out: job {claim.job!r}: ranks {missing} of generation "
                 f"{claim.generation} did not rejoin within {timeout:g} s") from None
         return gen.members[claim.rank], replay
-
-
-    def unless_rebuilt(self, bound: Callable[[str, int, int, str], Generation]):
-        """``bound(job, generation, rank, member_id)`` (the rendezvous' ``bound_member``, which
-        binds a Steps call to its caller) refusing the generations taken back: a sync mode's
-        step ledgers lived in the coordinator that went away, and a fresh one must not be
-        mistaken for them.
-
-        Raises (from the function it returns):
-            RejoinRefusedError: the caller's generation was rebuilt from its rejoining ranks.
-        """
-        def member(job: str, generation: int, rank: int, member_id: str) -> Generation:
-            gen = bound(job, generation, rank, member_id)
-            if gen in self.rebuilt:
-                raise RejoinRefusedError(
-                    f"job {job!r} generation {generation} was taken back from its rejoining "
-                    "ranks after a coordinator restart, but its sync-mode step ledgers were "
-                    "lost with that coordinator: sync modes (Quorum, BoundedStaleness, "
-                    "Asynchronous) do not ride through a coordinator restart; restart the "
-                    "job's ranks (a --state-dir snapshot is kept)")
-            return gen
-        return member
 
 
 def rebuilt(rebuild: Rebuild, job: Job, formed: Callable[[Generation], None],
