@@ -198,7 +198,7 @@ class StepSync:
         self._held = held if reply.accepted else None
         self.stats.contributions += 1
         self.stats.recent_contributions.append(ContributionEntry(
-            self.have, reply.step if reply.accepted else None, reply.staleness))
+            held.base, reply.step if reply.accepted else None, reply.staleness))
         self._pending = True
         self._snapshot_due |= reply.want_snapshot
         if reply.accepted:

@@ -1,10 +1,11 @@
-"""Sync-mode DDP (Quorum, BoundedStaleness, Asynchronous) across a coordinator killed (SIGKILL) mid-training and
-started again on the same port (and across a standby's takeover under ``--ha``): no rank process
-exits or raises, each rides through (client/steps/riding.py), the ledger resumes at the highest
-step count a rank applied (coordinator/steps/resume.py), and every rank's final parameters are
-bitwise those of the others and those of a one-process replay of the hub's record (which
-contribution joined which step), the sync-mode tests' replay. Real rank processes of
-``sync_modes_script.py``; the coordinator a process of its own (``gradstar coordinator``)."""
+"""Sync-mode DDP (Quorum, BoundedStaleness, Asynchronous) across a coordinator killed
+(SIGKILL) mid-training and started again on the same port (and across a standby's takeover
+under ``--ha``): no rank process exits or raises, each rides through (client/steps/riding.py),
+the ledger resumes at the highest step count a rank applied (coordinator/steps/resume.py), and
+every rank's final parameters are bitwise those of the others and those of a one-process
+replay of the hub's record (which contribution joined which step), the sync-mode tests'
+replay. Real rank processes of ``sync_modes_script.py``; the coordinator a process of its own
+(``gradstar coordinator``)."""
 
 from __future__ import annotations
 
