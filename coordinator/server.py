@@ -162,6 +162,8 @@ class Coordinator:
         self.rendezvous.max_jobs = s.max_jobs
         expected = s.shards if s.expected_shards is None else s.expected_shards
         self.shards = ShardRegistry(self.rendezvous, expected, on_health=self._shards_health)
+        # A generation taken back after a restart stripes over the shards this one starts.
+        self.rendezvous.rebuilds.before_forming = lambda: self.shards.wait_ready(s.shard_wait)
         if self.leadership is not None:  # a coordinator that does not lead writes nothing
             self.averaging.guard = self.rounds.store.guard = self.leadership.guard
             if store is not None:

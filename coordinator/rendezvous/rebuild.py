@@ -29,7 +29,7 @@ import asyncio
 import logging
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from gradstar.errors import CoordinatorDrainingError, JoinTimeoutError, RejoinRefusedError
@@ -196,6 +196,10 @@ class Rebuilds:
         #: The generations taken back (their step ledgers resume from their ranks:
         #: :mod:`gradstar.coordinator.steps.resume`).
         self.rebuilt: weakref.WeakSet[Generation] = weakref.WeakSet()
+        #: Awaited once every rank of a generation rejoined, before it forms again: the
+        #: coordinator's wait for its hub shards (a restarted one starts its own), so that
+        #: the generation stripes over them rather than over none.
+        self.before_forming: Callable[[], Awaitable[object]] | None = None
 
     async def rejoin(self, claim: Claim, timeout: float) -> tuple[Member, list[int]]:
         """Take ``claim``'s rank back into the generation this coordinator lost, once every
@@ -219,6 +223,8 @@ class Rebuilds:
         gather(rebuild, claim)
         if not rebuild.missing:
             del self._gathering[claim.job]
+            if self.before_forming is not None:
+                await self.before_forming()
             try:
                 replay = replay_set(rebuild)
             except RejoinRefusedError as error:
