@@ -34,7 +34,7 @@ from gradstar.transport.job_tokens import load_job_secret
 from gradstar.transport.serve import serve
 
 from .collective import CollectiveEngine, CollectiveServicer
-from .leadership import Etcd, Leadership, endpoints_of
+from .leadership import Etcd, Leadership, endpoints_of, tls_context
 from .metrics import render_async
 from .rendezvous import Rendezvous, RendezvousServicer
 from .rendezvous.relay import RelayServicer
@@ -131,7 +131,8 @@ class Coordinator:
         else:
             # An etcd that cannot be reached is named here, before anything binds.
             endpoints, prefix = endpoints_of(s.ha)
-            self.leadership = Leadership(Etcd(endpoints), prefix, "", s.ha_ttl,
+            tls = None if s.ha_ca is None else tls_context(s.ha_ca, s.ha_cert, s.ha_key)
+            self.leadership = Leadership(Etcd(endpoints, tls=tls), prefix, "", s.ha_ttl,
                                          on_elected=self._on_elected,
                                          on_fenced=self._on_fenced)
             await self.leadership.connect()
