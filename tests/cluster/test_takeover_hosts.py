@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 
 from benchmarks._etcd import MISSING
-from tests.cluster.jobs import REPO, hosts_network
-from tests.runtime.conftest import clean_env
+from tests.cluster.jobs import REPO, hosts_network, starter
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -53,15 +52,7 @@ def test_a_standby_takes_over_on_another_host_and_ddp_trains_on_exactly(tmp_path
     procs: list[subprocess.Popen] = []
     with hosts_network(HOSTS) as network:
         ctl = network.addresses["ctl"]
-
-        def start(host: str, argv: list[str], **env: str) -> subprocess.Popen:
-            proc = subprocess.Popen(network.argv(host, argv), cwd=REPO, start_new_session=True,
-                                    env=clean_env(GRADSTAR_TOKEN_FILE=str(token),
-                                                  PYTHONPATH=str(REPO), **env),
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT)
-            procs.append(proc)
-            return proc
+        start = starter(network, token, procs)
 
         def coordinator(port: int) -> subprocess.Popen:
             return start("ctl", [sys.executable, "-m", "gradstar", "coordinator", "--host",

@@ -10,7 +10,6 @@ replay. Real rank processes of ``sync_modes_script.py``; the coordinator a proce
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import sys
 
@@ -20,7 +19,7 @@ import pytest
 from tests.integration.conftest import etcd_server, next_line, spawn_coordinator, spawn_standby
 
 from . import sync_modes_script as script
-from .conftest import finish, kill_all, rank_env, rank_lines
+from .conftest import finish, kill_all, kill_coordinators, rank_env, rank_lines
 from .test_standby_ddp import until_rebuilt
 
 pytestmark = pytest.mark.timeout(300)
@@ -85,10 +84,7 @@ async def train_across_kills(mode: tuple[str, ...], kills: int = 1, ha: str | No
             results[0] = (code, "".join(consumed) + out, err)
     finally:
         await kill_all(procs)
-        for proc, _, _ in hubs:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGKILL)
-            await proc.wait()
+        await kill_coordinators(hubs)
     for rank, result in enumerate(results):
         if not isinstance(result, BaseException):
             err = result[2]
