@@ -33,7 +33,8 @@ residual (residuals are rank-local and never in a snapshot).
 
 A heartbeat every second keeps the rank in the hub's live set while it computes; a rank that
 dies or stalls leaves it and holds nobody. The calls run on the process group's loop thread but
-use none of its collectives, so a failed generation never reaches them.
+use none of its collectives, so a failed generation never reaches them; nor does a coordinator
+restart, when the group rides through those (:mod:`.riding`).
 """
 
 from __future__ import annotations
@@ -139,10 +140,8 @@ class StepSync:
     #: How many times the ledger was resumed on a coordinator that took the job back.
     resumes = property(lambda self: self._riding.resumes)
 
-    @property
-    def barriers_done(self) -> int:
-        """The synchronize() barriers this rank completed."""
-        return self._barriers - self._in_barrier
+    #: The synchronize() barriers this rank completed.
+    barriers_done = property(lambda self: self._barriers - self._in_barrier)
 
     def attach(self, mode: SyncMode) -> None:
         """Take over ``optimizer.step`` (it applies the hub's aggregates) in ``mode``; the
@@ -211,25 +210,26 @@ class StepSync:
             log.info("rank %d's gradient was dropped: %s", self._client.key.rank, reply.reason)
 
     def _send(self, held: Held):
-        """Contribute ``held``: the verdict, and the aggregates the answer brought (with
-        Quorum once its own step closed, so optimizer.step() applies them without another
-        round trip). On this thread (its own channel): no hop to the group's loop thread.
-        Rides through coordinator restarts: issued again to the coordinator that took the
-        ledger back while it was computed after the ledger's step count; else answered as
-        dropped (it may be in a step some rank applied)."""
+        """Contribute ``held`` on this thread (its own channel): the verdict, and the
+        aggregates the answer brought (with Quorum once its own step closed). After a restart,
+        issued again only if computed at the resumed ledger's step count, else dropped."""
+        def send():
+            if self.have != held.base:  # it may be in a step some rank applied
+                return dropped_by_restart(self.have, held.base), None
+            return self._client.exchange_here(
+                self.mode, self.mode_epoch, held.base, held.weight, held.flat, self.timeout,
+                self.wire, fetch_limit=FETCH_LIMIT,
+                await_step=POLL_SECONDS if self.mode.waits_for_own_step else 0.0,
+                hyper=held.hyper, buffers=held.buffers)
+        return self._riding_call(send)
+
+    def _riding_call(self, call):
+        """``call()``, again on the coordinator that took the job back (:mod:`.riding`)."""
         while True:
             if self._riding.moved:
                 self._resume()
-            if self.have != held.base:
-                return dropped_by_restart(self.have, held.base), None
             try:
-                return self._client.exchange_here(
-                    self.mode, self.mode_epoch, held.base, held.weight, held.flat,
-                    self.timeout, self.wire, fetch_limit=FETCH_LIMIT,
-                    await_step=POLL_SECONDS if self.mode.waits_for_own_step else 0.0,
-                    hyper=held.hyper, buffers=held.buffers)
-            except REFUSED:
-                raise
+                return call()
             except GradstarError as error:
                 if not self._riding.back(error):
                     raise
@@ -240,18 +240,16 @@ class StepSync:
         self._client = self._riding.resume(self, self._client)
 
     def _reissue(self) -> int:
-        """After a resume in :meth:`catch_up`: the step to wait for now. The pending
-        contribution is issued again if no rank applied its step (nothing to wait for when one
-        did, or when it was computed before the ledger's step count: dropped)."""
+        """After a resume in :meth:`catch_up`: the step to wait for now; the pending
+        contribution issued again if no rank applied its step (:meth:`_send`)."""
         held, joined = self._held, self._joined
         if held is None or (joined is not None and joined <= self.have):
             return 0
-        reply, self._fetched = self._send(held)
+        reply, got = self._send(held)
         entry = self.stats.recent_contributions[-1]
         self.stats.recent_contributions[-1] = ContributionEntry(
             entry.base, reply.step if reply.accepted else None, reply.staleness)
         self._joined = reply.step if reply.accepted else None
-        got, self._fetched = self._fetched, None
         if got is not None:
             self._apply(got)
         return (self._joined or 0) if self.mode.waits_for_own_step else 0
@@ -358,17 +356,8 @@ class StepSync:
         self._barriers += 1
         self._in_barrier = True
         try:
-            while True:  # called again on a coordinator that took the job back
-                if self._riding.moved:
-                    self._resume()
-                try:
-                    reply = self._run(self._client.synchronize(self._barriers, self.timeout,
-                                                               next_mode))
-                    break
-                except GradstarError as error:
-                    if not self._riding.back(error):
-                        raise
-                self._resume()
+            reply = self._riding_call(lambda: self._run(self._client.synchronize(
+                self._barriers, self.timeout, next_mode)))
         finally:
             self._in_barrier = False
         if reply.steps > self.have:
