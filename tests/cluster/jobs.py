@@ -56,7 +56,6 @@ def wait_reports(out: Path, phase: str, count: int, procs: list, timeout: float,
     return [json.loads(p.read_text()) for p in found]
 
 
-@contextmanager
 def starter(network, token: Path, procs: list[subprocess.Popen],
             ) -> Callable[..., subprocess.Popen]:
     """``start(host, argv, **env)``: run a process on a host of ``network`` (a session of its
@@ -73,6 +72,7 @@ def starter(network, token: Path, procs: list[subprocess.Popen],
     return start
 
 
+@contextmanager
 def coordinator_on_hosts(network, tmp_path: Path, coordinator_args: Sequence[str] = (),
                          ) -> Iterator[tuple[list[subprocess.Popen], subprocess.Popen,
                                              Callable[..., subprocess.Popen]]]:
