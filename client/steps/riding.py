@@ -13,7 +13,9 @@ if it was computed after the ledger's step count, else it counts as dropped; a b
 called again).
 
 Without ``reconnect_timeout`` (no ride), or for a failure that is the call's own, nothing
-waits: the error is raised as it was.
+waits: the error is raised as it was. With error feedback (``wire=``), a gradient counted as
+dropped after a restart gives its residual back like any dropped one, though some applied step
+may hold it: what the wire format lost of it is then lost once.
 """
 
 from __future__ import annotations
