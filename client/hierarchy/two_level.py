@@ -239,17 +239,17 @@ class HostHierarchy:
 
     async def _named(self, error: GradstarError) -> GradstarError:
         """The rank's own generation's failure, if the hub reports one, else ``error``. A
-        coordinator gone away while the group rides through restarts: a two-level collective
-        is not issued again (its stages ran in subgroups whose node-local shards end with
-        the coordinator), and the error says so."""
+        coordinator gone away while the group rides through restarts: the subgroups' riders
+        issue their stages again where they can; a stage that failed anyway is not issued
+        again here (the program's other stages went on without it), and the error says so."""
         session = self._group.session
         verdict = await session.verdict() or error
         ride = session.ride
         if ride is not None and ride.away and isinstance(verdict, CoordinatorUnavailableError):
             return CoordinatorUnavailableError(
-                f"the coordinator at {ride.target} went away during a two-level collective "
-                "(a host's ranks combine on their node-local shard first), and two-level "
-                "collectives do not ride through a coordinator restart: start the job again "
+                f"the coordinator at {ride.target} went away, and a two-level collective was "
+                "cut by a coordinator restart where its stages cannot be issued again (a "
+                "host's ranks combine on their node-local shard first): start the job again "
                 "(GRADSTAR_HIERARCHICAL=0 keeps every collective on the flat path, which "
                 "rides through)")
         return verdict

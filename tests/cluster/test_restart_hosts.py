@@ -6,8 +6,9 @@ shards end with it and nothing starts them again, so the rebuilt generation form
 them. On the flat path (``GRADSTAR_HIERARCHICAL=0``) its collectives then go through the
 coordinator: no rank raises, each rides through once, and every rank ends with the parameters
 of one process trained on all their batches. On the two-level path (a host's ranks combine on
-their shard first, the default) the ranks fail with the error that says it does not ride
-through. Needs root and iproute2 (CI runs as root); elsewhere it fails saying why."""
+their shard first, the default) the job either rides through as well or fails with the error
+that says a two-level collective was cut. Needs root and iproute2 (CI runs as root); elsewhere
+it fails saying why."""
 
 from __future__ import annotations
 
@@ -15,14 +16,13 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 from tests.cluster.jobs import REPO, coordinator_on_hosts, hosts_network
+from tests.cluster.test_takeover_hosts import ended_as_the_reference
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -87,21 +87,26 @@ def test_ddp_on_the_flat_path_rides_through_a_coordinator_restart_across_hosts(t
         assert final["params"] == finals[0]["params"]
         before, after = final["shards"]
         assert len(before) == len(HOSTS) and after == [], final["shards"]
-    reference = subprocess.run([sys.executable, str(SCRIPT), "reference", str(STEPS),
-                                str(world)], capture_output=True, text=True, timeout=120,
-                               check=True)
-    expected = json.loads(reference.stdout.splitlines()[-1])["params"]
-    for got, want in zip(finals[0]["params"], expected, strict=True):
-        np.testing.assert_allclose(np.array(got, np.float32), np.array(want, np.float32),
-                                   rtol=1e-5, atol=1e-6)
+    ended_as_the_reference(finals[0]["params"], STEPS, world)
 
 
-def test_two_level_collectives_fail_by_name_at_a_coordinator_restart(tmp_path):
-    """The two-level path (the default across hosts with node-local shards) does not ride
-    through: the ranks raise the error that says so, and the workers exit non-zero."""
+def test_two_level_collectives_ride_through_or_fail_by_name_at_a_coordinator_restart(
+        tmp_path):
+    """The two-level path (the default across hosts with node-local shards): its subgroups
+    ride through too, and a two-level collective cut where its stages cannot be issued again
+    fails with the error that says so. Which of the two a run meets depends on where the kill
+    lands; either way no rank ends with a wrong result."""
+    world = PER_HOST * len(HOSTS)
     codes, lines = run_across_a_restart(tmp_path)
-    assert all(code != 0 for code in codes), "\n".join(lines[-80:])
+    finals = [json.loads(line) for line in lines if line.startswith('{"params"')]
+    if codes == [0] * len(HOSTS):
+        assert len(finals) == world, "\n".join(lines[-60:])
+        assert all(final["params"] == finals[0]["params"] for final in finals)
+        ended_as_the_reference(finals[0]["params"], STEPS, world)
+        return
     named = [line for line in lines
              if line.startswith("gradstar.errors.CoordinatorUnavailableError")
-             and "two-level collectives do not ride through a coordinator restart" in line]
-    assert named, "\n".join(lines[-80:])
+             and "two-level collective was cut by a coordinator restart" in line]
+    assert named, "\n".join(line for line in lines if "Error" in line and "File" not in line)
+    for final in finals:  # a rank that finished anyway finished right
+        ended_as_the_reference(final["params"], STEPS, world)

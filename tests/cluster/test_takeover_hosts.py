@@ -109,10 +109,17 @@ def test_a_standby_takes_over_on_another_host_and_ddp_trains_on_exactly(tmp_path
         assert out.count("rejoined the coordinator at") == 1, out[-3000:]
         assert "Traceback" not in out, out[-3000:]
         assert final["params"] == finals[0]["params"], f"rank {rank} differs"
-    reference = subprocess.run([sys.executable, str(SCRIPT), "reference", str(STEPS),
+    ended_as_the_reference(finals[0]["params"], STEPS, world)
+
+
+def ended_as_the_reference(params: list[list[float]], steps: int, world: int) -> None:
+    """``params`` (a rank's final ones) are, within float32 rounding, those of one process
+    trained on ``world`` ranks' batches for ``steps`` steps (``ride_through_script``'s
+    reference)."""
+    reference = subprocess.run([sys.executable, str(SCRIPT), "reference", str(steps),
                                 str(world)], capture_output=True, text=True, timeout=120,
                                check=True)
     expected = json.loads(reference.stdout.splitlines()[-1])["params"]
-    for got, want in zip(finals[0]["params"], expected, strict=True):
+    for got, want in zip(params, expected, strict=True):
         np.testing.assert_allclose(np.array(got, np.float32), np.array(want, np.float32),
                                    rtol=1e-5, atol=1e-6)
