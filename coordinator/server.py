@@ -34,7 +34,7 @@ from gradstar.transport.job_tokens import load_job_secret
 from gradstar.transport.serve import serve
 
 from .collective import CollectiveEngine, CollectiveServicer
-from .leadership import Etcd, Leadership, endpoints_of
+from .leadership import Etcd, Leadership, endpoints_of, tls_context
 from .metrics import render_async
 from .rendezvous import Rendezvous, RendezvousServicer
 from .rendezvous.relay import RelayServicer
@@ -131,7 +131,8 @@ class Coordinator:
         else:
             # An etcd that cannot be reached is named here, before anything binds.
             endpoints, prefix = endpoints_of(s.ha)
-            self.leadership = Leadership(Etcd(endpoints), prefix, "", s.ha_ttl,
+            tls = None if s.ha_ca is None else tls_context(s.ha_ca, s.ha_cert, s.ha_key)
+            self.leadership = Leadership(Etcd(endpoints, tls=tls), prefix, "", s.ha_ttl,
                                          on_elected=self._on_elected,
                                          on_fenced=self._on_fenced)
             await self.leadership.connect()
@@ -162,6 +163,8 @@ class Coordinator:
         self.rendezvous.max_jobs = s.max_jobs
         expected = s.shards if s.expected_shards is None else s.expected_shards
         self.shards = ShardRegistry(self.rendezvous, expected, on_health=self._shards_health)
+        # A generation taken back after a restart stripes over the shards this one starts.
+        self.rendezvous.rebuilds.before_forming = lambda: self.shards.wait_ready(s.shard_wait)
         if self.leadership is not None:  # a coordinator that does not lead writes nothing
             self.averaging.guard = self.rounds.store.guard = self.leadership.guard
             if store is not None:
@@ -187,8 +190,8 @@ class Coordinator:
         rounds = RoundsServicer(self.rounds, s.max_chunk_bytes)
         # DDP's sync-mode steps carry whole gradients: on the collective port only.
         self._steps = StepsServicer(self.steps, s.max_chunk_bytes, store,
-                                    members=self.rendezvous.rebuilds.unless_rebuilt(
-                                        self.rendezvous.bound_member))
+                                    members=self.rendezvous.bound_member,
+                                    rebuilt=self.rendezvous.rebuilds.rebuilt.__contains__)
         bulk, self.collective_port = serve(
             f"{s.host}:{s.collective_port}",
             (self.collectives.handler(),

@@ -14,7 +14,7 @@ from typing import TypeVar
 import numpy as np
 
 from gradstar import ops
-from gradstar.errors import GradstarError
+from gradstar.errors import CoordinatorUnavailableError, GradstarError
 from gradstar.node_shard import HOST_GROUP
 from gradstar.proto.v1 import collective_pb2 as pb
 
@@ -238,8 +238,21 @@ class HostHierarchy:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _named(self, error: GradstarError) -> GradstarError:
-        """The rank's own generation's failure, if the hub reports one, else ``error``."""
-        return await self._group.session.verdict() or error
+        """The rank's own generation's failure, if the hub reports one, else ``error``. A
+        coordinator gone away while the group rides through restarts: the subgroups' riders
+        issue their stages again where they can; a stage that failed anyway is not issued
+        again here (the program's other stages went on without it), and the error says so."""
+        session = self._group.session
+        verdict = await session.verdict() or error
+        ride = session.ride
+        if ride is not None and ride.away and isinstance(verdict, CoordinatorUnavailableError):
+            return CoordinatorUnavailableError(
+                f"the coordinator at {ride.target} went away, and a two-level collective was "
+                "cut by a coordinator restart where its stages cannot be issued again (a "
+                "host's ranks combine on their node-local shard first): start the job again "
+                "(GRADSTAR_HIERARCHICAL=0 keeps every collective on the flat path, which "
+                "rides through)")
+        return verdict
 
     async def close(self) -> None:
         for group in (self.leaders, self.local):

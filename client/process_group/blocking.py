@@ -49,6 +49,7 @@ class ProcessGroup:
     #: This rank joined the job at a resize's step boundary: it takes the others' state.
     newcomer = property(lambda self: self._group.rank in self._group.joined.newcomers)
     joined = property(lambda self: self._group.joined)
+    session = property(lambda self: self._group.session)
 
     @property
     def steps_begun(self) -> int:

@@ -223,18 +223,41 @@ class StepsClient:
         """Wait until every live rank reached barrier ``barrier``, asking to switch to
         ``next_mode`` there (None: no switch): the hub's answer (the step count to apply up to,
         the mode and its epoch from there on, and why a switch asked was refused)."""
-        async def ask(wait: float) -> pb.SynchronizeReply | None:
-            request = pb.SynchronizeRequest(
+        return await self._until_ready(
+            self._stub.Synchronize, lambda wait: pb.SynchronizeRequest(
                 key=self.key, barrier=barrier, wait_seconds=wait,
-                next_mode=next_mode.message() if next_mode is not None else None)
-            reply = await self._call(self._stub.Synchronize(
-                request, timeout=wait + 10.0, metadata=self._metadata), "synchronize()",
-                wait + 10.0)
+                next_mode=next_mode.message() if next_mode is not None else None),
+            "synchronize()", timeout, f"Timed out: synchronize() of model {self.key.model!r} "
+                                      f"waited {timeout:g} s for the other live ranks")
+
+    async def resume(self, have: int, barriers: int, mode_epoch: int, timeout: float,
+                     ) -> pb.ResumeReply:
+        """Tell the ledger of a generation a restarted coordinator rebuilt where this rank
+        stands (``have`` aggregates applied, ``barriers`` completed, ``mode_epoch``), waiting
+        for the other ranks to: the step count it goes on from, and whether this rank loads or
+        sends the snapshot there (:mod:`gradstar.coordinator.steps.resume`).
+
+        Raises:
+            StepResumeError: the coordinator cannot take this rank's steps back.
+            StepTimeoutError: not every rank resumed within ``timeout`` seconds.
+        """
+        return await self._until_ready(
+            self._stub.Resume, lambda wait: pb.ResumeRequest(
+                key=self.key, have=have, barriers=barriers, mode_epoch=mode_epoch,
+                wait_seconds=wait),
+            "resuming the steps", timeout, f"Timed out: the steps of model {self.key.model!r} "
+                                           f"waited {timeout:g} s for the other ranks to "
+                                           "resume after a coordinator restart")
+
+    async def _until_ready(self, method, request, what: str, timeout: float, timed_out: str):
+        """``method(request(wait))`` (a unary call whose reply says ``ready``) asked again
+        until its reply is ready, for ``timeout`` seconds in all (:func:`_poll`)."""
+        async def ask(wait: float):
+            reply = await self._call(method(request(wait), timeout=wait + 10.0,
+                                            metadata=self._metadata), what, wait + 10.0)
             return reply if reply.ready else None
 
-        return await _poll(ask, timeout, f"Timed out: synchronize() of model "
-                                         f"{self.key.model!r} waited {timeout:g} s for the "
-                                         "other live ranks")
+        return await _poll(ask, timeout, timed_out)
 
     async def put_snapshot(self, steps: int, layout: str, data: bytes, timeout: float) -> None:
         """Send this rank's state after ``steps`` aggregates."""

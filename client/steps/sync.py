@@ -33,7 +33,8 @@ residual (residuals are rank-local and never in a snapshot).
 
 A heartbeat every second keeps the rank in the hub's live set while it computes; a rank that
 dies or stalls leaves it and holds nobody. The calls run on the process group's loop thread but
-use none of its collectives, so a failed generation never reaches them.
+use none of its collectives, so a failed generation never reaches them; nor does a coordinator
+restart, when the group rides through those (:mod:`.riding`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import torch
 
 from gradstar.errors import (
     ConfigurationError,
+    GradstarError,
     HubCapacityError,
     ProtocolError,
     StepError,
@@ -59,8 +61,10 @@ from gradstar.sync_modes import SyncMode, from_message
 from gradstar.wire.formats import WireFormat
 
 from ..error_feedback import ErrorFeedback
+from .apply import catch_up_step, write_buffers, write_grads
 from .client import POLL_SECONDS, StepsClient
 from .hyper import read_hyper, write_hyper
+from .riding import Held, StepsRide, dropped_by_restart
 from .snapshot import pack, unpack
 from .stats import ContributionEntry, StepEntry, SyncStats
 
@@ -116,6 +120,10 @@ class StepSync:
         self._fetched = None  # the aggregates its answer brought, for catch_up
         self._pending = False
         self._barriers = 0
+        self._in_barrier = False
+        #: The pending contribution, kept to issue again after a coordinator restart.
+        self._held: Held | None = None
+        self._riding = StepsRide(pg, model)
         # Calls run on the process group's loop thread (grpc.aio binds a channel to the loop it
         # is made on, and serves one loop per process); closed with the group.
         self._submit = pg.submit
@@ -128,6 +136,13 @@ class StepSync:
         self._snapshot_due = False  # the hub asked for this rank's state
         self._uploads: set = set()  # snapshot uploads in flight (kept until done)
 
+    optimizer = property(lambda self: self._optimizer)
+    #: How many times the ledger was resumed on a coordinator that took the job back.
+    resumes = property(lambda self: self._riding.resumes)
+
+    #: The synchronize() barriers this rank completed.
+    barriers_done = property(lambda self: self._barriers - self._in_barrier)
+
     def attach(self, mode: SyncMode) -> None:
         """Take over ``optimizer.step`` (it applies the hub's aggregates) in ``mode``; the
         first ledger mode, or one after Synchronous steps (switched at a barrier)."""
@@ -135,7 +150,7 @@ class StepSync:
             self._optimizer_step = self._optimizer.step
             scheduled = hasattr(self._optimizer_step, "_wrapped_by_lr_sched")
             self._optimizer.step = types.MethodType(
-                _catch_up_step(weakref.ref(self), scheduled), self._optimizer)
+                catch_up_step(weakref.ref(self), scheduled), self._optimizer)
         if self._attached_before:
             self.set_mode(mode)  # every rank does: the same barrier on every rank
         self._attached_before = True
@@ -168,25 +183,21 @@ class StepSync:
               for p in self.params),
             *(b.detach().reshape(-1).to(torch.float32) for b in self.buffers)]).cpu()
         saved = self._compensate(flat)
+        held = Held(flat.numpy(), self.have, weight,
+                    tuple(v for _, _, v in read_hyper(self._optimizer)),
+                    flat.shape[0] - self.numel)
         try:
-            # The answer brings the aggregates this rank lacks (with Quorum once its own step
-            # closed): optimizer.step() applies them without another round trip.
-            # On this thread (its own channel): no hop to the group's loop thread.
-            reply, self._fetched = self._client.exchange_here(
-                self.mode, self.mode_epoch, self.have, weight, flat.numpy(), self.timeout,
-                self.wire, fetch_limit=FETCH_LIMIT,
-                await_step=POLL_SECONDS if self.mode.waits_for_own_step else 0.0,
-                hyper=tuple(v for _, _, v in read_hyper(self._optimizer)),
-                buffers=flat.shape[0] - self.numel)
+            reply, self._fetched = self._send(held)
         except REFUSED:
             self._restore(saved)
             raise
         self.stats.waited_seconds += reply.waited_seconds  # the bound, or Quorum's step
         if not reply.accepted:
             self._restore(saved)
+        self._held = held if reply.accepted else None
         self.stats.contributions += 1
         self.stats.recent_contributions.append(ContributionEntry(
-            self.have, reply.step if reply.accepted else None, reply.staleness))
+            held.base, reply.step if reply.accepted else None, reply.staleness))
         self._pending = True
         self._snapshot_due |= reply.want_snapshot
         if reply.accepted:
@@ -197,6 +208,51 @@ class StepSync:
             self.stats.dropped += 1
             self._joined = None
             log.info("rank %d's gradient was dropped: %s", self._client.key.rank, reply.reason)
+
+    def _send(self, held: Held):
+        """Contribute ``held`` on this thread (its own channel): the verdict, and the
+        aggregates the answer brought (with Quorum once its own step closed). After a restart,
+        issued again only if computed at the resumed ledger's step count, else dropped."""
+        def send():
+            if self.have != held.base:  # it may be in a step some rank applied
+                return dropped_by_restart(self.have, held.base), None
+            return self._client.exchange_here(
+                self.mode, self.mode_epoch, held.base, held.weight, held.flat, self.timeout,
+                self.wire, fetch_limit=FETCH_LIMIT,
+                await_step=POLL_SECONDS if self.mode.waits_for_own_step else 0.0,
+                hyper=held.hyper, buffers=held.buffers)
+        return self._riding_call(send)
+
+    def _riding_call(self, call):
+        """``call()``, again on the coordinator that took the job back (:mod:`.riding`)."""
+        while True:
+            if self._riding.moved:
+                self._resume()
+            try:
+                return call()
+            except GradstarError as error:
+                if not self._riding.back(error):
+                    raise
+            self._resume()
+
+    def _resume(self) -> None:
+        """Resume the ledger on the coordinator that took the job back (:mod:`.riding`)."""
+        self._client = self._riding.resume(self, self._client)
+
+    def _reissue(self) -> int:
+        """After a resume in :meth:`catch_up`: the step to wait for now; the pending
+        contribution issued again if no rank applied its step (:meth:`_send`)."""
+        held, joined = self._held, self._joined
+        if held is None or (joined is not None and joined <= self.have):
+            return 0
+        reply, got = self._send(held)
+        entry = self.stats.recent_contributions[-1]
+        self.stats.recent_contributions[-1] = ContributionEntry(
+            entry.base, reply.step if reply.accepted else None, reply.staleness)
+        self._joined = reply.step if reply.accepted else None
+        if got is not None:
+            self._apply(got)
+        return (self._joined or 0) if self.mode.waits_for_own_step else 0
 
     @property
     def residual(self) -> torch.Tensor | None:
@@ -239,7 +295,7 @@ class StepSync:
             started = time.perf_counter()
             self._catch_up_to(wait_for)
             self.stats.waited_seconds += time.perf_counter() - started
-        self._pending, self._joined = False, None
+        self._pending, self._joined, self._held = False, None, None
         if self._snapshot_due:
             self._send_snapshot()
 
@@ -298,7 +354,12 @@ class StepSync:
                 different modes); the mode stays as it was.
         """
         self._barriers += 1
-        reply = self._run(self._client.synchronize(self._barriers, self.timeout, next_mode))
+        self._in_barrier = True
+        try:
+            reply = self._riding_call(lambda: self._run(self._client.synchronize(
+                self._barriers, self.timeout, next_mode)))
+        finally:
+            self._in_barrier = False
         if reply.steps > self.have:
             self._catch_up_to(reply.steps)
         self._pending, self._joined, self._fetched = False, None, None
@@ -323,8 +384,18 @@ class StepSync:
         """Once ``min_steps`` steps closed, apply every closed aggregate, fetched
         ``FETCH_LIMIT`` at a time (a rank far behind gets many; each answer stays small)."""
         while True:
-            got = self._run(self._client.fetch(self.have, min_steps, self.timeout,
-                                               limit=FETCH_LIMIT))
+            if self._riding.moved:  # the coordinator came back meanwhile
+                self._resume()
+                min_steps = self._reissue()
+            try:
+                got = self._run(self._client.fetch(self.have, min_steps, self.timeout,
+                                                   limit=FETCH_LIMIT))
+            except GradstarError as error:
+                if not self._riding.back(error):
+                    raise
+                self._resume()
+                min_steps = self._reissue()
+                continue
             self._apply(got)
             if got.steps <= self.have:
                 return
@@ -338,14 +409,14 @@ class StepSync:
             if record.step != self.have + 1:
                 raise StepError(f"the hub sent step {record.step} to a rank at step "
                                 f"{self.have}; aggregates must be applied in order")
-            self._write_grads(values)
+            write_grads(self.params, values)
             if len(record.hyper) == len(own):
                 write_hyper(self._optimizer, own, record.hyper)
                 self._optimizer_step()
                 write_hyper(self._optimizer, own, [v for _, _, v in own])
             else:
                 self._optimizer_step()
-            self._write_buffers(values)
+            write_buffers(self.buffers, values[self.numel:])
             self.have = self.stats.step = record.step
             self.stats.steps_applied += 1
             self.stats.step_sizes[len(record.ranks)] += 1
@@ -353,28 +424,6 @@ class StepSync:
             self.stats.recent_steps.append(StepEntry(
                 record.step, tuple(record.ranks), tuple(record.weights),
                 tuple(record.staleness), tuple(record.hyper), tuple(record.factors)))
-
-    def _write_grads(self, values: np.ndarray) -> None:
-        flat = torch.from_numpy(values)
-        offset = 0
-        with torch.no_grad():
-            for p in self.params:
-                n = p.numel()
-                part = flat[offset:offset + n].view(p.shape)
-                if p.grad is None:
-                    p.grad = part.to(device=p.device, dtype=p.dtype, copy=True)
-                else:
-                    p.grad.copy_(part)
-                offset += n
-
-    def _write_buffers(self, values: np.ndarray) -> None:
-        flat = torch.from_numpy(values[self.numel:])
-        offset = 0
-        with torch.no_grad():
-            for b in self.buffers:
-                part = flat[offset:offset + b.numel()].view(b.shape)
-                b.copy_(part if b.is_floating_point() else part.round())
-                offset += b.numel()
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -399,28 +448,3 @@ class StepSync:
 
 async def _make_client(pg, model: str) -> StepsClient:
     return StepsClient.for_group(pg, model)  # on the group's loop
-
-
-def _catch_up_step(sync_ref: weakref.ref, scheduled: bool):
-    """``optimizer.step`` while a :class:`StepSync` owns the optimizer: a bound method (torch's
-    LR schedulers wrap ``step.__func__``).
-
-    ``scheduled``: a scheduler made earlier had wrapped the step this one replaces. Its
-    ``step()`` warns that ``optimizer.step()`` was overridden unless the step carries its mark,
-    and that it ran before ``optimizer.step()`` unless the optimizer says a step was called;
-    this one keeps both true (a call may apply no aggregate yet, but it is the user's step)."""
-
-    def step(optimizer, closure=None):
-        if closure is not None:
-            raise ConfigurationError(
-                "optimizer.step(closure) re-evaluates the loss, which a sync mode cannot "
-                "replay on other ranks; call optimizer.step() without a closure")
-        if scheduled:
-            optimizer._opt_called = True
-        sync = sync_ref()
-        if sync is not None:
-            sync.catch_up()
-
-    if scheduled:
-        step._wrapped_by_lr_sched = True  # read through the bound method's __func__
-    return step

@@ -4,6 +4,6 @@ election itself, the leadership term that fences a leader that lost its lease, a
 standby that takes over."""
 
 from .election import MARGIN, Leadership, Role
-from .etcd import Etcd, endpoints_of
+from .etcd import Etcd, endpoints_of, tls_context
 
-__all__ = ["MARGIN", "Etcd", "Leadership", "Role", "endpoints_of"]
+__all__ = ["MARGIN", "Etcd", "Leadership", "Role", "endpoints_of", "tls_context"]

@@ -14,6 +14,11 @@ gets its one answer):
 - :meth:`Etcd.keepalive` renew it (the TTL left; 0 once etcd has let it expire);
 - :meth:`Etcd.create` put a key bound to a lease only if it does not exist (one ``kv/txn``);
 - :meth:`Etcd.get`, :meth:`Etcd.count` (a prefix), :meth:`Etcd.put`, :meth:`Etcd.revoke`.
+
+Over TLS (``--ha-ca``: etcd serving ``https://`` with ``--cert-file``), etcd's certificate is
+checked against that CA and the endpoint's host name; with ``--ha-cert``/``--ha-key`` the
+coordinator presents its own (etcd's ``--client-cert-auth``). A failed handshake is an
+unreachable endpoint: the next is tried, and the error names what failed.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import base64
 import http.client
 import json
 import logging
+import ssl
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from gradstar.errors import ConfigurationError, ElectionUnavailableError
@@ -90,13 +97,36 @@ def endpoints_of(url: str) -> tuple[list[str], str]:
     return endpoints, prefix
 
 
+def tls_context(ca: Path, cert: Path | None = None, key: Path | None = None,
+                ) -> ssl.SSLContext:
+    """The TLS context of a gateway client: etcd's certificate checked against ``ca`` (and
+    its host name), this coordinator's own certificate ``cert``/``key`` presented when given
+    (etcd's ``--client-cert-auth``).
+
+    Raises:
+        ConfigurationError: a file cannot be read or is not PEM of the right kind.
+    """
+    try:
+        context = ssl.create_default_context(cafile=str(ca))
+        if cert is not None:
+            context.load_cert_chain(str(cert), None if key is None else str(key))
+    except (OSError, ssl.SSLError) as error:
+        raise ConfigurationError(
+            f"--ha-ca {ca}, --ha-cert {cert}, --ha-key {key}: cannot use them for TLS to etcd "
+            f"({error})") from None
+    return context
+
+
 class Etcd:
     """A blocking client of the gateway at ``endpoints`` (tried in turn: the first that
-    answers serves the call). Call it from a thread (``asyncio.to_thread``)."""
+    answers serves the call), over TLS when given a ``tls`` context (:func:`tls_context`:
+    ``https://`` gateways). Call it from a thread (``asyncio.to_thread``)."""
 
-    def __init__(self, endpoints: list[str], timeout: float = REQUEST_TIMEOUT) -> None:
+    def __init__(self, endpoints: list[str], timeout: float = REQUEST_TIMEOUT,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.endpoints = list(endpoints)
         self.timeout = timeout
+        self.tls = tls
 
     def call(self, path: str, body: dict) -> dict:
         """POST ``body`` to ``/v3/<path>`` on the first endpoint that answers.
@@ -107,8 +137,11 @@ class Etcd:
         problems = []
         for endpoint in self.endpoints:
             host, _, port = endpoint.rpartition(":")
-            connection = http.client.HTTPConnection(host.strip("[]"), int(port),
-                                                    timeout=self.timeout)
+            connection = (
+                http.client.HTTPConnection(host.strip("[]"), int(port), timeout=self.timeout)
+                if self.tls is None else
+                http.client.HTTPSConnection(host.strip("[]"), int(port), timeout=self.timeout,
+                                            context=self.tls))
             try:
                 connection.request("POST", f"/v3/{path}", json.dumps(body),
                                    {"Content-Type": "application/json"})
@@ -185,4 +218,4 @@ def _kv(kv: dict) -> KeyValue:
                     int(kv.get("lease", 0)))
 
 
-__all__ = ["REQUEST_TIMEOUT", "Created", "Etcd", "KeyValue", "endpoints_of"]
+__all__ = ["REQUEST_TIMEOUT", "Created", "Etcd", "KeyValue", "endpoints_of", "tls_context"]

@@ -29,7 +29,7 @@ import asyncio
 import logging
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from gradstar.errors import CoordinatorDrainingError, JoinTimeoutError, RejoinRefusedError
@@ -193,8 +193,13 @@ class Rebuilds:
         self._draining = draining
         self._formed = formed
         self._gathering: dict[str, Rebuild] = {}
-        #: The generations taken back (their step ledgers are gone: :meth:`unless_rebuilt`).
+        #: The generations taken back (their step ledgers resume from their ranks:
+        #: :mod:`gradstar.coordinator.steps.resume`).
         self.rebuilt: weakref.WeakSet[Generation] = weakref.WeakSet()
+        #: Awaited once every rank of a generation rejoined, before it forms again: the
+        #: coordinator's wait for its hub shards (a restarted one starts its own), so that
+        #: the generation stripes over them rather than over none.
+        self.before_forming: Callable[[], Awaitable[object]] | None = None
 
     async def rejoin(self, claim: Claim, timeout: float) -> tuple[Member, list[int]]:
         """Take ``claim``'s rank back into the generation this coordinator lost, once every
@@ -218,6 +223,8 @@ class Rebuilds:
         gather(rebuild, claim)
         if not rebuild.missing:
             del self._gathering[claim.job]
+            if self.before_forming is not None:
+                await self.before_forming()
             try:
                 replay = replay_set(rebuild)
             except RejoinRefusedError as error:
@@ -237,28 +244,6 @@ class Rebuilds:
                 f"Timed out: job {claim.job!r}: ranks {missing} of generation "
                 f"{claim.generation} did not rejoin within {timeout:g} s") from None
         return gen.members[claim.rank], replay
-
-
-    def unless_rebuilt(self, bound: Callable[[str, int, int, str], Generation]):
-        """``bound(job, generation, rank, member_id)`` (the rendezvous' ``bound_member``, which
-        binds a Steps call to its caller) refusing the generations taken back: a sync mode's
-        step ledgers lived in the coordinator that went away, and a fresh one must not be
-        mistaken for them.
-
-        Raises (from the function it returns):
-            RejoinRefusedError: the caller's generation was rebuilt from its rejoining ranks.
-        """
-        def member(job: str, generation: int, rank: int, member_id: str) -> Generation:
-            gen = bound(job, generation, rank, member_id)
-            if gen in self.rebuilt:
-                raise RejoinRefusedError(
-                    f"job {job!r} generation {generation} was taken back from its rejoining "
-                    "ranks after a coordinator restart, but its sync-mode step ledgers were "
-                    "lost with that coordinator: sync modes (Quorum, BoundedStaleness, "
-                    "Asynchronous) do not ride through a coordinator restart; restart the "
-                    "job's ranks (a --state-dir snapshot is kept)")
-            return gen
-        return member
 
 
 def rebuilt(rebuild: Rebuild, job: Job, formed: Callable[[Generation], None],

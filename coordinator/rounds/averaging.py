@@ -69,13 +69,16 @@ def collective_id(gen, seq: int) -> str:
 
 @dataclass(eq=False)
 class GlobalModel:
-    """A job's global parameters (flat float32), the outer momentum, the rounds completed, and
-    which collective made it (:func:`collective_id`; empty: none, e.g. a Rounds service round)."""
+    """A job's global parameters (flat float32), the outer momentum, the rounds completed,
+    which collective made it (:func:`collective_id`; empty: none, e.g. a Rounds service
+    round), and the replicas whose contributions made it (a Rounds service round's; a
+    coordinator restarted with the state directory expects them in its next round)."""
 
     params: np.ndarray
     momentum: np.ndarray | None
     rounds: int
     made_by: str = ""
+    replicas: tuple[str, ...] = ()
 
 
 class AveragingRound:
@@ -85,6 +88,8 @@ class AveragingRound:
                  numel: int, model: GlobalModel | None, made_by: str = "") -> None:
         self.store, self.key, self.spec, self.model = store, key, spec, model
         self.made_by = made_by
+        #: The replicas whose contributions this round combines (the Rounds service's).
+        self.replicas: tuple[str, ...] = ()
         self.rule = spec.rule
         self.lr = np.float32(spec.outer_lr)
         self.mu = np.float32(spec.outer_momentum)
@@ -142,7 +147,7 @@ class AveragingRound:
                 pb.AVERAGING_RULE_SEED, pb.AVERAGING_RULE_AVERAGE):
             momentum = self.model.momentum
         rounds = 0 if self.model is None else self.model.rounds + 1
-        return GlobalModel(self.staged, momentum, rounds, self.made_by)
+        return GlobalModel(self.staged, momentum, rounds, self.made_by, self.replicas)
 
 
 class AveragingStore:
@@ -225,6 +230,8 @@ class AveragingStore:
                   "made_by": np.array(model.made_by)}
         if model.momentum is not None:
             arrays["momentum"] = model.momentum
+        if model.replicas:
+            arrays["replicas"] = np.array("\n".join(model.replicas))
         save_arrays(path, arrays, guard)
 
     @staticmethod
@@ -232,8 +239,9 @@ class AveragingStore:
         with np.load(path, allow_pickle=False) as data:
             momentum = data["momentum"].astype(np.float32) if "momentum" in data else None
             made_by = str(data["made_by"]) if "made_by" in data else ""
+            replicas = tuple(str(data["replicas"]).split("\n")) if "replicas" in data else ()
             return GlobalModel(data["params"].astype(np.float32), momentum, int(data["rounds"]),
-                               made_by)
+                               made_by, replicas)
 
 
 def save_arrays(path: Path, arrays: dict[str, np.ndarray],

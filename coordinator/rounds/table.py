@@ -293,6 +293,7 @@ class RoundsTable:
             rule=(cpb.AVERAGING_RULE_OUTER_NESTEROV if p.nesterov
                   else cpb.AVERAGING_RULE_OUTER_SGD))
         staged = self.store.open_round(job, spec, mean.shape[0])
+        staged.replicas = tuple(names)
         staged.apply(0, mean)
         frag.open = None
         self.held_bytes -= sum(c.nbytes for c in rnd.contributions.values())
@@ -361,4 +362,10 @@ class RoundsTable:
         held = self.store.get(*self._store_key(key))
         if held is not None and key not in self.fragments:
             self.fragments[key] = Fragment(held.params.shape[0])  # loaded from --state-dir
+            # A restarted coordinator: the replicas of the last round are expected in the
+            # next, as they were (else its first contributions close it without the others).
+            for name in held.replicas:
+                record = self.replicas.setdefault(key[0], {}).setdefault(name, ReplicaRecord())
+                if not record.active:
+                    record.active, record.last_seen = True, self.clock()
         return held

@@ -36,6 +36,7 @@ from ..collective.deadlines import Changes, DeadlineTimer
 from ..rendezvous.jobs import check_job_name
 from .ledger import StepLedger
 from .records import ClosedStep
+from .resume import ResumeClaim, Resumptions
 from .store import SnapshotStore
 from .table import StepsTable
 
@@ -56,12 +57,17 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
 
     def __init__(self, table: StepsTable, max_chunk_bytes: int,
                  store: SnapshotStore | None = None, *,
-                 members: Callable[[str, int, int, str], object]) -> None:
+                 members: Callable[[str, int, int, str], object],
+                 rebuilt: Callable[[object], bool] = lambda generation: False) -> None:
         """``members(job, generation, rank, member_id)``: the caller's generation (its
         ``world_size`` sizes the ledger), or a raised gradstar error when it is not that
-        member (the rendezvous' ``bound_member``)."""
+        member (the rendezvous' ``bound_member``); ``rebuilt(generation)``: whether it was
+        taken back from its rejoining ranks after a restart (its ledgers resume:
+        :mod:`.resume`)."""
         self.table = table
         self.members = members
+        self.rebuilt = rebuilt
+        self.resumptions = Resumptions()
         # Many ranks lost together settle each ledger once, on the next loop turn.
         table.defer = lambda settle: asyncio.get_running_loop().call_soon(settle)
         self.max_chunk_bytes = max_chunk_bytes
@@ -94,7 +100,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
         """One contribution whose header is ``first``'s: read, taken, and the answer's parts."""
         h = first.header
         async with error_status(context):
-            ledger = self._ledger(h.key)
+            ledger = self._ledger(h.key, "Contribute")
             mode = from_message(h.mode)
             # Refused before any memory is taken for it.
             ledger.check_header(h.key.rank, mode, h.mode_epoch, h.numel, h.base, h.weight,
@@ -135,7 +141,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
     async def Fetch(self, request: pb.FetchStepsRequest,
                     context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepsPart]:
         async with error_status(context):
-            ledger = self._ledger(request.key)
+            ledger = self._ledger(request.key, "Fetch")
             await self._wait(lambda: ledger.steps >= request.min_steps, request.wait_seconds)
             closed = None
             if ledger.steps < request.min_steps:
@@ -148,15 +154,18 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
     async def Heartbeat(self, request: pb.StepsHeartbeat,
                         context: grpc.aio.ServicerContext) -> pb.StepsState:
         async with error_status(context):
-            ledger = self._ledger(request.key)
-            ledger.heartbeat(request.key.rank, request.have, request.leave)
+            ledger = self._ledger(request.key, "")
+            if self.resumptions.pending(ledger):  # its state waits for Resume
+                ledger.seen(request.key.rank)
+            else:
+                ledger.heartbeat(request.key.rank, request.have, request.leave)
             self._deadlines.arm()
             return _state(ledger)
 
     async def Synchronize(self, request: pb.SynchronizeRequest,
                           context: grpc.aio.ServicerContext) -> pb.SynchronizeReply:
         async with error_status(context):
-            ledger = self._ledger(request.key)
+            ledger = self._ledger(request.key, "Synchronize")
             rank, barrier = request.key.rank, request.barrier
             next_mode = (from_message(request.next_mode) if request.HasField("next_mode")
                          else None)
@@ -177,7 +186,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             parts = request_iterator.__aiter__()
             first = await _first(parts, "PutSnapshot")
             h = first.header
-            ledger = self._ledger(h.key)
+            ledger = self._ledger(h.key, "PutSnapshot")
             if h.nbytes > MAX_SNAPSHOT_SCALE * self.table.max_numel * 4 or (
                     len(h.layout) > MAX_LAYOUT_CHARS):
                 raise HubCapacityError(
@@ -197,7 +206,7 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
     async def GetSnapshot(self, request: pb.SnapshotRequest,
                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SnapshotPart]:
         async with error_status(context):
-            ledger = self._ledger(request.key)
+            ledger = self._ledger(request.key, "GetSnapshot")
             ledger.seen(request.key.rank)
             # A snapshot older than the log's first aggregate cannot be replayed from: the
             # joiner waits for a fresh one (the hub asks a live rank for it meanwhile).
@@ -212,6 +221,23 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             barriers=ledger.barrier_done))
         for piece in split_parts(memoryview(snapshot.data), PART_BYTES):
             yield pb.SnapshotPart(data=piece)
+
+    async def Resume(self, request: pb.ResumeRequest,
+                     context: grpc.aio.ServicerContext) -> pb.ResumeReply:
+        async with error_status(context):
+            ledger = self._ledger(request.key, "")
+            claim = ResumeClaim(request.key.rank, request.have, request.barriers,
+                                request.mode_epoch)
+            resumed = self.resumptions.claim(ledger, claim)
+            if resumed is None:  # the other ranks have yet to say
+                await self._wait(lambda: not self.resumptions.pending(ledger),
+                                 request.wait_seconds)
+                resumed = self.resumptions.claim(ledger, claim)
+            if resumed is None:
+                return pb.ResumeReply(ready=False)
+            return pb.ResumeReply(ready=True, steps=resumed.steps,
+                                  load_snapshot=resumed.load_snapshot,
+                                  send_snapshot=resumed.send_snapshot)
 
     async def _save(self, ledger: StepLedger) -> None:
         """Write the ledger's snapshot to the state directory (if any), off the event loop;
@@ -240,14 +266,16 @@ class StepsServicer(steps_pb2_grpc.StepsServicer):
             trim_heap()
             self.table.account.trimmed()
 
-    def _ledger(self, key: pb.StepsKey) -> StepLedger:
+    def _ledger(self, key: pb.StepsKey, what: str) -> StepLedger:
         """The ledger ``key`` names, once its caller is bound to a member (see the module
-        docstring); nothing is made for a caller that is not one."""
+        docstring); nothing is made for a caller that is not one. ``what``: the call, refused
+        while the ledger of a rebuilt generation waits for its ranks (empty: taken then)."""
         check_job_name(key.job)
         check_job_name(key.model, "a model name")
         check_job_access(key.job)  # the caller's token opens this job (per-job tokens)
         gen = self.members(key.job, key.generation, key.rank, key.member_id)
-        return self.table.ledger(key.job, key.model, gen.world_size)
+        return self.resumptions.ledger(self.table, gen, self.rebuilt(gen), key.job, key.model,
+                                       key.rank, what)
 
     async def _read_snapshot(self, first: pb.SnapshotPart, parts, nbytes: int,
                              rank: int) -> bytearray:

@@ -51,8 +51,9 @@ class StepsTable:
         self._unsettled: dict[int, StepLedger] = {}
         self._jobs_ledgers: dict[str, int] = {}
 
-    def ledger(self, job: str, model: str, world_size: int) -> StepLedger:
-        """The ledger of (job, model), created on first sight.
+    def ledger(self, job: str, model: str, world_size: int, load: bool = True) -> StepLedger:
+        """The ledger of (job, model), created on first sight (from its saved snapshot, with
+        ``load``).
 
         Raises:
             StepMismatchError: the ledger was made for another world size.
@@ -67,7 +68,7 @@ class StepsTable:
                     f"model {model!r} was refused")
             ledger = self.ledgers[(job, model)] = StepLedger(job, model, world_size, self)
             self._jobs_ledgers[job] = count + 1
-            saved = self.load(job, model) if self.load is not None else None
+            saved = self.load(job, model) if load and self.load is not None else None
             if saved is not None:
                 ledger.resume(saved)
         elif ledger.world_size < world_size:  # the job grew (an elastic join past its size)

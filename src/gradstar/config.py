@@ -154,6 +154,13 @@ class CoordinatorSettings(BaseSettings):
     ha_ttl: int = Field(5, ge=2, le=300, description="seconds of the leader's etcd lease: a "
                                                      "leader that stops takes this long to "
                                                      "be replaced")
+    ha_ca: Path | None = Field(
+        None, description="the CA that signed etcd's certificate: the election talks to etcd "
+                          "over TLS (https://), checking its certificate and host name")
+    ha_cert: Path | None = Field(
+        None, description="with ha_ca: this coordinator's certificate for etcd's "
+                          "--client-cert-auth (PEM; the key in ha_key, or in this file)")
+    ha_key: Path | None = Field(None, description="the private key of ha_cert (PEM)")
     ha_advertise: str | None = Field(
         None, description="the address ranks reach this coordinator at, as the election "
                           "publishes it (default: its host and port; a wildcard host: this "

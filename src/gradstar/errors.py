@@ -29,6 +29,7 @@ Every error a rank can see derives from :class:`GradstarError`::
     ├── StepError                     a DDP step in a sync mode (Quorum, BoundedStaleness...) failed
     │   ├── StepMismatchError         a contribution disagrees with its ledger (mode, size, weight)
     │   ├── StepsBehindError          a rank fell behind the aggregates the hub still holds
+    │   ├── StepResumeError           a restarted coordinator cannot take a rank's steps back
     │   └── StepTimeoutError          a step or barrier did not complete in time
     └── CollectiveError               a collective failed on this rank
         ├── CollectiveMismatchError   ranks disagree on op, reduce op, dtype, shape or root
@@ -82,6 +83,7 @@ __all__ = [
     "StaleCoordinatorError",
     "StepError",
     "StepMismatchError",
+    "StepResumeError",
     "StepTimeoutError",
     "StepsBehindError",
     "TooManyJobsError",
@@ -252,6 +254,12 @@ class StepMismatchError(StepError, ValueError):
 
 class StepsBehindError(StepError):
     """A rank needs aggregates the hub no longer holds (its history and memory bound)."""
+
+
+class StepResumeError(StepError):
+    """A coordinator that restarted (or a standby that took over) cannot take a rank's steps
+    back: a step count, barrier or mode epoch it cannot accept, or a call to a ledger still
+    waiting for its ranks to resume; nothing of the ledger changed."""
 
 
 class StepTimeoutError(StepError):

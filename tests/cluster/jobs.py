@@ -57,6 +57,22 @@ def wait_reports(out: Path, phase: str, count: int, procs: list, timeout: float,
     return [json.loads(p.read_text()) for p in found]
 
 
+def starter(network, token: Path, procs: list[subprocess.Popen],
+            ) -> Callable[..., subprocess.Popen]:
+    """``start(host, argv, **env)``: run a process on a host of ``network`` (a session of its
+    own, the ``token`` file and the repository on its path, its output piped), kept in
+    ``procs``."""
+    def start(host: str, argv: list[str], **env: str) -> subprocess.Popen:
+        proc = subprocess.Popen(network.argv(host, argv), cwd=REPO, start_new_session=True,
+                                env=clean_env(GRADSTAR_TOKEN_FILE=str(token),
+                                              PYTHONPATH=str(REPO), **env),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+        procs.append(proc)
+        return proc
+    return start
+
+
 @contextmanager
 def coordinator_on_hosts(network, tmp_path: Path, coordinator_args: Sequence[str] = (),
                          ) -> Iterator[tuple[list[subprocess.Popen], subprocess.Popen,
@@ -68,15 +84,7 @@ def coordinator_on_hosts(network, tmp_path: Path, coordinator_args: Sequence[str
     token = tmp_path / "token"
     token.write_text(secrets.token_urlsafe() + "\n")
     procs: list[subprocess.Popen] = []
-
-    def start(host: str, argv: list[str], **env: str) -> subprocess.Popen:
-        proc = subprocess.Popen(network.argv(host, argv), cwd=REPO, start_new_session=True,
-                                env=clean_env(GRADSTAR_TOKEN_FILE=str(token),
-                                              PYTHONPATH=str(REPO), **env),
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT)
-        procs.append(proc)
-        return proc
+    start = starter(network, token, procs)
 
     try:
         first = next(iter(network.addresses))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -54,6 +55,14 @@ async def kill_all(procs: list[asyncio.subprocess.Process]) -> None:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
+
+
+async def kill_coordinators(hubs) -> None:
+    """SIGKILL and reap each coordinator process of ``hubs`` (spawn_standby's tuples)."""
+    for proc, *_ in hubs:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGKILL)
+        await proc.wait()
 
 
 def rank_lines(rank: int, result: tuple[int, str, str] | BaseException) -> list[dict]:

@@ -3,8 +3,9 @@ PAUSE [fsdp|diloco|pipeline]`` (settings from GRADSTAR_* env vars) trains a smal
 Synchronous gradstar.DDP (or gradstar.FSDP; or DiLoCo, gradstar.LocalSGD with an outer
 optimizer; or, one stage a rank, pipeline_script's model in a gradstar.Pipeline) for STEPS
 optimizer steps, printing ``step N`` after each
-(PAUSE seconds apart), then one JSON line: its final parameters and how long each ride through
-a coordinator restart lasted. ``python ride_through_script.py reference STEPS WORLD`` trains the
+(PAUSE seconds apart), then one JSON line: its final parameters, how long each ride through
+a coordinator restart lasted and (DDP, FSDP) the hub shards its generation striped over at
+the start and at the end. ``python ride_through_script.py reference STEPS WORLD`` trains the
 same model in one process on every rank's batches (what WORLD ranks must end with) and prints
 its parameters."""
 
@@ -61,6 +62,7 @@ def main() -> None:
         diloco(steps, pause)
         return
     with gradstar.init_process_group(timeout=60) as pg:
+        shards = list(pg.shards)  # the hub shards the generation first stripes over
         net = model()
         if sharded:  # every parameter gathered and its gradient reduce-scattered, unit by unit
             wrapped = gradstar.FSDP(net, pg)
@@ -80,7 +82,8 @@ def main() -> None:
             params = [full[name].flatten().tolist() for name, _ in model().named_parameters()]
         else:
             params = parameters(net)
-        print(json.dumps({"params": params, "reconnects": pg.reconnects}), flush=True)
+        print(json.dumps({"params": params, "reconnects": pg.reconnects,
+                          "shards": [shards, list(pg.shards)]}), flush=True)
 
 
 def diloco(steps: int, pause: float) -> None:

@@ -99,6 +99,19 @@ def test_training_rides_through_a_coordinator_killed_mid_training(mode):
     ended_as_the_reference(lines)
 
 
+def test_ddp_on_a_sharded_hub_rides_through_a_coordinator_killed_mid_training():
+    """``--shards 2``: the killed coordinator's shard processes end with it, and the restarted
+    one starts its own; the rebuilt generation stripes over those (other ports), and the
+    collectives issued again go there."""
+    lines, stderrs = asyncio.run(ride_through_a_kill(flags=("--shards", "2")))
+    rode_through_once(lines, stderrs)
+    ended_as_the_reference(lines)
+    for report in lines:
+        before, after = report[-1]["shards"]
+        assert len(before) == 2, before  # striped over the shards, not the hub alone
+        assert len(after) == 2 and not set(before) & set(after), (before, after)
+
+
 def test_a_pipeline_rides_through_a_coordinator_killed_mid_training():
     from . import pipeline_script
 

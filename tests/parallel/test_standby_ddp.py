@@ -11,8 +11,6 @@ process trained on every rank's batches: what an undisturbed run ends with."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
 import sys
 
 import pytest
@@ -20,7 +18,7 @@ import pytest
 from gradstar.worker.admin.client import AdminClient
 from tests.integration.conftest import etcd_server, next_line, spawn_standby
 
-from .conftest import finish, kill_all, rank_env, rank_lines
+from .conftest import finish, kill_all, kill_coordinators, rank_env, rank_lines
 from .test_ride_through_ddp import SCRIPT, WORLD, ended_as_the_reference, rode_through_once
 
 pytestmark = pytest.mark.timeout(300)
@@ -66,10 +64,7 @@ async def train_across_takeovers(tmp_path) -> tuple[list[list[dict]], list[str]]
                                            return_exceptions=True)
         finally:
             await kill_all(procs)
-            for proc, _, _ in hubs:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGKILL)
-                await proc.wait()
+            await kill_coordinators(hubs)
     lines = [rank_lines(rank, result) for rank, result in enumerate(results)]
     return lines, [result[2] for result in results]
 

@@ -79,7 +79,7 @@ def test_a_failed_stage_is_named_by_the_ranks_own_generation_when_the_hub_has_a_
         return verdicts[-1] if verdicts else None
 
     group = SimpleNamespace(settings=ClientSettings(), shards=[], rank=0,
-                            session=SimpleNamespace(verdict=verdict))
+                            session=SimpleNamespace(verdict=verdict, ride=None))
     hosts = HostHierarchy(group, {0: "a", 1: "a"}, join=None)
     stage = CollectiveTimeoutError("a leaders' stage timed out")
     assert asyncio.run(hosts._named(stage)) is stage  # no verdict: the stage's own error

@@ -131,7 +131,7 @@ async def _ranks(hub: Hub, hosts: dict[int, str]) -> list[HostHierarchy]:
     """Every rank's started HostHierarchy over ``hub``."""
     result = []
     for rank in sorted(hosts):
-        session = SimpleNamespace(failure=None, failure_within=_never, verdict=_none)
+        session = SimpleNamespace(failure=None, failure_within=_never, verdict=_none, ride=None)
         group = SimpleNamespace(rank=rank, job="j", generation=1, shards=["s"], session=session,
                                 settings=SimpleNamespace(hierarchical=True, join_timeout=5))
 

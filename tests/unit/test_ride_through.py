@@ -163,16 +163,3 @@ def test_an_outer_round_issued_again_after_a_restart_is_applied_once(tmp_path):
         mean = np.ones(4, np.float32)
         fresh.apply(0, mean)
         assert np.array_equal(mean, np.full(4, -1.0, np.float32))
-
-
-async def test_steps_calls_of_a_rebuilt_generation_are_refused_by_name():
-    rendezvous = Rendezvous(heartbeat_timeout=30)
-    members = await asyncio.gather(*(rendezvous.join("fresh", 2, r, "", 5) for r in range(2)))
-    steps_member = rendezvous.rebuilds.unless_rebuilt(rendezvous.bound_member)
-    gen = steps_member("fresh", 1, 0, members[0].member_id)  # a generation formed here: bound
-    assert gen is members[0].generation
-    await asyncio.gather(*(rendezvous.rebuilds.rejoin(claim(r, pending=(), retained=()),
-                                                      timeout=5) for r in range(2)))
-    assert rendezvous.bound_member("j", 3, 0, "member-0").number == 3  # collectives: bound
-    with pytest.raises(RejoinRefusedError, match=r"sync modes .* do not ride through"):
-        steps_member("j", 3, 0, "member-0")

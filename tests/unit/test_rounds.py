@@ -188,6 +188,28 @@ def test_fragments_and_round_counts_survive_a_restart_with_a_state_dir(tmp_path)
     assert again.contribute("j", "m", 0, "a", 1, policy, vec(0, 0, 0, 0)) == (True, 2)
 
 
+def test_a_restarted_hub_expects_the_replicas_of_the_last_round_in_its_next(tmp_path):
+    t, _ = seeded(tmp_path=tmp_path)
+    for name in ("a", "b", "c"):
+        t.contribute("j", "m", 0, name, 0, POLICY, vec(1, 2, 3, 4))
+    assert t.global_model("j", "m", 0).rounds == 1
+    again, clock = table(tmp_path)  # the coordinator restarted: no replica seeded it
+    assert again.global_model("j", "m", 0).replicas == ("a", "b", "c")
+    # Two of three (min_replicas) do not close round 1: the third is expected, as before.
+    assert again.contribute("j", "m", 0, "b", 1, POLICY, vec(0, 0, 0, 0)) == (True, 1)
+    assert again.contribute("j", "m", 0, "c", 1, POLICY, vec(0, 0, 0, 0)) == (True, 1)
+    assert again.contribute("j", "m", 0, "a", 1, POLICY, vec(4, 4, 4, 4)) == (True, 2)
+    # One that never comes back holds the round only until its deadline.
+    again.contribute("j", "m", 0, "a", 2, POLICY, vec(0, 0, 0, 0))
+    again.contribute("j", "m", 0, "b", 2, POLICY, vec(0, 0, 0, 0))
+    restarted, clock = table(tmp_path)
+    restarted.contribute("j", "m", 0, "a", 2, POLICY, vec(0, 0, 0, 0))
+    assert restarted.contribute("j", "m", 0, "b", 2, POLICY, vec(0, 0, 0, 0)) == (True, 2)
+    clock.now += POLICY.round_timeout + 0.1
+    assert restarted.close_due() == [("j", "m", 0)]
+    assert restarted.global_model("j", "m", 0).rounds == 3
+
+
 def test_split_fragments_keeps_layers_together_and_balances_sizes():
     assert split_fragments([10, 1, 10, 1, 10, 1, 10, 1], 4) == [
         range(0, 2), range(2, 4), range(4, 6), range(6, 8)]

@@ -61,6 +61,13 @@ def coordinator_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     p.add_argument("--ha-ttl", type=int,
                    help="seconds of the leader's lease: how long a stopped leader takes to be "
                         "replaced (default 5)")
+    p.add_argument("--ha-ca", metavar="FILE",
+                   help="talk to etcd over TLS (https://), checking its certificate against "
+                        "this CA (env GRADSTAR_HA_CA)")
+    p.add_argument("--ha-cert", metavar="FILE",
+                   help="with --ha-ca: this coordinator's certificate, for etcd's "
+                        "--client-cert-auth")
+    p.add_argument("--ha-key", metavar="FILE", help="the private key of --ha-cert")
     p.add_argument("--ha-advertise", metavar="HOST:PORT",
                    help="the address ranks reach this coordinator at, as the election "
                         "publishes it (default: --host and --port)")

@@ -255,3 +255,29 @@ class SnapshotRequest(_message.Message):
     key: StepsKey
     wait_seconds: float
     def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ("key", "have", "barriers", "mode_epoch", "wait_seconds")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    HAVE_FIELD_NUMBER: _ClassVar[int]
+    BARRIERS_FIELD_NUMBER: _ClassVar[int]
+    MODE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    key: StepsKey
+    have: int
+    barriers: int
+    mode_epoch: int
+    wait_seconds: float
+    def __init__(self, key: _Optional[_Union[StepsKey, _Mapping]] = ..., have: _Optional[int] = ..., barriers: _Optional[int] = ..., mode_epoch: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class ResumeReply(_message.Message):
+    __slots__ = ("ready", "steps", "load_snapshot", "send_snapshot")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SEND_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    steps: int
+    load_snapshot: bool
+    send_snapshot: bool
+    def __init__(self, ready: _Optional[bool] = ..., steps: _Optional[int] = ..., load_snapshot: _Optional[bool] = ..., send_snapshot: _Optional[bool] = ...) -> None: ...

@@ -64,6 +64,11 @@ class StepsStub:
                 request_serializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.SnapshotRequest.SerializeToString,
                 response_deserializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.SnapshotPart.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/gradstar.proto.v1.Steps/Resume',
+                request_serializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.ResumeReply.FromString,
+                _registered_method=True)
 
 
 class StepsServicer:
@@ -113,6 +118,13 @@ class StepsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """Where the rank stands, to the ledger of a generation a restarted coordinator rebuilt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StepsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +157,11 @@ def add_StepsServicer_to_server(servicer, server):
                     servicer.GetSnapshot,
                     request_deserializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.SnapshotRequest.FromString,
                     response_serializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.SnapshotPart.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.ResumeRequest.FromString,
+                    response_serializer=gradstar_dot_proto_dot_v1_dot_steps__pb2.ResumeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +326,33 @@ class Steps:
             '/gradstar.proto.v1.Steps/GetSnapshot',
             gradstar_dot_proto_dot_v1_dot_steps__pb2.SnapshotRequest.SerializeToString,
             gradstar_dot_proto_dot_v1_dot_steps__pb2.SnapshotPart.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradstar.proto.v1.Steps/Resume',
+            gradstar_dot_proto_dot_v1_dot_steps__pb2.ResumeRequest.SerializeToString,
+            gradstar_dot_proto_dot_v1_dot_steps__pb2.ResumeReply.FromString,
             options,
             channel_credentials,
             insecure,
