@@ -122,10 +122,12 @@ def accuracy(model: nn.Module) -> float:
 def diloco(args) -> int:
     """The replica's loop: its inner steps and ``sdl.step()``; the global model at the end."""
     model, opt = make()
+    emit({"made": time.time() - STARTED})
     sdl = gradstar.StreamingDiLoCo(model, sync_every=10, fragments=2, delay=1,
                                    min_replicas=2, round_timeout=60, timeout=120,
                                    replica=f"r{args.ident}")
-    emit({"joined": time.time() - STARTED, "at": sdl.joined_at_step})
+    emit({"joined": time.time() - STARTED, "at": sdl.joined_at_step,
+          "join_rpcs_s": round(sdl.join_seconds, 3)})
     emit({"built": time.time() - STARTED})
     left = False
     with sdl:

@@ -138,7 +138,9 @@ def run(mode: str, elastic: bool, args) -> dict:
             first = next(line for line in r.lines if "step" in line)
             joins.append({"join_s": first["t"] - r.spawned, "imported_s": r.first("imported"),
                           "joined_s": r.first("joined"), "built_s": r.first("built"),
-                          "cpu_s": first.get("cpu"), "imported_cpu_s": r.first("cpu")})
+                          "cpu_s": first.get("cpu"), "imported_cpu_s": r.first("cpu"),
+                          # a replica's: its model made, and its join's own calls
+                          "made_s": r.first("made"), "join_rpcs_s": r.first("join_rpcs_s")})
         out["joins"] = joins
     return out
 
