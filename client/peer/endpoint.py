@@ -41,7 +41,7 @@ from gradstar.transport.addresses import (
     split_host_port,
 )
 from gradstar.transport.channels import open_channel
-from gradstar.transport.traversal import family_of, reusable_socket
+from gradstar.transport.traversal import PunchPort
 
 from .. import session
 from ..collective.data_plane import resolve
@@ -98,11 +98,10 @@ class PeerEndpoint:
         self.relay = ""
         self._member_id = ""
         self._listener: RelayListener | None = None
-        #: NAT traversal (settings.nat_traversal): the port this rank punches from, kept
-        #: bound; its peer server's local address; where the others punch through to (rank ->
-        #: Peer.punch); the routes of punched links; the channel their punches are asked on.
-        self._punch_socket = None
-        self._local: tuple[str, int] | None = None
+        #: NAT traversal (settings.nat_traversal): the port this rank answers punches from;
+        #: where the others punch through to (rank -> Peer.punch); the routes of punched
+        #: links; the channel their punches are asked on.
+        self._punch: PunchPort | None = None
         self.punches: dict[int, str] = {}
         self._routes: list = []
         #: rank -> how its stream goes: "direct", "punched" or "relayed".
@@ -130,16 +129,15 @@ class PeerEndpoint:
         port = await self.server.start(bind)
         self.address = advertise or host_port(host, port)
         if s.nat_traversal and bind != "127.0.0.1":
-            wild = bind in WILDCARDS
-            self._punch_socket = reusable_socket(host="" if wild else bind,
-                                                 family=family_of("" if wild else bind))
-            self._local = ("127.0.0.1" if wild else bind, port)
+            bound = "" if bind in WILDCARDS else bind
+            self._punch = PunchPort((bound or "127.0.0.1", port), host=bound,
+                                    name=f"the peer server at {self.address}")
         return self.address
 
     @property
     def punch_port(self) -> int:
         """The port the others punch through to (JoinRequest.punch_port; 0: none)."""
-        return self._punch_socket.getsockname()[1] if self._punch_socket is not None else 0
+        return self._punch.port if self._punch is not None else 0
 
     def bind(self, identity: Identity, joined, session) -> None:
         """Take the generation's peer table (``joined``: the rank's ``Joined``): each rank's
@@ -161,10 +159,9 @@ class PeerEndpoint:
                       if joined.collectives else self.settings.coordinator)
         self.server.bind(identity)
         if mine is not None and mine.outbound_only and len(peers) > 1:
-            punch = (self.punch_port, self._local) if self._local is not None else None
             self._listener = RelayListener(open_channel(self.settings, self.relay, bulk=True),
                                            self.server, identity, joined.member_id,
-                                           self._metadata, punch=punch)
+                                           self._metadata, punch=self._punch)
             self._listener.start()
 
     async def _link(self, dst: int) -> PeerLink:
@@ -422,5 +419,5 @@ class PeerEndpoint:
             await route.close()
         if self._hub is not None:
             await self._hub.close()
-        if self._punch_socket is not None:
-            self._punch_socket.close()
+        if self._punch is not None:
+            self._punch.close()

@@ -31,7 +31,7 @@ import grpc
 from gradstar.errors import GradstarError
 from gradstar.transport.addresses import split_host_port
 from gradstar.transport.relay import read_notice, relay_metadata
-from gradstar.transport.traversal import PunchedRoute, Tunnel, answer, asker
+from gradstar.transport.traversal import PunchedRoute, PunchPort, asker
 from gradstar.wire import PUNCH_METHOD, RELAY_METHOD
 
 from .link import PeerLink
@@ -73,12 +73,11 @@ class RelayListener:
     asks), each served by ``server.Stream``; :meth:`stop` ends them all."""
 
     def __init__(self, channel: grpc.aio.Channel, server, identity, member_id: str,
-                 metadata, punch: tuple[int, tuple[str, int]] | None = None) -> None:
-        """``punch``: (this rank's punch port, its peer server's local address), to answer
-        the punches the hub announces (NAT traversal); None: relayed streams only."""
+                 metadata, punch: PunchPort | None = None) -> None:
+        """``punch``: this rank's punch port, joined to its peer server, to answer the
+        punches the hub announces (NAT traversal); None: relayed streams only."""
         self._channel = channel
         self._punch = punch
-        self._tunnels: list[Tunnel] = []
         self._server = server
         self._identity = identity
         self._member_id = member_id
@@ -101,8 +100,11 @@ class RelayListener:
             try:
                 while (frame := await call.read()) is not grpc.aio.EOF:
                     src, host, port = read_notice(frame)
-                    task = asyncio.ensure_future(
-                        self._punch_back(src, host, port) if host else self._accept(src))
+                    if host:  # rank src punches towards this rank: dial it back
+                        if self._punch is not None:
+                            self._punch.answer((host, port))
+                        continue
+                    task = asyncio.ensure_future(self._accept(src))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
             except (grpc.RpcError, GradstarError) as error:
@@ -123,22 +125,7 @@ class RelayListener:
         finally:
             call.cancel()
 
-    async def _punch_back(self, src: int, host: str, port: int) -> None:
-        """Rank ``src`` is punching towards this rank from ``host``:``port``: dial it back from
-        the punch port, and join the connection to this rank's peer server."""
-        if self._punch is None:
-            return
-        try:
-            tunnel = await answer(self._punch[0], (host, port), self._punch[1])
-        except (OSError, TimeoutError) as error:
-            log.info("rank %d: no punched connection from rank %d at %s:%d (%s); it relays",
-                     self._identity.rank, src, host, port, error)
-            return
-        self._tunnels = [t for t in self._tunnels if t.open] + [tunnel]
-
     async def stop(self) -> None:
-        for tunnel in self._tunnels:
-            tunnel.close()
         tasks = [t for t in (self._main, *self._tasks) if t is not None]
         for task in tasks:
             task.cancel()

@@ -70,8 +70,9 @@ class RendezvousServicer(rendezvous_pb2_grpc.RendezvousServicer):
             timeout = min(j.timeout_seconds or self.max_join, self.max_join)
             replay: list[int] = []
             # Where the others punch through to it, if its host turns out outbound-only.
-            punch = (host_port(caller_host(context.peer()), j.punch_port)
-                     if 0 < j.punch_port < 65536 and caller_host(context.peer()) else "")
+            seen_at = caller_host(context.peer())
+            punch = (host_port(seen_at, j.punch_port)
+                     if 0 < j.punch_port < 65536 and seen_at else "")
             # Outbound-only as it says, or as a probe of its peer server finds (an address on
             # its own host only, as for shards; a node-local shard's probe says it too).
             outbound = j.outbound_only or bool(

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import time
 from functools import partial
 
@@ -58,7 +57,7 @@ from gradstar.transport.serve import serve
 from gradstar.transport.shm import host_key
 from gradstar.transport.status import error_from_rpc
 from gradstar.transport.tls_check import wait_connected
-from gradstar.transport.traversal import Tunnel, answer, family_of, reusable_socket
+from gradstar.transport.traversal import PunchPort
 from gradstar.wire import COLLECTIVE_SERVICE, MAX_NDIM, payload_bytes
 
 from ..collective import CollectiveEngine, CollectiveServicer
@@ -69,8 +68,6 @@ log = logging.getLogger(__name__)
 
 #: How long a header may wait for the coordinator's notice that its generation formed.
 FORMED_WAIT = 5.0
-#: Punches a shard runs at once at most (each one a socket and a connection attempt).
-MAX_PUNCHES = 256
 #: Arrival summaries a report carries at most (~0.2 KB each); the others follow in the next.
 ARRIVALS_PER_REPORT = 2048
 
@@ -100,11 +97,8 @@ class Shard:
         self._formed = asyncio.Event()
         self._closed = asyncio.Event()
         self._reports: asyncio.Queue = asyncio.Queue()
-        #: NAT traversal (settings.nat_traversal): the port this shard punches from, kept
-        #: bound, and the punches under way (at most MAX_PUNCHES).
-        self._punch_socket: socket.socket | None = None
-        self._punches: set[asyncio.Task] = set()
-        self._tunnels: list[Tunnel] = []
+        #: NAT traversal (settings.nat_traversal): the port this shard punches from.
+        self._punch: PunchPort | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -147,9 +141,9 @@ class Shard:
         self._server, self.port = server, port
         self.address = self._advertised(port)
         if s.nat_traversal:
-            self._punch_socket = reusable_socket(
-                host="" if s.host in WILDCARDS else s.host,
-                family=family_of("" if s.host in WILDCARDS else s.host))
+            bound = "" if s.host in WILDCARDS else s.host
+            self._punch = PunchPort((bound or "127.0.0.1", port), host=bound,
+                                    name=f"shard at {self.address}")
         try:
             await self._register()
         except BaseException:
@@ -184,7 +178,7 @@ class Shard:
         self._reports.put_nowait(spb.ShardReport(hello=spb.ShardHello(
             address=self.address, slot=s.slot, job=s.for_job, host=host_key(),
             outbound_only=s.outbound_only,
-            punch_port=self._punch_socket.getsockname()[1] if self._punch_socket else 0)))
+            punch_port=self._punch.port if self._punch is not None else 0)))
         # A shard for one job registers with the job token, as its job's ranks hold it (a
         # coordinator with an admin token of its own opens Register to that token only).
         token = (s.token or s.admin_token) if s.for_job else (s.admin_token or s.token)
@@ -265,12 +259,8 @@ class Shard:
 
     async def stop(self, grace: float = 0.0) -> None:
         self._reports.put_nowait(None)
-        for task in list(self._punches):
-            task.cancel()
-        for tunnel in self._tunnels:
-            tunnel.close()
-        if self._punch_socket is not None:
-            self._punch_socket.close()
+        if self._punch is not None:
+            self._punch.close()
         if self._control_task is not None:
             self._control_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -299,28 +289,14 @@ class Shard:
     def _on_punch(self, punch: spb.ShardPunch) -> None:
         """Punch towards a rank on another host (gradstar.transport.traversal); the
         connection is joined to this shard's own server."""
-        if self._punch_socket is None or len(self._punches) >= MAX_PUNCHES:
-            log.warning("shard %s: punch towards %s:%d refused (%s)", self.slot, punch.host,
-                        punch.port, "no NAT traversal here" if self._punch_socket is None
-                        else f"{MAX_PUNCHES} under way")
+        if self._punch is None:
+            log.warning("shard %s: punch towards %s:%d refused (no NAT traversal here)",
+                        self.slot, punch.host, punch.port)
             return
         host = punch.host
         if host in ("127.0.0.1", "::1"):  # the rank is on the coordinator's host
             host = split_host_port(self.settings.coordinator)[0]
-        task = asyncio.create_task(self._punch(host, punch.port))
-        self._punches.add(task)
-        task.add_done_callback(self._punches.discard)
-
-    async def _punch(self, host: str, port: int) -> None:
-        s = self.settings
-        own = "127.0.0.1" if s.host in WILDCARDS else s.host
-        try:
-            self._tunnels.append(await answer(self._punch_socket.getsockname()[1],
-                                              (host, port), (own, self.port)))
-        except (OSError, TimeoutError) as error:
-            log.warning("shard %s: no punched connection to %s:%d (%s)", self.slot, host, port,
-                        error)
-        self._tunnels = [t for t in self._tunnels if t.open]
+        self._punch.answer((host, punch.port))
 
     def _generation_failed(self, gen) -> None:
         self.engine.fail_generation(gen)

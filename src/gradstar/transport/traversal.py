@@ -16,7 +16,8 @@ The order that makes it work in one round trip, whatever the timing:
    unexpected SYN with a reset) tries again every :data:`RETRY_SECONDS` until the deadline.
 
 gRPC-python dials addresses, not sockets, so the connection is joined to gRPC by a
-:class:`Tunnel` on each end: the rank's channel dials a local :class:`PunchedRoute`, the shard
+:class:`Tunnel` on each end: the rank's channel dials a local :class:`PunchedRoute`; the end
+dialed back (a shard, or a rank for peer streams) answers from its :class:`PunchPort`, which
 joins the punched socket to its own server's port. The tunnel copies with ``splice(2)`` through
 a pipe (the bytes never enter Python), two threads per connection. TLS and tokens travel end to
 end inside the tunnel, exactly as on a direct connection.
@@ -56,6 +57,8 @@ RETRY_SECONDS = 0.05
 SPLICE_BYTES = 1 << 20
 #: fcntl's F_SETPIPE_SZ (Linux; Python names it from 3.10 on).
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+#: Punches a punch port answers at once at most (PunchPort).
+MAX_ANSWERS = 256
 #: Connections a local route punches at once: gRPC dials one per channel, and again after a
 #: failure, with its backoff.
 MAX_PENDING = 4
@@ -113,11 +116,9 @@ def family_of(host: str) -> int:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-async def punch(port: int, remote: tuple[str, int], deadline: float,
-                first: socket.socket | None = None) -> socket.socket:
+async def punch(port: int, remote: tuple[str, int], deadline: float) -> socket.socket:
     """A TCP connection from local ``port`` to ``remote`` (host, port), which is dialing this
-    end at the same time; ``first`` is a socket already bound to ``port`` to start with.
-    ``deadline`` is on the running loop's clock.
+    end at the same time. ``deadline`` is on the running loop's clock.
 
     Raises:
         TimeoutError: the two ends did not meet by ``deadline``.
@@ -126,10 +127,8 @@ async def punch(port: int, remote: tuple[str, int], deadline: float,
     """
     loop = asyncio.get_running_loop()
     family = family_of(remote[0])
-    sock = first
     while True:
-        if sock is None:
-            sock = reusable_socket(port, family=family)
+        sock = reusable_socket(port, family=family)
         sock.setblocking(False)
         left = deadline - loop.time()
         try:
@@ -138,7 +137,6 @@ async def punch(port: int, remote: tuple[str, int], deadline: float,
             await asyncio.wait_for(loop.sock_connect(sock, remote), left)
         except (ConnectionRefusedError, ConnectionResetError) as error:
             sock.close()
-            sock = None
             if deadline - loop.time() <= RETRY_SECONDS:
                 raise OSError(f"no answer from {remote[0]}:{remote[1]} but resets ({error})") \
                     from None
@@ -378,5 +376,50 @@ async def answer(port: int, remote: tuple[str, int], local: tuple[str, int],
     return Tunnel(sock, server).start()
 
 
-__all__ = ["PROBE_SECONDS", "PUNCH_SECONDS", "PunchedRoute", "Tunnel", "answer", "asker", "probe",
-           "probes_caller", "punch", "reusable_socket"]
+class PunchPort:
+    """The port a shard or an outbound-only rank answers punches from, kept bound so that its
+    NAT keeps its outside port, and the connections punched from it, each joined to the
+    server at ``local`` (host, port). At most ``limit`` punches run at once: each holds a
+    socket and a connection attempt until its deadline."""
+
+    def __init__(self, local: tuple[str, int], host: str = "", limit: int = MAX_ANSWERS,
+                 name: str = "this host") -> None:
+        self._socket = reusable_socket(host=host, family=family_of(host))
+        self.port: int = self._socket.getsockname()[1]
+        self.local = local
+        self.name = name
+        self._limit = limit
+        self._answers: set[asyncio.Task] = set()
+        self._tunnels: list[Tunnel] = []
+
+    def answer(self, remote: tuple[str, int]) -> bool:
+        """Punch towards ``remote`` in the background (on the running loop) and join what
+        meets to :attr:`local`; False, doing nothing, when ``limit`` punches run already."""
+        if len(self._answers) >= self._limit:
+            log.warning("%s: punch towards %s:%d refused (%d under way)", self.name, *remote,
+                        self._limit)
+            return False
+        task = asyncio.ensure_future(self._answer(remote))
+        self._answers.add(task)
+        task.add_done_callback(self._answers.discard)
+        return True
+
+    async def _answer(self, remote: tuple[str, int]) -> None:
+        try:
+            tunnel = await answer(self.port, remote, self.local)
+        except (OSError, TimeoutError) as error:
+            log.warning("%s: no punched connection to %s:%d (%s)", self.name, *remote, error)
+            return
+        self._tunnels = [t for t in self._tunnels if t.open] + [tunnel]
+
+    def close(self) -> None:
+        """Stop the punches under way, end the punched connections, free the port."""
+        for task in list(self._answers):
+            task.cancel()
+        for tunnel in self._tunnels:
+            tunnel.close()
+        self._socket.close()
+
+
+__all__ = ["PROBE_SECONDS", "PUNCH_SECONDS", "PunchPort", "PunchedRoute", "Tunnel", "answer",
+           "asker", "probe", "probes_caller", "punch", "reusable_socket"]
