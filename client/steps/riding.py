@@ -68,9 +68,7 @@ class StepsRide:
         self._pg = pg
         self._model = model
         self._submit: Callable[[Coroutine], object] = pg.submit
-        session = getattr(pg, "session", None)
-        self._session = session
-        self._ride = None if session is None else session.ride
+        self._ride = pg.session.ride  # None where the group rides through nothing
         #: The session's rejoins when this ledger was last known (resumed or first used).
         self.epoch = 0 if self._ride is None else self._ride.epoch
         #: How many times the ledger was resumed.
