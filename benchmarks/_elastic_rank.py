@@ -17,38 +17,16 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-import math
 import sys
 import time
 
 STARTED = time.time()
 
 import torch  # noqa: E402  (after STARTED: the import is part of a joiner's cost)
+from _spirals_job import BATCH, REPLICA_BATCH, accuracy, emit, make, spirals  # noqa: E402
 from torch import nn  # noqa: E402
 
 import gradstar  # noqa: E402
-
-BATCH = 32
-#: A replica's batch: it trains alone between rounds, so it takes the batch a DDP step of 4
-#: ranks takes (with 32, this model stalls on the spirals' plateau in some runs, replicated or
-#: not: measured in one process, DiLoCo's rounds by hand).
-REPLICA_BATCH = 128
-
-
-def spirals(n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    t = torch.rand(n, generator=generator) * 3 * math.pi
-    label = torch.randint(0, 2, (n,), generator=generator)
-    r = t / (3 * math.pi)
-    angle = t + label * math.pi
-    x = torch.stack([r * torch.cos(angle), r * torch.sin(angle)], dim=1)
-    return x + 0.02 * torch.randn(n, 2, generator=generator), label
-
-
-def emit(record: dict) -> None:
-    """One JSON line, with this process's CPU seconds so far (``cpu``: since its start, what
-    its join costs whatever else the machine runs)."""
-    print(json.dumps({**record, "cpu": round(time.process_time(), 3)}), flush=True)
 
 
 def main() -> int:
@@ -96,13 +74,6 @@ def main() -> int:
     return 0
 
 
-def make() -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(2, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
-                          nn.Linear(32, 2))
-    return model, torch.optim.Adam(model.parameters(), lr=0.03)
-
-
 def train_step(wrapped, opt, step: int, args, batch: int = BATCH) -> None:
     x, y = spirals(batch, torch.Generator().manual_seed(7919 * step + args.ident))
     loss = nn.functional.cross_entropy(wrapped(x), y)
@@ -111,12 +82,6 @@ def train_step(wrapped, opt, step: int, args, batch: int = BATCH) -> None:
     opt.step()
     time.sleep(args.compute)  # the rest of a real step's compute
     emit({"step": step, "t": time.time(), "loss": round(loss.item(), 5)})
-
-
-def accuracy(model: nn.Module) -> float:
-    x, y = spirals(4000, torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        return (model(x).argmax(dim=1) == y).float().mean().item()
 
 
 def diloco(args) -> int:

@@ -51,12 +51,14 @@ FIRST, JOINERS, LEAVERS = 4, (4, 5), (1, 3, 5)
 
 
 class Rank:
-    """One rank process and its JSON lines, read on a thread."""
+    """One rank process (``script``, ``_elastic_rank.py`` unless said) and its JSON lines,
+    read on a thread."""
 
-    def __init__(self, ident: int, argv: list[str], env: dict, on_line=None) -> None:
+    def __init__(self, ident: int, argv: list[str], env: dict, on_line=None,
+                 script: Path = RANK) -> None:
         self.ident, self.lines = ident, []
         self.spawned = time.time()
-        self.proc = subprocess.Popen([sys.executable, str(RANK), *argv], env=env,
+        self.proc = subprocess.Popen([sys.executable, str(script), *argv], env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         track(self.proc)
         self._on_line = on_line
@@ -83,8 +85,14 @@ class Rank:
             raise BenchmarkError(f"rank {self.ident} exited with {self.proc.returncode}:\n"
                                  f"{self.proc.stderr.read()[-3000:]}")
 
-    def first(self, key: str):
-        return next((line[key] for line in self.lines if key in line), None)
+    def first(self, key: str, field: str | None = None):
+        """The first line's ``key`` (or its ``field``: ``first("joined", "cpu")``)."""
+        return next((line[field or key] for line in self.lines if key in line), None)
+
+    def milestones_cpu(self) -> dict:
+        """CPU seconds at each milestone the rank printed (where a join's CPU goes)."""
+        return {k: self.first(k, "cpu") for k in ("imported", "made", "joined", "built")
+                if self.first(k) is not None}
 
 
 def run(mode: str, elastic: bool, args) -> dict:
@@ -135,21 +143,23 @@ def run(mode: str, elastic: bool, args) -> dict:
     if elastic:
         joins = []
         for r in ranks[FIRST:]:
-            first = next(line for line in r.lines if "step" in line)
+            first = next((line for line in r.lines if "step" in line), None)
+            if first is None:
+                raise BenchmarkError(f"newcomer {r.ident} left before its first step (it joined "
+                                     f"after --leave-at?): {r.lines[-3:]}")
             joins.append({"join_s": first["t"] - r.spawned, "imported_s": r.first("imported"),
                           "joined_s": r.first("joined"), "built_s": r.first("built"),
                           "cpu_s": first.get("cpu"), "imported_cpu_s": r.first("cpu"),
                           # a replica's: its model made, and its join's own calls
-                          "made_s": r.first("made"), "join_rpcs_s": r.first("join_rpcs_s")})
+                          "made_s": r.first("made"), "join_rpcs_s": r.first("join_rpcs_s"),
+                          "milestones_cpu_s": r.milestones_cpu()})
         out["joins"] = joins
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", nargs="+",
-                        default=["synchronous", "quorum", "streaming-diloco"],
-                        choices=("synchronous", "quorum", "streaming-diloco"))
+def add_job_options(parser: argparse.ArgumentParser) -> None:
+    """The job's options, shared with ``elastic_torchft.py``: runs, its length, when it grows
+    and shrinks, each step's compute, the bound on a run and the JSON output."""
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--grow-at", type=int, default=40)
@@ -157,6 +167,14 @@ def main() -> int:
     parser.add_argument("--compute", type=float, default=0.03)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--json", type=Path)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", nargs="+",
+                        default=["synchronous", "quorum", "streaming-diloco"],
+                        choices=("synchronous", "quorum", "streaming-diloco"))
+    add_job_options(parser)
     args = parser.parse_args()
     results = []
     for mode in args.modes:
