@@ -13,10 +13,14 @@ The rule: enough connections that their windows carry :data:`FILL_RATE` bytes pe
 measured round trip, at most :data:`MAX_CONNECTIONS`; one on a LAN. ``connections`` in
 :class:`gradstar.config.ClientSettings` (``GRADSTAR_CONNECTIONS``) overrides it.
 
-Neither cap is the application's to lift; the host's settings are, where its owner may change
-them: :func:`host_tuning_advice` names them once a round trip is long enough for them to matter
-(measured: a 64 MiB all_reduce across 4 hosts at 1 Gbit/s and 200 ms took 3.5 s as shipped and
-1.6 s with both set; docs/regions.md).
+Neither cap is the application's to lift (gRPC-python gives it no socket to set options on);
+the host's settings are, where its owner may change them: :func:`host_tuning_advice` names them
+once a round trip is long enough for them to matter (measured: a 64 MiB all_reduce across 4
+hosts at 1 Gbit/s and 200 ms took 3.5 s as shipped and 1.6 s with both set; docs/regions.md).
+The restart after idle has a second way out: Linux skips it for a congestion control with a
+control loop of its own (BBR, which also paces its sends instead of bursting a window into the
+path's queue); a host may choose one per route, for its far peers only, since BBR measured
+slower than cubic on the 0 ms rows of the emulated cluster (docs/regions.md).
 
 The round trip is the fastest of :data:`PROBES` health checks (``grpc.health.v1``) on the
 connection the rank already has to the target: any answer is one round trip, a refusal
@@ -47,6 +51,9 @@ _UNANSWERED = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAV
                          grpc.StatusCode.CANCELLED})
 _TCP_WMEM = Path("/proc/sys/net/ipv4/tcp_wmem")
 _SLOW_START_AFTER_IDLE = Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle")
+_CONGESTION_CONTROL = Path("/proc/sys/net/ipv4/tcp_congestion_control")
+#: Congestion controls Linux never restarts after idle (they have a control loop of their own).
+KEEPS_WINDOW_AFTER_IDLE = frozenset({"bbr", "bbr2", "bbr3"})
 #: From this round trip on, the host's TCP settings cost a far link whole round trips.
 FAR_RTT = 0.020
 #: A send window that carries 1 Gbit/s at 200 ms and more.
@@ -73,21 +80,30 @@ def connections_for(rtt_s: float, window_bytes: int | None = None,
     return max(1, min(MAX_CONNECTIONS, math.ceil(rate * rtt_s / window)))
 
 
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
 def host_tuning_advice(rtt_s: float, window_bytes: int | None = None,
-                       slow_start_after_idle: Path = _SLOW_START_AFTER_IDLE) -> str | None:
+                       slow_start_after_idle: Path = _SLOW_START_AFTER_IDLE,
+                       congestion_control: Path = _CONGESTION_CONTROL) -> str | None:
     """A sentence naming this host's TCP settings that cost a link of round trip ``rtt_s``, and
-    their values for far links; None below :data:`FAR_RTT` or where both are set so."""
+    their values for far links; None below :data:`FAR_RTT` or where all are set so."""
     if rtt_s < FAR_RTT:
         return None
     window = send_window_bytes() if window_bytes is None else window_bytes
-    try:
-        restarts = slow_start_after_idle.read_text().strip() != "0"
-    except OSError:
-        restarts = False
+    control = _read(congestion_control)
+    restarts = _read(slow_start_after_idle) not in ("", "0") and (
+        control not in KEEPS_WINDOW_AFTER_IDLE)
     advice = []
     if restarts:
-        advice.append("net.ipv4.tcp_slow_start_after_idle=0 (each collective after an idle "
-                      "spell starts again from a small window, doubling once per round trip)")
+        advice.append(f"net.ipv4.tcp_slow_start_after_idle=0 or, for the far peers' routes only, "
+                      f"BBR ('ip route change ROUTE congctl bbr'; {control or 'the default'} "
+                      f"now): each collective after an idle spell starts again from a small "
+                      f"window, doubling once per round trip")
     if window < TUNED_WINDOW:
         advice.append(f"net.ipv4.tcp_wmem='4096 16384 {TUNED_WINDOW}' (its largest value, "
                       f"{window >> 20} MiB, caps one connection at "

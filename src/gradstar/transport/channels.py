@@ -96,7 +96,7 @@ _SERVER_COMMON = [
 ]
 
 #: The coordinator: it serves the ranks' sessions and the shards' registrations, whose loss it
-#: must notice within seconds (a host gone: named errors on the others within 5 s).
+#: must notice within seconds (a host gone: named errors on the others within 6 s).
 SERVER_OPTIONS = [*_SERVER_COMMON, *_keepalive(KEEPALIVE_TIMEOUT_MS)]
 #: Servers that carry only tensors (hub shards, ranks' peer servers): their pings queue behind
 #: full socket buffers like a bulk client's (8 ranks x 64 MiB into one 200 Mbit/s host lost
