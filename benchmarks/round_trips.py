@@ -15,6 +15,7 @@ How to reproduce (as root)::
 
     .venv/bin/python benchmarks/round_trips.py --rtt 100
     .venv/bin/python benchmarks/round_trips.py --rtt 50 --rate 1gbit --ops barrier all_reduce:4
+    .venv/bin/python benchmarks/round_trips.py --rtt 100 --congestion-control bbr
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from emulated_cluster import EmulatedCluster
+from emulated_cluster import CONGESTION_CONTROL, EmulatedCluster
 
 REPO = Path(__file__).resolve().parents[1]
 #: op:KiB pairs measured by default (KiB of float32 per rank; 0 for a barrier).
@@ -66,7 +67,8 @@ def measure(args: argparse.Namespace, rtt: float) -> tuple[dict[str, float], flo
     names = [f"node{i}" for i in range(args.hosts)]
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONUNBUFFERED": "1",
            "GRADSTAR_TOKEN": "round-trips", "GRADSTAR_JOB": "rt"}
-    with EmulatedCluster(names, rate=args.rate, rtt=rtt or None, force_delay_line=True) as net:
+    with EmulatedCluster(names, rate=args.rate, rtt=rtt or None, force_delay_line=True,
+                         congestion_control=args.congestion_control) as net:
         hub = net.popen("node0", [sys.executable, "-m", "gradstar", "coordinator", "--host",
                                   "0.0.0.0", "--port", "0", "--shards", "0", "--log-level",
                                   "WARNING"], env=env, cwd=REPO, text=True,
@@ -100,10 +102,15 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--ops", nargs="+", default=OPS, metavar="OP[:KIB]")
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--congestion-control", default=CONGESTION_CONTROL,
+                        help="each host's TCP congestion control (default cubic, Linux's "
+                             "default), e.g. bbr: a host setting that keeps a connection's "
+                             "window across idle spells (docs/regions.md)")
     args = parser.parse_args()
     near, near_cpu = measure(args, 0.0)
     far, far_cpu = measure(args, args.rtt)
-    print(f"{args.hosts} hosts x 1 rank, hub beside rank 0, {args.rate} links; load "
+    print(f"{args.hosts} hosts x 1 rank, hub beside rank 0, {args.rate} links, TCP "
+          f"{args.congestion_control}; load "
           f"{[round(v, 2) for v in os.getloadavg()]}")
     print(f"{'op':>18} | {'0 ms':>8} | {f'{args.rtt:g} ms':>8} | round trips | line CPU")
     for spec in args.ops:

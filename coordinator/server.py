@@ -185,7 +185,7 @@ class Coordinator:
                                               shared_memory=s.shared_memory)
         # Collectives get a server of their own: its connections carry MBs of tensors, behind
         # which a keepalive ping waits for seconds on a full link (8 ranks x 64 MiB through a
-        # hub's 200 Mbit/s link lost their sessions to the 2 s pings that find lost ranks).
+        # hub's 200 Mbit/s link lost their sessions to the keepalive pings that find lost ranks).
         # Outer rounds carry tensors too: served there (named in Seed replies) and here.
         rounds = RoundsServicer(self.rounds, s.max_chunk_bytes)
         # DDP's sync-mode steps carry whole gradients: on the collective port only.

@@ -13,19 +13,25 @@ The rule: enough connections that their windows carry :data:`FILL_RATE` bytes pe
 measured round trip, at most :data:`MAX_CONNECTIONS`; one on a LAN. ``connections`` in
 :class:`gradstar.config.ClientSettings` (``GRADSTAR_CONNECTIONS``) overrides it.
 
-Neither cap is the application's to lift; the host's settings are, where its owner may change
-them: :func:`host_tuning_advice` names them once a round trip is long enough for them to matter
-(measured: a 64 MiB all_reduce across 4 hosts at 1 Gbit/s and 200 ms took 3.5 s as shipped and
-1.6 s with both set; docs/regions.md).
+Neither cap is the application's to lift (gRPC-python gives it no socket to set options on);
+the host's settings are, where its owner may change them: :func:`host_tuning_advice` names them
+once a round trip is long enough for them to matter (measured: a 64 MiB all_reduce across 4
+hosts at 1 Gbit/s and 200 ms took 3.5 s as shipped and 1.6 s with both set; docs/regions.md).
+The restart after idle has a second way out: Linux skips it for a congestion control with a
+control loop of its own (BBR, which also paces its sends instead of bursting a window into the
+path's queue); a host may choose one per route, for its far peers only, since BBR measured
+slower than cubic on the 0 ms rows of the emulated cluster (docs/regions.md).
 
-The round trip is the fastest of :data:`PROBES` health checks (``grpc.health.v1``) on the
-connection the rank already has to the target: any answer is one round trip, a refusal
+The round trip is the fastest of :data:`PROBES` health checks (``grpc.health.v1``), sent at
+once, on the connection the rank already has to the target (one round trip at join, where
+three in turn cost three: 0.6 s at 200 ms): any answer is one round trip, a refusal
 (``UNIMPLEMENTED`` where a port serves no health service) as well as ``SERVING``. A target that
 does not answer within the timeout counts as near (one connection).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -47,6 +53,9 @@ _UNANSWERED = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAV
                          grpc.StatusCode.CANCELLED})
 _TCP_WMEM = Path("/proc/sys/net/ipv4/tcp_wmem")
 _SLOW_START_AFTER_IDLE = Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle")
+_CONGESTION_CONTROL = Path("/proc/sys/net/ipv4/tcp_congestion_control")
+#: Congestion controls Linux never restarts after idle (they have a control loop of their own).
+KEEPS_WINDOW_AFTER_IDLE = frozenset({"bbr", "bbr2", "bbr3"})
 #: From this round trip on, the host's TCP settings cost a far link whole round trips.
 FAR_RTT = 0.020
 #: A send window that carries 1 Gbit/s at 200 ms and more.
@@ -73,21 +82,30 @@ def connections_for(rtt_s: float, window_bytes: int | None = None,
     return max(1, min(MAX_CONNECTIONS, math.ceil(rate * rtt_s / window)))
 
 
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
 def host_tuning_advice(rtt_s: float, window_bytes: int | None = None,
-                       slow_start_after_idle: Path = _SLOW_START_AFTER_IDLE) -> str | None:
+                       slow_start_after_idle: Path = _SLOW_START_AFTER_IDLE,
+                       congestion_control: Path = _CONGESTION_CONTROL) -> str | None:
     """A sentence naming this host's TCP settings that cost a link of round trip ``rtt_s``, and
-    their values for far links; None below :data:`FAR_RTT` or where both are set so."""
+    their values for far links; None below :data:`FAR_RTT` or where all are set so."""
     if rtt_s < FAR_RTT:
         return None
     window = send_window_bytes() if window_bytes is None else window_bytes
-    try:
-        restarts = slow_start_after_idle.read_text().strip() != "0"
-    except OSError:
-        restarts = False
+    control = _read(congestion_control)
+    restarts = _read(slow_start_after_idle) not in ("", "0") and (
+        control not in KEEPS_WINDOW_AFTER_IDLE)
     advice = []
     if restarts:
-        advice.append("net.ipv4.tcp_slow_start_after_idle=0 (each collective after an idle "
-                      "spell starts again from a small window, doubling once per round trip)")
+        advice.append(f"net.ipv4.tcp_slow_start_after_idle=0 or, for the far peers' routes only, "
+                      f"BBR ('ip route change ROUTE congctl bbr'; {control or 'the default'} "
+                      f"now): each collective after an idle spell starts again from a small "
+                      f"window, doubling once per round trip")
     if window < TUNED_WINDOW:
         advice.append(f"net.ipv4.tcp_wmem='4096 16384 {TUNED_WINDOW}' (its largest value, "
                       f"{window >> 20} MiB, caps one connection at "
@@ -100,10 +118,10 @@ def host_tuning_advice(rtt_s: float, window_bytes: int | None = None,
 
 async def round_trip(channel: grpc.aio.Channel, metadata, timeout: float) -> float:
     """Seconds of the fastest of :data:`PROBES` health checks on ``channel`` (connected
-    already); 0.0 if the target answers none within ``timeout`` each."""
+    already), all in flight at once; 0.0 if one goes unanswered within ``timeout``."""
     check = health_pb2_grpc.HealthStub(channel).Check
-    fastest = math.inf
-    for _ in range(PROBES):
+
+    async def probe() -> float:
         t0 = time.perf_counter()
         try:
             await check(health_pb2.HealthCheckRequest(), metadata=metadata, timeout=timeout)
@@ -111,9 +129,11 @@ async def round_trip(channel: grpc.aio.Channel, metadata, timeout: float) -> flo
             if error.code() in _UNANSWERED:
                 log.debug("no round trip measured: the health check failed (%s)",
                           error.code())
-                return 0.0
-        fastest = min(fastest, time.perf_counter() - t0)
-    return fastest
+                return math.inf
+        return time.perf_counter() - t0
+
+    times = await asyncio.gather(*(probe() for _ in range(PROBES)))
+    return 0.0 if math.inf in times else min(times)
 
 
 __all__ = ["FILL_RATE", "MAX_CONNECTIONS", "connections_for", "host_tuning_advice",

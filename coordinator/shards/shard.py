@@ -221,7 +221,7 @@ class Shard:
                     self._on_punch(command.punch)
             reason = "the coordinator closed this shard's control stream"
         except grpc.RpcError as error:
-            reason = f"lost the coordinator ({error.code().name})"
+            reason = f"lost the coordinator ({error.code().name}: {error.details()})"
         finally:
             reporter.cancel()
         self.lost = CoordinatorUnavailableError(

@@ -133,10 +133,10 @@ class CoordinatorSettings(BaseSettings):
         0, ge=0, le=65535,
         description="the port for collectives' tensors (0 picks a free one): a server of their "
                     "own whose keepalive tolerates full links, apart from the sessions' port "
-                    "whose 2 s pings find lost ranks; open it where a firewall or Service "
+                    "whose keepalive pings find lost ranks; open it where a firewall or Service "
                     "lists ports")
     heartbeat_interval: float = Field(1.0, gt=0)
-    # Frozen or partitioned ranks are found by gRPC keepalive in ~3 s; heartbeats catch a rank
+    # Frozen or partitioned ranks are found by gRPC keepalive in ~5 s; heartbeats catch a rank
     # whose process lives but whose gradstar event loop stopped.
     heartbeat_timeout: float = Field(15.0, gt=0)
     max_collective_timeout: float = Field(

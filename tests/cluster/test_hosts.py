@@ -12,6 +12,9 @@ node-local shard). Hosts are network namespaces on a bridge (:mod:`tests.runtime
   error (a lost shard or a lost rank, naming it) within :data:`NAMED_WITHIN` seconds, the
   coordinator keeps serving, and the ranks left form the job again (``JOB/again``) on the hosts
   left, exactly;
+- before that, the same host's link is silent for :data:`SILENT_FOR` seconds (every packet
+  dropped both ways, as a burst of losses on a far path) and comes back: nobody is named lost
+  and the all_reduces go on (a live host whose packets TCP must send again is slow, not gone);
 - all of it also with every two hosts 100 ms apart (delay lines, ``rtt=100``): far links
   change neither the results nor the bound on naming a lost host.
 
@@ -33,6 +36,19 @@ CHUNK = 2 << 20  # the default chunk: a multiple of it per shard keeps the strip
 #: Seconds from a host's link going down to a named error on every other host: keepalive's
 #: 1 s pings with a 2 s timeout, plus room for a loaded machine and a 100 ms round trip.
 NAMED_WITHIN = 8.0
+#: A silence a live host must survive. TCP sends a packet lost in it again a tail-loss probe
+#: and then a retransmission timeout (200 ms plus the round trip) later, doubling: at 100 ms
+#: about 0.35, 0.65, 1.25 and 2.45 s after it first went (on a LAN 0.2, 0.4, 0.8, 1.6, 3.2 s).
+#: Inside the 4 s keepalive timeout (gradstar.transport.channels.KEEPALIVE_TIMEOUT_MS, which
+#: gRPC also makes the socket's TCP_USER_TIMEOUT) every packet gets through; inside the 2 s one
+#: it had, a ping sent in the first 0.55 s of the silence (at 100 ms) was the connection's end.
+SILENT_FOR = 1.8
+#: nftables rules that drop every packet on a host's link, both ways (the link stays up).
+SILENCE = """table inet gradstar_silence {
+    chain input { type filter hook input priority 0; policy accept; iifname "eth0" drop; }
+    chain output { type filter hook output priority 0; policy accept; oifname "eth0" drop; }
+}
+"""
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -68,7 +84,14 @@ def test_a_job_across_hosts_is_exact_within_link_bytes_and_survives_a_host(
                     f"all_reduces of {nbytes} by {per_host} rank(s): over 1.1 x 2(H-1)/H·S "
                     f"({bound:.0f})")
 
-            time.sleep(0.5)  # the survivors are inside their all_reduce loop
+            time.sleep(0.5)  # every rank is inside its all_reduce loop
+            silence(network.namespaces[dead], SILENT_FOR)
+            time.sleep(NAMED_WITHIN)  # a host taken for lost would be named by now
+            named = sorted((out).glob("failure-*.json"))
+            assert not named, (f"a link silent for {SILENT_FOR} s (rtt {rtt} ms) had a live host "
+                               f"named lost: {[p.read_text() for p in named]}")
+            assert all(p.poll() is None for p in procs), "a process exited during the silence"
+
             subprocess.run(["ip", "-n", network.namespaces[dead], "link", "set", "eth0", "down"],
                            check=True, timeout=20)
             down_at = time.time()
@@ -89,3 +112,15 @@ def test_a_job_across_hosts_is_exact_within_link_bytes_and_survives_a_host(
             assert {r["world"] for r in again} == {world - per_host}
             left = sorted(network.addresses[h] for h in names if h != dead)
             assert sorted(a.rsplit(":", 1)[0] for a in again[0]["shards"]) == left
+
+
+def silence(namespace: str, seconds: float) -> None:
+    """Drop every packet on ``namespace``'s link for ``seconds``, then let them through again."""
+    def nft(*argv: str, **kwargs) -> None:
+        subprocess.run(["ip", "netns", "exec", namespace, "nft", *argv], check=True,
+                       timeout=20, text=True, **kwargs)
+    nft("-f", "-", input=SILENCE)
+    try:
+        time.sleep(seconds)
+    finally:
+        nft("delete", "table", "inet", "gradstar_silence")

@@ -2,9 +2,9 @@
 it was lost from its generation: a named error naming itself, never a bare transport status
 such as INTERNAL ("Internal error from Core") or a claim that the coordinator went away.
 
-Heartbeats time out after 2 s here, so a freeze of a few seconds is past both the hub's
-heartbeat timeout and its keepalive (2 s ping timeout); the two freezes cover the hub ending
-the session by either before the rank thaws.
+Heartbeats time out after 2 s here, so a freeze of 4 s is past the hub's heartbeat timeout and
+one of 8 s past its keepalive too (1 s pings, a 4 s ping timeout); the two freezes cover the
+hub ending the session by either before the rank thaws.
 """
 
 from __future__ import annotations

@@ -102,15 +102,27 @@ def test_small_all_reduces_and_split_bytes_zero_are_not_split():
 def test_far_hosts_are_told_which_tcp_settings_cost_them(tmp_path):
     restart = tmp_path / "tcp_slow_start_after_idle"
     restart.write_text("1\n")
-    assert connections.host_tuning_advice(0.005, 4 * MIB, restart) is None  # a LAN: nothing
-    advice = connections.host_tuning_advice(0.100, 4 * MIB, restart)
-    assert "round trip to the hub is 100 ms" in advice
-    assert "net.ipv4.tcp_slow_start_after_idle=0" in advice
-    assert "net.ipv4.tcp_wmem='4096 16384 67108864'" in advice and "336 Mbit/s" in advice
+    control = tmp_path / "tcp_congestion_control"
+    control.write_text("cubic\n")
+    def advice(rtt, window):
+        return connections.host_tuning_advice(rtt, window, restart, control)
+    assert advice(0.005, 4 * MIB) is None  # a LAN: nothing
+    said = advice(0.100, 4 * MIB)
+    assert "round trip to the hub is 100 ms" in said
+    assert "net.ipv4.tcp_slow_start_after_idle=0" in said
+    assert "congctl bbr" in said and "cubic now" in said  # or BBR on the far routes
+    assert "net.ipv4.tcp_wmem='4096 16384 67108864'" in said and "336 Mbit/s" in said
     restart.write_text("0\n")
-    advice = connections.host_tuning_advice(0.100, 4 * MIB, restart)
-    assert "slow_start_after_idle" not in advice and "tcp_wmem" in advice
-    assert connections.host_tuning_advice(0.100, 64 * MIB, restart) is None  # tuned already
+    said = advice(0.100, 4 * MIB)
+    assert "slow_start_after_idle" not in said and "bbr" not in said and "tcp_wmem" in said
+    assert advice(0.100, 64 * MIB) is None  # tuned already
+    # BBR never restarts after idle (Linux skips it for a congestion control with its own
+    # control loop), whatever tcp_slow_start_after_idle says.
+    restart.write_text("1\n")
+    control.write_text("bbr\n")
+    assert advice(0.100, 64 * MIB) is None
+    control.unlink()  # unreadable: the restart is assumed, as Linux's default
+    assert "slow_start_after_idle=0" in advice(0.100, 64 * MIB)
 
 
 @pytest.mark.parametrize(("world_size", "configured", "auto", "want"), [

@@ -24,11 +24,18 @@ KEEPALIVE_MS = 1_000
 #: The time a connection attempt may take before gRPC tries again (TCP's handshake, TLS's,
 #: and the server's HTTP/2 settings: a few round trips, each up to 200 ms across regions).
 CONNECT_TIMEOUT_MS = 2_000
-#: Control connections and the coordinator: a peer that answers no ping for 2 s is gone (a host
-#: cut off: named errors on the others within 5 s, ~2.2 s measured). Only small messages share
-#: these connections, so a full link delays their pings by its queue (tbf's 50 ms here), not by
-#: MBs of socket buffers.
-KEEPALIVE_TIMEOUT_MS = 2_000
+#: Control connections and the coordinator: a peer that answers no ping for 4 s is gone (a host
+#: cut off: named errors on the others within 6 s). Only small messages share these
+#: connections, so a full link delays their pings by its queue (tbf's 50 ms here), not by MBs
+#: of socket buffers. gRPC also sets this as the socket's TCP_USER_TIMEOUT (what it may leave
+#: unacknowledged), so it must outlast TCP's own repair of a lost packet on a live far path:
+#: a lost segment is sent again after a retransmission timeout of 200 ms plus the round trip,
+#: doubling each time, so at 100-200 ms a packet lost three times running is through after
+#: 2.1-2.8 s. 2 s allowed two: on a lossy 200 ms path (BBR overfilling a queue; 5-10% random
+#: loss on the emulated cluster) live shards' and sessions' control connections were dropped
+#: ("ping timeout", "Connection timed out"), and a link silent for 1.5 s at 100 ms dropped
+#: them all (tests/cluster/test_hosts.py; docs/regions.md, "Known problems").
+KEEPALIVE_TIMEOUT_MS = 4_000
 #: A client's keepalive on a connection that carries tensors: its pings wait behind the bytes
 #: queued in both directions' socket buffers (MBs: on a 200 Mbit/s link shared by 4 streams,
 #: the ping and its ack each waited up to ~0.7 s, more on a loaded CPU), and a 2 s timeout
@@ -89,7 +96,7 @@ _SERVER_COMMON = [
 ]
 
 #: The coordinator: it serves the ranks' sessions and the shards' registrations, whose loss it
-#: must notice within seconds (a host gone: named errors on the others within 5 s).
+#: must notice within seconds (a host gone: named errors on the others within 6 s).
 SERVER_OPTIONS = [*_SERVER_COMMON, *_keepalive(KEEPALIVE_TIMEOUT_MS)]
 #: Servers that carry only tensors (hub shards, ranks' peer servers): their pings queue behind
 #: full socket buffers like a bulk client's (8 ranks x 64 MiB into one 200 Mbit/s host lost
