@@ -273,7 +273,8 @@ def tables(rows: list[dict]) -> str:
     def cpu(x: float | None) -> str:
         return "-" if x is None else f"{x:.2f}"
 
-    main = [[r["topology"], f"{r['size_mb']:g}", f"{r['median_s'] * 1e3:.0f}",
+    main = [[r["topology"], f"{r['size_mb']:g}",
+             f"{r['median_s'] * 1e3:.{1 if r['median_s'] < 0.01 else 0}f}",
              f"{r['median_s'] / gloo_s[r['size_mb']]:.2f}" if r["size_mb"] in gloo_s else "-",
              f"{r['ideal_s'] * 1e3:.0f}", f"{r['ideal_s'] / r['median_s']:.0%}",
              mb(busiest({h: LinkBytes(**b) for h, b in r["links"].items()})),

@@ -11,8 +11,11 @@ the stages' own peer streams, stage s to s + 1 and back.
 What is measured: ``benchmarks/pipeline.py``'s stage program (:func:`pipeline.pipeline_rank`):
 both schedules in the same stage processes, step by step in alternating order, each on its own
 copy of the stage from the same seed, ``--warmup`` untimed steps then ``--iters`` timed ones,
-a barrier before each. ms/step: the last stage's median; blocked: each stage's median time
-waiting for its neighbours (``Pipeline.wait_seconds``). Both schedules train the same batches
+a barrier before each. ms/step: stage 0's median (the coordinator is on its host, so the
+barrier lets it go first; its step runs from the first micro-batch's forward to the last
+one's gradient back, the whole pipeline's critical path, where a far stage's own clock starts
+half a round trip late); blocked: each stage's median time waiting for its neighbours
+(``Pipeline.wait_seconds``). Both schedules train the same batches
 from the same parameters: the largest difference of their final parameters is printed (float32
 rounding only).
 
@@ -98,13 +101,13 @@ def report(row: dict, args) -> tuple[str, dict]:
     link_ms = hop_bytes / rate_bytes_per_second(args.rate) * 1e3
     body, summary = [], {}
     for schedule in SCHEDULES:
-        ms = median(stages[-1][schedule]["times"]) * 1e3
+        ms = median(stages[0][schedule]["times"]) * 1e3
         trips = schedule_round_trips(schedule, args.stages, args.microbatches)
         blocked = " / ".join(f"{median(s[schedule]['waits']) * 1e3:.0f}" for s in stages)
         body.append([schedule, f"{ms:.0f}", f"{args.batch / ms * 1e3:.0f}", blocked,
                      trips, f"{trips * rtt:.0f}", f"{link_ms:.0f}"])
         summary[schedule] = {"median_ms": ms, "round_trips": trips,
-                             "times_ms": [t * 1e3 for t in stages[-1][schedule]["times"]],
+                             "times_ms": [t * 1e3 for t in stages[0][schedule]["times"]],
                              "median_wait_ms": [median(s[schedule]["waits"]) * 1e3
                                                 for s in stages],
                              "peak_activation_bytes": [s[schedule]["peak_bytes"]

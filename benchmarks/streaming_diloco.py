@@ -92,7 +92,8 @@ def worker(method: str, index: int, out: Path, args: argparse.Namespace) -> None
             model, sync_every=args.sync_every, fragments=args.fragments if streaming else 1,
             delay=args.delay if streaming else 0, alpha=0.5 if streaming else 0.0,
             outer_lr=0.7, outer_momentum=0.9, min_replicas=args.workers - killing,
-            job=f"bench-{method}", replica=f"w{index}", round_timeout=5.0 if killing else 60.0,
+            job=os.environ.get("BENCH_JOB", f"bench-{method}"), replica=f"w{index}",
+            round_timeout=5.0 if killing else 60.0,
             wire=args.wire)
         trained = model
         # What a round uploads per fragment: float32, or the bytes its wire format encodes.
@@ -119,7 +120,7 @@ def worker(method: str, index: int, out: Path, args: argparse.Namespace) -> None
     # A restarted replica takes up the schedule where the hub's latest round began.
     for step in range(first, steps):
         if step == first + WARM_STEPS:
-            loop_began, in_step = time.perf_counter(), 0.0
+            loop_began, in_step, cpu_began = time.perf_counter(), 0.0, time.process_time()
         start = (step % (len(y) // args.batch_size)) * args.batch_size
         opt.zero_grad()
         torch.nn.functional.cross_entropy(trained(x[start:start + args.batch_size]),
@@ -132,6 +133,7 @@ def worker(method: str, index: int, out: Path, args: argparse.Namespace) -> None
         if snapshots and (step + 1) % snap_every == 0:
             snapshot(step + 1)
     loop_seconds = time.perf_counter() - loop_began if loop_began is not None else 0.0
+    loop_cpu = time.process_time() - cpu_began if loop_began is not None else 0.0
     if method == "local":
         final = np.concatenate([p.detach().reshape(-1).numpy() for p in model.parameters()])
         moved = 0
@@ -149,7 +151,7 @@ def worker(method: str, index: int, out: Path, args: argparse.Namespace) -> None
     out.write_text(json.dumps({"steps": steps, "bytes": moved, "peak_upload": upload,
                                "timed_steps": max(0, steps - first - WARM_STEPS),
                                "loop_s": loop_seconds, "in_step_s": in_step,
-                               "cpu_s": time.process_time(), "params": final.tolist()}))
+                               "loop_cpu_s": loop_cpu, "params": final.tolist()}))
 
 
 def kill_and_restart(procs: list, start, hub, args: argparse.Namespace) -> None:

@@ -20,15 +20,18 @@ final test accuracy less one point. Link bytes are read from the bridge every 0.
 rate is the largest of any host link, either way, over one sample interval.
 
 ``--measure utilisation`` runs ``local`` (the same loop with nothing sent: each worker trains
-alone), Streaming DiLoCo, and ``local`` again (the machine is shared: the two bracket the
-run), on the same hosts. A worker's steps/s is its inner steps over its training loop's own
-clock (from its 5th step: the join, torch's first passes and the final merges excluded);
-utilisation is Streaming DiLoCo's slowest
-worker's steps/s over the mean of the local runs' slowest. "in step()" is the share of the loop
-the training thread spent inside ``sdl.step()`` (starting rounds, waiting for and merging the
-ones due). ``--host-cpu C`` gives every worker host C of one core (a cgroup each, as
-``benchmarks/sync_modes.py``), so that a host's compute does not depend on what the others
-run; the hub is not limited.
+alone), then ``--repeat`` times Streaming DiLoCo and ``local`` again (the machine is shared:
+the local runs bracket each Streaming DiLoCo run), on the same hosts, each run a job of its
+own. A worker's steps/s is its inner steps over its training loop's own clock (from its 5th
+step: the join, torch's first passes and the final merges excluded); utilisation is a
+Streaming DiLoCo run's slowest worker's steps/s over the mean of the slowest of the local runs
+beside it. "in step()" is the share of the loop the training thread spent inside
+``sdl.step()`` (starting rounds, waiting for and merging the ones due; the most of any
+worker), "CPU ms/step" a worker's CPU over the loop (every thread: the rounds' own work
+included) per step, the mean of the workers: on a shared machine the steps/s of two runs
+differ by what else ran, these two much less. ``--host-cpu C`` gives every worker host C of
+one core (a cgroup each, as ``benchmarks/sync_modes.py``), so that a host's compute depends
+less on what the others run; the hub is not limited.
 
 The link-bound ideal beside it: a round of one fragment of F bytes (float32, or its wire
 format's) ends when the last replica's F reached the hub and the W global fragments left its
@@ -90,6 +93,7 @@ def run_method(run: Run, method: str, label: str, tmp: Path, cpu: HostCpu | None
     snaps.mkdir()
     env = rank_env(run, Placement("hub"), f"bench-{label}") | {
         "GRADSTAR_SHARED_MEMORY": "0", "BENCH_SNAP_EVERY": str(args.snap_every),
+        "BENCH_JOB": f"bench-{label}",  # each run its own rounds on the one coordinator
         "BENCH_GLOO_INIT": f"tcp://{run.cluster.address(workers[0])}:29500",
         "GLOO_SOCKET_IFNAME": "eth0"}
     if args.measure == "accuracy":  # worker 0's snapshots (not in a loop timed for its pace)
@@ -183,6 +187,9 @@ def utilisation_report(rows: list[dict], args) -> tuple[str, dict]:
     def in_step(row: dict) -> float:
         return max(w["in_step_s"] / w["loop_s"] for w in row["workers"])
 
+    def cpu_ms(row: dict) -> float:  # every thread of a worker, per timed step (mean)
+        return statistics.mean(w["loop_cpu_s"] / w["timed_steps"] for w in row["workers"]) * 1e3
+
     local = [rate(r) for r in rows if r["method"] == "local"]
     step_s = 1.0 / statistics.mean(local)
     rtt_ms = args.rtt if isinstance(args.rtt, (int, float)) else 0.0
@@ -202,14 +209,16 @@ def utilisation_report(rows: list[dict], args) -> tuple[str, dict]:
             ratio = f"{ratios[-1]:.1%}"
         body.append([r["label"], f"{rate(r):.1f}", ratio,
                      f"{in_step(r):.1%}" if r["method"] == "streaming" else "-",
+                     f"{cpu_ms(r):.1f}",
                      f"{max(w['loop_s'] for w in r['workers']):.1f}",
                      "-" if r["line_cpu"] is None else f"{r['line_cpu']:.2f}"])
     figures = {"local_steps_per_s": local, "utilisation": ratios,
+               "cpu_ms_per_step": {r["label"]: cpu_ms(r) for r in rows},
                "in_step": [in_step(r) for r in rows if r["method"] == "streaming"],
                "ideal_utilisation": ideal, "round_ideal_s": round_s,
                "overlap_s": args.delay * step_s, "largest_fragment_bytes": biggest}
     text = format_table(["run", "steps/s (slowest worker)", "of the local runs beside",
-                         "in step() (most)", "loop s", "line CPU"], body)
+                         "in step() (most)", "CPU ms/step", "loop s", "line CPU"], body)
     text += (f"\nutilisation {' '.join(f'{u:.1%}' for u in ratios)}; ideal {ideal:.1%}: a "
              f"round of the largest fragment ({biggest:,} B per replica) takes at least "
              f"{round_s * 1e3:.0f} ms ((1 + {args.workers}) x F / rate + 1 RTT) against tau x "
