@@ -33,13 +33,14 @@ differ by what else ran, these two much less. ``--host-cpu C`` gives every worke
 one core (a cgroup each, as ``benchmarks/sync_modes.py``), so that a host's compute depends
 less on what the others run; the hub is not limited.
 
-The link-bound ideal beside it: a round of one fragment of F bytes (float32, or its wire
-format's) ends when the last replica's F reached the hub and the W global fragments left its
-link, and pays one round trip (the contribution's way in, the global fragment's way out):
-``round >= (1 + W) F / rate + RTT``. Its merge waits ``tau`` inner steps, so with a local step
-of ``t`` s a round stalls at least ``max(0, round - tau t)``, once per ``H / P`` steps: ideal
-utilisation ``(H/P) t / ((H/P) t + stall)``. ``--sync-every 1 --fragments 1 --delay 0`` with a
-small model times the round itself: a step is then one round.
+The link-bound ideal beside it: a round of one fragment (U bytes up per replica: float32, or
+its wire format's; D down, the float32 global fragment) ends when the last replica's U reached
+the hub and the W global fragments left its link, and pays one round trip (the contribution's
+way in, the global fragment's way out): ``round >= (U + W D) / rate + RTT``. Its merge waits
+``tau`` inner steps, so with a local step of ``t`` s a round stalls at least
+``max(0, round - tau t)``, once per ``H / P`` steps: ideal utilisation
+``(H/P) t / ((H/P) t + stall)``. ``--sync-every 1 --fragments 1 --delay 0`` with a small model
+times the round itself: a step is then one round.
 """
 
 from __future__ import annotations
@@ -165,8 +166,9 @@ def accuracy_report(rows: list[dict]) -> str:
          "peak link B/s"], body))
 
 
-def fragment_bytes(args) -> list[int]:
-    """What one replica uploads per round of each fragment (float32, or its wire format)."""
+def fragment_bytes(args) -> list[tuple[int, int]]:
+    """Per fragment, what one replica uploads per round (float32, or its wire format) and
+    downloads (the global fragment, float32)."""
     from gradstar.client.outer.plan import split_fragments
     from gradstar.wire.formats import wire_format
     from gradstar.worker.demo.spirals import make_spirals
@@ -176,7 +178,7 @@ def fragment_bytes(args) -> list[int]:
                                            args.hidden).parameters()]
     numels = [sum(sizes[i] for i in run) for run in split_fragments(sizes, args.fragments)]
     encoded = wire_format(args.wire) if args.wire else None
-    return [encoded.encoded_nbytes(n) if encoded else 4 * n for n in numels]
+    return [(encoded.encoded_nbytes(n) if encoded else 4 * n, 4 * n) for n in numels]
 
 
 def utilisation_report(rows: list[dict], args) -> tuple[str, dict]:
@@ -196,8 +198,8 @@ def utilisation_report(rows: list[dict], args) -> tuple[str, dict]:
     if isinstance(args.rtt, dict):  # hub to a worker: the farthest pair through the core
         rtt_ms = args.rtt.get("hub", 0.0) + max(args.rtt.get(w, 0.0) for w in
                                                (f"node{i}" for i in range(args.workers)))
-    biggest = max(fragment_bytes(args))
-    round_s = (1 + args.workers) * biggest / rate_bytes_per_second(args.rate) + rtt_ms / 1e3
+    up, down = max(fragment_bytes(args), key=lambda f: f[1])
+    round_s = (up + args.workers * down) / rate_bytes_per_second(args.rate) + rtt_ms / 1e3
     every = args.sync_every / args.fragments * step_s
     ideal = every / (every + max(0.0, round_s - args.delay * step_s))
     body, ratios = [], []
@@ -216,13 +218,13 @@ def utilisation_report(rows: list[dict], args) -> tuple[str, dict]:
                "cpu_ms_per_step": {r["label"]: cpu_ms(r) for r in rows},
                "in_step": [in_step(r) for r in rows if r["method"] == "streaming"],
                "ideal_utilisation": ideal, "round_ideal_s": round_s,
-               "overlap_s": args.delay * step_s, "largest_fragment_bytes": biggest}
+               "overlap_s": args.delay * step_s, "largest_fragment_bytes": [up, down]}
     text = format_table(["run", "steps/s (slowest worker)", "of the local runs beside",
                          "in step() (most)", "CPU ms/step", "loop s", "line CPU"], body)
     text += (f"\nutilisation {' '.join(f'{u:.1%}' for u in ratios)}; ideal {ideal:.1%}: a "
-             f"round of the largest fragment ({biggest:,} B per replica) takes at least "
-             f"{round_s * 1e3:.0f} ms ((1 + {args.workers}) x F / rate + 1 RTT) against tau x "
-             f"step = {args.delay} x {step_s * 1e3:.1f} ms")
+             f"round of the largest fragment ({up:,} B up, {down:,} B down per replica) takes "
+             f"at least {round_s * 1e3:.0f} ms ((up + {args.workers} x down) / rate + 1 RTT) "
+             f"against tau x step = {args.delay} x {step_s * 1e3:.1f} ms")
     return text, figures
 
 
