@@ -14,15 +14,16 @@ from _cluster_model import DDP_BATCH
 
 def ddp_step(wrap: Callable, rank: int) -> tuple[Callable, Callable]:
     """``benchmarks/ddp_step.py``'s model, data and SGD step, its gradients reduced by the
-    DDP wrapper ``wrap`` returns: (one training step, a sample of the parameters now)."""
+    DDP wrapper ``wrap(model, optimizer)`` returns: (one training step, a sample of the
+    parameters once every rank applied every step)."""
     import torch
     from ddp_step import SAMPLE_EVERY, _data, _model
 
     torch.set_num_threads(1)  # every rank shares the machine's cores with the others
     model = _model(seed=rank)  # different seeds: DDP's first broadcast must align them
-    step_model = wrap(model)
-    x, y = _data(rank, DDP_BATCH)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    step_model = wrap(model, opt)
+    x, y = _data(rank, DDP_BATCH)
 
     def step() -> None:
         opt.zero_grad()
@@ -30,10 +31,23 @@ def ddp_step(wrap: Callable, rank: int) -> tuple[Callable, Callable]:
         opt.step()
 
     def sample() -> list[float]:
+        if hasattr(step_model, "synchronize"):  # gradstar.DDP: a sync mode's steps applied
+            step_model.synchronize()
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         return flat[::SAMPLE_EVERY].tolist()
 
     return step, sample
+
+
+def sync_mode(spec: dict):
+    """The gradstar ranks' sync mode: Synchronous, or Quorum of every host but one that never
+    waits for the rest (``benchmarks/sync_modes.py``'s)."""
+    import gradstar
+
+    if spec.get("sync_mode") == "quorum":
+        return gradstar.Quorum(min_ranks=spec["world_size"] - spec["ranks_per_host"],
+                               timeout=0.0)
+    return gradstar.Synchronous()
 
 
 def rank_main(spec: dict) -> int:
@@ -67,7 +81,7 @@ def rank_main(spec: dict) -> int:
             return x.numpy()
 
         barrier, close, shards = dist.barrier, dist.destroy_process_group, None
-        def wrap(model):
+        def wrap(model, opt):
             return torch.nn.parallel.DistributedDataParallel(
                 model, bucket_cap_mb=spec["bucket_cap_mb"])
     else:
@@ -88,16 +102,20 @@ def rank_main(spec: dict) -> int:
 
         barrier, close, shards = pg.barrier, pg.close, pg.shards
 
-        def wrap(model):
-            return gradstar.DDP(model, pg, bucket_cap_mb=spec["bucket_cap_mb"])
+        def wrap(model, opt):
+            mode = sync_mode(spec)  # the optimizer applies a ledger mode's steps
+            return gradstar.DDP(model, pg, bucket_cap_mb=spec["bucket_cap_mb"], sync_mode=mode,
+                                optimizer=opt if mode.on_ledger else None)
 
     if spec["workload"] == "ddp":
         all_reduce, final = ddp_step(wrap, rank)
+    elif spec["workload"] == "barrier":
+        all_reduce, final = barrier, None
     else:
         final = None
 
     def check(result) -> None:
-        if final is not None:
+        if final is not None or spec["workload"] == "barrier":
             return  # a DDP step: the ranks' final parameters are compared by the driver
         if lossy:
             if not (np.abs(result - want) <= want * 2.0**-6).all():

@@ -168,7 +168,8 @@ def run_size(run: Run, name: str, placement: Placement, hub: list[Process], size
         for rank, host in enumerate(layout.rank_hosts):
             spec = {"backend": "gloo" if placement.coordinator is None else "gradstar",
                     "workload": args.workload, "bucket_cap_mb": args.bucket_cap_mb,
-                    "rank": rank,
+                    "sync_mode": args.sync_mode, "rank": rank,
+                    "ranks_per_host": layout.ranks_per_host,
                     "world_size": layout.world_size, "nbytes": nbytes,
                     "iters": args.iters, "warmup": args.warmup, "store": store,
                     # Stripes go to the shards every host can reach: dialed, or punched
@@ -209,18 +210,30 @@ def run_size(run: Run, name: str, placement: Placement, hub: list[Process], size
     links = {h: LinkBytes(round((after.links[h] - before.links[h]).rx / args.iters),
                           round((after.links[h] - before.links[h]).tx / args.iters))
              for h in after.links}
-    gb = nbytes * layout.world_size * args.iters / GB
-    model = link_model(placement, layout, nbytes, wire)
+    gb = nbytes * layout.world_size * args.iters / GB or None  # None: a barrier's
+    # A ledger mode's gradients go to the coordinator's step ledger, not over the shards.
+    ledger = placement.coordinator is not None and args.sync_mode == "quorum"
+    model = link_model(Placement(placement.coordinator) if ledger else placement, layout,
+                       nbytes, wire)
     rate = rate_bytes_per_second(args.rate)
     return {"topology": name + (f" wire={wire}" if wire else ""), "size_mb": size_mb,
             "nbytes": nbytes, "wire": wire,
             "median_s": median(results[0]["times"]), "times": results[0]["times"],
-            "ideal_s": busiest(model) / rate, "links": {h: vars(b) for h, b in links.items()},
+            "ideal_s": round_trip_s(args.rtt) if args.workload == "barrier" else
+            busiest(model) / rate, "links": {h: vars(b) for h, b in links.items()},
             "model": {h: vars(b) for h, b in model.items()},
-            "hub_cpu_s_per_gb": (after.hub_cpu - before.hub_cpu) / gb if hub else None,
-            "ranks_cpu_s_per_gb": sum(r["cpu_s"] for r in results) / gb,
+            "hub_cpu_s_per_gb": (after.hub_cpu - before.hub_cpu) / gb if hub and gb else None,
+            "ranks_cpu_s_per_gb": sum(r["cpu_s"] for r in results) / gb if gb else None,
             "shards": results[0]["shards"], "sample": results[0]["sample"],
             **line_columns(before, after)}
+
+
+def round_trip_s(rtt: float | dict[str, float] | None) -> float:
+    """The farthest two hosts' round trip in seconds (a barrier's ideal: the star's way in
+    and out)."""
+    if isinstance(rtt, dict):
+        return sum(sorted(rtt.values())[-2:]) / 1e3
+    return (rtt or 0.0) / 1e3
 
 
 def run_topology(run: Run, name: str) -> tuple[list[dict], list[tuple[str, str]]]:
@@ -260,7 +273,8 @@ def tables(rows: list[dict]) -> str:
     def cpu(x: float | None) -> str:
         return "-" if x is None else f"{x:.2f}"
 
-    main = [[r["topology"], f"{r['size_mb']:g}", f"{r['median_s'] * 1e3:.0f}",
+    main = [[r["topology"], f"{r['size_mb']:g}",
+             f"{r['median_s'] * 1e3:.{1 if r['median_s'] < 0.01 else 0}f}",
              f"{r['median_s'] / gloo_s[r['size_mb']]:.2f}" if r["size_mb"] in gloo_s else "-",
              f"{r['ideal_s'] * 1e3:.0f}", f"{r['ideal_s'] / r['median_s']:.0%}",
              mb(busiest({h: LinkBytes(**b) for h, b in r["links"].items()})),
@@ -286,9 +300,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="float32 payload per rank in MiB (default 1 16 64)")
     parser.add_argument("--rate", default="200mbit",
                         help="each host link's rate each way, tc notation (default 200mbit)")
-    parser.add_argument("--workload", choices=["all_reduce", "ddp"], default="all_reduce",
+    parser.add_argument("--workload", choices=["all_reduce", "ddp", "barrier"],
+                        default="all_reduce",
                         help="all_reduce: of --sizes-mb; ddp: benchmarks/ddp_step.py's DDP "
-                             "training step (its 37.7 MB of gradients; --sizes-mb ignored)")
+                             "training step (its 37.7 MB of gradients; --sizes-mb ignored); "
+                             "barrier: a barrier (ideal: one round trip)")
+    parser.add_argument("--sync-mode", choices=["sync", "quorum"], default="sync",
+                        help="--workload ddp: gradstar.DDP's sync mode, Synchronous or "
+                             "Quorum(min_ranks=n - ranks per host, timeout=0) (default sync)")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0,
                         help="--workload ddp: both DDPs' bucket size (default 25, torch's)")
     parser.add_argument("--congestion-control", default=CONGESTION_CONTROL,
@@ -328,6 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         params = sum(a * b + b for a, b in pairwise(WIDTHS))
         args.sizes_mb = [params * 4 / MiB]
+    elif args.workload == "barrier":
+        args.sizes_mb = [0.0]
     layout = Layout(args.hosts, args.ranks_per_host)
 
     def each(run: Run) -> tuple[list[dict], list[tuple[str, str]]]:
@@ -342,8 +363,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, failures, logs = on_emulated_cluster(
         "cluster", layout.nodes + extra_hosts(args.topologies, layout), args, layout,
         congestion, each)
-    what = ("DDP step of benchmarks/ddp_step.py's MLP (MiB: its float32 gradients; ideal: "
-            "their all_reduce alone)" if args.workload == "ddp" else "all_reduce, float32")
+    what = {"ddp": "DDP step of benchmarks/ddp_step.py's MLP (MiB: its float32 gradients; "
+                   "ideal: their all_reduce alone), gradstar in "
+                   + ("Quorum(n - ranks per host, timeout=0)" if args.sync_mode == "quorum"
+                      else "Synchronous"),
+            "barrier": "barrier (ideal: the farthest hosts' round trip)"}.get(
+                args.workload, "all_reduce, float32")
     print(f"\n{what}, {layout.hosts} hosts x {layout.ranks_per_host} ranks, each "
           f"host link {args.rate} each way{far_description(args)}; {args.iters} timed "
           f"iterations (median), {args.warmup} warm-up; load {loadavg()}")

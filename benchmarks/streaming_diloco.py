@@ -39,8 +39,11 @@ import numpy as np
 from gradstar.wire.formats import FORMATS
 
 METHODS = ("ddp", "diloco", "streaming", "streaming-kill")
-#: Also for the emulated cluster (streaming_diloco_cluster.py): torch's DDP over gloo.
-WORKER_METHODS = (*METHODS, "gloo")
+#: Also for the emulated cluster (streaming_diloco_cluster.py): torch's DDP over gloo, and
+#: ``local``, the same loop with nothing sent (the compute a replica would do alone).
+WORKER_METHODS = (*METHODS, "gloo", "local")
+#: Steps before a worker's loop clock starts (its ``loop_s`` covers the rest).
+WARM_STEPS = 5
 
 
 def make_model(features: int, classes: int, hidden: int):
@@ -72,6 +75,8 @@ def worker(method: str, index: int, out: Path, args: argparse.Namespace) -> None
     if method == "ddp":
         pg = gradstar.init_process_group(job="bench-ddp", world_size=args.workers, rank=index)
         trained = gradstar.DDP(model, pg)
+    elif method == "local":
+        trained = model
     elif method == "gloo":
         import torch.distributed as dist
 
@@ -87,7 +92,8 @@ def worker(method: str, index: int, out: Path, args: argparse.Namespace) -> None
             model, sync_every=args.sync_every, fragments=args.fragments if streaming else 1,
             delay=args.delay if streaming else 0, alpha=0.5 if streaming else 0.0,
             outer_lr=0.7, outer_momentum=0.9, min_replicas=args.workers - killing,
-            job=f"bench-{method}", replica=f"w{index}", round_timeout=5.0 if killing else 60.0,
+            job=os.environ.get("BENCH_JOB", f"bench-{method}"), replica=f"w{index}",
+            round_timeout=5.0 if killing else 60.0,
             wire=args.wire)
         trained = model
         # What a round uploads per fragment: float32, or the bytes its wire format encodes.
@@ -106,18 +112,32 @@ def worker(method: str, index: int, out: Path, args: argparse.Namespace) -> None
         np.save(Path(snapshots) / f"{method}-{step:06d}-{time.time() - began:.3f}.npy", flat)
 
     opt = MomentumSGD(model.parameters(), args.lr, 0.9)
+    # The training loop's own clock from its WARM_STEPS-th step (torch's first passes are
+    # slow; join and finish excluded), and the part of it the training thread spent inside
+    # sdl.step(): starting and merging rounds.
+    first = 0 if sizes is None else sdl.local_steps
+    loop_began, in_step = None, 0.0
     # A restarted replica takes up the schedule where the hub's latest round began.
-    for step in range(0 if sizes is None else sdl.local_steps, steps):
+    for step in range(first, steps):
+        if step == first + WARM_STEPS:
+            loop_began, in_step, cpu_began = time.perf_counter(), 0.0, time.process_time()
         start = (step % (len(y) // args.batch_size)) * args.batch_size
         opt.zero_grad()
         torch.nn.functional.cross_entropy(trained(x[start:start + args.batch_size]),
                                           y[start:start + args.batch_size]).backward()
         opt.step()
         if sizes is not None:
+            t = time.perf_counter()
             upload = max(upload, sum(sizes[p] for p in sdl.step()))
+            in_step += time.perf_counter() - t
         if snapshots and (step + 1) % snap_every == 0:
             snapshot(step + 1)
-    if sizes is None:
+    loop_seconds = time.perf_counter() - loop_began if loop_began is not None else 0.0
+    loop_cpu = time.process_time() - cpu_began if loop_began is not None else 0.0
+    if method == "local":
+        final = np.concatenate([p.detach().reshape(-1).numpy() for p in model.parameters()])
+        moved = 0
+    elif sizes is None:
         final = np.concatenate([p.detach().reshape(-1).numpy() for p in model.parameters()])
         moved, upload = 0, 4 * final.shape[0]
         if method == "ddp":
@@ -129,7 +149,9 @@ def worker(method: str, index: int, out: Path, args: argparse.Namespace) -> None
         final, moved = sdl.global_parameters, sdl.bytes_exchanged
         sdl.close()
     out.write_text(json.dumps({"steps": steps, "bytes": moved, "peak_upload": upload,
-                               "params": final.tolist()}))
+                               "timed_steps": max(0, steps - first - WARM_STEPS),
+                               "loop_s": loop_seconds, "in_step_s": in_step,
+                               "loop_cpu_s": loop_cpu, "params": final.tolist()}))
 
 
 def kill_and_restart(procs: list, start, hub, args: argparse.Namespace) -> None:

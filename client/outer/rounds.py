@@ -138,26 +138,38 @@ class RoundsClient:
         (accepted, rounds, params). Not accepted: the round had closed without this replica,
         and the params are the current global fragment.
 
+        The Fetch does not wait for the contribution's answer: it goes out beside it, so a
+        round costs one round trip (the contribution's way in, the global fragment's way out)
+        and not two. Either way it is answered with round ``number + 1``'s global fragment or
+        a later one: after this replica's contribution closed the round, or, not accepted,
+        the current one.
+
         A coordinator restarted meanwhile (with ``--state-dir``) keeps the completed rounds
-        but not the open one: the contribution is sent again when the hub no longer holds it.
+        but not the open one: the contribution is sent again when the hub no longer holds it
+        (only once the first one was answered: until then it may still be on its way).
 
         Raises: as :meth:`contribute` and :meth:`fetch`.
         """
         until = time.monotonic() + timeout
-        accepted, rounds = await self.contribute(model, fragment, number, policy, delta,
-                                                 timeout, wire)
-        if not accepted:
-            got, params = await self._await_round(model, fragment, rounds, timeout, until, None)
-            return False, got, params
+        answered = False
 
-        async def resend() -> bool:
-            again, _ = await self.contribute(model, fragment, number, policy, delta,
-                                             max(until - time.monotonic(), 0.001), wire)
-            return again
+        async def resend() -> None:
+            if answered:
+                await self.contribute(model, fragment, number, policy, delta,
+                                      max(until - time.monotonic(), 0.001), wire)
 
-        got, params = await self._await_round(model, fragment, number + 1, timeout, until,
-                                              resend)
-        return True, got, params
+        fetch = asyncio.ensure_future(self._await_round(model, fragment, number + 1, timeout,
+                                                        until, resend))
+        try:
+            accepted, _ = await self.contribute(model, fragment, number, policy, delta,
+                                                timeout, wire)
+            answered = True
+            got, params = await fetch
+        finally:
+            if not fetch.done():
+                fetch.cancel()  # the contribution failed: its error is the one to raise
+                await asyncio.gather(fetch, return_exceptions=True)
+        return accepted, got, params
 
     async def _await_round(self, model: str, fragment: int, min_rounds: int, timeout: float,
                            until: float, resend) -> tuple[int, np.ndarray]:
