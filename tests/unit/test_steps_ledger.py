@@ -211,13 +211,14 @@ def schedule(t: StepsTable, ledger, mode) -> None:
         give(t, ledger, rank, mode, 1.0, base=2)  # step 3 has every live rank: it closes
 
 
-# Each step's factors by hand: share = contributions / live ranks (3), staleness = 1 / (1 + s),
-# times each weight's share (1/2, 1/2, then 1/3 each).
+# Each step's factors by hand: share = contributions / a full step (the 3 live ranks but one:
+# steps of 2 and 3 are full), staleness = 1 / (1 + s), times each weight's share (1/2, 1/2,
+# then 1/3 each). Steps of fewer than a full one: test_a_step_of_fewer_than_the_live_ranks_...
 BY_HAND = {
     "plain": [(1 / 2, 1 / 2), (1 / 2, 1 / 2), (1 / 3, 1 / 3, 1 / 3)],
-    "share": [(1 / 3, 1 / 3), (1 / 3, 1 / 3), (1 / 3, 1 / 3, 1 / 3)],
+    "share": [(1 / 2, 1 / 2), (1 / 2, 1 / 2), (1 / 3, 1 / 3, 1 / 3)],
     "staleness": [(1 / 2, 1 / 2), (1 / 4, 1 / 4), (1 / 6, 1 / 3, 1 / 3)],
-    "share+staleness": [(1 / 3, 1 / 3), (1 / 6, 1 / 6), (1 / 6, 1 / 3, 1 / 3)],
+    "share+staleness": [(1 / 2, 1 / 2), (1 / 4, 1 / 4), (1 / 6, 1 / 3, 1 / 3)],
 }
 
 
@@ -272,8 +273,9 @@ def test_the_default_rule_waits_the_spread_then_carries_the_late_gradient_scaled
         catch_up(t, ledger, rank)
         give(t, ledger, rank, mode, 1.0)
     assert ledger.steps == 3 and ledger.log[-1].ranks == (0, 1, 2)
-    # Factors by hand: weight share (1/k) x share of the live ranks (k/3) / (1 + staleness).
-    expected = [(1 / 3, 1 / 3, 1 / 3), (1 / 3, 1 / 3), (1 / 3, 1 / 3, 1 / 3 / 3)]
+    # Factors by hand: weight share (1/k) x share of a full step (k / max(k, 2): of 3 live
+    # ranks, 2 make a full step) / (1 + staleness).
+    expected = [(1 / 3, 1 / 3, 1 / 3), (1 / 2, 1 / 2), (1 / 3, 1 / 3, 1 / 3 / 3)]
     assert [s.staleness for s in ledger.log] == [(0, 0, 0), (0, 0), (0, 0, 2)]
     values = [(1.0, 3.0, 5.0), (2.0, 3.0), (1.0, 1.0, 7.0)]
     for step, factors, vs in zip(ledger.log, expected, values, strict=True):
@@ -364,12 +366,12 @@ def test_bounded_staleness_past_its_deadline_still_waits_for_a_rank_at_the_bound
     assert ledger.steps == 2 and ledger.log[-1].ranks == (0,)
 
 
-def test_the_default_scaling_is_the_share_of_the_live_ranks_over_one_plus_staleness():
+def test_the_default_scaling_is_the_share_of_a_full_step_over_one_plus_staleness():
     assert Asynchronous() == Asynchronous(scaling="share+staleness")
     assert BoundedStaleness(2) == BoundedStaleness(2, scaling="share+staleness")
     t = table()
-    ledger = t.ledger("j", "m", 4)
-    t.rank_gone("j", 3, "lost")  # 3 live ranks: a step of 2 of them is 2/3 of a full one
+    ledger = t.ledger("j", "m", 5)
+    t.rank_gone("j", 4, "lost")  # 4 live ranks: a full step is 3, so 2 are 2/3 of one
     mode = Asynchronous(timeout=0)  # the default scaling; the pushes close the steps
     give(t, ledger, 0, mode, 3.0)
     give(t, ledger, 1, mode, 6.0)
