@@ -44,6 +44,13 @@ def table(clock=None, **kw) -> StepsTable:
     return StepsTable(clock=clock or Clock(), **kw)
 
 
+def clocked(world: int):
+    """A test clock, a table on it and a ledger of ``world`` ranks in it."""
+    clock = Clock()
+    t = table(clock)
+    return clock, t, t.ledger("j", "m", world)
+
+
 def grad(value: float) -> np.ndarray:
     return np.full(N, value, dtype=np.float32)
 
@@ -231,12 +238,19 @@ def test_each_steps_scaling_is_the_hand_computed_one_for_a_fixed_schedule(make, 
     values = [(1.0, 3.0), (5.0, 7.0), (9.0, 1.0, 1.0)]
     assert [s.ranks for s in ledger.log] == [(0, 1), (0, 2), (0, 1, 2)]
     assert [s.staleness for s in ledger.log] == [(0, 0), (1, 1), (1, 0, 0)]
-    for step, factors, vs in zip(ledger.log, BY_HAND[scaling], values, strict=True):
+    assert_factors(ledger.log, BY_HAND[scaling], values)
+
+
+def assert_factors(log, expected: list[tuple], values: list[tuple]) -> None:
+    """Each closed step of ``log`` was made with the ``expected`` factors (float64, here by
+    hand), and its aggregate is its contributions' ``values`` times them, summed as the hub
+    does: in float32, in rank order."""
+    for step, factors, vs in zip(log, expected, values, strict=True):
         assert step.factors == tuple(float(np.float32(f)) for f in factors)
-        expected = np.float32(0)
-        for f, v in zip(factors, vs, strict=True):  # as the hub: float32, rank order
-            expected = np.float32(expected + np.float32(v) * np.float32(f))
-        np.testing.assert_array_equal(step.aggregate, np.full(N, expected, np.float32))
+        total = np.float32(0)
+        for f, v in zip(factors, vs, strict=True):
+            total = np.float32(total + np.float32(v) * np.float32(f))
+        np.testing.assert_array_equal(step.aggregate, grad(total))
 
 
 @pytest.mark.parametrize("make", [Asynchronous, lambda: BoundedStaleness(2)])
@@ -245,9 +259,7 @@ def test_the_default_rule_waits_the_spread_then_carries_the_late_gradient_scaled
     # ranks: step 1 waits for every rank (nothing measured yet); rank 2 is then 1 s late,
     # past twice the others' spread to their 2nd gradient (0.1 s): step 2 closes at 0.2 s
     # without it, and its gradient joins step 3, two steps stale (steps 1 and 2 closed).
-    clock = Clock()
-    t = table(clock)
-    ledger = t.ledger("j", "m", 3)
+    clock, t, ledger = clocked(3)
     mode = make()
     for rank, at, value in ((0, 0.0, 1.0), (1, 0.1, 3.0), (2, 0.2, 5.0)):
         clock.now = at
@@ -278,12 +290,7 @@ def test_the_default_rule_waits_the_spread_then_carries_the_late_gradient_scaled
     expected = [(1 / 3, 1 / 3, 1 / 3), (1 / 2, 1 / 2), (1 / 3, 1 / 3, 1 / 3 / 3)]
     assert [s.staleness for s in ledger.log] == [(0, 0, 0), (0, 0), (0, 0, 2)]
     values = [(1.0, 3.0, 5.0), (2.0, 3.0), (1.0, 1.0, 7.0)]
-    for step, factors, vs in zip(ledger.log, expected, values, strict=True):
-        assert step.factors == tuple(float(np.float32(f)) for f in factors)
-        total = np.float32(0)
-        for f, v in zip(factors, vs, strict=True):  # as the hub: float32, rank order
-            total = np.float32(total + np.float32(v) * np.float32(f))
-        np.testing.assert_array_equal(step.aggregate, grad(total))
+    assert_factors(ledger.log, expected, values)
 
 
 @pytest.mark.parametrize("make", [Asynchronous, lambda: BoundedStaleness(2)])

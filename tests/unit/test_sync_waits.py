@@ -10,7 +10,7 @@ import pytest
 from gradstar.sync_modes import Asynchronous, BoundedStaleness
 from gradstar.sync_waits import CARRY_QUANTILE, Arrivals, adaptive_wait, worth_waiting
 
-from .test_steps_ledger import Clock, catch_up, give, grad, table
+from .test_steps_ledger import assert_factors, catch_up, clocked, give, table
 
 
 def test_worth_waiting_is_the_median_time_to_the_kth_plus_a_cycle_over_k():
@@ -30,9 +30,7 @@ def test_a_straggler_within_twice_the_spread_is_not_waited_for_past_what_waiting
     # percentile of the times to the 3rd gradient is 0.10 s: the rule before waited for rank 3
     # in every step. Waiting pays only while rank 3 is later than the 3rd gradient by less
     # than a cycle (0.03 + 0.05) over 3: the wait is 0.05 + 0.08 / 3 = 0.0767 s.
-    clock = Clock()
-    t = table(clock)
-    ledger = t.ledger("j", "m", 4)
+    clock, t, ledger = clocked(4)
     mode = make()
 
     def fast(start: float) -> None:
@@ -73,12 +71,7 @@ def test_a_straggler_within_twice_the_spread_is_not_waited_for_past_what_waiting
     # 4 is 1/4 / (1 + 1).
     expected = [(1 / 4,) * 4, (1 / 4,) * 4, (1 / 3,) * 3, (1 / 4, 1 / 4, 1 / 4, 1 / 8)]
     values = [(1.0, 2.0, 3.0, 4.0), (1.0, 2.0, 3.0, 4.0), (1.0, 2.0, 3.0), (1.0, 2.0, 3.0, 8.0)]
-    for step, factors, vs in zip(ledger.log, expected, values, strict=True):
-        assert step.factors == tuple(float(np.float32(f)) for f in factors)
-        total = np.float32(0)
-        for f, v in zip(factors, vs, strict=True):  # as the hub: float32, rank order
-            total = np.float32(total + np.float32(v) * np.float32(f))
-        np.testing.assert_array_equal(step.aggregate, grad(total))
+    assert_factors(ledger.log, expected, values)
 
 
 def test_a_step_of_fewer_than_the_live_ranks_but_one_is_scaled_by_its_share_of_them():
