@@ -64,8 +64,7 @@ from collections import Counter, deque
 import numpy as np
 
 from gradstar.errors import StepMismatchError, StepsBehindError
-from gradstar.sync_modes import SyncMode
-from gradstar.sync_waits import ADAPT_STEPS, Arrivals
+from gradstar.sync_modes import ADAPT_STEPS, SyncMode
 from gradstar.wire.formats import WIRE_NONE, encode, format_from_wire
 
 from .checks import check_header
@@ -113,8 +112,9 @@ class StepLedger:
         self.steps = 0
         self.open = OpenStep(1)
         self.log: deque[ClosedStep] = deque()
-        #: The last closed steps' arrivals: what a mode's adaptive wait measures the ranks on.
-        self.arrivals: deque[Arrivals] = deque(maxlen=ADAPT_STEPS)
+        #: The last closed steps' arrivals (``OpenStep.arrivals``): what a mode measures the
+        #: ranks' spread on (Quorum's adaptive timeout).
+        self.arrivals: deque[tuple[float, ...]] = deque(maxlen=ADAPT_STEPS)
         # Every rank of the world is expected from the start (they built DDP together); one
         # that never calls leaves the live set after the lease like any silent rank.
         now = host.clock()
@@ -338,12 +338,11 @@ class StepLedger:
         open_, account = self.open, self.host.account
         ranks = sorted(open_.contributions)
         parts = [open_.contributions[r] for r in ranks]
-        # Summed in rank order (whichever rank came first), scaled for the ranks live now.
+        # Summed in rank order: the same aggregate whichever rank arrived first; scaled for
+        # the ranks live now (or contributing).
         factors = self.mode.factors(shares([c.weight for c in parts]),
                                     [c.staleness for c in parts], len(self.live() | set(ranks)))
         values, hyper = aggregate(parts, self.numel, factors, self.buffer_numel)
-        ready = (open_.first_at - self.log[-1].closed_at  # from the last close: Arrivals
-                 if open_.first_at is not None and self.log else None)
         if self.wire is not None:  # encoded once: every rank decodes the same bytes
             values = np.frombuffer(encode(self.wire, values), dtype=np.uint8)
         account.hold(self.job, -sum(c.data.nbytes for c in parts))
@@ -353,7 +352,7 @@ class StepLedger:
                                    self.host.clock(), hyper,
                                    tuple(float(np.float32(f)) for f in factors)))
         account.hold(self.job, values.nbytes)
-        self.arrivals.append(Arrivals(open_.arrivals, ready))
+        self.arrivals.append(tuple(open_.arrivals))
         self.open = OpenStep(open_.number + 1)
         # Past the history, only what every live rank applied: one waiting in synchronize()
         # while another steps on still fetches all it missed (the memory bound still holds).

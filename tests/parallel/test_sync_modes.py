@@ -121,12 +121,10 @@ def assert_identical_and_replayed(reports: dict[int, dict], rtol=1e-6, atol=1e-7
 def assert_default_scaling(steps: list[dict], live: int = WORLD) -> None:
     """Every step the ranks applied was scaled by the default rule, computed here by hand from
     the record: each contribution's weight over the step's weights, times the step's share of
-    a full step (its k contributions over max(k, the ``live`` ranks but one)), over 1 + its
-    staleness, as float32."""
-    full = live - 1 if live > 2 else live
+    the ``live`` ranks (its contributions over ``live``), over 1 + its staleness, as float32."""
     for step in steps:
         weights = step["weights"]
-        by_hand = [w / sum(weights) * len(weights) / max(full, len(weights)) / (1 + s)
+        by_hand = [w / sum(weights) * len(weights) / live / (1 + s)
                    for w, s in zip(weights, step["staleness"], strict=True)]
         np.testing.assert_allclose(step["factors"], np.float32(by_hand), rtol=1e-7,
                                    err_msg=f"step {step['step']}")

@@ -44,13 +44,6 @@ def table(clock=None, **kw) -> StepsTable:
     return StepsTable(clock=clock or Clock(), **kw)
 
 
-def clocked(world: int):
-    """A test clock, a table on it and a ledger of ``world`` ranks in it."""
-    clock = Clock()
-    t = table(clock)
-    return clock, t, t.ledger("j", "m", world)
-
-
 def grad(value: float) -> np.ndarray:
     return np.full(N, value, dtype=np.float32)
 
@@ -218,14 +211,13 @@ def schedule(t: StepsTable, ledger, mode) -> None:
         give(t, ledger, rank, mode, 1.0, base=2)  # step 3 has every live rank: it closes
 
 
-# Each step's factors by hand: share = contributions / a full step (the 3 live ranks but one:
-# steps of 2 and 3 are full), staleness = 1 / (1 + s), times each weight's share (1/2, 1/2,
-# then 1/3 each). Steps of fewer than a full one: test_a_step_of_fewer_than_the_live_ranks_...
+# Each step's factors by hand: share = contributions / live ranks (3), staleness = 1 / (1 + s),
+# times each weight's share (1/2, 1/2, then 1/3 each).
 BY_HAND = {
     "plain": [(1 / 2, 1 / 2), (1 / 2, 1 / 2), (1 / 3, 1 / 3, 1 / 3)],
-    "share": [(1 / 2, 1 / 2), (1 / 2, 1 / 2), (1 / 3, 1 / 3, 1 / 3)],
+    "share": [(1 / 3, 1 / 3), (1 / 3, 1 / 3), (1 / 3, 1 / 3, 1 / 3)],
     "staleness": [(1 / 2, 1 / 2), (1 / 4, 1 / 4), (1 / 6, 1 / 3, 1 / 3)],
-    "share+staleness": [(1 / 2, 1 / 2), (1 / 4, 1 / 4), (1 / 6, 1 / 3, 1 / 3)],
+    "share+staleness": [(1 / 3, 1 / 3), (1 / 6, 1 / 6), (1 / 6, 1 / 3, 1 / 3)],
 }
 
 
@@ -238,19 +230,12 @@ def test_each_steps_scaling_is_the_hand_computed_one_for_a_fixed_schedule(make, 
     values = [(1.0, 3.0), (5.0, 7.0), (9.0, 1.0, 1.0)]
     assert [s.ranks for s in ledger.log] == [(0, 1), (0, 2), (0, 1, 2)]
     assert [s.staleness for s in ledger.log] == [(0, 0), (1, 1), (1, 0, 0)]
-    assert_factors(ledger.log, BY_HAND[scaling], values)
-
-
-def assert_factors(log, expected: list[tuple], values: list[tuple]) -> None:
-    """Each closed step of ``log`` was made with the ``expected`` factors (float64, here by
-    hand), and its aggregate is its contributions' ``values`` times them, summed as the hub
-    does: in float32, in rank order."""
-    for step, factors, vs in zip(log, expected, values, strict=True):
+    for step, factors, vs in zip(ledger.log, BY_HAND[scaling], values, strict=True):
         assert step.factors == tuple(float(np.float32(f)) for f in factors)
-        total = np.float32(0)
-        for f, v in zip(factors, vs, strict=True):
-            total = np.float32(total + np.float32(v) * np.float32(f))
-        np.testing.assert_array_equal(step.aggregate, grad(total))
+        expected = np.float32(0)
+        for f, v in zip(factors, vs, strict=True):  # as the hub: float32, rank order
+            expected = np.float32(expected + np.float32(v) * np.float32(f))
+        np.testing.assert_array_equal(step.aggregate, np.full(N, expected, np.float32))
 
 
 @pytest.mark.parametrize("make", [Asynchronous, lambda: BoundedStaleness(2)])
@@ -259,7 +244,9 @@ def test_the_default_rule_waits_the_spread_then_carries_the_late_gradient_scaled
     # ranks: step 1 waits for every rank (nothing measured yet); rank 2 is then 1 s late,
     # past twice the others' spread to their 2nd gradient (0.1 s): step 2 closes at 0.2 s
     # without it, and its gradient joins step 3, two steps stale (steps 1 and 2 closed).
-    clock, t, ledger = clocked(3)
+    clock = Clock()
+    t = table(clock)
+    ledger = t.ledger("j", "m", 3)
     mode = make()
     for rank, at, value in ((0, 0.0, 1.0), (1, 0.1, 3.0), (2, 0.2, 5.0)):
         clock.now = at
@@ -285,12 +272,16 @@ def test_the_default_rule_waits_the_spread_then_carries_the_late_gradient_scaled
         catch_up(t, ledger, rank)
         give(t, ledger, rank, mode, 1.0)
     assert ledger.steps == 3 and ledger.log[-1].ranks == (0, 1, 2)
-    # Factors by hand: weight share (1/k) x share of a full step (k / max(k, 2): of 3 live
-    # ranks, 2 make a full step) / (1 + staleness).
-    expected = [(1 / 3, 1 / 3, 1 / 3), (1 / 2, 1 / 2), (1 / 3, 1 / 3, 1 / 3 / 3)]
+    # Factors by hand: weight share (1/k) x share of the live ranks (k/3) / (1 + staleness).
+    expected = [(1 / 3, 1 / 3, 1 / 3), (1 / 3, 1 / 3), (1 / 3, 1 / 3, 1 / 3 / 3)]
     assert [s.staleness for s in ledger.log] == [(0, 0, 0), (0, 0), (0, 0, 2)]
     values = [(1.0, 3.0, 5.0), (2.0, 3.0), (1.0, 1.0, 7.0)]
-    assert_factors(ledger.log, expected, values)
+    for step, factors, vs in zip(ledger.log, expected, values, strict=True):
+        assert step.factors == tuple(float(np.float32(f)) for f in factors)
+        total = np.float32(0)
+        for f, v in zip(factors, vs, strict=True):  # as the hub: float32, rank order
+            total = np.float32(total + np.float32(v) * np.float32(f))
+        np.testing.assert_array_equal(step.aggregate, grad(total))
 
 
 @pytest.mark.parametrize("make", [Asynchronous, lambda: BoundedStaleness(2)])
@@ -373,12 +364,12 @@ def test_bounded_staleness_past_its_deadline_still_waits_for_a_rank_at_the_bound
     assert ledger.steps == 2 and ledger.log[-1].ranks == (0,)
 
 
-def test_the_default_scaling_is_the_share_of_a_full_step_over_one_plus_staleness():
+def test_the_default_scaling_is_the_share_of_the_live_ranks_over_one_plus_staleness():
     assert Asynchronous() == Asynchronous(scaling="share+staleness")
     assert BoundedStaleness(2) == BoundedStaleness(2, scaling="share+staleness")
     t = table()
-    ledger = t.ledger("j", "m", 5)
-    t.rank_gone("j", 4, "lost")  # 4 live ranks: a full step is 3, so 2 are 2/3 of one
+    ledger = t.ledger("j", "m", 4)
+    t.rank_gone("j", 3, "lost")  # 3 live ranks: a step of 2 of them is 2/3 of a full one
     mode = Asynchronous(timeout=0)  # the default scaling; the pushes close the steps
     give(t, ledger, 0, mode, 3.0)
     give(t, ledger, 1, mode, 6.0)
