@@ -130,7 +130,8 @@ def run(mode: str, elastic: bool, args) -> dict:
                                           *flags(ident)], joiner_env | {"GRADSTAR_ELASTIC": "1"}))
         for rank in ranks:
             rank.wait(deadline)
-    steps = [line["t"] for line in ranks[0].lines if "step" in line]
+    lines = [line for line in ranks[0].lines if "step" in line]
+    steps = [line["t"] for line in lines]
     gaps = [b - a for a, b in itertools.pairwise(steps)]
     finals = [r for r in ranks if r.first("accuracy") is not None]
     out = {"mode": mode, "elastic": elastic,
@@ -138,6 +139,7 @@ def run(mode: str, elastic: bool, args) -> dict:
            "identical": len({r.first("params") for r in finals}) == 1,
            "finished": len(finals), "world": finals[0].first("world"),
            "pause_s": max(gaps) - statistics.median(gaps), "step_s": statistics.median(gaps),
+           "cpu_per_step_s": (lines[-1]["cpu"] - lines[0]["cpu"]) / max(len(lines) - 1, 1),
            # rank 0's loss every 10 steps: where a run that ends badly went wrong
            "losses": [line["loss"] for line in ranks[0].lines if line.get("step", 1) % 10 == 0]}
     if elastic:

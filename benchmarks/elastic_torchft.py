@@ -28,8 +28,10 @@ How to reproduce
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import statistics
 import sys
 import threading
 import time
@@ -91,7 +93,10 @@ def torchft_run(args) -> dict:
                       "made_s": r.first("made"), "joined_s": r.first("joined"),
                       "cpu_s": first["cpu"], "imported_cpu_s": r.first("cpu"),
                       "milestones_cpu_s": r.milestones_cpu()})
-    return {"framework": "torchft", "mode": "quorum per step", "joins": joins}
+    steps = [line for line in ranks[0].lines if "step" in line]
+    return {"framework": "torchft", "mode": "quorum per step", "joins": joins,
+            "step_s": statistics.median(b["t"] - a["t"] for a, b in itertools.pairwise(steps)),
+            "cpu_per_step_s": (steps[-1]["cpu"] - steps[0]["cpu"]) / max(len(steps) - 1, 1)}
 
 
 def gradstar_joins(mode: str, args) -> dict:
@@ -100,8 +105,9 @@ def gradstar_joins(mode: str, args) -> dict:
     # columns below are imports / model and Adam / the framework's set-up for both
     joins = [{**j, "made_s": j["made_s"] if j["made_s"] is not None
               else j["imported_s"] + (j["built_s"] - j["joined_s"])} for j in out["joins"]]
-    return {"framework": "gradstar", "mode": mode, "joins": joins,
-            "accuracy": out["accuracy"], "identical": out["identical"]}
+    return {"framework": "gradstar", "mode": mode, "joins": joins, "step_s": out["step_s"],
+            "cpu_per_step_s": out["cpu_per_step_s"], "accuracy": out["accuracy"],
+            "identical": out["identical"]}
 
 
 def main() -> int:
@@ -120,10 +126,12 @@ def main() -> int:
     rows = [(r["framework"], r["mode"], " ".join(f"{j['join_s']:.1f}" for j in r["joins"]),
              " ".join(f"{j['imported_s']:.1f}/{j['made_s'] - j['imported_s']:.1f}/"
                       f"{j['join_s'] - j['made_s']:.1f}" for j in r["joins"]),
-             " ".join(f"{j['cpu_s']:.1f} ({j['imported_cpu_s']:.1f})" for j in r["joins"]))
+             " ".join(f"{j['cpu_s']:.1f} ({j['imported_cpu_s']:.1f})" for j in r["joins"]),
+             f"{r['step_s'] * 1000:.0f}", f"{r['cpu_per_step_s'] * 1000:.0f}")
             for r in results]
     print(format_table(("framework", "mode", "join s", "imports/model+Adam/rest s",
-                        "join CPU s (imports)"), rows))
+                        "join CPU s (imports)", "step ms",
+                        "rank 0 CPU ms / step"), rows))
     print(f"load average: {loadavg()}")
     if args.json:
         write_json(args, "elastic_torchft", results=results, loadavg=loadavg())
