@@ -22,9 +22,9 @@ free or lost, else the lowest free one) and answers ``accepted``. From then on:
   coordinator keeps the latest per shard, job and rank, and merges them with its own.
 
 A shard whose stream breaks (process killed, host gone, or stalled: keepalive pings go
-unanswered within ~3 s) is *lost*: its slot stays in the table as ``lost``, every generation
+unanswered within ~5 s) is *lost*: its slot stays in the table as ``lost``, every generation
 striped over it fails with :class:`~gradstar.errors.ShardLostError` naming it (ranks get it from
-their session within the keepalive time, well under 5 s), and the coordinator reports
+their session within the keepalive time, about 5 s), and the coordinator reports
 NOT_SERVING until the configured number of shards is up again. Generations formed later use the
 shards that are up. A restarted shard asks for its old slot back.
 """
@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 #: How often shards report their counters.
 STATS_INTERVAL = 1.0
 #: A shard silent for this long takes no new generations: its host may be gone (a link down
-#: is noticed by keepalive only ~3 s later, and the ranks that survive it re-join sooner, so a
+#: is noticed by keepalive only ~5 s later, and the ranks that survive it re-join sooner, so a
 #: generation formed meanwhile would stripe over a shard nobody reaches). A shard merely slow
 #: to report loses nothing but a share of that generation's traffic.
 STALE_AFTER = 1.5 * STATS_INTERVAL

@@ -354,7 +354,7 @@ async def test_shards_show_in_metrics_and_in_gradstar_admin(start_coordinator):
         [str(s), r.address, "up"] for s, r in sorted(coordinator.shards.slots.items())]
 
 
-async def test_a_stalled_shard_fails_every_rank_with_a_named_error_within_5_s(start_coordinator):
+async def test_a_stalled_shard_fails_every_rank_with_a_named_error_within_7_s(start_coordinator):
     coordinator = await start_coordinator()
     shard = await start_shard(coordinator.address, env={})
     try:
@@ -378,7 +378,9 @@ async def test_a_stalled_shard_fails_every_rank_with_a_named_error_within_5_s(st
             pytest.fail("the all_reduce finished before the shard stopped; make it larger")
         for outcome in outcomes:
             assert isinstance(outcome, errors.ShardLostError), outcome
-        assert elapsed < 5, elapsed
+        # keepalive: a ping every 1 s, unanswered for 4 s (KEEPALIVE_TIMEOUT_MS, which a lossy
+        # far path needs); 5.0 s measured
+        assert elapsed < 7, elapsed
         assert coordinator.shards.slots[0].state == "lost"
     finally:
         shard.send_signal(signal.SIGCONT)
