@@ -22,16 +22,14 @@ control loop of its own (BBR, which also paces its sends instead of bursting a w
 path's queue); a host may choose one per route, for its far peers only, since BBR measured
 slower than cubic on the 0 ms rows of the emulated cluster (docs/regions.md).
 
-The round trip is the fastest of :data:`PROBES` health checks (``grpc.health.v1``), sent at
-once, on the connection the rank already has to the target (one round trip at join, where
-three in turn cost three: 0.6 s at 200 ms): any answer is one round trip, a refusal
+The round trip is the fastest of :data:`PROBES` health checks (``grpc.health.v1``) on the
+connection the rank already has to the target: any answer is one round trip, a refusal
 (``UNIMPLEMENTED`` where a port serves no health service) as well as ``SERVING``. A target that
 does not answer within the timeout counts as near (one connection).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -118,10 +116,10 @@ def host_tuning_advice(rtt_s: float, window_bytes: int | None = None,
 
 async def round_trip(channel: grpc.aio.Channel, metadata, timeout: float) -> float:
     """Seconds of the fastest of :data:`PROBES` health checks on ``channel`` (connected
-    already), all in flight at once; 0.0 if one goes unanswered within ``timeout``."""
+    already); 0.0 if the target answers none within ``timeout`` each."""
     check = health_pb2_grpc.HealthStub(channel).Check
-
-    async def probe() -> float:
+    fastest = math.inf
+    for _ in range(PROBES):
         t0 = time.perf_counter()
         try:
             await check(health_pb2.HealthCheckRequest(), metadata=metadata, timeout=timeout)
@@ -129,11 +127,9 @@ async def round_trip(channel: grpc.aio.Channel, metadata, timeout: float) -> flo
             if error.code() in _UNANSWERED:
                 log.debug("no round trip measured: the health check failed (%s)",
                           error.code())
-                return math.inf
-        return time.perf_counter() - t0
-
-    times = await asyncio.gather(*(probe() for _ in range(PROBES)))
-    return 0.0 if math.inf in times else min(times)
+                return 0.0
+        fastest = min(fastest, time.perf_counter() - t0)
+    return fastest
 
 
 __all__ = ["FILL_RATE", "MAX_CONNECTIONS", "connections_for", "host_tuning_advice",

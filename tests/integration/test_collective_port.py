@@ -1,7 +1,7 @@
 """The coordinator's collective port: collectives' tensors on a server of their own.
 
 Its connections keep a long keepalive, so that pings queued behind MBs of tensors on a full link
-do not drop them, while the sessions' port keeps the 4 s ping timeout that finds lost ranks (why:
+do not drop them, while the sessions' port keeps the 2 s pings that find lost ranks (why:
 gradstar.transport.channels; measured with benchmarks/cluster.py, hub on rank 0's host, 4 hosts
 x 2 ranks, 64 MiB). Here: ranks are told the port and use it, it asks for the job token as the
 main port does, a taken port is named, and a rank told nothing still reaches the main port.
